@@ -1,0 +1,23 @@
+"""fabric: the single-node core. No Ray here."""
+from .allocator import AllocatorError, OutOfPages, PageAllocator
+from .check import InvariantError
+from .faults import AllocationFaults, InjectedFailure
+from .keys import PageKeyer, namespace_key
+from .layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
+from .node_cache import CachedKV, CacheStats, Match, NodeCache, PrefixLock
+from .pages import PageCopier, TorchCopier, page_checksums
+from .policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
+from .pools import PagePool, PoolCapacity, PoolEntry, PoolRegistry
+from .radix import Node, RadixTree
+from .tiers import TierConfig, TierController, WritePolicy
+from .txn import ReservationFailed, Transaction, TransactionClosed
+
+__all__ = [
+    "AllocatorError", "OutOfPages", "PageAllocator", "InvariantError", "AllocationFaults",
+    "InjectedFailure", "PageKeyer", "namespace_key", "KVLayout", "LayerKind", "LayoutError",
+    "PoolName", "Tier", "CachedKV", "CacheStats", "Match", "NodeCache", "PrefixLock",
+    "PageCopier", "TorchCopier", "page_checksums", "AttentionPolicy", "FullAttentionPolicy",
+    "SlidingWindowPolicy", "PagePool", "PoolCapacity", "PoolEntry", "PoolRegistry", "Node",
+    "RadixTree", "TierConfig", "TierController", "WritePolicy", "ReservationFailed",
+    "Transaction", "TransactionClosed",
+]

@@ -1,0 +1,96 @@
+"""The invariant checker any test can call, and a snapshot for equality checks."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .layout import PoolName
+from .radix import ABSENT, TIERS
+
+if TYPE_CHECKING:
+    from .node_cache import NodeCache
+
+
+class InvariantError(AssertionError):
+    pass
+
+
+def check_invariants(cache: "NodeCache") -> None:
+    """Raise InvariantError naming the first violated invariant."""
+    tree, registry = cache.tree, cache.registry
+    owners: dict[tuple, dict[int, str]] = {(p, t): {} for p in registry.names for t in TIERS}
+    owned = [[0, 0], [0, 0]]
+    protected = [[0, 0], [0, 0]]
+    count = 0
+
+    def claim(pool, tier, index, who) -> None:
+        table = owners.get((pool, tier))
+        if table is None:
+            _fail(f"{who} holds a {pool.name}/{tier.name} page, but that pool does not exist")
+        if index in table:
+            _fail(f"{pool.name}/{tier.name} page {index} owned twice: by {table[index]} and {who}")
+        table[index] = who
+
+    for node in tree.nodes():
+        count += 1
+        who = f"node(depth={node.depth}, key={node.key.hex()[:12]})"
+        if node.parent.children.get(node.page) is not node:
+            _fail(f"{who} is not its parent's child under its page")
+        if tree.by_key.get(node.key) is not node:
+            _fail(f"{who} is not indexed by its key")
+        if node.depth != node.parent.depth + 1:
+            _fail(f"{who} has depth {node.depth}, parent depth {node.parent.depth}")
+        for pool in PoolName:
+            if node.locks[pool] < 0:
+                _fail(f"{who} has negative {pool.name} lock count {node.locks[pool]}")
+            for tier in TIERS:
+                index = node.slots[tier][pool]
+                if index == ABSENT:
+                    continue
+                claim(pool, tier, index, who)
+                owned[tier][pool] += 1
+                protected[tier][pool] += bool(node.locks[pool])
+        if PoolName.FULL in registry:
+            if not node.has(PoolName.FULL):
+                _fail(f"{who} has no full KV on any tier (prefix closure)")
+            parent = node.parent
+            if not parent.is_root and parent.locks[PoolName.FULL] < node.locks[PoolName.FULL]:
+                _fail(f"{who} holds more full locks than its parent")
+        elif not node.children and not any(node.has(p) for p in registry.names):
+            _fail(f"{who} is a leaf with no pages")
+    if count != tree.node_count or count != len(tree.by_key):
+        _fail(f"tree counts {tree.node_count} nodes and indexes {len(tree.by_key)}, walked {count}")
+
+    for txn in cache.open_txns:
+        for (pool, tier), pages in txn.pages().items():
+            for index in pages:
+                claim(pool, tier, index, f"open transaction {id(txn):x}")
+
+    for entry in registry:
+        for tier in TIERS:
+            alloc = entry.tier(tier).allocator
+            name = f"{entry.name.name}/{tier.name}"
+            if alloc.free_count + alloc.used_count != alloc.capacity:
+                _fail(f"{name}: free {alloc.free_count} + used {alloc.used_count} != capacity {alloc.capacity}")
+            used = alloc.used_indices()
+            held = set(owners[(entry.name, tier)])
+            if used != held:
+                leaked, unallocated = sorted(used - held)[:8], sorted(held - used)[:8]
+                _fail(f"{name}: pages used but owned by nobody {leaked}, owned but not allocated {unallocated}")
+            if tree.owned[tier][entry.name] != owned[tier][entry.name]:
+                _fail(f"{name}: tree counts {tree.owned[tier][entry.name]} owned pages, found {owned[tier][entry.name]}")
+            if tree.protected[tier][entry.name] != protected[tier][entry.name]:
+                _fail(f"{name}: tree counts {tree.protected[tier][entry.name]} protected pages, "
+                      f"found {protected[tier][entry.name]}")
+
+
+def snapshot(cache: "NodeCache") -> tuple:
+    """Everything a failed step must leave unchanged: structure, slots, locks, allocators."""
+    nodes = sorted((n.key, n.parent.key, tuple(map(tuple, n.slots)), tuple(n.locks))
+                   for n in cache.tree.nodes())
+    allocs = tuple((e.name, t, frozenset(e.tier(t).allocator.used_indices()))
+                   for e in cache.registry for t in TIERS)
+    return tuple(nodes), allocs, tuple(map(tuple, cache.tree.protected))
+
+
+def _fail(message: str) -> None:
+    raise InvariantError(message)

@@ -1,0 +1,64 @@
+"""Chained page keys: k_i = H(k_{i-1} || tokens of page i), keyed by namespace.
+
+H is BLAKE2b keyed by a digest of the namespace, so a key names a whole prefix,
+two tenants never share keys, and one tenant cannot probe for another's prompts.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Sequence
+
+KEY_BYTES = 16
+
+
+class KeyError_(ValueError):
+    """Bad input to page-key computation (named to avoid shadowing KeyError)."""
+
+
+def namespace_key(namespace: str) -> bytes:
+    if not isinstance(namespace, str) or not namespace:
+        raise KeyError_(f"namespace must be a non-empty str, got {namespace!r}")
+    return hashlib.blake2b(namespace.encode(), digest_size=32, person=b"kvf-ns").digest()
+
+
+def encode_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as int32 bytes: what page keys hash and what tree nodes compare."""
+    try:
+        return array("i", tokens).tobytes()
+    except (TypeError, OverflowError) as e:
+        raise KeyError_(f"tokens must be int32 token ids: {e}") from e
+
+
+class PageKeyer:
+    """Computes the chained keys of one namespace under one layout."""
+
+    __slots__ = ("page_size", "page_bytes", "root", "_hasher")
+
+    def __init__(self, namespace: str, fingerprint: bytes, page_size: int) -> None:
+        self.page_size = page_size
+        self.page_bytes = page_size * 4
+        self._hasher = hashlib.blake2b(key=namespace_key(namespace), digest_size=KEY_BYTES)
+        h = self._hasher.copy()
+        h.update(fingerprint)
+        self.root = h.digest()
+
+    def keys(self, tokens: Sequence[int], start_key: bytes | None = None) -> list[bytes]:
+        """Keys of every whole page of `tokens`; a trailing partial page has none."""
+        return self.chain(encode_tokens(tokens), start_key)
+
+    def chain(self, raw: bytes, prev: bytes | None = None, first_page: int = 0) -> list[bytes]:
+        """Keys of the whole pages of encoded tokens from `first_page` on, chained
+        from `prev` (the key of page first_page - 1, or the namespace root)."""
+        step = self.page_bytes
+        prev = self.root if prev is None else prev
+        base = self._hasher
+        out = []
+        append = out.append
+        for off in range(first_page * step, len(raw) - step + 1, step):
+            h = base.copy()
+            h.update(prev)
+            h.update(raw[off:off + step])
+            prev = h.digest()
+            append(prev)
+        return out

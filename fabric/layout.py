@@ -1,0 +1,114 @@
+"""Model KV layout: which layers are full or sliding-window, and page geometry."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+
+import torch
+
+
+class LayerKind(str, Enum):
+    FULL = "full"
+    SWA = "swa"
+
+
+class PoolName(IntEnum):
+    """A pool holds one page of K/V for every layer of one attention kind."""
+    FULL = 0
+    SWA = 1
+
+
+class Tier(IntEnum):
+    DEVICE = 0
+    HOST = 1
+
+
+_POOL_OF_KIND = {LayerKind.FULL: PoolName.FULL, LayerKind.SWA: PoolName.SWA}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class LayoutError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Geometry of a model's KV cache.
+
+    A page of a pool holds K and V of every layer of that pool's kind for
+    `page_size` tokens: shape [layers_in_pool, 2, page_size, kv_heads, head_dim].
+    """
+    layers: tuple[LayerKind, ...]
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    window: int = 0          # sliding window in tokens, used by SWA layers
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(LayerKind(k) for k in self.layers))
+        if not self.layers:
+            raise LayoutError("layout needs at least one layer")
+        for name in ("kv_heads", "head_dim", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise LayoutError(f"{name} must be a positive int, got {value!r}")
+        if self.dtype not in _DTYPES:
+            raise LayoutError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        has_swa = LayerKind.SWA in self.layers
+        if has_swa and (not isinstance(self.window, int) or self.window <= 0):
+            raise LayoutError(f"SWA layers need a positive window, got {self.window!r}")
+        if not has_swa and self.window:
+            raise LayoutError("window is set but the layout has no SWA layers")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def pools(self) -> tuple[PoolName, ...]:
+        present = {_POOL_OF_KIND[k] for k in self.layers}
+        return tuple(sorted(present))
+
+    def layers_of(self, pool: PoolName) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layers) if _POOL_OF_KIND[k] == pool)
+
+    def page_shape(self, pool: PoolName) -> tuple[int, ...]:
+        return (len(self.layers_of(pool)), 2, self.page_size, self.kv_heads, self.head_dim)
+
+    def page_bytes(self, pool: PoolName) -> int:
+        n = 1
+        for d in self.page_shape(pool):
+            n *= d
+        return n * self.torch_dtype.itemsize
+
+    @property
+    def window_pages(self) -> int:
+        """Pages that cover the last `window` tokens before a page boundary."""
+        return -(-self.window // self.page_size) if self.window else 0
+
+    @property
+    def fingerprint(self) -> bytes:
+        text = "|".join([",".join(k.value for k in self.layers), str(self.kv_heads),
+                         str(self.head_dim), str(self.page_size), str(self.window), self.dtype])
+        return hashlib.blake2b(text.encode(), digest_size=16, person=b"kvf-layout").digest()
+
+    def to_dict(self) -> dict:
+        return {"layers": [k.value for k in self.layers], "kv_heads": self.kv_heads,
+                "head_dim": self.head_dim, "page_size": self.page_size,
+                "window": self.window, "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVLayout":
+        if not isinstance(d, dict):
+            raise LayoutError(f"layout must be a mapping, got {type(d).__name__}")
+        unknown = set(d) - {"layers", "kv_heads", "head_dim", "page_size", "window", "dtype"}
+        if unknown:
+            raise LayoutError(f"unknown layout fields: {sorted(unknown)}")
+        try:
+            return cls(layers=tuple(d["layers"]), kv_heads=d["kv_heads"], head_dim=d["head_dim"],
+                       page_size=d["page_size"], window=d.get("window", 0),
+                       dtype=d.get("dtype", "float32"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise LayoutError(f"bad layout: {e}") from e

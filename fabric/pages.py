@@ -1,0 +1,55 @@
+"""Moving page bytes: per-layer K/V tensors <-> pool pages, and page copies."""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from .layout import KVLayout, PoolName
+from .pools import PagePool
+
+
+class PageCopier(Protocol):
+    """Copies pages between two pools of the same name (any tiers)."""
+    def copy(self, src: PagePool, src_idx: list[int], dst: PagePool, dst_idx: list[int]) -> None: ...
+
+
+class TorchCopier:
+    """Plain torch index copies; transport.LocalTransport adds streams on CUDA."""
+
+    def copy(self, src: PagePool, src_idx: list[int], dst: PagePool, dst_idx: list[int]) -> None:
+        if src.data is None or dst.data is None or not src_idx:
+            return
+        pages = src.data.index_select(0, src.index_tensor(src_idx))
+        dst.data.index_copy_(0, dst.index_tensor(dst_idx), pages.to(dst.data.device))
+
+
+def pack(layout: KVLayout, pool: PoolName, kv: Sequence[torch.Tensor],
+         positions: list[int]) -> torch.Tensor:
+    """Pages at `positions` of per-layer kv [2, T, H, D] -> [n, *page_shape(pool)]."""
+    ps = layout.page_size
+    layers = layout.layers_of(pool)
+    pos = torch.tensor(positions, dtype=torch.long, device=kv[layers[0]].device)
+    out = []
+    for li in layers:
+        t = kv[li]
+        paged = t[:, : (t.shape[1] // ps) * ps].reshape(2, -1, ps, *t.shape[2:])
+        out.append(paged.index_select(1, pos))          # [2, n, ps, H, D]
+    return torch.stack(out).permute(2, 0, 1, 3, 4, 5)   # [n, L, 2, ps, H, D]
+
+
+def unpack(pages: torch.Tensor) -> list[torch.Tensor]:
+    """[n, L, 2, ps, H, D] -> per-layer [2, n*ps, H, D] (layers of one pool)."""
+    n, n_layers, _, ps, h, d = pages.shape
+    per_layer = pages.permute(1, 2, 0, 3, 4, 5).reshape(n_layers, 2, n * ps, h, d)
+    return list(per_layer.unbind(0))
+
+
+def page_checksums(pool: PagePool, indices: list[int]) -> list[int]:
+    """A cheap per-page checksum over the raw bytes (for transfer verification)."""
+    if pool.data is None or not indices:
+        return [0] * len(indices)
+    pages = pool.data.index_select(0, pool.index_tensor(indices)).cpu()
+    words = pages.contiguous().view(torch.int32).reshape(len(indices), -1).to(torch.int64)
+    weights = torch.arange(1, words.shape[1] + 1, dtype=torch.int64)
+    return ((words * weights).sum(dim=1) % (2**61 - 1)).tolist()

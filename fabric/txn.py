@@ -1,0 +1,168 @@
+"""The one transaction primitive for every multi-pool step.
+
+Phase 1, reserve: take pages in each pool and tier the step needs, evicting
+where allowed. Everything done so far (allocations, evictions, write-backs)
+is journaled; a failure undoes it all, leaving tree and allocators exactly
+as before. No page bytes are written in this phase: copies are deferred.
+
+Phase 2, after `seal()`: deferred copies have run and evictions are final.
+The caller writes its pages and places them into tree nodes. `rollback()`
+now undoes the placements and frees every reserved page; `commit()` keeps
+them and frees reserved pages that were never placed.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+from .faults import AllocationFaults
+from .layout import PoolName, Tier
+from .pages import PageCopier
+from .pools import PoolRegistry
+from .radix import Node, RadixTree
+
+
+class ReservationFailed(RuntimeError):
+    pass
+
+
+class TransactionClosed(RuntimeError):
+    pass
+
+
+class Transaction:
+    def __init__(self, tree: RadixTree, registry: PoolRegistry, copier: PageCopier,
+                 faults: AllocationFaults | None, on_close: Callable[["Transaction"], None]) -> None:
+        self.tree = tree
+        self.registry = registry
+        self.copier = copier
+        self.faults = faults
+        self.owned: list[list[set[int]]] = [[set(), set()], [set(), set()]]   # [pool][tier]
+        self.sealed = False
+        self.closed = False
+        self._journal: list[Callable[[], None]] = []
+        self._copies: list[tuple[PoolName, Tier, list[int], Tier, list[int]]] = []
+        self._on_close = on_close
+
+    # --- phase 1 -------------------------------------------------------------------
+    def record(self, undo: Callable[[], None]) -> None:
+        self._journal.append(undo)
+
+    def reserve(self, pool: PoolName, tier: Tier, n: int, evict: bool = True) -> list[int]:
+        self._require_open()
+        if self.sealed:
+            raise TransactionClosed("reserve after seal: evictions could no longer be undone")
+        if n <= 0:
+            return []
+        if self.faults is not None and self.faults.should_fail(pool, tier):
+            raise ReservationFailed(f"injected allocation failure: {pool.name}/{tier.name}")
+        entry = self.registry[pool]
+        allocator = entry.tier(tier).allocator
+        short = n - allocator.free_count
+        if short > 0 and evict and entry.evict is not None:
+            entry.evict(tier, short, self)
+        if n > allocator.free_count:
+            raise ReservationFailed(f"{pool.name}/{tier.name}: want {n} pages, "
+                                    f"{allocator.free_count} free after eviction")
+        pages = allocator.alloc(n)
+        owned = self.owned[pool][tier]
+        owned.update(pages)
+
+        def undo() -> None:
+            owned.difference_update(pages)
+            allocator.free(pages)
+        self.record(undo)
+        return pages
+
+    def reserve_all(self, plan: Mapping[tuple[PoolName, Tier], int],
+                    evict: bool = True) -> dict[tuple[PoolName, Tier], list[int]]:
+        """Reserve every (pool, tier) of `plan`, or nothing: on failure, roll back and raise."""
+        try:
+            return {key: self.reserve(*key, n, evict=evict) for key, n in plan.items()}
+        except ReservationFailed:
+            self.rollback()
+            raise
+
+    def defer_copy(self, pool: PoolName, src_tier: Tier, src: list[int],
+                   dst_tier: Tier, dst: list[int]) -> None:
+        self._copies.append((pool, src_tier, src, dst_tier, dst))
+
+    # --- phase 2 -------------------------------------------------------------------
+    def seal(self) -> None:
+        self._require_open()
+        if self.sealed:
+            return
+        for pool, src_tier, src, dst_tier, dst in self._copies:
+            entry = self.registry[pool]
+            self.copier.copy(entry.tier(src_tier), src, entry.tier(dst_tier), dst)
+        self._copies.clear()
+        self._journal.clear()
+        self.sealed = True
+
+    def place(self, node: Node, tier: Tier, pool: PoolName, index: int) -> None:
+        """Move a reserved page into a tree node."""
+        self.place_many([node], tier, pool, [index])
+
+    def place_many(self, nodes: list[Node], tier: Tier, pool: PoolName, pages: list[int]) -> None:
+        owned = self.owned[pool][tier]
+        if not owned.issuperset(pages) or len(set(pages)) != len(pages):
+            raise ValueError(f"pages {sorted(set(pages) - owned)[:8]} of {pool.name}/{tier.name} "
+                             f"are not reserved by this transaction")
+        owned.difference_update(pages)
+        set_slot = self.tree.set_slot
+        for node, index in zip(nodes, pages):
+            set_slot(node, tier, pool, index, None)
+
+        def undo() -> None:
+            for node, index in zip(nodes, pages):
+                self.tree._clear(node, tier, pool)
+            owned.update(pages)
+        self.record(undo)
+
+    def attach_chain(self, parent: Node, keys: list[bytes], pages: list[bytes]) -> list[Node]:
+        return self.tree.attach_chain(parent, keys, pages, self)
+
+    def commit(self) -> None:
+        self.seal()
+        self._free_owned()
+        self._close()
+
+    def rollback(self) -> None:
+        if self.closed:
+            return
+        for undo in reversed(self._journal):
+            undo()
+        self._journal.clear()
+        self._copies.clear()
+        self._free_owned()
+        self._close()
+
+    # --- helpers -------------------------------------------------------------------
+    def pages(self) -> dict[tuple[PoolName, Tier], set[int]]:
+        return {(p, t): set(self.owned[p][t]) for p in PoolName for t in Tier if self.owned[p][t]}
+
+    def _free_owned(self) -> None:
+        for pool in PoolName:
+            for tier in Tier:
+                pages = self.owned[pool][tier]
+                if pages:
+                    self.registry.pool(pool, tier).allocator.free(sorted(pages))
+                    pages.clear()
+
+    def _require_open(self) -> None:
+        if self.closed:
+            raise TransactionClosed("transaction already committed or rolled back")
+
+    def _close(self) -> None:
+        self.closed = True
+        self._on_close(self)
+
+    def __enter__(self) -> "Transaction":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.closed:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.rollback()
