@@ -1,0 +1,377 @@
+"""Peers to benchmark against. Not runtime dependencies: each is installed on first use.
+
+SGLang 0.5.23's radix cache (``RadixCache.create_simulated``) is the peer of the radix benchmark.
+It is installed with ``pip install --target <cache>/sglang-0.5.23 --no-deps`` together with the
+packages it needs at import time (never the GPU stack), and runs in a subprocess that puts the
+folder *after* our own site-packages on ``sys.path``, so our torch and numpy are the ones used
+and none of SGLang's import-time patches leak into the caller.
+
+The cache root is ``$KVF_PEER_CACHE`` if set, else ``$XDG_CACHE_HOME/ray-kv-fabric/peers``
+(``~/.cache/ray-kv-fabric/peers``).
+
+Run ``python -m benchmarks.peers`` from the repository root for the trace figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "SGLANG_PACKAGES",
+    "SGLANG_VERSION",
+    "PeerError",
+    "PeerUnavailable",
+    "RadixRun",
+    "ensure_sglang",
+    "peer_cache_root",
+    "run_sglang_radix",
+    "sglang_dir",
+    "sglang_radix_ops_per_s",
+]
+
+SGLANG_VERSION = "0.5.23"
+
+# Everything `import sglang.srt.mem_cache.radix_cache` needs beyond our venv (torch, numpy,
+# pydantic, ...), each installed with --no-deps. Pinned to what was verified to import on CPU.
+# torchvision is pinned to the release built for torch 2.13; see _tolerate_cpu_torchvision.
+SGLANG_PACKAGES: tuple[str, ...] = (
+    f"sglang=={SGLANG_VERSION}",
+    "apache-tvm-ffi==0.1.15.post2",
+    "compressed-tensors==0.20.1",
+    "dill==0.4.1",
+    "gguf==0.19.0",
+    "httpcore2==2.16.2",
+    "httpx2==2.16.2",
+    "huggingface_hub==2.4.0",
+    "ipython==9.18.1",
+    "loguru==0.7.3",
+    "msgspec==0.23.0",
+    "orjson==3.13.0",
+    "pillow==13.0.0",
+    "psutil==7.2.2",
+    "pybase64==1.5.1",
+    "pyzmq==27.3.0",
+    "regex==2026.11.19",
+    "safetensors==0.8.0",
+    "sentencepiece==0.2.3",
+    "tokenizers==0.23.3",
+    "torchvision==0.28.0",
+    "tqdm==4.70.1",
+    "traitlets==5.16.1",
+    "transformers==5.25.0",
+    "triton==3.9.0",
+    "truststore==0.10.5",
+)
+
+_COMPLETE = ".kvf-complete"  # written last; holds the package list the folder was built from
+
+# pip output meaning the registry (or the network to it) can't serve the packages here.
+_UNAVAILABLE_MARKERS = (
+    "No matching distribution found",
+    "Could not find a version that satisfies",
+    "NewConnectionError",
+    "NameResolutionError",
+    "Failed to establish a new connection",
+    "Temporary failure in name resolution",
+    "Network is unreachable",
+    "Max retries exceeded",
+    "ProxyError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "Could not fetch URL",
+)
+
+
+class PeerError(RuntimeError):
+    """A peer could not be installed or run (for a reason other than an unreachable registry)."""
+
+
+class PeerUnavailable(PeerError):
+    """A peer cannot be installed here: the package registry or the network is unavailable."""
+
+
+def _log(message: str) -> None:
+    print(f"[kvf peers] {message}", file=sys.stderr, flush=True)
+
+
+def peer_cache_root() -> Path:
+    """Folder holding installed peers (``$KVF_PEER_CACHE`` overrides the default)."""
+    override = os.environ.get("KVF_PEER_CACHE")
+    if override:
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "ray-kv-fabric" / "peers"
+
+
+def sglang_dir() -> Path:
+    return peer_cache_root() / f"sglang-{SGLANG_VERSION}"
+
+
+def _is_complete(folder: Path) -> bool:
+    marker = folder / _COMPLETE
+    return marker.is_file() and marker.read_text().split() == list(SGLANG_PACKAGES)
+
+
+def _tail(text: str, lines: int = 25) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _pip_install(target: Path, packages: Sequence[str]) -> None:
+    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
+           "--no-input", "--target", str(target), "--no-deps", *packages]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise PeerError(f"could not run pip ({cmd[0]}): {e}") from e
+    if proc.returncode == 0:
+        return
+    output = proc.stdout + proc.stderr
+    if "No module named pip" in output:
+        raise PeerError(f"pip is not installed for {sys.executable}")
+    if any(m in output for m in _UNAVAILABLE_MARKERS):
+        raise PeerUnavailable(
+            f"cannot install SGLang {SGLANG_VERSION}: the package registry is unavailable "
+            f"(pip exited {proc.returncode}):\n{_tail(output, 8)}"
+        )
+    raise PeerError(f"pip install of the SGLang peer failed (exit {proc.returncode}):\n{_tail(output)}")
+
+
+def ensure_sglang(log: Callable[[str], None] = _log) -> Path:
+    """Return the folder holding SGLang, installing it there first if needed.
+
+    Safe against concurrent callers (file lock) and interrupted installs (the folder is built
+    beside its final place, checked by importing the radix cache, then renamed).
+    Raises PeerUnavailable when the registry can't be reached, PeerError on other failures.
+    """
+    folder = sglang_dir()
+    if _is_complete(folder):
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_complete(folder):  # another process finished it while we waited
+            return folder
+        staging = folder.parent / f".{folder.name}.staging-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        log(f"installing the SGLang {SGLANG_VERSION} peer into {folder} "
+            f"(once; {len(SGLANG_PACKAGES)} packages, about 1.5 GB) ...")
+        start = time.perf_counter()
+        try:
+            _pip_install(staging, SGLANG_PACKAGES)
+            _run_worker(["check", str(staging)])
+            (staging / _COMPLETE).write_text("\n".join(SGLANG_PACKAGES) + "\n")
+            shutil.rmtree(folder, ignore_errors=True)  # an outdated or broken earlier install
+            staging.rename(folder)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        log(f"installed the SGLang peer in {time.perf_counter() - start:.0f} s")
+    return folder
+
+
+@dataclass(frozen=True)
+class RadixRun:
+    """One pass of SGLang's radix cache over a request sequence (match_prefix, then insert)."""
+
+    page_size: int
+    match_lengths: tuple[int, ...]  # cached prefix length SGLang reported for each request
+    elapsed_s: float                # the match+insert loop only
+    freeze_gc: bool = False         # whether the worker's heap was gc.freeze()d before the loop
+
+    @property
+    def requests(self) -> int:
+        return len(self.match_lengths)
+
+    @property
+    def ops_per_s(self) -> float:
+        return self.requests / self.elapsed_s if self.elapsed_s > 0 else float("inf")
+
+
+def _pack(sequences: Sequence[Sequence[int]]) -> tuple[array, array]:
+    """(lengths, concatenated ids) as int64 arrays; ValueError names a bad sequence."""
+    lengths = array("q", [len(s) for s in sequences])
+    flat = array("q")
+    for i, seq in enumerate(sequences):
+        try:
+            flat.extend(seq)
+        except (TypeError, OverflowError) as e:
+            raise ValueError(f"sequence {i} must hold int64 token ids: {e}") from None
+    return lengths, flat
+
+
+def _write_sequences(path: Path, lengths: array, flat: array) -> None:
+    with path.open("wb") as f:
+        array("q", [len(lengths)]).tofile(f)
+        lengths.tofile(f)
+        flat.tofile(f)
+
+
+def _read_sequences(path: Path) -> list[array]:
+    with path.open("rb") as f:
+        header = array("q")
+        header.fromfile(f, 1)
+        lengths = array("q")
+        lengths.fromfile(f, header[0])
+        flat = array("q")
+        flat.fromfile(f, sum(lengths))
+    sequences, offset = [], 0
+    for n in lengths:
+        sequences.append(flat[offset:offset + n])
+        offset += n
+    return sequences
+
+
+def _run_worker(args: list[str]) -> None:
+    # -I: don't put benchmarks/ (or $PYTHONPATH) ahead of our site-packages in the worker.
+    cmd = [sys.executable, "-I", str(Path(__file__).resolve()), "_worker", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise PeerError(f"the SGLang peer failed (exit {proc.returncode}):\n{_tail(proc.stderr)}")
+
+
+def run_sglang_radix(
+    sequences: Sequence[Sequence[int]], page_size: int, *, freeze_gc: bool = False
+) -> RadixRun:
+    """Drive SGLang's simulated radix cache: for each request match_prefix, then insert.
+
+    Runs in a fresh worker process, one pass over a fresh tree. By default the garbage collector
+    runs as in a stock SGLang scheduler; its full collections walk the whole heap SGLang's
+    imports leave behind, which costs a single pass about 3x. ``freeze_gc`` first moves that
+    heap out of the collector's reach, as SGLang's ``freeze_gc`` (its /freeze_gc endpoint) does.
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    lengths, flat = _pack(sequences)
+    folder = ensure_sglang()
+    with tempfile.TemporaryDirectory(prefix="kvf-peer-") as tmp:
+        data, result = Path(tmp) / "sequences.bin", Path(tmp) / "result.json"
+        _write_sequences(data, lengths, flat)
+        gc_mode = "freeze" if freeze_gc else "default"
+        _run_worker(["radix", str(folder), str(data), str(page_size), str(result), gc_mode])
+        out = json.loads(result.read_text())
+    return RadixRun(page_size=page_size, match_lengths=tuple(out["match_lengths"]),
+                    elapsed_s=out["elapsed_s"], freeze_gc=freeze_gc)
+
+
+def sglang_radix_ops_per_s(
+    sequences: list[list[int]], page_size: int, *, freeze_gc: bool = False
+) -> float:
+    """Requests per second of SGLang 0.5.23's radix cache (match_prefix + insert per request)."""
+    return run_sglang_radix(sequences, page_size, freeze_gc=freeze_gc).ops_per_s
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _tolerate_cpu_torchvision(folder: Path) -> None:
+    """PyPI's torchvision wheels link CUDA torch, so beside a CPU torch their C ops don't load
+    and ``import torchvision`` dies registering fake kernels for them ("operator
+    torchvision::nms does not exist"). SGLang only needs torchvision's Python transforms at
+    import time, so when the ops can't load, skip those registrations (worker process only)."""
+    import types
+
+    import torch
+
+    libs = sorted((folder / "torchvision").glob("_C*.so"))
+    try:
+        for lib in libs:
+            torch.ops.load_library(str(lib))
+        if libs:
+            return
+    except OSError:
+        pass
+    name = "torchvision._meta_registrations"
+    sys.modules[name] = types.ModuleType(name)
+
+
+def _import_sglang(folder: Path):
+    sys.path.append(str(folder))  # after our site-packages: our torch/numpy win
+    _tolerate_cpu_torchvision(folder)
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    return torch, RadixCache, RadixKey, MatchPrefixParams, InsertParams
+
+
+def _worker(argv: list[str]) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    mode, folder = argv[0], Path(argv[1])
+    torch, RadixCache, RadixKey, MatchPrefixParams, InsertParams = _import_sglang(folder)
+    if mode == "check":
+        tree = RadixCache.create_simulated(page_size=2)
+        ids = array("q", [1, 2, 3, 4, 5])
+        tree.insert(InsertParams(key=RadixKey(token_ids=ids), value=torch.empty(5, dtype=torch.bool)))
+        got = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=ids))).device_prefix_len
+        if got != 4:
+            raise SystemExit(f"radix cache self-check: matched {got} tokens, expected 4")
+        return
+    if mode != "radix":
+        raise SystemExit(f"unknown worker mode {mode!r}")
+    data, page_size, result, gc_mode = Path(argv[2]), int(argv[3]), Path(argv[4]), argv[5]
+    sequences = _read_sequences(data)
+    if gc_mode == "freeze":
+        import gc
+
+        gc.collect()
+        gc.freeze()
+    tree = RadixCache.create_simulated(page_size=page_size)
+    empty, boolean = torch.empty, torch.bool
+    matched: list[int] = []
+    # As SGLang's scheduler drives its simulated tree (schedule_policy._compute_prefix_matches):
+    # match the request's ids, then insert them with a dummy value of the same length.
+    start = time.perf_counter()
+    for ids in sequences:
+        m = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=ids)))
+        tree.insert(InsertParams(key=RadixKey(token_ids=ids), value=empty(len(ids), dtype=boolean)))
+        matched.append(m.device_prefix_len)
+    elapsed = time.perf_counter() - start
+    result.write_text(json.dumps({"elapsed_s": elapsed, "match_lengths": matched}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="SGLang radix-cache peer on the packaged trace")
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--tokens-per-block", type=int, default=32)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--freeze-gc", action="store_true",
+                        help="gc.freeze() the worker's heap before the timed loop")
+    args = parser.parse_args(argv)
+
+    from deploy.trace import load_trace, request_tokens
+
+    trace = load_trace(limit=args.requests)
+    sequences = [request_tokens(r, args.tokens_per_block) for r in trace]
+    run = run_sglang_radix(sequences, args.page_size, freeze_gc=args.freeze_gc)
+    total = sum(map(len, sequences))
+    print(json.dumps({
+        "peer": f"sglang-{SGLANG_VERSION}",
+        "requests": run.requests,
+        "page_size": run.page_size,
+        "freeze_gc": run.freeze_gc,
+        "tokens": total,
+        "matched_tokens": sum(run.match_lengths),
+        "elapsed_s": round(run.elapsed_s, 4),
+        "ops_per_s": round(run.ops_per_s, 1),
+    }))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_worker":
+        _worker(sys.argv[2:])
+    else:
+        main()

@@ -1,0 +1,110 @@
+"""`kvfabric bench radix`: our node cache against SGLang's RadixCache on the trace.
+
+Both sides replay the same token sequences (trace hash ids expanded into
+tokens), match then insert per request, in a fresh process each, with the
+same garbage-collector mode. Our side computes page keys (BLAKE2b) for every
+page it inserts; that hashing is inside the timed loop.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks import peers
+from deploy.trace import load_trace, request_tokens
+
+
+@dataclass
+class RadixFigures:
+    requests: int
+    tokens_per_block: int
+    page_size: int
+    gc_mode: str
+    ours_ops_per_s: float
+    peer_ops_per_s: float
+    ours_matched_tokens: int
+    peer_matched_tokens: int
+
+    @property
+    def ratio(self) -> float:
+        return self.ours_ops_per_s / self.peer_ops_per_s
+
+
+def sequences(trace: str | None, requests: int, tokens_per_block: int) -> list[list[int]]:
+    return [request_tokens(r, tokens_per_block=tokens_per_block) for r in load_trace(trace, limit=requests)]
+
+
+def ours_worker(data: Path, page_size: int, gc_mode: str) -> dict:
+    from fabric import KVLayout, NodeCache, PoolCapacity, PoolName
+    seqs = [list(s) for s in peers._read_sequences(data)]
+    pages = sum(len(s) for s in seqs) // page_size + 1
+    layout = KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=page_size)
+    if gc_mode == "freeze":
+        gc.collect()
+        gc.freeze()
+    cache = NodeCache(layout, {PoolName.FULL: PoolCapacity(pages, 0)}, store_bytes=False, device="cpu")
+    matched = 0
+    start = time.perf_counter()
+    for s in seqs:
+        matched += cache.match(s, "bench").pages
+        cache.put(s, None, "bench")
+    elapsed = time.perf_counter() - start
+    cache.check()
+    return {"elapsed_s": elapsed, "matched_tokens": matched * page_size}
+
+
+def run_ours(seqs: list[list[int]], page_size: int, gc_mode: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvf-radix-") as tmp:
+        data, out = Path(tmp) / "seqs.bin", Path(tmp) / "out.json"
+        peers._write_sequences(data, *peers._pack(seqs))
+        code = ("import json, sys; from benchmarks.radix_bench import ours_worker; "
+                "json.dump(ours_worker(__import__('pathlib').Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]), "
+                "open(sys.argv[4], 'w'))")
+        subprocess.run([sys.executable, "-c", code, str(data), str(page_size), gc_mode, str(out)],
+                       check=True, cwd=Path(__file__).resolve().parent.parent)
+        return json.loads(out.read_text())
+
+
+def run(requests: int = 3000, tokens_per_block: int = 32, page_size: int = 16,
+        trace: str | None = None, gc_mode: str = "default") -> RadixFigures:
+    seqs = sequences(trace, requests, tokens_per_block)
+    ours = run_ours(seqs, page_size, gc_mode)
+    peer = peers.run_sglang_radix(seqs, page_size, freeze_gc=gc_mode == "freeze")
+    return RadixFigures(len(seqs), tokens_per_block, page_size, gc_mode,
+                        len(seqs) / ours["elapsed_s"], peer.ops_per_s,
+                        ours["matched_tokens"], sum(peer.match_lengths))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvfabric bench radix", description=__doc__)
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--tokens-per-block", type=int, default=32)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--trace", default=None, help="a Mooncake-format trace (default: the packaged one)")
+    ap.add_argument("--gc", choices=("default", "freeze"), default="default",
+                    help="garbage-collector mode for both sides (freeze: gc.freeze() before the loop)")
+    ap.add_argument("--json", action="store_true", help="print one JSON line last")
+    args = ap.parse_args(argv)
+    f = run(args.requests, args.tokens_per_block, args.page_size, args.trace, args.gc)
+    print(f"requests {f.requests}, {f.tokens_per_block} tokens/block, page {f.page_size}, gc {f.gc_mode}")
+    print(f"{'':24}{'req/s':>12}{'matched tokens':>16}")
+    print(f"{'ours (NodeCache)':24}{f.ours_ops_per_s:>12.0f}{f.ours_matched_tokens:>16}")
+    print(f"{'sglang.RadixCache':24}{f.peer_ops_per_s:>12.0f}{f.peer_matched_tokens:>16}")
+    print(f"ratio {f.ratio:.2f} (target >= 2)")
+    if args.json:
+        print(json.dumps({"name": "radix", "ours_ops_per_s": round(f.ours_ops_per_s, 1),
+                          "peer": "sglang.RadixCache", "peer_ops_per_s": round(f.peer_ops_per_s, 1),
+                          "ratio": round(f.ratio, 3), **{k: v for k, v in asdict(f).items()
+                                                         if k not in ("ours_ops_per_s", "peer_ops_per_s")}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""deploy: the `kvfabric` CLI, demos and (later) the Ray Serve app."""
