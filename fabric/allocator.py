@@ -13,9 +13,9 @@ class OutOfPages(RuntimeError):
 class PageAllocator:
     """Hands out page indices in [0, capacity).
 
-    Free indices live in an insertion-ordered dict used as a stack: popitem,
-    insert and delete of a given index are all O(1). Fresh allocators hand out
-    ascending indices, so early allocations form contiguous runs.
+    Free indices are a stack (a list) and used ones a set, so alloc and free
+    of n pages are a few C-level list and set operations. A fresh allocator
+    hands out ascending indices, so early allocations form contiguous runs.
     """
 
     __slots__ = ("capacity", "_free", "_used")
@@ -24,8 +24,8 @@ class PageAllocator:
         if not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
         self.capacity = capacity
-        self._free = dict.fromkeys(range(capacity - 1, -1, -1))
-        self._used = bytearray(capacity)
+        self._free = list(range(capacity - 1, -1, -1))
+        self._used: set[int] = set()
 
     @property
     def free_count(self) -> int:
@@ -33,43 +33,48 @@ class PageAllocator:
 
     @property
     def used_count(self) -> int:
-        return self.capacity - len(self._free)
+        return len(self._used)
 
     def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"want {n} pages, {len(self._free)} free of {self.capacity}")
-        pop = self._free.popitem
-        out = [pop()[0] for _ in range(n)]
-        used = self._used
-        for i in out:
-            used[i] = 1
+        free = self._free
+        if n > len(free):
+            raise OutOfPages(f"want {n} pages, {len(free)} free of {self.capacity}")
+        if n <= 0:
+            return []
+        out = free[-n:]
+        del free[-n:]
+        out.reverse()
+        self._used.update(out)
         return out
 
     def free(self, indices: list[int]) -> None:
         self._check(indices, want_used=True)
-        for i in indices:
-            self._used[i] = 0
-            self._free[i] = None
+        self._used.difference_update(indices)
+        self._free.extend(reversed(indices))
 
     def take(self, indices: list[int]) -> None:
-        """Mark specific free indices used (undo of a free)."""
+        """Mark specific free indices used (undo of a free; O(capacity), so rare)."""
         self._check(indices, want_used=False)
-        for i in indices:
-            del self._free[i]
-            self._used[i] = 1
+        gone = set(indices)
+        self._free = [i for i in self._free if i not in gone]
+        self._used.update(indices)
 
     def is_used(self, index: int) -> bool:
-        return 0 <= index < self.capacity and bool(self._used[index])
+        return index in self._used
 
     def used_indices(self) -> set[int]:
-        return {i for i, u in enumerate(self._used) if u}
+        return set(self._used)
 
     def _check(self, indices: list[int], want_used: bool) -> None:
+        unique = set(indices)
+        if len(unique) == len(indices) and (unique <= self._used if want_used else unique.isdisjoint(self._used)) \
+                and all(type(i) is int and 0 <= i < self.capacity for i in unique):
+            return
         seen = set()
         for i in indices:
             if not isinstance(i, int) or not 0 <= i < self.capacity:
                 raise AllocatorError(f"page {i!r} is not in this allocator (capacity {self.capacity})")
-            if i in seen or bool(self._used[i]) != want_used:
+            if i in seen or (i in self._used) != want_used:
                 state = "free" if want_used else "in use"
                 raise AllocatorError(f"page {i} is already {state}")
             seen.add(i)

@@ -32,23 +32,35 @@ def check_invariants(cache: "NodeCache") -> None:
 
     for node in tree.nodes():
         count += 1
-        who = f"node(depth={node.depth}, key={node.key.hex()[:12]})"
-        if node.parent.children.get(node.page) is not node:
-            _fail(f"{who} is not its parent's child under its page")
-        if tree.by_key.get(node.key) is not node:
-            _fail(f"{who} is not indexed by its key")
-        if node.depth != node.parent.depth + 1:
-            _fail(f"{who} has depth {node.depth}, parent depth {node.parent.depth}")
+        who = f"node(start={node.start}, n={node.n}, key={node.keys[0].hex()[:12]})"
+        step = tree.page_bytes
+        if node.n == 0 or len(node.tokens) != node.n * step:
+            _fail(f"{who} holds {len(node.tokens)} token bytes for {node.n} pages")
+        if node.parent.children.get(node.tokens[:step]) is not node:
+            _fail(f"{who} is not its parent's child under its first page")
+        if node.start != node.parent.end:
+            _fail(f"{who} starts at {node.start}, its parent ends at {node.parent.end}")
+        if node.end != node.start + node.n:
+            _fail(f"{who} ends at {node.end}")
+        for i, key in enumerate(node.keys):
+            if tree.by_key.get(key) is not node:
+                _fail(f"{who} page {i} is not indexed by its key")
         for pool in PoolName:
             if node.locks[pool] < 0:
                 _fail(f"{who} has negative {pool.name} lock count {node.locks[pool]}")
             for tier in TIERS:
-                index = node.slots[tier][pool]
-                if index == ABSENT:
+                pages = node.slots[tier][pool]
+                if pages is None:
                     continue
-                claim(pool, tier, index, who)
-                owned[tier][pool] += 1
-                protected[tier][pool] += bool(node.locks[pool])
+                if len(pages) != node.n or all(p == ABSENT for p in pages):
+                    _fail(f"{who} {pool.name}/{tier.name} page list is malformed: {pages}")
+                if pool == PoolName.FULL and ABSENT in pages:
+                    _fail(f"{who} holds full KV on {tier.name} for only part of its run")
+                for j, index in enumerate(pages):
+                    if index != ABSENT:
+                        claim(pool, tier, index, f"{who} page {j}")
+                        owned[tier][pool] += 1
+                        protected[tier][pool] += bool(node.locks[pool])
         if PoolName.FULL in registry:
             if not node.has(PoolName.FULL):
                 _fail(f"{who} has no full KV on any tier (prefix closure)")
@@ -57,8 +69,10 @@ def check_invariants(cache: "NodeCache") -> None:
                 _fail(f"{who} holds more full locks than its parent")
         elif not node.children and not any(node.has(p) for p in registry.names):
             _fail(f"{who} is a leaf with no pages")
-    if count != tree.node_count or count != len(tree.by_key):
-        _fail(f"tree counts {tree.node_count} nodes and indexes {len(tree.by_key)}, walked {count}")
+    if count != tree.node_count:
+        _fail(f"tree counts {tree.node_count} nodes, walked {count}")
+    if sum(n.n for n in tree.nodes()) != len(tree.by_key):
+        _fail(f"tree indexes {len(tree.by_key)} keys for a different number of pages")
 
     for txn in cache.open_txns:
         for (pool, tier), pages in txn.pages().items():
@@ -84,12 +98,23 @@ def check_invariants(cache: "NodeCache") -> None:
 
 
 def snapshot(cache: "NodeCache") -> tuple:
-    """Everything a failed step must leave unchanged: structure, slots, locks, allocators."""
-    nodes = sorted((n.key, n.parent.key, tuple(map(tuple, n.slots)), tuple(n.locks))
-                   for n in cache.tree.nodes())
+    """Everything a failed step must leave unchanged, page by page (so splitting
+    a run, which changes no page, changes no snapshot): keys, parents, slots,
+    locks, allocators."""
+    pages = []
+    for node in cache.tree.nodes():
+        for j, key in enumerate(node.keys):
+            parent = node.keys[j - 1] if j else node.parent.keys[-1]
+            slots = tuple(tuple(_page_index(node, t, p, j) for p in PoolName) for t in TIERS)
+            pages.append((key, parent, slots, tuple(node.locks)))
     allocs = tuple((e.name, t, frozenset(e.tier(t).allocator.used_indices()))
                    for e in cache.registry for t in TIERS)
-    return tuple(nodes), allocs, tuple(map(tuple, cache.tree.protected))
+    return tuple(sorted(pages)), allocs, tuple(map(tuple, cache.tree.protected))
+
+
+def _page_index(node, tier, pool, offset) -> int:
+    pages = node.slots[tier][pool]
+    return ABSENT if pages is None else pages[offset]
 
 
 def _fail(message: str) -> None:

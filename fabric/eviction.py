@@ -1,8 +1,8 @@
 """LRU eviction of one pool on one tier, inside a transaction.
 
-Candidates come from the pool's policy (locked nodes are never candidates).
-A device page may be written back to the host tier instead of dropped. A node
-left without the pages that keep it meaningful is pruned from the tree."""
+Groups of pages come from the pool's policy (locked nodes are never
+candidates). Device pages may be written back to the host tier instead of
+dropped. A node left without the pages that keep it meaningful is pruned."""
 from __future__ import annotations
 
 import heapq
@@ -17,10 +17,11 @@ if TYPE_CHECKING:
 
 
 class Evictor:
-    def __init__(self, tree: RadixTree, policy: AttentionPolicy,
+    def __init__(self, tree: RadixTree, policy: AttentionPolicy, pools: tuple[PoolName, ...],
                  write_back: Callable[[], bool]) -> None:
         self.tree = tree
         self.policy = policy
+        self.pools = pools
         self.write_back = write_back
         self.evicted = 0
         self.written_back = 0
@@ -29,55 +30,65 @@ class Evictor:
         """Free at least `n` pages of this pool on `tier` if possible; return how many."""
         pool, policy = self.policy.pool, self.policy
         demote = tier == Tier.DEVICE and self.write_back()
-        heap = policy.candidates(self.tree, tier, demote)
+        heap = policy.groups(self.tree, tier, demote)
         heapq.heapify(heap)
         freed = 0
         while freed < n and heap:
-            node = heapq.heappop(heap)[-1]
-            if not policy.is_evictable(node, tier, demote):
+            *_, node, offsets = heapq.heappop(heap)
+            pages = node.slots[tier][pool]
+            offsets = [j for j in offsets if pages is not None and pages[j] != ABSENT]
+            if not offsets or not policy.is_evictable(node, tier, demote):
                 continue
-            if demote and node.slots[Tier.HOST][pool] == ABSENT and not self._write_back(node, txn):
-                if not policy.is_evictable(node, tier):
-                    continue  # no host room, and dropping would break prefix closure
+            if demote and not self._write_back(node, offsets, txn) and not policy.is_evictable(node, tier):
+                continue  # no host room, and dropping would break prefix closure
             parent = node.parent
-            self.tree.drop_slot(node, tier, pool, txn)
-            self.evicted += 1
-            freed += 1 + prune(self.tree, node, txn, count=(tier, pool))
+            self.tree.drop_pages(node, tier, pool, offsets, txn)
+            self.evicted += len(offsets)
+            freed += len(offsets) + prune(self.tree, self.pools, node, txn, count=(tier, pool))
             if not parent.is_root and policy.is_evictable(parent, tier, demote):
-                heapq.heappush(heap, (*policy.priority(parent), parent))
+                heapq.heappush(heap, policy.group(parent, tier))
         return freed
 
-    def _write_back(self, node: Node, txn: "Transaction") -> bool:
+    def _write_back(self, node: Node, offsets: list[int], txn: "Transaction") -> bool:
+        """Copy the pages at `offsets` to host where they have no host copy yet."""
         from .txn import ReservationFailed
         pool = self.policy.pool
+        host = node.slots[Tier.HOST][pool]
+        todo = [j for j in offsets if host is None or host[j] == ABSENT]
+        if not todo:
+            return True
         try:
-            (host_index,) = txn.reserve(pool, Tier.HOST, 1)
+            got = txn.reserve(pool, Tier.HOST, len(todo))
         except ReservationFailed:
             return False
-        txn.defer_copy(pool, Tier.DEVICE, [node.slots[Tier.DEVICE][pool]], Tier.HOST, [host_index])
-        txn.place(node, Tier.HOST, pool, host_index)
-        self.written_back += 1
+        device = node.slots[Tier.DEVICE][pool]
+        txn.defer_copy(pool, Tier.DEVICE, [device[j] for j in todo], Tier.HOST, got)
+        txn.place(node, Tier.HOST, pool, todo, got)
+        self.written_back += len(todo)
         return True
 
 
-def is_dead(tree: RadixTree, node: Node) -> bool:
+def is_dead(pools: tuple[PoolName, ...], node: Node) -> bool:
     """A node is dead once it lacks full KV (if the layout has full layers) or any KV."""
-    if PoolName.FULL in tree.registry:
+    if PoolName.FULL in pools:
         return not node.has(PoolName.FULL)
-    return not any(node.has(p) for p in tree.registry.names)
+    return not any(node.has(p) for p in pools)
 
 
-def prune(tree: RadixTree, node: Node, txn: "Transaction", count: tuple[Tier, PoolName]) -> int:
+def prune(tree: RadixTree, pools: tuple[PoolName, ...], node: Node, txn: "Transaction",
+          count: tuple[Tier, PoolName]) -> int:
     """Drop dead nodes' remaining pages and detach dead leaves, walking up.
 
     Returns how many pages of `count` (tier, pool) this freed."""
     freed = 0
-    while not node.is_root and is_dead(tree, node) and not any(node.locks):
-        for pool in tree.registry.names:
+    while not node.is_root and is_dead(pools, node) and not any(node.locks):
+        for pool in pools:
             for t in TIERS:
-                if node.slots[t][pool] != ABSENT:
-                    tree.drop_slot(node, t, pool, txn)
-                    freed += (t, pool) == count
+                pages = node.slots[t][pool]
+                if pages is not None:
+                    offsets = [j for j, p in enumerate(pages) if p != ABSENT]
+                    tree.drop_pages(node, t, pool, offsets, txn)
+                    freed += len(offsets) if (t, pool) == count else 0
         if node.children:
             break
         parent = node.parent

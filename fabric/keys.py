@@ -6,7 +6,7 @@ two tenants never share keys, and one tenant cannot probe for another's prompts.
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from typing import Sequence
 
 KEY_BYTES = 16
@@ -25,8 +25,8 @@ def namespace_key(namespace: str) -> bytes:
 def encode_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as int32 bytes: what page keys hash and what tree nodes compare."""
     try:
-        return array("i", tokens).tobytes()
-    except (TypeError, OverflowError) as e:
+        return struct.pack(f"{len(tokens)}i", *tokens)
+    except (struct.error, TypeError) as e:
         raise KeyError_(f"tokens must be int32 token ids: {e}") from e
 
 
@@ -52,13 +52,13 @@ class PageKeyer:
         from `prev` (the key of page first_page - 1, or the namespace root)."""
         step = self.page_bytes
         prev = self.root if prev is None else prev
-        base = self._hasher
+        copy, view = self._hasher.copy, memoryview(raw)
         out = []
         append = out.append
         for off in range(first_page * step, len(raw) - step + 1, step):
-            h = base.copy()
+            h = copy()
             h.update(prev)
-            h.update(raw[off:off + step])
+            h.update(view[off:off + step])
             prev = h.digest()
             append(prev)
         return out

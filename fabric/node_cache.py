@@ -1,6 +1,7 @@
 """NodeCache: one node's SWA-aware tiered prefix cache, the facade other layers use."""
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -20,15 +21,16 @@ from .txn import ReservationFailed, Transaction
 
 @dataclass
 class Match:
-    """A usable cached prefix: `pages` whole pages along `path`."""
-    path: list[Node]        # nodes present for the request's pages (may exceed `pages`)
+    """A usable cached prefix of `pages` whole pages, along `path` from the root."""
+    path: list[Node]        # nodes holding the request's matched pages (the last may hold more)
+    matched: int            # pages present in the tree, on any tier, in any pool
     pages: int              # usable length, either tier
     device_pages: int       # usable length from the device tier alone
     request_pages: int      # whole pages in the request
 
     @property
     def keys(self) -> list[bytes]:
-        return [n.key for n in self.path[: self.pages]]
+        return [k for n in self.path for k in n.keys][: self.pages]
 
 
 @dataclass
@@ -55,7 +57,6 @@ class CacheStats:
     inserted_pages: int = 0
     put_failures: int = 0
     load_back_failures: int = 0
-    rollbacks: int = 0
     nodes: int = 0
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -67,13 +68,17 @@ class NodeCache:
                  faults: AllocationFaults | None = None) -> None:
         self.layout = layout
         self.registry = PoolRegistry.build(layout, capacities, device, store_bytes)
-        self.tree = RadixTree(self.registry, layout.page_size * 4)
+        reg = self.registry
+        self.tree = RadixTree(layout.page_size * 4,
+                              free_page=lambda p, t, pages: reg.pool(p, t).allocator.free(pages),
+                              take_page=lambda p, t, pages: reg.pool(p, t).allocator.take(pages))
         self.policies: dict[PoolName, AttentionPolicy] = policies_for(layout)
         self.copier = copier or TorchCopier()
         self.faults = faults
         self.open_txns: set[Transaction] = set()
         self.tiers = TierController(self.registry, tier, self.transaction)
-        self.evictors = {p: Evictor(self.tree, pol, self.tiers.write_back) for p, pol in self.policies.items()}
+        self.evictors = {p: Evictor(self.tree, pol, layout.pools, self.tiers.write_back)
+                         for p, pol in self.policies.items()}
         for entry in self.registry:
             entry.evict = self.evictors[entry.name].make_room
         self._keyers: dict[str, PageKeyer] = {}
@@ -95,16 +100,17 @@ class NodeCache:
     def match(self, tokens: Sequence[int], namespace: str) -> Match:
         """The longest usable cached prefix of `tokens`; changes nothing."""
         raw = encode_tokens(tokens)
-        return self._match(self.tree.walk(self.keyer(namespace).root, raw),
-                           len(raw) // self.tree.page_bytes)
+        path, matched = self.tree.walk(self.keyer(namespace).root, raw)
+        return self._match(path, matched, len(raw) // self.tree.page_bytes)
 
     def match_keys(self, keys: list[bytes]) -> Match:
         """The same, for a chain of page keys (as peers and the index name prefixes)."""
-        return self._match(self.tree.walk_keys(keys), len(keys))
+        path, matched = self.tree.walk_keys(keys)
+        return self._match(path, matched, len(keys))
 
-    def _match(self, path: list[Node], request_pages: int) -> Match:
-        return Match(path, self._usable(path, len(path), TIERS),
-                     self._usable(path, len(path), (Tier.DEVICE,)), request_pages)
+    def _match(self, path: list[Node], matched: int, request_pages: int) -> Match:
+        return Match(path, matched, self._usable(path, matched, TIERS),
+                     self._usable(path, matched, (Tier.DEVICE,)), request_pages)
 
     def _usable(self, path: list[Node], limit: int, tiers: tuple[Tier, ...]) -> int:
         # Policies are visited in pool order, FULL first. Full usability is
@@ -113,12 +119,22 @@ class NodeCache:
             limit = policy.usable(path, limit, tiers)
         return limit
 
+    def presence(self, match: Match, pool: PoolName, tiers: tuple[Tier, ...] = TIERS) -> list[bool]:
+        """Per matched page, whether `pool` KV is held on one of `tiers`."""
+        return [n.page_has(j, pool, tiers) for n in match.path for j in range(n.n)][: match.matched]
+
     # --- locks ---------------------------------------------------------------------
     def lock(self, match: Match, pages: int | None = None) -> PrefixLock:
         """Protect what a match of `pages` (default: all usable) needs from eviction."""
         n = match.pages if pages is None else pages
-        return self._lock_nodes({p: [match.path[i] for i in pol.needed(n)]
-                                 for p, pol in self.policies.items()})
+        if not 0 <= n <= match.matched:
+            raise ValueError(f"cannot lock {n} pages of a match of {match.matched}")
+        spans = {p: pol.needed(n) for p, pol in self.policies.items()}
+        for span in spans.values():   # locks are per node: make span ends node boundaries
+            for edge in (span.start, span.stop):
+                self.tree.split_at(match.path, edge)
+        return self._lock_nodes({p: [x for x in match.path if x.start < span.stop and x.end > span.start]
+                                 for p, span in spans.items()})
 
     def unlock(self, lock: PrefixLock) -> None:
         if lock.released:
@@ -141,7 +157,7 @@ class NodeCache:
     def _txn_closed(self, txn: Transaction) -> None:
         self.open_txns.discard(txn)
 
-    # --- put / get -----------------------------------------------------------------
+    # --- put -------------------------------------------------------------------------
     def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str) -> int:
         """Store the whole pages of `tokens`; returns pages newly stored (0 if no room)."""
         keyer = self.keyer(namespace)
@@ -149,22 +165,19 @@ class NodeCache:
         step = self.tree.page_bytes
         n = len(raw) // step
         self._check_kv(kv, n)
-        path = self.tree.walk(keyer.root, raw)
-        m = len(path)
+        path, m = self.tree.walk(keyer.root, raw)
+        if path and m < path[-1].end:
+            self.tree.split_at(path, m)
+            path.pop()
         # Leaving the tree below a node that has other children makes a branch
         # point: a likely continuation, so SWA keeps its window too.
         branch = m if path and path[-1].children and m < n else 0
-        keep = {p: list(pol.store_positions(n, branch)) for p, pol in self.policies.items()}
-        todo = {p: [i for i in pos if i >= m or path[i].slots[Tier.DEVICE][p] == ABSENT]
-                for p, pos in keep.items()}
+        keep = {p: pol.store_positions(n, branch) for p, pol in self.policies.items()}
+        todo = {p: _missing_on_device(path, pos, m, p) for p, pos in keep.items()}
         if not any(todo.values()):
             self.tree.touch(path)
             return 0
-        held = {p: [path[i] for i in pos if i < m] for p, pos in keep.items()}
-        primary = held[self.layout.pools[0]]   # the pool whose pages keep a node alive
-        if path and path[-1] not in primary[-1:]:
-            primary.append(path[-1])   # new nodes hang below it: eviction must not prune it
-        guard = self._lock_nodes(held)
+        guard = self._guard(path, keep, m)
         txn = self.transaction()
         try:
             got = txn.reserve_all({(p, Tier.DEVICE): len(pos) for p, pos in todo.items()})
@@ -173,19 +186,31 @@ class NodeCache:
             self._stats.put_failures += 1
             return 0
         txn.seal()
-        parent = path[-1] if path else self.tree.root(keyer.root)
-        new_keys = keyer.chain(raw, parent.key, m)
-        nodes = path + txn.attach_chain(parent, new_keys, [raw[i * step:(i + 1) * step] for i in range(m, n)])
+        nodes = list(path)
+        if m < n:
+            parent = path[-1] if path else self.tree.root(keyer.root)
+            prev = parent.keys[-1]
+            nodes.append(txn.attach(parent, keyer.chain(raw, prev, m), raw[m * step:n * step]))
         for pool, positions in todo.items():
             pages = got[(pool, Tier.DEVICE)]
             self._write(pool, pages, kv, positions)
-            txn.place_many([nodes[i] for i in positions], Tier.DEVICE, pool, pages)
+            for node, offsets, chunk in _by_node(nodes, positions, pages):
+                txn.place(node, Tier.DEVICE, pool, offsets, chunk)
         txn.commit()
         self.unlock(guard)
         self.tree.touch(nodes)
         self._stats.inserted_pages += n - m
-        self.tiers.after_insert(nodes[m:])
+        self.tiers.after_insert(nodes[len(path):])
         return n - m
+
+    def _guard(self, path: list[Node], keep: dict[PoolName, Sequence[int]], m: int) -> PrefixLock:
+        """Lock what a put keeps of the existing path while it makes room."""
+        held = {pool: [x for x in path if bisect_left(positions, x.start) < bisect_left(positions, x.end)]
+                for pool, positions in keep.items()}
+        primary = held[self.layout.pools[0]]   # the pool whose pages keep a node alive
+        if path and path[-1] not in primary[-1:]:
+            primary.append(path[-1])   # new nodes hang below it: eviction must not prune it
+        return self._lock_nodes(held)
 
     def _write(self, pool: PoolName, pages: list[int], kv, positions: list[int]) -> None:
         dst = self.registry.pool(pool, Tier.DEVICE)
@@ -193,6 +218,7 @@ class NodeCache:
             return
         dst.data.index_copy_(0, dst.index_tensor(pages), pack(self.layout, pool, kv, positions).to(dst.data.device))
 
+    # --- get -------------------------------------------------------------------------
     def get(self, tokens: Sequence[int], namespace: str) -> CachedKV:
         """The usable cached prefix of `tokens` and its K/V, loaded to device first."""
         match = self.match(tokens, namespace)
@@ -202,20 +228,23 @@ class NodeCache:
         if n == 0:
             return self._empty()
         guard = self.lock(match)
+        path = [x for x in match.path if x.start < n]
         try:
-            needs = {p: [match.path[i] for i in pol.needed(n)] for p, pol in self.policies.items()}
-            host_only = {id(x) for p, nodes in needs.items() for x in nodes
-                         if x.slots[Tier.DEVICE][p] == ABSENT}
+            needs = {p: _groups(path, pol.needed(n)) for p, pol in self.policies.items()}
+            host_only = {(p, x.start + j) for p, groups in needs.items() for x, offs in groups
+                         for j in offs if not x.page_has(j, p, (Tier.DEVICE,))}
             if not self.tiers.load_back(needs):
                 self._stats.load_back_failures += 1
-                n, host_only = match.device_pages, set()
-            self._stats.hit_pages_host += len(host_only)
-            self._stats.hit_pages_device += n - len(host_only)
-            out = self._gather(match.path, n)
+                n, host_only = self._usable(path, n, (Tier.DEVICE,)), set()
+            host_pages = len({pos for _, pos in host_only})
+            self._stats.hit_pages_host += host_pages
+            self._stats.hit_pages_device += n - host_pages
+            out = self._gather(path, n)
         finally:
             self.unlock(guard)
-        self.tree.touch(match.path[:n], hit=True)
-        self.tiers.after_hit(match.path[:n])
+        used = [x for x in path if x.start < n]
+        self.tree.touch(used, hit=True)
+        self.tiers.after_hit(used)
         return out
 
     def _gather(self, path: list[Node], n: int) -> CachedKV:
@@ -223,10 +252,11 @@ class NodeCache:
         layers: list[torch.Tensor | None] = [None] * len(self.layout.layers)
         for pool, policy in self.policies.items():
             src = self.registry.pool(pool, Tier.DEVICE)
-            if src.data is None:
+            if src.data is None or n == 0:
                 continue
-            index = src.index_tensor([path[i].slots[Tier.DEVICE][pool] for i in policy.needed(n)])
-            for li, t in zip(self.layout.layers_of(pool), unpack(src.data.index_select(0, index))):
+            indices = [x.slots[Tier.DEVICE][pool][j] for x, offs in _groups(path, policy.needed(n)) for j in offs]
+            pages = src.data.index_select(0, src.index_tensor(indices))
+            for li, t in zip(self.layout.layers_of(pool), unpack(pages)):
                 layers[li] = t
         swa = self.policies.get(PoolName.SWA)
         return CachedKV(n * ps, swa.needed(n).start * ps if swa else 0, layers)
@@ -270,3 +300,40 @@ class NodeCache:
     def snapshot(self) -> tuple:
         from .check import snapshot
         return snapshot(self)
+
+
+def _missing_on_device(path: list[Node], positions: Sequence[int], m: int, pool: PoolName) -> list[int]:
+    """Which of sorted `positions` lack a device page in `pool`: all from m on."""
+    out: list[int] = []
+    i = 0
+    for node in path:
+        j = bisect_left(positions, node.end, i)
+        pages = node.slots[Tier.DEVICE][pool]
+        if pages is None:
+            out.extend(positions[i:j])
+        elif ABSENT in pages:
+            out.extend(p for p in positions[i:j] if pages[p - node.start] == ABSENT)
+        i = j
+    out.extend(positions[i:])    # past the path: new pages
+    return out
+
+
+def _groups(path: list[Node], positions: range) -> list[tuple[Node, list[int]]]:
+    """Positions of a range, as (node, offsets in its run) along `path`."""
+    out = []
+    for node in path:
+        lo, hi = max(positions.start, node.start), min(positions.stop, node.end)
+        if lo < hi:
+            out.append((node, list(range(lo - node.start, hi - node.start))))
+    return out
+
+
+def _by_node(nodes: list[Node], positions: Sequence[int], pages: Sequence[int]):
+    """Split sorted `positions` and their `pages` by the node holding each position."""
+    i = 0
+    for node in nodes:
+        j = bisect_left(positions, node.end, i)
+        if j > i:
+            start = node.start
+            yield node, [p - start for p in positions[i:j]], pages[i:j]
+        i = j

@@ -1,12 +1,18 @@
 """One policy per attention type: which pages a match needs, what to store,
 what may be evicted. Full attention and sliding window are two small classes
-behind one interface, so the rest of the cache has no `if swa:` branches."""
+behind one interface, so the rest of the cache has no `if swa:` branches.
+
+A path is the list of nodes from the namespace root; page position p lies in
+the node with start <= p < end."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
 from .layout import KVLayout, PoolName, Tier
-from .radix import ABSENT, TIERS, Node, RadixTree
+from .radix import TIERS, Node, RadixTree
+
+# An eviction group: (*priority, tiebreak, node, offsets in the node's run).
+Group = tuple
 
 
 class AttentionPolicy(ABC):
@@ -22,24 +28,26 @@ class AttentionPolicy(ABC):
 
     @abstractmethod
     def store_positions(self, length: int, branch: int) -> range | list[int]:
-        """Positions to store when inserting `length` pages that leave the tree at `branch`."""
+        """Positions to store when inserting `length` pages that branch off at `branch` (0: none)."""
 
     @abstractmethod
     def is_evictable(self, node: Node, tier: Tier, keep_copy: bool = False) -> bool:
-        """May `node`'s page on `tier` go? `keep_copy`: a copy will be kept on the other tier."""
+        """May `node`'s pages on `tier` go? `keep_copy`: a copy will be kept on the other tier."""
 
     @abstractmethod
-    def priority(self, node: Node) -> tuple:
-        """Eviction order: lowest first; ends with a unique tiebreak."""
+    def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[Group]:
+        """Eviction groups, lowest priority evicted first."""
 
-    def candidates(self, tree: RadixTree, tier: Tier, keep_copy: bool = False) -> list[tuple]:
-        """(*priority, node) for every evictable node."""
-        return [(*self.priority(n), n) for n in tree.nodes() if self.is_evictable(n, tier, keep_copy)]
+    def group(self, node: Node, tier: Tier) -> Group:
+        """The group a node becomes once its children are gone (FULL cascades)."""
+        pages = node.slots[tier][self.pool]
+        return (node.last_access, -node.start, node.keys[0], node, list(range(len(pages))))
 
 
 class FullAttentionPolicy(AttentionPolicy):
-    """Every page before L is needed; full KV obeys prefix closure, so only
-    leaves (or pages with a copy on the other tier) may be dropped."""
+    """Every page before L is needed. Full KV obeys prefix closure and moves a
+    whole node at a time, so only leaves (or nodes keeping a copy on the other
+    tier) may drop it."""
     pool = PoolName.FULL
 
     def needed(self, length: int) -> range:
@@ -49,9 +57,11 @@ class FullAttentionPolicy(AttentionPolicy):
         if len(tiers) == len(TIERS):
             return limit  # every node in the tree holds full KV on some tier
         (tier,) = tiers
-        for i in range(limit):
-            if path[i].slots[tier][PoolName.FULL] == ABSENT:
-                return i
+        for node in path:
+            if node.start >= limit:
+                break
+            if node.slots[tier][PoolName.FULL] is None:
+                return node.start
         return limit
 
     def store_positions(self, length: int, branch: int) -> range:
@@ -59,21 +69,21 @@ class FullAttentionPolicy(AttentionPolicy):
 
     def is_evictable(self, node: Node, tier: Tier, keep_copy: bool = False) -> bool:
         s = node.slots
-        if s[tier][PoolName.FULL] == ABSENT or node.locks[PoolName.FULL]:
+        if s[tier][PoolName.FULL] is None or node.locks[PoolName.FULL]:
             return False
-        if keep_copy or s[1 - tier][PoolName.FULL] != ABSENT:
+        if keep_copy or s[1 - tier][PoolName.FULL] is not None:
             return True  # demotion: another copy keeps the chain closed
         return not node.children and not node.locks[PoolName.SWA]
 
-    def priority(self, node: Node) -> tuple:
-        return (node.last_access, -node.depth, node.key)
+    def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[Group]:
+        return [self.group(n, tier) for n in tree.nodes() if self.is_evictable(n, tier, keep_copy)]
 
 
 class SlidingWindowPolicy(AttentionPolicy):
     """Only the pages covering the last `window` tokens before L are needed.
 
     SWA pages away from every likely continuation point (a sequence end or a
-    branch point, the "anchors") are tombstoned first: full KV stays."""
+    branch point, the "anchors") are tombstoned first; full KV stays."""
     pool = PoolName.SWA
 
     def __init__(self, layout: KVLayout) -> None:
@@ -85,8 +95,7 @@ class SlidingWindowPolicy(AttentionPolicy):
     def usable(self, path: list[Node], limit: int, tiers: tuple[Tier, ...] = TIERS) -> int:
         length = limit
         while length > 0:
-            gap = next((i for i in reversed(self.needed(length))
-                        if all(path[i].slots[t][PoolName.SWA] == ABSENT for t in tiers)), None)
+            gap = _last_gap(path, self.needed(length), tiers)
             if gap is None:
                 return length
             length = gap
@@ -99,34 +108,56 @@ class SlidingWindowPolicy(AttentionPolicy):
         return sorted(keep)
 
     def is_evictable(self, node: Node, tier: Tier, keep_copy: bool = False) -> bool:
-        return node.slots[tier][PoolName.SWA] != ABSENT and not node.locks[PoolName.SWA]
+        return node.slots[tier][PoolName.SWA] is not None and not node.locks[PoolName.SWA]
 
-    def priority(self, node: Node) -> tuple:
-        below, steps = node, 0
-        while len(below.children) == 1 and steps < self.window_pages:
-            (below,) = below.children.values()
-            steps += 1
-        return (steps < self.window_pages, node.last_access, node.key)
+    def group(self, node: Node, tier: Tier) -> Group:
+        pages = node.slots[tier][PoolName.SWA]
+        return (True, node.last_access, node.keys[0], node, [j for j, p in enumerate(pages) if p >= 0])
 
-    def candidates(self, tree: RadixTree, tier: Tier, keep_copy: bool = False) -> list[tuple]:
-        # One bottom-up pass instead of a walk down per candidate.
-        dist = _distance_to_anchor(tree)
-        w = self.window_pages
-        return [(dist[id(n)] < w, n.last_access, n.key, n)
-                for n in tree.nodes() if self.is_evictable(n, tier)]
+    def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[Group]:
+        below = _pages_to_anchor(tree)
+        out = []
+        for node in tree.nodes():
+            if not self.is_evictable(node, tier):
+                continue
+            pages = node.slots[tier][PoolName.SWA]
+            # Page j is (n-1-j) + below pages above the nearest anchor: within a
+            # window of it, the page serves a likely continuation.
+            cut = node.n - max(0, self.window_pages - below[id(node)])
+            present = [j for j, p in enumerate(pages) if p >= 0]
+            far = [j for j in present if j < cut]
+            near = [j for j in present if j >= cut]
+            for anchored, offsets in ((False, far), (True, near)):
+                if offsets:
+                    out.append((anchored, node.last_access, node.keys[0], node, offsets))
+        return out
 
 
-def _distance_to_anchor(tree: RadixTree) -> dict[int, int]:
-    """Per node, how many single-child steps down to a leaf or branch point."""
+def _last_gap(path: list[Node], positions: range, tiers: tuple[Tier, ...]) -> int | None:
+    """The last position in `positions` whose SWA page is on none of `tiers`."""
+    lo, hi = positions.start, positions.stop
+    for node in reversed(path):
+        if node.start >= hi:
+            continue
+        if node.end <= lo:
+            break
+        for p in range(min(hi, node.end) - 1, max(lo, node.start) - 1, -1):
+            if not node.page_has(p - node.start, PoolName.SWA, tiers):
+                return p
+    return None
+
+
+def _pages_to_anchor(tree: RadixTree) -> dict[int, int]:
+    """Per node, pages between its run's end and the nearest leaf or branch point below."""
     order = list(tree.nodes())
-    dist: dict[int, int] = {}
+    below: dict[int, int] = {}
     for node in reversed(order):  # children come after parents in `order`
         if len(node.children) == 1:
             (child,) = node.children.values()
-            dist[id(node)] = dist[id(child)] + 1
+            below[id(node)] = child.n + below[id(child)]
         else:
-            dist[id(node)] = 0
-    return dist
+            below[id(node)] = 0
+    return below
 
 
 def policies_for(layout: KVLayout) -> dict[PoolName, AttentionPolicy]:

@@ -77,6 +77,8 @@ class PoolRegistry:
 
     def __init__(self, entries: Mapping[PoolName, PoolEntry]) -> None:
         self._entries = dict(sorted(entries.items()))
+        # Indexed by pool number: hashing an enum member costs a Python call.
+        self._by_index: list[PoolEntry | None] = [entries.get(p) for p in PoolName]
 
     @classmethod
     def build(cls, layout: KVLayout, capacities: Mapping[PoolName, PoolCapacity],
@@ -96,7 +98,10 @@ class PoolRegistry:
         return cls(entries)
 
     def __getitem__(self, name: PoolName) -> PoolEntry:
-        return self._entries[name]
+        entry = self._by_index[name]
+        if entry is None:
+            raise KeyError(name)
+        return entry
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
@@ -109,7 +114,7 @@ class PoolRegistry:
         return tuple(self._entries)
 
     def pool(self, name: PoolName, tier: Tier) -> PagePool:
-        return self._entries[name].tier(tier)
+        return self[name].tier(tier)
 
 
 def _make_pool(layout: KVLayout, name: PoolName, tier: Tier, capacity: int,

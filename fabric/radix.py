@@ -1,19 +1,22 @@
-"""The radix tree over pages: one node per page, one subtree per namespace.
+"""The radix tree over pages: one node per run of pages, one subtree per namespace.
 
-A node is found two ways: by walking children keyed by the page's token bytes
-(cheap, no hashing of a prefix already cached), or by its chained page key
-(`by_key`, for peers and the index, which speak in keys). A node records, per
-tier and pool, the page index holding its KV (or ABSENT), lock counts per
-pool, last access and hit count. Every mutation goes through `set_slot`,
-`drop_slot`, `attach_chain` and `detach`, which keep the owned/protected
-counters right and, when a journal is given, record how to undo themselves.
+A node holds a run of whole pages: their chained keys, their token bytes, and
+per tier and pool a list of page indices (or None where the tier holds none
+of the run's pages in that pool). Full KV moves between tiers a whole node at
+a time; SWA pages can be tombstoned one by one (ABSENT in the list). Locks
+are per node: a lock that ends inside a run splits the run first.
+
+A node is found two ways: by walking children keyed by the first page's token
+bytes (no hashing of a prefix already cached), or by any page's chained key
+(`by_key`, for peers and the index, which speak in keys). Every mutation goes
+through the methods below, which keep the owned/protected page counters right
+and, when a journal is given, record how to undo themselves.
 """
 from __future__ import annotations
 
 from typing import Callable, Iterator, Protocol
 
 from .layout import PoolName, Tier
-from .pools import PoolRegistry
 
 ABSENT = -1
 TIERS = (Tier.DEVICE, Tier.HOST)
@@ -24,69 +27,103 @@ class Journal(Protocol):
 
 
 class Node:
-    __slots__ = ("key", "page", "parent", "children", "depth", "slots", "locks", "last_access", "hits")
+    __slots__ = ("keys", "tokens", "parent", "children", "start", "end", "slots", "locks",
+                 "last_access", "hits")
 
-    def __init__(self, key: bytes, page: bytes, parent: "Node | None", depth: int) -> None:
-        self.key = key              # chained page key (namespace root key for a root)
-        self.page = page            # this page's token bytes
+    def __init__(self, keys: list[bytes], tokens: bytes, parent: "Node | None", start: int) -> None:
+        self.keys = keys                # chained key of each page (a root: [namespace root key])
+        self.tokens = tokens            # token bytes of the run
         self.parent = parent
         self.children: dict[bytes, Node] = {}
-        self.depth = depth
-        self.slots = [[ABSENT, ABSENT], [ABSENT, ABSENT]]   # [tier][pool] -> page index
-        self.locks = [0, 0]                                  # per pool
+        self.start = start              # position of the run's first page in the sequence
+        self.end = start + len(keys) if parent is not None else 0
+        self.slots: list[list[list[int] | None]] = [[None, None], [None, None]]   # [tier][pool]
+        self.locks = [0, 0]             # per pool, for every page of the run
         self.last_access = 0
         self.hits = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.keys) if self.parent is not None else 0
 
     @property
     def is_root(self) -> bool:
         return self.parent is None
 
     def has(self, pool: PoolName, tiers: tuple[Tier, ...] = TIERS) -> bool:
-        s = self.slots
-        return any(s[t][pool] != ABSENT for t in tiers)
+        """Whether any page of the run holds `pool` KV on one of `tiers`."""
+        return any(self.slots[t][pool] is not None for t in tiers)
+
+    def page_has(self, offset: int, pool: PoolName, tiers: tuple[Tier, ...] = TIERS) -> bool:
+        for t in tiers:
+            pages = self.slots[t][pool]
+            if pages is not None and pages[offset] != ABSENT:
+                return True
+        return False
+
+    def count(self, tier: Tier, pool: PoolName) -> int:
+        pages = self.slots[tier][pool]
+        return 0 if pages is None else len(pages) - pages.count(ABSENT)
 
     def __repr__(self) -> str:
-        return f"Node(depth={self.depth}, key={self.key.hex()[:8]}, slots={self.slots}, locks={self.locks})"
+        return (f"Node(start={self.start}, n={self.n}, key={self.keys[0].hex()[:8]}, "
+                f"slots={self.slots}, locks={self.locks})")
 
 
 class RadixTree:
-    def __init__(self, registry: PoolRegistry, page_bytes: int) -> None:
-        self.registry = registry
+    def __init__(self, page_bytes: int, free_page: Callable[[PoolName, Tier, list[int]], None],
+                 take_page: Callable[[PoolName, Tier, list[int]], None]) -> None:
         self.page_bytes = page_bytes
-        self.roots: dict[bytes, Node] = {}       # namespace root key -> root (holds no pages)
-        self.by_key: dict[bytes, Node] = {}
+        self._free, self._take = free_page, take_page
+        self.roots: dict[bytes, Node] = {}                 # namespace root key -> root
+        self.by_key: dict[bytes, Node] = {}    # page key -> the node whose run holds it
         self.clock = 0
         self.node_count = 0
         self.owned = [[0, 0], [0, 0]]       # [tier][pool] pages held by nodes
         self.protected = [[0, 0], [0, 0]]   # [tier][pool] pages held by locked nodes
 
     # --- reading -----------------------------------------------------------------
-    def walk(self, root_key: bytes, raw: bytes) -> list[Node]:
-        """Nodes along the whole pages of encoded tokens `raw`, up to the first miss."""
+    def walk(self, root_key: bytes, raw: bytes) -> tuple[list[Node], int]:
+        """Nodes along the whole pages of encoded tokens `raw`, and how many pages
+        matched (the last node may match only part of its run)."""
         path: list[Node] = []
         node = self.roots.get(root_key)
-        if node is None:
-            return path
-        step = self.page_bytes
-        for off in range(0, len(raw) - step + 1, step):
+        step, off, end = self.page_bytes, 0, len(raw) - len(raw) % self.page_bytes
+        while node is not None and off < end:
             node = node.children.get(raw[off:off + step])
             if node is None:
                 break
             path.append(node)
-        return path
+            size = len(node.tokens)
+            if raw[off:off + size] == node.tokens:
+                off += size
+                continue
+            k = 1
+            while off + (k + 1) * step <= end and raw[off + k * step:off + (k + 1) * step] == \
+                    node.tokens[k * step:(k + 1) * step]:
+                k += 1
+            return path, node.start + k
+        return path, off // step
 
-    def walk_keys(self, keys: list[bytes]) -> list[Node]:
-        """Nodes named by a chain of page keys, up to the first key not held."""
+    def walk_keys(self, keys: list[bytes]) -> tuple[list[Node], int]:
+        """The same for a chain of page keys, up to the first key not held here."""
         path: list[Node] = []
-        for k in keys:
+        for i, k in enumerate(keys):
             node = self.by_key.get(k)
             if node is None:
                 break
-            linked = node.parent is path[-1] if path else node.parent.is_root
-            if not linked:
+            offset = i - node.start
+            if not 0 <= offset < node.n or node.keys[offset] != k:
                 break
-            path.append(node)
-        return path
+            if offset == 0:
+                if (node.parent is not path[-1]) if path else not node.parent.is_root:
+                    break
+                path.append(node)
+            elif not path or path[-1] is not node:
+                break
+        else:
+            return path, len(keys)
+        return path, i
 
     def nodes(self) -> Iterator[Node]:
         """Every page node, parents before children."""
@@ -100,87 +137,118 @@ class RadixTree:
         self.clock += 1
         return self.clock
 
-    def touch(self, path: list[Node], hit: bool = False) -> None:
+    def touch(self, nodes: list[Node], hit: bool = False) -> None:
         now = self.tick()
-        for node in path:
+        for node in nodes:
             node.last_access = now
-            if hit:
-                node.hits += 1
+            node.hits += hit
 
     # --- structure -----------------------------------------------------------------
     def root(self, root_key: bytes) -> Node:
         node = self.roots.get(root_key)
         if node is None:
-            node = self.roots[root_key] = Node(root_key, b"", None, 0)
+            node = self.roots[root_key] = Node([root_key], b"", None, 0)
         return node
 
-    def attach_chain(self, parent: Node, keys: list[bytes], pages: list[bytes],
-                     journal: Journal | None) -> list[Node]:
-        """Add a chain of new nodes below `parent`, one per (key, page)."""
-        out = []
-        now, by_key, top = self.clock, self.by_key, parent
-        for key, page in zip(keys, pages):
-            node = Node(key, page, parent, parent.depth + 1)
-            node.last_access = now
-            parent.children[page] = node
-            by_key[key] = node
-            out.append(node)
-            parent = node
-        self.node_count += len(out)
-        if journal is not None and out:
-            def undo() -> None:
-                for node in reversed(out):
-                    self.detach(node, None)
-            journal.record(undo)
-        return out
+    def attach(self, parent: Node, keys: list[bytes], tokens: bytes, journal: Journal | None) -> Node:
+        node = Node(keys, tokens, parent, parent.end)
+        node.last_access = self.clock
+        parent.children[tokens[:self.page_bytes]] = node
+        self.by_key.update(dict.fromkeys(keys, node))
+        self.node_count += 1
+        if journal is not None:
+            journal.record(lambda: self.detach(node, None))
+        return node
 
     def detach(self, node: Node, journal: Journal | None) -> None:
-        assert not node.children and not any(node.has(p) for p in PoolName), node
+        assert not node.children and not any(node.slots[t][p] for t in TIERS for p in PoolName), node
         parent = node.parent
-        del parent.children[node.page]
-        del self.by_key[node.key]
+        del parent.children[node.tokens[:self.page_bytes]]
+        for k in node.keys:
+            del self.by_key[k]
         self.node_count -= 1
         if parent.is_root and not parent.children:
-            del self.roots[parent.key]
+            del self.roots[parent.keys[0]]
         if journal is not None:
             journal.record(lambda: self._reattach(node))
 
     def _reattach(self, node: Node) -> None:
         parent = node.parent
         if parent.is_root:
-            self.roots.setdefault(parent.key, parent)
-        parent.children[node.page] = node
-        self.by_key[node.key] = node
+            self.roots.setdefault(parent.keys[0], parent)
+        parent.children[node.tokens[:self.page_bytes]] = node
+        self.by_key.update(dict.fromkeys(node.keys, node))
         self.node_count += 1
 
-    # --- pages -----------------------------------------------------------------------
-    def set_slot(self, node: Node, tier: Tier, pool: PoolName, index: int,
-                 journal: Journal | None) -> None:
-        """Give an already-allocated page to `node` (the tree now owns it)."""
-        assert node.slots[tier][pool] == ABSENT, (node, tier, pool)
-        node.slots[tier][pool] = index
-        self._count(node, tier, pool, +1)
-        if journal is not None:
-            journal.record(lambda: self._clear(node, tier, pool))
+    def split(self, node: Node, k: int) -> Node:
+        """Cut `node`'s run after its first k pages; returns the new head node.
 
-    def drop_slot(self, node: Node, tier: Tier, pool: PoolName, journal: Journal | None) -> int:
-        """Free `node`'s page in (tier, pool) back to its allocator."""
-        index = node.slots[tier][pool]
-        assert index != ABSENT, (node, tier, pool)
-        self._clear(node, tier, pool)
-        allocator = self.registry.pool(pool, tier).allocator
-        allocator.free([index])
+        Structure only: pages, locks and the per-page view are unchanged, so
+        splits need no undo."""
+        assert 0 < k < node.n, (node, k)
+        step = self.page_bytes
+        head = Node(node.keys[:k], node.tokens[:k * step], node.parent, node.start)
+        head.locks = list(node.locks)
+        head.last_access, head.hits = node.last_access, node.hits
+        for t in TIERS:
+            for p in PoolName:
+                pages = node.slots[t][p]
+                if pages is not None:
+                    head.slots[t][p] = _none_if_empty(pages[:k])
+                    node.slots[t][p] = _none_if_empty(pages[k:])
+        node.parent.children[node.tokens[:step]] = head
+        node.keys, node.tokens, node.start, node.parent = node.keys[k:], node.tokens[k * step:], node.start + k, head
+        head.children[node.tokens[:step]] = node
+        self.by_key.update(dict.fromkeys(head.keys, head))
+        self.node_count += 1
+        return head
+
+    def split_at(self, path: list[Node], position: int) -> None:
+        """Make `position` a node boundary on `path` (which covers it)."""
+        for i, node in enumerate(path):
+            if node.start < position < node.end:
+                path.insert(i, self.split(node, position - node.start))
+                return
+
+    # --- pages -----------------------------------------------------------------------
+    def set_pages(self, node: Node, tier: Tier, pool: PoolName, offsets: list[int],
+                  pages: list[int], journal: Journal | None) -> None:
+        """Give already-allocated pages to `node` at `offsets` (the tree now owns them)."""
+        current = node.slots[tier][pool]
+        if current is None and len(offsets) == node.n:   # a whole run, in order
+            node.slots[tier][pool] = list(pages)
+        else:
+            if current is None:
+                current = node.slots[tier][pool] = [ABSENT] * node.n
+            for off, index in zip(offsets, pages):
+                assert current[off] == ABSENT, (node, tier, pool, off)
+                current[off] = index
+        self._count(node, tier, pool, len(pages))
+        if journal is not None:
+            journal.record(lambda: self._clear(node, tier, pool, offsets))
+
+    def drop_pages(self, node: Node, tier: Tier, pool: PoolName, offsets: list[int],
+                   journal: Journal | None) -> list[int]:
+        """Free `node`'s pages at `offsets` in (tier, pool) back to their allocator."""
+        pages = self._clear(node, tier, pool, offsets)
+        self._free(pool, tier, pages)
         if journal is not None:
             def undo() -> None:
-                allocator.take([index])
-                node.slots[tier][pool] = index
-                self._count(node, tier, pool, +1)
+                self._take(pool, tier, pages)
+                self.set_pages(node, tier, pool, offsets, pages, None)
             journal.record(undo)
-        return index
+        return pages
 
-    def _clear(self, node: Node, tier: Tier, pool: PoolName) -> None:
-        node.slots[tier][pool] = ABSENT
-        self._count(node, tier, pool, -1)
+    def _clear(self, node: Node, tier: Tier, pool: PoolName, offsets: list[int]) -> list[int]:
+        current = node.slots[tier][pool]
+        pages = [current[off] for off in offsets]
+        assert ABSENT not in pages, (node, tier, pool, offsets)
+        for off in offsets:
+            current[off] = ABSENT
+        if current.count(ABSENT) == len(current):
+            node.slots[tier][pool] = None
+        self._count(node, tier, pool, -len(pages))
+        return pages
 
     def _count(self, node: Node, tier: Tier, pool: PoolName, delta: int) -> None:
         self.owned[tier][pool] += delta
@@ -199,5 +267,8 @@ class RadixTree:
             if (before == 0) != (after == 0):
                 sign = 1 if after else -1
                 for t in TIERS:
-                    if node.slots[t][pool] != ABSENT:
-                        self.protected[t][pool] += sign
+                    self.protected[t][pool] += sign * node.count(t, pool)
+
+
+def _none_if_empty(pages: list[int]) -> list[int] | None:
+    return None if pages.count(ABSENT) == len(pages) else pages

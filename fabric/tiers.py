@@ -53,45 +53,56 @@ class TierController:
 
     def backup(self, nodes: list[Node]) -> bool:
         """Copy device pages lacking a host copy to host, whole or not at all."""
-        todo = self._missing(nodes, have=Tier.DEVICE, want=Tier.HOST)
-        if not todo:
+        todo = {}
+        for pool in self.registry.names:
+            if self.registry.pool(pool, Tier.HOST).capacity:
+                groups = [(n, _lacking(n, pool, have=Tier.DEVICE, want=Tier.HOST)) for n in nodes]
+                todo[pool] = [(n, offs) for n, offs in groups if offs]
+        if not any(todo.values()):
             return True
         ok = self._move(todo, Tier.DEVICE, Tier.HOST)
-        self.backed_up += ok * sum(len(v) for v in todo.values())
+        self.backed_up += ok * _size(todo)
         self.backup_failures += not ok
         return ok
 
-    def load_back(self, needs: dict[PoolName, list[Node]]) -> bool:
-        """Give every node in `needs[pool]` a device copy of its `pool` page."""
-        todo = {p: [n for n in nodes if n.slots[Tier.DEVICE][p] == ABSENT] for p, nodes in needs.items()}
-        todo = {p: nodes for p, nodes in todo.items() if nodes}
-        if not todo:
+    def load_back(self, needs: dict[PoolName, list[tuple[Node, list[int]]]]) -> bool:
+        """Give every (node, offsets) in `needs[pool]` a device copy of those pages."""
+        todo = {}
+        for pool, groups in needs.items():
+            lacking = [(n, [j for j in offs if not n.page_has(j, pool, (Tier.DEVICE,))]) for n, offs in groups]
+            todo[pool] = [(n, offs) for n, offs in lacking if offs]
+        if not any(todo.values()):
             return True
         ok = self._move(todo, Tier.HOST, Tier.DEVICE)
-        self.loaded_back += ok * sum(len(v) for v in todo.values())
+        self.loaded_back += ok * _size(todo)
         return ok
 
-    def _missing(self, nodes: list[Node], have: Tier, want: Tier) -> dict[PoolName, list[Node]]:
-        out = {}
-        for pool in self.registry.names:
-            if self.registry.pool(pool, want).capacity == 0:
-                continue
-            todo = [n for n in nodes if n.slots[have][pool] != ABSENT and n.slots[want][pool] == ABSENT]
-            if todo:
-                out[pool] = todo
-        return out
-
-    def _move(self, todo: dict[PoolName, list[Node]], src: Tier, dst: Tier) -> bool:
+    def _move(self, todo: dict[PoolName, list[tuple[Node, list[int]]]], src: Tier, dst: Tier) -> bool:
         txn = self._begin()
         try:
-            got = txn.reserve_all({(p, dst): len(nodes) for p, nodes in todo.items()})
+            got = txn.reserve_all({(p, dst): _size({p: groups}) for p, groups in todo.items()})
         except ReservationFailed:
             return False
-        for pool, nodes in todo.items():
-            # A node may have lost its source copy to eviction during the reservation.
-            pairs = [(n, i) for n, i in zip(nodes, got[(pool, dst)]) if n.slots[src][pool] != ABSENT]
-            txn.defer_copy(pool, src, [n.slots[src][pool] for n, _ in pairs], dst, [i for _, i in pairs])
-            for node, index in pairs:
-                txn.place(node, dst, pool, index)
+        for pool, groups in todo.items():
+            pages = iter(got[(pool, dst)])
+            for node, offsets in groups:
+                # A page may have lost its source copy to eviction during the reservation.
+                source = node.slots[src][pool]
+                offsets = [j for j in offsets if source is not None and source[j] != ABSENT]
+                mine = [next(pages) for _ in offsets]
+                if offsets:
+                    txn.defer_copy(pool, src, [source[j] for j in offsets], dst, mine)
+                    txn.place(node, dst, pool, offsets, mine)
         txn.commit()
         return True
+
+
+def _lacking(node: Node, pool: PoolName, have: Tier, want: Tier) -> list[int]:
+    src, dst = node.slots[have][pool], node.slots[want][pool]
+    if src is None:
+        return []
+    return [j for j, p in enumerate(src) if p != ABSENT and (dst is None or dst[j] == ABSENT)]
+
+
+def _size(todo: dict[PoolName, list[tuple[Node, list[int]]]]) -> int:
+    return sum(len(offs) for groups in todo.values() for _, offs in groups)

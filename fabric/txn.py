@@ -98,28 +98,22 @@ class Transaction:
         self._journal.clear()
         self.sealed = True
 
-    def place(self, node: Node, tier: Tier, pool: PoolName, index: int) -> None:
-        """Move a reserved page into a tree node."""
-        self.place_many([node], tier, pool, [index])
-
-    def place_many(self, nodes: list[Node], tier: Tier, pool: PoolName, pages: list[int]) -> None:
+    def place(self, node: Node, tier: Tier, pool: PoolName, offsets: list[int], pages: list[int]) -> None:
+        """Move reserved pages into `node` at `offsets` of its run."""
         owned = self.owned[pool][tier]
         if not owned.issuperset(pages) or len(set(pages)) != len(pages):
             raise ValueError(f"pages {sorted(set(pages) - owned)[:8]} of {pool.name}/{tier.name} "
                              f"are not reserved by this transaction")
         owned.difference_update(pages)
-        set_slot = self.tree.set_slot
-        for node, index in zip(nodes, pages):
-            set_slot(node, tier, pool, index, None)
+        self.tree.set_pages(node, tier, pool, offsets, pages, None)
 
         def undo() -> None:
-            for node, index in zip(nodes, pages):
-                self.tree._clear(node, tier, pool)
+            self.tree._clear(node, tier, pool, offsets)
             owned.update(pages)
         self.record(undo)
 
-    def attach_chain(self, parent: Node, keys: list[bytes], pages: list[bytes]) -> list[Node]:
-        return self.tree.attach_chain(parent, keys, pages, self)
+    def attach(self, parent: Node, keys: list[bytes], tokens: bytes) -> Node:
+        return self.tree.attach(parent, keys, tokens, self)
 
     def commit(self) -> None:
         self.seal()

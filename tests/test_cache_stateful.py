@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fabric import (AllocationFaults, KVLayout, NodeCache, PoolCapacity, PoolName, Tier, TierConfig,
                     WritePolicy)
+from fabric.node_cache import _groups
 from tests.kvgen import prefix_kv
 
 LAYOUTS = {
@@ -102,7 +103,8 @@ class CacheMachine(RuleBasedStateMachine):
             return
         guard = self.cache.lock(m)
         before = self.cache.snapshot()
-        needs = {p: [m.path[j] for j in pol.needed(m.pages)] for p, pol in self.cache.policies.items()}
+        path = [x for x in m.path if x.start < m.pages]
+        needs = {p: _groups(path, pol.needed(m.pages)) for p, pol in self.cache.policies.items()}
         injected = self.faults.injected
         self.faults.arm(point)
         ok = self.cache.tiers.load_back(needs)

@@ -63,8 +63,7 @@ def test_tombstoned_pages_serve_full_part_of_longer_match():
     cache = make()
     a = seq(6)
     put(cache, a)
-    path = cache.match(a, NS).path
-    assert [n.has(PoolName.SWA) for n in path] == [False] * 4 + [True] * 2
+    assert cache.presence(cache.match(a, NS), PoolName.SWA) == [False] * 4 + [True] * 2
     hit = cache.get(a + seq(1, 500), NS)
     assert hit.tokens == 24                  # full KV of tombstoned pages 0..3 is used
     assert_bytes(cache, a, hit)
@@ -127,14 +126,14 @@ def test_write_back_then_load_back_bytes():
 def test_write_through_and_selective():
     wt = make(policy=WritePolicy.WRITE_THROUGH)
     put(wt, seq(4))
-    assert all(n.has(PoolName.FULL, (Tier.HOST,)) for n in wt.match(seq(4), NS).path)
+    assert all(wt.presence(wt.match(seq(4), NS), PoolName.FULL, (Tier.HOST,)))
     sel = make(policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
     put(sel, seq(4))
-    path = sel.match(seq(4), NS).path
+    on_host = lambda: sel.presence(sel.match(seq(4), NS), PoolName.FULL, (Tier.HOST,))  # noqa: E731
     sel.get(seq(4), NS)
-    assert not any(n.has(PoolName.FULL, (Tier.HOST,)) for n in path)
+    assert not any(on_host())
     sel.get(seq(4), NS)                      # second hit reaches selective_hits=2
-    assert all(n.has(PoolName.FULL, (Tier.HOST,)) for n in path)
+    assert all(on_host())
     sel.check()
 
 
@@ -195,8 +194,8 @@ def test_checker_names_violations():
         cache.check()
     cache = make()
     put(cache, seq(3))
-    path = cache.match(seq(3), NS).path
-    path[1].slots[Tier.DEVICE][PoolName.FULL] = path[0].slots[Tier.DEVICE][PoolName.FULL]
+    pages = cache.match(seq(3), NS).path[0].slots[Tier.DEVICE][PoolName.FULL]
+    pages[1] = pages[0]
     with pytest.raises(InvariantError, match="owned twice"):
         cache.check()
     cache = make()
