@@ -1,9 +1,12 @@
 """fabric: the single-node core. No Ray here."""
 from .allocator import AllocatorError, OutOfPages, PageAllocator
 from .check import InvariantError
+from .exchange import (ExportGrant, FetchOutcome, GrantError, PageReader, PoolPages, ReadFailed,
+                       export_prefix, import_prefix)
 from .faults import AllocationFaults, InjectedFailure
-from .keys import PageKeyer, namespace_key
+from .keys import PageKeyer, encode_tokens, namespace_key
 from .layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
+from .leases import Lease, LeaseTable
 from .node_cache import CachedKV, CacheStats, Match, NodeCache, PrefixLock
 from .pages import PageCopier, TorchCopier, page_checksums
 from .policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
@@ -13,10 +16,12 @@ from .tiers import TierConfig, TierController, WritePolicy
 from .txn import ReservationFailed, Transaction, TransactionClosed
 
 __all__ = [
-    "AllocatorError", "OutOfPages", "PageAllocator", "InvariantError", "AllocationFaults",
-    "InjectedFailure", "PageKeyer", "namespace_key", "KVLayout", "LayerKind", "LayoutError",
-    "PoolName", "Tier", "CachedKV", "CacheStats", "Match", "NodeCache", "PrefixLock",
-    "PageCopier", "TorchCopier", "page_checksums", "AttentionPolicy", "FullAttentionPolicy",
+    "AllocatorError", "OutOfPages", "PageAllocator", "InvariantError", "ExportGrant",
+    "FetchOutcome", "GrantError", "PageReader", "PoolPages", "ReadFailed", "export_prefix",
+    "import_prefix", "AllocationFaults", "InjectedFailure", "PageKeyer", "encode_tokens",
+    "namespace_key", "KVLayout", "LayerKind", "LayoutError", "PoolName", "Tier", "Lease",
+    "LeaseTable", "CachedKV", "CacheStats", "Match", "NodeCache", "PrefixLock", "PageCopier",
+    "TorchCopier", "page_checksums", "AttentionPolicy", "FullAttentionPolicy",
     "SlidingWindowPolicy", "PagePool", "PoolCapacity", "PoolEntry", "PoolRegistry", "Node",
     "RadixTree", "TierConfig", "TierController", "WritePolicy", "ReservationFailed",
     "Transaction", "TransactionClosed",

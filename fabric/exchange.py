@@ -1,0 +1,232 @@
+"""Both ends of a remote prefix fetch, as one transaction on the destination.
+
+1. The source exports: it matches the keys, pins what a match of the length
+   it really has needs under a lease, and answers page locations and per-page
+   checksums (`ExportGrant`).
+2. The destination reserves what it lacks (FULL for every missing page, SWA
+   for the window), reads the pages through a caller-given `PageReader`,
+   verifies the checksums, and only then inserts. Any failure frees what it
+   reserved and inserts nothing; the caller releases the lease (or it expires).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Sequence
+
+from .keys import encode_tokens
+from .layout import PoolName, Tier
+from .leases import LeaseTable
+from .node_cache import NodeCache, _by_node, _groups
+from .pages import page_checksums
+from .txn import ReservationFailed
+
+GRANT_VERSION = 1
+
+# read(pool, [(source tier, source page)], [destination device page]); raises ReadFailed.
+PageReader = Callable[[PoolName, list[tuple[Tier, int]], list[int]], None]
+
+
+class ReadFailed(Exception):
+    """What a PageReader raises when pages could not be read (error, deadline, dead peer)."""
+
+
+class GrantError(ValueError):
+    """An export grant that does not fit this cache or this request."""
+
+
+class FetchOutcome(str, Enum):
+    COMMITTED = "committed"
+    NOTHING_TO_FETCH = "nothing_to_fetch"
+    NO_ROOM = "no_room"
+    TRANSFER_FAILED = "transfer_failed"
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    BAD_GRANT = "bad_grant"
+
+
+@dataclass(frozen=True)
+class PoolPages:
+    """Source locations of consecutive pages of one pool, from position `first`."""
+    first: int
+    tiers: tuple[int, ...]
+    indices: tuple[int, ...]
+    checksums: tuple[int, ...]
+
+    def at(self, position: int) -> tuple[Tier, int, int]:
+        i = position - self.first
+        return Tier(self.tiers[i]), self.indices[i], self.checksums[i]
+
+    def covers(self, position: int) -> bool:
+        return 0 <= position - self.first < len(self.indices)
+
+
+@dataclass(frozen=True)
+class ExportGrant:
+    lease_id: int                   # 0: nothing pinned
+    fingerprint: bytes
+    pages: int                      # usable pages the source has for the asked keys
+    keys: tuple[bytes, ...]         # keys of pages [0, pages)
+    pools: dict[PoolName, PoolPages] = field(default_factory=dict)
+    version: int = GRANT_VERSION
+
+    def to_wire(self) -> dict:
+        return {"v": self.version, "lease": self.lease_id, "fp": self.fingerprint, "pages": self.pages,
+                "keys": list(self.keys),
+                "pools": [[int(p), pp.first, list(pp.tiers), list(pp.indices), list(pp.checksums)]
+                          for p, pp in self.pools.items()]}
+
+    @classmethod
+    def from_wire(cls, msg: object) -> "ExportGrant":
+        """Validate a decoded message; raises GrantError naming what is wrong."""
+        try:
+            return _parse_grant(msg)
+        except (KeyError, TypeError, ValueError) as e:
+            raise GrantError(f"bad export grant: {e}") from None
+
+
+def _parse_grant(msg: object) -> ExportGrant:
+    if not isinstance(msg, dict) or set(msg) != {"v", "lease", "fp", "pages", "keys", "pools"}:
+        raise ValueError(f"fields must be v, lease, fp, pages, keys, pools; got {sorted(msg) if isinstance(msg, dict) else type(msg).__name__}")
+    if msg["v"] != GRANT_VERSION:
+        raise ValueError(f"version {msg['v']!r}, expected {GRANT_VERSION}")
+    lease, pages, keys = msg["lease"], msg["pages"], msg["keys"]
+    if not _is_int(lease) or lease < 0 or not _is_int(pages) or pages < 0:
+        raise ValueError("lease and pages must be ints >= 0")
+    if not isinstance(msg["fp"], bytes) or not isinstance(keys, list) or len(keys) != pages \
+            or not all(isinstance(k, bytes) and len(k) == 16 for k in keys):
+        raise ValueError("fingerprint must be bytes and keys one 16-byte key per page")
+    pools = {}
+    if not isinstance(msg["pools"], list):
+        raise ValueError("pools must be a list")
+    for entry in msg["pools"]:
+        name, first, tiers, indices, sums = entry
+        pool = PoolName(name) if _is_int(name) else None
+        if pool is None or pool in pools:
+            raise ValueError(f"pool {name!r} is unknown or listed twice")
+        lists = (tiers, indices, sums)
+        if not _is_int(first) or first < 0 or not all(isinstance(x, list) for x in lists) \
+                or not len(tiers) == len(indices) == len(sums) or first + len(indices) > pages \
+                or not all(t in (0, 1) and _is_int(t) for t in tiers) \
+                or not all(_is_int(i) and i >= 0 for i in indices) or not all(_is_int(s) for s in sums):
+            raise ValueError(f"pool {pool.name}: malformed page list")
+        pools[pool] = PoolPages(first, tuple(tiers), tuple(indices), tuple(sums))
+    return ExportGrant(lease, msg["fp"], pages, tuple(keys), pools)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# --- source side ---------------------------------------------------------------------
+def export_prefix(cache: NodeCache, leases: LeaseTable, keys: Sequence[bytes], skip: int,
+                  ttl_s: float) -> ExportGrant:
+    """Pin and describe the usable prefix of `keys`, FULL pages from `skip` on."""
+    match = cache.match_keys(list(keys))
+    n = match.pages
+    grant_keys = tuple(match.keys)
+    if n <= skip:
+        return ExportGrant(0, cache.layout.fingerprint, n, grant_keys)
+    lease = leases.grant(cache.lock(match, n), ttl_s)
+    path = [x for x in match.path if x.start < n]
+    pools = {}
+    for pool, policy in cache.policies.items():
+        span = range(skip, n) if pool == PoolName.FULL else policy.needed(n)
+        refs = [(_tier_of(x, pool, j), x, j) for x, offs in _groups(path, span) for j in offs]
+        tiers = [t for t, _, _ in refs]
+        indices = [x.slots[t][pool][j] for t, x, j in refs]
+        sums = _checksums(cache, pool, tiers, indices)
+        pools[pool] = PoolPages(span.start, tuple(int(t) for t in tiers), tuple(indices), tuple(sums))
+    return ExportGrant(lease.lease_id, cache.layout.fingerprint, n, grant_keys, pools)
+
+
+def _tier_of(node, pool: PoolName, offset: int) -> Tier:
+    return Tier.DEVICE if node.page_has(offset, pool, (Tier.DEVICE,)) else Tier.HOST
+
+
+def _checksums(cache: NodeCache, pool: PoolName, tiers: list[Tier], indices: list[int]) -> list[int]:
+    out = [0] * len(indices)
+    for tier in (Tier.DEVICE, Tier.HOST):
+        at = [i for i, t in enumerate(tiers) if t == tier]
+        for i, s in zip(at, page_checksums(cache.registry.pool(pool, tier), [indices[i] for i in at])):
+            out[i] = s
+    return out
+
+
+# --- destination side ----------------------------------------------------------------
+def import_prefix(cache: NodeCache, tokens: Sequence[int], namespace: str, grant: ExportGrant,
+                  read: PageReader) -> FetchOutcome:
+    """Insert what `grant` offers beyond the local match, whole or not at all."""
+    if grant.fingerprint != cache.layout.fingerprint:
+        return FetchOutcome.BAD_GRANT
+    keyer = cache.keyer(namespace)
+    raw = encode_tokens(tokens)
+    n = grant.pages
+    if n > len(raw) // cache.tree.page_bytes or list(grant.keys) != keyer.keys(tokens[: n * cache.layout.page_size]):
+        return FetchOutcome.BAD_GRANT     # not this request's prefix (or another tenant's)
+    path, m = cache.tree.walk(keyer.root, raw[: n * cache.tree.page_bytes])
+    if path and m < path[-1].end:
+        cache.tree.split_at(path, m)
+        path.pop()
+    need = {PoolName.FULL: list(range(m, n))} if PoolName.FULL in cache.policies else {}
+    if PoolName.SWA in cache.policies:
+        need[PoolName.SWA] = [p for p in cache.policies[PoolName.SWA].needed(n)
+                              if p >= m or not _held(path, p, PoolName.SWA)]
+    if not any(need.values()):
+        return FetchOutcome.NOTHING_TO_FETCH
+    if any(not grant.pools.get(p) or not all(grant.pools[p].covers(i) for i in pos) for p, pos in need.items() if pos):
+        return FetchOutcome.BAD_GRANT     # the source offers less than the missing pages
+    return _fetch(cache, keyer, raw, path, m, n, grant, need, read)
+
+
+def _held(path, position: int, pool: PoolName) -> bool:
+    for node in path:
+        if node.start <= position < node.end:
+            return node.page_has(position - node.start, pool)
+    return False
+
+
+def _fetch(cache, keyer, raw, path, m, n, grant, need, read) -> FetchOutcome:
+    # Keep the path (and the window pages it already holds) while making room.
+    window = {p: cache.policies[p].needed(n) for p in need}
+    guard = cache._lock_nodes({p: [x for x in path if p == cache.layout.pools[0]
+                                   or (x.start < window[p].stop and x.end > window[p].start)]
+                               for p in need})
+    txn = cache.transaction()
+    try:
+        got = txn.reserve_all({(p, Tier.DEVICE): len(pos) for p, pos in need.items()})
+    except ReservationFailed:
+        cache.unlock(guard)
+        return FetchOutcome.NO_ROOM
+    txn.seal()
+    outcome = _read_and_verify(cache, grant, need, got, read)
+    if outcome is not None:
+        txn.rollback()       # the reserved pages may be half written: freed, never read
+        cache.unlock(guard)
+        return outcome
+    nodes = list(path)
+    if m < n:
+        parent = path[-1] if path else cache.tree.root(keyer.root)
+        step = cache.tree.page_bytes
+        nodes.append(txn.attach(parent, list(grant.keys[m:n]), raw[m * step:n * step]))
+    for pool, positions in need.items():
+        for node, offsets, pages in _by_node(nodes, positions, got[(pool, Tier.DEVICE)]):
+            txn.place(node, Tier.DEVICE, pool, offsets, pages)
+    txn.commit()
+    cache.unlock(guard)
+    cache.tree.touch(nodes)
+    return FetchOutcome.COMMITTED
+
+
+def _read_and_verify(cache, grant, need, got, read) -> FetchOutcome | None:
+    for pool, positions in need.items():
+        if not positions:
+            continue
+        refs = [grant.pools[pool].at(p) for p in positions]
+        dst = got[(pool, Tier.DEVICE)]
+        try:
+            read(pool, [(t, i) for t, i, _ in refs], dst)
+        except ReadFailed:
+            return FetchOutcome.TRANSFER_FAILED
+        if page_checksums(cache.registry.pool(pool, Tier.DEVICE), dst) != [s for _, _, s in refs]:
+            return FetchOutcome.CHECKSUM_MISMATCH
+    return None
