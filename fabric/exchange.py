@@ -195,13 +195,13 @@ def _fetch(cache, keyer, raw, path, m, n, grant, need, read) -> FetchOutcome:
     try:
         got = txn.reserve_all({(p, Tier.DEVICE): len(pos) for p, pos in need.items()})
     except ReservationFailed:
-        cache.unlock(guard)
+        cache._unlock_nodes(guard)
         return FetchOutcome.NO_ROOM
     txn.seal()
     outcome = _read_and_verify(cache, grant, need, got, read)
     if outcome is not None:
         txn.rollback()       # the reserved pages may be half written: freed, never read
-        cache.unlock(guard)
+        cache._unlock_nodes(guard)
         return outcome
     nodes = list(path)
     if m < n:
@@ -212,7 +212,7 @@ def _fetch(cache, keyer, raw, path, m, n, grant, need, read) -> FetchOutcome:
         for node, offsets, pages in _by_node(nodes, positions, got[(pool, Tier.DEVICE)]):
             txn.place(node, Tier.DEVICE, pool, offsets, pages)
     txn.commit()
-    cache.unlock(guard)
+    cache._unlock_nodes(guard)
     cache.tree.touch(nodes)
     return FetchOutcome.COMMITTED
 

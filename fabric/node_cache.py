@@ -35,8 +35,18 @@ class Match:
 
 @dataclass
 class PrefixLock:
-    nodes: dict[PoolName, list[Node]]
+    """A lock held outside the cache's own calls. It names pages by key and
+    position, not by node: a later split of a locked run copies the lock into
+    both halves, and unlocking finds both."""
+    keys: list[bytes]
+    spans: dict[PoolName, range]
     released: bool = False
+
+
+@dataclass
+class NodeGuard:
+    """A lock held within one cache call, during which no run is split."""
+    nodes: dict[PoolName, list[Node]]
 
 
 @dataclass
@@ -129,24 +139,33 @@ class NodeCache:
         n = match.pages if pages is None else pages
         if not 0 <= n <= match.matched:
             raise ValueError(f"cannot lock {n} pages of a match of {match.matched}")
+        guard, spans = self._guard_match(match, n)
+        return PrefixLock([k for x in match.path if x.start < n for k in x.keys], spans)
+
+    def _guard_match(self, match: Match, n: int) -> tuple[NodeGuard, dict[PoolName, range]]:
         spans = {p: pol.needed(n) for p, pol in self.policies.items()}
         for span in spans.values():   # locks are per node: make span ends node boundaries
             for edge in (span.start, span.stop):
                 self.tree.split_at(match.path, edge)
-        return self._lock_nodes({p: [x for x in match.path if x.start < span.stop and x.end > span.start]
-                                 for p, span in spans.items()})
+        return self._lock_nodes(_within(match.path, spans)), spans
 
     def unlock(self, lock: PrefixLock) -> None:
         if lock.released:
             raise RuntimeError("prefix lock released twice")
+        path, matched = self.tree.walk_keys(lock.keys)
+        if matched != len(lock.keys):
+            raise RuntimeError("a locked prefix left the tree")   # locks forbid eviction: a bug
         lock.released = True
-        for pool, nodes in lock.nodes.items():
-            self.tree.lock(nodes, pool, -1)
+        self._unlock_nodes(NodeGuard(_within(path, lock.spans)))
 
-    def _lock_nodes(self, held: dict[PoolName, list[Node]]) -> PrefixLock:
+    def _lock_nodes(self, held: dict[PoolName, list[Node]]) -> NodeGuard:
         for pool, nodes in held.items():
             self.tree.lock(nodes, pool, +1)
-        return PrefixLock(held)
+        return NodeGuard(held)
+
+    def _unlock_nodes(self, guard: NodeGuard) -> None:
+        for pool, nodes in guard.nodes.items():
+            self.tree.lock(nodes, pool, -1)
 
     # --- transactions --------------------------------------------------------------
     def transaction(self) -> Transaction:
@@ -182,7 +201,7 @@ class NodeCache:
         try:
             got = txn.reserve_all({(p, Tier.DEVICE): len(pos) for p, pos in todo.items()})
         except ReservationFailed:
-            self.unlock(guard)
+            self._unlock_nodes(guard)
             self._stats.put_failures += 1
             return 0
         txn.seal()
@@ -197,13 +216,13 @@ class NodeCache:
             for node, offsets, chunk in _by_node(nodes, positions, pages):
                 txn.place(node, Tier.DEVICE, pool, offsets, chunk)
         txn.commit()
-        self.unlock(guard)
+        self._unlock_nodes(guard)
         self.tree.touch(nodes)
         self._stats.inserted_pages += n - m
         self.tiers.after_insert(nodes[len(path):])
         return n - m
 
-    def _guard(self, path: list[Node], keep: dict[PoolName, Sequence[int]], m: int) -> PrefixLock:
+    def _guard(self, path: list[Node], keep: dict[PoolName, Sequence[int]], m: int) -> NodeGuard:
         """Lock what a put keeps of the existing path while it makes room."""
         held = {pool: [x for x in path if bisect_left(positions, x.start) < bisect_left(positions, x.end)]
                 for pool, positions in keep.items()}
@@ -227,7 +246,7 @@ class NodeCache:
         n = match.pages
         if n == 0:
             return self._empty()
-        guard = self.lock(match)
+        guard, _ = self._guard_match(match, n)
         path = [x for x in match.path if x.start < n]
         try:
             needs = {p: _groups(path, pol.needed(n)) for p, pol in self.policies.items()}
@@ -241,7 +260,7 @@ class NodeCache:
             self._stats.hit_pages_device += n - host_pages
             out = self._gather(path, n)
         finally:
-            self.unlock(guard)
+            self._unlock_nodes(guard)
         used = [x for x in path if x.start < n]
         self.tree.touch(used, hit=True)
         self.tiers.after_hit(used)
@@ -316,6 +335,11 @@ def _missing_on_device(path: list[Node], positions: Sequence[int], m: int, pool:
         i = j
     out.extend(positions[i:])    # past the path: new pages
     return out
+
+
+def _within(path: list[Node], spans: dict[PoolName, range]) -> dict[PoolName, list[Node]]:
+    """Per pool, the nodes of `path` inside its span (span ends are node boundaries)."""
+    return {p: [x for x in path if x.start < span.stop and x.end > span.start] for p, span in spans.items()}
 
 
 def _groups(path: list[Node], positions: range) -> list[tuple[Node, list[int]]]:
