@@ -74,6 +74,11 @@ def check_invariants(cache: "NodeCache") -> None:
     if sum(n.n for n in tree.nodes()) != len(tree.by_key):
         _fail(f"tree indexes {len(tree.by_key)} keys for a different number of pages")
 
+    for until, pages in cache.quarantined:
+        for (pool, tier), indices in pages.items():
+            for index in indices:
+                claim(pool, tier, index, f"quarantine until {until:.3f}")
+
     for txn in cache.open_txns:
         for (pool, tier), pages in txn.pages().items():
             for index in pages:
@@ -107,7 +112,12 @@ def snapshot(cache: "NodeCache") -> tuple:
             parent = node.keys[j - 1] if j else node.parent.keys[-1]
             slots = tuple(tuple(_page_index(node, t, p, j) for p in PoolName) for t in TIERS)
             pages.append((key, parent, slots, tuple(node.locks)))
-    allocs = tuple((e.name, t, frozenset(e.tier(t).allocator.used_indices()))
+    held = {(p, t): set() for p in PoolName for t in TIERS}
+    for _, hold in cache.quarantined:
+        for key, indices in hold.items():
+            held[key].update(indices)
+    # Quarantined pages are neither in the tree nor usable: free, for what a failed step left.
+    allocs = tuple((e.name, t, frozenset(e.tier(t).allocator.used_indices() - held[(e.name, t)]))
                    for e in cache.registry for t in TIERS)
     return tuple(sorted(pages)), allocs, tuple(map(tuple, cache.tree.protected))
 

@@ -28,7 +28,14 @@ PageReader = Callable[[PoolName, list[tuple[Tier, int]], list[int]], None]
 
 
 class ReadFailed(Exception):
-    """What a PageReader raises when pages could not be read (error, deadline, dead peer)."""
+    """What a PageReader raises when pages could not be read (error, deadline, dead peer).
+
+    `may_still_write`: the transfer was abandoned, not known finished (a deadline
+    passed on a hung peer), so its destination pages stay quarantined a while."""
+
+    def __init__(self, message: str, may_still_write: bool = False) -> None:
+        super().__init__(message)
+        self.may_still_write = may_still_write
 
 
 class GrantError(ValueError):
@@ -119,15 +126,25 @@ def _is_int(x: object) -> bool:
 
 # --- source side ---------------------------------------------------------------------
 def export_prefix(cache: NodeCache, leases: LeaseTable, keys: Sequence[bytes], skip: int,
-                  ttl_s: float) -> ExportGrant:
-    """Pin and describe the usable prefix of `keys`, FULL pages from `skip` on."""
+                  ttl_s: float, device_only: bool = True) -> ExportGrant:
+    """Pin and describe the usable prefix of `keys`, FULL pages from `skip` on.
+
+    With `device_only` (what a NIXL read from GPU memory wants), host-only pages
+    are loaded back first; if there is no device room, the grant ends where the
+    device-resident prefix ends."""
     match = cache.match_keys(list(keys))
     n = match.pages
-    grant_keys = tuple(match.keys)
     if n <= skip:
-        return ExportGrant(0, cache.layout.fingerprint, n, grant_keys)
-    lease = leases.grant(cache.lock(match, n), ttl_s)
+        return ExportGrant(0, cache.layout.fingerprint, n, tuple(match.keys[:n]))
+    lock = cache.lock(match, n)
     path = [x for x in match.path if x.start < n]
+    if device_only and not cache.tiers.load_back({p: _groups(path, pol.needed(n))
+                                                  for p, pol in cache.policies.items()}):
+        n = cache._usable(path, n, (Tier.DEVICE,))
+        if n <= skip:
+            cache.unlock(lock)
+            return ExportGrant(0, cache.layout.fingerprint, n, tuple(match.keys[:n]))
+    lease = leases.grant(lock, ttl_s)
     pools = {}
     for pool, policy in cache.policies.items():
         span = range(skip, n) if pool == PoolName.FULL else policy.needed(n)
@@ -136,7 +153,7 @@ def export_prefix(cache: NodeCache, leases: LeaseTable, keys: Sequence[bytes], s
         indices = [x.slots[t][pool][j] for t, x, j in refs]
         sums = _checksums(cache, pool, tiers, indices)
         pools[pool] = PoolPages(span.start, tuple(int(t) for t in tiers), tuple(indices), tuple(sums))
-    return ExportGrant(lease.lease_id, cache.layout.fingerprint, n, grant_keys, pools)
+    return ExportGrant(lease.lease_id, cache.layout.fingerprint, n, tuple(match.keys[:n]), pools)
 
 
 def _tier_of(node, pool: PoolName, offset: int) -> Tier:
@@ -154,7 +171,7 @@ def _checksums(cache: NodeCache, pool: PoolName, tiers: list[Tier], indices: lis
 
 # --- destination side ----------------------------------------------------------------
 def import_prefix(cache: NodeCache, tokens: Sequence[int], namespace: str, grant: ExportGrant,
-                  read: PageReader) -> FetchOutcome:
+                  read: PageReader, quarantine_s: float = 30.0) -> FetchOutcome:
     """Insert what `grant` offers beyond the local match, whole or not at all."""
     if grant.fingerprint != cache.layout.fingerprint:
         return FetchOutcome.BAD_GRANT
@@ -175,7 +192,7 @@ def import_prefix(cache: NodeCache, tokens: Sequence[int], namespace: str, grant
         return FetchOutcome.NOTHING_TO_FETCH
     if any(not grant.pools.get(p) or not all(grant.pools[p].covers(i) for i in pos) for p, pos in need.items() if pos):
         return FetchOutcome.BAD_GRANT     # the source offers less than the missing pages
-    return _fetch(cache, keyer, raw, path, m, n, grant, need, read)
+    return _fetch(cache, keyer, raw, path, m, n, grant, need, read, quarantine_s)
 
 
 def _held(path, position: int, pool: PoolName) -> bool:
@@ -185,7 +202,7 @@ def _held(path, position: int, pool: PoolName) -> bool:
     return False
 
 
-def _fetch(cache, keyer, raw, path, m, n, grant, need, read) -> FetchOutcome:
+def _fetch(cache, keyer, raw, path, m, n, grant, need, read, quarantine_s) -> FetchOutcome:
     # Keep the path (and the window pages it already holds) while making room.
     window = {p: cache.policies[p].needed(n) for p in need}
     guard = cache._lock_nodes({p: [x for x in path if p == cache.layout.pools[0]
@@ -198,7 +215,12 @@ def _fetch(cache, keyer, raw, path, m, n, grant, need, read) -> FetchOutcome:
         cache._unlock_nodes(guard)
         return FetchOutcome.NO_ROOM
     txn.seal()
-    outcome = _read_and_verify(cache, grant, need, got, read)
+    try:
+        outcome = _read_and_verify(cache, grant, need, got, read)
+    except ReadFailed as e:
+        outcome = FetchOutcome.TRANSFER_FAILED
+        if e.may_still_write:
+            txn.rollback(hold=lambda pages: cache.quarantine(pages, quarantine_s))
     if outcome is not None:
         txn.rollback()       # the reserved pages may be half written: freed, never read
         cache._unlock_nodes(guard)
@@ -223,10 +245,7 @@ def _read_and_verify(cache, grant, need, got, read) -> FetchOutcome | None:
             continue
         refs = [grant.pools[pool].at(p) for p in positions]
         dst = got[(pool, Tier.DEVICE)]
-        try:
-            read(pool, [(t, i) for t, i, _ in refs], dst)
-        except ReadFailed:
-            return FetchOutcome.TRANSFER_FAILED
+        read(pool, [(t, i) for t, i, _ in refs], dst)
         if page_checksums(cache.registry.pool(pool, Tier.DEVICE), dst) != [s for _, _, s in refs]:
             return FetchOutcome.CHECKSUM_MISMATCH
     return None

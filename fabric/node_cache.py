@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+import time
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -75,7 +76,8 @@ class NodeCache:
     def __init__(self, layout: KVLayout, capacities: Mapping[PoolName, PoolCapacity], *,
                  tier: TierConfig = TierConfig(), device: torch.device | str | None = None,
                  store_bytes: bool = True, copier: PageCopier | None = None,
-                 faults: AllocationFaults | None = None) -> None:
+                 faults: AllocationFaults | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.layout = layout
         self.registry = PoolRegistry.build(layout, capacities, device, store_bytes)
         reg = self.registry
@@ -93,6 +95,8 @@ class NodeCache:
             entry.evict = self.evictors[entry.name].make_room
         self._keyers: dict[str, PageKeyer] = {}
         self._stats = CacheStats()
+        self.clock = clock
+        self.quarantined: list[tuple[float, dict[tuple[PoolName, Tier], list[int]]]] = []
 
     # --- keys and matching ---------------------------------------------------------
     def keyer(self, namespace: str) -> PageKeyer:
@@ -169,12 +173,31 @@ class NodeCache:
 
     # --- transactions --------------------------------------------------------------
     def transaction(self) -> Transaction:
+        if self.quarantined:
+            self.release_quarantine()
         txn = Transaction(self.tree, self.registry, self.copier, self.faults, self._txn_closed)
         self.open_txns.add(txn)
         return txn
 
     def _txn_closed(self, txn: Transaction) -> None:
         self.open_txns.discard(txn)
+
+    def quarantine(self, pages: dict[tuple[PoolName, Tier], list[int]], hold_s: float) -> None:
+        """Keep pages out of use for `hold_s`: a transfer that timed out may still write them."""
+        self.quarantined.append((self.clock() + hold_s, pages))
+
+    def release_quarantine(self, force: bool = False) -> int:
+        """Free quarantined pages whose hold has passed (all with `force`); returns how many."""
+        now, keep, freed = self.clock(), [], 0
+        for until, pages in self.quarantined:
+            if force or until <= now:
+                for (pool, tier), indices in pages.items():
+                    self.registry.pool(pool, tier).allocator.free(indices)
+                    freed += len(indices)
+            else:
+                keep.append((until, pages))
+        self.quarantined = keep
+        return freed
 
     # --- put -------------------------------------------------------------------------
     def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str) -> int:

@@ -120,13 +120,20 @@ class Transaction:
         self._free_owned()
         self._close()
 
-    def rollback(self) -> None:
+    def rollback(self, hold: Callable[[dict[tuple[PoolName, Tier], list[int]]], None] | None = None) -> None:
+        """Undo everything. `hold` takes the reserved pages instead of the free
+        list: for pages a failed transfer may still write into."""
         if self.closed:
             return
         for undo in reversed(self._journal):
             undo()
         self._journal.clear()
         self._copies.clear()
+        if hold is not None:
+            hold({k: sorted(v) for k, v in self.pages().items()})
+            for pool in PoolName:
+                for tier in Tier:
+                    self.owned[pool][tier].clear()
         self._free_owned()
         self._close()
 

@@ -27,11 +27,14 @@ def cache(faults=None, full=(16, 16), swa=(8, 8)):
                      tier=TierConfig(policy="write_back"), device="cpu", faults=faults)
 
 
-def reader(src: NodeCache, dst: NodeCache, fail_on=None, corrupt_on=None):
+def reader(src: NodeCache, dst: NodeCache, fail_on=None, corrupt_on=None, hang_on=None):
     calls = []
 
     def read(pool, refs, pages):
         calls.append(pool)
+        if hang_on == len(calls):
+            read.late = (pool, pages)      # the hung peer could still write these
+            raise ReadFailed("injected: deadline passed, transfer abandoned", may_still_write=True)
         if fail_on == len(calls):
             # a peer dying mid-transfer leaves the destination partly written
             dst.registry.pool(pool, Tier.DEVICE).data[pages[:1]] = 7.0
@@ -57,8 +60,10 @@ def assert_kv(c, toks, pages):
         assert torch.equal(hit.layers[i], want[i][:, start:hit.tokens])
 
 
-def setup_pair(dst_faults=None, dst_prefix=0, src_on_host=False):
+def setup_pair(dst_faults=None, dst_prefix=0, src_on_host=False, clock=None):
     src, dst = cache(), cache(dst_faults)
+    if clock is not None:
+        dst.clock = clock
     t = tokens(6)
     src.put(t, prefix_kv(LAYOUT, t), NS)
     if src_on_host:   # push the source's pages to host: the export reads them there
@@ -71,14 +76,17 @@ def setup_pair(dst_faults=None, dst_prefix=0, src_on_host=False):
 
 
 @pytest.mark.parametrize("dst_prefix", [0, 2, 5])
-@pytest.mark.parametrize("src_on_host", [False, True])
-def test_fetch_moves_full_and_swa_bytes(dst_prefix, src_on_host):
+@pytest.mark.parametrize("src_on_host,device_only", [(False, True), (True, True), (True, False)])
+def test_fetch_moves_full_and_swa_bytes(dst_prefix, src_on_host, device_only):
     src, dst, t = setup_pair(dst_prefix=dst_prefix, src_on_host=src_on_host)
     leases = LeaseTable(src)
     skip = dst.match(t, NS).matched
-    grant = ExportGrant.from_wire(msgpack.unpackb(msgpack.packb(export_prefix(src, leases, dst.keys(t, NS), skip, 5.0).to_wire())))
+    grant = export_prefix(src, leases, dst.keys(t, NS), skip, 5.0, device_only=device_only)
+    tiers = {t for pp in grant.pools.values() for t in pp.tiers}
+    assert tiers == ({Tier.HOST} if src_on_host and not device_only else {Tier.DEVICE})
+    grant = ExportGrant.from_wire(msgpack.unpackb(msgpack.packb(grant.to_wire())))
     assert grant.pages == 6 and len(leases) == 1
-    assert src.stats().pools["FULL/HOST" if src_on_host else "FULL/DEVICE"]["protected"] > 0
+    assert src.stats().pools["FULL/HOST" if src_on_host and not device_only else "FULL/DEVICE"]["protected"] > 0
     assert import_prefix(dst, t, NS, grant, reader(src, dst)) == FetchOutcome.COMMITTED
     assert leases.release(grant.lease_id)
     src.check(), dst.check()
@@ -89,8 +97,8 @@ def test_fetch_moves_full_and_swa_bytes(dst_prefix, src_on_host):
 def run_fetch(fault):
     """One fetch with `fault`; returns (outcome, dst, snapshot before, src, leases, grant, t)."""
     faults = AllocationFaults()
-    src, dst, t = setup_pair(faults, dst_prefix=2)
     clock = Clock()
+    src, dst, t = setup_pair(faults, dst_prefix=2, clock=clock)
     leases = LeaseTable(src, clock)
     grant = export_prefix(src, leases, dst.keys(t, NS), 2, ttl_s=5.0)
     read = reader(src, dst, **fault.get("reader", {}))
@@ -99,8 +107,12 @@ def run_fetch(fault):
     if "mutate" in fault:
         grant = fault["mutate"](grant)
     before = dst.snapshot()
-    outcome = import_prefix(dst, t, fault.get("ns", NS), grant, read)
+    outcome = import_prefix(dst, t, fault.get("ns", NS), grant, read, quarantine_s=10.0)
     faults.disarm()
+    if hasattr(read, "late"):    # the abandoned transfer lands late: only quarantined pages change
+        pool, pages = read.late
+        dst.registry.pool(pool, Tier.DEVICE).data[pages] = -1.0
+        assert dst.quarantined
     return outcome, dst, before, src, leases, clock, grant, t
 
 
@@ -109,6 +121,8 @@ FAULTS = {
     "alloc_swa": ({"alloc": 2}, FetchOutcome.NO_ROOM),
     "read_full_dies": ({"reader": {"fail_on": 1}}, FetchOutcome.TRANSFER_FAILED),
     "read_swa_dies": ({"reader": {"fail_on": 2}}, FetchOutcome.TRANSFER_FAILED),
+    "hang_full": ({"reader": {"hang_on": 1}}, FetchOutcome.TRANSFER_FAILED),
+    "hang_swa": ({"reader": {"hang_on": 2}}, FetchOutcome.TRANSFER_FAILED),
     "corrupt_full": ({"reader": {"corrupt_on": 1}}, FetchOutcome.CHECKSUM_MISMATCH),
     "corrupt_swa": ({"reader": {"corrupt_on": 2}}, FetchOutcome.CHECKSUM_MISMATCH),
     "other_tenant": ({"ns": "intruder"}, FetchOutcome.BAD_GRANT),
@@ -127,8 +141,10 @@ def test_every_fault_rolls_back_whole_and_a_retry_succeeds(name):
     assert dst.snapshot() == before           # nothing inserted, nothing leaked
     dst.check()
     assert dst.match(t, NS).pages == 2
-    clock.now += 6.0                          # the requester never released: the lease expires
+    clock.now += 11.0          # the requester never released: the lease expires, quarantine ends
     assert leases.expire() == 1 and leases.overdue() == 0
+    dst.release_quarantine()
+    assert not dst.quarantined
     src.check()
     assert src.stats().pools["FULL/DEVICE"]["protected"] == 0
     retry = export_prefix(src, leases, dst.keys(t, NS), 2, 5.0)
@@ -136,6 +152,21 @@ def test_every_fault_rolls_back_whole_and_a_retry_succeeds(name):
     leases.release(retry.lease_id)
     assert_kv(dst, t, 6)
     dst.check()
+
+
+def test_export_without_device_room_ends_at_the_device_prefix():
+    src, dst, t = setup_pair(src_on_host=True)
+    blocker = tokens(4, 500)
+    src.put(blocker, prefix_kv(LAYOUT, blocker), NS)
+    src.lock(src.match(blocker, NS))                          # device room is pinned elsewhere
+    src.put(tokens(12, 700), prefix_kv(LAYOUT, tokens(12, 700)), NS)
+    src.lock(src.match(tokens(12, 700), NS))
+    assert src.match(t, NS).device_pages == 0
+    leases = LeaseTable(src)
+    grant = export_prefix(src, leases, dst.keys(t, NS), 0, 5.0)
+    assert grant.pages == 0 and grant.lease_id == 0 and len(leases) == 0
+    src.check()
+    assert src.stats().pools["FULL/HOST"]["protected"] == 0     # the export's own pin is gone
 
 
 def test_nothing_to_fetch_and_shorter_source():
