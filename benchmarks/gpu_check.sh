@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Transport checks with CUDA pools, for a machine with a GPU (none on the dev hosts).
+# Runs the transport tests and the benchmark with every pool in device memory (VRAM
+# registered with NIXL/UCX, LocalTransport copies through pinned memory on a side
+# stream), each under a hard time limit; whole script well under 5 minutes.
+# Usage: benchmarks/gpu_check.sh [output-dir]     (from the repository root)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${1:-${OUT:-/tmp/kvf-gpu-check}}
+mkdir -p "$OUT"
+export KVF_TEST_DEVICE=cuda
+export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
+
+"$PY" - <<'PY' 2>&1 | tee "$OUT/env.txt"
+import torch
+assert torch.cuda.is_available(), "CUDA is not available: this script needs a GPU"
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+from transport import nixl_transport as nt
+print("nixl bindings", nt._nb.__name__, "VRAM ok")
+PY
+
+echo "== transport tests (KVF_TEST_DEVICE=cuda)"
+timeout 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_nixl_transport.py \
+    2>&1 | tee "$OUT/tests.txt"
+
+echo "== transport benchmark (KVF_TEST_DEVICE=cuda)"
+timeout 170 "$PY" -m benchmarks.transport_bench 2>&1 | tee "$OUT/bench.txt"
+tail -n 1 "$OUT/bench.txt" > "$OUT/bench.json"
+echo "results in $OUT"

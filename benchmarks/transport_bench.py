@@ -1,0 +1,286 @@
+"""Page READ throughput: NIXL between two processes vs torch copies vs Ray's object store.
+
+Each row moves `pages` scattered pages of `page_bytes` (random distinct indices on both
+sides out of a 1024-page pool, as a fragmented cache holds them):
+  nixl     a peer process exposes its pools; this process reads into its own pools
+           (one batched READ per batch over prepared descriptor lists, deadline-checked);
+  memcpy   pages copied between two pools of this process: the faster of
+           index_select + index_copy_ (what fabric.pages.TorchCopier does) and a
+           per-page copy_ loop;
+  ray      one actor `ray.put`s the gathered pages, another `ray.get`s them and
+           scatters them into its pool, timed inside the second actor.
+GB/s = bytes moved / median time of one batch, best of 3 rounds (the host is shared).
+KVF_TEST_DEVICE=cuda puts the NIXL and memcpy pools on the GPU; Ray's stay in host
+memory (its actors here get no GPU). UCX_TLS=tcp makes the NIXL path mimic two hosts.
+Run: .venv/bin/python -m benchmarks.transport_bench
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import secrets
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+PAGE_SIZES = (16 << 10, 64 << 10, 256 << 10)
+BATCHES = (64, 256)
+CAPACITY = 1024
+ROWS = [(p, n) for p in PAGE_SIZES for n in BATCHES]
+INDEX_SETS = 8           # distinct scattered (remote, local) index sets, cycled
+ROUNDS = 3               # best of rounds: the host is shared, load comes and goes
+PEER = "bench-peer"
+DEVICE = os.environ.get("KVF_TEST_DEVICE", "cpu")
+
+
+@dataclass
+class Row:
+    page_bytes: int
+    pages: int
+    nixl_gbps: float
+    memcpy_gbps: float
+    ray_object_store_gbps: float
+
+
+def pool_name(page_bytes: int) -> str:
+    return f"p{page_bytes >> 10}k"
+
+
+def make_pools(device: str, fill: bool) -> dict[str, torch.Tensor]:
+    make = torch.ones if fill else torch.zeros
+    return {pool_name(p): make((CAPACITY, p), dtype=torch.uint8, device=device)
+            for p in PAGE_SIZES}
+
+
+def index_sets(pages: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [(rng.choice(CAPACITY, pages, replace=False), rng.choice(CAPACITY, pages, replace=False))
+            for _ in range(INDEX_SETS)]
+
+
+def median_gbps(nbytes: int, times: list[float]) -> float:
+    return round(nbytes / statistics.median(times) / 1e9, 3)
+
+
+def time_reps(fn: Callable[[int], None], warmup: int = 3, min_reps: int = 15,
+              max_reps: int = 400, budget_s: float = 0.25) -> list[float]:
+    """Durations of fn(i) after a warm-up; as many reps as `budget_s` allows."""
+    for i in range(warmup):
+        fn(i)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < min_reps
+                                     or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn(len(times))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+# -- NIXL ------------------------------------------------------------------------------
+
+def serve_peer(conn, device: str) -> None:
+    """Peer process: register filled pools, hand out metadata, idle until told to quit."""
+    from transport import NixlTransport
+    transport = NixlTransport(PEER)
+    pools = make_pools(device, fill=True)
+    for name, tensor in pools.items():
+        transport.register_pool(name, tensor)
+    conn.send(transport.metadata())
+    parent = os.getppid()
+    while os.getppid() == parent and not (conn.poll(0.2) and conn.recv() == "quit"):
+        pass
+    transport.close()
+
+
+@contextmanager
+def nixl_peer(device: str) -> Iterator[bytes]:
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=serve_peer, args=(child, device), daemon=True)
+    proc.start()
+    child.close()    # so that a peer dying during start-up reads as EOF, not a long wait
+    try:
+        if not conn.poll(120):
+            raise TimeoutError("NIXL peer process did not start within 120 s")
+        try:
+            metadata = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"NIXL peer process died (exit code {proc.exitcode})") from None
+        yield metadata
+    finally:
+        if proc.is_alive():
+            conn.send("quit")
+            proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+
+
+def nixl_reader(transport, pools: dict[str, torch.Tensor], page_bytes: int,
+                pages: int) -> Callable[[int], None]:
+    sets = index_sets(pages, seed=pages)
+    name = pool_name(page_bytes)
+
+    def read(i: int) -> None:
+        r, l_ = sets[i % INDEX_SETS]
+        transport.wait(transport.read(PEER, {name: (r, l_)}), 10.0)
+    return read
+
+
+def memcpy_copiers(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
+                   page_bytes: int, pages: int) -> list[Callable[[int], None]]:
+    """Two ways to copy scattered pages in-process: a gather + scatter (two passes over
+    the bytes, through a temporary) and a per-page copy_ loop (one pass, a call per
+    page). The baseline is whichever is faster here."""
+    name = pool_name(page_bytes)
+    device = dst[name].device
+    sets = [(torch.from_numpy(r).to(device), torch.from_numpy(l_).to(device))
+            for r, l_ in index_sets(pages, seed=pages)]
+    lists = [(r.tolist(), l_.tolist()) for r, l_ in sets]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def gather_scatter(i: int) -> None:
+        r, l_ = sets[i % INDEX_SETS]
+        dst[name].index_copy_(0, l_, src[name].index_select(0, r))
+        sync()
+
+    def per_page(i: int) -> None:
+        r, l_ = lists[i % INDEX_SETS]
+        for a, b in zip(r, l_):
+            dst[name][b].copy_(src[name][a])
+        sync()
+    return [gather_scatter, per_page]
+
+
+def bench_nixl_and_memcpy(metadata: bytes, device: str) -> tuple[dict, dict]:
+    """Best-of-ROUNDS medians; the two alternate so that both see the same host load."""
+    from transport import NixlTransport
+    nixl: dict[tuple[int, int], float] = {}
+    memcpy: dict[tuple[int, int], float] = {}
+    src, dst = make_pools(device, fill=True), make_pools(device, fill=False)
+    with NixlTransport("bench-reader") as transport:
+        pools = make_pools(device, fill=False)
+        for name, tensor in pools.items():
+            transport.register_pool(name, tensor)
+        transport.connect(PEER, metadata)
+        for _ in range(ROUNDS):
+            for key in ROWS:
+                nbytes = key[0] * key[1]
+                gbps = median_gbps(nbytes, time_reps(nixl_reader(transport, pools, *key)))
+                nixl[key] = max(nixl.get(key, 0.0), gbps)
+                for copy in memcpy_copiers(src, dst, *key):
+                    gbps = median_gbps(nbytes, time_reps(copy))
+                    memcpy[key] = max(memcpy.get(key, 0.0), gbps)
+        if not all(bool(t.any()) for t in pools.values()):
+            raise AssertionError("NIXL reads did not land in the reader's pools")
+    return nixl, memcpy
+
+
+# -- Ray object store ----------------------------------------------------------------------
+
+@contextmanager
+def local_ray() -> Iterator[None]:
+    """A private, short-lived local cluster. Ray 2.60 turns token auth on by default and
+    would write a token to ~/.ray/auth_token; instead we keep auth on with a throw-away
+    token passed through the environment (inherited by Ray's workers), so nothing lands
+    in the user's home and the cluster is not left open while it runs."""
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    already_imported = "ray" in sys.modules
+    import ray
+    if already_imported:   # Ray caches its config at import; refresh it as Ray itself does
+        from ray._raylet import Config
+        Config.initialize("")
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        yield
+    finally:
+        ray.shutdown()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def bench_ray() -> dict[tuple[int, int], float]:
+    import ray
+
+    @ray.remote(num_cpus=1)
+    class Holder:
+        def __init__(self) -> None:
+            self.pools = make_pools("cpu", fill=True)
+
+        def gather(self, name: str, idx: np.ndarray) -> list:
+            # Nested in a list so the caller gets the reference, not an inlined copy.
+            return [ray.put(self.pools[name].index_select(0, torch.from_numpy(idx)))]
+
+    @ray.remote(num_cpus=1)
+    class Fetcher:
+        def __init__(self) -> None:
+            self.pools = make_pools("cpu", fill=False)
+
+        def fetch(self, holder, name: str, sets: list) -> list[float]:
+            def one(i: int) -> None:
+                r, l_ = sets[i % len(sets)]
+                [ref] = ray.get(holder.gather.remote(name, r))
+                self.pools[name].index_copy_(0, torch.from_numpy(l_), ray.get(ref))
+            return time_reps(one)
+
+    holder, fetcher = Holder.remote(), Fetcher.remote()
+    results: dict[tuple[int, int], float] = {}
+    for _ in range(ROUNDS):
+        for key in ROWS:
+            times = ray.get(fetcher.fetch.remote(holder, pool_name(key[0]),
+                                                 index_sets(key[1], seed=key[1])), timeout=300)
+            results[key] = max(results.get(key, 0.0), median_gbps(key[0] * key[1], times))
+    return results
+
+
+# -- report ---------------------------------------------------------------------------------
+
+def print_table(rows: list[Row]) -> None:
+    print(f"{'page':>6} {'pages':>5} {'nixl GB/s':>10} {'memcpy GB/s':>12} "
+          f"{'ray GB/s':>9} {'nixl/ray':>9} {'nixl/memcpy':>12}")
+    for r in rows:
+        print(f"{r.page_bytes >> 10:>5}K {r.pages:>5} {r.nixl_gbps:>10.2f} "
+              f"{r.memcpy_gbps:>12.2f} {r.ray_object_store_gbps:>9.2f} "
+              f"{r.nixl_gbps / r.ray_object_store_gbps:>9.2f} "
+              f"{r.nixl_gbps / r.memcpy_gbps:>12.2f}")
+
+
+def ratio_at(rows: list[Row], page_bytes: int, field: str) -> float:
+    """Mean over batch sizes of nixl / baseline at one page size."""
+    sel = [r for r in rows if r.page_bytes == page_bytes]
+    return round(statistics.mean(r.nixl_gbps / getattr(r, field) for r in sel), 3)
+
+
+def run(json_out: bool) -> dict:
+    """Measure every row, print the table (and, with json_out, a final JSON line)."""
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("KVF_TEST_DEVICE=cuda but CUDA is not available")
+    with nixl_peer(DEVICE) as metadata:
+        nixl, memcpy = bench_nixl_and_memcpy(metadata, DEVICE)
+    with local_ray():
+        ray_os = bench_ray()
+    rows = [Row(p, n, nixl[(p, n)], memcpy[(p, n)], ray_os[(p, n)]) for p, n in ROWS]
+    result = {"name": "transport", "device": DEVICE, "rows": [asdict(r) for r in rows],
+              "ratio_vs_object_store_64k": ratio_at(rows, 64 << 10, "ray_object_store_gbps"),
+              "ratio_vs_memcpy_64k": ratio_at(rows, 64 << 10, "memcpy_gbps")}
+    print_table(rows)
+    if json_out:
+        print(json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    run(json_out=True)
+
+
+if __name__ == "__main__":
+    main()
