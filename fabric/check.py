@@ -74,10 +74,10 @@ def check_invariants(cache: "NodeCache") -> None:
     if sum(n.n for n in tree.nodes()) != len(tree.by_key):
         _fail(f"tree indexes {len(tree.by_key)} keys for a different number of pages")
 
-    for until, pages in cache.quarantined:
-        for (pool, tier), indices in pages.items():
+    for q in cache.quarantined:
+        for (pool, tier), indices in q.pages.items():
             for index in indices:
-                claim(pool, tier, index, f"quarantine until {until:.3f}")
+                claim(pool, tier, index, f"quarantine (peer {q.peer}) until {q.until:.3f}")
 
     for txn in cache.open_txns:
         for (pool, tier), pages in txn.pages().items():
@@ -113,8 +113,8 @@ def snapshot(cache: "NodeCache") -> tuple:
             slots = tuple(tuple(_page_index(node, t, p, j) for p in PoolName) for t in TIERS)
             pages.append((key, parent, slots, tuple(node.locks)))
     held = {(p, t): set() for p in PoolName for t in TIERS}
-    for _, hold in cache.quarantined:
-        for key, indices in hold.items():
+    for q in cache.quarantined:
+        for key, indices in q.pages.items():
             held[key].update(indices)
     # Quarantined pages are neither in the tree nor usable: free, for what a failed step left.
     allocs = tuple((e.name, t, frozenset(e.tier(t).allocator.used_indices() - held[(e.name, t)]))

@@ -171,7 +171,7 @@ def _checksums(cache: NodeCache, pool: PoolName, tiers: list[Tier], indices: lis
 
 # --- destination side ----------------------------------------------------------------
 def import_prefix(cache: NodeCache, tokens: Sequence[int], namespace: str, grant: ExportGrant,
-                  read: PageReader, quarantine_s: float = 30.0) -> FetchOutcome:
+                  read: PageReader, quarantine_s: float = 120.0, peer: str | None = None) -> FetchOutcome:
     """Insert what `grant` offers beyond the local match, whole or not at all."""
     if grant.fingerprint != cache.layout.fingerprint:
         return FetchOutcome.BAD_GRANT
@@ -192,7 +192,7 @@ def import_prefix(cache: NodeCache, tokens: Sequence[int], namespace: str, grant
         return FetchOutcome.NOTHING_TO_FETCH
     if any(not grant.pools.get(p) or not all(grant.pools[p].covers(i) for i in pos) for p, pos in need.items() if pos):
         return FetchOutcome.BAD_GRANT     # the source offers less than the missing pages
-    return _fetch(cache, keyer, raw, path, m, n, grant, need, read, quarantine_s)
+    return _fetch(cache, keyer, raw, path, m, n, grant, need, read, (quarantine_s, peer))
 
 
 def _held(path, position: int, pool: PoolName) -> bool:
@@ -202,7 +202,7 @@ def _held(path, position: int, pool: PoolName) -> bool:
     return False
 
 
-def _fetch(cache, keyer, raw, path, m, n, grant, need, read, quarantine_s) -> FetchOutcome:
+def _fetch(cache, keyer, raw, path, m, n, grant, need, read, hold) -> FetchOutcome:
     # Keep the path (and the window pages it already holds) while making room.
     window = {p: cache.policies[p].needed(n) for p in need}
     guard = cache._lock_nodes({p: [x for x in path if p == cache.layout.pools[0]
@@ -220,7 +220,7 @@ def _fetch(cache, keyer, raw, path, m, n, grant, need, read, quarantine_s) -> Fe
     except ReadFailed as e:
         outcome = FetchOutcome.TRANSFER_FAILED
         if e.may_still_write:
-            txn.rollback(hold=lambda pages: cache.quarantine(pages, quarantine_s))
+            txn.rollback(hold=lambda pages: cache.quarantine(pages, *hold))
     if outcome is not None:
         txn.rollback()       # the reserved pages may be half written: freed, never read
         cache._unlock_nodes(guard)

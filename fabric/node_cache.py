@@ -60,6 +60,13 @@ class CachedKV:
 
 
 @dataclass
+class Quarantine:
+    until: float
+    peer: str | None
+    pages: dict[tuple[PoolName, Tier], list[int]]
+
+
+@dataclass
 class CacheStats:
     lookups: int = 0
     hit_pages_device: int = 0
@@ -96,7 +103,7 @@ class NodeCache:
         self._keyers: dict[str, PageKeyer] = {}
         self._stats = CacheStats()
         self.clock = clock
-        self.quarantined: list[tuple[float, dict[tuple[PoolName, Tier], list[int]]]] = []
+        self.quarantined: list[Quarantine] = []
 
     # --- keys and matching ---------------------------------------------------------
     def keyer(self, namespace: str) -> PageKeyer:
@@ -182,20 +189,23 @@ class NodeCache:
     def _txn_closed(self, txn: Transaction) -> None:
         self.open_txns.discard(txn)
 
-    def quarantine(self, pages: dict[tuple[PoolName, Tier], list[int]], hold_s: float) -> None:
-        """Keep pages out of use for `hold_s`: a transfer that timed out may still write them."""
-        self.quarantined.append((self.clock() + hold_s, pages))
+    def quarantine(self, pages: dict[tuple[PoolName, Tier], list[int]], hold_s: float,
+                   peer: str | None = None) -> None:
+        """Keep pages out of use: an abandoned transfer from `peer` may still write them."""
+        self.quarantined.append(Quarantine(self.clock() + hold_s, peer, pages))
 
-    def release_quarantine(self, force: bool = False) -> int:
-        """Free quarantined pages whose hold has passed (all with `force`); returns how many."""
+    def release_quarantine(self, force: bool = False, peer: str | None = None) -> int:
+        """Free quarantined pages whose hold has passed, or that came from `peer`
+        (which has died, or whose later transfers completed, so earlier ones
+        drained); `force` frees all. Returns how many pages were freed."""
         now, keep, freed = self.clock(), [], 0
-        for until, pages in self.quarantined:
-            if force or until <= now:
-                for (pool, tier), indices in pages.items():
+        for q in self.quarantined:
+            if force or q.until <= now or (peer is not None and q.peer == peer):
+                for (pool, tier), indices in q.pages.items():
                     self.registry.pool(pool, tier).allocator.free(indices)
                     freed += len(indices)
             else:
-                keep.append((until, pages))
+                keep.append(q)
         self.quarantined = keep
         return freed
 

@@ -1,6 +1,13 @@
 import os
+import secrets
 
-from hypothesis import HealthCheck, settings
+# Ray 2.60 turns token auth on by default and writes the token to ~/.ray/auth_token.
+# Tests keep auth on with a throw-away token in the environment instead, set before
+# anything imports ray (Ray reads the mode once per process).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # CI runs fewer examples; `KVF_HYPOTHESIS=full` runs the full counts.
 settings.register_profile("ci", max_examples=40, deadline=None,

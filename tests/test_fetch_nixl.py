@@ -1,0 +1,186 @@
+"""A remote fetch between two processes over real NIXL agents: bytes equal,
+and every fault kind at every step leaves both sides clean, after which a
+clean retry succeeds."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import uuid
+
+import msgpack
+import pytest
+import torch
+
+from fabric import (ExportGrant, FetchOutcome, KVLayout, LeaseTable, NodeCache, PoolCapacity, PoolName,
+                    export_prefix, import_prefix)
+from tests.kvgen import prefix_kv
+from transport import NixlTransport
+from transport.faulty import Fault, FaultKind, FaultPlan, FaultyTransport
+from transport.fetch import TransportReader, register_device_pools
+
+LAYOUT = KVLayout(layers=("full", "swa", "full"), kv_heads=2, head_dim=64, page_size=16, window=32)
+CAPS = {PoolName.FULL: PoolCapacity(64, 0), PoolName.SWA: PoolCapacity(32, 0)}
+NS = "tenant"
+TOKENS = list(range(1000, 1000 + 8 * 16))      # 8 pages
+STARTUP_S = 90.0
+
+
+def source_main(conn, name: str) -> None:
+    """The source node: a cache with the prefix, exporting under leases."""
+    parent = os.getppid()
+    cache = NodeCache(LAYOUT, CAPS, device="cpu")
+    transport = NixlTransport(name)
+    register_device_pools(transport, cache)
+    leases = LeaseTable(cache)
+    cache.put(TOKENS, prefix_kv(LAYOUT, TOKENS), NS)
+    conn.send(transport.metadata())
+    while os.getppid() == parent:
+        if not conn.poll(0.2):
+            continue
+        cmd, *args = conn.recv()
+        if cmd == "export":
+            keys, skip, ttl = args
+            conn.send(msgpack.packb(export_prefix(cache, leases, keys, skip, ttl).to_wire()))
+        elif cmd == "release":
+            conn.send(leases.release(args[0]))
+        elif cmd == "state":
+            leases.expire()
+            cache.check()
+            conn.send((len(leases), cache.stats().pools["FULL/DEVICE"]["protected"]))
+        elif cmd == "quit":
+            break
+    transport.close()
+
+
+class Source:
+    def __init__(self) -> None:
+        self.name = f"src-{uuid.uuid4().hex[:8]}"
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=source_main, args=(child, self.name), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(STARTUP_S):
+            self.stop()
+            raise TimeoutError("source did not start")
+        self.metadata = self.conn.recv()
+
+    def ask(self, *msg, timeout: float = 30.0):
+        self.conn.send(msg)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"source did not answer {msg[0]}")
+        return self.conn.recv()
+
+    def kill(self, _peer: str = "") -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("quit",))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+@pytest.fixture(scope="module")
+def source():
+    src = Source()
+    yield src
+    src.stop()
+
+
+def destination(source: Source, script=(), kill=None):
+    cache = NodeCache(LAYOUT, CAPS, device="cpu")
+    nixl = NixlTransport(f"dst-{uuid.uuid4().hex[:8]}")
+    plan = FaultPlan(script)
+    transport = FaultyTransport(nixl, plan, kill_peer=kill)
+    register_device_pools(transport, cache)
+    transport.connect(source.name, source.metadata)
+    return cache, transport, plan
+
+
+def fetch(cache, transport, source, deadline_s=2.0):
+    keys = cache.keys(TOKENS, NS)
+    skip = cache.match(TOKENS, NS).matched
+    grant = ExportGrant.from_wire(msgpack.unpackb(source.ask("export", keys, skip, 5.0)))
+    outcome = import_prefix(cache, TOKENS, NS, grant, TransportReader(transport, source.name, deadline_s),
+                            quarantine_s=0.0)
+    if grant.lease_id:
+        source.ask("release", grant.lease_id)
+    return outcome
+
+
+def assert_fetched(cache):
+    hit = cache.get(TOKENS, NS)
+    assert hit.tokens == len(TOKENS)
+    want = prefix_kv(LAYOUT, TOKENS)
+    for i, kind in enumerate(LAYOUT.layers):
+        start = 0 if kind.value == "full" else hit.swa_start
+        assert torch.equal(hit.layers[i], want[i][:, start:hit.tokens])
+
+
+def test_fetch_full_and_swa_pages_bit_for_bit(source):
+    cache, transport, _ = destination(source)
+    try:
+        assert fetch(cache, transport, source) == FetchOutcome.COMMITTED
+        assert_fetched(cache)
+        cache.check()
+        assert source.ask("state") == (0, 0)
+    finally:
+        transport.close()
+
+
+FAULTS = {
+    "fail_after_0_full": ([Fault(FaultKind.FAIL_AFTER, after=0)], FetchOutcome.TRANSFER_FAILED),
+    "fail_after_5_full": ([Fault(FaultKind.FAIL_AFTER, after=5)], FetchOutcome.TRANSFER_FAILED),
+    "fail_after_1_swa": ([None, Fault(FaultKind.FAIL_AFTER, after=1)], FetchOutcome.TRANSFER_FAILED),
+    "hang_full": ([Fault(FaultKind.HANG)], FetchOutcome.TRANSFER_FAILED),
+    "hang_swa": ([None, Fault(FaultKind.HANG)], FetchOutcome.TRANSFER_FAILED),
+    "corrupt_full": ([Fault(FaultKind.CORRUPT)], FetchOutcome.CHECKSUM_MISMATCH),
+    "corrupt_swa": ([None, Fault(FaultKind.CORRUPT)], FetchOutcome.CHECKSUM_MISMATCH),
+    "peer_death_reported": ([Fault(FaultKind.PEER_DEATH)], FetchOutcome.TRANSFER_FAILED),
+    "slow_but_in_time": ([Fault(FaultKind.DELAY, delay_s=0.05)], FetchOutcome.COMMITTED),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_each_fault_rolls_back_then_retry_succeeds(source, name):
+    script, expected = FAULTS[name]
+    cache, transport, plan = destination(source, script)
+    try:
+        before = cache.snapshot()
+        assert fetch(cache, transport, source, deadline_s=0.5) == expected
+        assert plan.injected
+        if expected != FetchOutcome.COMMITTED:
+            cache.release_quarantine()
+            assert cache.snapshot() == before and not cache.quarantined
+            cache.check()
+            assert source.ask("state") == (0, 0)      # lease released, nothing pinned
+            assert fetch(cache, transport, source) == FetchOutcome.COMMITTED
+        assert_fetched(cache)
+        cache.check()
+    finally:
+        transport.close()
+
+
+def test_peer_killed_mid_fetch_leaves_destination_clean():
+    src = Source()
+    cache, transport, _ = destination(src, [Fault(FaultKind.PEER_DEATH)], kill=src.kill)
+    try:
+        keys = cache.keys(TOKENS, NS)
+        grant = ExportGrant.from_wire(msgpack.unpackb(src.ask("export", keys, 0, 5.0)))
+        before = cache.snapshot()
+        outcome = import_prefix(cache, TOKENS, NS, grant, TransportReader(transport, src.name, 2.0))
+        assert outcome == FetchOutcome.TRANSFER_FAILED
+        cache.release_quarantine(force=True)
+        assert cache.snapshot() == before
+        cache.check()
+    finally:
+        transport.close()
+        src.stop()
