@@ -1,0 +1,121 @@
+"""NodeCacheActor: one per node, owning that node's NodeCache and transport agent.
+
+It answers puts, gets and matches, exports prefixes to peers under leases,
+and imports prefixes from peers through fabric's fetch transaction. Every
+failure of a fetch (peer gone, export slow, transfer fault) becomes a
+FetchOutcome, never an exception, so a request can always recompute."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import msgpack
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from fabric import (CachedKV, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable, NodeCache,
+                    PoolCapacity, PoolName, TierConfig, export_prefix, import_prefix)
+from transport import LocalTransport, NixlTransport
+from transport.fetch import TransportReader, register_device_pools
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    layout: KVLayout
+    capacities: dict[PoolName, PoolCapacity]
+    tier: TierConfig = field(default_factory=TierConfig)
+    device: str | None = None          # default: cuda when present, else cpu
+    lease_ttl_s: float = 10.0
+    fetch_deadline_s: float = 2.0
+    quarantine_s: float = 30.0
+
+
+@ray.remote
+class NodeCacheActor:
+    def __init__(self, name: str, config: NodeConfig) -> None:
+        self.name = name
+        self.config = config
+        self.cache = NodeCache(config.layout, config.capacities, tier=config.tier, device=config.device,
+                               copier=LocalTransport())
+        self.leases = LeaseTable(self.cache)
+        self.transport = NixlTransport(name)
+        register_device_pools(self.transport, self.cache)
+        self.peers: set[str] = set()
+        self.fetches: dict[str, int] = {}
+
+    # --- identity and peers -----------------------------------------------------------
+    def metadata(self) -> bytes:
+        return self.transport.metadata()
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        self.transport.connect(peer, metadata)
+        self.peers.add(peer)
+
+    # --- local cache ------------------------------------------------------------------
+    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor], namespace: str) -> int:
+        return self.cache.put(tokens, kv, namespace)
+
+    def get(self, tokens: Sequence[int], namespace: str) -> CachedKV:
+        return self.cache.get(tokens, namespace)
+
+    def match(self, tokens: Sequence[int], namespace: str) -> int:
+        return self.cache.match(tokens, namespace).pages
+
+    def keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
+        return self.cache.keys(tokens, namespace)
+
+    # --- serving peers -----------------------------------------------------------------
+    def export(self, keys: list[bytes], skip: int) -> bytes:
+        grant = export_prefix(self.cache, self.leases, keys, skip, self.config.lease_ttl_s)
+        return msgpack.packb(grant.to_wire())
+
+    def release(self, lease_id: int) -> bool:
+        return self.leases.release(lease_id)
+
+    # --- fetching from peers --------------------------------------------------------------
+    def fetch(self, peer: ray.actor.ActorHandle, peer_name: str, tokens: Sequence[int],
+              namespace: str) -> str:
+        """Pull the peer's longer prefix of `tokens`; returns the FetchOutcome's value."""
+        outcome = self._fetch(peer, peer_name, tokens, namespace)
+        self.fetches[outcome.value] = self.fetches.get(outcome.value, 0) + 1
+        return outcome.value
+
+    def _fetch(self, peer, peer_name: str, tokens: Sequence[int], namespace: str) -> FetchOutcome:
+        if peer_name not in self.peers:
+            return FetchOutcome.TRANSFER_FAILED
+        keys = self.cache.keys(tokens, namespace)
+        skip = self.cache.match(tokens, namespace).matched
+        deadline = self.config.fetch_deadline_s
+        try:
+            grant = ExportGrant.from_wire(msgpack.unpackb(
+                ray.get(peer.export.remote(keys, skip), timeout=deadline)))
+        except (RayActorError, GetTimeoutError):
+            return FetchOutcome.TRANSFER_FAILED
+        except (GrantError, ValueError, msgpack.ExtraData):
+            return FetchOutcome.BAD_GRANT
+        try:
+            outcome = import_prefix(self.cache, tokens, namespace, grant,
+                                    TransportReader(self.transport, peer_name, deadline),
+                                    self.config.quarantine_s, peer=peer_name)
+        finally:
+            if grant.lease_id:
+                peer.release.remote(grant.lease_id)   # if lost, the lease expires
+        if outcome == FetchOutcome.COMMITTED:
+            # A later read from this peer completed: earlier abandoned ones drained.
+            self.cache.release_quarantine(peer=peer_name)
+        return outcome
+
+    # --- health --------------------------------------------------------------------------
+    def check(self) -> None:
+        self.leases.expire()
+        self.cache.check()
+
+    def stats(self) -> dict:
+        self.leases.expire()
+        s = self.cache.stats()
+        return {"name": self.name, "nodes": s.nodes, "pools": s.pools, "leases": len(self.leases),
+                "fetches": dict(self.fetches), "quarantined": len(self.cache.quarantined)}
+
+    def shutdown(self) -> None:
+        self.transport.close()
