@@ -3,12 +3,14 @@ from .allocator import AllocatorError, OutOfPages, PageAllocator
 from .check import InvariantError
 from .exchange import (ExportGrant, FetchOutcome, GrantError, PageReader, PoolPages, ReadFailed,
                        export_prefix, import_prefix)
+from .events import EventBatch, EventError, PageMask, PageState, Snapshot, decode as decode_events
 from .faults import AllocationFaults, InjectedFailure
 from .keys import PageKeyer, encode_tokens, namespace_key
 from .layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
 from .leases import Lease, LeaseTable
 from .node_cache import CachedKV, CacheStats, Match, NodeCache, PrefixLock
 from .pages import PageCopier, TorchCopier, page_checksums
+from .publisher import EventPublisher
 from .policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
 from .pools import PagePool, PoolCapacity, PoolEntry, PoolRegistry
 from .radix import Node, RadixTree
@@ -24,5 +26,6 @@ __all__ = [
     "TorchCopier", "page_checksums", "AttentionPolicy", "FullAttentionPolicy",
     "SlidingWindowPolicy", "PagePool", "PoolCapacity", "PoolEntry", "PoolRegistry", "Node",
     "RadixTree", "TierConfig", "TierController", "WritePolicy", "ReservationFailed",
-    "Transaction", "TransactionClosed",
+    "Transaction", "TransactionClosed", "EventBatch", "EventError", "PageMask", "PageState",
+    "Snapshot", "decode_events", "EventPublisher",
 ]

@@ -8,8 +8,8 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from fabric import (AllocationFaults, KVLayout, NodeCache, PoolCapacity, PoolName, Tier, TierConfig,
-                    WritePolicy)
+from fabric import (AllocationFaults, EventPublisher, KVLayout, NodeCache, PageState, PoolCapacity, PoolName,
+                    Tier, TierConfig, WritePolicy, decode_events)
 from fabric.node_cache import _groups
 from tests.kvgen import prefix_kv
 
@@ -45,6 +45,8 @@ class CacheMachine(RuleBasedStateMachine):
                                device="cpu", faults=self.faults)
         self.seqs = family(seed)
         self.locks = []
+        self.publisher = EventPublisher(self.cache, "node-a", epoch=1)
+        self.believed: dict[bytes, PageState] = {}   # what an index fed our events knows
 
     def tokens(self, i):
         return self.seqs[i % len(self.seqs)]
@@ -130,6 +132,23 @@ class CacheMachine(RuleBasedStateMachine):
     def invariants_hold(self):
         if hasattr(self, "cache"):
             self.cache.check()
+
+    @invariant()
+    def events_tell_the_truth(self):
+        """Applying every drained batch yields exactly what the cache holds."""
+        if not hasattr(self, "cache"):
+            return
+        batch = self.publisher.drain()
+        if batch is not None:
+            batch = decode_events(batch.encode())
+            assert batch.seq == self.publisher.next_seq - 1
+            for page in batch.pages:
+                if page.mask:
+                    self.believed[page.key] = page
+                else:
+                    self.believed.pop(page.key, None)
+        truth = {p.key: p for p in self.publisher.snapshot().pages}
+        assert self.believed == truth
 
     def teardown(self):
         if hasattr(self, "cache"):
