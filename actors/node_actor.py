@@ -9,13 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import time
+
 import msgpack
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from fabric import (CachedKV, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable, NodeCache,
-                    PoolCapacity, PoolName, TierConfig, export_prefix, import_prefix)
+from fabric import (CachedKV, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable,
+                    NodeCache, PoolCapacity, PoolName, TierConfig, export_prefix, import_prefix)
 from transport import LocalTransport, NixlTransport
 from transport.fetch import TransportReader, register_device_pools
 
@@ -43,6 +45,8 @@ class NodeCacheActor:
         register_device_pools(self.transport, self.cache)
         self.peers: set[str] = set()
         self.fetches: dict[str, int] = {}
+        # A restarted actor starts a new epoch: the index drops what the old one said.
+        self.publisher = EventPublisher(self.cache, name, epoch=time.time_ns())
 
     # --- identity and peers -----------------------------------------------------------
     def metadata(self) -> bytes:
@@ -105,6 +109,16 @@ class NodeCacheActor:
             # A later read from this peer completed: earlier abandoned ones drained.
             self.cache.release_quarantine(peer=peer_name)
         return outcome
+
+    # --- events for the global index ---------------------------------------------------
+    def drain_events(self) -> bytes | None:
+        """The next encoded event batch, or None if nothing changed."""
+        batch = self.publisher.drain()
+        return None if batch is None else batch.encode()
+
+    def snapshot(self) -> bytes:
+        """Everything held, as of the last drained batch, encoded."""
+        return self.publisher.snapshot().encode()
 
     # --- health --------------------------------------------------------------------------
     def check(self) -> None:

@@ -16,6 +16,7 @@ Run: .venv/bin/python -m benchmarks.transport_bench
 """
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import os
@@ -278,8 +279,13 @@ def run(json_out: bool) -> dict:
     return result
 
 
-def main() -> None:
-    run(json_out=True)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvfabric bench transport",
+                                 description="NIXL page reads against memcpy and the Ray object store.")
+    ap.add_argument("--json", action="store_true", help="print one JSON line last")
+    args = ap.parse_args(argv)
+    run(json_out=args.json)
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.node_actor import NodeCacheActor, NodeConfig
-from fabric import KVLayout, PoolCapacity, PoolName
+from fabric import KVLayout, PoolCapacity, PoolName, decode_events
 from tests.kvgen import prefix_kv
 
 LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=2, head_dim=32, page_size=16, window=32)
@@ -50,6 +50,9 @@ def test_fetch_between_actors_on_two_nodes(cluster):
         assert hit.tokens == len(tokens)
         assert torch.equal(hit.layers[0], want[0]) and torch.equal(hit.layers[1], want[1][:, hit.swa_start:])
         ray.get([a.check.remote(), b.check.remote()], timeout=T)
+        batch = decode_events(ray.get(b.drain_events.remote(), timeout=T))
+        assert batch.seq == 0 and batch.cleared and {p.depth for p in batch.pages} == set(range(6))
+        assert set(decode_events(ray.get(b.snapshot.remote(), timeout=T)).pages) == set(batch.pages)
         assert ray.get(a.stats.remote(), timeout=T)["leases"] == 0
         # A dead peer is a miss, never an error on the request path.
         ray.kill(a)
