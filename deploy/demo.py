@@ -51,9 +51,11 @@ def run(requests: int, tokens_per_block: int, device_pages: int, host_pages: int
         prompt_tokens += len(tokens)
         hit_tokens += hit.tokens
         cache.put(tokens, kv, "demo")
-        if (i + 1) % max(1, len(reqs) // 20) == 0:
-            print(f"\r  replayed {i + 1}/{len(reqs)}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+        if (i + 1) % max(1, len(reqs) // 10) == 0:
+            end = "" if sys.stderr.isatty() else "\n"
+            print(f"\r  replayed {i + 1}/{len(reqs)}", end=end, file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
     cache.check()
     s = cache.stats()
     ps = LAYOUT.page_size
@@ -70,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvfabric demo", description=__doc__)
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--tokens-per-block", type=int, default=32)
-    ap.add_argument("--device-pages", type=int, default=2048)
-    ap.add_argument("--host-pages", type=int, default=8192)
+    ap.add_argument("--device-pages", type=int, default=4096)
+    ap.add_argument("--host-pages", type=int, default=16384)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     for name in ("requests", "tokens_per_block", "device_pages", "host_pages"):
