@@ -21,16 +21,18 @@ from fabric import KVLayout, NodeCache, PoolCapacity, PoolName, TierConfig, Writ
 LAYOUT = KVLayout(layers=("full", "swa", "full", "swa"), kv_heads=2, head_dim=16, page_size=16, window=64)
 
 
-def stand_in_kv(tokens: list[int]) -> list[torch.Tensor]:
-    """Per-layer [2, T, H, D] that depend on each token's whole prefix."""
-    h, seeds = 7, []
+def stand_in_kv(layout: KVLayout, tokens: list[int]) -> list[torch.Tensor]:
+    """Per-layer [2, T, kv_heads, head_dim] in the layout's dtype; each token's
+    K/V depends on its whole prefix, as attention K/V do."""
+    h, seeds = 17, []
     for t in tokens:
         h = (h * 1_000_003 + t + 1) % 2_147_483_647
         seeds.append(h)
-    base = torch.tensor(seeds, dtype=torch.float64).reshape(1, -1, 1, 1)
-    grid = torch.arange(2 * LAYOUT.kv_heads * LAYOUT.head_dim, dtype=torch.float64)
-    grid = grid.reshape(2, 1, LAYOUT.kv_heads, LAYOUT.head_dim)
-    return [torch.sin(base * 1e-3 + grid * 0.37 + i).float() for i in range(len(LAYOUT.layers))]
+    base = torch.tensor(seeds, dtype=torch.float64).reshape(1, len(tokens), 1, 1)
+    grid = torch.arange(2 * layout.kv_heads * layout.head_dim, dtype=torch.float64)
+    grid = grid.reshape(2, 1, layout.kv_heads, layout.head_dim)
+    return [torch.sin(base * 1e-3 + grid * 0.37 + i * 1.7).to(layout.torch_dtype).contiguous()
+            for i in range(len(layout.layers))]
 
 
 def run(requests: int, tokens_per_block: int, device_pages: int, host_pages: int) -> dict:
@@ -42,7 +44,7 @@ def run(requests: int, tokens_per_block: int, device_pages: int, host_pages: int
     reqs = load_trace(limit=requests)
     for i, req in enumerate(reqs):
         tokens = request_tokens(req, tokens_per_block=tokens_per_block)
-        kv = stand_in_kv(tokens)
+        kv = stand_in_kv(LAYOUT, tokens)
         hit = cache.get(tokens, "demo")
         for li, kind in enumerate(LAYOUT.layers):
             if hit.tokens:
