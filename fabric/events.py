@@ -12,8 +12,9 @@ from enum import IntFlag
 
 import msgpack
 
+from .keys import KEY_BYTES
+
 EVENTS_VERSION = 1
-KEY_BYTES = 16
 MAX_PAGES_PER_BATCH = 1 << 20
 
 
