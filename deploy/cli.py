@@ -5,7 +5,8 @@ import argparse
 import importlib
 import sys
 
-BENCHES = {"radix": "benchmarks.radix_bench", "transport": "benchmarks.transport_bench"}
+BENCHES = {"radix": "benchmarks.radix_bench", "transport": "benchmarks.transport_bench",
+           "index": "benchmarks.index_bench"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from .exchange import (ExportGrant, FetchOutcome, GrantError, PageReader, PoolPa
                        export_prefix, import_prefix)
 from .events import EventBatch, EventError, PageMask, PageState, Snapshot, decode as decode_events
 from .faults import AllocationFaults, InjectedFailure
+from .index import ApplyResult, NodeMatch, PrefixIndex
 from .keys import PageKeyer, encode_tokens, namespace_key
 from .layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
 from .leases import Lease, LeaseTable
@@ -14,6 +15,8 @@ from .publisher import EventPublisher
 from .policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
 from .pools import PagePool, PoolCapacity, PoolEntry, PoolRegistry
 from .radix import Node, RadixTree
+from .routes import Route, RouteError, RouteTable
+from .sharded_index import ShardedIndex, Split
 from .tiers import TierConfig, TierController, WritePolicy
 from .txn import ReservationFailed, Transaction, TransactionClosed
 
@@ -27,5 +30,6 @@ __all__ = [
     "SlidingWindowPolicy", "PagePool", "PoolCapacity", "PoolEntry", "PoolRegistry", "Node",
     "RadixTree", "TierConfig", "TierController", "WritePolicy", "ReservationFailed",
     "Transaction", "TransactionClosed", "EventBatch", "EventError", "PageMask", "PageState",
-    "Snapshot", "decode_events", "EventPublisher",
+    "Snapshot", "decode_events", "EventPublisher", "ApplyResult", "NodeMatch", "PrefixIndex",
+    "Route", "RouteError", "RouteTable", "ShardedIndex", "Split",
 ]

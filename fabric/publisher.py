@@ -5,6 +5,7 @@ from .events import EventBatch, PageMask, PageState, Snapshot
 from .layout import PoolName, Tier
 from .node_cache import NodeCache
 from .radix import ABSENT, Node
+from .routes import RouteTable
 
 _BITS = {(PoolName.FULL, Tier.DEVICE): PageMask.FULL_DEVICE, (PoolName.FULL, Tier.HOST): PageMask.FULL_HOST,
          (PoolName.SWA, Tier.DEVICE): PageMask.SWA_DEVICE, (PoolName.SWA, Tier.HOST): PageMask.SWA_HOST}
@@ -17,6 +18,7 @@ class EventPublisher:
     def __init__(self, cache: NodeCache, node: str, epoch: int) -> None:
         self.cache, self.node, self.epoch = cache, node, epoch
         self.next_seq = 0
+        self.shard_seq: dict[int, int] = {}
         tree = cache.tree
         tree.track_changes = True
         tree.changed = [k for n in tree.nodes() for k in n.keys]   # what this epoch must announce
@@ -24,16 +26,54 @@ class EventPublisher:
 
     def drain(self) -> EventBatch | None:
         """The states of every page changed since the last drain, as the next batch."""
-        tree = self.cache.tree
-        if not tree.changed and self.next_seq > 0:
+        if not self.cache.tree.changed and self.next_seq > 0:
             return None
-        keys = dict.fromkeys(tree.changed)
-        tree.changed = []
-        pages = tuple(self._state(k) for k in keys)
-        tree.removed = {}
+        pages = tuple(self._state(node, j) for node, j in self._take_changes())
         batch = EventBatch(self.node, self.epoch, self.next_seq, pages, cleared=self.next_seq == 0)
         self.next_seq += 1
         return batch
+
+    def drain_routed(self, routes: RouteTable) -> dict[int, EventBatch]:
+        """The same, split into one batch per shard that must hear of each page
+        (each shard has its own sequence of batches from this node)."""
+        per_shard: dict[int, list[PageState]] = {}
+        paths = _Paths()
+        for node, j in self._take_changes():
+            state = self._state(node, j)
+            for shard in routes.shards_for(paths.of(node, j)):
+                per_shard.setdefault(shard, []).append(state)
+        for shard in range(routes.shards):      # the first batch of each shard says `cleared`
+            if shard not in self.shard_seq:
+                per_shard.setdefault(shard, [])
+        return {shard: self._next(shard, pages) for shard, pages in per_shard.items()}
+
+    def snapshots(self, routes: RouteTable) -> dict[int, Snapshot]:
+        """What each shard should hold of this node under `routes`, each as of
+        the last batch that shard got (drain_routed first)."""
+        paths = _Paths()
+        per_shard: dict[int, list[PageState]] = {s: [] for s in range(routes.shards)}
+        for node in self.cache.tree.nodes():
+            for j in range(node.n):
+                state = _held(node, j)
+                if state.mask:
+                    for shard in routes.shards_for(paths.of(node, j)):
+                        per_shard[shard].append(state)
+        return {s: Snapshot(self.node, self.epoch, self.shard_seq.get(s, 0) - 1, tuple(pages))
+                for s, pages in per_shard.items()}
+
+    def _next(self, shard: int, pages: list[PageState]) -> EventBatch:
+        seq = self.shard_seq.get(shard, 0)
+        self.shard_seq[shard] = seq + 1
+        return EventBatch(self.node, self.epoch, seq, tuple(pages), cleared=seq == 0)
+
+    def _take_changes(self) -> list[tuple[Node, int]]:
+        tree = self.cache.tree
+        out = []
+        for key in dict.fromkeys(tree.changed):
+            node = tree.by_key.get(key)
+            out.append((node, node.keys.index(key)) if node is not None else tree.removed[key])
+        tree.changed, tree.removed = [], {}
+        return out
 
     def snapshot(self) -> Snapshot:
         """Everything held now, as of the last drained batch (drain first)."""
@@ -41,12 +81,33 @@ class EventPublisher:
         pages = tuple(p for node in tree.nodes() for j in range(node.n) if (p := _held(node, j)).mask)
         return Snapshot(self.node, self.epoch, self.next_seq - 1, pages)
 
-    def _state(self, key: bytes) -> PageState:
-        node = self.cache.tree.by_key.get(key)
-        if node is None:
-            parent, depth = self.cache.tree.removed[key]
-            return PageState(key, parent, depth, 0)
-        return _held(node, node.keys.index(key))
+    def _state(self, node: Node, offset: int) -> PageState:
+        if self.cache.tree.by_key.get(node.keys[offset]) is not node:
+            return _gone(node, offset)
+        return _held(node, offset)
+
+
+class _Paths:
+    """Page-key paths from depth 0, memoized per node for one drain."""
+
+    def __init__(self) -> None:
+        self._memo: dict[int, list[bytes]] = {}
+
+    def of(self, node: Node, offset: int) -> list[bytes]:
+        return self._upto(node.parent) + node.keys[: offset + 1]
+
+    def _upto(self, node: Node) -> list[bytes]:
+        if node.is_root:
+            return []
+        path = self._memo.get(id(node))
+        if path is None:
+            path = self._memo[id(node)] = self._upto(node.parent) + node.keys
+        return path
+
+
+def _gone(node: Node, offset: int) -> PageState:
+    parent = node.keys[offset - 1] if offset else node.parent.keys[-1]
+    return PageState(node.keys[offset], parent, node.start + offset, 0)
 
 
 def _held(node: Node, offset: int) -> PageState:

@@ -85,7 +85,7 @@ class RadixTree:
         # (parent key, depth) of pages that left the tree.
         self.track_changes = False
         self.changed: list[bytes] = []
-        self.removed: dict[bytes, tuple[bytes, int]] = {}
+        self.removed: dict[bytes, tuple[Node, int]] = {}     # key -> (detached node, offset)
 
     # --- reading -----------------------------------------------------------------
     def walk(self, root_key: bytes, raw: bytes) -> tuple[list[Node], int]:
@@ -175,8 +175,7 @@ class RadixTree:
             del self.by_key[k]
         self.node_count -= 1
         if self.track_changes:
-            parents = [parent.keys[-1], *node.keys[:-1]]
-            self.removed.update((k, (p, node.start + i)) for i, (k, p) in enumerate(zip(node.keys, parents)))
+            self.removed.update((k, (node, i)) for i, k in enumerate(node.keys))
             self.changed.extend(node.keys)
         if parent.is_root and not parent.children:
             del self.roots[parent.keys[0]]

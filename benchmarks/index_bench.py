@@ -1,0 +1,109 @@
+"""`kvfabric bench index`: the prefix index core against Ray Serve LLM's PrefixTree,
+and how evenly 8 shards split the conversation trace's lookups.
+
+A round is a lookup then an insert, as a router does: the request goes to the
+node with the longest match (else round-robin) and that node's new pages are
+inserted. Ours works from page keys (and, for `ratio_with_hashing`, computes
+them from tokens too); the peer gets the prompt as text, one character per
+token, one tenant per node, inserts as routed.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+
+from deploy.trace import load_trace, request_tokens
+from fabric import EventBatch, PageKeyer, PageMask, PageState
+from fabric.index import PrefixIndex
+from fabric.sharded_index import ShardedIndex
+
+NODES = 4
+PAGE = 16
+
+
+def keyed(requests: list[list[int]]) -> list[list[bytes]]:
+    keyer = PageKeyer("bench", b"f" * 16, PAGE)
+    return [keyer.keys(t) for t in requests]
+
+
+def ours_rounds(all_keys: list[list[bytes]], tokens: list[list[int]] | None = None) -> float:
+    """Rounds per second of PrefixIndex; with `tokens`, page keys are computed inside the loop."""
+    index = PrefixIndex(window_pages=0)
+    held = [set() for _ in range(NODES)]
+    seqs = [0] * NODES
+    keyer = PageKeyer("bench", b"f" * 16, PAGE)
+    root = keyer.root
+    gc.collect()
+    start = time.perf_counter()
+    for i, keys in enumerate(all_keys):
+        if tokens is not None:
+            keys = keyer.keys(tokens[i])
+        best = index.lookup(keys)
+        node = int(best[0].node[1:]) if best else i % NODES
+        have = held[node]
+        new = [PageState(k, keys[d - 1] if d else root, d, PageMask.FULL_DEVICE)
+               for d, k in enumerate(keys) if k not in have]
+        if new:
+            index.apply(EventBatch(f"n{node}", 1, seqs[node], tuple(new), cleared=seqs[node] == 0))
+            seqs[node] += 1
+            have.update(p.key for p in new)
+    return len(all_keys) / (time.perf_counter() - start)
+
+
+def peer_rounds(tokens: list[list[int]]) -> float:
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+    texts = ["".join(map(chr, (t % 50000 + 256 for t in toks))) for toks in tokens]
+    tree = PrefixTree()
+    tenants = [f"n{i}" for i in range(NODES)]
+    tree.add_tenants(tenants, time.time())
+    gc.collect()
+    start = time.perf_counter()
+    for i, text in enumerate(texts):
+        matched, who = tree.prefix_match(text, tenants)
+        tenant = who[0] if matched and who else tenants[i % NODES]
+        tree.insert(text, tenant, time.time())
+    return len(texts) / (time.perf_counter() - start)
+
+
+def shard_balance(all_keys: list[list[bytes]], shards: int = 8, every: int = 100) -> float:
+    """Lookups per shard over the whole trace, max over mean, rebalancing every `every` lookups."""
+    index = ShardedIndex(shards, window_pages=0)
+    for i, keys in enumerate(all_keys):
+        index.lookup(keys)
+        if i % every == every - 1:
+            index.rebalance(target=1.05)
+    return index.load_max_over_mean()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvfabric bench index", description=__doc__)
+    ap.add_argument("--trace", default=None, help="a Mooncake-format trace (default: the packaged one)")
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--tokens-per-block", type=int, default=32)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    reqs = load_trace(args.trace, limit=args.requests)
+    tokens = [request_tokens(r, tokens_per_block=args.tokens_per_block) for r in reqs]
+    all_keys = keyed(tokens)
+    ours = ours_rounds(all_keys)
+    ours_hashing = ours_rounds(all_keys, tokens)
+    peer = peer_rounds(tokens)
+    full = [request_tokens(r, tokens_per_block=args.tokens_per_block) for r in load_trace(args.trace)]
+    balance = shard_balance(keyed(full))
+    print(f"{len(tokens)} requests, {args.tokens_per_block} tokens/block, page {PAGE}, {NODES} nodes")
+    print(f"ours {ours:.0f} rounds/s, with hashing {ours_hashing:.0f}, PrefixTree {peer:.0f}")
+    print(f"ratio {ours / peer:.2f} (target >= 10), with hashing {ours_hashing / peer:.2f} (target >= 2)")
+    print(f"8 shards over {len(full)} requests: lookups max/mean {balance:.3f} (target <= 1.25)")
+    if args.json:
+        print(json.dumps({"name": "index", "ours_lookups_per_s": round(ours, 1), "peer": "ray.serve PrefixTree",
+                          "peer_lookups_per_s": round(peer, 1), "ratio": round(ours / peer, 3),
+                          "ratio_with_hashing": round(ours_hashing / peer, 3), "shards": 8,
+                          "shard_load_max_over_mean": round(balance, 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
