@@ -17,7 +17,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from fabric import (CachedKV, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable,
-                    NodeCache, PoolCapacity, PoolName, TierConfig, export_prefix, import_prefix)
+                    NodeCache, PoolCapacity, PoolName, RouteTable, TierConfig, export_prefix, import_prefix)
 from transport import LocalTransport, NixlTransport
 from transport.fetch import TransportReader, register_device_pools
 
@@ -47,6 +47,9 @@ class NodeCacheActor:
         self.fetches: dict[str, int] = {}
         # A restarted actor starts a new epoch: the index drops what the old one said.
         self.publisher = EventPublisher(self.cache, name, epoch=time.time_ns())
+        self.shards: list = []
+        self.routes: RouteTable | None = None
+        self._sent: list[tuple[int, ray.ObjectRef]] = []
 
     # --- identity and peers -----------------------------------------------------------
     def metadata(self) -> bytes:
@@ -58,10 +61,14 @@ class NodeCacheActor:
 
     # --- local cache ------------------------------------------------------------------
     def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor], namespace: str) -> int:
-        return self.cache.put(tokens, kv, namespace)
+        stored = self.cache.put(tokens, kv, namespace)
+        self.publish()
+        return stored
 
     def get(self, tokens: Sequence[int], namespace: str) -> CachedKV:
-        return self.cache.get(tokens, namespace)
+        hit = self.cache.get(tokens, namespace)
+        self.publish()      # load-backs and evictions change what the index should know
+        return hit
 
     def match(self, tokens: Sequence[int], namespace: str) -> int:
         return self.cache.match(tokens, namespace).pages
@@ -83,6 +90,7 @@ class NodeCacheActor:
         """Pull the peer's longer prefix of `tokens`; returns the FetchOutcome's value."""
         outcome = self._fetch(peer, peer_name, tokens, namespace)
         self.fetches[outcome.value] = self.fetches.get(outcome.value, 0) + 1
+        self.publish()
         return outcome.value
 
     def _fetch(self, peer, peer_name: str, tokens: Sequence[int], namespace: str) -> FetchOutcome:
@@ -111,14 +119,65 @@ class NodeCacheActor:
         return outcome
 
     # --- events for the global index ---------------------------------------------------
+    def attach_index(self, shards: list, routes: bytes) -> None:
+        """Publish to these index shards under this route table (from now on)."""
+        self.shards, self.routes = list(shards), RouteTable.decode(routes)
+        self.publish()
+
+    def publish(self) -> int:
+        """Send what changed since the last call, one batch per shard; returns batches sent.
+
+        Sends do not wait; a shard that saw a gap (it answers need_snapshot) gets
+        this node's snapshot for its part on the next call."""
+        if self.routes is None:
+            return 0
+        self._resync_behind()
+        batches = self.publisher.drain_routed(self.routes)
+        for shard, batch in batches.items():
+            self._sent.append((shard, self.shards[shard].apply.remote(batch.encode())))
+        return len(batches)
+
+    def _resync_behind(self) -> None:
+        if not self._sent:
+            return
+        refs = [ref for _, ref in self._sent]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done_set = set(done)
+        behind = set()
+        for shard, ref in self._sent:
+            if ref in done_set:
+                try:
+                    if ray.get(ref, timeout=0) == "need_snapshot":
+                        behind.add(shard)
+                except ray.exceptions.RayError:
+                    behind.add(shard)      # a restarted shard has lost our events
+        self._sent = [(s, r) for s, r in self._sent if r not in done_set]
+        if behind:
+            snaps = self.publisher.snapshots(self.routes)
+            for shard in behind:
+                self._sent.append((shard, self.shards[shard].load_snapshot.remote(snaps[shard].encode())))
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until every batch sent so far is applied (tests, shutdown)."""
+        self.publish()
+        if self._sent:
+            ray.wait([r for _, r in self._sent], num_returns=len(self._sent), timeout=timeout_s)
+            self._resync_behind()
+
     def drain_events(self) -> bytes | None:
-        """The next encoded event batch, or None if nothing changed."""
+        """The next encoded event batch (not routed), or None if nothing changed.
+        Only for a node with no index attached: it takes the changes publish() would send."""
+        if self.routes is not None:
+            raise RuntimeError("this node publishes to an index; use publish()")
         batch = self.publisher.drain()
         return None if batch is None else batch.encode()
 
     def snapshot(self) -> bytes:
         """Everything held, as of the last drained batch, encoded."""
         return self.publisher.snapshot().encode()
+
+    def ping(self) -> str:
+        return self.name
 
     # --- health --------------------------------------------------------------------------
     def check(self) -> None:

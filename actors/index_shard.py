@@ -1,0 +1,58 @@
+"""IndexShardActor: one shard of the global prefix index, fed by node actors' events."""
+from __future__ import annotations
+
+import ray
+
+from fabric import EventBatch, EventError, PrefixIndex, Snapshot, decode_events
+
+
+@ray.remote
+class IndexShardActor:
+    def __init__(self, shard: int, window_pages: int, has_full: bool) -> None:
+        self.shard = shard
+        self.index = PrefixIndex(window_pages, has_full)
+        self.route_version = 0
+        self.rejected = 0
+        self.lookups = 0
+
+    def apply(self, data: bytes) -> str:
+        """An encoded event batch; answers an ApplyResult value, or 'rejected'."""
+        try:
+            batch = decode_events(data)
+        except EventError:
+            self.rejected += 1
+            return "rejected"
+        if not isinstance(batch, EventBatch):
+            self.rejected += 1
+            return "rejected"
+        return self.index.apply(batch).value
+
+    def load_snapshot(self, data: bytes) -> str:
+        try:
+            snap = decode_events(data)
+        except EventError:
+            self.rejected += 1
+            return "rejected"
+        if not isinstance(snap, Snapshot):
+            self.rejected += 1
+            return "rejected"
+        return self.index.load_snapshot(snap).value
+
+    def lookup(self, keys: list[bytes], route_version: int) -> list[tuple[str, int, bool]] | None:
+        """Each node's usable match, best first; None: the caller's routes are stale."""
+        if route_version < self.route_version:
+            return None
+        self.lookups += 1
+        return [(m.node, m.pages, m.device) for m in self.index.lookup(keys)]
+
+    def set_route_version(self, version: int) -> None:
+        self.route_version = max(self.route_version, version)
+
+    def drop_node(self, node: str) -> None:
+        self.index.drop_node(node)
+
+    def noop(self) -> None:
+        return None
+
+    def stats(self) -> dict:
+        return {"shard": self.shard, "lookups": self.lookups, "rejected": self.rejected, **self.index.stats()}

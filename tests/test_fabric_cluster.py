@@ -1,0 +1,69 @@
+"""The fabric on a Ray cluster of four nodes: node actors publish to index
+shards; a client finds a prefix put on one node from anywhere, fetches it
+into another with equal bytes, and a removed node leaves the index."""
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+from actors import FabricClient, NodeConfig, start, stop
+from fabric import KVLayout, PoolCapacity, PoolName
+from tests.kvgen import prefix_kv
+
+LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=2, head_dim=16, page_size=16, window=32)
+CONFIG = NodeConfig(LAYOUT, {PoolName.FULL: PoolCapacity(64, 64), PoolName.SWA: PoolCapacity(32, 32)}, device="cpu")
+NS = "tenant"
+T = 120.0
+
+
+@pytest.fixture(scope="module")
+def fabric():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    for _ in range(3):
+        c.add_node(num_cpus=1)
+    ray.init(address=c.address)
+    c.wait_for_nodes()
+    f = start(CONFIG, shards=3, cpus_per_actor=0.25)
+    yield f
+    stop(f)
+    ray.shutdown()
+    c.shutdown()
+
+
+def flush(f):
+    ray.get([n.flush.remote() for n in f.nodes.values()], timeout=T)
+
+
+def test_index_finds_a_prefix_and_fetch_moves_it(fabric):
+    names = sorted(fabric.nodes)
+    a, b = names[0], names[1]
+    tokens = list(range(50, 50 + 5 * 16))
+    assert ray.get(fabric.nodes[a].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T) == 5
+    flush(fabric)
+    client = FabricClient.connect(timeout_s=10.0)
+    found = client.lookup(tokens, NS)
+    assert [(m.node, m.pages) for m in found] == [(a, 5)]
+    assert client.lookup(tokens, "another-tenant") == []           # tenants never see each other
+    assert client.fetch(tokens, NS, into=b) == 5
+    hit = ray.get(fabric.nodes[b].get.remote(tokens, NS), timeout=T)
+    want = prefix_kv(LAYOUT, tokens)
+    assert torch.equal(hit.layers[0], want[0]) and torch.equal(hit.layers[1], want[1][:, hit.swa_start:])
+    flush(fabric)
+    assert {m.node for m in client.lookup(tokens, NS)} == {a, b}
+    ray.get([n.check.remote() for n in fabric.nodes.values()], timeout=T)
+
+
+def test_a_removed_node_leaves_the_index(fabric):
+    names = sorted(fabric.nodes)
+    victim = names[2]
+    tokens = list(range(700, 700 + 3 * 16))
+    ray.get(fabric.nodes[victim].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
+    flush(fabric)
+    client = FabricClient.connect(timeout_s=10.0)
+    assert [m.node for m in client.lookup(tokens, NS)] == [victim]
+    ray.kill(fabric.nodes.pop(victim))
+    assert client.purge_dead_nodes() == [victim]
+    assert client.lookup(tokens, NS) == []
+    assert client.fetch(tokens, NS, into=names[0]) == 0             # nothing to fetch: recompute
