@@ -130,7 +130,8 @@ class FabricClient:
         for _ in range(2):       # a stale route table is refreshed once
             shard = self.routes.owner(keys)
             try:
-                found = ray.get(self._shard(shard).lookup.remote(keys, self.routes.version), timeout=self.timeout_s)
+                found = ray.get(self._shard(shard).lookup.remote(b"".join(keys), self.routes.version),
+                                timeout=self.timeout_s)
             except (RayError, GetTimeoutError):
                 return []        # a miss costs recomputation, never an error
             if found is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ray
 
 from fabric import EventBatch, EventError, PrefixIndex, Snapshot, decode_events
+from fabric.keys import KEY_BYTES
 
 
 @ray.remote
@@ -38,12 +39,17 @@ class IndexShardActor:
             return "rejected"
         return self.index.load_snapshot(snap).value
 
-    def lookup(self, keys: list[bytes], route_version: int) -> list[tuple[str, int, bool]] | None:
-        """Each node's usable match, best first; None: the caller's routes are stale."""
+    def lookup(self, keys: bytes, route_version: int) -> list[tuple[str, int, bool]] | None:
+        """Each node's usable match for the concatenated 16-byte page keys, best
+        first; None: the caller's routes are stale. (One bytes object pickles
+        much faster than a list of keys.)"""
         if route_version < self.route_version:
             return None
+        if not isinstance(keys, bytes) or len(keys) % KEY_BYTES:
+            raise ValueError(f"keys must be bytes, a multiple of {KEY_BYTES} long")
         self.lookups += 1
-        return [(m.node, m.pages, m.device) for m in self.index.lookup(keys)]
+        split = [keys[i:i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)]
+        return [(m.node, m.pages, m.device) for m in self.index.lookup(split)]
 
     def set_route_version(self, version: int) -> None:
         self.route_version = max(self.route_version, version)
@@ -51,7 +57,8 @@ class IndexShardActor:
     def drop_node(self, node: str) -> None:
         self.index.drop_node(node)
 
-    def noop(self) -> None:
+    def noop(self, *payload: object) -> None:
+        """Does nothing: the baseline a lookup's latency is measured against."""
         return None
 
     def stats(self) -> dict:
