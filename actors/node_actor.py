@@ -18,7 +18,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from fabric import (CachedKV, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable,
                     NodeCache, PoolCapacity, PoolName, RouteTable, TierConfig, export_prefix, import_prefix)
-from transport import LocalTransport, NixlTransport
+from transport import FaultPlan, FaultyTransport, LocalTransport, NixlTransport
 from transport.fetch import TransportReader, register_device_pools
 
 
@@ -31,6 +31,7 @@ class NodeConfig:
     lease_ttl_s: float = 10.0
     fetch_deadline_s: float = 2.0
     quarantine_s: float = 30.0
+    faults: FaultPlan | None = None    # chaos: wrap the transport in a FaultyTransport
 
 
 @ray.remote
@@ -41,7 +42,8 @@ class NodeCacheActor:
         self.cache = NodeCache(config.layout, config.capacities, tier=config.tier, device=config.device,
                                copier=LocalTransport())
         self.leases = LeaseTable(self.cache)
-        self.transport = NixlTransport(name)
+        nixl = NixlTransport(name)
+        self.transport = nixl if config.faults is None else FaultyTransport(nixl, config.faults)
         register_device_pools(self.transport, self.cache)
         self.peers: set[str] = set()
         self.fetches: dict[str, int] = {}
@@ -178,6 +180,10 @@ class NodeCacheActor:
 
     def ping(self) -> str:
         return self.name
+
+    def release_quarantine(self) -> int:
+        """Free quarantined pages whose hold has passed; returns how many."""
+        return self.cache.release_quarantine()
 
     # --- health --------------------------------------------------------------------------
     def check(self) -> None:

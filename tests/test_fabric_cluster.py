@@ -55,6 +55,34 @@ def test_index_finds_a_prefix_and_fetch_moves_it(fabric):
     ray.get([n.check.remote() for n in fabric.nodes.values()], timeout=T)
 
 
+def test_source_killed_mid_fetch_leaves_the_destination_clean(fabric):
+    import dataclasses
+    import time
+
+    from actors import NodeCacheActor, join
+    from transport import Fault, FaultKind, FaultPlan
+    source_name = sorted(fabric.nodes)[0]
+    tokens = list(range(300, 300 + 4 * 16))
+    ray.get(fabric.nodes[source_name].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
+    hanging = dataclasses.replace(CONFIG, faults=FaultPlan([Fault(FaultKind.HANG)]), quarantine_s=0.5)
+    dest = NodeCacheActor.options(name="kvf-node-chaos", namespace="kvfabric", num_cpus=0.1).remote(
+        "kvf-node-chaos", hanging)
+    join(fabric.directory, "kvf-node-chaos", dest, timeout_s=T)
+    source = fabric.nodes.pop(source_name)
+    pending = dest.fetch.remote(source, source_name, tokens, NS)
+    time.sleep(0.5)
+    ray.kill(source)                                   # dies while the read is in flight
+    assert ray.get(pending, timeout=T) == "transfer_failed"
+    assert ray.get(dest.match.remote(tokens, NS), timeout=T) == 0   # nothing half-inserted
+    ray.get(dest.check.remote(), timeout=T)
+    time.sleep(0.6)
+    ray.get(dest.release_quarantine.remote(), timeout=T)
+    stats = ray.get(dest.stats.remote(), timeout=T)
+    assert stats["quarantined"] == 0 and stats["pools"]["FULL/DEVICE"]["used"] == 0
+    ray.kill(dest)
+    assert sorted(FabricClient.connect(timeout_s=10.0).purge_dead_nodes()) == sorted([source_name, "kvf-node-chaos"])
+
+
 def test_a_removed_node_leaves_the_index(fabric):
     names = sorted(fabric.nodes)
     victim = names[2]
