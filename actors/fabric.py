@@ -15,7 +15,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from fabric import NodeMatch, PageKeyer, PoolName, RouteTable
+from fabric import LoadTracker, NodeMatch, PageKeyer, PoolName, RouteTable
 
 from .index_shard import IndexShardActor
 from .node_actor import NodeCacheActor, NodeConfig
@@ -50,6 +50,22 @@ class FabricDirectory:
     def node_names(self) -> list[str]:
         return sorted(self.nodes)
 
+    def rebalance(self, target: float = 1.25, timeout_s: float = CALL_TIMEOUT_S) -> bool:
+        """Split the hottest subtree if shard lookups are uneven; nodes then resend
+        snapshots under the new routes. Returns whether routes changed."""
+        shards = [ray.get_actor(shard_name(i), namespace=NAMESPACE) for i in range(self.routes.shards)]
+        load = LoadTracker(self.routes.shards)
+        for report in ray.get([s.load_report.remote() for s in shards], timeout=timeout_s):
+            load.merge(report)
+        planned = load.plan(self.routes, target)
+        if planned is None:
+            return False
+        self.routes = planned[0]
+        ray.get([s.set_route_version.remote(self.routes.version) for s in shards], timeout=timeout_s)
+        nodes = [ray.get_actor(n, namespace=NAMESPACE) for n in self.nodes]
+        ray.get([n.reroute.remote(self.routes.encode()) for n in nodes], timeout=timeout_s)
+        return True
+
 
 @dataclass
 class Fabric:
@@ -70,7 +86,7 @@ def start(config: NodeConfig, shards: int = 4, cpus_per_actor: float = 0.25,
     directory = FabricDirectory.options(name=DIRECTORY, **opts).remote(config, shards)
     window = config.layout.window_pages
     has_full = PoolName.FULL in config.layout.pools
-    shard_actors = [IndexShardActor.options(name=shard_name(i), **opts).remote(i, window, has_full)
+    shard_actors = [IndexShardActor.options(name=shard_name(i), **opts).remote(i, shards, window, has_full)
                     for i in range(shards)]
     routes = ray.get(directory.get_routes.remote(), timeout=timeout_s)
     nodes = {}
@@ -128,9 +144,9 @@ class FabricClient:
         if not keys:
             return []
         for _ in range(2):       # a stale route table is refreshed once
-            shard = self.routes.owner(keys)
+            shard, depth = self.routes.locate(keys)
             try:
-                found = ray.get(self._shard(shard).lookup.remote(b"".join(keys), self.routes.version),
+                found = ray.get(self._shard(shard).lookup.remote(b"".join(keys), self.routes.version, depth),
                                 timeout=self.timeout_s)
             except (RayError, GetTimeoutError):
                 return []        # a miss costs recomputation, never an error

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import ray
 
-from fabric import EventBatch, EventError, PrefixIndex, Snapshot, decode_events
+from fabric import EventBatch, EventError, LoadTracker, PrefixIndex, Snapshot, decode_events
 from fabric.keys import KEY_BYTES
 
 
 @ray.remote
 class IndexShardActor:
-    def __init__(self, shard: int, window_pages: int, has_full: bool) -> None:
-        self.shard = shard
+    def __init__(self, shard: int, shards: int, window_pages: int, has_full: bool) -> None:
+        self.shard, self.shard_count = shard, shards
         self.index = PrefixIndex(window_pages, has_full)
+        self.load = LoadTracker(shards)
         self.route_version = 0
         self.rejected = 0
         self.lookups = 0
@@ -39,7 +40,7 @@ class IndexShardActor:
             return "rejected"
         return self.index.load_snapshot(snap).value
 
-    def lookup(self, keys: bytes, route_version: int) -> list[tuple[str, int, bool]] | None:
+    def lookup(self, keys: bytes, route_version: int, depth: int = -1) -> list[tuple[str, int, bool]] | None:
         """Each node's usable match for the concatenated 16-byte page keys, best
         first; None: the caller's routes are stale. (One bytes object pickles
         much faster than a list of keys.)"""
@@ -49,7 +50,14 @@ class IndexShardActor:
             raise ValueError(f"keys must be bytes, a multiple of {KEY_BYTES} long")
         self.lookups += 1
         split = [keys[i:i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)]
+        if 0 <= depth < len(split):      # the caller says where its region starts: count it
+            self.load.record(split, self.shard, depth)
         return [(m.node, m.pages, m.device) for m in self.index.lookup(split)]
+
+    def load_report(self) -> LoadTracker:
+        """Lookups since the last report, per region; starts a new count."""
+        report, self.load = self.load, LoadTracker(self.shard_count)
+        return report
 
     def set_route_version(self, version: int) -> None:
         self.route_version = max(self.route_version, version)

@@ -159,6 +159,13 @@ class NodeCacheActor:
             for shard in behind:
                 self._sent.append((shard, self.shards[shard].load_snapshot.remote(snaps[shard].encode())))
 
+    def reroute(self, routes: bytes) -> None:
+        """New routes: every shard gets this node's snapshot of its part (shard state is soft)."""
+        self.routes = RouteTable.decode(routes)
+        self.publish()
+        for shard, snap in self.publisher.snapshots(self.routes).items():
+            self._sent.append((shard, self.shards[shard].load_snapshot.remote(snap.encode())))
+
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until every batch sent so far is applied (tests, shutdown)."""
         self.publish()

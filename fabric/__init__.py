@@ -16,7 +16,8 @@ from .policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
 from .pools import PagePool, PoolCapacity, PoolEntry, PoolRegistry
 from .radix import Node, RadixTree
 from .routes import Route, RouteError, RouteTable
-from .sharded_index import ShardedIndex, Split
+from .balance import LoadTracker, Split
+from .sharded_index import ShardedIndex
 from .tiers import TierConfig, TierController, WritePolicy
 from .txn import ReservationFailed, Transaction, TransactionClosed
 
@@ -31,5 +32,5 @@ __all__ = [
     "RadixTree", "TierConfig", "TierController", "WritePolicy", "ReservationFailed",
     "Transaction", "TransactionClosed", "EventBatch", "EventError", "PageMask", "PageState",
     "Snapshot", "decode_events", "EventPublisher", "ApplyResult", "NodeMatch", "PrefixIndex",
-    "Route", "RouteError", "RouteTable", "ShardedIndex", "Split",
+    "Route", "RouteError", "RouteTable", "ShardedIndex", "Split", "LoadTracker",
 ]

@@ -95,3 +95,26 @@ def test_a_removed_node_leaves_the_index(fabric):
     assert client.purge_dead_nodes() == [victim]
     assert client.lookup(tokens, NS) == []
     assert client.fetch(tokens, NS, into=names[0]) == 0             # nothing to fetch: recompute
+
+
+def test_hot_subtrees_split_across_shard_actors(fabric):
+    """Every request shares its first pages (as in the conversation trace): by the first
+    page alone one shard takes every lookup; splits spread them and answers stay right."""
+    node = sorted(fabric.nodes)[0]
+    shared = list(range(5000, 5000 + 2 * 16))
+    prompts = [shared + list(range(10_000 + 64 * i, 10_000 + 64 * i + 2 * 16)) for i in range(24)]
+    for p in prompts:
+        ray.get(fabric.nodes[node].put.remote(p, prefix_kv(LAYOUT, p), NS), timeout=T)
+    flush(fabric)
+    client = FabricClient.connect(timeout_s=10.0)
+    splits = 0
+    for _ in range(4):
+        for p in prompts:
+            assert [(m.node, m.pages) for m in client.lookup(p, NS)] == [(node, 4)]
+        splits += ray.get(fabric.directory.rebalance.remote(1.05), timeout=T)
+        flush(fabric)
+    assert splits >= 2
+    for p in prompts:
+        assert [(m.node, m.pages) for m in client.lookup(p, NS)] == [(node, 4)]
+    served = [ray.get(s.stats.remote(), timeout=T)["lookups"] for s in fabric.shards]
+    assert sum(1 for n in served if n) >= 2            # more than one shard answers now

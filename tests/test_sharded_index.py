@@ -97,7 +97,7 @@ def test_trace_prefixes_spread_over_shards():
     for tokens in reqs[::7]:
         world.agree(tokens)
     # every request shares block 0: by the first page alone one shard would take all
-    assert world.sharded.load_max_over_mean(total=False) < 8.0
+    assert world.sharded.load_max_over_mean() < 8.0
     assert len(world.sharded.routes.routes) > 1
 
 
