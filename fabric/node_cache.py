@@ -19,6 +19,10 @@ from .radix import ABSENT, TIERS, Node, RadixTree
 from .tiers import TierConfig, TierController
 from .txn import ReservationFailed, Transaction
 
+# Enum members read once: each `Tier.DEVICE` on a hot path is a Python-level lookup.
+DEVICE = Tier.DEVICE
+DEVICE_ONLY = (Tier.DEVICE,)
+
 
 @dataclass
 class Match:
@@ -86,6 +90,8 @@ class NodeCache:
                  faults: AllocationFaults | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.layout = layout
+        # The pool whose pages keep a node alive (layout.pools builds a new tuple per call).
+        self.primary_pool = layout.pools[0]
         self.registry = PoolRegistry.build(layout, capacities, device, store_bytes)
         reg = self.registry
         self.tree = RadixTree(layout.page_size * 4,
@@ -131,7 +137,7 @@ class NodeCache:
 
     def _match(self, path: list[Node], matched: int, request_pages: int) -> Match:
         return Match(path, matched, self._usable(path, matched, TIERS),
-                     self._usable(path, matched, (Tier.DEVICE,)), request_pages)
+                     self._usable(path, matched, DEVICE_ONLY), request_pages)
 
     def _usable(self, path: list[Node], limit: int, tiers: tuple[Tier, ...]) -> int:
         # Policies are visited in pool order, FULL first. Full usability is
@@ -214,12 +220,13 @@ class NodeCache:
         """Store the whole pages of `tokens`; returns pages newly stored (0 if no room)."""
         keyer = self.keyer(namespace)
         raw = encode_tokens(tokens)
-        step = self.tree.page_bytes
+        tree = self.tree
+        step = tree.page_bytes
         n = len(raw) // step
         self._check_kv(kv, n)
-        path, m = self.tree.walk(keyer.root, raw)
+        path, m = tree.walk(keyer.root, raw)
         if path and m < path[-1].end:
-            self.tree.split_at(path, m)
+            tree.split_at(path, m)
             path.pop()
         # Leaving the tree below a node that has other children makes a branch
         # point: a likely continuation, so SWA keeps its window too.
@@ -227,46 +234,60 @@ class NodeCache:
         keep = {p: pol.store_positions(n, branch) for p, pol in self.policies.items()}
         todo = {p: _missing_on_device(path, pos, m, p) for p, pos in keep.items()}
         if not any(todo.values()):
-            self.tree.touch(path)
+            tree.touch(path)
             return 0
-        guard = self._guard(path, keep, m)
         txn = self.transaction()
+        # The lock only keeps eviction off the path; when free pages cover the
+        # whole reservation nothing is evicted, so the common case skips it.
+        guard = None if self._fits(todo) else self._guard(path, keep, m)
         try:
-            got = txn.reserve_all({(p, Tier.DEVICE): len(pos) for p, pos in todo.items()})
+            got = txn.reserve_all({(p, DEVICE): len(pos) for p, pos in todo.items()})
         except ReservationFailed:
-            self._unlock_nodes(guard)
+            self._release(guard)
             self._stats.put_failures += 1
             return 0
         txn.seal()
         nodes = list(path)
         if m < n:
-            parent = path[-1] if path else self.tree.root(keyer.root)
+            parent = path[-1] if path else tree.root(keyer.root)
             prev = parent.keys[-1]
             nodes.append(txn.attach(parent, keyer.chain(raw, prev, m), raw[m * step:n * step]))
         for pool, positions in todo.items():
-            pages = got[(pool, Tier.DEVICE)]
+            pages = got[(pool, DEVICE)]
             self._write(pool, pages, kv, positions)
             for node, offsets, chunk in _by_node(nodes, positions, pages):
-                txn.place(node, Tier.DEVICE, pool, offsets, chunk)
+                txn.place(node, DEVICE, pool, offsets, chunk)
         txn.commit()
-        self._unlock_nodes(guard)
-        self.tree.touch(nodes)
+        self._release(guard)
+        tree.touch(nodes)
         self._stats.inserted_pages += n - m
         self.tiers.after_insert(nodes[len(path):])
         return n - m
+
+    def _fits(self, todo: dict[PoolName, list[int]]) -> bool:
+        """Whether every pool has the free device pages `todo` asks for (no eviction needed)."""
+        registry = self.registry
+        return all(registry[p].device.allocator.free_count >= len(pos) for p, pos in todo.items())
+
+    def _release(self, guard: NodeGuard | None) -> None:
+        """Unlock what `_guard` locked, if the put needed it."""
+        if guard is not None:
+            self._unlock_nodes(guard)
 
     def _guard(self, path: list[Node], keep: dict[PoolName, Sequence[int]], m: int) -> NodeGuard:
         """Lock what a put keeps of the existing path while it makes room."""
         held = {pool: [x for x in path if bisect_left(positions, x.start) < bisect_left(positions, x.end)]
                 for pool, positions in keep.items()}
-        primary = held[self.layout.pools[0]]   # the pool whose pages keep a node alive
+        primary = held[self.primary_pool]
         if path and path[-1] not in primary[-1:]:
             primary.append(path[-1])   # new nodes hang below it: eviction must not prune it
         return self._lock_nodes(held)
 
     def _write(self, pool: PoolName, pages: list[int], kv, positions: list[int]) -> None:
-        dst = self.registry.pool(pool, Tier.DEVICE)
-        if dst.data is None or kv is None or not pages:
+        if kv is None or not pages:
+            return
+        dst = self.registry.pool(pool, DEVICE)
+        if dst.data is None:
             return
         dst.data.index_copy_(0, dst.index_tensor(pages), pack(self.layout, pool, kv, positions).to(dst.data.device))
 
@@ -318,7 +339,7 @@ class NodeCache:
 
     def _check_kv(self, kv: Sequence[torch.Tensor] | None, pages: int) -> None:
         if kv is None:
-            if self.registry.pool(self.layout.pools[0], Tier.DEVICE).data is not None and pages:
+            if pages and self.registry.pool(self.primary_pool, DEVICE).data is not None:
                 raise ValueError("this cache stores bytes: put needs kv tensors")
             return
         lay = self.layout
@@ -360,7 +381,7 @@ def _missing_on_device(path: list[Node], positions: Sequence[int], m: int, pool:
     i = 0
     for node in path:
         j = bisect_left(positions, node.end, i)
-        pages = node.slots[Tier.DEVICE][pool]
+        pages = node.slots[DEVICE][pool]
         if pages is None:
             out.extend(positions[i:j])
         elif ABSENT in pages:

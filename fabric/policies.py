@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from .layout import KVLayout, PoolName, Tier
 from .radix import TIERS, Node, RadixTree
 
+FULL = PoolName.FULL   # read once: enum member lookups are Python-level
+
 # An eviction group: (*priority, tiebreak, node, offsets in the node's run).
 Group = tuple
 
@@ -60,7 +62,7 @@ class FullAttentionPolicy(AttentionPolicy):
         for node in path:
             if node.start >= limit:
                 break
-            if node.slots[tier][PoolName.FULL] is None:
+            if node.slots[tier][FULL] is None:
                 return node.start
         return limit
 

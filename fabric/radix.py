@@ -99,9 +99,8 @@ class RadixTree:
             if node is None:
                 break
             path.append(node)
-            size = len(node.tokens)
-            if raw[off:off + size] == node.tokens:
-                off += size
+            if raw.startswith(node.tokens, off):   # compares in place: no copy of the run
+                off += len(node.tokens)
                 continue
             k = 1
             while off + (k + 1) * step <= end and raw[off + k * step:off + (k + 1) * step] == \
@@ -202,12 +201,11 @@ class RadixTree:
         head = Node(node.keys[:k], node.tokens[:k * step], node.parent, node.start)
         head.locks = list(node.locks)
         head.last_access, head.hits = node.last_access, node.hits
-        for t in TIERS:
-            for p in PoolName:
-                pages = node.slots[t][p]
+        for head_slots, slots in zip(head.slots, node.slots):   # per tier, then per pool
+            for p, pages in enumerate(slots):
                 if pages is not None:
-                    head.slots[t][p] = _none_if_empty(pages[:k])
-                    node.slots[t][p] = _none_if_empty(pages[k:])
+                    head_slots[p] = _none_if_empty(pages[:k])
+                    slots[p] = _none_if_empty(pages[k:])
         node.parent.children[node.tokens[:step]] = head
         node.keys, node.tokens, node.start, node.parent = node.keys[k:], node.tokens[k * step:], node.start + k, head
         head.children[node.tokens[:step]] = node
@@ -276,6 +274,10 @@ class RadixTree:
     # --- locks -----------------------------------------------------------------------
     def lock(self, nodes: list[Node], pool: PoolName, delta: int) -> None:
         """Add `delta` (+1 or -1) to each node's lock on `pool`."""
+        # Runs per node of every locked path (gets, evicting puts): index lists by a
+        # plain int (an IntEnum index is slower) and count pages inline.
+        pool = int(pool)
+        protected = self.protected
         for node in nodes:
             before = node.locks[pool]
             after = before + delta
@@ -284,8 +286,10 @@ class RadixTree:
             node.locks[pool] = after
             if (before == 0) != (after == 0):
                 sign = 1 if after else -1
-                for t in TIERS:
-                    self.protected[t][pool] += sign * node.count(t, pool)
+                for t, slots in enumerate(node.slots):
+                    pages = slots[pool]
+                    if pages is not None:
+                        protected[t][pool] += sign * (len(pages) - pages.count(ABSENT))
 
 
 def _none_if_empty(pages: list[int]) -> list[int] | None:

@@ -30,13 +30,18 @@ class TransactionClosed(RuntimeError):
 
 
 class Transaction:
+    # One is made per put: slots, and lazily made page sets, keep that cheap.
+    __slots__ = ("tree", "registry", "copier", "faults", "owned", "sealed", "closed",
+                 "_journal", "_copies", "_on_close")
+
     def __init__(self, tree: RadixTree, registry: PoolRegistry, copier: PageCopier,
                  faults: AllocationFaults | None, on_close: Callable[["Transaction"], None]) -> None:
         self.tree = tree
         self.registry = registry
         self.copier = copier
         self.faults = faults
-        self.owned: list[list[set[int]]] = [[set(), set()], [set(), set()]]   # [pool][tier]
+        # Reserved pages not yet placed, per (pool, tier) reserved in.
+        self.owned: dict[tuple[PoolName, Tier], set[int]] = {}
         self.sealed = False
         self.closed = False
         self._journal: list[Callable[[], None]] = []
@@ -57,14 +62,15 @@ class Transaction:
             raise ReservationFailed(f"injected allocation failure: {pool.name}/{tier.name}")
         entry = self.registry[pool]
         allocator = entry.tier(tier).allocator
-        short = n - allocator.free_count
-        if short > 0 and evict and entry.evict is not None:
-            entry.evict(tier, short, self)
-        if n > allocator.free_count:
+        free = allocator.free_count
+        if n > free and evict and entry.evict is not None:
+            entry.evict(tier, n - free, self)
+            free = allocator.free_count
+        if n > free:
             raise ReservationFailed(f"{pool.name}/{tier.name}: want {n} pages, "
-                                    f"{allocator.free_count} free after eviction")
+                                    f"{free} free after eviction")
         pages = allocator.alloc(n)
-        owned = self.owned[pool][tier]
+        owned = self._owned(pool, tier)
         owned.update(pages)
 
         def undo() -> None:
@@ -100,11 +106,15 @@ class Transaction:
 
     def place(self, node: Node, tier: Tier, pool: PoolName, offsets: list[int], pages: list[int]) -> None:
         """Move reserved pages into `node` at `offsets` of its run."""
-        owned = self.owned[pool][tier]
-        if not owned.issuperset(pages) or len(set(pages)) != len(pages):
+        owned = self._owned(pool, tier)
+        if not owned.issuperset(pages):
             raise ValueError(f"pages {sorted(set(pages) - owned)[:8]} of {pool.name}/{tier.name} "
                              f"are not reserved by this transaction")
+        before = len(owned)
         owned.difference_update(pages)
+        if before - len(owned) != len(pages):   # a page listed twice (no set built to check first)
+            owned.update(pages)
+            raise ValueError(f"pages of {pool.name}/{tier.name} placed twice: {sorted(pages)[:8]}")
         self.tree.set_pages(node, tier, pool, offsets, pages, None)
 
         def undo() -> None:
@@ -131,23 +141,25 @@ class Transaction:
         self._copies.clear()
         if hold is not None:
             hold({k: sorted(v) for k, v in self.pages().items()})
-            for pool in PoolName:
-                for tier in Tier:
-                    self.owned[pool][tier].clear()
+            self.owned.clear()
         self._free_owned()
         self._close()
 
     # --- helpers -------------------------------------------------------------------
     def pages(self) -> dict[tuple[PoolName, Tier], set[int]]:
-        return {(p, t): set(self.owned[p][t]) for p in PoolName for t in Tier if self.owned[p][t]}
+        return {key: set(pages) for key, pages in sorted(self.owned.items()) if pages}
+
+    def _owned(self, pool: PoolName, tier: Tier) -> set[int]:
+        owned = self.owned.get((pool, tier))
+        if owned is None:
+            owned = self.owned[(pool, tier)] = set()
+        return owned
 
     def _free_owned(self) -> None:
-        for pool in PoolName:
-            for tier in Tier:
-                pages = self.owned[pool][tier]
-                if pages:
-                    self.registry.pool(pool, tier).allocator.free(sorted(pages))
-                    pages.clear()
+        for (pool, tier), pages in self.owned.items():
+            if pages:
+                self.registry.pool(pool, tier).allocator.free(sorted(pages))
+                pages.clear()
 
     def _require_open(self) -> None:
         if self.closed:
@@ -155,6 +167,10 @@ class Transaction:
 
     def _close(self) -> None:
         self.closed = True
+        # Undo closures of placements refer back to this transaction: dropping
+        # them breaks the cycle, so a closed transaction is freed at once
+        # instead of by the cyclic garbage collector.
+        self._journal.clear()
         self._on_close(self)
 
     def __enter__(self) -> "Transaction":
