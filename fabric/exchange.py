@@ -17,7 +17,8 @@ from typing import Callable, Sequence
 from .keys import encode_tokens
 from .layout import PoolName, Tier
 from .leases import LeaseTable
-from .node_cache import NodeCache, _by_node, _groups
+from .node_cache import NodeCache
+from .paths import by_node, groups
 from .pages import page_checksums
 from .txn import ReservationFailed
 
@@ -138,9 +139,9 @@ def export_prefix(cache: NodeCache, leases: LeaseTable, keys: Sequence[bytes], s
         return ExportGrant(0, cache.layout.fingerprint, n, tuple(match.keys[:n]))
     lock = cache.lock(match, n)
     path = [x for x in match.path if x.start < n]
-    if device_only and not cache.tiers.load_back({p: _groups(path, pol.needed(n))
+    if device_only and not cache.tiers.load_back({p: groups(path, pol.needed(n))
                                                   for p, pol in cache.policies.items()}):
-        n = cache._usable(path, n, (Tier.DEVICE,))
+        n = cache.usable(path, n, (Tier.DEVICE,))
         if n <= skip:
             cache.unlock(lock)
             return ExportGrant(0, cache.layout.fingerprint, n, tuple(match.keys[:n]))
@@ -148,7 +149,7 @@ def export_prefix(cache: NodeCache, leases: LeaseTable, keys: Sequence[bytes], s
     pools = {}
     for pool, policy in cache.policies.items():
         span = range(skip, n) if pool == PoolName.FULL else policy.needed(n)
-        refs = [(_tier_of(x, pool, j), x, j) for x, offs in _groups(path, span) for j in offs]
+        refs = [(_tier_of(x, pool, j), x, j) for x, offs in groups(path, span) for j in offs]
         tiers = [t for t, _, _ in refs]
         indices = [x.slots[t][pool][j] for t, x, j in refs]
         sums = _checksums(cache, pool, tiers, indices)
@@ -205,14 +206,14 @@ def _held(path, position: int, pool: PoolName) -> bool:
 def _fetch(cache, keyer, raw, path, m, n, grant, need, read, hold) -> FetchOutcome:
     # Keep the path (and the window pages it already holds) while making room.
     window = {p: cache.policies[p].needed(n) for p in need}
-    guard = cache._lock_nodes({p: [x for x in path if p == cache.layout.pools[0]
+    guard = cache.lock_nodes({p: [x for x in path if p == cache.layout.pools[0]
                                    or (x.start < window[p].stop and x.end > window[p].start)]
                                for p in need})
     txn = cache.transaction()
     try:
         got = txn.reserve_all({(p, Tier.DEVICE): len(pos) for p, pos in need.items()})
     except ReservationFailed:
-        cache._unlock_nodes(guard)
+        cache.unlock_nodes(guard)
         return FetchOutcome.NO_ROOM
     txn.seal()
     try:
@@ -223,7 +224,7 @@ def _fetch(cache, keyer, raw, path, m, n, grant, need, read, hold) -> FetchOutco
             txn.rollback(hold=lambda pages: cache.quarantine(pages, *hold))
     if outcome is not None:
         txn.rollback()       # the reserved pages may be half written: freed, never read
-        cache._unlock_nodes(guard)
+        cache.unlock_nodes(guard)
         return outcome
     nodes = list(path)
     if m < n:
@@ -231,10 +232,10 @@ def _fetch(cache, keyer, raw, path, m, n, grant, need, read, hold) -> FetchOutco
         step = cache.tree.page_bytes
         nodes.append(txn.attach(parent, list(grant.keys[m:n]), raw[m * step:n * step]))
     for pool, positions in need.items():
-        for node, offsets, pages in _by_node(nodes, positions, got[(pool, Tier.DEVICE)]):
+        for node, offsets, pages in by_node(nodes, positions, got[(pool, Tier.DEVICE)]):
             txn.place(node, Tier.DEVICE, pool, offsets, pages)
     txn.commit()
-    cache._unlock_nodes(guard)
+    cache.unlock_nodes(guard)
     cache.tree.touch(nodes)
     return FetchOutcome.COMMITTED
 

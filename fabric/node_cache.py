@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass, field
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -15,6 +15,7 @@ from .layout import KVLayout, PoolName, Tier
 from .pages import PageCopier, TorchCopier, pack, unpack
 from .policies import AttentionPolicy, policies_for
 from .pools import PoolCapacity, PoolRegistry
+from .paths import by_node, groups, missing_on_device, within
 from .radix import ABSENT, TIERS, Node, RadixTree
 from .tiers import TierConfig, TierController
 from .txn import ReservationFailed, Transaction
@@ -136,10 +137,10 @@ class NodeCache:
         return self._match(path, matched, len(keys))
 
     def _match(self, path: list[Node], matched: int, request_pages: int) -> Match:
-        return Match(path, matched, self._usable(path, matched, TIERS),
-                     self._usable(path, matched, DEVICE_ONLY), request_pages)
+        return Match(path, matched, self.usable(path, matched, TIERS),
+                     self.usable(path, matched, DEVICE_ONLY), request_pages)
 
-    def _usable(self, path: list[Node], limit: int, tiers: tuple[Tier, ...]) -> int:
+    def usable(self, path: list[Node], limit: int, tiers: tuple[Tier, ...]) -> int:
         # Policies are visited in pool order, FULL first. Full usability is
         # prefix-closed, so the SWA policy's answer is usable for FULL too.
         for policy in self.policies.values():
@@ -164,7 +165,7 @@ class NodeCache:
         for span in spans.values():   # locks are per node: make span ends node boundaries
             for edge in (span.start, span.stop):
                 self.tree.split_at(match.path, edge)
-        return self._lock_nodes(_within(match.path, spans)), spans
+        return self.lock_nodes(within(match.path, spans)), spans
 
     def unlock(self, lock: PrefixLock) -> None:
         if lock.released:
@@ -173,14 +174,14 @@ class NodeCache:
         if matched != len(lock.keys):
             raise RuntimeError("a locked prefix left the tree")   # locks forbid eviction: a bug
         lock.released = True
-        self._unlock_nodes(NodeGuard(_within(path, lock.spans)))
+        self.unlock_nodes(NodeGuard(within(path, lock.spans)))
 
-    def _lock_nodes(self, held: dict[PoolName, list[Node]]) -> NodeGuard:
+    def lock_nodes(self, held: dict[PoolName, list[Node]]) -> NodeGuard:
         for pool, nodes in held.items():
             self.tree.lock(nodes, pool, +1)
         return NodeGuard(held)
 
-    def _unlock_nodes(self, guard: NodeGuard) -> None:
+    def unlock_nodes(self, guard: NodeGuard) -> None:
         for pool, nodes in guard.nodes.items():
             self.tree.lock(nodes, pool, -1)
 
@@ -232,7 +233,7 @@ class NodeCache:
         # point: a likely continuation, so SWA keeps its window too.
         branch = m if path and path[-1].children and m < n else 0
         keep = {p: pol.store_positions(n, branch) for p, pol in self.policies.items()}
-        todo = {p: _missing_on_device(path, pos, m, p) for p, pos in keep.items()}
+        todo = {p: missing_on_device(path, pos, m, p) for p, pos in keep.items()}
         if not any(todo.values()):
             tree.touch(path)
             return 0
@@ -255,7 +256,7 @@ class NodeCache:
         for pool, positions in todo.items():
             pages = got[(pool, DEVICE)]
             self._write(pool, pages, kv, positions)
-            for node, offsets, chunk in _by_node(nodes, positions, pages):
+            for node, offsets, chunk in by_node(nodes, positions, pages):
                 txn.place(node, DEVICE, pool, offsets, chunk)
         txn.commit()
         self._release(guard)
@@ -272,7 +273,7 @@ class NodeCache:
     def _release(self, guard: NodeGuard | None) -> None:
         """Unlock what `_guard` locked, if the put needed it."""
         if guard is not None:
-            self._unlock_nodes(guard)
+            self.unlock_nodes(guard)
 
     def _guard(self, path: list[Node], keep: dict[PoolName, Sequence[int]], m: int) -> NodeGuard:
         """Lock what a put keeps of the existing path while it makes room."""
@@ -281,7 +282,7 @@ class NodeCache:
         primary = held[self.primary_pool]
         if path and path[-1] not in primary[-1:]:
             primary.append(path[-1])   # new nodes hang below it: eviction must not prune it
-        return self._lock_nodes(held)
+        return self.lock_nodes(held)
 
     def _write(self, pool: PoolName, pages: list[int], kv, positions: list[int]) -> None:
         if kv is None or not pages:
@@ -303,18 +304,18 @@ class NodeCache:
         guard, _ = self._guard_match(match, n)
         path = [x for x in match.path if x.start < n]
         try:
-            needs = {p: _groups(path, pol.needed(n)) for p, pol in self.policies.items()}
+            needs = {p: groups(path, pol.needed(n)) for p, pol in self.policies.items()}
             host_only = {(p, x.start + j) for p, groups in needs.items() for x, offs in groups
                          for j in offs if not x.page_has(j, p, (Tier.DEVICE,))}
             if not self.tiers.load_back(needs):
                 self._stats.load_back_failures += 1
-                n, host_only = self._usable(path, n, (Tier.DEVICE,)), set()
+                n, host_only = self.usable(path, n, (Tier.DEVICE,)), set()
             host_pages = len({pos for _, pos in host_only})
             self._stats.hit_pages_host += host_pages
             self._stats.hit_pages_device += n - host_pages
             out = self._gather(path, n)
         finally:
-            self._unlock_nodes(guard)
+            self.unlock_nodes(guard)
         used = [x for x in path if x.start < n]
         self.tree.touch(used, hit=True)
         self.tiers.after_hit(used)
@@ -327,7 +328,7 @@ class NodeCache:
             src = self.registry.pool(pool, Tier.DEVICE)
             if src.data is None or n == 0:
                 continue
-            indices = [x.slots[Tier.DEVICE][pool][j] for x, offs in _groups(path, policy.needed(n)) for j in offs]
+            indices = [x.slots[Tier.DEVICE][pool][j] for x, offs in groups(path, policy.needed(n)) for j in offs]
             pages = src.data.index_select(0, src.index_tensor(indices))
             for li, t in zip(self.layout.layers_of(pool), unpack(pages)):
                 layers[li] = t
@@ -373,45 +374,3 @@ class NodeCache:
     def snapshot(self) -> tuple:
         from .check import snapshot
         return snapshot(self)
-
-
-def _missing_on_device(path: list[Node], positions: Sequence[int], m: int, pool: PoolName) -> list[int]:
-    """Which of sorted `positions` lack a device page in `pool`: all from m on."""
-    out: list[int] = []
-    i = 0
-    for node in path:
-        j = bisect_left(positions, node.end, i)
-        pages = node.slots[DEVICE][pool]
-        if pages is None:
-            out.extend(positions[i:j])
-        elif ABSENT in pages:
-            out.extend(p for p in positions[i:j] if pages[p - node.start] == ABSENT)
-        i = j
-    out.extend(positions[i:])    # past the path: new pages
-    return out
-
-
-def _within(path: list[Node], spans: dict[PoolName, range]) -> dict[PoolName, list[Node]]:
-    """Per pool, the nodes of `path` inside its span (span ends are node boundaries)."""
-    return {p: [x for x in path if x.start < span.stop and x.end > span.start] for p, span in spans.items()}
-
-
-def _groups(path: list[Node], positions: range) -> list[tuple[Node, list[int]]]:
-    """Positions of a range, as (node, offsets in its run) along `path`."""
-    out = []
-    for node in path:
-        lo, hi = max(positions.start, node.start), min(positions.stop, node.end)
-        if lo < hi:
-            out.append((node, list(range(lo - node.start, hi - node.start))))
-    return out
-
-
-def _by_node(nodes: list[Node], positions: Sequence[int], pages: Sequence[int]):
-    """Split sorted `positions` and their `pages` by the node holding each position."""
-    i = 0
-    for node in nodes:
-        j = bisect_left(positions, node.end, i)
-        if j > i:
-            start = node.start
-            yield node, [p - start for p in positions[i:j]], pages[i:j]
-        i = j

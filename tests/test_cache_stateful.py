@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fabric import (AllocationFaults, EventPublisher, KVLayout, NodeCache, PageState, PoolCapacity, PoolName,
                     Tier, TierConfig, WritePolicy, decode_events)
-from fabric.node_cache import _groups
+from fabric.paths import groups
 from tests.kvgen import prefix_kv
 
 LAYOUTS = {
@@ -106,7 +106,7 @@ class CacheMachine(RuleBasedStateMachine):
         guard = self.cache.lock(m)
         before = self.cache.snapshot()
         path = [x for x in m.path if x.start < m.pages]
-        needs = {p: _groups(path, pol.needed(m.pages)) for p, pol in self.cache.policies.items()}
+        needs = {p: groups(path, pol.needed(m.pages)) for p, pol in self.cache.policies.items()}
         injected = self.faults.injected
         self.faults.arm(point)
         ok = self.cache.tiers.load_back(needs)
