@@ -37,26 +37,32 @@ def keyed(requests: list[list[int]]) -> list[list[bytes]]:
 
 
 def ours_rounds(all_keys: list[list[bytes]], tokens: list[list[int]] | None = None) -> float:
-    """Rounds per second of PrefixIndex; with `tokens`, page keys are computed inside the loop."""
+    """Rounds per second of PrefixIndex; with `tokens`, page keys are computed inside the loop.
+
+    The routed node already holds the request's first `have` pages (its match length; 0 when
+    nothing matched) and publishes the rest as one chain, as a node does after a put."""
     index = PrefixIndex(window_pages=0)
-    held = [set() for _ in range(NODES)]
     seqs = [0] * NODES
+    names = [f"n{i}" for i in range(NODES)]
+    slot = {name: i for i, name in enumerate(names)}
     keyer = PageKeyer("bench", b"f" * 16, PAGE)
     root = keyer.root
+    full_device = int(PageMask.FULL_DEVICE)
     gc.collect()
     start = time.perf_counter()
     for i, keys in enumerate(all_keys):
         if tokens is not None:
             keys = keyer.keys(tokens[i])
         best = index.lookup(keys)
-        node = int(best[0].node[1:]) if best else i % NODES
-        have = held[node]
-        new = [PageState(k, keys[d - 1] if d else root, d, PageMask.FULL_DEVICE)
-               for d, k in enumerate(keys) if k not in have]
-        if new:
-            index.apply(EventBatch(f"n{node}", 1, seqs[node], tuple(new), cleared=seqs[node] == 0))
+        if best:
+            node, have = slot[best[0].node], best[0].pages
+        else:
+            node, have = i % NODES, 0
+        if have < len(keys):
+            parent = keys[have - 1] if have else root
+            index.apply_chain(names[node], 1, seqs[node], keys[have:], have, parent, full_device,
+                              cleared=seqs[node] == 0)
             seqs[node] += 1
-            have.update(p.key for p in new)
     return len(all_keys) / (time.perf_counter() - start)
 
 
@@ -93,9 +99,9 @@ def actor_latency(all_keys: list[list[bytes]], calls: int = 400) -> tuple[float,
     import ray
 
     from actors.index_shard import IndexShardActor
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        shard = IndexShardActor.remote(0, 0, True)
+        shard = IndexShardActor.remote(0, 1, 0, True)     # shard 0 of 1, window 0, full layers
         keyer_root = PageKeyer("bench", b"f" * 16, PAGE).root
         pages = {}
         for keys in all_keys[:500]:

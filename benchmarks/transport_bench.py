@@ -201,7 +201,7 @@ def local_ray() -> Iterator[None]:
         from ray._raylet import Config
         Config.initialize("")
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         yield
     finally:
         ray.shutdown()

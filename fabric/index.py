@@ -5,14 +5,16 @@ of the differential tests is one. Per page key it keeps every holder's mask pack
 in one int, a 4-bit nibble per node slot (see `_code`), so that the running AND of
 the ints along a request's keys says, for all nodes at once, which hold every page
 so far, in which pool and tier. A lookup does its per-page work in C iterators;
-Python-level work is per distinct match length, not per page or node."""
+Python-level work is per distinct match length, not per page or node. `apply_chain` takes
+what a node publishes after a put, a run of consecutive pages with one mask, as a few C-level
+passes over its keys, with no object per page (see `_Chain`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import reduce
-from itertools import accumulate, count, repeat, takewhile
-from operator import and_
+from itertools import accumulate, chain as _chain, count, repeat, takewhile
+from operator import and_, or_
 from typing import Sequence
 
 from fabric.events import KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot
@@ -20,6 +22,7 @@ from fabric.events import KEY_BYTES, EventBatch, EventError, PageMask, PageState
 # Bits of a node's nibble: FULL on either tier, FULL on device, SWA on either, SWA on device.
 _F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8
 _MAX_MASK = int(PageMask.FULL | PageMask.SWA)
+_BYTES, _KEY_LEN = {bytes}, {KEY_BYTES}
 
 
 def _code(mask: int) -> int:
@@ -29,11 +32,18 @@ def _code(mask: int) -> int:
             | (_S_ANY if mask & PageMask.SWA else 0) | (_S_DEV if mask & PageMask.SWA_DEVICE else 0))
 
 
+_CODES = tuple(_code(m) for m in range(_MAX_MASK + 1))     # mask -> nibble, without enum arithmetic
+
+
 @dataclass(frozen=True)
 class NodeMatch:
     node: str
     pages: int          # usable match length in pages on that node
     device: bool        # True if every page that match needs is on the node's DEVICE tier
+
+
+def _RANK(m: NodeMatch) -> tuple[int, bool, str]:
+    return -m.pages, not m.device, m.node
 
 
 class ApplyResult(Enum):
@@ -43,12 +53,30 @@ class ApplyResult(Enum):
     NEED_SNAPSHOT = "need_snapshot"
 
 
+# What one publication said of a run of consecutive pages: (keys, first depth, parent of
+# keys[0], mask). Every key of the run maps to the one record, so that storing a chain is a
+# C-level dict update with no object per page; a page's parent and depth follow from its
+# position. A record lives while any of its keys still maps to it.
+_Chain = tuple[tuple[bytes, ...], int, bytes, int]
+
+
+def _resolve(key: bytes, rec: _Chain) -> tuple[bytes, int, int]:
+    """(parent, depth, mask) of a key in its record: the last place it has there, as
+    applying the pages in order would leave it."""
+    keys, depth, parent, mask = rec
+    if len(keys) == 1:
+        return parent, depth, mask
+    i = len(keys) - 1 - keys[::-1].index(key)
+    return keys[i - 1] if i else parent, depth + i, mask
+
+
 @dataclass
 class _NodeState:
     slot: int
     epoch: int
     seq: int | None     # last applied batch; None: not in sync (needs seq 0, cleared or a snapshot)
-    pages: dict[bytes, PageState] = field(default_factory=dict)
+    # key -> the _Chain this node last published it in (`node_pages` makes PageStates)
+    pages: dict[bytes, _Chain] = field(default_factory=dict)
 
 
 class PrefixIndex:
@@ -62,7 +90,7 @@ class PrefixIndex:
         # Key -> packed holders (never 0: a key no node holds is deleted), kept apart from
         # key -> (parent, depth) so that a lookup reads plain ints at C speed.
         self._bits: dict[bytes, int] = {}
-        self._meta: dict[bytes, tuple[bytes, int]] = {}
+        self._meta: dict[bytes, _Chain] = {}      # key -> the record it was last published in
         self._nodes: dict[str, _NodeState] = {}
         self._slots: list[str | None] = []        # slot -> node name; None: free
         self._ones = 0                            # bit 0 of every slot's nibble
@@ -76,36 +104,76 @@ class PrefixIndex:
     def apply(self, batch: EventBatch) -> ApplyResult:
         _check_header(batch.node, batch.epoch, batch.seq)
         _check_pages(batch.pages, allow_zero=True)
-        result = self._admit(batch)
+        result = self._admit(batch.node, batch.epoch, batch.seq, batch.cleared)
         if result is ApplyResult.APPLIED:
             st = self._nodes[batch.node]
             if batch.cleared:
                 self._clear(st)
             for p in batch.pages:
-                self._set(st, p)
+                self._set(st, p.key, p.parent, p.depth, p.mask)
             st.seq = batch.seq
         self._counts[result] += 1
         return result
 
-    def _admit(self, b: EventBatch) -> ApplyResult:
+    def apply_chain(self, node: str, epoch: int, seq: int, keys: Sequence[bytes], first_depth: int,
+                    parent: bytes, mask: int, cleared: bool = False) -> ApplyResult:
+        """Batch `seq` of `node` stating one chain of consecutive pages, all with `mask`:
+        what a node publishes after a put (mask > 0) or an eviction of a suffix (mask 0).
+
+        The same as `apply(EventBatch(node, epoch, seq, pages, cleared))` where page i is
+        `PageState(keys[i], keys[i - 1] if i else parent, first_depth + i, mask)`: the same
+        admission rules (seq order, epochs, gaps, cleared), the same result and state, but
+        without a PageState per page. Arguments are validated in bulk before anything is
+        applied (keys: exact `bytes` of KEY_BYTES each; bad input raises EventError and
+        changes nothing), and the per-page work is a few C-level passes over the keys."""
+        if not (type(node) is str and node and type(epoch) is int and epoch >= 0
+                and type(seq) is int and seq >= 0):
+            _check_header(node, epoch, seq)           # the full check: subclasses, or raises
+        if type(keys) is not list:
+            if isinstance(keys, (str, bytes, bytearray, memoryview)) or not hasattr(keys, "__iter__"):
+                raise EventError(f"keys must be a sequence of {KEY_BYTES}-byte bytes")
+            keys = list(keys)
+        if keys and (set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN):
+            raise EventError(f"chain keys must be {KEY_BYTES}-byte bytes")
+        if type(parent) is not bytes or len(parent) != KEY_BYTES:
+            raise EventError(f"chain parent must be {KEY_BYTES} bytes")
+        fast = type(first_depth) is int and first_depth >= 0 and type(mask) is int and 0 <= mask <= _MAX_MASK
+        if not fast and (
+                not isinstance(first_depth, int) or isinstance(first_depth, bool) or first_depth < 0
+                or not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask <= _MAX_MASK):
+            raise EventError(f"bad first_depth {first_depth!r} or mask {mask!r}")
+        if type(cleared) is not bool:
+            raise EventError(f"cleared must be a bool, got {cleared!r}")
+        result = self._admit(node, epoch, seq, cleared)
+        if result is ApplyResult.APPLIED:
+            st = self._nodes[node]
+            if cleared:
+                self._clear(st)
+            if keys:
+                self._set_chain(st, keys, first_depth, parent, int(mask))
+            st.seq = seq
+        self._counts[result] += 1
+        return result
+
+    def _admit(self, node: str, epoch: int, seq: int, cleared: bool) -> ApplyResult:
         """Decide what a batch means for its node's state; may reset that state."""
-        st = self._nodes.get(b.node)
+        st = self._nodes.get(node)
         if st is None:
-            old_epoch, old_seq = self._retired.get(b.node, (-1, None))
-            if b.epoch < old_epoch:
+            old_epoch, old_seq = self._retired.get(node, (-1, None))
+            if epoch < old_epoch:
                 return ApplyResult.STALE_EPOCH
-            if b.epoch == old_epoch and old_seq is not None and b.seq <= old_seq:
+            if epoch == old_epoch and old_seq is not None and seq <= old_seq:
                 return ApplyResult.DUPLICATE
-            st = self._add_node(b.node, b.epoch)
-        if b.epoch < st.epoch:
+            st = self._add_node(node, epoch)
+        if epoch < st.epoch:
             return ApplyResult.STALE_EPOCH
-        if b.epoch > st.epoch:            # the node restarted: what it published before is gone
+        if epoch > st.epoch:              # the node restarted: what it published before is gone
             self._clear(st)
-            st.epoch, st.seq = b.epoch, None
-        if st.seq is not None and b.seq <= st.seq:
+            st.epoch, st.seq = epoch, None
+        if st.seq is not None and seq <= st.seq:
             return ApplyResult.DUPLICATE
         # A cleared batch states the node's whole contents, so it is safe after any gap.
-        if b.cleared or b.seq == (0 if st.seq is None else st.seq + 1):
+        if cleared or seq == (0 if st.seq is None else st.seq + 1):
             return ApplyResult.APPLIED
         return ApplyResult.NEED_SNAPSHOT
 
@@ -124,7 +192,7 @@ class PrefixIndex:
             st = self._add_node(snap.node, snap.epoch)
         self._clear(st)
         for p in snap.pages:
-            self._set(st, p)
+            self._set(st, p.key, p.parent, p.depth, p.mask)
         st.epoch, st.seq = snap.epoch, snap.seq
         self._snapshots += 1
         return ApplyResult.APPLIED
@@ -148,21 +216,42 @@ class PrefixIndex:
         st = self._nodes[node] = _NodeState(slot, epoch, None)
         return st
 
-    def _set(self, st: _NodeState, p: PageState) -> None:
+    def _set(self, st: _NodeState, key: bytes, parent: bytes, depth: int, mask: int) -> None:
         shift = 4 * st.slot
-        bits = (self._bits.get(p.key, 0) & ~(0xF << shift)) | (_code(p.mask) << shift)
-        if p.mask:
-            st.pages[p.key] = p
-            self._bits[p.key] = bits
-            self._meta[p.key] = (p.parent, p.depth)
+        bits = (self._bits.get(key, 0) & ~(0xF << shift)) | (_CODES[mask] << shift)
+        if mask:
+            st.pages[key] = self._meta[key] = ((key,), depth, parent, mask)
+            self._bits[key] = bits
         else:
-            st.pages.pop(p.key, None)
-            self._store(p.key, bits)
+            st.pages.pop(key, None)
+            self._store(key, bits)
+
+    def _set_chain(self, st: _NodeState, keys: list[bytes], first_depth: int, parent: bytes,
+                   mask: int) -> None:
+        """`_set` for every page of a chain, as C-level passes over the keys."""
+        if not mask:
+            for d, (key, par) in enumerate(zip(keys, _chain((parent,), keys)), first_depth):
+                self._set(st, key, par, d, 0)
+            return
+        shift = 4 * st.slot
+        b = self._bits
+        new = list(map(or_, map(and_, map(b.get, keys, repeat(0)), repeat(~(0xF << shift))),
+                       repeat(_CODES[mask] << shift)))
+        b.update(zip(keys, new))
+        rec = (tuple(keys), first_depth, parent, mask)
+        st.pages.update(zip(keys, repeat(rec)))
+        self._meta.update(zip(keys, repeat(rec)))
 
     def _clear(self, st: _NodeState) -> None:
-        keep = ~(0xF << 4 * st.slot)
-        for key in st.pages:
-            self._store(key, self._bits[key] & keep)
+        if not st.pages:
+            return
+        keys, b = list(st.pages), self._bits
+        left = list(map(and_, map(b.__getitem__, keys), repeat(~(0xF << 4 * st.slot))))
+        if all(left):                     # every page still held by some other node
+            b.update(zip(keys, left))
+        else:
+            for key, bits in zip(keys, left):
+                self._store(key, bits)
         st.pages = {}
 
     def _store(self, key: bytes, bits: int) -> None:
@@ -177,8 +266,10 @@ class PrefixIndex:
         """Each node's usable match length for these chained page keys, best first."""
         if not keys:
             return []
-        if set(map(type, keys)) != {bytes} or set(map(len, keys)) != {KEY_BYTES}:
+        if set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN:
             raise ValueError(f"lookup keys must be {KEY_BYTES}-byte bytes")
+        if not self.window_pages:
+            return self._lookup_full(keys)
         chain, prefix = self._walk(keys)
         if not chain:
             return []
@@ -188,7 +279,29 @@ class PrefixIndex:
             pending |= self._match_group(chain, prefix, n, group, out)
         if pending:
             self._fall_back(chain, prefix, pending, out)
-        out.sort(key=lambda m: (-m.pages, not m.device, m.node))
+        if len(out) > 1:
+            out.sort(key=_RANK)
+        return out
+
+    def _lookup_full(self, keys: Sequence[bytes]) -> list[NodeMatch]:
+        """`lookup` without SWA layers: a node's match is its FULL run from page 0, so the
+        runs are the answer. One C pipeline, no per-page list: holders of each page, their
+        running AND, stopping where it is 0 (a missing key, or no node holding every page
+        so far: no run goes further), and each distinct running value -> where it ends."""
+        ends = dict(zip(takewhile(bool, accumulate(map(self._bits.get, keys, repeat(0)), and_)), count(1)))
+        ones, slots, out, inner = self._ones, self._slots, [], 0
+        for v in reversed(ends):               # longest run first; the AND only loses bits
+            held = v & ones
+            nodes = held & ~inner
+            if nodes:
+                n = ends[v]
+                while nodes:
+                    low = nodes & -nodes
+                    nodes ^= low
+                    out.append(NodeMatch(slots[(low.bit_length() - 1) >> 2], n, bool(v & (low << 1))))
+            inner = held
+        if len(out) > 1:
+            out.sort(key=_RANK)
         return out
 
     def _walk(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
@@ -255,11 +368,20 @@ class PrefixIndex:
 
     def node_pages(self, node: str) -> dict[bytes, PageState]:
         st = self._nodes.get(node)
-        return dict(st.pages) if st is not None else {}
+        if st is None:
+            return {}
+        pages, found = st.pages, {}
+        for rec in {id(r): r for r in pages.values()}.values():     # each record once: O(pages)
+            keys, depth, parent, mask = rec
+            for i, k in enumerate(keys):
+                if pages.get(k) is rec:
+                    found[k] = PageState(k, keys[i - 1] if i else parent, depth + i, mask)
+        return {k: found[k] for k in pages}
 
     def page_meta(self, key: bytes) -> tuple[bytes, int] | None:
         """(parent, depth) of a key some node holds, as last published."""
-        return self._meta.get(key)
+        rec = self._meta.get(key)
+        return None if rec is None else _resolve(key, rec)[:2]
 
     def sync_point(self, node: str) -> tuple[int, int | None] | None:
         """(epoch, last applied seq) of a tracked node; seq None while it needs a snapshot."""

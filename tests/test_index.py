@@ -156,6 +156,71 @@ def test_rejects_bad_config_and_events_unchanged():
     assert ix.apply(decode(batch("a", 1, 0, PAGES).encode())) is R.APPLIED
 
 
+def test_apply_chain_equals_batch():
+    """A chain is the EventBatch of its PageStates: results, lookups, pages, metas, stats."""
+    ix, cx = PrefixIndex(window_pages=2), PrefixIndex(window_pages=2)
+    steps = [("a", 1, 0, 0, 3, int(M.FULL_DEVICE | M.SWA_DEVICE), False),     # a put of pages 0..2
+             ("a", 1, 1, 3, 6, FULL_ALL, False),                               # the rest of the request
+             ("b", 1, 0, 0, 4, int(M.FULL_HOST | M.SWA_HOST), True),
+             ("a", 1, 2, 4, 6, 0, False),                                      # an eviction of a suffix
+             ("b", 1, 1, 1, 3, int(M.FULL_DEVICE), False),                     # a tombstoned window
+             ("a", 1, 2, 0, 6, FULL_ALL, False),                               # duplicate
+             ("a", 1, 4, 0, 6, FULL_ALL, False),                               # gap
+             ("b", 1, 2, 0, 0, FULL_ALL, False),                               # an empty chain
+             ("b", 0, 3, 0, 2, FULL_ALL, False),                               # stale epoch
+             ("a", 2, 0, 2, 5, int(M.FULL_DEVICE | M.SWA_HOST), False),        # restart
+             ("b", 1, 7, 5, 6, FULL_ALL, True)]                                # cleared after a gap
+    for node, epoch, seq, lo, hi, mask, cleared in steps:
+        parent = KEYS[lo - 1] if lo else KEYER.root
+        b = batch(node, epoch, seq, [PageState(p.key, p.parent, p.depth, mask) for p in PAGES[lo:hi]], cleared)
+        assert cx.apply_chain(node, epoch, seq, KEYS[lo:hi], lo, parent, mask, cleared) is ix.apply(b)
+        assert [cx.lookup(KEYS[:n]) for n in range(1, 7)] == [ix.lookup(KEYS[:n]) for n in range(1, 7)]
+        assert {n: cx.node_pages(n) for n in "ab"} == {n: ix.node_pages(n) for n in "ab"}
+        assert [cx.page_meta(k) for k in KEYS] == [ix.page_meta(k) for k in KEYS]
+        assert [cx.sync_point(n) for n in "ab"] == [ix.sync_point(n) for n in "ab"] and len(cx) == len(ix)
+    assert cx.stats() == ix.stats()
+    s = cx.stats()
+    assert (s["applied"], s["duplicate"], s["need_snapshot"], s["stale_epoch"]) == (8, 1, 1, 1)
+    assert set(cx.node_pages("a")) == set(KEYS[2:5]) and set(cx.node_pages("b")) == {KEYS[5]}
+    assert cx.lookup(KEYS) == [] and cx.page_meta(KEYS[3]) == (KEYS[2], 3)
+    # tuples and PageMask flags are fine too
+    assert cx.apply_chain("c", 1, 0, tuple(KEYS), 0, KEYER.root, M.FULL_DEVICE) is R.APPLIED
+    assert cx.node_pages("c") == {p.key: PageState(p.key, p.parent, p.depth, 1) for p in PAGES}
+
+
+def test_apply_chain_records_repeats_and_overwrites():
+    """A chain's pages are stored as one record: metas follow each key's last position,
+    and later publications (chains or single pages) override parts of it."""
+    ix, cx = PrefixIndex(window_pages=0), PrefixIndex(window_pages=0)
+    odd = [KEYS[0], KEYS[1], KEYS[0], KEYS[2]]          # a key twice: its last place wins
+    ix.apply(batch("a", 1, 0, [PageState(k, ([KEYER.root] + odd)[i], 7 + i, 1) for i, k in enumerate(odd)]))
+    cx.apply_chain("a", 1, 0, odd, 7, KEYER.root, 1)
+    assert cx.node_pages("a") == ix.node_pages("a") and cx.page_meta(KEYS[0]) == (KEYS[1], 9)
+    for x in (ix, cx):
+        x.apply(batch("a", 1, 1, [PageState(KEYS[1], KEYS[0], 1, 3), PageState(KEYS[2], KEYS[1], 2, 0)]))
+        x.apply(batch("b", 1, 0, PAGES[:2]))
+    cx.apply_chain("a", 1, 2, KEYS[3:5], 3, KEYS[2], 2)
+    ix.apply(batch("a", 1, 2, [PageState(p.key, p.parent, p.depth, 2) for p in PAGES[3:5]]))
+    assert cx.node_pages("a") == ix.node_pages("a") and cx.node_pages("b") == ix.node_pages("b")
+    assert [cx.page_meta(k) for k in KEYS] == [ix.page_meta(k) for k in KEYS]
+    assert cx.page_meta(KEYS[1]) == (KEYS[0], 1) and cx.page_meta(KEYS[2]) is None
+    assert cx.lookup(KEYS) == ix.lookup(KEYS) == [NodeMatch("a", 2, True), NodeMatch("b", 2, True)]
+
+
+@pytest.mark.parametrize("args", [
+    dict(keys=KEYS[:2] + [b"k" * 15]), dict(keys=["x" * 16]), dict(keys=[bytearray(16)]), dict(keys=b"k" * 16),
+    dict(keys=KEYS[0]), dict(keys=7), dict(parent=b"p" * 15), dict(parent="p" * 16), dict(first_depth=-1),
+    dict(first_depth=1.0), dict(first_depth=True), dict(mask=16), dict(mask=-1), dict(mask=True),
+    dict(mask=1.0), dict(cleared=1), dict(node=""), dict(node=None), dict(epoch=-1), dict(seq=True)])
+def test_apply_chain_rejects_bad_input(args):
+    ix = PrefixIndex(window_pages=1)
+    ok = dict(node="a", epoch=1, seq=0, keys=KEYS, first_depth=0, parent=KEYER.root, mask=FULL_ALL)
+    with pytest.raises(EventError):
+        ix.apply_chain(**{**ok, **args})
+    assert len(ix) == 0 and ix.nodes() == [] and ix.stats()["applied"] == 0
+    assert ix.apply_chain(**ok) is R.APPLIED and ix.lookup(KEYS) == [NodeMatch("a", 6, True)]
+
+
 # ---- property test against a brute force ----
 
 def brute_lookup(model, keys, window, has_full):
@@ -204,7 +269,12 @@ def scenarios(draw):
         evs += draw(st.lists(st.tuples(st.sampled_from(page_keys), st.sampled_from([0, *PATTERNS])), max_size=4))
         cuts = sorted(draw(st.sets(st.integers(0, len(evs)), max_size=3)) | {len(evs)})
         for lo, hi in zip([0] + cuts, cuts):
-            batches.append((node, draw(st.integers(0, 5)) == 0, evs[lo:hi]))
+            batches.append((node, draw(st.integers(0, 5)) == 0, evs[lo:hi], False))
+        for keys in draw(st.lists(st.sampled_from(seq_keys), max_size=2)):   # chains, as after a put
+            hi = draw(st.integers(0, len(keys)))
+            lo = draw(st.integers(0, hi))
+            mask = draw(st.sampled_from([0, *PATTERNS]))
+            batches.append((node, draw(st.integers(0, 5)) == 0, [(k, mask) for k in keys[lo:hi]], True))
     draw(st.randoms(use_true_random=False)).shuffle(batches)   # nodes interleave; per node, seq order
     window = draw(st.integers(0, 4))
     has_full = draw(st.booleans()) or window == 0
@@ -214,7 +284,7 @@ def scenarios(draw):
 def build(pages, batches):
     """EventBatches with per-node seq numbers, and the model of what each node holds."""
     seq, model, out = {}, {}, []
-    for node, cleared, evs in batches:
+    for node, cleared, evs, _ in batches:
         held = model.setdefault(node, {})
         if cleared:
             held.clear()
@@ -226,6 +296,13 @@ def build(pages, batches):
         out.append(EventBatch(node, 3, seq.setdefault(node, 0), states, cleared))
         seq[node] += 1
     return out, model, seq
+
+
+def chain_args(b, pages):
+    """apply_chain's arguments for an EventBatch of one chain of pages, all with one mask."""
+    keys = [p.key for p in b.pages]
+    parent, depth = pages[keys[0]] if keys else (KEYER.root, 0)
+    return b.node, b.epoch, b.seq, keys, depth, parent, b.pages[0].mask if keys else 1, b.cleared
 
 
 def answers(ix, seq_keys):
@@ -255,6 +332,15 @@ def test_lookup_equals_brute_force(scenario, rnd):
     snap = tuple(PageState(k, *pages[k], m) for k, m in model[node].items())
     assert ix.load_snapshot(Snapshot(node, 3, next_seq[node] + 1, snap)) is R.APPLIED
     assert answers(ix, seq_keys) == expected
+    # the chains applied with apply_chain instead of their EventBatches: the same index
+    events, _, _ = build(pages, raw)
+    cx = PrefixIndex(window, has_full)
+    for b, (*_, is_chain) in zip(events, raw):
+        assert (cx.apply_chain(*chain_args(b, pages)) if is_chain else cx.apply(b)) is R.APPLIED
+    assert answers(cx, seq_keys) == expected
+    assert {n: cx.node_pages(n) for n in cx.nodes()} == {n: ix.node_pages(n) for n in ix.nodes()}
+    assert all(cx.page_meta(k) == ix.page_meta(k) for k in pages) and len(cx) == len(ix)
+    assert all(cx.apply_chain(*chain_args(b, pages)) is R.DUPLICATE for b, r in zip(events, raw) if r[3])
 
 
 def test_lookup_speed():
