@@ -42,7 +42,7 @@ class NodeMatch:
     device: bool        # True if every page that match needs is on the node's DEVICE tier
 
 
-def _RANK(m: NodeMatch) -> tuple[int, bool, str]:
+def _rank(m: NodeMatch) -> tuple[int, bool, str]:
     return -m.pages, not m.device, m.node
 
 
@@ -280,7 +280,7 @@ class PrefixIndex:
         if pending:
             self._fall_back(chain, prefix, pending, out)
         if len(out) > 1:
-            out.sort(key=_RANK)
+            out.sort(key=_rank)
         return out
 
     def _lookup_full(self, keys: Sequence[bytes]) -> list[NodeMatch]:
@@ -301,7 +301,7 @@ class PrefixIndex:
                     out.append(NodeMatch(slots[(low.bit_length() - 1) >> 2], n, bool(v & (low << 1))))
             inner = held
         if len(out) > 1:
-            out.sort(key=_RANK)
+            out.sort(key=_rank)
         return out
 
     def _walk(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
