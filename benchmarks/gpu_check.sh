@@ -25,6 +25,6 @@ timeout 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_nixl_transport.py 
     2>&1 | tee "$OUT/tests.txt"
 
 echo "== transport benchmark (KVF_TEST_DEVICE=cuda)"
-timeout 170 "$PY" -m benchmarks.transport_bench 2>&1 | tee "$OUT/bench.txt"
+timeout 170 "$PY" -m benchmarks.transport_bench --json 2>&1 | tee "$OUT/bench.txt"
 tail -n 1 "$OUT/bench.txt" > "$OUT/bench.json"
 echo "results in $OUT"
