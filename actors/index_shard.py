@@ -19,26 +19,23 @@ class IndexShardActor:
 
     def apply(self, data: bytes) -> str:
         """An encoded event batch; answers an ApplyResult value, or 'rejected'."""
-        try:
-            batch = decode_events(data)
-        except EventError:
-            self.rejected += 1
-            return "rejected"
-        if not isinstance(batch, EventBatch):
-            self.rejected += 1
-            return "rejected"
-        return self.index.apply(batch).value
+        batch = self._decode(data, EventBatch)
+        return "rejected" if batch is None else self.index.apply(batch).value
 
     def load_snapshot(self, data: bytes) -> str:
+        snap = self._decode(data, Snapshot)
+        return "rejected" if snap is None else self.index.load_snapshot(snap).value
+
+    def _decode(self, data: bytes, kind: type):
+        """The decoded message if it is valid and of `kind`; else counts a rejection."""
         try:
-            snap = decode_events(data)
+            msg = decode_events(data)
         except EventError:
+            msg = None
+        if not isinstance(msg, kind):
             self.rejected += 1
-            return "rejected"
-        if not isinstance(snap, Snapshot):
-            self.rejected += 1
-            return "rejected"
-        return self.index.load_snapshot(snap).value
+            return None
+        return msg
 
     def lookup(self, keys: bytes, route_version: int, depth: int = -1) -> list[tuple[str, int, bool]] | None:
         """Each node's usable match for the concatenated 16-byte page keys, best
