@@ -118,3 +118,15 @@ def test_hot_subtrees_split_across_shard_actors(fabric):
         assert [(m.node, m.pages) for m in client.lookup(p, NS)] == [(node, 4)]
     served = [ray.get(s.stats.remote(), timeout=T)["lookups"] for s in fabric.shards]
     assert sum(1 for n in served if n) >= 2            # more than one shard answers now
+
+
+def test_shards_reject_bad_input_without_change(fabric):
+    shard = fabric.shards[0]
+    before = ray.get(shard.stats.remote(), timeout=T)
+    for junk in (b"", b"\x93\x01\x02", b"x" * 64):
+        assert ray.get(shard.apply.remote(junk), timeout=T) == "rejected"
+        assert ray.get(shard.load_snapshot.remote(junk), timeout=T) == "rejected"
+    with pytest.raises(ray.exceptions.RayTaskError):
+        ray.get(shard.lookup.remote(b"short", 10**6), timeout=T)
+    after = ray.get(shard.stats.remote(), timeout=T)
+    assert after["rejected"] == before["rejected"] + 6 and after["keys"] == before["keys"]
