@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from fabric import LoadTracker, NodeMatch, PageKeyer, PoolName, RouteTable

@@ -4,7 +4,7 @@ from .check import InvariantError
 from .exchange import (ExportGrant, FetchOutcome, GrantError, PageReader, PoolPages, ReadFailed,
                        export_prefix, import_prefix)
 from .events import EventBatch, EventError, PageMask, PageState, Snapshot, decode as decode_events
-from .faults import AllocationFaults, InjectedFailure
+from .faults import AllocationFaults
 from .index import ApplyResult, NodeMatch, PrefixIndex
 from .keys import PageKeyer, encode_tokens, namespace_key
 from .layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
@@ -24,7 +24,7 @@ from .txn import ReservationFailed, Transaction, TransactionClosed
 __all__ = [
     "AllocatorError", "OutOfPages", "PageAllocator", "InvariantError", "ExportGrant",
     "FetchOutcome", "GrantError", "PageReader", "PoolPages", "ReadFailed", "export_prefix",
-    "import_prefix", "AllocationFaults", "InjectedFailure", "PageKeyer", "encode_tokens",
+    "import_prefix", "AllocationFaults", "PageKeyer", "encode_tokens",
     "namespace_key", "KVLayout", "LayerKind", "LayoutError", "PoolName", "Tier", "Lease",
     "LeaseTable", "CachedKV", "CacheStats", "Match", "NodeCache", "PrefixLock", "PageCopier",
     "TorchCopier", "page_checksums", "AttentionPolicy", "FullAttentionPolicy",

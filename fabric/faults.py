@@ -7,10 +7,6 @@ import random
 from .layout import PoolName, Tier
 
 
-class InjectedFailure(Exception):
-    """Marker base for failures that were injected on purpose."""
-
-
 class AllocationFaults:
     """Fails chosen reservation points, counted from the last `arm`.
 

@@ -16,7 +16,7 @@ from .pages import PageCopier, TorchCopier, pack, unpack
 from .policies import AttentionPolicy, policies_for
 from .pools import PoolCapacity, PoolRegistry
 from .paths import by_node, groups, missing_on_device, within
-from .radix import ABSENT, TIERS, Node, RadixTree
+from .radix import TIERS, Node, RadixTree
 from .tiers import TierConfig, TierController
 from .txn import ReservationFailed, Transaction
 

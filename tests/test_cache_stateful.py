@@ -3,7 +3,6 @@
 state exactly as before; what `get` returns equals what `put` stored."""
 import random
 
-import pytest
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
