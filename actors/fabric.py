@@ -86,7 +86,8 @@ def start(config: NodeConfig, shards: int = 4, cpus_per_actor: float = 0.25,
     directory = FabricDirectory.options(name=DIRECTORY, **opts).remote(config, shards)
     window = config.layout.window_pages
     has_full = PoolName.FULL in config.layout.pools
-    shard_actors = [IndexShardActor.options(name=shard_name(i), **opts).remote(i, shards, window, has_full)
+    fingerprint = config.layout.fingerprint
+    shard_actors = [IndexShardActor.options(name=shard_name(i), **opts).remote(i, shards, window, has_full, fingerprint)
                     for i in range(shards)]
     routes = ray.get(directory.get_routes.remote(), timeout=timeout_s)
     nodes = {}

@@ -9,9 +9,10 @@ from fabric.keys import KEY_BYTES
 
 @ray.remote
 class IndexShardActor:
-    def __init__(self, shard: int, shards: int, window_pages: int, has_full: bool) -> None:
+    def __init__(self, shard: int, shards: int, window_pages: int, has_full: bool,
+                 fingerprint: bytes | None = None) -> None:
         self.shard, self.shard_count = shard, shards
-        self.index = PrefixIndex(window_pages, has_full)
+        self.index = PrefixIndex(window_pages, has_full, fingerprint)
         self.load = LoadTracker(shards)
         self.route_version = 0
         self.rejected = 0
@@ -20,11 +21,18 @@ class IndexShardActor:
     def apply(self, data: bytes) -> str:
         """An encoded event batch; answers an ApplyResult value, or 'rejected'."""
         batch = self._decode(data, EventBatch)
-        return "rejected" if batch is None else self.index.apply(batch).value
+        return "rejected" if batch is None else self._checked(self.index.apply, batch)
 
     def load_snapshot(self, data: bytes) -> str:
         snap = self._decode(data, Snapshot)
-        return "rejected" if snap is None else self.index.load_snapshot(snap).value
+        return "rejected" if snap is None else self._checked(self.index.load_snapshot, snap)
+
+    def _checked(self, apply, msg) -> str:
+        try:
+            return apply(msg).value
+        except EventError:          # e.g. another model's layout: refused, nothing applied
+            self.rejected += 1
+            return "rejected"
 
     def _decode(self, data: bytes, kind: type):
         """The decoded message if it is valid and of `kind`; else counts a rejection."""

@@ -47,10 +47,11 @@ class EventBatch:
     seq: int
     pages: tuple[PageState, ...]
     cleared: bool = False      # the node dropped every page before these
+    fingerprint: bytes = b""   # the publisher's layout; an index for another layout refuses it
 
     def encode(self) -> bytes:
         return msgpack.packb([EVENTS_VERSION, "batch", self.node, self.epoch, self.seq, self.cleared,
-                              [[p.key, p.parent, p.depth, p.mask] for p in self.pages]])
+                              [[p.key, p.parent, p.depth, p.mask] for p in self.pages], self.fingerprint])
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,11 @@ class Snapshot:
     epoch: int
     seq: int
     pages: tuple[PageState, ...]
+    fingerprint: bytes = b""
 
     def encode(self) -> bytes:
         return msgpack.packb([EVENTS_VERSION, "snapshot", self.node, self.epoch, self.seq, True,
-                              [[p.key, p.parent, p.depth, p.mask] for p in self.pages]])
+                              [[p.key, p.parent, p.depth, p.mask] for p in self.pages], self.fingerprint])
 
 
 def decode(data: bytes) -> EventBatch | Snapshot:
@@ -72,9 +74,9 @@ def decode(data: bytes) -> EventBatch | Snapshot:
         msg = msgpack.unpackb(data, use_list=True, strict_map_key=True)
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as e:
         raise EventError(f"not a msgpack event message: {e}") from None
-    if not isinstance(msg, list) or len(msg) != 7:
-        raise EventError("an event message is a list of 7 fields")
-    version, kind, node, epoch, seq, cleared, pages = msg
+    if not isinstance(msg, list) or len(msg) != 8:
+        raise EventError("an event message is a list of 8 fields")
+    version, kind, node, epoch, seq, cleared, pages, fingerprint = msg
     if version != EVENTS_VERSION:
         raise EventError(f"event version {version!r}, expected {EVENTS_VERSION}")
     if kind not in ("batch", "snapshot"):
@@ -83,14 +85,16 @@ def decode(data: bytes) -> EventBatch | Snapshot:
         raise EventError("node must be a non-empty str of at most 256 characters")
     if not _uint(epoch) or not _uint(seq) or not isinstance(cleared, bool):
         raise EventError("epoch and seq must be ints >= 0, cleared a bool")
+    if not isinstance(fingerprint, bytes) or len(fingerprint) not in (0, KEY_BYTES):
+        raise EventError(f"fingerprint must be {KEY_BYTES} bytes (or empty)")
     if not isinstance(pages, list) or len(pages) > MAX_PAGES_PER_BATCH:
         raise EventError(f"pages must be a list of at most {MAX_PAGES_PER_BATCH}")
     states = tuple(_page(p, i) for i, p in enumerate(pages))
     if kind == "snapshot":
         if any(s.mask == 0 for s in states):
             raise EventError("a snapshot lists held pages only (mask > 0)")
-        return Snapshot(node, epoch, seq, states)
-    return EventBatch(node, epoch, seq, states, cleared)
+        return Snapshot(node, epoch, seq, states, fingerprint)
+    return EventBatch(node, epoch, seq, states, cleared, fingerprint)
 
 
 def _page(p: object, i: int) -> PageState:

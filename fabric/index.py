@@ -80,13 +80,14 @@ class _NodeState:
 
 
 class PrefixIndex:
-    def __init__(self, window_pages: int, has_full: bool = True) -> None:
+    def __init__(self, window_pages: int, has_full: bool = True, fingerprint: bytes | None = None) -> None:
         if not isinstance(window_pages, int) or isinstance(window_pages, bool) or window_pages < 0:
             raise ValueError(f"window_pages must be an int >= 0, got {window_pages!r}")
         if not has_full and window_pages == 0:
             raise ValueError("a layout with neither full nor SWA layers has nothing to match")
         self.window_pages = window_pages
         self.has_full = bool(has_full)
+        self.fingerprint = fingerprint      # if set, batches of another layout are refused
         # Key -> packed holders (never 0: a key no node holds is deleted), kept apart from
         # key -> (parent, depth) so that a lookup reads plain ints at C speed.
         self._bits: dict[bytes, int] = {}
@@ -102,6 +103,7 @@ class PrefixIndex:
     # ---- events ----
 
     def apply(self, batch: EventBatch) -> ApplyResult:
+        self._check_layout(batch.fingerprint)
         _check_header(batch.node, batch.epoch, batch.seq)
         _check_pages(batch.pages, allow_zero=True)
         result = self._admit(batch.node, batch.epoch, batch.seq, batch.cleared)
@@ -177,9 +179,14 @@ class PrefixIndex:
             return ApplyResult.APPLIED
         return ApplyResult.NEED_SNAPSHOT
 
+    def _check_layout(self, fingerprint: bytes) -> None:
+        if self.fingerprint is not None and fingerprint != self.fingerprint:
+            raise EventError("events from a node of another model layout (fingerprint differs)")
+
     def load_snapshot(self, snap: Snapshot) -> ApplyResult:
         """Replace the node's whole state. A snapshot older than what the index already
         applied (older epoch, or earlier seq of the same epoch) is ignored and says so."""
+        self._check_layout(snap.fingerprint)
         _check_header(snap.node, snap.epoch, snap.seq)
         _check_pages(snap.pages, allow_zero=False)
         st = self._nodes.get(snap.node)

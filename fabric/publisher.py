@@ -17,6 +17,7 @@ class EventPublisher:
 
     def __init__(self, cache: NodeCache, node: str, epoch: int) -> None:
         self.cache, self.node, self.epoch = cache, node, epoch
+        self.fingerprint = cache.layout.fingerprint
         self.next_seq = 0
         self.shard_seq: dict[int, int] = {}
         tree = cache.tree
@@ -29,7 +30,8 @@ class EventPublisher:
         if not self.cache.tree.changed and self.next_seq > 0:
             return None
         pages = tuple(self._state(node, j) for node, j in self._take_changes())
-        batch = EventBatch(self.node, self.epoch, self.next_seq, pages, cleared=self.next_seq == 0)
+        batch = EventBatch(self.node, self.epoch, self.next_seq, pages, cleared=self.next_seq == 0,
+                           fingerprint=self.fingerprint)
         self.next_seq += 1
         return batch
 
@@ -58,13 +60,13 @@ class EventPublisher:
                 if state.mask:
                     for shard in routes.shards_for(paths.of(node, j)):
                         per_shard[shard].append(state)
-        return {s: Snapshot(self.node, self.epoch, self.shard_seq.get(s, 0) - 1, tuple(pages))
+        return {s: Snapshot(self.node, self.epoch, self.shard_seq.get(s, 0) - 1, tuple(pages), self.fingerprint)
                 for s, pages in per_shard.items()}
 
     def _next(self, shard: int, pages: list[PageState]) -> EventBatch:
         seq = self.shard_seq.get(shard, 0)
         self.shard_seq[shard] = seq + 1
-        return EventBatch(self.node, self.epoch, seq, tuple(pages), cleared=seq == 0)
+        return EventBatch(self.node, self.epoch, seq, tuple(pages), cleared=seq == 0, fingerprint=self.fingerprint)
 
     def _take_changes(self) -> list[tuple[Node, int]]:
         tree = self.cache.tree
@@ -79,7 +81,7 @@ class EventPublisher:
         """Everything held now, as of the last drained batch (drain first)."""
         tree = self.cache.tree
         pages = tuple(p for node in tree.nodes() for j in range(node.n) if (p := _held(node, j)).mask)
-        return Snapshot(self.node, self.epoch, self.next_seq - 1, pages)
+        return Snapshot(self.node, self.epoch, self.next_seq - 1, pages, self.fingerprint)
 
     def _state(self, node: Node, offset: int) -> PageState:
         if self.cache.tree.by_key.get(node.keys[offset]) is not node:

@@ -126,7 +126,12 @@ def test_shards_reject_bad_input_without_change(fabric):
     for junk in (b"", b"\x93\x01\x02", b"x" * 64):
         assert ray.get(shard.apply.remote(junk), timeout=T) == "rejected"
         assert ray.get(shard.load_snapshot.remote(junk), timeout=T) == "rejected"
+    from fabric import EventBatch, PageState
+    foreign = EventBatch("intruder", 1, 0, (PageState(b"k" * 16, b"p" * 16, 0, 1),), cleared=True,
+                         fingerprint=b"g" * 16)                     # another model's layout
+    assert ray.get(shard.apply.remote(foreign.encode()), timeout=T) == "rejected"
     with pytest.raises(ray.exceptions.RayTaskError):
         ray.get(shard.lookup.remote(b"short", 10**6), timeout=T)
     after = ray.get(shard.stats.remote(), timeout=T)
-    assert after["rejected"] == before["rejected"] + 6 and after["keys"] == before["keys"]
+    assert after["rejected"] == before["rejected"] + 7 and after["keys"] == before["keys"]
+    assert "intruder" not in ray.get(shard.stats.remote(), timeout=T)["out_of_sync"]
