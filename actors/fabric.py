@@ -87,8 +87,10 @@ def start(config: NodeConfig, shards: int = 4, cpus_per_actor: float = 0.25,
     window = config.layout.window_pages
     has_full = PoolName.FULL in config.layout.pools
     fingerprint = config.layout.fingerprint
-    shard_actors = [IndexShardActor.options(name=shard_name(i), **opts).remote(i, shards, window, has_full, fingerprint)
-                    for i in range(shards)]
+    # Shard state is soft: a restarted shard starts empty, answers partially, and nodes
+    # refill it (their next batch shows a gap; they answer with a snapshot).
+    shard_actors = [IndexShardActor.options(name=shard_name(i), max_restarts=-1, **opts)
+                    .remote(i, shards, window, has_full, fingerprint) for i in range(shards)]
     routes = ray.get(directory.get_routes.remote(), timeout=timeout_s)
     nodes = {}
     for node in (n for n in ray.nodes() if n["Alive"]):

@@ -36,6 +36,20 @@ def flush(f):
     ray.get([n.flush.remote() for n in f.nodes.values()], timeout=T)
 
 
+def until_available(actor, deadline_s: float = T) -> None:
+    """Wait out an actor's restart (calls fail with ActorUnavailableError meanwhile)."""
+    import time
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            ray.get(actor.noop.remote(), timeout=T)
+            return
+        except ray.exceptions.RayActorError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.2)
+
+
 def test_index_finds_a_prefix_and_fetch_moves_it(fabric):
     names = sorted(fabric.nodes)
     a, b = names[0], names[1]
@@ -120,8 +134,31 @@ def test_hot_subtrees_split_across_shard_actors(fabric):
     assert sum(1 for n in served if n) >= 2            # more than one shard answers now
 
 
+def test_a_killed_shard_restarts_and_is_refilled_by_the_nodes(fabric):
+    import time
+    node = sorted(fabric.nodes)[0]
+    tokens = list(range(20_000, 20_000 + 3 * 16))
+    ray.get(fabric.nodes[node].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
+    flush(fabric)
+    client = FabricClient.connect(timeout_s=10.0)
+    assert [m.node for m in client.lookup(tokens, NS)] == [node]
+    owner = client.routes.owner(client.keys(tokens, NS))
+    ray.kill(fabric.shards[owner], no_restart=False)
+    deadline = time.monotonic() + T
+    found = []
+    while not found and time.monotonic() < deadline:     # partial answers while it refills
+        found = client.lookup(tokens, NS)
+        other = list(range(30_000, 30_000 + 16))
+        ray.get(fabric.nodes[node].put.remote(other, prefix_kv(LAYOUT, other), NS), timeout=T)
+        flush(fabric)
+    assert [m.node for m in found] == [node]
+    for shard in fabric.shards:
+        until_available(shard)
+
+
 def test_shards_reject_bad_input_without_change(fabric):
     shard = fabric.shards[0]
+    until_available(shard)
     before = ray.get(shard.stats.remote(), timeout=T)
     for junk in (b"", b"\x93\x01\x02", b"x" * 64):
         assert ray.get(shard.apply.remote(junk), timeout=T) == "rejected"
