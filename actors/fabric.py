@@ -118,7 +118,7 @@ def stop(fabric: Fabric) -> None:
         try:
             ray.kill(actor)
         except RayError:
-            pass
+            pass            # already gone: stopping is idempotent
 
 
 class FabricClient:

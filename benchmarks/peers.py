@@ -291,7 +291,7 @@ def _tolerate_cpu_torchvision(folder: Path) -> None:
         if libs:
             return
     except OSError:
-        pass
+        pass            # the ops cannot load beside a CPU torch: skip their registrations below
     name = "torchvision._meta_registrations"
     sys.modules[name] = types.ModuleType(name)
 

@@ -97,7 +97,7 @@ def serve_peer(conn, device: str) -> None:
     conn.send(transport.metadata())
     parent = os.getppid()
     while os.getppid() == parent and not (conn.poll(0.2) and conn.recv() == "quit"):
-        pass
+        pass            # serve reads until told to quit or orphaned (poll waits 0.2 s)
     transport.close()
 
 
