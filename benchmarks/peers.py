@@ -181,6 +181,11 @@ def ensure_sglang(log: Callable[[str], None] = _log) -> Path:
     return folder
 
 
+# default: the full collection imports owe lands in the timed loop; collect: it runs first;
+# freeze: it runs first and the heap is then frozen out of the collector's reach.
+GC_MODES = ("default", "collect", "freeze")
+
+
 @dataclass(frozen=True)
 class RadixRun:
     """One pass of SGLang's radix cache over a request sequence (match_prefix, then insert)."""
@@ -188,7 +193,7 @@ class RadixRun:
     page_size: int
     match_lengths: tuple[int, ...]  # cached prefix length SGLang reported for each request
     elapsed_s: float                # the match+insert loop only
-    freeze_gc: bool = False         # whether the worker's heap was gc.freeze()d before the loop
+    gc_mode: str = "default"        # collector state before the loop: see GC_MODES
 
     @property
     def requests(self) -> int:
@@ -242,15 +247,18 @@ def _run_worker(args: list[str]) -> None:
 
 
 def run_sglang_radix(
-    sequences: Sequence[Sequence[int]], page_size: int, *, freeze_gc: bool = False
+    sequences: Sequence[Sequence[int]], page_size: int, *, gc_mode: str = "default"
 ) -> RadixRun:
     """Drive SGLang's simulated radix cache: for each request match_prefix, then insert.
 
     Runs in a fresh worker process, one pass over a fresh tree. By default the garbage collector
     runs as in a stock SGLang scheduler; its full collections walk the whole heap SGLang's
-    imports leave behind, which costs a single pass about 3x. ``freeze_gc`` first moves that
-    heap out of the collector's reach, as SGLang's ``freeze_gc`` (its /freeze_gc endpoint) does.
+    imports leave behind, which costs a single pass about 3x. ``collect`` runs the full
+    collection the imports owe before the loop (steady state); ``freeze`` also moves that heap
+    out of the collector's reach, as SGLang's ``freeze_gc`` (its /freeze_gc endpoint) does.
     """
+    if gc_mode not in GC_MODES:
+        raise ValueError(f"gc_mode must be one of {GC_MODES}, got {gc_mode!r}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     lengths, flat = _pack(sequences)
@@ -258,18 +266,17 @@ def run_sglang_radix(
     with tempfile.TemporaryDirectory(prefix="kvf-peer-") as tmp:
         data, result = Path(tmp) / "sequences.bin", Path(tmp) / "result.json"
         _write_sequences(data, lengths, flat)
-        gc_mode = "freeze" if freeze_gc else "default"
         _run_worker(["radix", str(folder), str(data), str(page_size), str(result), gc_mode])
         out = json.loads(result.read_text())
     return RadixRun(page_size=page_size, match_lengths=tuple(out["match_lengths"]),
-                    elapsed_s=out["elapsed_s"], freeze_gc=freeze_gc)
+                    elapsed_s=out["elapsed_s"], gc_mode=gc_mode)
 
 
 def sglang_radix_ops_per_s(
-    sequences: list[list[int]], page_size: int, *, freeze_gc: bool = False
+    sequences: list[list[int]], page_size: int, *, gc_mode: str = "default"
 ) -> float:
     """Requests per second of SGLang 0.5.23's radix cache (match_prefix + insert per request)."""
-    return run_sglang_radix(sequences, page_size, freeze_gc=freeze_gc).ops_per_s
+    return run_sglang_radix(sequences, page_size, gc_mode=gc_mode).ops_per_s
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -324,11 +331,12 @@ def _worker(argv: list[str]) -> None:
         raise SystemExit(f"unknown worker mode {mode!r}")
     data, page_size, result, gc_mode = Path(argv[2]), int(argv[3]), Path(argv[4]), argv[5]
     sequences = _read_sequences(data)
-    if gc_mode == "freeze":
+    if gc_mode in ("collect", "freeze"):
         import gc
 
         gc.collect()
-        gc.freeze()
+        if gc_mode == "freeze":
+            gc.freeze()
     tree = RadixCache.create_simulated(page_size=page_size)
     empty, boolean = torch.empty, torch.bool
     matched: list[int] = []
@@ -348,21 +356,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--freeze-gc", action="store_true",
-                        help="gc.freeze() the worker's heap before the timed loop")
+    parser.add_argument("--gc", choices=GC_MODES, default="default",
+                        help="collector state before the timed loop (see run_sglang_radix)")
     args = parser.parse_args(argv)
 
     from deploy.trace import load_trace, request_tokens
 
     trace = load_trace(limit=args.requests)
     sequences = [request_tokens(r, args.tokens_per_block) for r in trace]
-    run = run_sglang_radix(sequences, args.page_size, freeze_gc=args.freeze_gc)
+    run = run_sglang_radix(sequences, args.page_size, gc_mode=args.gc)
     total = sum(map(len, sequences))
     print(json.dumps({
         "peer": f"sglang-{SGLANG_VERSION}",
         "requests": run.requests,
         "page_size": run.page_size,
-        "freeze_gc": run.freeze_gc,
+        "gc_mode": run.gc_mode,
         "tokens": total,
         "matched_tokens": sum(run.match_lengths),
         "elapsed_s": round(run.elapsed_s, 4),

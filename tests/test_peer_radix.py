@@ -14,8 +14,8 @@ def sglang():
 
 
 # Each run starts a worker that imports SGLang (several seconds), so the cases double up.
-@pytest.mark.parametrize("page_size,freeze_gc", [(4, False), (1, True)])
-def test_match_lengths_are_sane(sglang, page_size, freeze_gc):
+@pytest.mark.parametrize("page_size,gc_mode", [(4, "default"), (1, "freeze")])
+def test_match_lengths_are_sane(sglang, page_size, gc_mode):
     base = list(range(100, 110))                     # 10 tokens
     sequences = [
         base,
@@ -24,7 +24,7 @@ def test_match_lengths_are_sane(sglang, page_size, freeze_gc):
         [1, 2, 3],                                   # unrelated
         base + [50, 51],                             # extends the first
     ]
-    run = run_sglang_radix(sequences, page_size, freeze_gc=freeze_gc)
+    run = run_sglang_radix(sequences, page_size, gc_mode=gc_mode)
 
     def aligned(n):
         return n // page_size * page_size
@@ -32,11 +32,13 @@ def test_match_lengths_are_sane(sglang, page_size, freeze_gc):
     assert run.match_lengths == (0, aligned(10), aligned(6), 0, aligned(10))
     assert all(m % page_size == 0 for m in run.match_lengths)
     assert run.requests == len(sequences) and run.elapsed_s > 0 and run.ops_per_s > 0
-    assert run.page_size == page_size and run.freeze_gc == freeze_gc
+    assert run.page_size == page_size and run.gc_mode == gc_mode
 
 
 def test_rejects_bad_input():
     with pytest.raises(ValueError):
         run_sglang_radix([[1, 2]], 0)
+    with pytest.raises(ValueError):
+        run_sglang_radix([[1, 2]], 4, gc_mode="off")
     with pytest.raises(ValueError, match="sequence 0"):
         run_sglang_radix([[2**63]], 1)
