@@ -13,58 +13,13 @@ from typing import Sequence
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from fabric import LoadTracker, NodeMatch, PageKeyer, PoolName, RouteTable
+from fabric import NodeMatch, PageKeyer, PoolName, RouteTable
 
+from .directory import (CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, FabricDirectory, Membership, join,
+                        place_node_actor, shard_name)
 from .index_shard import IndexShardActor
-from .node_actor import NodeCacheActor, NodeConfig
-
-NAMESPACE = "kvfabric"
-DIRECTORY = "kvf-directory"
-CALL_TIMEOUT_S = 10.0
-
-
-@ray.remote
-class FabricDirectory:
-    def __init__(self, config: NodeConfig, shards: int) -> None:
-        self.config = config
-        self.routes = RouteTable(shards)
-        self.nodes: dict[str, bytes] = {}          # node actor name -> NIXL metadata
-
-    def get_config(self) -> NodeConfig:
-        return self.config
-
-    def get_routes(self) -> bytes:
-        return self.routes.encode()
-
-    def register(self, name: str, metadata: bytes) -> dict[str, bytes]:
-        """Add a node; returns the others (name -> metadata) for it to connect to."""
-        others = dict(self.nodes)
-        self.nodes[name] = metadata
-        return others
-
-    def unregister(self, name: str) -> bool:
-        return self.nodes.pop(name, None) is not None
-
-    def node_names(self) -> list[str]:
-        return sorted(self.nodes)
-
-    def rebalance(self, target: float = 1.25, timeout_s: float = CALL_TIMEOUT_S) -> bool:
-        """Split the hottest subtree if shard lookups are uneven; nodes then resend
-        snapshots under the new routes. Returns whether routes changed."""
-        shards = [ray.get_actor(shard_name(i), namespace=NAMESPACE) for i in range(self.routes.shards)]
-        load = LoadTracker(self.routes.shards)
-        for report in ray.get([s.load_report.remote() for s in shards], timeout=timeout_s):
-            load.merge(report)
-        planned = load.plan(self.routes, target)
-        if planned is None:
-            return False
-        self.routes = planned[0]
-        ray.get([s.set_route_version.remote(self.routes.version) for s in shards], timeout=timeout_s)
-        nodes = [ray.get_actor(n, namespace=NAMESPACE) for n in self.nodes]
-        ray.get([n.reroute.remote(self.routes.encode()) for n in nodes], timeout=timeout_s)
-        return True
+from .node_actor import NodeConfig
 
 
 @dataclass
@@ -74,16 +29,15 @@ class Fabric:
     shards: list["ray.actor.ActorHandle"]
 
 
-def shard_name(i: int) -> str:
-    return f"kvf-index-{i}"
-
-
 def start(config: NodeConfig, shards: int = 4, cpus_per_actor: float = 0.25,
-          timeout_s: float = 180.0) -> Fabric:
+          timeout_s: float = 180.0, watch_s: float = 2.0) -> Fabric:
     """Start the fabric on the connected cluster: one node actor per alive node.
-    `timeout_s` bounds each step (actors import torch and NIXL as they start)."""
+    `timeout_s` bounds each step (actors import torch and NIXL as they start);
+    every `watch_s` seconds the directory reconciles membership (0: never)."""
     opts = dict(namespace=NAMESPACE, lifetime="detached", num_cpus=cpus_per_actor)
-    directory = FabricDirectory.options(name=DIRECTORY, **opts).remote(config, shards)
+    # The watcher starts after the first nodes have joined, so it does not race them.
+    directory = FabricDirectory.options(name=DIRECTORY, max_concurrency=8, **opts).remote(
+        config, shards, cpus_per_actor=cpus_per_actor)
     window = config.layout.window_pages
     has_full = PoolName.FULL in config.layout.pools
     fingerprint = config.layout.fingerprint
@@ -92,29 +46,31 @@ def start(config: NodeConfig, shards: int = 4, cpus_per_actor: float = 0.25,
     shard_actors = [IndexShardActor.options(name=shard_name(i), max_restarts=-1, **opts)
                     .remote(i, shards, window, has_full, fingerprint) for i in range(shards)]
     routes = ray.get(directory.get_routes.remote(), timeout=timeout_s)
-    nodes = {}
-    for node in (n for n in ray.nodes() if n["Alive"]):
-        name = f"kvf-node-{node['NodeID'][:12]}"
-        strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-        nodes[name] = NodeCacheActor.options(name=name, scheduling_strategy=strategy, **opts).remote(name, config)
+    nodes = dict(place_node_actor(n["NodeID"], config, cpus_per_actor) for n in ray.nodes() if n["Alive"])
     ray.get([s.noop.remote() for s in shard_actors], timeout=timeout_s)
     for name, actor in nodes.items():
         join(directory, name, actor, timeout_s)
         ray.get(actor.attach_index.remote(shard_actors, routes), timeout=timeout_s)
+    if watch_s > 0:
+        ray.get(directory.watch.remote(watch_s), timeout=timeout_s)
     return Fabric(directory, nodes, shard_actors)
 
 
-def join(directory, name: str, actor, timeout_s: float = CALL_TIMEOUT_S) -> None:
-    """Register a node and connect it and its peers both ways."""
-    meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
-    others = ray.get(directory.register.remote(name, meta), timeout=timeout_s)
-    calls = [actor.connect.remote(peer, peer_meta) for peer, peer_meta in others.items()]
-    calls += [ray.get_actor(peer, namespace=NAMESPACE).connect.remote(name, meta) for peer in others]
-    ray.get(calls, timeout=timeout_s)
-
-
-def stop(fabric: Fabric) -> None:
-    for actor in [fabric.directory, *fabric.nodes.values(), *fabric.shards]:
+def stop(fabric: Fabric, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    """Stop the watcher, then kill every fabric actor, including nodes it added itself."""
+    names: list[str] = []
+    try:
+        ray.get(fabric.directory.stop_watching.remote(), timeout=timeout_s)
+        names = ray.get(fabric.directory.node_names.remote(), timeout=timeout_s)
+    except (RayError, GetTimeoutError):
+        pass            # the directory is gone already: kill what we hold
+    added = []
+    for name in set(names) - set(fabric.nodes):
+        try:
+            added.append(ray.get_actor(name, namespace=NAMESPACE))
+        except ValueError:
+            pass        # died meanwhile
+    for actor in [fabric.directory, *fabric.nodes.values(), *added, *fabric.shards]:
         try:
             ray.kill(actor)
         except RayError:
@@ -174,18 +130,10 @@ class FabricClient:
             return 0
 
     def purge_dead_nodes(self) -> list[str]:
-        """Drop nodes whose actor is gone from the directory and every shard."""
-        dead = []
-        for name in ray.get(self.directory.node_names.remote(), timeout=CALL_TIMEOUT_S):
-            try:
-                ray.get(ray.get_actor(name, namespace=NAMESPACE).ping.remote(), timeout=self.timeout_s)
-            except (RayError, GetTimeoutError, ValueError):
-                dead.append(name)
-        for name in dead:
-            ray.get(self.directory.unregister.remote(name), timeout=CALL_TIMEOUT_S)
-            ray.get([self._shard(i).drop_node.remote(name) for i in range(self.routes.shards)],
-                    timeout=CALL_TIMEOUT_S)
-        return dead
+        """Drop nodes whose actor Ray reports dead, now (the directory's watcher also
+        does this every few seconds)."""
+        done: Membership = ray.get(self.directory.reconcile.remote(add=False), timeout=CALL_TIMEOUT_S * 3)
+        return done.dropped
 
     def _shard(self, i: int):
         handle = self._shards.get(i)

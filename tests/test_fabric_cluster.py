@@ -19,17 +19,32 @@ T = 120.0
 
 
 @pytest.fixture(scope="module")
-def fabric():
+def cluster():
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     for _ in range(3):
         c.add_node(num_cpus=1)
     ray.init(address=c.address)
     c.wait_for_nodes()
-    f = start(CONFIG, shards=3, cpus_per_actor=0.25)
-    yield f
-    stop(f)
+    yield c
     ray.shutdown()
     c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fabric(cluster):
+    f = start(CONFIG, shards=3, cpus_per_actor=0.25, watch_s=0.5)
+    yield f
+    stop(f)
+
+
+def eventually(check, deadline_s: float = T, every_s: float = 0.2):
+    """Poll `check` until it returns something truthy; that value."""
+    import time
+    end = time.monotonic() + deadline_s
+    while not (value := check()):
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(every_s)
+    return value
 
 
 def flush(f):
@@ -94,10 +109,14 @@ def test_source_killed_mid_fetch_leaves_the_destination_clean(fabric):
     stats = ray.get(dest.stats.remote(), timeout=T)
     assert stats["quarantined"] == 0 and stats["pools"]["FULL/DEVICE"]["used"] == 0
     ray.kill(dest)
-    assert sorted(FabricClient.connect(timeout_s=10.0).purge_dead_nodes()) == sorted([source_name, "kvf-node-chaos"])
+    # The directory's watcher drops both dead actors from the directory and the index (and
+    # gives the source's Ray node, still alive, a fresh node actor of the same name).
+    client = FabricClient.connect(timeout_s=10.0)
+    eventually(lambda: "kvf-node-chaos" not in ray.get(fabric.directory.node_names.remote(), timeout=T)
+               and client.lookup(tokens, NS) == [])
 
 
-def test_a_removed_node_leaves_the_index(fabric):
+def test_a_killed_node_actor_leaves_the_index(fabric):
     names = sorted(fabric.nodes)
     victim = names[2]
     tokens = list(range(700, 700 + 3 * 16))
@@ -106,9 +125,29 @@ def test_a_removed_node_leaves_the_index(fabric):
     client = FabricClient.connect(timeout_s=10.0)
     assert [m.node for m in client.lookup(tokens, NS)] == [victim]
     ray.kill(fabric.nodes.pop(victim))
-    assert client.purge_dead_nodes() == [victim]
+    client.purge_dead_nodes()           # at once, rather than at the watcher's next pass
     assert client.lookup(tokens, NS) == []
     assert client.fetch(tokens, NS, into=names[0]) == 0             # nothing to fetch: recompute
+
+
+def test_a_node_added_to_the_cluster_joins_and_its_removal_purges_it(fabric, cluster):
+    from actors.directory import node_actor_name
+    added = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    name = node_actor_name(added.node_id)
+    eventually(lambda: name in ray.get(fabric.directory.node_names.remote(), timeout=T))
+    actor = ray.get_actor(name, namespace="kvfabric")
+    tokens = list(range(900, 900 + 3 * 16))
+    ray.get(actor.put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
+    ray.get(actor.flush.remote(), timeout=T)
+    client = FabricClient.connect(timeout_s=10.0)
+    assert [m.node for m in client.lookup(tokens, NS)] == [name]
+    other = sorted(fabric.nodes)[0]
+    assert client.fetch(tokens, NS, into=other) == 3                # peers were connected both ways
+    cluster.remove_node(added)
+    eventually(lambda: name not in ray.get(fabric.directory.node_names.remote(), timeout=T))
+    flush(fabric)
+    assert [m.node for m in client.lookup(tokens, NS)] == [other]
 
 
 def test_hot_subtrees_split_across_shard_actors(fabric):

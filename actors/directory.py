@@ -1,0 +1,210 @@
+"""The fabric's directory: config, route table, and which node actors belong.
+
+It keeps membership true without anyone asking: a watcher thread reconciles
+every `watch_s` seconds. A node actor Ray reports dead (or whose name is gone)
+is dropped from the directory and from every index shard; an alive Ray node
+without a node actor gets one, joined to its peers and the index, so a node
+added to the cluster (or re-added after a removal) joins the fabric by itself.
+A node actor that is merely slow is left alone: only Ray's word counts."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from fabric import LoadTracker, RouteTable
+
+from .node_actor import NodeCacheActor, NodeConfig
+
+NAMESPACE = "kvfabric"
+DIRECTORY = "kvf-directory"
+CALL_TIMEOUT_S = 10.0
+log = logging.getLogger(__name__)
+
+
+def shard_name(i: int) -> str:
+    return f"kvf-index-{i}"
+
+
+def node_actor_name(ray_node_id: str) -> str:
+    return f"kvf-node-{ray_node_id[:12]}"
+
+
+def place_node_actor(ray_node_id: str, config: NodeConfig, cpus: float):
+    """A detached node actor pinned to one Ray node (hard affinity: it dies with the node)."""
+    strategy = NodeAffinitySchedulingStrategy(ray_node_id, soft=False)
+    name = node_actor_name(ray_node_id)
+    return name, NodeCacheActor.options(name=name, namespace=NAMESPACE, lifetime="detached",
+                                        num_cpus=cpus, scheduling_strategy=strategy).remote(name, config)
+
+
+def join(directory, name: str, actor, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    """Register a node and connect it and its peers both ways."""
+    meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
+    others = ray.get(directory.register.remote(name, meta), timeout=timeout_s)
+    connect_peers(name, actor, meta, others, timeout_s)
+
+
+def connect_peers(name: str, actor, meta: bytes, others: dict[str, bytes], timeout_s: float) -> None:
+    """Connect `name` and each of `others` both ways. A peer that cannot be reached (one
+    dying as this runs) is skipped: fetches between that pair fail and recompute."""
+    for peer, peer_meta in others.items():
+        try:
+            ray.get([actor.connect.remote(peer, peer_meta),
+                     ray.get_actor(peer, namespace=NAMESPACE).connect.remote(name, meta)], timeout=timeout_s)
+        except (RayError, ValueError) as e:
+            log.warning("connecting %s and %s failed: %s", name, peer, e)
+
+
+def _existing(name: str):
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+@dataclass
+class Membership:
+    """What one reconcile pass changed."""
+    dropped: list[str] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)
+
+
+# Threaded (see `start`): the watcher thread and callers' methods run side by side, and
+# a node actor that registers while a reconcile waits on it cannot deadlock the directory.
+@ray.remote
+class FabricDirectory:
+    def __init__(self, config: NodeConfig, shards: int, cpus_per_actor: float = 0.25) -> None:
+        self.config = config
+        self.routes = RouteTable(shards)
+        self.nodes: dict[str, bytes] = {}          # node actor name -> NIXL metadata
+        self.cpus_per_actor = cpus_per_actor
+        self._lock = threading.RLock()             # guards nodes and routes
+        self._adding = threading.Lock()            # one pass adding node actors at a time
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def get_config(self) -> NodeConfig:
+        return self.config
+
+    def get_routes(self) -> bytes:
+        with self._lock:
+            return self.routes.encode()
+
+    def register(self, name: str, metadata: bytes) -> dict[str, bytes]:
+        """Add a node; returns the others (name -> metadata) for it to connect to."""
+        with self._lock:
+            others = {n: m for n, m in self.nodes.items() if n != name}
+            self.nodes[name] = metadata
+            return others
+
+    def unregister(self, name: str) -> bool:
+        with self._lock:
+            return self.nodes.pop(name, None) is not None
+
+    def node_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self.nodes)
+
+    # --- membership ----------------------------------------------------------------------
+    def reconcile(self, add: bool = True, timeout_s: float = CALL_TIMEOUT_S,
+                  start_timeout_s: float = 180.0) -> Membership:
+        """Drop node actors Ray reports dead; with `add`, give every alive Ray node
+        lacking a node actor one (a new actor imports torch and NIXL: `start_timeout_s`).
+        Waits on other actors without `_lock` held."""
+        done = Membership(dropped=self._dead(self.node_names(), timeout_s))
+        for name in done.dropped:
+            self._drop(name, timeout_s)
+        if add:
+            with self._adding:
+                done.added = self._add_missing(start_timeout_s)
+        return done
+
+    def _dead(self, names: list[str], timeout_s: float) -> list[str]:
+        refs, dead = {}, []
+        for name in names:
+            try:
+                refs[name] = ray.get_actor(name, namespace=NAMESPACE).ping.remote()
+            except ValueError:         # the name is gone: the actor died for good
+                dead.append(name)
+        for name, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except ActorDiedError:
+                dead.append(name)
+            except (GetTimeoutError, RayError):
+                pass                   # slow or restarting is not dead
+        return sorted(dead)
+
+    def _drop(self, name: str, timeout_s: float) -> None:
+        self.unregister(name)
+        try:
+            ray.get([s.drop_node.remote(name) for s in self._shards()], timeout=timeout_s)
+        except RayError as e:
+            # A shard that is restarting starts empty: the node is not in it anyway.
+            log.warning("dropping %s: a shard did not answer: %s", name, e)
+
+    def _add_missing(self, timeout_s: float) -> list[str]:
+        added, known = [], set(self.node_names())
+        for node in ray.nodes():
+            name = node_actor_name(node["NodeID"])
+            if not node["Alive"] or name in known:
+                continue
+            try:
+                actor = _existing(name)        # one an earlier pass started but did not finish
+                if actor is None:
+                    _, actor = place_node_actor(node["NodeID"], self.config, self.cpus_per_actor)
+                meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
+                connect_peers(name, actor, meta, self.register(name, meta), timeout_s)
+                ray.get(actor.attach_index.remote(self._shards(), self.get_routes()), timeout=timeout_s)
+                added.append(name)
+            except (RayError, ValueError) as e:
+                log.warning("adding a node actor on %s failed (next pass retries): %s", node["NodeID"], e)
+                self.unregister(name)
+        return added
+
+    def _shards(self) -> list:
+        return [ray.get_actor(shard_name(i), namespace=NAMESPACE) for i in range(self.routes.shards)]
+
+    def watch(self, every_s: float) -> None:
+        """Reconcile every `every_s` seconds from now on, in a thread of this actor."""
+        if not every_s > 0:
+            raise ValueError(f"every_s must be > 0, got {every_s!r}")
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, args=(every_s,), daemon=True,
+                                             name="kvf-membership")
+            self._watcher.start()
+
+    def _watch(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                changed = self.reconcile()
+                if changed.dropped or changed.added:
+                    log.info("membership: dropped %s, added %s", changed.dropped, changed.added)
+            except Exception as e:      # the watcher must outlive any one bad pass
+                log.warning("membership pass failed: %s", e)
+
+    def stop_watching(self) -> None:
+        self._stop.set()
+
+    # --- routes --------------------------------------------------------------------------
+    def rebalance(self, target: float = 1.25, timeout_s: float = CALL_TIMEOUT_S) -> bool:
+        """Split the hottest subtree if shard lookups are uneven; nodes then resend
+        snapshots under the new routes. Returns whether routes changed."""
+        with self._lock:
+            shards = self._shards()
+            load = LoadTracker(self.routes.shards)
+            for report in ray.get([s.load_report.remote() for s in shards], timeout=timeout_s):
+                load.merge(report)
+            planned = load.plan(self.routes, target)
+            if planned is None:
+                return False
+            self.routes = planned[0]
+            ray.get([s.set_route_version.remote(self.routes.version) for s in shards], timeout=timeout_s)
+            nodes = [ray.get_actor(n, namespace=NAMESPACE) for n in self.nodes]
+            ray.get([n.reroute.remote(self.routes.encode()) for n in nodes], timeout=timeout_s)
+            return True
