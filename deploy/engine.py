@@ -1,0 +1,272 @@
+"""The per-node engine: one request from prompt tokens to greedy output.
+
+tokens -> local cache lookup -> remote fetch of a longer prefix when moving it
+is cheaper than recomputing it -> prefill the rest in page chunks -> store the
+prompt's whole pages -> greedy decode.
+
+The cache only ever makes a request faster: a fetch that fails, or a hit the
+model cannot use, degrades to recomputation and never fails the request.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from fabric import CachedKV, PoolName
+
+from .model import KVState, TinyLM
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad prompt, bad limits): the caller's fault."""
+
+
+class KVCache(Protocol):
+    """What the engine needs of a node's cache (fabric.NodeCache has it)."""
+    def get(self, tokens: Sequence[int], namespace: str) -> CachedKV: ...
+    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str) -> int: ...
+
+
+class RemoteFetcher(Protocol):
+    """Other nodes' caches, as the engine sees them (e.g. an actors.FabricClient
+    bound to this node). Both answer in whole pages of `tokens`."""
+    def best_remote(self, tokens: Sequence[int], namespace: str) -> int: ...
+    def fetch(self, tokens: Sequence[int], namespace: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Fetch the extra pages when moving them takes less time than computing them."""
+    prefill_tokens_per_s: float
+    transfer_bytes_per_s: float = 10e9      # about a 100 Gb/s NIC
+    fetch_overhead_s: float = 2e-3          # lookup, export grant, lease, commit
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "transfer_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.fetch_overhead_s >= 0:
+            raise ValueError(f"fetch_overhead_s must be >= 0, got {self.fetch_overhead_s!r}")
+
+    def recompute_s(self, tokens: int) -> float:
+        return tokens / self.prefill_tokens_per_s
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.fetch_overhead_s + nbytes / self.transfer_bytes_per_s
+
+    def should_fetch(self, tokens: int, nbytes: int) -> bool:
+        return tokens > 0 and self.transfer_s(nbytes) < self.recompute_s(tokens)
+
+    @classmethod
+    def measure(cls, model: TinyLM, *, transfer_bytes_per_s: float = 10e9,
+                fetch_overhead_s: float = 2e-3, pages: int = 4) -> "CostModel":
+        """Time a short prefill on this node's model (after one warm-up run)."""
+        n = min(pages * model.config.page_size, model.config.max_positions)
+        tokens = [i % model.config.vocab for i in range(n)]
+        model.prefill(tokens)
+        start = time.perf_counter()
+        model.prefill(tokens)
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        return cls(n / elapsed, transfer_bytes_per_s, fetch_overhead_s)
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started, in tokens unless named otherwise."""
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    hit_tokens_device: int = 0
+    hit_tokens_host: int = 0
+    hit_tokens_remote: int = 0
+    miss_tokens: int = 0         # prompt tokens no cache served: prefilled here
+    fetches: int = 0
+    fetches_skipped: int = 0     # a remote had more, but recomputing was cheaper
+    fetch_failures: int = 0
+    fetched_bytes: int = 0       # estimated from the layout's page sizes
+    unusable_hits: int = 0       # cache answers the model could not use
+    stored_pages: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class Generation:
+    tokens: list[int]            # generated ids
+    prompt_tokens: int
+    cached_tokens: int           # prompt tokens whose K/V came from a cache
+    device_tokens: int           # ... of which local device tier (all local hits, if the
+    host_tokens: int             #     cache keeps no stats), local host tier,
+    remote_tokens: int           #     and fetched from another node
+    computed_tokens: int
+    fetch: str                   # none | skipped | fetched | failed
+    stored_pages: int
+    ttft_s: float
+    total_s: float
+    logits: list[torch.Tensor] | None = field(default=None, repr=False)
+
+
+class Engine:
+    def __init__(self, model: TinyLM, cache: KVCache | None = None, *,
+                 remote: RemoteFetcher | None = None, cost: CostModel | None = None,
+                 store: bool = True) -> None:
+        self.model = model
+        self.cache = cache
+        self.remote = remote
+        self.cost = cost if cost is not None or remote is None else CostModel.measure(model)
+        self.store = store
+        self.stats = EngineStats()
+        layout = model.config.layout()
+        self._page_bytes = {p: layout.page_bytes(p) for p in layout.pools}
+        self._window_pages = layout.window_pages
+
+    def generate(self, tokens: Sequence[int], max_tokens: int, namespace: str = "default", *,
+                 return_logits: bool = False) -> Generation:
+        prompt = self._validate(tokens, max_tokens, namespace)
+        start = time.perf_counter()
+        past, device, host, remote, fetch = self._lookup(prompt, namespace)
+        logits, state = self.model.prefill(prompt, past)
+        out, steps = [], []
+        ttft = 0.0
+        for i in range(max_tokens):
+            if i:
+                logits = self.model.decode_step(out[-1], state)
+            if return_logits:
+                steps.append(logits)
+            out.append(int(torch.argmax(logits)))
+            if i == 0:
+                ttft = time.perf_counter() - start
+        # Stored after decoding, off the TTFT path. Only prompt pages: decode
+        # computes K/V one row at a time, a different computation (other bits) than
+        # the page chunk a later prefill of the same tokens runs, so a decoded page
+        # would not be transparent.
+        stored = self._store(prompt, state, namespace)
+        total = time.perf_counter() - start
+        cached = past.length
+        s = self.stats
+        s.requests += 1
+        s.prompt_tokens += len(prompt)
+        s.generated_tokens += len(out)
+        s.hit_tokens_device += device
+        s.hit_tokens_host += host
+        s.hit_tokens_remote += remote
+        s.miss_tokens += len(prompt) - cached
+        s.stored_pages += stored
+        return Generation(out, len(prompt), cached, device, host, remote, len(prompt) - cached,
+                          fetch, stored, ttft if max_tokens else total, total,
+                          steps if return_logits else None)
+
+    # --- steps -----------------------------------------------------------------------
+    def _validate(self, tokens: Sequence[int], max_tokens: int, namespace: str) -> list[int]:
+        c = self.model.config
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+            raise RequestError(f"prompt must be a sequence of token ids, got {type(tokens).__name__}")
+        prompt = list(tokens)
+        if not prompt:
+            raise RequestError("prompt is empty")
+        bad = next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool)
+                    or not 0 <= t < c.vocab), None)
+        if bad is not None:
+            raise RequestError(f"token {bad!r} is not an id in [0, {c.vocab})")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            raise RequestError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        if len(prompt) + max_tokens > c.max_positions:
+            raise RequestError(f"prompt of {len(prompt)} tokens plus {max_tokens} new ones exceeds "
+                               f"the model's {c.max_positions} positions")
+        if not isinstance(namespace, str) or not namespace:
+            raise RequestError(f"namespace must be a non-empty string, got {namespace!r}")
+        return prompt
+
+    def _lookup(self, prompt: list[int], namespace: str) -> tuple[KVState, int, int, int, str]:
+        """The usable cached prefix as a model state, and where its tokens came
+        from: (state, device tokens, host tokens, remote tokens, fetch outcome)."""
+        if self.cache is None:
+            return self.model.empty_state(), 0, 0, 0, "none"
+        before = _hit_pages(self.cache)
+        state = self._usable(self.cache.get(prompt, namespace))
+        after = _hit_pages(self.cache)
+        device = host = 0
+        if before is not None and after is not None:
+            ps = self.model.config.page_size
+            host = min(state.length, (after[1] - before[1]) * ps)
+            device = state.length - host
+        else:
+            device = state.length
+        fetched, fetch = self._maybe_fetch(prompt, namespace, state)
+        if fetched is None:
+            return state, device, host, 0, fetch
+        return fetched, device, host, fetched.length - state.length, fetch
+
+    def _maybe_fetch(self, prompt: list[int], namespace: str,
+                     local: KVState) -> tuple[KVState | None, str]:
+        if self.remote is None or self.cost is None:
+            return None, "none"
+        ps = self.model.config.page_size
+        have = local.length // ps
+        # A remote node's cache is outside this process: whatever goes wrong there
+        # (dead actor, timeout, a bug) must cost recomputation, not the request.
+        try:
+            best = min(int(self.remote.best_remote(prompt, namespace)), len(prompt) // ps)
+        except Exception:
+            self.stats.fetch_failures += 1
+            return None, "failed"
+        extra = best - have
+        if extra <= 0:
+            return None, "none"
+        nbytes = self._fetch_bytes(extra)
+        if not self.cost.should_fetch(extra * ps, nbytes):
+            self.stats.fetches_skipped += 1
+            return None, "skipped"
+        self.stats.fetches += 1
+        try:
+            got = int(self.remote.fetch(prompt, namespace))
+        except Exception:
+            got = 0
+        if got <= have:
+            self.stats.fetch_failures += 1
+            return None, "failed"
+        state = self._usable(self.cache.get(prompt, namespace))
+        if state.length <= local.length:      # evicted again before we could read it
+            self.stats.fetch_failures += 1
+            return None, "failed"
+        self.stats.fetched_bytes += self._fetch_bytes(state.length // ps - have)
+        return state, "fetched"
+
+    def _fetch_bytes(self, pages: int) -> int:
+        """Bytes a fetch of `pages` more pages moves: FULL for each, SWA for the
+        part of the new window the local prefix does not already cover."""
+        full = pages * self._page_bytes.get(PoolName.FULL, 0)
+        swa = min(pages, self._window_pages) * self._page_bytes.get(PoolName.SWA, 0)
+        return full + swa
+
+    def _usable(self, cached: CachedKV) -> KVState:
+        try:
+            return self.model.state_from_cached(cached)
+        except ValueError:
+            self.stats.unusable_hits += 1     # a cache bug must not become wrong output
+            return self.model.empty_state()
+
+    def _store(self, prompt: list[int], state: KVState, namespace: str) -> int:
+        if self.cache is None or not self.store:
+            return 0
+        n = len(prompt) // self.model.config.page_size * self.model.config.page_size
+        if n == 0:
+            return 0
+        return self.cache.put(prompt[:n], state.for_put(n), namespace)
+
+
+def _hit_pages(cache: KVCache) -> tuple[int, int] | None:
+    """(device, host) hit-page counters of a NodeCache-like cache, copied out
+    (NodeCache.stats() returns its live object)."""
+    stats = getattr(cache, "stats", None)
+    if not callable(stats):
+        return None
+    s = stats()
+    dev, host = getattr(s, "hit_pages_device", None), getattr(s, "hit_pages_host", None)
+    if not isinstance(dev, int) or not isinstance(host, int):
+        return None
+    return dev, host
