@@ -8,6 +8,7 @@ locally and go to one shard; a fetch pulls the best remote prefix into a
 node; every failure degrades to a shorter or empty prefix."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -110,8 +111,27 @@ class FabricClient:
             except (RayError, GetTimeoutError):
                 return []        # a miss costs recomputation, never an error
             if found is not None:
-                return [NodeMatch(node, pages, device) for node, pages, device in found]
+                return _matches(found)
             self.routes = RouteTable.decode(ray.get(self.directory.get_routes.remote(), timeout=CALL_TIMEOUT_S))
+        return []
+
+    async def lookup_async(self, tokens: Sequence[int], namespace: str) -> list[NodeMatch]:
+        """`lookup` for an event loop (a request router): awaits instead of blocking."""
+        keys = self.keys(tokens, namespace)
+        if not keys:
+            return []
+        for _ in range(2):
+            shard, depth = self.routes.locate(keys)
+            try:
+                found = await asyncio.wait_for(
+                    self._shard(shard).lookup.remote(b"".join(keys), self.routes.version, depth), self.timeout_s)
+                if found is None:
+                    routes = await asyncio.wait_for(self.directory.get_routes.remote(), CALL_TIMEOUT_S)
+                    self.routes = RouteTable.decode(routes)
+                    continue
+            except (RayError, asyncio.TimeoutError):
+                return []
+            return _matches(found)
         return []
 
     def fetch(self, tokens: Sequence[int], namespace: str, into: str) -> int:
@@ -140,3 +160,7 @@ class FabricClient:
         if handle is None:
             handle = self._shards[i] = ray.get_actor(shard_name(i), namespace=NAMESPACE)
         return handle
+
+
+def _matches(found: list[tuple[str, int, bool]]) -> list[NodeMatch]:
+    return [NodeMatch(node, pages, device) for node, pages, device in found]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import sys
 
 BENCHES = {"radix": "benchmarks.radix_bench", "transport": "benchmarks.transport_bench",
@@ -13,15 +15,54 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="kvfabric", description="Cluster-wide KV-cache fabric on Ray.")
     sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="replay a trace slice through the cache and check every hit", add_help=False)
+    sub.add_parser("demo", help="the fabric and its Serve app on a 3-node cluster, fed a real trace",
+                   add_help=False)
+    up = sub.add_parser("up", help="deploy the fabric and the Serve app onto a running cluster; leave them up")
+    up.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
+    up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: localhost only)")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--args", default="{}", help="app args as JSON (see deploy.app.AppArgs)")
+    down = sub.add_parser("down", help="remove the Serve app and the fabric from a running cluster")
+    down.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
     bench = sub.add_parser("bench", help="benchmarks against peers and limits", add_help=False)
     bench.add_argument("name", choices=sorted(BENCHES))
     args, rest = ap.parse_known_args(argv)
     if args.command == "demo":
         from deploy.demo import main as demo
         return demo(rest)
+    if args.command in ("up", "down"):
+        if rest:
+            ap.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _up(ap, args) if args.command == "up" else _down(args)
     # Benchmarks live beside the package layers; import them only when asked.
     return importlib.import_module(BENCHES[args.name]).main(rest) or 0
+
+
+def _up(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        app_args = json.loads(args.args)
+    except json.JSONDecodeError as e:
+        ap.error(f"--args is not JSON: {e}")
+    if not isinstance(app_args, dict):
+        ap.error("--args must be a JSON object")
+    from deploy.app import AppArgs, AppArgsError
+    try:
+        AppArgs.from_dict(app_args)
+    except (AppArgsError, TypeError) as e:
+        ap.error(str(e))
+    from deploy.cluster import connect, up
+    connect(args.address)
+    endpoint = up(app_args, host=args.host, port=args.port)
+    print(f"kvfabric is up: {endpoint.base_url}/v1/completions (models: {endpoint.base_url}/v1/models)")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from deploy.cluster import connect, down
+    connect(args.address)
+    killed = down()
+    print(f"kvfabric is down ({len(killed)} actors stopped)")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,91 +1,134 @@
-"""`kvfabric demo` (single-node stage): replay a slice of the conversation trace
-through one NodeCache holding real K/V tensors in device and host tiers, and
-check every cache hit against freshly computed K/V.
+"""`kvfabric demo`: the fabric and its Serve app on a cluster, fed a multi-turn
+slice of a real conversation trace through the OpenAI endpoint.
 
-The K/V here come from a deterministic stand-in for a model (each token's K/V
-depends on its whole prefix, as attention K/V do); the reference transformer
-arrives with the Serve app.
+With no address it starts an embedded local Ray cluster of 3 simulated nodes
+on this machine; with `--address` (or RAY_ADDRESS) it uses that cluster. Each
+request is sent twice, caching off and through the fabric; the report gives
+hit rates by tier, remote fetches, TTFT of both, and output mismatches.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
-import time
+from pathlib import Path
 
-import torch
+from .cluster import keep_auth_on
 
-from deploy.trace import load_trace, request_tokens
-from fabric import KVLayout, NodeCache, PoolCapacity, PoolName, TierConfig, WritePolicy
-
-LAYOUT = KVLayout(layers=("full", "swa", "full", "swa"), kv_heads=2, head_dim=16, page_size=16, window=64)
+DEFAULT_PLOT = "kvfabric-demo.png"
 
 
-def stand_in_kv(layout: KVLayout, tokens: list[int]) -> list[torch.Tensor]:
-    """Per-layer [2, T, kv_heads, head_dim] in the layout's dtype; each token's
-    K/V depends on its whole prefix, as attention K/V do."""
-    h, seeds = 17, []
-    for t in tokens:
-        h = (h * 1_000_003 + t + 1) % 2_147_483_647
-        seeds.append(h)
-    base = torch.tensor(seeds, dtype=torch.float64).reshape(1, len(tokens), 1, 1)
-    grid = torch.arange(2 * layout.kv_heads * layout.head_dim, dtype=torch.float64)
-    grid = grid.reshape(2, 1, layout.kv_heads, layout.head_dim)
-    return [torch.sin(base * 1e-3 + grid * 0.37 + i * 1.7).to(layout.torch_dtype).contiguous()
-            for i in range(len(layout.layers))]
-
-
-def run(requests: int, tokens_per_block: int, device_pages: int, host_pages: int) -> dict:
-    cache = NodeCache(LAYOUT, {PoolName.FULL: PoolCapacity(device_pages, host_pages),
-                               PoolName.SWA: PoolCapacity(device_pages // 4, host_pages // 4)},
-                      tier=TierConfig(policy=WritePolicy.WRITE_BACK))
-    prompt_tokens = hit_tokens = mismatches = 0
-    start = time.perf_counter()
-    reqs = load_trace(limit=requests)
-    for i, req in enumerate(reqs):
-        tokens = request_tokens(req, tokens_per_block=tokens_per_block)
-        kv = stand_in_kv(LAYOUT, tokens)
-        hit = cache.get(tokens, "demo")
-        for li, kind in enumerate(LAYOUT.layers):
-            if hit.tokens:
-                start_tok = 0 if kind.value == "full" else hit.swa_start
-                mismatches += not torch.equal(hit.layers[li], kv[li][:, start_tok:hit.tokens])
-        prompt_tokens += len(tokens)
-        hit_tokens += hit.tokens
-        cache.put(tokens, kv, "demo")
-        if (i + 1) % max(1, len(reqs) // 10) == 0:
-            end = "" if sys.stderr.isatty() else "\n"
-            print(f"\r  replayed {i + 1}/{len(reqs)}", end=end, file=sys.stderr, flush=True)
-    if sys.stderr.isatty():
-        print(file=sys.stderr)
-    cache.check()
-    s = cache.stats()
-    ps = LAYOUT.page_size
-    return {"requests": len(reqs), "prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens,
-            "hit_rate": round(hit_tokens / max(1, prompt_tokens), 4),
-            "hit_tokens_device": s.hit_pages_device * ps, "hit_tokens_host": s.hit_pages_host * ps,
-            "evicted_pages": sum(e.evicted for e in cache.evictors.values()),
-            "written_back_pages": sum(e.written_back for e in cache.evictors.values()),
-            "loaded_back_pages": cache.tiers.loaded_back, "output_mismatches": mismatches,
-            "seconds": round(time.perf_counter() - start, 2)}
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="kvfabric demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                    help="an existing Ray cluster (default: RAY_ADDRESS, else an embedded one)")
+    ap.add_argument("--nodes", type=int, default=3, help="simulated nodes of the embedded cluster")
+    ap.add_argument("--trace", default=None, help="a Mooncake-format JSONL trace (default: the packaged one)")
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--tokens-per-block", type=int, default=64,
+                    help="prompt tokens per trace hash block (the trace's blocks are 512 tokens)")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=3)
+    ap.add_argument("--plot", default=DEFAULT_PLOT, help="where to write the PNG")
+    ap.add_argument("--json", action="store_true", help="print one JSON line last")
+    args = ap.parse_args(argv)
+    for name in ("nodes", "requests", "tokens_per_block", "concurrency"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.max_tokens < 1:
+        ap.error("--max-tokens must be at least 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvfabric demo", description=__doc__)
-    ap.add_argument("--requests", type=int, default=400)
-    ap.add_argument("--tokens-per-block", type=int, default=32)
-    ap.add_argument("--device-pages", type=int, default=4096)
-    ap.add_argument("--host-pages", type=int, default=16384)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    for name in ("requests", "tokens_per_block", "device_pages", "host_pages"):
-        if getattr(args, name) <= 0:
-            ap.error(f"--{name.replace('_', '-')} must be positive")
-    print(f"single-node cache demo: {args.requests} trace requests, layout {LAYOUT.to_dict()}")
-    r = run(args.requests, args.tokens_per_block, args.device_pages, args.host_pages)
-    print(f"hit rate {r['hit_rate']:.1%}  (device {r['hit_tokens_device']} tokens, host {r['hit_tokens_host']})")
-    print(f"evicted {r['evicted_pages']} pages, wrote back {r['written_back_pages']}, "
-          f"loaded back {r['loaded_back_pages']}; mismatches against recomputed K/V: {r['output_mismatches']}")
+    args = parse(argv)
+    if not args.address:
+        keep_auth_on()
+    # Ray and torch load only now: argument errors answer at once.
+    from .app import AppArgs
+    from .cluster import connect, free_port, local_cluster, up
+    from .trace import TraceError, load_trace
+    try:
+        trace = load_trace(args.trace)
+    except (TraceError, OSError) as e:
+        print(f"kvfabric demo: {e}", file=sys.stderr)
+        return 2
+    app = AppArgs(max_positions=4096)
+    cm = local_cluster(args.nodes) if not args.address else contextlib.nullcontext(connect(args.address))
+    with cm:
+        print(f"starting the fabric and the Serve app on "
+              f"{args.address or f'an embedded cluster of {args.nodes} nodes'} ...", file=sys.stderr)
+        endpoint = up(dataclass_args(app), port=free_port())
+        try:
+            report, pairs = run(args, app, trace, endpoint)
+        finally:
+            if not args.address:
+                from ray import serve
+                serve.shutdown()
+    plot = _plot(pairs, args.plot)
+    print_report(report, plot)
     if args.json:
-        print(json.dumps(r))
-    return 1 if r["output_mismatches"] else 0
+        print(json.dumps(as_json(report)))
+    return 1 if report.output_mismatches or report.failed_requests else 0
+
+
+def dataclass_args(app) -> dict:
+    import dataclasses
+    return {f.name: getattr(app, f.name) for f in dataclasses.fields(app)}
+
+
+def run(args: argparse.Namespace, app, trace, endpoint):
+    from fabric import PoolName
+    from .replay import multi_turn_slice, replay, summarize
+    from .trace import request_tokens
+    requests = multi_turn_slice(trace, args.requests)
+    cfg = app.model_config
+    limit = cfg.max_positions - args.max_tokens
+    prompts = [request_tokens(r, args.tokens_per_block, vocab_size=cfg.vocab)[:limit] for r in requests]
+    print(f"replaying {len(prompts)} requests of multi-turn conversations "
+          f"({sum(map(len, prompts))} prompt tokens), each with caching off and through the fabric",
+          file=sys.stderr)
+    pairs = replay(endpoint, app.model_name, prompts, args.max_tokens, args.concurrency, app.api_key)
+    layout = cfg.layout()
+    full = layout.page_bytes(PoolName.FULL) / layout.page_size if PoolName.FULL in layout.pools else 0
+    swa = layout.page_bytes(PoolName.SWA) * layout.window_pages if PoolName.SWA in layout.pools else 0
+    return summarize(pairs, full, swa), pairs
+
+
+def _plot(pairs, where: str) -> Path | None:
+    from .plots import write_png
+    try:
+        return write_png(pairs, Path(where)).resolve()
+    except OSError as e:
+        print(f"could not write the plot to {where}: {e}", file=sys.stderr)
+        return None
+
+
+def print_report(r, plot: Path | None) -> None:
+    pct = 100 / r.prompt_tokens if r.prompt_tokens else 0.0
+    print(f"requests {r.requests} ({r.failed_requests} failed) on {r.nodes_used} nodes; "
+          f"output mismatches against caching off: {r.output_mismatches}")
+    print(f"hit rate {r.hit_rate:.1%}: device {r.device_hit_tokens * pct:.1f}%, host {r.host_hit_tokens * pct:.1f}%, "
+          f"remote {r.remote_hit_tokens * pct:.1f}% of {r.prompt_tokens} prompt tokens")
+    print(f"remote fetches {r.remote_fetches} ({r.remote_fetch_failures} rolled back), "
+          f"about {r.remote_bytes / 2 ** 20:.1f} MiB moved")
+    print(f"TTFT p50 {r.ttft_p50_ms_fabric:.1f} ms / p99 {r.ttft_p99_ms_fabric:.1f} ms with the fabric; "
+          f"{r.ttft_p50_ms_nocache:.1f} / {r.ttft_p99_ms_nocache:.1f} ms with caching off "
+          f"(p50 ratio {r.ttft_ratio:.2f}, target <= 0.5)")
+    if plot:
+        print(f"plot: {plot}")
+
+
+def as_json(r) -> dict:
+    return {"name": "demo", "requests": r.requests, "failed_requests": r.failed_requests,
+            "output_mismatches": r.output_mismatches, "prompt_tokens": r.prompt_tokens,
+            "hit_rate": round(r.hit_rate, 4), "device_hit_tokens": r.device_hit_tokens,
+            "host_hit_tokens": r.host_hit_tokens, "remote_hit_tokens": r.remote_hit_tokens,
+            "remote_fetches": r.remote_fetches, "remote_bytes": r.remote_bytes,
+            "ttft_p50_ms_fabric": round(r.ttft_p50_ms_fabric, 2), "ttft_p99_ms_fabric": round(r.ttft_p99_ms_fabric, 2),
+            "ttft_p50_ms_nocache": round(r.ttft_p50_ms_nocache, 2),
+            "ttft_p99_ms_nocache": round(r.ttft_p99_ms_nocache, 2), "ttft_ratio": round(r.ttft_ratio, 3),
+            "nodes_used": r.nodes_used}

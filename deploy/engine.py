@@ -99,8 +99,8 @@ class Generation:
     tokens: list[int]            # generated ids
     prompt_tokens: int
     cached_tokens: int           # prompt tokens whose K/V came from a cache
-    device_tokens: int           # ... of which local device tier (all local hits, if the
-    host_tokens: int             #     cache keeps no stats), local host tier,
+    device_tokens: int           # ... of which: on the local device tier,
+    host_tokens: int             #     loaded back from the local host tier,
     remote_tokens: int           #     and fetched from another node
     computed_tokens: int
     fetch: str                   # none | skipped | fetched | failed
@@ -186,16 +186,10 @@ class Engine:
         from: (state, device tokens, host tokens, remote tokens, fetch outcome)."""
         if self.cache is None:
             return self.model.empty_state(), 0, 0, 0, "none"
-        before = _hit_pages(self.cache)
-        state = self._usable(self.cache.get(prompt, namespace))
-        after = _hit_pages(self.cache)
-        device = host = 0
-        if before is not None and after is not None:
-            ps = self.model.config.page_size
-            host = min(state.length, (after[1] - before[1]) * ps)
-            device = state.length - host
-        else:
-            device = state.length
+        cached = self.cache.get(prompt, namespace)
+        state = self._usable(cached)
+        host = min(state.length, cached.host_tokens)
+        device = state.length - host
         fetched, fetch = self._maybe_fetch(prompt, namespace, state)
         if fetched is None:
             return state, device, host, 0, fetch
@@ -257,16 +251,3 @@ class Engine:
         if n == 0:
             return 0
         return self.cache.put(prompt[:n], state.for_put(n), namespace)
-
-
-def _hit_pages(cache: KVCache) -> tuple[int, int] | None:
-    """(device, host) hit-page counters of a NodeCache-like cache, copied out
-    (NodeCache.stats() returns its live object)."""
-    stats = getattr(cache, "stats", None)
-    if not callable(stats):
-        return None
-    s = stats()
-    dev, host = getattr(s, "hit_pages_device", None), getattr(s, "hit_pages_host", None)
-    if not isinstance(dev, int) or not isinstance(host, int):
-        return None
-    return dev, host

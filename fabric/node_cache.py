@@ -58,10 +58,12 @@ class NodeGuard:
 @dataclass
 class CachedKV:
     """K/V of a cached prefix. Full layers cover tokens [0, tokens); SWA layers
-    cover [swa_start, tokens). `layers[i]` is [2, n_tokens, kv_heads, head_dim]."""
+    cover [swa_start, tokens). `layers[i]` is [2, n_tokens, kv_heads, head_dim].
+    `host_tokens`: how many of the tokens were loaded back from the host tier."""
     tokens: int
     swa_start: int
     layers: list[torch.Tensor | None]
+    host_tokens: int = 0
 
 
 @dataclass
@@ -314,6 +316,7 @@ class NodeCache:
             self._stats.hit_pages_host += host_pages
             self._stats.hit_pages_device += n - host_pages
             out = self._gather(path, n)
+            out.host_tokens = host_pages * self.layout.page_size
         finally:
             self.unlock_nodes(guard)
         used = [x for x in path if x.start < n]

@@ -1,0 +1,104 @@
+"""The Serve application: an OpenAI-compatible ingress in front of one model
+server per node, routed by the fabric's global index.
+
+`app_builder(args)` is the entry point for Serve configs (`import_path:
+deploy.app:app_builder`, as the KubeRay manifest uses): it validates the
+args, brings the fabric up on the cluster if it is not running (or checks a
+running one serves the same model layout), and returns the bound app.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from actors import NodeConfig, start
+from actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE
+from fabric import PoolCapacity, PoolName, TierConfig, WritePolicy
+
+from .model import ModelConfig
+from .openai_api import OpenAIIngress
+from .router import FabricRequestRouter
+from .serving import ModelServer
+
+
+class AppArgsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class AppArgs:
+    model_name: str = "kvfabric-tiny"
+    shards: int = 4                  # index shard actors
+    api_key: str | None = None       # if set, HTTP requests need "Authorization: Bearer <key>"
+    nodes: int = 0                   # model-server replicas; 0: one per alive Ray node
+    device_pages: int = 2048         # per node and pool; SWA pools get a quarter
+    host_pages: int = 8192
+    max_positions: int = 4096
+    max_tokens_limit: int = 256
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise AppArgsError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise AppArgsError("api_key must be a non-empty string when set")
+        for f in ("shards", "nodes", "device_pages", "host_pages", "max_positions", "max_tokens_limit"):
+            v = getattr(self, f)
+            low = 0 if f in ("nodes", "host_pages") else 1
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise AppArgsError(f"{f} must be an int >= {low}, got {v!r}")
+
+    @classmethod
+    def from_dict(cls, args: dict | None) -> "AppArgs":
+        args = dict(args or {})
+        unknown = set(args) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise AppArgsError(f"unknown app args: {sorted(unknown)}")
+        return cls(**args)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(max_positions=self.max_positions)
+
+    def node_config(self) -> NodeConfig:
+        layout = self.model_config.layout()
+        caps = {PoolName.FULL: PoolCapacity(self.device_pages, self.host_pages)}
+        if PoolName.SWA in layout.pools:
+            caps[PoolName.SWA] = PoolCapacity(max(1, self.device_pages // 4), self.host_pages // 4)
+        return NodeConfig(layout, caps, tier=TierConfig(policy=WritePolicy.WRITE_BACK))
+
+
+def ensure_fabric(args: AppArgs, timeout_s: float = 180.0) -> bool:
+    """Start the fabric on the connected cluster unless one runs; returns whether it
+    started one. A running fabric of another model layout is an error, not a mix."""
+    try:
+        directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
+    except ValueError:
+        start(args.node_config(), shards=args.shards, timeout_s=timeout_s)
+        return True
+    running: NodeConfig = ray.get(directory.get_config.remote(), timeout=CALL_TIMEOUT_S)
+    if running.layout != args.model_config.layout():
+        raise AppArgsError(f"the running fabric caches layout {running.layout.to_dict()}, "
+                           f"not this model's {args.model_config.layout().to_dict()}")
+    return False
+
+
+def build_app(args: AppArgs) -> serve.Application:
+    """The bound app (the fabric must be up)."""
+    replicas = args.nodes or sum(1 for n in ray.nodes() if n["Alive"])
+    router = RequestRouterConfig(request_router_class=FabricRequestRouter,
+                                 request_router_kwargs={"page_size": args.model_config.page_size})
+    server = ModelServer.options(num_replicas=replicas, max_replicas_per_node=1,
+                                 request_router_config=router).bind(args.model_config)
+    ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": 0.25})
+    return ingress.bind(server, args.model_name, args.model_config, args.api_key, args.max_tokens_limit)
+
+
+def app_builder(args: dict) -> serve.Application:
+    """Serve's application builder: validated args -> fabric up -> the app."""
+    parsed = AppArgs.from_dict(args)
+    ensure_fabric(parsed)
+    return build_app(parsed)

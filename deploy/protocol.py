@@ -1,0 +1,33 @@
+"""What the ingress sends the model servers, and what they answer.
+
+Plain dataclasses: they cross Ray's object store between the HTTP ingress,
+the request router (which reads `tokens` and `namespace` to route) and the
+model-server replicas. The ingress validates HTTP bodies before building one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    tokens: tuple[int, ...]      # prompt token ids, validated against the model's vocab
+    max_tokens: int
+    namespace: str               # tenant: caches never match across namespaces
+    use_cache: bool = True       # False: neither read nor fill any cache (the baseline)
+    arrival_s: float = 0.0       # time.time() when the ingress received it (for TTFT)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    tokens: list[int]            # generated ids
+    prompt_tokens: int
+    cached_tokens: int           # prompt tokens whose K/V came from a cache
+    device_tokens: int
+    host_tokens: int
+    remote_tokens: int
+    fetch: str                   # none | skipped | fetched | failed
+    ttft_s: float                # arrival at the ingress to the first token
+    node: str                    # the node actor whose cache served it
+    logits_digest: str = ""      # hash of every step's logits: equal outputs, bit for bit
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,201 @@
+"""Replaying trace requests through the HTTP endpoint, each twice: once with
+caching off (the baseline: what the model computes alone) and once through
+the fabric; the two outputs must be equal, token for token and logit for logit.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import statistics
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .cluster import Endpoint
+from .trace import TraceRequest
+
+
+@dataclass(frozen=True)
+class Served:
+    """One answer, as the endpoint's `kvfabric` extension reports it."""
+    token_ids: tuple[int, ...]
+    logits_digest: str
+    prompt_tokens: int
+    cached_tokens: int
+    device_tokens: int
+    host_tokens: int
+    remote_tokens: int
+    fetch: str
+    ttft_ms: float
+    node: str
+
+
+@dataclass
+class Pair:
+    index: int
+    baseline: Served | None = None
+    fabric: Served | None = None
+    error: str = ""
+
+    @property
+    def mismatch(self) -> bool:
+        b, f = self.baseline, self.fabric
+        return b is None or f is None or (b.token_ids, b.logits_digest) != (f.token_ids, f.logits_digest)
+
+
+def multi_turn_slice(trace: Sequence[TraceRequest], n: int, min_turns: int = 3) -> list[TraceRequest]:
+    """About `n` requests of whole conversations with at least `min_turns` turns, the
+    earliest conversations first, in arrival order. A request continues the earlier
+    request it shares its longest hash-id prefix with (beyond the first block, which
+    every request of this trace shares), if that prefix covers at least half of it."""
+    conv_of: list[int] = []
+    prefixes: dict[tuple[int, ...], int] = {}
+    for i, r in enumerate(trace):
+        h, parent = r.hash_ids, -1
+        for k in range(len(h), 1, -1):
+            j = prefixes.get(tuple(h[:k]))
+            if j is not None:
+                parent = j if 2 * k >= len(h) else -1
+                break
+        conv_of.append(conv_of[parent] if parent >= 0 else i)
+        for k in range(2, len(h) + 1):
+            prefixes.setdefault(tuple(h[:k]), i)
+    members: dict[int, list[int]] = {}
+    for i, c in enumerate(conv_of):
+        members.setdefault(c, []).append(i)
+    picked: list[int] = []
+    for turns in members.values():           # conversations by first arrival
+        if len(turns) >= min_turns and len(picked) < n:
+            picked += turns
+    return [trace[i] for i in sorted(picked)[:n]]
+
+
+class Client:
+    """A keep-alive HTTP client of /v1/completions, one per worker thread."""
+
+    def __init__(self, endpoint: Endpoint, api_key: str | None, timeout_s: float = 300.0) -> None:
+        self.conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout_s)
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+
+    def complete(self, model: str, tokens: list[int], max_tokens: int, cache: bool, namespace: str) -> Served:
+        body = json.dumps({"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
+                           "kvfabric": {"cache": cache, "namespace": namespace}})
+        self.conn.request("POST", "/v1/completions", body, self.headers)
+        resp = self.conn.getresponse()
+        data = json.loads(resp.read() or b"{}")
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {data.get('error', data)}")
+        x = data["kvfabric"]
+        return Served(tuple(x["token_ids"]), x["logits_digest"], data["usage"]["prompt_tokens"],
+                      x["cached_tokens"], x["device_tokens"], x["host_tokens"], x["remote_tokens"],
+                      x["fetch"], float(x["ttft_ms"]), x["node"])
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def replay(endpoint: Endpoint, model: str, prompts: list[list[int]], max_tokens: int,
+           concurrency: int = 3, api_key: str | None = None, namespace: str = "demo",
+           progress: bool = True) -> list[Pair]:
+    """Each prompt baseline-then-fabric, `concurrency` prompts at a time, in order."""
+    pairs = [Pair(i) for i in range(len(prompts))]
+    lock, next_i, done = threading.Lock(), [0], [0]
+
+    def work() -> None:
+        client = Client(endpoint, api_key)
+        try:
+            while True:
+                with lock:
+                    i = next_i[0]
+                    next_i[0] += 1
+                if i >= len(prompts):
+                    return
+                try:
+                    pairs[i].baseline = client.complete(model, prompts[i], max_tokens, False, namespace)
+                    pairs[i].fabric = client.complete(model, prompts[i], max_tokens, True, namespace)
+                except (OSError, RuntimeError, KeyError, ValueError) as e:
+                    pairs[i].error = str(e)
+                    client.close()
+                    client = Client(endpoint, api_key)
+                with lock:
+                    done[0] += 1
+                    if progress:
+                        _bar(done[0], len(prompts))
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(max(1, concurrency))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if progress:
+        print(file=sys.stderr)
+    return pairs
+
+
+def _bar(done: int, total: int, width: int = 40) -> None:
+    filled = width * done // max(1, total)
+    print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end="", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Report:
+    requests: int
+    failed_requests: int
+    output_mismatches: int
+    prompt_tokens: int
+    device_hit_tokens: int
+    host_hit_tokens: int
+    remote_hit_tokens: int
+    remote_fetches: int
+    remote_fetch_failures: int
+    remote_bytes: int
+    ttft_p50_ms_fabric: float
+    ttft_p99_ms_fabric: float
+    ttft_p50_ms_nocache: float
+    ttft_p99_ms_nocache: float
+    nodes_used: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ttft_ratio(self) -> float:
+        return self.ttft_p50_ms_fabric / self.ttft_p50_ms_nocache if self.ttft_p50_ms_nocache else float("nan")
+
+    @property
+    def hit_rate(self) -> float:
+        hits = self.device_hit_tokens + self.host_hit_tokens + self.remote_hit_tokens
+        return hits / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def summarize(pairs: list[Pair], full_bytes_per_token: float, swa_bytes_per_fetch: float) -> Report:
+    """Totals and percentiles; bytes moved are estimated from the layout: FULL K/V of
+    every fetched token, plus one SWA window per fetch."""
+    ok = [p for p in pairs if p.baseline and p.fabric]
+    fab = [p.fabric for p in ok]
+    base = [p.baseline for p in ok]
+    remote = sum(f.remote_tokens for f in fab)
+    fetches = sum(f.fetch == "fetched" for f in fab)
+    return Report(
+        requests=len(pairs), failed_requests=len(pairs) - len(ok),
+        output_mismatches=sum(p.mismatch for p in ok),
+        prompt_tokens=sum(f.prompt_tokens for f in fab),
+        device_hit_tokens=sum(f.device_tokens for f in fab), host_hit_tokens=sum(f.host_tokens for f in fab),
+        remote_hit_tokens=remote, remote_fetches=fetches,
+        remote_fetch_failures=sum(f.fetch == "failed" for f in fab),
+        remote_bytes=int(remote * full_bytes_per_token + fetches * swa_bytes_per_fetch),
+        ttft_p50_ms_fabric=_pct([f.ttft_ms for f in fab], 50), ttft_p99_ms_fabric=_pct([f.ttft_ms for f in fab], 99),
+        ttft_p50_ms_nocache=_pct([b.ttft_ms for b in base], 50),
+        ttft_p99_ms_nocache=_pct([b.ttft_ms for b in base], 99),
+        nodes_used=len({f.node for f in fab}))
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if q < 100 else max(values)

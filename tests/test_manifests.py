@@ -1,0 +1,284 @@
+"""The deployment manifests stay true to the code and to each other.
+
+deploy/manifests/rayservice.yaml (KubeRay RayService) and deploy/manifests/cluster.yaml (Ray
+cluster launcher) name things that live elsewhere: the Serve app's import path and args,
+the `kvfabric` command, the pinned Ray and Python versions, the runtime dependencies. These
+tests parse both files and check every such name against the code, pyproject.toml and Ray's
+own validators, so a rename or a version bump cannot leave a manifest quietly broken."""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import importlib
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFESTS = ROOT / "deploy" / "manifests"
+RAYSERVICE = MANIFESTS / "rayservice.yaml"
+CLUSTER = MANIFESTS / "cluster.yaml"
+GPU = "nvidia.com/gpu"
+
+
+# ------------------------------------------------------------------ loading
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+@pytest.fixture(scope="module")
+def rayservice() -> dict:
+    return yaml.safe_load(RAYSERVICE.read_text())
+
+
+@pytest.fixture(scope="module")
+def serve_config(rayservice) -> dict:
+    # KubeRay takes serveConfigV2 as a YAML document inside a string.
+    raw = rayservice["spec"]["serveConfigV2"]
+    assert isinstance(raw, str), "serveConfigV2 must be a YAML string (a `|` block)"
+    return yaml.safe_load(raw)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> dict:
+    return yaml.safe_load(CLUSTER.read_text())
+
+
+def _deps(pyproject) -> dict[str, Requirement]:
+    reqs = [Requirement(d) for d in pyproject["project"]["dependencies"]]
+    return {canonicalize_name(r.name): r for r in reqs}
+
+
+def _ray_version(pyproject) -> str:
+    spec = [s for s in _deps(pyproject)["ray"].specifier if s.operator == "=="]
+    assert len(spec) == 1, "pyproject pins ray with =="
+    return spec[0].version
+
+
+def _py_tag(pyproject) -> str:
+    m = re.search(r">=\s*3\.(\d+)", pyproject["project"]["requires-python"])
+    assert m, "requires-python has a lower bound"
+    return f"py3{m.group(1)}"
+
+
+def _pod_specs(rayservice) -> list[tuple[str, dict]]:
+    """(group name, pod spec) for the head and every worker group."""
+    rc = rayservice["spec"]["rayClusterConfig"]
+    out = [("head", rc["headGroupSpec"]["template"]["spec"])]
+    out += [(g["groupName"], g["template"]["spec"]) for g in rc["workerGroupSpecs"]]
+    return out
+
+
+def _containers(pod_spec: dict) -> list[dict]:
+    return list(pod_spec.get("initContainers", [])) + list(pod_spec["containers"])
+
+
+def _resolve(import_path: str):
+    module, _, attr = import_path.partition(":")
+    assert module and attr, f"{import_path!r} is not module:attribute"
+    return getattr(importlib.import_module(module), attr)
+
+
+# ------------------------------------------------------------------ RayService
+
+def test_rayservice_is_a_kuberay_rayservice(rayservice, pyproject):
+    assert rayservice["apiVersion"] == "ray.io/v1"
+    assert rayservice["kind"] == "RayService"
+    assert rayservice["metadata"]["name"]
+    rc = rayservice["spec"]["rayClusterConfig"]
+    assert rc["rayVersion"] == _ray_version(pyproject)
+    assert rc["headGroupSpec"]["template"]["spec"]["containers"]
+    assert rc["workerGroupSpecs"]
+
+
+def test_serve_config_is_one_valid_serve_application(serve_config):
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(serve_config)    # Ray Serve's own config schema
+    (app,) = serve_config["applications"]
+    assert app["import_path"] == "deploy.app:app_builder"
+    assert app["route_prefix"] == "/"
+    assert serve_config.get("http_options", {}).get("port", 8000) == 8000
+
+
+def test_every_import_path_names_a_callable(serve_config):
+    for app in serve_config["applications"]:
+        target = _resolve(app["import_path"])
+        assert callable(target), f"{app['import_path']} is not callable"
+
+
+def test_app_args_are_fields_of_AppArgs(serve_config):
+    app_mod = importlib.import_module("deploy.app")
+    fields = {f.name for f in dataclasses.fields(app_mod.AppArgs)}
+    for app in serve_config["applications"]:
+        args = app.get("args", {})
+        assert {"model_name", "shards"} <= set(args)
+        assert set(args) <= fields, f"unknown app args: {sorted(set(args) - fields)}"
+        app_mod.AppArgs(**args)      # every field is optional: the manifest's args build one
+
+
+def test_model_server_replicas_fit_the_cluster(serve_config, rayservice):
+    # At most one model server per Ray node: `nodes`, when set, is the head plus every worker.
+    workers = sum(g["replicas"] for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"])
+    for app in serve_config["applications"]:
+        nodes = app.get("args", {}).get("nodes")
+        assert nodes in (None, 0, 1 + workers), f"nodes={nodes} but the cluster has {1 + workers} nodes"
+
+
+def test_app_args_carry_no_secret(serve_config):
+    # serveConfigV2 is stored in plain text in the custom resource.
+    for app in serve_config["applications"]:
+        assert "api_key" not in app.get("args", {})
+
+
+def test_runtime_env_installs_the_project_dependencies(serve_config, pyproject):
+    deps = _deps(pyproject)
+    for app in serve_config["applications"]:
+        env = app["runtime_env"]
+        # The code comes as a zip of the repository at a URL the user sets.
+        assert re.fullmatch(r"(https|s3|gs)://\S+\.zip", env["working_dir"]), env["working_dir"]
+        pip = {canonicalize_name(r.name): r for r in map(Requirement, env["pip"])}
+        # Every runtime dependency but Ray, which the image provides (and must not be reinstalled).
+        assert set(pip) == set(deps) - {"ray"}
+        for name, req in pip.items():
+            assert req.specifier == deps[name].specifier, f"{name}: {req} vs pyproject {deps[name]}"
+
+
+def test_images_match_the_pinned_ray_and_python(rayservice, pyproject):
+    base = f"rayproject/ray:{_ray_version(pyproject)}-{_py_tag(pyproject)}"
+    for group, spec in _pod_specs(rayservice):
+        for c in spec["containers"]:
+            assert c["image"] in (base, f"{base}-gpu"), f"{group}/{c['name']}: {c['image']}"
+
+
+def test_head_start_params(rayservice):
+    params = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    assert params["dashboard-host"] == "0.0.0.0"
+    # KubeRay wants strings; the head needs CPUs, the fabric puts a node actor on every node.
+    assert isinstance(params["num-cpus"], str) and float(params["num-cpus"]) > 0
+
+
+def test_gpu_worker_groups_request_gpus(rayservice):
+    groups = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert groups
+    for g in groups:
+        assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"], g["groupName"]
+        (c,) = g["template"]["spec"]["containers"]
+        assert int(c["resources"]["limits"][GPU]) >= 1, g["groupName"]
+        assert c["image"].endswith("-gpu"), g["groupName"]
+    assert sum(g["replicas"] for g in groups) == 3
+
+
+def test_auth_env_is_set_on_every_container(rayservice):
+    rc = rayservice["spec"]["rayClusterConfig"]
+    assert rc["authOptions"]["mode"] == "token"
+    secret = rc["authOptions"]["secretName"]
+    for group, spec in _pod_specs(rayservice):
+        for c in _containers(spec):
+            env = {e["name"]: e for e in c.get("env", [])}
+            where = f"{group}/{c['name']}"
+            assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", where
+            token = env.get("RAY_AUTH_TOKEN")
+            assert token and "value" not in token, f"{where}: the token comes from a Secret, never inline"
+            ref = token["valueFrom"]["secretKeyRef"]
+            assert (ref["name"], ref["key"]) == (secret, "auth_token"), where
+
+
+def test_serve_service_exposes_port_8000(rayservice):
+    ports = rayservice["spec"]["serveService"]["spec"]["ports"]
+    assert any(p["port"] == 8000 and p.get("targetPort", 8000) == 8000 for p in ports)
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {"name": "serve", "containerPort": 8000} in head["ports"]
+
+
+# ------------------------------------------------------------------ cluster launcher
+
+def test_cluster_config_passes_the_launchers_validation(cluster):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(copy.deepcopy(cluster)))   # what `ray up` does first
+
+
+def test_cluster_has_a_cpu_head_and_gpu_workers(cluster, pyproject):
+    assert cluster["provider"]["type"] == "aws"
+    assert cluster["provider"]["region"] == "us-west-2"
+    types = cluster["available_node_types"]
+    head = types[cluster["head_node_type"]]
+    assert head.get("resources", {}).get("GPU", 0) == 0
+    workers = {k: v for k, v in types.items() if k != cluster["head_node_type"]}
+    gpu = {k: v for k, v in workers.items() if v.get("resources", {}).get("GPU", 0) >= 1}
+    assert gpu, "no worker node type offers a GPU"
+    for name, t in gpu.items():
+        assert 0 <= t["min_workers"] <= t["max_workers"] <= cluster["max_workers"], name
+    base = f"rayproject/ray:{_ray_version(pyproject)}-{_py_tag(pyproject)}"
+    assert cluster["docker"]["head_image"] in (base, f"{base}-gpu")
+    assert cluster["docker"]["worker_image"] == f"{base}-gpu"
+
+
+def test_cluster_installs_the_project_from_its_file_mount(cluster):
+    mounts = cluster["file_mounts"]
+    (remote,) = [r for r, local in mounts.items() if (ROOT / local).resolve() == ROOT]
+    setup = " && ".join(cluster["setup_commands"])
+    assert re.search(rf"cd {re.escape(remote)} && pip install -e \.", setup), setup
+
+
+def _with_home(path: str) -> str:
+    return re.sub(r"^\$(HOME|\{HOME\})/", "~/", path)
+
+
+def test_cluster_start_commands_keep_token_auth(cluster):
+    mounted = {_with_home(r) for r in cluster["file_mounts"]}
+    for key, flag in (("head_start_ray_commands", "--head"), ("worker_start_ray_commands", "--address=")):
+        (start,) = [c for c in cluster[key] if "ray start" in c]
+        assert flag in start, key
+        assert re.search(r"\bRAY_AUTH_MODE=token\b", start), key
+        m = re.search(r"\bRAY_AUTH_TOKEN_PATH=(\S+?);", start)
+        assert m and _with_home(m.group(1)) in mounted, f"{key}: the token file is not a file mount"
+    head = next(c for c in cluster["head_start_ray_commands"] if "ray start" in c)
+    assert "--dashboard-host=0.0.0.0" in head
+
+
+# ------------------------------------------------------------------ the kvfabric command
+
+def _cli_subcommands(main) -> set[str]:
+    """The subcommands `main`'s parser accepts, read from the parser it builds."""
+    class Built(Exception):
+        pass
+
+    seen: list[argparse.ArgumentParser] = []
+
+    def capture(self, *args, **kwargs):
+        seen.append(self)
+        raise Built
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+    try:
+        with pytest.raises(Built):
+            main(["__probe__"])
+    finally:
+        mp.undo()
+    (sub,) = [a for a in seen[0]._actions if isinstance(a, argparse._SubParsersAction)]
+    return set(sub.choices)
+
+
+def test_kvfabric_commands_in_manifests_exist(pyproject):
+    used = set()
+    for path in (RAYSERVICE, CLUSTER):
+        used |= set(re.findall(r"(?<![\w./-])kvfabric[ \t]+([a-z][\w-]*)", path.read_text()))
+    assert "up" in used, "cluster.yaml tells the user to run `kvfabric up`"
+    target = pyproject["project"]["scripts"]["kvfabric"]
+    assert target == "deploy.cli:main"
+    main = _resolve(target)
+    assert callable(main)
+    missing = used - _cli_subcommands(main)
+    assert not missing, f"`kvfabric` has no subcommand(s) {sorted(missing)}"
