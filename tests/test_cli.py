@@ -5,15 +5,21 @@ import pytest
 from deploy.cli import main
 
 
-def test_demo_replays_and_checks_every_hit(capsys):
-    assert main(["demo", "--requests", "30", "--tokens-per-block", "16", "--json"]) == 0
+def test_demo_serves_a_trace_slice_on_three_nodes_and_matches_uncached_output(capsys, tmp_path):
+    plot = tmp_path / "demo.png"
+    assert main(["demo", "--requests", "9", "--tokens-per-block", "16", "--json", "--plot", str(plot)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["requests"] == 30 and out["output_mismatches"] == 0
-    assert out["hit_tokens"] == out["hit_tokens_device"] + out["hit_tokens_host"] > 0
+    assert out["requests"] == 9 and out["failed_requests"] == 0 and out["output_mismatches"] == 0
+    assert out["device_hit_tokens"] + out["host_hit_tokens"] + out["remote_hit_tokens"] > 0
+    for key in ("remote_hit_tokens", "ttft_p50_ms_fabric", "ttft_p50_ms_nocache", "ttft_ratio"):
+        assert key in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("argv", [["demo", "--requests", "0"], ["demo", "--host-pages", "-1"],
-                                  ["bench", "nothing"], ["frobnicate"]])
+@pytest.mark.parametrize("argv", [["demo", "--requests", "0"], ["demo", "--max-tokens", "0"],
+                                  ["bench", "nothing"], ["frobnicate"], ["up", "--args", "not json"],
+                                  ["up", "--args", "[1]"], ["up", "--args", '{"bogus": 1}'],
+                                  ["up", "--args", '{"shards": 0}'], ["down", "--what"]])
 def test_bad_arguments_exit_with_usage(argv):
     with pytest.raises(SystemExit) as e:
         main(argv)

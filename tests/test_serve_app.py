@@ -1,0 +1,89 @@
+"""The Serve app on a 3-node cluster: the real `openai` client, cached answers
+equal to uncached ones bit for bit, the router sending a conversation back to
+the node that holds it, and clear 4xx answers for bad requests."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from ray import serve
+
+from deploy.app import AppArgs, AppArgsError
+from deploy.cluster import free_port, local_cluster, up
+from deploy.replay import Client
+
+MODEL = "kvfabric-tiny"
+ARGS = {"device_pages": 256, "host_pages": 256, "max_positions": 1024}
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    with local_cluster(3, cpus_per_node=2):
+        ep = up(ARGS, port=free_port())
+        yield ep
+        serve.shutdown()
+
+
+def prompt(seed: int, pages: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 500 + 2 for i in range(pages * 16)]
+
+
+def test_the_openai_client_completes_and_lists_models(endpoint):
+    client = openai.OpenAI(base_url=endpoint.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    out = client.completions.create(model=MODEL, prompt="The fabric remembers " * 8, max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens == 4 and out.usage.prompt_tokens == len("The fabric remembers " * 8)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-nothing", prompt="hi", max_tokens=1)
+
+
+def test_cached_answers_equal_uncached_ones_and_follow_ups_return_to_the_holder(endpoint):
+    client = Client(endpoint, None)
+    try:
+        first = prompt(1, 6)
+        base = client.complete(MODEL, first, 3, cache=False, namespace="t1")
+        warm = client.complete(MODEL, first, 3, cache=True, namespace="t1")
+        again = client.complete(MODEL, first, 3, cache=True, namespace="t1")
+        assert (base.token_ids, base.logits_digest) == (warm.token_ids, warm.logits_digest)
+        assert (base.token_ids, base.logits_digest) == (again.token_ids, again.logits_digest)
+        assert base.cached_tokens == 0 and again.cached_tokens == 6 * 16
+        assert again.node == warm.node                 # the router sent it where the prefix is
+        turn = first + prompt(2, 3)
+        for _ in range(3):                             # a conversation goes on
+            nocache = client.complete(MODEL, turn, 2, cache=False, namespace="t1")
+            hit = client.complete(MODEL, turn, 2, cache=True, namespace="t1")
+            assert (hit.token_ids, hit.logits_digest) == (nocache.token_ids, nocache.logits_digest)
+            assert hit.cached_tokens >= len(turn) - 16 * 3 and hit.node == warm.node
+            turn = turn + prompt(len(turn), 2)
+        # Another tenant's identical prompt matches nothing of it.
+        other = client.complete(MODEL, first, 3, cache=True, namespace="t2")
+        assert other.cached_tokens == 0 and other.token_ids == base.token_ids
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"model": MODEL, "prompt": "", "max_tokens": 2}, 400),
+    ({"model": MODEL, "prompt": [], "max_tokens": 2}, 400),
+    ({"model": MODEL, "prompt": [1] * 1100, "max_tokens": 2}, 400),      # longer than the model
+    ({"model": MODEL, "prompt": [100000], "max_tokens": 2}, 400),        # not a token id
+    ({"model": "other", "prompt": "hi", "max_tokens": 2}, 404),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}, 400),
+])
+def test_bad_requests_get_clear_4xx_answers(endpoint, body, status):
+    req = urllib.request.Request(endpoint.base_url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == status
+    assert json.loads(e.value.read())["error"]["message"]
+
+
+@pytest.mark.parametrize("args", [{"bogus": 1}, {"shards": 0}, {"model_name": ""}, {"nodes": -1},
+                                  {"api_key": ""}, {"device_pages": True}])
+def test_app_args_are_validated(args):
+    with pytest.raises((AppArgsError, TypeError)):
+        AppArgs.from_dict(args)
