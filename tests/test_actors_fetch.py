@@ -2,6 +2,8 @@
 is fetched into B over NIXL with equal bytes; a dead peer degrades to a miss."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
@@ -56,6 +58,10 @@ def test_fetch_between_actors_on_two_nodes(cluster):
         assert ray.get(a.stats.remote(), timeout=T)["leases"] == 0
         # A dead peer is a miss, never an error on the request path.
         ray.kill(a)
+        with pytest.raises(ray.exceptions.RayActorError):   # kill is asynchronous: wait for it
+            for _ in range(100):
+                ray.get(a.ping.remote(), timeout=T)
+                time.sleep(0.1)
         other = list(range(900, 900 + 4 * 16))
         assert ray.get(b.fetch.remote(a, "cache-a", other, NS), timeout=T) == "transfer_failed"
         ray.get(b.check.remote(), timeout=T)
