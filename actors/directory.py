@@ -158,9 +158,13 @@ class FabricDirectory:
                 actor = _existing(name)        # one an earlier pass started but did not finish
                 if actor is None:
                     _, actor = place_node_actor(node["NodeID"], self.config, self.cpus_per_actor)
+                # Publishing first: once registered, a node is taken to be in the index.
+                routes = self.get_routes()
+                ray.get(actor.attach_index.remote(self._shards(), routes), timeout=timeout_s)
                 meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
                 connect_peers(name, actor, meta, self.register(name, meta), timeout_s)
-                ray.get(actor.attach_index.remote(self._shards(), self.get_routes()), timeout=timeout_s)
+                if self.get_routes() != routes:      # a split landed in between: catch up
+                    ray.get(actor.reroute.remote(self.get_routes()), timeout=timeout_s)
                 added.append(name)
             except (RayError, ValueError) as e:
                 log.warning("adding a node actor on %s failed (next pass retries): %s", node["NodeID"], e)
@@ -193,13 +197,18 @@ class FabricDirectory:
 
     # --- routes --------------------------------------------------------------------------
     def rebalance(self, target: float = 1.25, timeout_s: float = CALL_TIMEOUT_S) -> bool:
-        """Split the hottest subtree if shard lookups are uneven; nodes then resend
-        snapshots under the new routes. Returns whether routes changed."""
+        """Split the hottest subtree if shard lookups are uneven (else the largest if
+        entries are); nodes then resend snapshots under the new routes. Returns
+        whether routes changed."""
         with self._lock:
             shards = self._shards()
             load = LoadTracker(self.routes.shards)
             for report in ray.get([s.load_report.remote() for s in shards], timeout=timeout_s):
                 load.merge(report)
+            fullest = load.fullest_if_uneven(target)
+            if fullest is not None:
+                regions = ray.get(shards[fullest].entry_regions.remote(self.routes.encode()), timeout=timeout_s)
+                load.record_entries(fullest, load.entries[fullest], regions)
             planned = load.plan(self.routes, target)
             if planned is None:
                 return False

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import ray
 
-from fabric import EventBatch, EventError, LoadTracker, PrefixIndex, Snapshot, decode_events
+from fabric import EventBatch, EventError, LoadTracker, PrefixIndex, RouteTable, Snapshot, decode_events
+from fabric.regions import entries_by_region
 from fabric.keys import KEY_BYTES
 
 
@@ -49,6 +50,8 @@ class IndexShardActor:
         """Each node's usable match for the concatenated 16-byte page keys, best
         first; None: the caller's routes are stale. (One bytes object pickles
         much faster than a list of keys.)"""
+        if not _is_int(route_version) or not _is_int(depth):
+            raise ValueError(f"route_version and depth must be ints, got {route_version!r}, {depth!r}")
         if route_version < self.route_version:
             return None
         if not isinstance(keys, bytes) or len(keys) % KEY_BYTES:
@@ -60,9 +63,14 @@ class IndexShardActor:
         return [(m.node, m.pages, m.device) for m in self.index.lookup(split)]
 
     def load_report(self) -> LoadTracker:
-        """Lookups since the last report, per region; starts a new count."""
+        """Lookups since the last report, per region, and keys held; starts a new count."""
         report, self.load = self.load, LoadTracker(self.shard_count)
+        report.entries[self.shard] = len(self.index)
         return report
+
+    def entry_regions(self, routes: bytes) -> dict:
+        """Keys held per region and child under these routes (a pass over every key)."""
+        return entries_by_region(self.index, RouteTable.decode(routes))
 
     def set_route_version(self, version: int) -> None:
         self.route_version = max(self.route_version, version)
@@ -76,3 +84,7 @@ class IndexShardActor:
 
     def stats(self) -> dict:
         return {"shard": self.shard, "lookups": self.lookups, "rejected": self.rejected, **self.index.stats()}
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -385,6 +385,10 @@ class PrefixIndex:
                     found[k] = PageState(k, keys[i - 1] if i else parent, depth + i, mask)
         return {k: found[k] for k in pages}
 
+    def held_keys(self) -> list[bytes]:
+        """Every key some node holds."""
+        return list(self._bits)
+
     def page_meta(self, key: bytes) -> tuple[bytes, int] | None:
         """(parent, depth) of a key some node holds, as last published."""
         rec = self._meta.get(key)

@@ -3,8 +3,9 @@
 Index shard actors hold one PrefixIndex each and the caller routes with the
 route table; this class does the same in process (for replay, benchmarks
 and the differential tests) and decides splits: when one shard takes too
-large a share of lookups, its hottest region is split one level down and
-the children spread over the least loaded shards. After a split, nodes
+large a share of lookups (or, lookups being even, holds too large a share of
+entries), its hottest (largest) region is split one level down and the
+children spread over the shards. After a split, nodes
 resend snapshots under the new routes (shard state is soft)."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Sequence
 from .balance import LoadTracker, Split
 from .events import EventBatch, Snapshot
 from .index import ApplyResult, NodeMatch, PrefixIndex
+from .regions import entries_by_region
 from .routes import RouteTable
 
 
@@ -48,11 +50,18 @@ class ShardedIndex:
         mean = sum(self.total_lookups) / len(self.total_lookups)
         return max(self.total_lookups) / mean if mean else 1.0
 
-    def rebalance(self, target: float = 1.1) -> Split | None:
-        """Split the hottest region of the hottest shard if lookups are uneven.
+    def rebalance(self, target: float = 1.1, entries_target: float | None = None) -> Split | None:
+        """Split the hottest region of the hottest shard if lookups are uneven, else
+        the largest region of the fullest shard if entries are.
 
         Returns the split (the routes already changed: resend snapshots), or None."""
-        planned = self.load.plan(self.routes, target)
+        for i, shard in enumerate(self.shards):
+            self.load.entries[i] = len(shard)
+        fullest = self.load.fullest_if_uneven(target, entries_target)
+        if fullest is not None:
+            regions = entries_by_region(self.shards[fullest], self.routes)
+            self.load.record_entries(fullest, len(self.shards[fullest]), regions)
+        planned = self.load.plan(self.routes, target, entries_target)
         if planned is None:
             return None
         self.routes, split = planned

@@ -173,6 +173,28 @@ def test_hot_subtrees_split_across_shard_actors(fabric):
     assert sum(1 for n in served if n) >= 2            # more than one shard answers now
 
 
+def test_a_shard_holding_too_many_entries_is_split(fabric):
+    """Stored but not yet looked up: one first page puts every key on one shard;
+    the directory splits by entries and the nodes' snapshots spread the keys."""
+    node = sorted(fabric.nodes)[0]
+    shared = list(range(40_000, 40_000 + 16))
+    prompts = [shared + list(range(41_000 + 64 * i, 41_000 + 64 * i + 2 * 16)) for i in range(30)]
+    for p in prompts:
+        ray.get(fabric.nodes[node].put.remote(p, prefix_kv(LAYOUT, p), "entries-tenant"), timeout=T)
+    flush(fabric)
+    for shard in fabric.shards:
+        until_available(shard)
+    ray.get([s.load_report.remote() for s in fabric.shards], timeout=T)    # forget earlier lookups
+    split = False
+    for _ in range(3):
+        split |= ray.get(fabric.directory.rebalance.remote(1.2), timeout=T)
+        flush(fabric)
+    assert split
+    client = FabricClient.connect(timeout_s=10.0)
+    for p in prompts[::3]:
+        assert [(m.node, m.pages) for m in client.lookup(p, "entries-tenant")] == [(node, 3)]
+
+
 def test_a_killed_shard_restarts_and_is_refilled_by_the_nodes(fabric):
     import time
     node = sorted(fabric.nodes)[0]

@@ -120,3 +120,59 @@ def test_route_table_wire_and_validation():
         RouteTable(2).split([b"a" * 16], [b"b" * 16], [5])
     with pytest.raises(RouteError):
         t.split([b"a" * 16], [b"b" * 16], [0])            # that subtree already has a route
+
+
+def test_entries_split_when_lookups_are_even():
+    """Prompts stored but never looked up: by the first page alone one shard holds
+    everything; splits by entries spread the keys, and answers stay exact."""
+    world = World(nodes=2, shards=4, layout=KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=2),
+                  pages=4000)
+    rng = random.Random(7)
+    prompts = [[1, 2] + [rng.randrange(50) for _ in range(rng.randrange(2, 12))] for _ in range(120)]
+    for i, p in enumerate(prompts):
+        world.caches[i % 2].put(p, None, NS)
+    world.publish()
+    before = [len(s) for s in world.sharded.shards]
+    assert sum(1 for n in before if n) == 1                # all under one first page
+    for _ in range(6):
+        world.rebalance()
+    after = [len(s) for s in world.sharded.shards]
+    assert world.splits >= 2 and max(after) < max(before) and sum(1 for n in after if n) >= 3
+    for p in prompts[::5]:
+        world.agree(p)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32))
+def test_entries_by_region_match_where_lookups_go(seed):
+    """Each held key is counted under the region a lookup ending at it goes to,
+    and under its child one level below that region's root."""
+    from fabric.regions import entries_by_region
+    rng = random.Random(seed)
+    world = World(nodes=2, shards=3)
+    seqs = family(rng)
+    for step in range(40):
+        world.caches[step % 2].put(rng.choice(seqs), None, NS)
+        world.publish()
+        if step % 8 == 7:
+            world.rebalance()
+    routes = world.sharded.routes
+    for shard in world.sharded.shards:
+        want: dict = {}
+        for key in shard.held_keys():
+            path, k = [key], key
+            while (meta := shard.page_meta(k)) is not None and meta[1] > 0 and shard.page_meta(meta[0]):
+                path.append(meta[0])
+                k = meta[0]
+            path.reverse()
+            if shard.page_meta(path[0])[1] != 0:
+                continue                                   # the shard lacks this key's top: best effort
+            _, root_depth = routes.locate(path)
+            root = path[root_depth]
+            child = path[root_depth + 1] if root_depth + 1 < len(path) else None
+            counts = want.setdefault(root, {})
+            if child is not None:
+                counts[child] = counts.get(child, 0) + 1
+        got = entries_by_region(shard, routes)
+        for root, counts in want.items():
+            assert dict(got[root][1]) == counts
