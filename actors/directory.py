@@ -9,6 +9,7 @@ A node actor that is merely slow is left alone: only Ray's word counts."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -30,8 +31,11 @@ def shard_name(i: int) -> str:
     return f"kvf-index-{i}"
 
 
+NODE_PREFIX = "kvf-node-"
+
+
 def node_actor_name(ray_node_id: str) -> str:
-    return f"kvf-node-{ray_node_id[:12]}"
+    return f"{NODE_PREFIX}{ray_node_id[:12]}"
 
 
 def place_node_actor(ray_node_id: str, config: NodeConfig, cpus: float):
@@ -78,7 +82,8 @@ class Membership:
 # a node actor that registers while a reconcile waits on it cannot deadlock the directory.
 @ray.remote
 class FabricDirectory:
-    def __init__(self, config: NodeConfig, shards: int, cpus_per_actor: float = 0.25) -> None:
+    def __init__(self, config: NodeConfig, shards: int, cpus_per_actor: float = 0.25,
+                 watch_s: float = 0.0) -> None:
         self.config = config
         self.routes = RouteTable(shards)
         self.nodes: dict[str, bytes] = {}          # node actor name -> NIXL metadata
@@ -87,9 +92,40 @@ class FabricDirectory:
         self._adding = threading.Lock()            # one pass adding node actors at a time
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        # Restarted by Ray (the same arguments again): the node actors hold what this
+        # actor held, each the latest route table it was given and its own metadata.
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self._recover()
+            if watch_s > 0:
+                self.watch(watch_s)
+
+    def _recover(self, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == NAMESPACE and a["name"].startswith(NODE_PREFIX)]
+        answers = {}
+        for name in names:
+            actor = _existing(name)
+            if actor is not None:
+                answers[name] = actor.membership.remote()
+        for name, ref in answers.items():
+            try:
+                meta, routes = ray.get(ref, timeout=timeout_s)
+            except (RayError, GetTimeoutError):
+                continue                    # dead or stuck: the watcher decides later
+            self.nodes[name] = meta
+            if routes is not None:
+                table = RouteTable.decode(routes)
+                if table.version > self.routes.version:
+                    self.routes = table
+        log.info("directory restarted: recovered %d nodes, routes version %d", len(self.nodes),
+                 self.routes.version)
 
     def get_config(self) -> NodeConfig:
         return self.config
+
+    def incarnation(self) -> int:
+        """This actor's process id: it changes when Ray restarts the actor."""
+        return os.getpid()
 
     def get_routes(self) -> bytes:
         with self._lock:

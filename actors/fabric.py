@@ -37,8 +37,9 @@ def start(config: NodeConfig, shards: int = 4, cpus_per_actor: float = 0.25,
     every `watch_s` seconds the directory reconciles membership (0: never)."""
     opts = dict(namespace=NAMESPACE, lifetime="detached", num_cpus=cpus_per_actor)
     # The watcher starts after the first nodes have joined, so it does not race them.
-    directory = FabricDirectory.options(name=DIRECTORY, max_concurrency=8, **opts).remote(
-        config, shards, cpus_per_actor=cpus_per_actor)
+    # The directory restarts if killed and rebuilds its state from the node actors.
+    directory = FabricDirectory.options(name=DIRECTORY, max_concurrency=8, max_restarts=-1, **opts).remote(
+        config, shards, cpus_per_actor=cpus_per_actor, watch_s=watch_s)
     window = config.layout.window_pages
     has_full = PoolName.FULL in config.layout.pools
     fingerprint = config.layout.fingerprint

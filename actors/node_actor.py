@@ -188,6 +188,11 @@ class NodeCacheActor:
     def ping(self) -> str:
         return self.name
 
+    def membership(self) -> tuple[bytes, bytes | None]:
+        """(transport metadata, the route table it publishes under): what a restarted
+        directory rebuilds itself from."""
+        return self.transport.metadata(), None if self.routes is None else self.routes.encode()
+
     def release_quarantine(self) -> int:
         """Free quarantined pages whose hold has passed; returns how many."""
         return self.cache.release_quarantine()
