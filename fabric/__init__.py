@@ -1,6 +1,6 @@
 """fabric: the single-node core. No Ray here."""
 from .allocator import AllocatorError, OutOfPages, PageAllocator
-from .check import InvariantError
+from .check import InvariantError, PageAudit
 from .exchange import (ExportGrant, FetchOutcome, GrantError, PageReader, PoolPages, ReadFailed,
                        export_prefix, import_prefix)
 from .events import EventBatch, EventError, PageMask, PageState, Snapshot, decode as decode_events
@@ -22,7 +22,7 @@ from .tiers import TierConfig, TierController, WritePolicy
 from .txn import ReservationFailed, Transaction, TransactionClosed
 
 __all__ = [
-    "AllocatorError", "OutOfPages", "PageAllocator", "InvariantError", "ExportGrant",
+    "AllocatorError", "OutOfPages", "PageAllocator", "InvariantError", "PageAudit", "ExportGrant",
     "FetchOutcome", "GrantError", "PageReader", "PoolPages", "ReadFailed", "export_prefix",
     "import_prefix", "AllocationFaults", "PageKeyer", "encode_tokens",
     "namespace_key", "KVLayout", "LayerKind", "LayoutError", "PoolName", "Tier", "Lease",

@@ -1,6 +1,8 @@
 """The invariant checker any test can call, and a snapshot for equality checks."""
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .layout import PoolName
@@ -100,6 +102,38 @@ def check_invariants(cache: "NodeCache") -> None:
             if tree.protected[tier][entry.name] != protected[tier][entry.name]:
                 _fail(f"{name}: tree counts {tree.protected[tier][entry.name]} protected pages, "
                       f"found {protected[tier][entry.name]}")
+
+
+@dataclass(frozen=True)
+class PageAudit:
+    """Page ownership counted over every pool and tier (all 0 when healthy)."""
+    leaked: int            # allocated, but no tree slot, transaction or quarantine holds it
+    double_owned: int      # held by two owners at once
+    unallocated: int       # held, but free in its allocator
+
+
+def page_audit(cache: "NodeCache") -> PageAudit:
+    """Counts, where `check_invariants` stops at the first problem: for chaos runs."""
+    owners: dict[tuple, Counter] = {(e.name, t): Counter() for e in cache.registry for t in TIERS}
+    for node in cache.tree.nodes():
+        for tier in TIERS:
+            for pool in cache.registry.names:
+                pages = node.slots[tier][pool]
+                if pages is not None:
+                    owners[(pool, tier)].update(i for i in pages if i != ABSENT)
+    for q in cache.quarantined:
+        for key, indices in q.pages.items():
+            owners[key].update(indices)
+    for txn in cache.open_txns:
+        for key, indices in txn.pages().items():
+            owners[key].update(indices)
+    leaked = double = unallocated = 0
+    for (pool, tier), held in owners.items():
+        used = cache.registry.pool(pool, tier).allocator.used_indices()
+        double += sum(1 for n in held.values() if n > 1)
+        leaked += len(used - held.keys())
+        unallocated += len(held.keys() - used)
+    return PageAudit(leaked, double, unallocated)
 
 
 def snapshot(cache: "NodeCache") -> tuple:

@@ -8,6 +8,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from .check import PageAudit, check_invariants, page_audit, snapshot as cache_snapshot
 from .eviction import Evictor
 from .faults import AllocationFaults
 from .keys import PageKeyer, encode_tokens
@@ -370,10 +371,12 @@ class NodeCache:
             "protected": self.tree.protected[t][e.name]} for e in self.registry for t in TIERS}
         return s
 
+    def audit(self) -> PageAudit:
+        """Leaked and doubly owned pages, counted (see `check` for the first violation)."""
+        return page_audit(self)
+
     def check(self) -> None:
-        from .check import check_invariants
         check_invariants(self)
 
     def snapshot(self) -> tuple:
-        from .check import snapshot
-        return snapshot(self)
+        return cache_snapshot(self)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from fabric import (AllocationFaults, EventPublisher, KVLayout, NodeCache, PageState, PoolCapacity, PoolName,
+from fabric import (AllocationFaults, PageAudit, EventPublisher, KVLayout, NodeCache, PageState, PoolCapacity, PoolName,
                     Tier, TierConfig, WritePolicy, decode_events)
 from fabric.paths import groups
 from tests.kvgen import prefix_kv
@@ -131,6 +131,7 @@ class CacheMachine(RuleBasedStateMachine):
     def invariants_hold(self):
         if hasattr(self, "cache"):
             self.cache.check()
+            assert self.cache.audit() == PageAudit(0, 0, 0)
 
     @invariant()
     def events_tell_the_truth(self):
