@@ -42,7 +42,8 @@ def place_node_actor(ray_node_id: str, config: NodeConfig, cpus: float):
     """A detached node actor pinned to one Ray node (hard affinity: it dies with the node)."""
     strategy = NodeAffinitySchedulingStrategy(ray_node_id, soft=False)
     name = node_actor_name(ray_node_id)
-    return name, NodeCacheActor.options(name=name, namespace=NAMESPACE, lifetime="detached",
+    # Ray restarts a killed node actor (a new epoch); the directory's watcher rejoins it.
+    return name, NodeCacheActor.options(name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
                                         num_cpus=cpus, scheduling_strategy=strategy).remote(name, config)
 
 
@@ -76,6 +77,7 @@ class Membership:
     """What one reconcile pass changed."""
     dropped: list[str] = field(default_factory=list)
     added: list[str] = field(default_factory=list)
+    rejoined: list[str] = field(default_factory=list)
 
 
 # Threaded (see `start`): the watcher thread and callers' methods run side by side, and
@@ -149,32 +151,53 @@ class FabricDirectory:
     # --- membership ----------------------------------------------------------------------
     def reconcile(self, add: bool = True, timeout_s: float = CALL_TIMEOUT_S,
                   start_timeout_s: float = 180.0) -> Membership:
-        """Drop node actors Ray reports dead; with `add`, give every alive Ray node
-        lacking a node actor one (a new actor imports torch and NIXL: `start_timeout_s`).
-        Waits on other actors without `_lock` held."""
-        done = Membership(dropped=self._dead(self.node_names(), timeout_s))
-        for name in done.dropped:
+        """Heartbeat every node; drop those Ray reports dead, rejoin those Ray
+        restarted (a new actor: new transport agent, not attached to the index);
+        with `add`, give every alive Ray node lacking a node actor one (a new actor
+        imports torch and NIXL: `start_timeout_s`). Waits on other actors without
+        `_lock` held."""
+        dead, restarted = self._beat(self.node_names(), timeout_s)
+        done = Membership(dropped=dead)
+        for name in dead:
             self._drop(name, timeout_s)
+        for name in restarted:
+            if self._rejoin(name, timeout_s):
+                done.rejoined.append(name)
         if add:
             with self._adding:
                 done.added = self._add_missing(start_timeout_s)
         return done
 
-    def _dead(self, names: list[str], timeout_s: float) -> list[str]:
-        refs, dead = {}, []
+    def _beat(self, names: list[str], timeout_s: float) -> tuple[list[str], list[str]]:
+        """(dead, restarted) among `names`."""
+        refs, dead, restarted = {}, [], []
         for name in names:
             try:
-                refs[name] = ray.get_actor(name, namespace=NAMESPACE).ping.remote()
+                refs[name] = ray.get_actor(name, namespace=NAMESPACE).heartbeat.remote()
             except ValueError:         # the name is gone: the actor died for good
                 dead.append(name)
         for name, ref in refs.items():
             try:
-                ray.get(ref, timeout=timeout_s)
+                attached = ray.get(ref, timeout=timeout_s)[1]
             except ActorDiedError:
                 dead.append(name)
             except (GetTimeoutError, RayError):
-                pass                   # slow or restarting is not dead
-        return sorted(dead)
+                continue               # slow or restarting is not dead
+            if not attached:
+                restarted.append(name)
+        return sorted(dead), sorted(restarted)
+
+    def _rejoin(self, name: str, timeout_s: float) -> bool:
+        """Attach a restarted node actor to the index and reconnect it with its peers."""
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+            ray.get(actor.attach_index.remote(self._shards(), self.get_routes()), timeout=timeout_s)
+            meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
+            connect_peers(name, actor, meta, self.register(name, meta), timeout_s)
+            return True
+        except (RayError, ValueError) as e:
+            log.warning("rejoining %s failed (next pass retries): %s", name, e)
+            return False
 
     def _drop(self, name: str, timeout_s: float) -> None:
         self.unregister(name)
@@ -223,8 +246,9 @@ class FabricDirectory:
         while not self._stop.wait(every_s):
             try:
                 changed = self.reconcile()
-                if changed.dropped or changed.added:
-                    log.info("membership: dropped %s, added %s", changed.dropped, changed.added)
+                if changed.dropped or changed.added or changed.rejoined:
+                    log.info("membership: dropped %s, added %s, rejoined %s",
+                             changed.dropped, changed.added, changed.rejoined)
             except Exception as e:      # the watcher must outlive any one bad pass
                 log.warning("membership pass failed: %s", e)
 

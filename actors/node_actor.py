@@ -16,10 +16,12 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from fabric import (CachedKV, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable,
+from fabric import (AllocationFaults, CachedKV, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable,
                     NodeCache, PoolCapacity, PoolName, RouteTable, TierConfig, export_prefix, import_prefix)
 from transport import FaultPlan, FaultyTransport, LocalTransport, NixlTransport
 from transport.fetch import TransportReader, register_device_pools
+
+from .chaos_hooks import ChaosAction, EventMangler
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class NodeConfig:
     lease_ttl_s: float = 10.0
     fetch_deadline_s: float = 2.0
     quarantine_s: float = 30.0
-    faults: FaultPlan | None = None    # chaos: wrap the transport in a FaultyTransport
+    faults: FaultPlan | None = None    # scripted transport faults from the start (tests)
+    chaos: bool = False                # accept injected faults at run time (`inject`)
 
 
 @ray.remote
@@ -40,15 +43,18 @@ class NodeCacheActor:
         self.name = name
         self.config = config
         self.cache = NodeCache(config.layout, config.capacities, tier=config.tier, device=config.device,
-                               copier=LocalTransport())
+                               copier=LocalTransport(), faults=AllocationFaults() if config.chaos else None)
         self.leases = LeaseTable(self.cache)
         nixl = NixlTransport(name)
-        self.transport = nixl if config.faults is None else FaultyTransport(nixl, config.faults)
+        faults = config.faults or (FaultPlan() if config.chaos else None)
+        self.transport = nixl if faults is None else FaultyTransport(nixl, faults)
+        self.mangle = EventMangler()
         register_device_pools(self.transport, self.cache)
         self.peers: set[str] = set()
         self.fetches: dict[str, int] = {}
         # A restarted actor starts a new epoch: the index drops what the old one said.
-        self.publisher = EventPublisher(self.cache, name, epoch=time.time_ns())
+        self.epoch = time.time_ns()
+        self.publisher = EventPublisher(self.cache, name, epoch=self.epoch)
         self.shards: list = []
         self.routes: RouteTable | None = None
         self._sent: list[tuple[int, ray.ObjectRef]] = []
@@ -126,18 +132,28 @@ class NodeCacheActor:
         self.shards, self.routes = list(shards), RouteTable.decode(routes)
         self.publish()
 
-    def publish(self) -> int:
-        """Send what changed since the last call, one batch per shard; returns batches sent.
+    def publish(self, every_shard: bool = False) -> int:
+        """Send what changed since the last call, one batch per shard (with
+        `every_shard`, an empty one to shards with no news); returns batches sent.
 
         Sends do not wait; a shard that saw a gap (it answers need_snapshot) gets
         this node's snapshot for its part on the next call."""
         if self.routes is None:
             return 0
         self._resync_behind()
-        batches = self.publisher.drain_routed(self.routes)
-        for shard, batch in batches.items():
+        batches = list(self.publisher.drain_routed(self.routes, every_shard).items())
+        for shard, batch in self.mangle(batches):
             self._sent.append((shard, self.shards[shard].apply.remote(batch.encode())))
         return len(batches)
+
+    def heartbeat(self) -> tuple[int, bool]:
+        """The directory's periodic call: expire overdue leases, and tell every shard
+        where this node's sequence is, so a lost batch shows as a gap and heals by a
+        snapshot even when nothing else changes. Returns (epoch, whether attached
+        to the index): a node Ray restarted is not, until the directory rejoins it."""
+        self.leases.expire()
+        self.publish(every_shard=True)
+        return self.epoch, self.routes is not None
 
     def _resync_behind(self) -> None:
         if not self._sent:
@@ -187,6 +203,31 @@ class NodeCacheActor:
 
     def ping(self) -> str:
         return self.name
+
+    # --- chaos -----------------------------------------------------------------------------
+    def inject(self, action: ChaosAction) -> None:
+        """Suffer `action` (only a node started with chaos=True)."""
+        if not self.config.chaos:
+            raise RuntimeError(f"{self.name} was not started with chaos=True")
+        if action.transport is not None:
+            self.transport.plan = FaultPlan([action.transport])
+        if action.alloc_point:
+            self.cache.faults.arm(action.alloc_point)
+        if action.events is not None:
+            self.mangle.arm(action.events)
+
+    def calm(self) -> None:
+        """Disarm every injected fault (held-back events go out with the next send)."""
+        if self.config.chaos:
+            self.transport.plan = FaultPlan()
+            self.cache.faults.disarm()
+            self.mangle.armed = None
+
+    def audit(self) -> dict:
+        """Page ownership counts and overdue leases, without expiring any first."""
+        a = self.cache.audit()
+        return {"leaked": a.leaked, "double_owned": a.double_owned, "unallocated": a.unallocated,
+                "leases_overdue": self.leases.overdue(), "leases": len(self.leases)}
 
     def membership(self) -> tuple[bytes, bytes | None]:
         """(transport metadata, the route table it publishes under): what a restarted

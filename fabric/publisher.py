@@ -35,9 +35,10 @@ class EventPublisher:
         self.next_seq += 1
         return batch
 
-    def drain_routed(self, routes: RouteTable) -> dict[int, EventBatch]:
+    def drain_routed(self, routes: RouteTable, every_shard: bool = False) -> dict[int, EventBatch]:
         """The same, split into one batch per shard that must hear of each page
-        (each shard has its own sequence of batches from this node)."""
+        (each shard has its own sequence of batches from this node); with
+        `every_shard`, shards with no news get an empty batch (a heartbeat)."""
         per_shard: dict[int, list[PageState]] = {}
         paths = _Paths()
         for node, j in self._take_changes():
@@ -45,7 +46,7 @@ class EventPublisher:
             for shard in routes.shards_for(paths.of(node, j)):
                 per_shard.setdefault(shard, []).append(state)
         for shard in range(routes.shards):      # the first batch of each shard says `cleared`
-            if shard not in self.shard_seq:
+            if every_shard or shard not in self.shard_seq:
                 per_shard.setdefault(shard, [])
         return {shard: self._next(shard, pages) for shard, pages in per_shard.items()}
 

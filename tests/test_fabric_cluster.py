@@ -130,6 +130,35 @@ def test_a_killed_node_actor_leaves_the_index(fabric):
     assert client.fetch(tokens, NS, into=names[0]) == 0             # nothing to fetch: recompute
 
 
+def test_a_node_actor_ray_restarts_rejoins_with_a_new_epoch(fabric):
+    names = sorted(fabric.nodes)
+    victim, other = names[0], names[1]
+    actor = fabric.nodes[victim]
+    tokens = list(range(60_000, 60_000 + 3 * 16))
+    ray.get(actor.put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
+    flush(fabric)
+    client = FabricClient.connect(timeout_s=10.0)
+    assert [m.node for m in client.lookup(tokens, NS)] == [victim]
+    epoch = ray.get(actor.heartbeat.remote(), timeout=T)[0]
+    ray.kill(actor, no_restart=False)
+    # The old epoch's pages leave the index; the new actor is attached and connected again.
+    eventually(lambda: _epoch_attached(actor) not in (None, (epoch, True)) and _epoch_attached(actor)[1])
+    eventually(lambda: client.lookup(tokens, NS) == [])
+    again = list(range(61_000, 61_000 + 2 * 16))
+    ray.get(actor.put.remote(again, prefix_kv(LAYOUT, again), NS), timeout=T)
+    flush(fabric)
+    assert [m.node for m in client.lookup(again, NS)] == [victim]
+    assert client.fetch(again, NS, into=other) == 2
+    ray.get([fabric.nodes[n].check.remote() for n in (victim, other)], timeout=T)
+
+
+def _epoch_attached(actor):
+    try:
+        return tuple(ray.get(actor.heartbeat.remote(), timeout=T))
+    except ray.exceptions.RayActorError:
+        return None
+
+
 def test_a_node_added_to_the_cluster_joins_and_its_removal_purges_it(fabric, cluster):
     from actors.directory import node_actor_name
     added = cluster.add_node(num_cpus=1)
