@@ -14,7 +14,10 @@ import socket
 import time
 import urllib.request
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from ray.cluster_utils import Cluster
 
 APP_NAME = "kvfabric"
 
@@ -38,8 +41,9 @@ class Endpoint:
 
 @contextlib.contextmanager
 def local_cluster(nodes: int = 3, cpus_per_node: int = 2,
-                  object_store_bytes: int = 256 * 1024 ** 2) -> Iterator[str]:
-    """A head and `nodes - 1` workers on this machine; yields the address, shuts down after."""
+                  object_store_bytes: int = 256 * 1024 ** 2) -> Iterator["Cluster"]:
+    """A head and `nodes - 1` workers on this machine, connected; yields the
+    `ray.cluster_utils.Cluster` (nodes can be removed and added), shuts down after."""
     import ray
     from ray.cluster_utils import Cluster
     if nodes < 1:
@@ -51,7 +55,7 @@ def local_cluster(nodes: int = 3, cpus_per_node: int = 2,
             cluster.add_node(**node_args)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
-        yield cluster.address
+        yield cluster
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -80,6 +80,11 @@ class Client:
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
 
+    def reconnect(self) -> None:
+        """A fresh connection (after a failed request left this one in doubt)."""
+        self.conn.close()
+        self.conn = http.client.HTTPConnection(self.conn.host, self.conn.port, timeout=self.conn.timeout)
+
     def complete(self, model: str, tokens: list[int], max_tokens: int, cache: bool, namespace: str) -> Served:
         body = json.dumps({"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
                            "kvfabric": {"cache": cache, "namespace": namespace}})

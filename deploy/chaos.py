@@ -1,0 +1,245 @@
+"""The chaos harness: a seeded schedule of faults over a running fabric while
+requests flow through the Serve app, then checks that nothing was lost.
+
+Each fault is injected where it bites: a transfer fault is armed on a node and
+a fetch into that node follows at once; an allocation fault fails one of the
+node's next reservation points; event faults mangle its next batches to the
+index. After the last fault and a quiet period it checks every request
+completed with the uncached output, no page leaked or is owned twice, no lease
+outlived its TTL, and how long the index took to agree with the nodes.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+
+from actors import FabricClient
+from actors.chaos_hooks import ChaosAction, EventFault
+from actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, shard_name
+from fabric import RouteTable
+from transport import Fault, FaultKind
+
+from .chaos_plan import ChaosKind, schedule
+from .cluster import Endpoint
+from .replay import Client, Served
+
+
+@dataclass
+class ChaosReport:
+    seed: int
+    faults_injected: int
+    requests: int
+    failed_requests: int
+    retried_requests: int
+    wrong_outputs: int
+    leaked_pages: int
+    double_owned_pages: int
+    expired_leases_unreleased: int
+    index_converged_s: float
+    by_kind: dict = field(default_factory=dict)
+
+    def ok(self, converge_limit_s: float = 5.0) -> bool:
+        return not (self.failed_requests or self.wrong_outputs or self.leaked_pages or self.double_owned_pages
+                    or self.expired_leases_unreleased) and self.index_converged_s <= converge_limit_s
+
+
+class Workload:
+    """Threads sending each prompt with caching off and through the fabric, over and
+    over, until stopped; a failed request is retried (a client's retry) and counted."""
+
+    def __init__(self, endpoint: Endpoint, model: str, prompts: list[list[int]], threads: int = 2,
+                 retries: int = 4) -> None:
+        self.endpoint, self.model, self.prompts, self.retries = endpoint, model, prompts, retries
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.requests = self.failed = self.retried = self.wrong = 0
+        self.served: dict[int, str] = {}                 # prompt index -> node that last served it
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=600)
+
+    def served_elsewhere(self, node: str) -> list[int]:
+        """Prompts (by index) whose last answer came from a node other than `node`."""
+        with self._lock:
+            return [k for k, n in self.served.items() if n != node]
+
+    def _run(self, offset: int) -> None:
+        client, i = Client(self.endpoint, None, timeout_s=120), offset
+        try:
+            while not self._stop.is_set():
+                k = i % len(self.prompts)
+                base = self._call(client, k, cache=False)
+                fab = self._call(client, k, cache=True)
+                with self._lock:
+                    self.requests += 1
+                    if base is None or fab is None:
+                        self.failed += 1
+                    elif (base.token_ids, base.logits_digest) != (fab.token_ids, fab.logits_digest):
+                        self.wrong += 1
+                    else:
+                        self.served[k] = fab.node
+                i += len(self._threads)
+        finally:
+            client.close()
+
+    def _call(self, client: Client, k: int, cache: bool) -> Served | None:
+        for attempt in range(self.retries + 1):
+            try:
+                return client.complete(self.model, self.prompts[k], 2, cache, "chaos")
+            except (OSError, RuntimeError, KeyError, ValueError):
+                client.reconnect()
+                with self._lock:
+                    self.retried += attempt == 0
+                time.sleep(0.5 * (attempt + 1))
+        return None
+
+
+class ChaosHarness:
+    """Faults over a running fabric (`kvfabric up`-style, nodes started with chaos=True).
+
+    `cluster`: a `ray.cluster_utils.Cluster` for node removal, or None (that fault
+    is then skipped)."""
+
+    def __init__(self, endpoint: Endpoint, model: str, prompts: list[list[int]], *, cluster=None,
+                 node_args: dict | None = None, log: Callable[[str], None] = lambda _: None) -> None:
+        self.endpoint, self.model, self.prompts = endpoint, model, prompts
+        self.cluster, self.node_args, self.log = cluster, node_args or {}, log
+        self.client = FabricClient.connect(timeout_s=5.0)
+        self.directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
+        self.injected: dict[str, int] = {}
+
+    # --- the run -------------------------------------------------------------------------
+    def run(self, seed: int, faults: int, kinds: Sequence[ChaosKind] = tuple(ChaosKind),
+            interval_s: float = 0.3, quiet_s: float = 3.0, threads: int = 2) -> ChaosReport:
+        rng = random.Random(seed)
+        work = Workload(self.endpoint, self.model, self.prompts, threads)
+        work.start()
+        try:
+            for i, kind in enumerate(schedule(seed, faults, kinds)):
+                if self._inject(kind, rng, work):
+                    self.injected[kind.value] = self.injected.get(kind.value, 0) + 1
+                self.log(f"fault {i + 1}/{faults}: {kind.value}")
+                time.sleep(interval_s)
+        finally:
+            work.stop()
+        self._calm()
+        time.sleep(quiet_s)
+        converged = self._converged_after()
+        audit = self._audit()
+        return ChaosReport(seed, sum(self.injected.values()), work.requests, work.failed, work.retried, work.wrong,
+                           audit["leaked"], audit["double_owned"], audit["leases_overdue"], converged,
+                           dict(self.injected))
+
+    # --- faults ----------------------------------------------------------------------------
+    def _inject(self, kind: ChaosKind, rng: random.Random, work: Workload) -> bool:
+        nodes = self._nodes()
+        if not nodes:
+            return False
+        name = rng.choice(sorted(nodes))
+        actor = nodes[name]
+        try:
+            if kind is ChaosKind.KILL_NODE_ACTOR:
+                ray.kill(actor, no_restart=False)
+            elif kind is ChaosKind.KILL_SHARD:
+                shard = shard_name(rng.randrange(_shard_count(self.directory)))
+                ray.kill(ray.get_actor(shard, namespace=NAMESPACE), no_restart=False)
+            elif kind is ChaosKind.REMOVE_READD_NODE:
+                return self._remove_readd(rng)
+            elif kind is ChaosKind.ALLOC_FAIL:
+                ray.get(actor.inject.remote(ChaosAction(alloc_point=rng.randint(1, 3))), timeout=CALL_TIMEOUT_S)
+            elif kind in (ChaosKind.EVENT_DROP, ChaosKind.EVENT_DUPLICATE, ChaosKind.EVENT_REORDER):
+                event = EventFault(kind.value.removeprefix("event_"))
+                ray.get(actor.inject.remote(ChaosAction(events=event)), timeout=CALL_TIMEOUT_S)
+            else:
+                return self._transfer_fault(kind, name, actor, rng, work)
+            return True
+        except (RayError, GetTimeoutError, ValueError) as e:
+            self.log(f"  {kind.value} on {name} not injected: {e}")
+            return False
+
+    def _transfer_fault(self, kind: ChaosKind, name: str, actor, rng: random.Random, work: Workload) -> bool:
+        """Arm the fault on `name`, then fetch into it a prompt another node served."""
+        held = work.served_elsewhere(name)
+        if not held:
+            return False
+        fault = {ChaosKind.TRANSFER_FAIL_AFTER: Fault(FaultKind.FAIL_AFTER, after=rng.randrange(4)),
+                 ChaosKind.TRANSFER_HANG: Fault(FaultKind.HANG),
+                 ChaosKind.TRANSFER_CORRUPT: Fault(FaultKind.CORRUPT),
+                 ChaosKind.SLOW_PEER: Fault(FaultKind.DELAY, delay_s=rng.uniform(0.05, 0.5))}[kind]
+        ray.get(actor.inject.remote(ChaosAction(transport=fault)), timeout=CALL_TIMEOUT_S)
+        self.client.fetch(self.prompts[rng.choice(held)], "chaos", into=name)
+        return True
+
+    def _remove_readd(self, rng: random.Random) -> bool:
+        if self.cluster is None:
+            return False
+        workers = [n for n in self.cluster.worker_nodes]
+        if not workers:
+            return False
+        self.cluster.remove_node(rng.choice(workers))
+        self.cluster.add_node(**self.node_args)
+        self.cluster.wait_for_nodes()
+        return True
+
+    def _calm(self) -> None:
+        for actor in self._nodes().values():
+            try:
+                ray.get(actor.calm.remote(), timeout=CALL_TIMEOUT_S)
+            except (RayError, GetTimeoutError):
+                pass           # restarting: a new actor has nothing armed
+
+    # --- checks ----------------------------------------------------------------------------
+    def _nodes(self) -> dict:
+        out = {}
+        for name in ray.get(self.directory.node_names.remote(), timeout=CALL_TIMEOUT_S):
+            try:
+                out[name] = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                pass
+        return out
+
+    def _converged_after(self, limit_s: float = 60.0) -> float:
+        """Seconds until the index answers, for every prompt, what the nodes hold."""
+        start = time.monotonic()
+        while time.monotonic() - start < limit_s:
+            if self._index_agrees():
+                return round(time.monotonic() - start, 3)
+            time.sleep(0.25)
+        return float("inf")
+
+    def _index_agrees(self) -> bool:
+        nodes = self._nodes()
+        try:
+            for tokens in self.prompts:
+                truth = {n: p for n, p in zip(nodes, ray.get([a.match.remote(tokens, "chaos") for a in nodes.values()],
+                                                               timeout=CALL_TIMEOUT_S)) if p}
+                if {m.node: m.pages for m in self.client.lookup(tokens, "chaos")} != truth:
+                    return False
+        except (RayError, GetTimeoutError):
+            return False
+        return True
+
+    def _audit(self) -> dict:
+        total = {"leaked": 0, "double_owned": 0, "leases_overdue": 0}
+        for actor in self._nodes().values():
+            a = ray.get(actor.audit.remote(), timeout=CALL_TIMEOUT_S)
+            for key in total:
+                total[key] += a[key]
+        return total
+
+
+def _shard_count(directory) -> int:
+    return RouteTable.decode(ray.get(directory.get_routes.remote(), timeout=CALL_TIMEOUT_S)).shards

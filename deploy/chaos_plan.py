@@ -1,0 +1,48 @@
+"""What the chaos harness can inject, and a seeded schedule of it (no Ray here,
+so that `kvfabric chaos --list` and argument checks answer at once)."""
+from __future__ import annotations
+
+import random
+from enum import Enum
+from typing import Sequence
+
+
+class ChaosKind(str, Enum):
+    KILL_NODE_ACTOR = "kill_node_actor"
+    REMOVE_READD_NODE = "remove_readd_node"
+    KILL_SHARD = "kill_shard"
+    TRANSFER_FAIL_AFTER = "transfer_fail_after"
+    TRANSFER_HANG = "transfer_hang"
+    TRANSFER_CORRUPT = "transfer_corrupt"
+    SLOW_PEER = "slow_peer"
+    ALLOC_FAIL = "alloc_fail"
+    EVENT_DROP = "event_drop"
+    EVENT_DUPLICATE = "event_duplicate"
+    EVENT_REORDER = "event_reorder"
+
+
+DESCRIPTIONS = {
+    ChaosKind.KILL_NODE_ACTOR: "kill a node cache actor; Ray restarts it (new epoch) and the directory rejoins it",
+    ChaosKind.REMOVE_READD_NODE: "remove a Ray worker node, then add one back (embedded cluster only)",
+    ChaosKind.KILL_SHARD: "kill an index shard actor; it restarts empty and the nodes refill it",
+    ChaosKind.TRANSFER_FAIL_AFTER: "a fetch's read fails after k pages were written",
+    ChaosKind.TRANSFER_HANG: "a fetch's read never completes: the deadline must abort it",
+    ChaosKind.TRANSFER_CORRUPT: "a fetch's read completes with a flipped byte: checksums must catch it",
+    ChaosKind.SLOW_PEER: "a fetch's read completes late (within the deadline)",
+    ChaosKind.ALLOC_FAIL: "one of a node's next reservation points fails",
+    ChaosKind.EVENT_DROP: "a node's next KV event batches are lost",
+    ChaosKind.EVENT_DUPLICATE: "a node's next KV event batches arrive twice",
+    ChaosKind.EVENT_REORDER: "a node's next KV event batches arrive after later ones",
+}
+_RARE = {ChaosKind.REMOVE_READD_NODE: 25, ChaosKind.KILL_NODE_ACTOR: 6, ChaosKind.KILL_SHARD: 6}
+
+
+def schedule(seed: int, faults: int, kinds: Sequence[ChaosKind]) -> list[ChaosKind]:
+    """A seeded fault list; heavy faults (restarts) come at most once per so many faults."""
+    rng, out, last = random.Random(seed), [], {}
+    for i in range(faults):
+        allowed = [k for k in kinds if i - last.get(k, -10**9) >= _RARE.get(k, 1)]
+        kind = rng.choice(allowed or [k for k in kinds if k not in _RARE] or list(kinds))
+        last[kind] = i
+        out.append(kind)
+    return out

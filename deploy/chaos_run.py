@@ -1,0 +1,85 @@
+"""`kvfabric chaos`: the chaos harness on an embedded cluster (or `--address`).
+
+    kvfabric chaos --list                       every fault it can inject
+    kvfabric chaos --seed 7 --faults 200 --json
+    kvfabric chaos --kinds kill_shard,event_drop --faults 20
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+
+from .chaos_plan import DESCRIPTIONS, ChaosKind
+from .cluster import keep_auth_on
+
+NODE_ARGS = {"num_cpus": 2, "object_store_memory": 256 * 1024 ** 2}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="kvfabric chaos", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--list", action="store_true", help="list the faults and exit")
+    ap.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                    help="an existing cluster whose fabric runs with chaos on (default: an embedded one)")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--faults", type=int, default=50)
+    ap.add_argument("--kinds", default=",".join(k.value for k in ChaosKind),
+                    help="comma-separated faults to choose from (see --list)")
+    ap.add_argument("--interval-s", type=float, default=0.3, help="time between faults")
+    ap.add_argument("--quiet-s", type=float, default=3.0, help="quiet period after the last fault")
+    ap.add_argument("--threads", type=int, default=2, help="request streams during the run")
+    ap.add_argument("--prompts", type=int, default=12, help="trace prompts the workload cycles through")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        args.kinds = [ChaosKind(k.strip()) for k in args.kinds.split(",") if k.strip()]
+    except ValueError as e:
+        ap.error(f"--kinds: {e}; see --list")
+    for name in ("nodes", "faults", "threads", "prompts"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name} must be positive")
+    if not args.kinds or args.interval_s < 0 or args.quiet_s < 0:
+        ap.error("--kinds must name a fault; --interval-s and --quiet-s must be >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.list:
+        for kind in ChaosKind:
+            print(f"{kind.value:22} {DESCRIPTIONS[kind]}")
+        return 0
+    if not args.address:
+        keep_auth_on()
+    from .app import AppArgs
+    from .chaos import ChaosHarness
+    from .cluster import connect, free_port, local_cluster, up
+    from .replay import multi_turn_slice
+    from .trace import load_trace, request_tokens
+    app = AppArgs(max_positions=1024, device_pages=512, host_pages=512, chaos=True)
+    prompts = [request_tokens(r, 16, vocab_size=app.model_config.vocab)[:1000]
+               for r in multi_turn_slice(load_trace(), args.prompts)]
+    embedded = local_cluster(args.nodes) if not args.address else contextlib.nullcontext(None)
+    with embedded as cluster:
+        if cluster is None:
+            connect(args.address)
+        endpoint = up(dataclasses.asdict(app), port=free_port())
+        log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
+        harness = ChaosHarness(endpoint, app.model_name, prompts, cluster=cluster, node_args=NODE_ARGS, log=log)
+        report = harness.run(args.seed, args.faults, args.kinds, args.interval_s, args.quiet_s, args.threads)
+        if cluster is not None:
+            from ray import serve
+            serve.shutdown()
+    out = dataclasses.asdict(report)
+    print(f"faults injected {report.faults_injected} ({report.by_kind}); requests {report.requests}, "
+          f"failed {report.failed_requests} (retried {report.retried_requests}), wrong outputs {report.wrong_outputs}")
+    print(f"leaked pages {report.leaked_pages}, doubly owned {report.double_owned_pages}, "
+          f"overdue leases {report.expired_leases_unreleased}; index converged in {report.index_converged_s} s")
+    if args.json:
+        print(json.dumps(out))
+    return 0 if report.ok() else 1
