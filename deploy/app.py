@@ -39,8 +39,11 @@ class AppArgs:
     host_pages: int = 8192
     max_positions: int = 4096
     max_tokens_limit: int = 256
+    chaos: bool = False              # nodes accept injected faults (`kvfabric chaos`)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.chaos, bool):
+            raise AppArgsError(f"chaos must be a bool, got {self.chaos!r}")
         if not isinstance(self.model_name, str) or not self.model_name:
             raise AppArgsError(f"model_name must be a non-empty string, got {self.model_name!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
@@ -68,7 +71,7 @@ class AppArgs:
         caps = {PoolName.FULL: PoolCapacity(self.device_pages, self.host_pages)}
         if PoolName.SWA in layout.pools:
             caps[PoolName.SWA] = PoolCapacity(max(1, self.device_pages // 4), self.host_pages // 4)
-        return NodeConfig(layout, caps, tier=TierConfig(policy=WritePolicy.WRITE_BACK))
+        return NodeConfig(layout, caps, tier=TierConfig(policy=WritePolicy.WRITE_BACK), chaos=self.chaos)
 
 
 def ensure_fabric(args: AppArgs, timeout_s: float = 180.0) -> bool:

@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="the fabric and its Serve app on a 3-node cluster, fed a real trace",
                    add_help=False)
+    sub.add_parser("chaos", help="seeded faults over a running fabric and workload, then checks", add_help=False)
     up = sub.add_parser("up", help="deploy the fabric and the Serve app onto a running cluster; leave them up")
     up.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: localhost only)")
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from deploy.demo import main as demo
         return demo(rest)
+    if args.command == "chaos":
+        from deploy.chaos_run import main as chaos
+        return chaos(rest)
     if args.command in ("up", "down"):
         if rest:
             ap.error(f"unrecognized arguments: {' '.join(rest)}")
