@@ -11,7 +11,6 @@ from typing import Sequence
 
 import time
 
-import msgpack
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -87,7 +86,7 @@ class NodeCacheActor:
     # --- serving peers -----------------------------------------------------------------
     def export(self, keys: list[bytes], skip: int) -> bytes:
         grant = export_prefix(self.cache, self.leases, keys, skip, self.config.lease_ttl_s)
-        return msgpack.packb(grant.to_wire())
+        return grant.encode()
 
     def release(self, lease_id: int) -> bool:
         return self.leases.release(lease_id)
@@ -108,11 +107,10 @@ class NodeCacheActor:
         skip = self.cache.match(tokens, namespace).matched
         deadline = self.config.fetch_deadline_s
         try:
-            grant = ExportGrant.from_wire(msgpack.unpackb(
-                ray.get(peer.export.remote(keys, skip), timeout=deadline)))
+            grant = ExportGrant.decode(ray.get(peer.export.remote(keys, skip), timeout=deadline))
         except (RayActorError, GetTimeoutError):
             return FetchOutcome.TRANSFER_FAILED
-        except (GrantError, ValueError, msgpack.ExtraData):
+        except GrantError:
             return FetchOutcome.BAD_GRANT
         try:
             outcome = import_prefix(self.cache, tokens, namespace, grant,

@@ -18,6 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from actors import NodeConfig, start
 from actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE
 from fabric import PoolCapacity, PoolName, TierConfig, WritePolicy
+from fabric.routes import MAX_SHARDS
 
 from .model import ModelConfig
 from .openai_api import OpenAIIngress
@@ -53,13 +54,18 @@ class AppArgs:
             low = 0 if f in ("nodes", "host_pages") else 1
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise AppArgsError(f"{f} must be an int >= {low}, got {v!r}")
+        if self.shards > MAX_SHARDS:
+            raise AppArgsError(f"shards must be at most {MAX_SHARDS}, got {self.shards}")
 
     @classmethod
     def from_dict(cls, args: dict | None) -> "AppArgs":
-        args = dict(args or {})
+        if args is None:
+            return cls()
+        if not isinstance(args, dict):
+            raise AppArgsError(f"app args must be a mapping, got {type(args).__name__}")
         unknown = set(args) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise AppArgsError(f"unknown app args: {sorted(unknown)}")
+            raise AppArgsError(f"unknown app args: {sorted(map(str, unknown))}")
         return cls(**args)
 
     @property

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,7 +88,7 @@ def _parse_line(obj: object, block_tokens: int) -> TraceRequest:
         if h < 0:
             raise ValueError(f"hash_ids[{i}] must be >= 0, got {h}")
     input_length = obj["input_length"]
-    expected = math.ceil(input_length / block_tokens)
+    expected = -(-input_length // block_tokens)     # exact: a float ceil overflows on huge ints
     if len(hash_ids) != expected:
         raise ValueError(
             f"hash_ids has {len(hash_ids)} block(s) but input_length {input_length} needs "
@@ -126,14 +125,24 @@ def load_trace(
     if limit == 0:
         return requests
     previous_ts = -1
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        # The lines text mode's universal newlines would give, decoded one at a time so that
+        # a bad byte is reported with its line.
+        for lineno, raw in enumerate((part for chunk in f for part in chunk.splitlines()), start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TraceError(path, lineno, f"not UTF-8: {e.reason} at byte {e.start + 1}") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TraceError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})") from None
+            except RecursionError:
+                raise TraceError(path, lineno, "invalid JSON: nested too deeply") from None
+            except ValueError as e:           # e.g. an integer of more digits than int() takes
+                raise TraceError(path, lineno, f"invalid JSON: {e}") from None
             try:
                 req = _parse_line(obj, block_tokens)
             except ValueError as e:
@@ -193,7 +202,7 @@ def request_tokens(
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     n_blocks = len(req.hash_ids)
-    if n_blocks != math.ceil(req.input_length / block_tokens):
+    if n_blocks != -(-req.input_length // block_tokens):
         raise ValueError(
             f"request has {n_blocks} hash block(s), inconsistent with input_length "
             f"{req.input_length} at {block_tokens} tokens per block"

@@ -77,7 +77,7 @@ def decode(data: bytes) -> EventBatch | Snapshot:
     if not isinstance(msg, list) or len(msg) != 8:
         raise EventError("an event message is a list of 8 fields")
     version, kind, node, epoch, seq, cleared, pages, fingerprint = msg
-    if version != EVENTS_VERSION:
+    if not _uint(version) or version != EVENTS_VERSION:
         raise EventError(f"event version {version!r}, expected {EVENTS_VERSION}")
     if kind not in ("batch", "snapshot"):
         raise EventError(f"unknown message kind {kind!r}")
@@ -91,6 +91,8 @@ def decode(data: bytes) -> EventBatch | Snapshot:
         raise EventError(f"pages must be a list of at most {MAX_PAGES_PER_BATCH}")
     states = tuple(_page(p, i) for i, p in enumerate(pages))
     if kind == "snapshot":
+        if not cleared:
+            raise EventError("a snapshot states the node's whole contents (cleared must be true)")
         if any(s.mask == 0 for s in states):
             raise EventError("a snapshot lists held pages only (mask > 0)")
         return Snapshot(node, epoch, seq, states, fingerprint)

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Sequence
 
-from .keys import encode_tokens
+import msgpack
+
+from .keys import KEY_BYTES, encode_tokens
 from .layout import PoolName, Tier
 from .leases import LeaseTable
 from .node_cache import NodeCache
@@ -83,6 +85,18 @@ class ExportGrant:
                 "pools": [[int(p), pp.first, list(pp.tiers), list(pp.indices), list(pp.checksums)]
                           for p, pp in self.pools.items()]}
 
+    def encode(self) -> bytes:
+        return msgpack.packb(self.to_wire())
+
+    @classmethod
+    def decode(cls, data: bytes) -> "ExportGrant":
+        """An export reply as the source sends it (`encode`); raises GrantError."""
+        try:
+            msg = msgpack.unpackb(data)
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
+            raise GrantError(f"bad export grant: not msgpack: {e}") from None
+        return cls.from_wire(msg)
+
     @classmethod
     def from_wire(cls, msg: object) -> "ExportGrant":
         """Validate a decoded message; raises GrantError naming what is wrong."""
@@ -92,23 +106,32 @@ class ExportGrant:
             raise GrantError(f"bad export grant: {e}") from None
 
 
+_GRANT_FIELDS = {"v", "lease", "fp", "pages", "keys", "pools"}
+_POOL_NAMES = {int(p) for p in PoolName}
+
+
 def _parse_grant(msg: object) -> ExportGrant:
-    if not isinstance(msg, dict) or set(msg) != {"v", "lease", "fp", "pages", "keys", "pools"}:
-        raise ValueError(f"fields must be v, lease, fp, pages, keys, pools; got {sorted(msg) if isinstance(msg, dict) else type(msg).__name__}")
-    if msg["v"] != GRANT_VERSION:
+    if not isinstance(msg, dict) or msg.keys() != _GRANT_FIELDS:
+        got = sorted(map(repr, msg)) if isinstance(msg, dict) else type(msg).__name__
+        raise ValueError(f"fields must be {sorted(_GRANT_FIELDS)}; got {got}")
+    if not _is_int(msg["v"]) or msg["v"] != GRANT_VERSION:
         raise ValueError(f"version {msg['v']!r}, expected {GRANT_VERSION}")
     lease, pages, keys = msg["lease"], msg["pages"], msg["keys"]
     if not _is_int(lease) or lease < 0 or not _is_int(pages) or pages < 0:
         raise ValueError("lease and pages must be ints >= 0")
-    if not isinstance(msg["fp"], bytes) or not isinstance(keys, list) or len(keys) != pages \
-            or not all(isinstance(k, bytes) and len(k) == 16 for k in keys):
-        raise ValueError("fingerprint must be bytes and keys one 16-byte key per page")
+    if not isinstance(msg["fp"], bytes) or len(msg["fp"]) != KEY_BYTES:
+        raise ValueError(f"fingerprint must be {KEY_BYTES} bytes")
+    if not isinstance(keys, list) or len(keys) != pages \
+            or not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys):
+        raise ValueError(f"keys must be one {KEY_BYTES}-byte key per page")
     pools = {}
     if not isinstance(msg["pools"], list):
         raise ValueError("pools must be a list")
     for entry in msg["pools"]:
+        if not isinstance(entry, list) or len(entry) != 5:
+            raise ValueError("a pool entry is [pool, first, tiers, indices, checksums]")
         name, first, tiers, indices, sums = entry
-        pool = PoolName(name) if _is_int(name) else None
+        pool = PoolName(name) if _is_int(name) and name in _POOL_NAMES else None
         if pool is None or pool in pools:
             raise ValueError(f"pool {name!r} is unknown or listed twice")
         lists = (tiers, indices, sums)

@@ -417,8 +417,12 @@ def _check_header(node: object, epoch: object, seq: object) -> None:
     if not isinstance(node, str) or not node:
         raise EventError("node must be a non-empty str")
     for name, v in (("epoch", epoch), ("seq", seq)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        if not _is_uint(v):
             raise EventError(f"{name} must be an int >= 0, got {v!r}")
+
+
+def _is_uint(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _check_pages(pages: Sequence[PageState], allow_zero: bool) -> None:
@@ -427,6 +431,5 @@ def _check_pages(pages: Sequence[PageState], allow_zero: bool) -> None:
         if not (isinstance(p, PageState) and type(p.key) is bytes and len(p.key) == KEY_BYTES
                 and type(p.parent) is bytes and len(p.parent) == KEY_BYTES):
             raise EventError(f"page {i}: key and parent must be {KEY_BYTES} bytes")
-        if not isinstance(p.depth, int) or p.depth < 0 or not isinstance(p.mask, int) \
-                or not (0 if allow_zero else 1) <= p.mask <= _MAX_MASK:
+        if not _is_uint(p.depth) or not _is_uint(p.mask) or not (0 if allow_zero else 1) <= p.mask <= _MAX_MASK:
             raise EventError(f"page {i}: bad depth {p.depth!r} or mask {p.mask!r}")

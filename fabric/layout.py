@@ -25,6 +25,7 @@ class Tier(IntEnum):
 
 
 _POOL_OF_KIND = {LayerKind.FULL: PoolName.FULL, LayerKind.SWA: PoolName.SWA}
+_KINDS = frozenset(k.value for k in LayerKind)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -47,6 +48,9 @@ class KVLayout:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layers, (tuple, list)) \
+                or not all(isinstance(k, LayerKind) or (isinstance(k, str) and k in _KINDS) for k in self.layers):
+            raise LayoutError(f"layers must be a sequence of {sorted(_KINDS)}, got {self.layers!r}")
         object.__setattr__(self, "layers", tuple(LayerKind(k) for k in self.layers))
         if not self.layers:
             raise LayoutError("layout needs at least one layer")
@@ -54,10 +58,12 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise LayoutError(f"{name} must be a positive int, got {value!r}")
-        if self.dtype not in _DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
             raise LayoutError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
+            raise LayoutError(f"window must be an int >= 0, got {self.window!r}")
         has_swa = LayerKind.SWA in self.layers
-        if has_swa and (not isinstance(self.window, int) or self.window <= 0):
+        if has_swa and self.window <= 0:
             raise LayoutError(f"SWA layers need a positive window, got {self.window!r}")
         if not has_swa and self.window:
             raise LayoutError("window is set but the layout has no SWA layers")
@@ -105,7 +111,9 @@ class KVLayout:
             raise LayoutError(f"layout must be a mapping, got {type(d).__name__}")
         unknown = set(d) - {"layers", "kv_heads", "head_dim", "page_size", "window", "dtype"}
         if unknown:
-            raise LayoutError(f"unknown layout fields: {sorted(unknown)}")
+            raise LayoutError(f"unknown layout fields: {sorted(map(repr, unknown))}")
+        if not isinstance(d.get("layers"), (list, tuple)):
+            raise LayoutError(f"layers must be a list, got {d.get('layers')!r}")
         try:
             return cls(layers=tuple(d["layers"]), kv_heads=d["kv_heads"], head_dim=d["head_dim"],
                        page_size=d["page_size"], window=d.get("window", 0),

@@ -18,7 +18,10 @@ from typing import Sequence
 
 import msgpack
 
+from .keys import KEY_BYTES
+
 ROUTES_VERSION = 1
+MAX_SHARDS = 1024       # a spread route lists every shard per key: bound what a table may ask for
 
 
 class RouteError(ValueError):
@@ -38,23 +41,32 @@ class Route:
 
 class RouteTable:
     def __init__(self, shards: int, routes: Sequence[Route] = (), version: int = 0) -> None:
-        if not isinstance(shards, int) or shards < 1:
-            raise RouteError(f"shards must be an int >= 1, got {shards!r}")
+        if not _is_int(shards) or not 1 <= shards <= MAX_SHARDS:
+            raise RouteError(f"shards must be an int in [1, {MAX_SHARDS}], got {shards!r}")
+        if not _is_int(version) or version < 0:
+            raise RouteError(f"version must be an int >= 0, got {version!r}")
         self.shards, self.version = shards, version
         self._routes: dict[bytes, Route] = {}
-        self._above: dict[bytes, set[int]] = {}     # key above some route -> those routes' shards
+        self._above: dict[bytes, set[int] | frozenset[int]] = {}   # key above some route -> those routes' shards
+        self._all = frozenset(range(shards))        # shared by the keys of spread routes
         for r in routes:
             self._add(r)
 
     def _add(self, route: Route) -> None:
-        if not 0 <= route.shard < self.shards or not route.path:
+        if not _is_int(route.shard) or not 0 <= route.shard < self.shards or not route.path:
             raise RouteError(f"route to shard {route.shard} of {self.shards} with {len(route.path)} pages")
         if route.key in self._routes:
             raise RouteError("two routes for one subtree")
         self._routes[route.key] = route
-        below = set(range(self.shards)) if route.spread else {route.shard}
+        above = self._above
         for k in route.path if route.spread else route.path[:-1]:
-            self._above.setdefault(k, set()).update(below)
+            held = above.get(k)
+            if route.spread:
+                above[k] = self._all
+            elif held is None:
+                above[k] = {route.shard}
+            elif held is not self._all:
+                held.add(route.shard)
 
     @property
     def routes(self) -> list[Route]:
@@ -116,18 +128,27 @@ class RouteTable:
 
     @classmethod
     def decode(cls, data: bytes) -> "RouteTable":
+        """Decode and validate an encoded table; raises RouteError saying what is wrong."""
         try:
-            v, version, shards, routes = msgpack.unpackb(data)
-            if v != ROUTES_VERSION or not isinstance(version, int) or version < 0:
-                raise RouteError(f"route table version {v!r}/{version!r} not understood")
-            parsed = []
-            for path, shard, spread in routes:
-                if not isinstance(path, list) or not all(isinstance(k, bytes) and len(k) == 16 for k in path) \
-                        or not isinstance(shard, int) or isinstance(shard, bool) or not isinstance(spread, bool):
-                    raise RouteError("a route is [[16-byte keys...], shard, spread]")
-                parsed.append(Route(tuple(path), shard, spread))
-            return cls(shards, parsed, version)
-        except RouteError:
-            raise
-        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+            msg = msgpack.unpackb(data)
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
             raise RouteError(f"malformed route table: {e}") from None
+        if not isinstance(msg, list) or len(msg) != 4:
+            raise RouteError("a route table is [format version, version, shards, routes]")
+        v, version, shards, routes = msg
+        if not _is_int(v) or v != ROUTES_VERSION or not _is_int(version) or version < 0:
+            raise RouteError(f"route table version {v!r}/{version!r} not understood")
+        if not isinstance(routes, list):
+            raise RouteError("routes must be a list")
+        parsed = []
+        for r in routes:
+            if not (isinstance(r, list) and len(r) == 3 and isinstance(r[0], list)
+                    and all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in r[0])
+                    and _is_int(r[1]) and isinstance(r[2], bool)):
+                raise RouteError(f"a route is [[{KEY_BYTES}-byte keys...], shard, spread]")
+            parsed.append(Route(tuple(r[0]), r[1], r[2]))
+        return cls(shards, parsed, version)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -289,6 +289,7 @@ FIELD_VALUES = st.one_of(
     st.fixed_dictionaries({}, optional={"namespace": st.text(max_size=4), "cache": JSON}))
 
 
+@pytest.mark.fuzz
 def test_fuzzed_bodies_never_5xx():
     backend = FakeBackend()
     client = client_for(backend)
