@@ -125,6 +125,7 @@ class ChaosHarness:
     def run(self, seed: int, faults: int, kinds: Sequence[ChaosKind] = tuple(ChaosKind),
             interval_s: float = 0.3, quiet_s: float = 3.0, threads: int = 2) -> ChaosReport:
         rng = random.Random(seed)
+        self.injected = {}
         work = Workload(self.endpoint, self.model, self.prompts, threads)
         work.start()
         try:
