@@ -12,9 +12,13 @@ import dataclasses
 import json
 import os
 import sys
+from typing import TYPE_CHECKING, Iterator
 
 from .chaos_plan import DESCRIPTIONS, ChaosKind
 from .cluster import keep_auth_on
+
+if TYPE_CHECKING:
+    from .chaos import ChaosHarness
 
 NODE_ARGS = {"num_cpus": 2, "object_store_memory": 256 * 1024 ** 2}
 
@@ -56,25 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.address:
         keep_auth_on()
-    from .app import AppArgs
-    from .chaos import ChaosHarness
-    from .cluster import connect, free_port, local_cluster, up
-    from .replay import multi_turn_slice
-    from .trace import load_trace, request_tokens
-    app = AppArgs(max_positions=1024, device_pages=512, host_pages=512, chaos=True)
-    prompts = [request_tokens(r, 16, vocab_size=app.model_config.vocab)[:1000]
-               for r in multi_turn_slice(load_trace(), args.prompts)]
-    embedded = local_cluster(args.nodes) if not args.address else contextlib.nullcontext(None)
-    with embedded as cluster:
-        if cluster is None:
-            connect(args.address)
-        endpoint = up(dataclasses.asdict(app), port=free_port())
-        log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
-        harness = ChaosHarness(endpoint, app.model_name, prompts, cluster=cluster, node_args=NODE_ARGS, log=log)
+    log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
+    with session(args.nodes, args.prompts, args.address, log) as harness:
         report = harness.run(args.seed, args.faults, args.kinds, args.interval_s, args.quiet_s, args.threads)
-        if cluster is not None:
-            from ray import serve
-            serve.shutdown()
     out = dataclasses.asdict(report)
     print(f"faults injected {report.faults_injected} ({report.by_kind}); requests {report.requests}, "
           f"failed {report.failed_requests} (retried {report.retried_requests}), wrong outputs {report.wrong_outputs}")
@@ -83,3 +71,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out))
     return 0 if report.ok() else 1
+
+
+@contextlib.contextmanager
+def session(nodes: int = 3, prompts: int = 12, address: str | None = None,
+            log=lambda _: None) -> Iterator["ChaosHarness"]:
+    """The fabric and its Serve app with chaos on, on an embedded cluster of `nodes`
+    (or the cluster at `address`), and a harness over it with trace prompts."""
+    from .app import AppArgs
+    from .chaos import ChaosHarness
+    from .cluster import connect, free_port, local_cluster, up
+    from .replay import multi_turn_slice
+    from .trace import load_trace, request_tokens
+    app = AppArgs(max_positions=1024, device_pages=512, host_pages=512, chaos=True)
+    tokens = [request_tokens(r, 16, vocab_size=app.model_config.vocab)[:1000]
+              for r in multi_turn_slice(load_trace(), prompts)]
+    embedded = local_cluster(nodes) if not address else contextlib.nullcontext(None)
+    with embedded as cluster:
+        if cluster is None:
+            connect(address)
+        endpoint = up(dataclasses.asdict(app), port=free_port())
+        try:
+            yield ChaosHarness(endpoint, app.model_name, tokens, cluster=cluster, node_args=NODE_ARGS, log=log)
+        finally:
+            if cluster is not None:
+                from ray import serve
+                serve.shutdown()
