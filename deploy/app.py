@@ -54,6 +54,11 @@ class AppArgs:
             low = 0 if f in ("nodes", "host_pages") else 1
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise AppArgsError(f"{f} must be an int >= {low}, got {v!r}")
+        if self.device_pages * self.model_config.page_size < self.max_positions:
+            # Then every prompt the model takes fits the pools: "too long for the pools"
+            # is "too long for the model", a 400 at the ingress.
+            raise AppArgsError(f"device_pages ({self.device_pages}) of {self.model_config.page_size} tokens "
+                               f"cannot hold a prompt of max_positions ({self.max_positions}) tokens")
         if self.shards > MAX_SHARDS:
             raise AppArgsError(f"shards must be at most {MAX_SHARDS}, got {self.shards}")
 

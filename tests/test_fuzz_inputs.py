@@ -630,7 +630,8 @@ def app_args_ok(d: object) -> bool:
             and (a["api_key"] is None or (type(a["api_key"]) is str and bool(a["api_key"])))
             and all(_uint(a[f]) for f in ("nodes", "host_pages"))
             and all(_pos(a[f]) for f in ("shards", "device_pages", "max_positions", "max_tokens_limit"))
-            and a["shards"] <= MAX_SHARDS and type(a.get("chaos", False)) is bool)
+            and a["shards"] <= MAX_SHARDS and type(a.get("chaos", False)) is bool
+            and a["device_pages"] * ModelConfig().page_size >= a["max_positions"])   # pools hold a prompt
 
 
 APP_ARGS = st.fixed_dictionaries({}, optional={
@@ -641,7 +642,7 @@ APP_ARGS = st.fixed_dictionaries({}, optional={
 
 
 @fuzz
-@given(APP_ARGS)
+@given(APP_ARGS.filter(app_args_ok))
 def test_app_args_round_trip_exactly(d: dict) -> None:
     args = AppArgs.from_dict(json.loads(json.dumps(d)))
     assert dataclasses.asdict(args) == APP_FIELDS | d

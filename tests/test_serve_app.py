@@ -83,7 +83,26 @@ def test_bad_requests_get_clear_4xx_answers(endpoint, body, status):
 
 
 @pytest.mark.parametrize("args", [{"bogus": 1}, {"shards": 0}, {"model_name": ""}, {"nodes": -1},
-                                  {"api_key": ""}, {"device_pages": True}])
+                                  {"api_key": ""}, {"device_pages": True}, {"chaos": 1},
+                                  {"device_pages": 8, "max_positions": 1024}])   # pools < one prompt
 def test_app_args_are_validated(args):
     with pytest.raises((AppArgsError, TypeError)):
         AppArgs.from_dict(args)
+
+
+def test_serving_metrics_record_every_kind_of_answer(endpoint):
+    """The Ray metrics a replica exports accept what the engine reports (Ray checks
+    metric names and tags when they are used)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def record() -> int:
+        from deploy.engine import Generation
+        from deploy.serving import ServingMetrics
+        m = ServingMetrics("kvf-node-test")
+        for fetch in ("none", "skipped", "fetched", "failed"):
+            g = Generation([1], 64, 48, 16, 16, 16, 16, fetch, 4, 0.01, 0.02)
+            m.record(g, fetched_bytes=4096 if fetch == "fetched" else 0, fetch_s=0.005, ttft_s=0.01)
+        return 4
+
+    assert ray.get(record.remote(), timeout=120) == 4
