@@ -12,23 +12,17 @@ import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from pydantic import ValidationError
+
 from .cluster import Endpoint
+from .openai_api import KVFabricInfo
 from .trace import TraceRequest
 
 
-@dataclass(frozen=True)
-class Served:
-    """One answer, as the endpoint's `kvfabric` extension reports it."""
-    token_ids: tuple[int, ...]
-    logits_digest: str
+class Served(KVFabricInfo):
+    """One answer: the endpoint's `kvfabric` extension (validated as the ingress
+    defines it) and the prompt's length."""
     prompt_tokens: int
-    cached_tokens: int
-    device_tokens: int
-    host_tokens: int
-    remote_tokens: int
-    fetch: str
-    ttft_ms: float
-    node: str
 
 
 @dataclass
@@ -93,10 +87,10 @@ class Client:
         data = json.loads(resp.read() or b"{}")
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {data.get('error', data)}")
-        x = data["kvfabric"]
-        return Served(tuple(x["token_ids"]), x["logits_digest"], data["usage"]["prompt_tokens"],
-                      x["cached_tokens"], x["device_tokens"], x["host_tokens"], x["remote_tokens"],
-                      x["fetch"], float(x["ttft_ms"]), x["node"])
+        try:
+            return Served.model_validate({**data["kvfabric"], "prompt_tokens": data["usage"]["prompt_tokens"]})
+        except (ValidationError, TypeError) as e:
+            raise ValueError(f"malformed answer: {e}") from None
 
     def close(self) -> None:
         self.conn.close()

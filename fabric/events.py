@@ -13,6 +13,7 @@ from enum import IntFlag
 import msgpack
 
 from .keys import KEY_BYTES
+from .wire import unpack
 
 EVENTS_VERSION = 1
 MAX_PAGES_PER_BATCH = 1 << 20
@@ -70,10 +71,7 @@ class Snapshot:
 
 def decode(data: bytes) -> EventBatch | Snapshot:
     """Decode and validate; raises EventError saying what is wrong."""
-    try:
-        msg = msgpack.unpackb(data, use_list=True, strict_map_key=True)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as e:
-        raise EventError(f"not a msgpack event message: {e}") from None
+    msg = unpack(data, EventError, "event message")
     if not isinstance(msg, list) or len(msg) != 8:
         raise EventError("an event message is a list of 8 fields")
     version, kind, node, epoch, seq, cleared, pages, fingerprint = msg

@@ -23,6 +23,7 @@ from .node_cache import NodeCache
 from .paths import by_node, groups
 from .pages import page_checksums
 from .txn import ReservationFailed
+from .wire import unpack
 
 GRANT_VERSION = 1
 
@@ -91,11 +92,7 @@ class ExportGrant:
     @classmethod
     def decode(cls, data: bytes) -> "ExportGrant":
         """An export reply as the source sends it (`encode`); raises GrantError."""
-        try:
-            msg = msgpack.unpackb(data)
-        except (ValueError, TypeError, msgpack.UnpackException) as e:
-            raise GrantError(f"bad export grant: not msgpack: {e}") from None
-        return cls.from_wire(msg)
+        return cls.from_wire(unpack(data, GrantError, "export grant"))
 
     @classmethod
     def from_wire(cls, msg: object) -> "ExportGrant":

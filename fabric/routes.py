@@ -19,6 +19,7 @@ from typing import Sequence
 import msgpack
 
 from .keys import KEY_BYTES
+from .wire import unpack
 
 ROUTES_VERSION = 1
 MAX_SHARDS = 1024       # a spread route lists every shard per key: bound what a table may ask for
@@ -129,10 +130,7 @@ class RouteTable:
     @classmethod
     def decode(cls, data: bytes) -> "RouteTable":
         """Decode and validate an encoded table; raises RouteError saying what is wrong."""
-        try:
-            msg = msgpack.unpackb(data)
-        except (ValueError, TypeError, msgpack.UnpackException) as e:
-            raise RouteError(f"malformed route table: {e}") from None
+        msg = unpack(data, RouteError, "route table")
         if not isinstance(msg, list) or len(msg) != 4:
             raise RouteError("a route table is [format version, version, shards, routes]")
         v, version, shards, routes = msg
