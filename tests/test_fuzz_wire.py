@@ -1,5 +1,6 @@
-"""Fuzzing every decoder of outside input (issue #6): KV events and snapshots, export
-replies, route tables, trace files and configs. (HTTP bodies: tests/test_openai_api.py.)
+"""Fuzzing the decoders of wire messages (issue #6): KV events and snapshots (and the
+index shard fed them), export replies, route tables. Trace files and configs:
+tests/test_fuzz_files.py. (HTTP bodies: tests/test_openai_api.py.)
 
 Each decoder gets random bytes or structures, and valid encodings with one part of them
 replaced, deleted or added (bit flips and truncation for bytes). It must either return
@@ -12,141 +13,25 @@ Marked `fuzz`: the profile's example count by default (40 under CI), 10,000 per 
 `KVF_HYPOTHESIS=full .venv/bin/pytest -m fuzz tests`."""
 from __future__ import annotations
 
-import copy
 import dataclasses
-import json
-import math
-import os
 from functools import cache
-from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import event, given, strategies as st
 
 from actors.index_shard import IndexShardActor
-from deploy.app import AppArgs, AppArgsError
-from deploy.model import ModelConfig, ModelConfigError
-from deploy.trace import BLOCK_TOKENS, TraceError, TraceRequest, load_trace
 from fabric import (ApplyResult, EventBatch, EventError, ExportGrant, FetchOutcome, GrantError, KVLayout,
-                    LayoutError, LeaseTable, NodeCache, PageState, PoolCapacity, PoolName, PoolPages,
-                    PrefixIndex, ReadFailed, Route, RouteError, RouteTable, Snapshot, Tier, TierConfig,
-                    decode_events, export_prefix, import_prefix)
+                    LeaseTable, NodeCache, PageState, PoolCapacity, PoolName, PoolPages, PrefixIndex,
+                    ReadFailed, Route, RouteError, RouteTable, Snapshot, Tier, TierConfig, decode_events,
+                    export_prefix, import_prefix)
 from fabric.routes import MAX_SHARDS
 from tests.kvgen import prefix_kv
+from tests.fuzzing import FP, KEY, NEAR, RANDOM, U64, _uint, flipped, fuzz, mutated, typed
 
 pytestmark = pytest.mark.fuzz
-
-FUZZ_FULL = 10_000
-
-
-def fuzz(test: Callable) -> Callable:
-    """FUZZ_FULL cases under KVF_HYPOTHESIS=full, else the active profile's count."""
-    full = os.environ.get("KVF_HYPOTHESIS") == "full"
-    return settings(max_examples=FUZZ_FULL if full else settings.default.max_examples,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])(test)
-
-
-# --- values and mutations ------------------------------------------------------------------
-U64 = st.integers(0, 2**64 - 1)
-KEY = st.binary(min_size=16, max_size=16)
-FP = b"F" * 16              # the layout fingerprint of the index and caches below
-# Values near the valid ones of every field: edge ints, bools, floats, short and 15..17-byte
-# bytes, the format's own words, small containers.
-NEAR = st.one_of(
-    st.none(), st.booleans(), st.integers(-2, 20), st.sampled_from([-(2**63), 2**63 - 1, 2**64 - 1, 1024, 1025]),
-    st.floats(), st.text(max_size=4), st.sampled_from(["batch", "snapshot", "full", "swa", "float32", "x" * 257]),
-    st.binary(max_size=3), st.binary(min_size=15, max_size=17), st.just(FP),
-    st.lists(st.integers(-1, 2), max_size=3), st.lists(st.sampled_from(["full", "swa", "moe"]), max_size=3),
-    st.dictionaries(st.text(max_size=3), st.integers(0, 2), max_size=2))
-
-
-def typed(old: Any) -> st.SearchStrategy:
-    """A value of the type of `old`: more mutants get past the decoder, on to its consumer."""
-    if isinstance(old, bool):
-        return st.booleans()
-    if isinstance(old, int):
-        return st.integers(0, 40) | st.sampled_from([old - 1, min(old + 1, 2**64 - 1), 2**64 - 1])
-    if isinstance(old, bytes):
-        return KEY | st.sampled_from([FP, old[:-1] + bytes([old[-1] ^ 1]) if old else b"x"])
-    return NEAR
-
-
-# What JSON can carry (trace lines): no bytes; floats may be NaN or infinite.
-NEAR_JSON = st.one_of(
-    st.none(), st.booleans(), st.integers(-2, 2000), st.just(2**70), st.floats(), st.text(max_size=4),
-    st.lists(st.integers(-1, 3) | st.booleans() | st.floats(), max_size=5),
-    st.dictionaries(st.text(max_size=3), st.integers(0, 2), max_size=2))
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
-                    st.text(max_size=8), st.binary(max_size=20), KEY)
-RANDOM = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=8)
-                      | st.dictionaries(st.text(max_size=6) | st.binary(max_size=4), inner, max_size=6),
-                      max_leaves=24)
-
-
-def _paths(x: Any, at: tuple = ()) -> list[tuple]:
-    out = [at]
-    if isinstance(x, list):
-        for i, v in enumerate(x):
-            out += _paths(v, at + (i,))
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            out += _paths(v, at + (k,))
-    return out
-
-
-@st.composite
-def mutated(draw: st.DrawFn, x: Any, values: st.SearchStrategy | Callable[[Any], st.SearchStrategy] = NEAR,
-            new_keys: st.SearchStrategy = st.text(max_size=4), root: bool = True,
-            ops: tuple[str, ...] = ("replace", "delete", "insert")) -> Any:
-    """`x` (nested lists and dicts) with one node replaced, deleted, or a sibling inserted;
-    the whole of it replaced too, with `root`. `values` may be a function of the value replaced."""
-    x = copy.deepcopy(x)
-    pick = (lambda _: values) if isinstance(values, st.SearchStrategy) else values
-    path = draw(st.sampled_from(_paths(x)[0 if root else 1:]))
-    if not path:
-        return draw(pick(x))
-    parent = x
-    for step in path[:-1]:
-        parent = parent[step]
-    op = draw(st.sampled_from(ops))
-    if op == "replace":
-        parent[path[-1]] = draw(pick(parent[path[-1]]))
-    elif op == "delete":
-        del parent[path[-1]]
-    elif isinstance(parent, list):
-        parent.insert(path[-1], draw(pick(None)))
-    else:
-        parent[draw(new_keys)] = draw(pick(None))
-    return x
-
-
-@st.composite
-def flipped(draw: st.DrawFn, data: bytes) -> bytes:
-    """`data` after 1-3 bit flips, truncations, insertions or deletions."""
-    out = bytearray(data)
-    for _ in range(draw(st.integers(1, 3))):
-        i = draw(st.integers(0, len(out)))
-        op = draw(st.sampled_from(["flip", "cut", "insert", "delete"]))
-        if op == "flip" and i < len(out):
-            out[i] ^= 1 << draw(st.integers(0, 7))
-        elif op == "cut":
-            del out[i:]
-        elif op == "insert":
-            out[i:i] = draw(st.binary(min_size=1, max_size=4))
-        else:
-            del out[i:i + draw(st.integers(1, 4))]
-    return bytes(out)
-
-
-def _uint(x: object) -> bool:
-    return type(x) is int and x >= 0
-
-
-def _pos(x: object) -> bool:
-    return type(x) is int and x > 0
 
 
 # --- KV events and snapshots ---------------------------------------------------------------
@@ -505,210 +390,6 @@ def test_route_structures_are_accepted_iff_valid(wire: Any) -> None:
     assert routes_ok(wire) and routes_wire(table) == wire
 
 
-# --- trace files -------------------------------------------------------------------------------
-TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
-
-
-def trace_line_ok(o: object) -> bool:
-    if not (type(o) is dict and set(o) == set(TRACE_FIELDS)):
-        return False
-    n = o["input_length"]
-    return (_uint(o["timestamp"]) and _pos(n) and _uint(o["output_length"]) and type(o["hash_ids"]) is list
-            and all(map(_uint, o["hash_ids"])) and len(o["hash_ids"]) == -(-n // BLOCK_TOKENS))
-
-
-@st.composite
-def trace_lines(draw: st.DrawFn) -> dict:
-    n = draw(st.integers(1, 4 * BLOCK_TOKENS))
-    ids = draw(st.lists(st.integers(0, 2**63), min_size=-(-n // BLOCK_TOKENS), max_size=-(-n // BLOCK_TOKENS)))
-    return {"timestamp": draw(st.integers(0, 2**40)), "input_length": n,
-            "output_length": draw(st.integers(0, 4096)), "hash_ids": ids}
-
-
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One file the trace tests rewrite per example (function-scoped tmp_path is per test)."""
-    return tmp_path_factory.mktemp("trace") / "t.jsonl"
-
-
-def load(path: Path, content: bytes) -> list[TraceRequest]:
-    path.write_bytes(content)
-    return load_trace(path)
-
-
-@fuzz
-@given(st.lists(trace_lines(), max_size=4))
-def test_traces_round_trip_exactly(trace: Path, lines: list[dict]) -> None:
-    lines.sort(key=lambda o: o["timestamp"])
-    got = load(trace, "".join(json.dumps(o) + "\n" for o in lines).encode())
-    assert got == [TraceRequest(o["timestamp"], o["input_length"], o["output_length"], tuple(o["hash_ids"]))
-                   for o in lines]
-
-
-@fuzz
-@given(trace_lines().flatmap(lambda o: mutated(o, NEAR_JSON, st.sampled_from([*TRACE_FIELDS, "x"]))))
-def test_trace_lines_are_accepted_iff_valid(trace: Path, obj: Any) -> None:
-    first = {"timestamp": 0, "input_length": 1, "output_length": 0, "hash_ids": [0]}
-    try:
-        got = load(trace, (json.dumps(first) + "\n" + json.dumps(obj) + "\n").encode())
-    except TraceError as e:
-        assert not trace_line_ok(obj) and e.line == 2, obj
-        return
-    assert trace_line_ok(obj)
-    assert got[1] == TraceRequest(obj["timestamp"], obj["input_length"], obj["output_length"],
-                                  tuple(obj["hash_ids"]))
-
-
-TRACE_BYTES = st.one_of(
-    st.binary(max_size=200), st.text(max_size=100).map(str.encode),
-    st.lists(trace_lines(), min_size=1, max_size=2).map(lambda ls: "".join(json.dumps(o) + "\n" for o in ls).encode())
-    .flatmap(flipped),
-    st.sampled_from([b"1" * 5000, b"[" * 100_000, b'{"timestamp": 1e999}', b"\xff\xfe", b"\r\r{}\n"]))
-
-
-@fuzz
-@given(TRACE_BYTES)
-def test_trace_bytes_load_or_raise_trace_error(trace: Path, content: bytes) -> None:
-    try:
-        got = load(trace, content)
-    except TraceError as e:
-        assert 1 <= e.line <= len(content.splitlines()) and str(e).startswith(f"t.jsonl:{e.line}: ")
-        return
-    assert all(isinstance(r, TraceRequest) for r in got)
-
-
-# --- configs -------------------------------------------------------------------------------------
-LAYOUT_FIELDS = ("layers", "kv_heads", "head_dim", "page_size", "window", "dtype")
-
-
-def layout_ok(d: object) -> bool:
-    if not (type(d) is dict and set(d) <= set(LAYOUT_FIELDS) and {"layers", "kv_heads", "head_dim", "page_size"} <= set(d)):
-        return False
-    layers, window = d["layers"], d.get("window", 0)
-    return (type(layers) is list and bool(layers) and all(type(k) is str and k in ("full", "swa") for k in layers)
-            and all(_pos(d[f]) for f in ("kv_heads", "head_dim", "page_size"))
-            and _uint(window) and (window > 0) == ("swa" in layers)
-            and type(d.get("dtype", "float32")) is str and d.get("dtype", "float32") in ("float32", "float16", "bfloat16"))
-
-
-LAYOUTS = st.builds(
-    lambda layers, heads, dim, page, window, dtype: KVLayout(
-        tuple(layers), heads, dim, page, window if "swa" in layers else 0, dtype),
-    st.lists(st.sampled_from(["full", "swa"]), min_size=1, max_size=6), st.integers(1, 64), st.integers(1, 256),
-    st.integers(1, 256), st.integers(1, 8192), st.sampled_from(["float32", "float16", "bfloat16"]))
-
-
-@fuzz
-@given(LAYOUTS)
-def test_layouts_round_trip_exactly(layout: KVLayout) -> None:
-    out = KVLayout.from_dict(json.loads(json.dumps(layout.to_dict())))
-    assert out == layout and out.fingerprint == layout.fingerprint and out.to_dict() == layout.to_dict()
-
-
-@fuzz
-@given(st.one_of(RANDOM, LAYOUTS.map(KVLayout.to_dict).flatmap(
-    lambda d: mutated(d, new_keys=st.sampled_from([*LAYOUT_FIELDS, "x", 0, b"y"])))))
-def test_layout_dicts_are_accepted_iff_valid(d: Any) -> None:
-    try:
-        layout = KVLayout.from_dict(d)
-    except LayoutError:
-        assert not layout_ok(d), d
-        return
-    assert layout_ok(d) and layout.to_dict() == {"window": 0, "dtype": "float32"} | d
-
-
-APP_FIELDS = {f.name: f.default for f in dataclasses.fields(AppArgs)}
-
-
-def app_args_ok(d: object) -> bool:
-    if d is None:
-        return True
-    if not (type(d) is dict and set(d) <= set(APP_FIELDS)):
-        return False
-    a = APP_FIELDS | d
-    return (type(a["model_name"]) is str and bool(a["model_name"])
-            and (a["api_key"] is None or (type(a["api_key"]) is str and bool(a["api_key"])))
-            and all(_uint(a[f]) for f in ("nodes", "host_pages"))
-            and all(_pos(a[f]) for f in ("shards", "device_pages", "max_positions", "max_tokens_limit"))
-            and a["shards"] <= MAX_SHARDS and type(a.get("chaos", False)) is bool
-            and a["device_pages"] * ModelConfig().page_size >= a["max_positions"])   # pools hold a prompt
-
-
-APP_ARGS = st.fixed_dictionaries({}, optional={
-    "model_name": st.text(min_size=1, max_size=8), "shards": st.integers(1, MAX_SHARDS),
-    "api_key": st.none() | st.text(min_size=1, max_size=8), "nodes": st.integers(0, 64),
-    "device_pages": st.integers(1, 2**20), "host_pages": st.integers(0, 2**20),
-    "max_positions": st.integers(1, 2**16), "max_tokens_limit": st.integers(1, 2**16), "chaos": st.booleans()})
-
-
-@fuzz
-@given(APP_ARGS.filter(app_args_ok))
-def test_app_args_round_trip_exactly(d: dict) -> None:
-    args = AppArgs.from_dict(json.loads(json.dumps(d)))
-    assert dataclasses.asdict(args) == APP_FIELDS | d
-    assert AppArgs.from_dict(dataclasses.asdict(args)) == args
-
-
-@fuzz
-@given(st.one_of(st.none(), RANDOM, APP_ARGS.flatmap(
-    lambda d: mutated(d, new_keys=st.sampled_from([*APP_FIELDS, "bogus", 1, b"shards"])))))
-def test_app_args_are_accepted_iff_valid(d: Any) -> None:
-    try:
-        args = AppArgs.from_dict(d)
-    except AppArgsError:
-        assert not app_args_ok(d), d
-        return
-    assert app_args_ok(d) and dataclasses.asdict(args) == APP_FIELDS | (d or {})
-
-
-MODEL_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-
-
-def model_ok(kw: dict) -> bool:
-    c = MODEL_FIELDS | kw
-    ints = ("vocab", "d_model", "n_heads", "kv_heads", "head_dim", "ffn", "page_size", "max_positions")
-    if not all(_pos(c[f]) for f in ints):
-        return False
-    layers = c["layers"]
-    return (c["n_heads"] % c["kv_heads"] == 0 and c["head_dim"] % 2 == 0
-            and type(layers) in (list, tuple) and bool(layers) and all(type(k) is str and k in ("full", "swa") for k in layers)
-            and _uint(c["window"]) and (c["window"] > 0 or "swa" not in layers)
-            and all(type(c[f]) in (int, float) and 0 < c[f] < math.inf for f in ("rope_base", "eps"))
-            and _uint(c["seed"]) and c["seed"] < 2**64)
-
-
-MODEL_KWARGS = st.fixed_dictionaries({}, optional={
-    "vocab": st.integers(1, 1000), "n_heads": st.sampled_from([2, 4, 8]), "kv_heads": st.sampled_from([1, 2]),
-    "head_dim": st.integers(1, 32).map(lambda x: 2 * x), "layers": st.lists(st.sampled_from(["full", "swa"]), min_size=1, max_size=4),
-    "window": st.integers(1, 64), "rope_base": st.floats(1.0, 1e6), "eps": st.floats(1e-8, 1e-2), "seed": U64})
-
-
-@fuzz
-@given(MODEL_KWARGS.flatmap(lambda kw: st.one_of(
-    st.just(kw), mutated({"layers": ["full", "swa"]} | kw, NEAR | st.floats(), st.sampled_from(sorted(MODEL_FIELDS)),
-            root=False))))
-def test_model_configs_are_accepted_iff_valid(kw: dict) -> None:
-    try:
-        config = ModelConfig(**kw)
-    except ModelConfigError:
-        assert not model_ok(kw), kw
-        return
-    assert model_ok(kw)
-    want = MODEL_FIELDS | kw
-    assert dataclasses.asdict(config) == want | {"layers": tuple(want["layers"])}
-    assert ModelConfig(**dataclasses.asdict(config)) == config
-
-
-# --- the bugs these tests found, as plain cases ------------------------------------------------
-@pytest.mark.parametrize("content,reason", [
-    (b"1" * 5000, "invalid JSON"), (b"[" * 100_000, "nested too deeply"), (b"\xff\n", "not UTF-8"),
-    (json.dumps({"timestamp": 0, "input_length": 10**400, "output_length": 0, "hash_ids": []}).encode(), "hash_ids"),
-])
-def test_trace_errors_that_escaped(tmp_path: Path, content: bytes, reason: str) -> None:
-    with pytest.raises(TraceError, match=reason):
-        load(tmp_path / "t.jsonl", content)
-
-
 @pytest.mark.parametrize("wire", [[1, 0, True, []], [1, True, 2, []], [True, 0, 2, []], [1, 0, 2, [[[b"k" * 16], True, False]]],
                                   [1, 0, MAX_SHARDS + 1, []], [1, 0, 2**40, [[[b"k" * 16], 0, True]]]])
 def test_route_tables_that_passed(wire: list) -> None:
@@ -716,20 +397,7 @@ def test_route_tables_that_passed(wire: list) -> None:
         RouteTable.decode(msgpack.packb(wire))
 
 
-def test_configs_and_messages_that_passed_or_escaped() -> None:
-    base = {"layers": ["full"], "kv_heads": 1, "head_dim": 1, "page_size": 1}
-    for bad in ({"window": 0.0}, {"window": False}, {"window": None}, {"layers": {"full": 1}}, {1: 2}):
-        with pytest.raises(LayoutError):
-            KVLayout.from_dict(base | bad)
-    with pytest.raises(LayoutError):
-        KVLayout.from_dict(base | {"layers": ["swa"], "window": True})
-    for bad in ("ab", 5, [("shards", 2)], {1: 1, "x": 2}, {"shards": MAX_SHARDS + 1}):
-        with pytest.raises(AppArgsError):
-            AppArgs.from_dict(bad)
-    for bad in ({"rope_base": "x"}, {"eps": float("nan")}, {"seed": -1}, {"window": True}, {"layers": "full"},
-                {"layers": (["full"],)}, {"layers": ("moe",)}):
-        with pytest.raises(ModelConfigError):
-            ModelConfig(**bad)
+def test_messages_that_passed() -> None:
     for wire in ([True, "batch", "n", 0, 0, False, [], b""], [1, "snapshot", "n", 0, 0, False, [], b""]):
         with pytest.raises(EventError):
             decode_events(msgpack.packb(wire))
