@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntFlag
+from typing import Sequence
 
 import msgpack
 
@@ -104,10 +105,32 @@ def _page(p: object, i: int) -> PageState:
     if not (isinstance(key, bytes) and len(key) == KEY_BYTES and isinstance(parent, bytes)
             and len(parent) == KEY_BYTES):
         raise EventError(f"page {i}: key and parent must be {KEY_BYTES} bytes")
-    if not _uint(depth) or not _uint(mask) or mask > int(PageMask.FULL | PageMask.SWA):
+    if not _uint(depth) or not _uint(mask) or mask > _MAX_MASK:
         raise EventError(f"page {i}: depth must be an int >= 0 and mask a PageMask")
     return PageState(key, parent, depth, mask)
 
 
+_MAX_MASK = int(PageMask.FULL | PageMask.SWA)
+
+
 def _uint(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def check_header(node: object, epoch: object, seq: object) -> None:
+    """A batch's or snapshot's sender and position, however it was built (wire or in process)."""
+    if not isinstance(node, str) or not node:
+        raise EventError("node must be a non-empty str")
+    for name, v in (("epoch", epoch), ("seq", seq)):
+        if not _uint(v):
+            raise EventError(f"{name} must be an int >= 0, got {v!r}")
+
+
+def check_pages(pages: Sequence[PageState], allow_zero: bool) -> None:
+    """Whole-batch validation before any of it is applied: bad input changes nothing."""
+    for i, p in enumerate(pages):
+        if not (isinstance(p, PageState) and type(p.key) is bytes and len(p.key) == KEY_BYTES
+                and type(p.parent) is bytes and len(p.parent) == KEY_BYTES):
+            raise EventError(f"page {i}: key and parent must be {KEY_BYTES} bytes")
+        if not _uint(p.depth) or not _uint(p.mask) or not (0 if allow_zero else 1) <= p.mask <= _MAX_MASK:
+            raise EventError(f"page {i}: bad depth {p.depth!r} or mask {p.mask!r}")

@@ -17,7 +17,8 @@ from itertools import accumulate, chain as _chain, count, repeat, takewhile
 from operator import and_, or_
 from typing import Sequence
 
-from fabric.events import KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot
+from fabric.events import (KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot, check_header,
+                           check_pages)
 
 # Bits of a node's nibble: FULL on either tier, FULL on device, SWA on either, SWA on device.
 _F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8
@@ -104,8 +105,8 @@ class PrefixIndex:
 
     def apply(self, batch: EventBatch) -> ApplyResult:
         self._check_layout(batch.fingerprint)
-        _check_header(batch.node, batch.epoch, batch.seq)
-        _check_pages(batch.pages, allow_zero=True)
+        check_header(batch.node, batch.epoch, batch.seq)
+        check_pages(batch.pages, allow_zero=True)
         result = self._admit(batch.node, batch.epoch, batch.seq, batch.cleared)
         if result is ApplyResult.APPLIED:
             st = self._nodes[batch.node]
@@ -130,7 +131,7 @@ class PrefixIndex:
         changes nothing), and the per-page work is a few C-level passes over the keys."""
         if not (type(node) is str and node and type(epoch) is int and epoch >= 0
                 and type(seq) is int and seq >= 0):
-            _check_header(node, epoch, seq)           # the full check: subclasses, or raises
+            check_header(node, epoch, seq)           # the full check: subclasses, or raises
         if type(keys) is not list:
             if isinstance(keys, (str, bytes, bytearray, memoryview)) or not hasattr(keys, "__iter__"):
                 raise EventError(f"keys must be a sequence of {KEY_BYTES}-byte bytes")
@@ -187,8 +188,8 @@ class PrefixIndex:
         """Replace the node's whole state. A snapshot older than what the index already
         applied (older epoch, or earlier seq of the same epoch) is ignored and says so."""
         self._check_layout(snap.fingerprint)
-        _check_header(snap.node, snap.epoch, snap.seq)
-        _check_pages(snap.pages, allow_zero=False)
+        check_header(snap.node, snap.epoch, snap.seq)
+        check_pages(snap.pages, allow_zero=False)
         st = self._nodes.get(snap.node)
         epoch, seq = (st.epoch, st.seq) if st else self._retired.get(snap.node, (-1, None))
         if snap.epoch < epoch:
@@ -411,25 +412,3 @@ class PrefixIndex:
                 "out_of_sync": sorted(n for n, st in self._nodes.items() if st.seq is None),
                 "snapshots_loaded": self._snapshots,
                 **{r.value: c for r, c in self._counts.items()}}
-
-
-def _check_header(node: object, epoch: object, seq: object) -> None:
-    if not isinstance(node, str) or not node:
-        raise EventError("node must be a non-empty str")
-    for name, v in (("epoch", epoch), ("seq", seq)):
-        if not _is_uint(v):
-            raise EventError(f"{name} must be an int >= 0, got {v!r}")
-
-
-def _is_uint(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _check_pages(pages: Sequence[PageState], allow_zero: bool) -> None:
-    """Whole-batch validation before any of it is applied: bad input changes nothing."""
-    for i, p in enumerate(pages):
-        if not (isinstance(p, PageState) and type(p.key) is bytes and len(p.key) == KEY_BYTES
-                and type(p.parent) is bytes and len(p.parent) == KEY_BYTES):
-            raise EventError(f"page {i}: key and parent must be {KEY_BYTES} bytes")
-        if not _is_uint(p.depth) or not _is_uint(p.mask) or not (0 if allow_zero else 1) <= p.mask <= _MAX_MASK:
-            raise EventError(f"page {i}: bad depth {p.depth!r} or mask {p.mask!r}")
