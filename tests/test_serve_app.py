@@ -106,3 +106,16 @@ def test_serving_metrics_record_every_kind_of_answer(endpoint):
         return 4
 
     assert ray.get(record.remote(), timeout=120) == 4
+
+
+def test_down_removes_the_app_and_the_fabric(endpoint):
+    """Last in this module: it takes everything down."""
+    import ray
+    from deploy.cluster import down
+    killed = down()
+    assert "kvf-directory" in killed and any(n.startswith("kvf-node-") for n in killed)
+    assert any(n.startswith("kvf-index-") for n in killed)
+    with pytest.raises(ValueError):
+        ray.get_actor("kvf-directory", namespace="kvfabric")
+    with pytest.raises(OSError):
+        urllib.request.urlopen(endpoint.base_url + "/v1/models", timeout=10)
