@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="the fabric and its Serve app on a 3-node cluster, fed a real trace",
                    add_help=False)
+    sub.add_parser("replay", help="cluster-scale trace replay on the real fabric core, in simulated time",
+                   add_help=False)
     sub.add_parser("chaos", help="seeded faults over a running fabric and workload, then checks", add_help=False)
     up = sub.add_parser("up", help="deploy the fabric and the Serve app onto a running cluster; leave them up")
     up.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
@@ -31,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from deploy.demo import main as demo
         return demo(rest)
+    if args.command == "replay":
+        from deploy.simulate import main as replay
+        return replay(rest)
     if args.command == "chaos":
         from deploy.chaos_run import main as chaos
         return chaos(rest)
