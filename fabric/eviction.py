@@ -26,14 +26,18 @@ class Evictor:
         self.evicted = 0
         self.written_back = 0
 
-    def make_room(self, tier: Tier, n: int, txn: "Transaction") -> int:
-        """Free at least `n` pages of this pool on `tier` if possible; return how many."""
+    def make_room(self, tier: Tier, n: int, txn: "Transaction", extra: int = 0) -> int:
+        """Free at least `n` pages of this pool on `tier` if possible, and up to `extra`
+        more while candidates last; return how many.
+
+        Gathering candidates walks the whole tree, so callers under steady pressure
+        ask for `extra` too: one walk then serves many inserts."""
         pool, policy = self.policy.pool, self.policy
         demote = tier == Tier.DEVICE and self.write_back()
         heap = policy.groups(self.tree, tier, demote)
         heapq.heapify(heap)
-        freed = 0
-        while freed < n and heap:
+        freed, want = 0, n + max(0, extra)
+        while freed < want and heap:
             *_, node, offsets = heapq.heappop(heap)
             pages = node.slots[tier][pool]
             offsets = [j for j in offsets if pages is not None and pages[j] != ABSENT]

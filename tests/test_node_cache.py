@@ -215,3 +215,25 @@ def test_metadata_only_mode():
     assert cache.match(seq(5), NS).keys == keys
     assert cache.get(seq(5), NS).tokens == 20
     cache.check()
+
+
+def test_eviction_under_pressure_walks_the_tree_once_per_batch(monkeypatch):
+    """A full pool evicts a slice of itself per walk over the tree, not one walk per put;
+    small pools (under EVICTION_BATCH pages) evict exactly what a put needs."""
+    from fabric.node_cache import EVICTION_BATCH
+    from fabric.policies import FullAttentionPolicy
+    layout = KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=2)
+    walks = []
+    real = FullAttentionPolicy.groups
+    monkeypatch.setattr(FullAttentionPolicy, "groups", lambda self, *a: walks.append(1) or real(self, *a))
+    pages = 4 * EVICTION_BATCH
+    cache = NodeCache(layout, {PoolName.FULL: PoolCapacity(pages, 0)}, store_bytes=False, device="cpu")
+    for i in range(200):                      # 200 distinct 4-page prompts through a 256-page pool
+        assert cache.put([i * 10 + j for j in range(8)], None, NS) == 4
+        cache.check()
+    assert 0 < len(walks) <= 200 * 4 // (pages // EVICTION_BATCH) // 2
+    assert cache.match([199 * 10 + j for j in range(8)], NS).pages == 4      # the newest stays
+    small = NodeCache(layout, {PoolName.FULL: PoolCapacity(8, 0)}, store_bytes=False, device="cpu")
+    for i in range(3):
+        small.put([i * 10 + j for j in range(8)], None, NS)
+    assert small.stats().pools["FULL/DEVICE"]["used"] == 8      # exactly full: nothing extra freed
