@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
@@ -138,7 +139,7 @@ def _make_cache(config: SimConfig, pages: int) -> NodeCache:
     return NodeCache(config.layout, caps, store_bytes=False, device="cpu")
 
 
-class Policy:
+class Policy(ABC):
     """Routing and service of one mode. The router sees, per node, `loads` (requests queued or
     running) and `backlog_s` (expected seconds until the node is free: what is left of the
     running prefill plus the estimates of the queued ones)."""
@@ -153,8 +154,9 @@ class Policy:
         c = self.config
         return [SimNode(f"node-{i}", _make_cache(c, c.capacity_pages)) for i in range(c.nodes)]
 
+    @abstractmethod
     def route(self, req: SimRequest, loads: list[int], backlog_s: list[float]) -> Placement:
-        raise NotImplementedError
+        """Where `req` goes, and what it fetches on the way."""
 
     def _rotation(self, n: int) -> list[int]:
         """Node order for tie-breaks: round-robin, so that cold requests spread."""
