@@ -96,7 +96,7 @@ def wait_healthy(endpoint: Endpoint, wait_s: float) -> None:
                 if r.status == 200:
                     return
         except OSError:
-            pass
+            pass              # not serving yet: try again until the deadline
         if time.monotonic() > deadline:
             raise TimeoutError(f"the app at {endpoint.base_url} did not become healthy in {wait_s:.0f} s")
         time.sleep(0.5)

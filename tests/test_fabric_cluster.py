@@ -240,7 +240,7 @@ def test_a_killed_directory_restarts_with_its_routes_and_nodes(fabric):
             if ray.get(fabric.directory.incarnation.remote(), timeout=T) != first:
                 break
         except ray.exceptions.RayActorError:
-            pass
+            pass                         # restarting
         assert time.monotonic() < deadline
         time.sleep(0.2)
     after_routes = ray.get(fabric.directory.get_routes.remote(), timeout=T)
