@@ -73,8 +73,11 @@ class NodeCacheActor:
         return stored
 
     def get(self, tokens: Sequence[int], namespace: str) -> CachedKV:
+        """The usable cached prefix, its K/V in host memory: the caller is another
+        process, which may not see this node's GPU (no-op on CPU pools)."""
         hit = self.cache.get(tokens, namespace)
         self.publish()      # load-backs and evictions change what the index should know
+        hit.layers = [None if t is None else t.cpu() for t in hit.layers]
         return hit
 
     def match(self, tokens: Sequence[int], namespace: str) -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Transport checks with CUDA pools, for a machine with a GPU (none on the dev hosts).
+# Transport and model checks with CUDA pools, for a machine with a GPU (none on the dev hosts).
 # Runs the transport tests and the benchmark with every pool in device memory (VRAM
 # registered with NIXL/UCX, LocalTransport copies through pinned memory on a side
 # stream), each under a hard time limit; whole script well under 5 minutes.
@@ -27,4 +27,23 @@ timeout 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_nixl_transport.py 
 echo "== transport benchmark (KVF_TEST_DEVICE=cuda)"
 timeout 170 "$PY" -m benchmarks.transport_bench --json 2>&1 | tee "$OUT/bench.txt"
 tail -n 1 "$OUT/bench.txt" > "$OUT/bench.json"
+echo "== reference model on CUDA: cached greedy output equals uncached (one GPU, fp32)"
+timeout 60 "$PY" - <<'PY' 2>&1 | tee "$OUT/model.txt"
+import torch
+from deploy.engine import Engine
+from deploy.model import ModelConfig, TinyLM
+from fabric import NodeCache, PoolCapacity, PoolName
+cfg = ModelConfig()
+model = TinyLM(cfg, "cuda")
+layout = cfg.layout()
+cache = NodeCache(layout, {PoolName.FULL: PoolCapacity(256, 256), PoolName.SWA: PoolCapacity(64, 64)}, device="cuda")
+cached, plain = Engine(model, cache), Engine(model, None)
+prompt = [(7 * i) % cfg.vocab for i in range(200)]
+cached.generate(prompt, 4)
+a = cached.generate(prompt + [3, 4, 5], 4, return_logits=True)
+b = plain.generate(prompt + [3, 4, 5], 4, return_logits=True)
+assert a.cached_tokens > 0 and a.tokens == b.tokens, (a, b)
+assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), "logits differ on CUDA"
+print("cuda model ok: cached", a.cached_tokens, "tokens, outputs equal bit for bit")
+PY
 echo "results in $OUT"

@@ -41,8 +41,12 @@ class AppArgs:
     max_positions: int = 4096
     max_tokens_limit: int = 256
     chaos: bool = False              # nodes accept injected faults (`kvfabric chaos`)
+    gpus_per_replica: float = 0.0    # GPUs each model server asks Ray for (0: it runs on CPU)
 
     def __post_init__(self) -> None:
+        g = self.gpus_per_replica
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 8:
+            raise AppArgsError(f"gpus_per_replica must be a number in [0, 8], got {g!r}")
         if not isinstance(self.chaos, bool):
             raise AppArgsError(f"chaos must be a bool, got {self.chaos!r}")
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -105,8 +109,9 @@ def build_app(args: AppArgs) -> serve.Application:
     replicas = args.nodes or sum(1 for n in ray.nodes() if n["Alive"])
     router = RequestRouterConfig(request_router_class=FabricRequestRouter,
                                  request_router_kwargs={"page_size": args.model_config.page_size})
-    server = ModelServer.options(num_replicas=replicas, max_replicas_per_node=1,
-                                 request_router_config=router).bind(args.model_config)
+    server = ModelServer.options(num_replicas=replicas, max_replicas_per_node=1, request_router_config=router,
+                                 ray_actor_options={"num_cpus": 0.25, "num_gpus": args.gpus_per_replica}
+                                 ).bind(args.model_config)
     ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": 0.25})
     return ingress.bind(server, args.model_name, args.model_config, args.api_key, args.max_tokens_limit)
 

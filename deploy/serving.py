@@ -46,7 +46,8 @@ class ActorCache:
         return ray.get(self.actor.get.remote(list(tokens), namespace), timeout=self.timeout_s)
 
     def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str) -> int:
-        return ray.get(self.actor.put.remote(list(tokens), list(kv), namespace), timeout=self.timeout_s)
+        host = [t.detach().cpu() for t in kv]        # the actor moves them to its pools' device
+        return ray.get(self.actor.put.remote(list(tokens), host, namespace), timeout=self.timeout_s)
 
 
 class FabricRemote:
@@ -116,10 +117,11 @@ def find_node_actor(wait_s: float = 120.0):
 
 @serve.deployment(max_ongoing_requests=4, ray_actor_options={"num_cpus": 0.25})
 class ModelServer:
-    def __init__(self, model_config: ModelConfig, torch_threads: int = 1) -> None:
+    def __init__(self, model_config: ModelConfig, torch_threads: int = 1, device: str | None = None) -> None:
         torch.set_num_threads(torch_threads)     # replicas share the node's cores
         self.node, actor = find_node_actor()
-        model = TinyLM(model_config)
+        # A GPU when Ray gave this replica one (AppArgs.gpus_per_replica), else the CPU.
+        model = TinyLM(model_config, device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.remote = FabricRemote(FabricClient.connect(), self.node)
         cost = CostModel.measure(model, fetch_overhead_s=FETCH_CALLS * _round_trip_s(actor))
         self.cached = Engine(model, ActorCache(actor), remote=self.remote, cost=cost)

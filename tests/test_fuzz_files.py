@@ -147,6 +147,7 @@ def app_args_ok(d: object) -> bool:
             and all(_uint(a[f]) for f in ("nodes", "host_pages"))
             and all(_pos(a[f]) for f in ("shards", "device_pages", "max_positions", "max_tokens_limit"))
             and a["shards"] <= MAX_SHARDS and type(a.get("chaos", False)) is bool
+            and type(a["gpus_per_replica"]) in (int, float) and 0 <= a["gpus_per_replica"] <= 8
             and a["device_pages"] * ModelConfig().page_size >= a["max_positions"])   # pools hold a prompt
 
 
@@ -154,7 +155,8 @@ APP_ARGS = st.fixed_dictionaries({}, optional={
     "model_name": st.text(min_size=1, max_size=8), "shards": st.integers(1, MAX_SHARDS),
     "api_key": st.none() | st.text(min_size=1, max_size=8), "nodes": st.integers(0, 64),
     "device_pages": st.integers(1, 2**20), "host_pages": st.integers(0, 2**20),
-    "max_positions": st.integers(1, 2**16), "max_tokens_limit": st.integers(1, 2**16), "chaos": st.booleans()})
+    "max_positions": st.integers(1, 2**16), "max_tokens_limit": st.integers(1, 2**16), "chaos": st.booleans(),
+    "gpus_per_replica": st.integers(0, 8) | st.floats(0, 8)})
 
 
 @fuzz
