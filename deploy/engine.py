@@ -130,6 +130,10 @@ class Engine:
         start = time.perf_counter()
         past, device, host, remote, fetch = self._lookup(prompt, namespace)
         logits, state = self.model.prefill(prompt, past)
+        # The prompt's whole pages, before decoding appends to the state: what the
+        # generated tokens' pages are recomputed from (see _store).
+        ps = self.model.config.page_size
+        whole = state.truncated(len(prompt) // ps * ps)
         out, steps = [], []
         ttft = 0.0
         for i in range(max_tokens):
@@ -140,11 +144,7 @@ class Engine:
             out.append(int(torch.argmax(logits)))
             if i == 0:
                 ttft = time.perf_counter() - start
-        # Stored after decoding, off the TTFT path. Only prompt pages: decode
-        # computes K/V one row at a time, a different computation (other bits) than
-        # the page chunk a later prefill of the same tokens runs, so a decoded page
-        # would not be transparent.
-        stored = self._store(prompt, state, namespace)
+        stored = self._store(prompt, prompt + out, whole, namespace)
         total = time.perf_counter() - start
         cached = past.length
         s = self.stats
@@ -244,10 +244,22 @@ class Engine:
             self.stats.unusable_hits += 1     # a cache bug must not become wrong output
             return self.model.empty_state()
 
-    def _store(self, prompt: list[int], state: KVState, namespace: str) -> int:
+    def _store(self, prompt: list[int], seq: list[int], whole: KVState, namespace: str) -> int:
+        """Store the whole pages of the prompt, then of prompt and output, after
+        decoding (off the TTFT path): a retry repeats the prompt, a conversation's
+        next turn repeats both, and the two puts keep an SWA window at each end.
+
+        `whole` holds the prompt's whole pages as prefill computed them. Pages past
+        it (the prompt's partial page and the output) are recomputed in page
+        chunks first: decoding computed them a row at a time, other bits than the
+        chunk a later prefill of the same tokens runs, so storing those rows
+        would not be transparent."""
         if self.cache is None or not self.store:
             return 0
-        n = len(prompt) // self.model.config.page_size * self.model.config.page_size
-        if n == 0:
-            return 0
-        return self.cache.put(prompt[:n], state.for_put(n), namespace)
+        ps = self.model.config.page_size
+        stored = self.cache.put(prompt[:whole.length], whole.for_put(whole.length), namespace) if whole.length else 0
+        n = min(len(seq) // ps * ps, self.model.config.max_positions // ps * ps)
+        if n > whole.length:
+            state = self.model.prefill(seq[:n], whole)[1]
+            stored += self.cache.put(seq[:n], state.for_put(n), namespace)
+        return stored

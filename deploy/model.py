@@ -99,6 +99,12 @@ class KVState:
     starts: list[int]
     length: int
 
+    def truncated(self, tokens: int) -> "KVState":
+        """The state of the first `tokens` positions (views, no copy)."""
+        if not 0 <= tokens <= self.length or any(s > tokens for s in self.starts):
+            raise ValueError(f"cannot cut a state of {self.length} tokens (starts {self.starts}) at {tokens}")
+        return KVState([t[:, :tokens - s] for t, s in zip(self.layers, self.starts)], list(self.starts), tokens)
+
     def for_put(self, tokens: int) -> list[torch.Tensor]:
         """Per-layer [2, tokens, H, D] from token 0, as NodeCache.put takes them.
 

@@ -266,3 +266,23 @@ def test_output_with_cache_equals_without(stem, requests, seed, host):
         assert_same(got, reference(prompt, 3))
     assert_no_poison(c)
     c.check()
+
+
+def test_a_conversations_next_turn_hits_the_previous_answer():
+    """Prompt and output pages are stored (the output recomputed in page chunks), so
+    the next turn, which repeats both, is served from cache past the old prompt, and
+    its output still equals the uncached one bit for bit; a retry of the first
+    prompt still hits all of its pages."""
+    c = cache(full=(64, 0), swa=(32, 0))
+    engine = Engine(MODEL, c)
+    first = toks(40, 21)                                   # 2 whole pages and a part
+    turn1 = engine.generate(first, 30, NS)
+    nxt = first + turn1.tokens + toks(20, 22)              # 90 tokens: 5 whole pages
+    got = engine.generate(nxt, 6, NS, return_logits=True)
+    assert got.cached_tokens == 64                         # (40 + 30) // 16 pages, past the old 32
+    assert_same(got, reference(nxt))
+    again = engine.generate(first, 4, NS, return_logits=True)
+    assert again.cached_tokens == 32
+    assert_same(again, reference(first, 4))
+    assert_no_poison(c)
+    c.check()
