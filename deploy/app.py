@@ -27,7 +27,7 @@ from .serving import ModelServer
 
 
 class AppArgsError(ValueError):
-    pass
+    """App args that do not make a valid app (unknown names, bad values)."""
 
 
 @dataclass(frozen=True)

@@ -209,7 +209,7 @@ class ChaosHarness:
             try:
                 out[name] = ray.get_actor(name, namespace=NAMESPACE)
             except ValueError:
-                pass
+                pass          # died since the directory listed it: nothing to inject into
         return out
 
     def _converged_after(self, limit_s: float = 60.0) -> float:

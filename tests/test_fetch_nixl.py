@@ -81,7 +81,7 @@ class Source:
             try:
                 self.conn.send(("quit",))
             except (BrokenPipeError, OSError):
-                pass
+                pass          # the peer is already gone: join below just reaps it
             self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()

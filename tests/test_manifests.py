@@ -252,7 +252,7 @@ def test_cluster_start_commands_keep_token_auth(cluster):
 def _cli_subcommands(main) -> set[str]:
     """The subcommands `main`'s parser accepts, read from the parser it builds."""
     class Built(Exception):
-        pass
+        """Raised from parse_args to stop `main` once its parser is built."""
 
     seen: list[argparse.ArgumentParser] = []
 

@@ -89,7 +89,7 @@ class Peer:
             try:
                 self.conn.send("quit")
             except (BrokenPipeError, OSError):
-                pass
+                pass          # the peer is already gone: join below just reaps it
             self.proc.join(5)
         if self.proc.is_alive():
             self.proc.kill()
