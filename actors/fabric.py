@@ -135,15 +135,18 @@ class FabricClient:
             return _matches(found)
         return []
 
-    def fetch(self, tokens: Sequence[int], namespace: str, into: str) -> int:
-        """Pull the best remote prefix of `tokens` into node `into`; returns the pages
-        usable there afterwards (0 when anything fails)."""
+    def fetch(self, tokens: Sequence[int], namespace: str, into: str, source: NodeMatch | None = None) -> int:
+        """Pull the best remote prefix of `tokens` into node `into` (from `source`, when
+        the caller has just looked it up); returns the pages usable there afterwards
+        (0 when anything fails)."""
         try:
             target = ray.get_actor(into, namespace=NAMESPACE)
-            local = ray.get(target.match.remote(tokens, namespace), timeout=self.timeout_s)
-            best = next((m for m in self.lookup(tokens, namespace) if m.node != into), None)
-            if best is None or best.pages <= local:
-                return local
+            best = source
+            if best is None:
+                local = ray.get(target.match.remote(tokens, namespace), timeout=self.timeout_s)
+                best = next((m for m in self.lookup(tokens, namespace) if m.node != into), None)
+                if best is None or best.pages <= local:
+                    return local
             source = ray.get_actor(best.node, namespace=NAMESPACE)
             ray.get(target.fetch.remote(source, best.node, tokens, namespace), timeout=self.timeout_s * 4)
             return ray.get(target.match.remote(tokens, namespace), timeout=self.timeout_s)

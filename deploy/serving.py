@@ -22,7 +22,7 @@ from ray.util import metrics
 
 from actors import FabricClient
 from actors.directory import NAMESPACE, node_actor_name
-from fabric import CachedKV
+from fabric import CachedKV, NodeMatch
 
 from .engine import CostModel, Engine, Generation
 from .model import ModelConfig, TinyLM
@@ -56,14 +56,22 @@ class FabricRemote:
     def __init__(self, client: FabricClient, node: str) -> None:
         self.client, self.node = client, node
         self.last_fetch_s = 0.0
+        self._best: tuple[str, tuple[int, ...], NodeMatch] | None = None   # the last lookup's answer
 
     def best_remote(self, tokens: Sequence[int], namespace: str) -> int:
-        return max((m.pages for m in self.client.lookup(tokens, namespace) if m.node != self.node), default=0)
+        best = next((m for m in self.client.lookup(tokens, namespace) if m.node != self.node), None)
+        self._best = None if best is None else (namespace, tuple(tokens), best)
+        return 0 if best is None else best.pages
 
     def fetch(self, tokens: Sequence[int], namespace: str) -> int:
+        """Fetch from the node `best_remote` just found (no second lookup), else from
+        whichever the index names now."""
+        source = None
+        if self._best is not None and self._best[:2] == (namespace, tuple(tokens)):
+            source = self._best[2]
         start = time.perf_counter()
         try:
-            return self.client.fetch(tokens, namespace, into=self.node)
+            return self.client.fetch(tokens, namespace, into=self.node, source=source)
         finally:
             self.last_fetch_s = time.perf_counter() - start
 
