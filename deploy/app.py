@@ -9,6 +9,7 @@ running one serves the same model layout), and returns the bound app.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import ray
@@ -24,6 +25,7 @@ from .model import ModelConfig
 from .openai_api import OpenAIIngress
 from .router import FabricRequestRouter
 from .serving import ModelServer
+from .tenants import TenantTable, load_tenants
 
 
 class AppArgsError(ValueError):
@@ -34,7 +36,9 @@ class AppArgsError(ValueError):
 class AppArgs:
     model_name: str = "kvfabric-tiny"
     shards: int = 4                  # index shard actors
-    api_key: str | None = None       # if set, HTTP requests need "Authorization: Bearer <key>"
+    # An absolute path, on every node, to the tenant table (API key -> namespaces; see
+    # deploy/tenants.py). None: no keys, every caller is one tenant that may use any namespace.
+    tenants_file: str | None = None
     nodes: int = 0                   # model-server replicas; 0: one per alive Ray node
     device_pages: int = 2048         # per node and pool; SWA pools get a quarter
     host_pages: int = 8192
@@ -51,8 +55,9 @@ class AppArgs:
             raise AppArgsError(f"chaos must be a bool, got {self.chaos!r}")
         if not isinstance(self.model_name, str) or not self.model_name:
             raise AppArgsError(f"model_name must be a non-empty string, got {self.model_name!r}")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise AppArgsError("api_key must be a non-empty string when set")
+        t = self.tenants_file
+        if t is not None and (not isinstance(t, str) or not os.path.isabs(t)):
+            raise AppArgsError(f"tenants_file must be an absolute path when set, got {t!r}")
         for f in ("shards", "nodes", "device_pages", "host_pages", "max_positions", "max_tokens_limit"):
             v = getattr(self, f)
             low = 0 if f in ("nodes", "host_pages") else 1
@@ -72,10 +77,17 @@ class AppArgs:
             return cls()
         if not isinstance(args, dict):
             raise AppArgsError(f"app args must be a mapping, got {type(args).__name__}")
+        if "api_key" in args:
+            raise AppArgsError("api_key was replaced by tenants_file: a file of API keys and the "
+                               "namespaces each may use (see deploy/tenants.py)")
         unknown = set(args) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise AppArgsError(f"unknown app args: {sorted(map(str, unknown))}")
         return cls(**args)
+
+    def tenants(self) -> TenantTable | None:
+        """The tenant table, read from `tenants_file` (raises TenantsError if it is bad)."""
+        return load_tenants(self.tenants_file) if self.tenants_file is not None else None
 
     @property
     def model_config(self) -> ModelConfig:
@@ -105,7 +117,9 @@ def ensure_fabric(args: AppArgs, timeout_s: float = 180.0) -> bool:
 
 
 def build_app(args: AppArgs) -> serve.Application:
-    """The bound app (the fabric must be up)."""
+    """The bound app (the fabric must be up). A bad tenant table fails here, before any
+    replica starts; each ingress replica reads the file again on its own node."""
+    args.tenants()
     replicas = args.nodes or sum(1 for n in ray.nodes() if n["Alive"])
     router = RequestRouterConfig(request_router_class=FabricRequestRouter,
                                  request_router_kwargs={"page_size": args.model_config.page_size})
@@ -113,7 +127,7 @@ def build_app(args: AppArgs) -> serve.Application:
                                  ray_actor_options={"num_cpus": 0.25, "num_gpus": args.gpus_per_replica}
                                  ).bind(args.model_config)
     ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": 0.25})
-    return ingress.bind(server, args.model_name, args.model_config, args.api_key, args.max_tokens_limit)
+    return ingress.bind(server, args.model_name, args.model_config, args.tenants_file, args.max_tokens_limit)
 
 
 def app_builder(args: dict) -> serve.Application:

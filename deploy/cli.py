@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: localhost only)")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--args", default="{}", help="app args as JSON (see deploy.app.AppArgs)")
+    up.add_argument("--tenants", metavar="FILE", help="the tenant table: API keys and the namespaces "
+                    "each may use (JSON or YAML; deploy/tenants.py); the same path on every node")
     down = sub.add_parser("down", help="remove the Serve app and the fabric from a running cluster")
     down.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
     bench = sub.add_parser("bench", help="benchmarks against peers and limits", add_help=False)
@@ -54,10 +56,15 @@ def _up(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ap.error(f"--args is not JSON: {e}")
     if not isinstance(app_args, dict):
         ap.error("--args must be a JSON object")
+    if args.tenants is not None:
+        if "tenants_file" in app_args:
+            ap.error("give the tenant table with --tenants or in --args, not both")
+        app_args["tenants_file"] = os.path.abspath(os.path.expanduser(args.tenants))
     from deploy.app import AppArgs, AppArgsError
+    from deploy.tenants import TenantsError
     try:
-        AppArgs.from_dict(app_args)
-    except (AppArgsError, TypeError) as e:
+        AppArgs.from_dict(app_args).tenants()       # a bad table fails here, not in a replica
+    except (AppArgsError, TenantsError, TypeError) as e:
         ap.error(str(e))
     from deploy.cluster import connect, up
     connect(args.address)

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, app, trace, endpoint):
     print(f"replaying {len(prompts)} requests of multi-turn conversations "
           f"({sum(map(len, prompts))} prompt tokens), each with caching off and through the fabric",
           file=sys.stderr)
-    pairs = replay(endpoint, app.model_name, prompts, args.max_tokens, args.concurrency, app.api_key)
+    pairs = replay(endpoint, app.model_name, prompts, args.max_tokens, args.concurrency)   # no keys: one tenant
     layout = cfg.layout()
     full = layout.page_bytes(PoolName.FULL) / layout.page_size if PoolName.FULL in layout.pools else 0
     swa = layout.page_bytes(PoolName.SWA) * layout.window_pages if PoolName.SWA in layout.pools else 0

@@ -4,17 +4,18 @@ Untrusted input enters here, so every check happens before a GenerateRequest
 exists: a request failing one gets a 4xx with an OpenAI-style error body and never
 reaches a model server. A failure behind the ingress (a dead replica, a backend
 bug) becomes a 503 with the same body shape, never a 500 traceback.
+Who may call and which cache namespace a request uses is deploy/ingress_auth.py's
+(API keys from a tenant table, deploy/tenants.py); error bodies are deploy/openai_errors.py's.
 `build_fastapi` builds the app over any `Backend`; `OpenAIIngress` is the Ray
 Serve deployment that builds it per replica over a handle to the model servers.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
 import uuid
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -24,8 +25,12 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import RequestError
+from .ingress_auth import Authorizer
 from .model import ModelConfig
+from .openai_errors import APIError, ErrorResponse
+from .openai_errors import bad_request as _bad
 from .protocol import GenerateRequest, GenerateResult
+from .tenants import MAX_NAME_CHARS, TenantTable, load_tenants
 from .tokenizer import ByteTokenizer
 
 __all__ = ["APIError", "Backend", "CompletionRequest", "CompletionResponse", "HandleBackend",
@@ -35,7 +40,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
 MAX_BODY_BYTES = 1 << 20         # far above any prompt the model can take; caps parse work
-MAX_NAME_CHARS = 256             # namespaces and users become cache keys: keep them bounded
 
 
 class Backend(Protocol):
@@ -48,7 +52,7 @@ class KVFabricOptions(BaseModel):
     """The `kvfabric` extension object of a completion request."""
     model_config = ConfigDict(extra="forbid", strict=True)
     namespace: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
-    cache: bool = True
+    cache: bool = True           # the namespace must be one the caller's API key grants
 
 
 class CompletionRequest(BaseModel):
@@ -59,7 +63,7 @@ class CompletionRequest(BaseModel):
     max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=0)
     temperature: float | None = None
     stream: bool = False
-    user: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    user: str | None = Field(default=None, max_length=MAX_NAME_CHARS)   # OpenAI's end-user id: not a namespace
     kvfabric: KVFabricOptions | None = None
     # OpenAI sampling parameters: accepted at the value that keeps decoding greedy
     # and single-choice (clients often send the defaults), refused otherwise rather
@@ -143,35 +147,6 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    code: str | None = None
-    param: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-class APIError(Exception):
-    """An error answered to the client as an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.detail = ErrorDetail(message=message, type=type, code=code, param=param)
-
-    def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(ErrorResponse(error=self.detail).model_dump(), self.status, headers)
-
-
-def _bad(message: str, code: str = "invalid_request", param: str | None = None) -> NoReturn:
-    raise APIError(400, message, code=code, param=param)
-
-
 # --- parsing ----------------------------------------------------------------------------
 def _json_repr(value: Any) -> str:
     try:
@@ -236,28 +211,29 @@ def _check_supported(req: CompletionRequest) -> None:
 
 # --- the app ----------------------------------------------------------------------------
 def build_fastapi(backend: Backend, model_name: str, model_config: ModelConfig,
-                  api_key: str | None, max_tokens_limit: int = 256, *,
+                  tenants: TenantTable | None, max_tokens_limit: int = 256, *,
                   max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The OpenAI-compatible app over `backend`, serving one model named `model_name`."""
+    """The OpenAI-compatible app over `backend`, serving one model named `model_name`, to
+    the API keys of `tenants` (None: to anyone, as one tenant)."""
     if not callable(getattr(backend, "generate", None)):
         raise TypeError(f"backend {type(backend).__name__} has no generate method")
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
     if not isinstance(model_config, ModelConfig):
         raise TypeError(f"model_config must be a ModelConfig, got {type(model_config).__name__}")
-    if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        raise ValueError("api_key must be a non-empty string or None")
     if (not isinstance(max_tokens_limit, int) or isinstance(max_tokens_limit, bool)
             or not 0 < max_tokens_limit < model_config.max_positions):
         raise ValueError(f"max_tokens_limit must be an int in [1, {model_config.max_positions}) "
                          f"(a prompt needs at least one position), got {max_tokens_limit!r}")
     if not isinstance(max_body_bytes, int) or max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
+    auth = Authorizer(tenants)
     tokenizer = ByteTokenizer(model_config.vocab)
-    expected_key = api_key.encode("utf-8") if api_key is not None else None
     card = ModelCard(id=model_name, created=int(time.time()))
     app = FastAPI(title="ray-kv-fabric", description="OpenAI-compatible completions over a "
-                  "cluster-wide KV-cache fabric", version="0.1.0")
+                  "cluster-wide KV-cache fabric", version="0.1.0",
+                  openapi_url=None, docs_url=None, redoc_url=None)    # auth.add_docs serves them
+    auth.add_docs(app)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -272,28 +248,18 @@ def build_fastapi(backend: Backend, model_name: str, model_config: ModelConfig,
         response.headers.update(exc.headers or {})       # e.g. a 405's Allow
         return response
 
-    def authorize(request: Request) -> None:
-        if expected_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # Starlette decodes headers as latin-1, so this gives back the bytes sent.
-        given = token.strip().encode("latin-1")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, expected_key):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}       # no auth: load balancers and Serve probe it
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models(request: Request) -> ModelList:
-        authorize(request)
+        auth.tenant(request)
         return ModelList(data=[card])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
     async def get_model(model_id: str, request: Request) -> ModelCard:
-        authorize(request)
+        auth.tenant(request)
         if model_id != model_name:
             raise APIError(404, f"the model {model_id!r} does not exist", code="model_not_found",
                            param="model")
@@ -317,10 +283,11 @@ def build_fastapi(backend: Backend, model_name: str, model_config: ModelConfig,
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
-                         404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
+                         403: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+                         503: {"model": ErrorResponse}})
     async def completions(request: Request) -> JSONResponse:
         arrival = time.time()
-        authorize(request)
+        tenant = auth.tenant(request)           # before parsing: a stranger learns nothing
         req = _parse(await _read_json(request, max_body_bytes))
         if req.model != model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
@@ -337,7 +304,7 @@ def build_fastapi(backend: Backend, model_name: str, model_config: ModelConfig,
                  code="context_length_exceeded", param="prompt")
         opts = req.kvfabric or KVFabricOptions()
         gen = GenerateRequest(tokens=tuple(ids), max_tokens=max_tokens,
-                              namespace=opts.namespace or req.user or "default",
+                              namespace=auth.namespace(tenant, opts.namespace),
                               use_cache=opts.cache, arrival_s=arrival)
         try:
             result = await backend.generate(gen)
@@ -390,9 +357,11 @@ class OpenAIIngress:
     `__serve_build_asgi_app__`), not at import time."""
 
     def __init__(self, server: Any, model_name: str, model_config: ModelConfig = ModelConfig(),
-                 api_key: str | None = None, max_tokens_limit: int = 256) -> None:
-        # Built here so that bad config fails the replica's start, loudly.
-        self._app = build_fastapi(HandleBackend(server), model_name, model_config, api_key,
+                 tenants_file: str | None = None, max_tokens_limit: int = 256) -> None:
+        # Built here so that bad config fails the replica's start, loudly. The table is read
+        # here, from the file on this node, so that no key digest travels in Serve's config.
+        tenants = load_tenants(tenants_file) if tenants_file is not None else None
+        self._app = build_fastapi(HandleBackend(server), model_name, model_config, tenants,
                                   max_tokens_limit)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

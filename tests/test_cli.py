@@ -19,7 +19,11 @@ def test_demo_serves_a_trace_slice_on_three_nodes_and_matches_uncached_output(ca
 @pytest.mark.parametrize("argv", [["demo", "--requests", "0"], ["demo", "--max-tokens", "0"],
                                   ["bench", "nothing"], ["frobnicate"], ["up", "--args", "not json"],
                                   ["up", "--args", "[1]"], ["up", "--args", '{"bogus": 1}'],
-                                  ["up", "--args", '{"shards": 0}'], ["down", "--what"]])
+                                  ["up", "--args", '{"shards": 0}'], ["down", "--what"],
+                                  ["up", "--args", '{"api_key": "sk-old-single-key"}'],
+                                  ["up", "--tenants", "/nonexistent/tenants.yaml"],
+                                  ["up", "--tenants", "/t.yaml", "--args", '{"tenants_file": "/t.yaml"}'],
+                                  ["up", "--args", '{"tenants_file": "relative.yaml"}']])
 def test_bad_arguments_exit_with_usage(argv):
     with pytest.raises(SystemExit) as e:
         main(argv)
