@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +144,7 @@ def app_args_ok(d: object) -> bool:
         return False
     a = APP_FIELDS | d
     return (type(a["model_name"]) is str and bool(a["model_name"])
-            and (a["api_key"] is None or (type(a["api_key"]) is str and bool(a["api_key"])))
+            and (a["tenants_file"] is None or (type(a["tenants_file"]) is str and os.path.isabs(a["tenants_file"])))
             and all(_uint(a[f]) for f in ("nodes", "host_pages"))
             and all(_pos(a[f]) for f in ("shards", "device_pages", "max_positions", "max_tokens_limit"))
             and a["shards"] <= MAX_SHARDS and type(a.get("chaos", False)) is bool
@@ -153,7 +154,7 @@ def app_args_ok(d: object) -> bool:
 
 APP_ARGS = st.fixed_dictionaries({}, optional={
     "model_name": st.text(min_size=1, max_size=8), "shards": st.integers(1, MAX_SHARDS),
-    "api_key": st.none() | st.text(min_size=1, max_size=8), "nodes": st.integers(0, 64),
+    "tenants_file": st.none() | st.text(max_size=8).map(lambda s: "/" + s), "nodes": st.integers(0, 64),
     "device_pages": st.integers(1, 2**20), "host_pages": st.integers(0, 2**20),
     "max_positions": st.integers(1, 2**16), "max_tokens_limit": st.integers(1, 2**16), "chaos": st.booleans(),
     "gpus_per_replica": st.integers(0, 8) | st.floats(0, 8)})
@@ -169,7 +170,8 @@ def test_app_args_round_trip_exactly(d: dict) -> None:
 
 @fuzz
 @given(st.one_of(st.none(), RANDOM, APP_ARGS.flatmap(
-    lambda d: mutated(d, new_keys=st.sampled_from([*APP_FIELDS, "bogus", 1, b"shards"])))))
+    lambda d: mutated(d, NEAR | st.sampled_from(["t.yaml", "/t.yaml"]),
+                      new_keys=st.sampled_from([*APP_FIELDS, "api_key", "bogus", 1, b"shards"])))))
 def test_app_args_are_accepted_iff_valid(d: Any) -> None:
     try:
         args = AppArgs.from_dict(d)

@@ -1,9 +1,11 @@
 """The Serve app on a 3-node cluster: the real `openai` client, cached answers
 equal to uncached ones bit for bit, the router sending a conversation back to
-the node that holds it, and clear 4xx answers for bad requests."""
+the node that holds it, one tenant for every caller without keys (with keys:
+tests/test_serve_tenants.py), and clear 4xx answers for bad requests."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -65,6 +67,28 @@ def test_cached_answers_equal_uncached_ones_and_follow_ups_return_to_the_holder(
         client.close()
 
 
+def test_without_keys_every_caller_is_one_tenant(endpoint):
+    """No tenant table: anonymous callers, callers with any key and any `user` share the
+    namespace "default" (issue 11: `user` picked the namespace), and the docs are open."""
+    def served(body: dict, headers: dict) -> dict:
+        req = urllib.request.Request(endpoint.base_url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"} | headers)
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["kvfabric"]
+
+    p = prompt(30, 4)
+    body = {"model": MODEL, "prompt": p, "max_tokens": 2}
+    deadline = time.monotonic() + 60          # the index learns of new pages asynchronously
+    while (anon := served(body, {}))["cached_tokens"] < len(p) and time.monotonic() < deadline:
+        pass
+    assert anon["cached_tokens"] == len(p)
+    other = served(body | {"user": "tenant-a"}, {"Authorization": "Bearer sk-anything-0123456789"})
+    assert other["cached_tokens"] == len(p) and other["token_ids"] == anon["token_ids"]
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        with urllib.request.urlopen(endpoint.base_url + path, timeout=60) as r:
+            assert r.status == 200
+
+
 @pytest.mark.parametrize("body,status", [
     ({"model": MODEL, "prompt": "", "max_tokens": 2}, 400),
     ({"model": MODEL, "prompt": [], "max_tokens": 2}, 400),
@@ -83,7 +107,8 @@ def test_bad_requests_get_clear_4xx_answers(endpoint, body, status):
 
 
 @pytest.mark.parametrize("args", [{"bogus": 1}, {"shards": 0}, {"model_name": ""}, {"nodes": -1},
-                                  {"api_key": ""}, {"device_pages": True}, {"chaos": 1},
+                                  {"api_key": "sk-0123456789abcdef"}, {"tenants_file": "t.yaml"},
+                                  {"tenants_file": ""}, {"device_pages": True}, {"chaos": 1},
                                   {"device_pages": 8, "max_positions": 1024}])   # pools < one prompt
 def test_app_args_are_validated(args):
     with pytest.raises((AppArgsError, TypeError)):
