@@ -135,9 +135,32 @@ def test_model_server_replicas_fit_the_cluster(serve_config, rayservice):
 
 
 def test_app_args_carry_no_secret(serve_config):
-    # serveConfigV2 is stored in plain text in the custom resource.
+    # serveConfigV2 is stored in plain text in the custom resource: the keys are in a file.
     for app in serve_config["applications"]:
-        assert "api_key" not in app.get("args", {})
+        args = app.get("args", {})
+        assert "api_key" not in args
+        assert args.get("tenants_file", "").startswith("/"), "the app runs with API keys"
+
+
+def test_the_tenant_table_is_a_secret_mounted_on_every_pod(serve_config, rayservice):
+    # The ingress replica (and the app builder) may run on any node, so every Ray
+    # container reads the table at the path the app args name.
+    (app,) = serve_config["applications"]
+    path = app["args"]["tenants_file"]
+    for group, spec in _pod_specs(rayservice):
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in spec["containers"]:
+            where = f"{group}/{c['name']}"
+            found = []
+            for m in c.get("volumeMounts", []):
+                secret = volumes.get(m["name"], {}).get("secret")
+                if secret is None:
+                    continue
+                for item in secret.get("items", []):
+                    if f"{m['mountPath'].rstrip('/')}/{item['path']}" == path:
+                        found.append((secret["secretName"], item["key"], m.get("readOnly")))
+            assert found == [("kvfabric-tenants", "tenants.yaml", True)], f"{where}: {found}"
+    assert "kubectl create secret generic kvfabric-tenants --from-file=tenants.yaml=" in RAYSERVICE.read_text()
 
 
 def test_runtime_env_installs_the_project_dependencies(serve_config, pyproject):
@@ -235,6 +258,18 @@ def _with_home(path: str) -> str:
     return re.sub(r"^\$(HOME|\{HOME\})/", "~/", path)
 
 
+def test_cluster_gives_kvfabric_up_a_mounted_tenant_table(cluster):
+    mounted = {_with_home(r) for r in cluster["file_mounts"]}
+    text = CLUSTER.read_text()
+    ups = re.findall(r"kvfabric up\b([^'\n]*)", text)
+    assert ups, "cluster.yaml tells the user to run `kvfabric up`"
+    for args in ups:
+        m = re.search(r"--tenants\s+(\S+)", args)
+        assert m, f"`kvfabric up{args}` runs without API keys"
+        assert _with_home(m.group(1)) in mounted, f"{m.group(1)} is not a file mount"
+    assert "--tenants" in _cli_parsers(_resolve("deploy.cli:main"))["up"]._option_string_actions
+
+
 def test_cluster_start_commands_keep_token_auth(cluster):
     mounted = {_with_home(r) for r in cluster["file_mounts"]}
     for key, flag in (("head_start_ray_commands", "--head"), ("worker_start_ray_commands", "--address=")):
@@ -249,8 +284,8 @@ def test_cluster_start_commands_keep_token_auth(cluster):
 
 # ------------------------------------------------------------------ the kvfabric command
 
-def _cli_subcommands(main) -> set[str]:
-    """The subcommands `main`'s parser accepts, read from the parser it builds."""
+def _cli_parsers(main) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands `main`'s parser accepts and their parsers, read from the parser it builds."""
     class Built(Exception):
         """Raised from parse_args to stop `main` once its parser is built."""
 
@@ -268,7 +303,7 @@ def _cli_subcommands(main) -> set[str]:
     finally:
         mp.undo()
     (sub,) = [a for a in seen[0]._actions if isinstance(a, argparse._SubParsersAction)]
-    return set(sub.choices)
+    return dict(sub.choices)
 
 
 def test_kvfabric_commands_in_manifests_exist(pyproject):
@@ -280,5 +315,5 @@ def test_kvfabric_commands_in_manifests_exist(pyproject):
     assert target == "deploy.cli:main"
     main = _resolve(target)
     assert callable(main)
-    missing = used - _cli_subcommands(main)
+    missing = used - set(_cli_parsers(main))
     assert not missing, f"`kvfabric` has no subcommand(s) {sorted(missing)}"
