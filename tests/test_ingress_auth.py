@@ -130,3 +130,13 @@ def test_the_table_is_checked_when_the_app_is_built():
     with pytest.raises(TypeError):
         client_for(FakeBackend(), {KEY_A: {"namespaces": ["a"]}})      # a dict is no table
     assert json.dumps(repr(TABLE)).count("sk-") == 0
+
+
+def test_no_key_reaches_the_logs(caplog):
+    caplog.set_level("DEBUG")
+    client = client_for(FakeBackend(fail=RuntimeError("replica died")), TABLE)
+    for key in (KEY_A, KEY_A + "x", KEY_B):
+        for r in (post(client, ok(), headers=bearer(key)), post(client, with_ns("zz"), headers=bearer(key)),
+                  client.get("/docs", headers=bearer(key))):
+            assert KEY_A not in r.text and KEY_B not in r.text
+    assert caplog.records and "sk-" not in caplog.text      # the 503 was logged, without a key
