@@ -79,9 +79,12 @@ class Client:
         self.conn.close()
         self.conn = http.client.HTTPConnection(self.conn.host, self.conn.port, timeout=self.conn.timeout)
 
-    def complete(self, model: str, tokens: list[int], max_tokens: int, cache: bool, namespace: str) -> Served:
+    def complete(self, model: str, tokens: list[int], max_tokens: int, cache: bool,
+                 namespace: str | None) -> Served:
+        """One completion; `namespace` None: the default of this client's API key."""
+        ext = {"cache": cache} | ({"namespace": namespace} if namespace is not None else {})
         body = json.dumps({"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
-                           "kvfabric": {"cache": cache, "namespace": namespace}})
+                           "kvfabric": ext})
         self.conn.request("POST", "/v1/completions", body, self.headers)
         resp = self.conn.getresponse()
         data = json.loads(resp.read() or b"{}")

@@ -15,6 +15,7 @@ from ray import serve
 
 from deploy.app import AppArgs
 from deploy.cluster import free_port, local_cluster, up
+from deploy.replay import Client
 from deploy.tenants import TenantsError
 
 MODEL = "kvfabric-tiny"
@@ -87,6 +88,14 @@ def test_one_tenants_cached_prefix_is_invisible_to_another(endpoint):
         assert b["kvfabric"]["token_ids"] == a["token_ids"]
     # The control: a key that grants "a" does see A's pages, so the zeros above are isolation.
     assert cached_by(endpoint, KEY_AB, p, "a")["cached_tokens"] == len(p)
+    # The replay client with a key and no namespace: its key's default (A's: "a").
+    client, deadline = Client(endpoint, KEY_A), time.monotonic() + 60
+    try:
+        while (hit := client.complete(MODEL, p, 2, True, None).cached_tokens) < len(p) and time.monotonic() < deadline:
+            pass                      # bounded, as in cached_by: routing follows the index
+        assert hit == len(p)
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("key,namespace", [(KEY_B, "a"), (KEY_A, "b"), (KEY_A, "default"), (KEY_B, "nobody")])
