@@ -24,6 +24,7 @@ class ChaosAction:
     transport: Fault | None = None     # the node's next read from a peer
     alloc_point: int = 0               # fail the k-th reservation point from now (0: none)
     events: EventFault | None = None   # what happens to the next batches it sends
+    evict_after_get: bool = False      # evict all it can right after answering its next get
 
 
 class EventMangler:

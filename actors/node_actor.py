@@ -16,7 +16,8 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from fabric import (AllocationFaults, CachedKV, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable,
-                    NodeCache, PoolCapacity, PoolName, RouteTable, TierConfig, export_prefix, import_prefix)
+                    NodeCache, PoolCapacity, PoolName, RouteTable, Tier, TierConfig, export_prefix,
+                    import_prefix)
 from transport import FaultPlan, FaultyTransport, LocalTransport, NixlTransport
 from transport.fetch import TransportReader, register_device_pools
 
@@ -48,6 +49,9 @@ class NodeCacheActor:
         faults = config.faults or (FaultPlan() if config.chaos else None)
         self.transport = nixl if faults is None else FaultyTransport(nixl, faults)
         self.mangle = EventMangler()
+        self._evict_after_get = False
+        self._evictions_injected = 0
+        self._transport_faults_done = 0     # faults of transport plans since replaced
         register_device_pools(self.transport, self.cache)
         self.peers: set[str] = set()
         self.fetches: dict[str, int] = {}
@@ -76,6 +80,8 @@ class NodeCacheActor:
         """The usable cached prefix, its K/V in host memory: the caller is another
         process, which may not see this node's GPU (no-op on CPU pools)."""
         hit = self.cache.get(tokens, namespace)
+        if self._evict_after_get:
+            self._evict_all()
         self.publish()      # load-backs and evictions change what the index should know
         hit.layers = [None if t is None else t.cpu() for t in hit.layers]
         return hit
@@ -211,18 +217,42 @@ class NodeCacheActor:
         if not self.config.chaos:
             raise RuntimeError(f"{self.name} was not started with chaos=True")
         if action.transport is not None:
-            self.transport.plan = FaultPlan([action.transport])
+            self._replace_plan(FaultPlan([action.transport]))
         if action.alloc_point:
             self.cache.faults.arm(action.alloc_point)
         if action.events is not None:
             self.mangle.arm(action.events)
+        self._evict_after_get = action.evict_after_get
+
+    def _evict_all(self) -> None:
+        """Evict every unlocked page: what happens to a request's match when other
+        requests and peers' exports crowd the pools between its get and its put."""
+        self._evict_after_get = False
+        self._evictions_injected += 1
+        for pool, capacity in self.config.capacities.items():
+            for tier, pages in ((Tier.DEVICE, capacity.device), (Tier.HOST, capacity.host)):
+                if pages:
+                    self.cache.evict(pool, tier, pages)
+
+    def _replace_plan(self, plan: FaultPlan) -> None:
+        self._transport_faults_done += len(self.transport.plan.injected)
+        self.transport.plan = plan
+
+    def fired(self) -> int:
+        """How many injected faults have acted so far (armed ones count once they hit)."""
+        transport = self._transport_faults_done
+        if isinstance(self.transport, FaultyTransport):
+            transport += len(self.transport.plan.injected)
+        allocation = self.cache.faults.injected if self.cache.faults is not None else 0
+        return transport + allocation + self.mangle.applied + self._evictions_injected
 
     def calm(self) -> None:
         """Disarm every injected fault (held-back events go out with the next send)."""
         if self.config.chaos:
-            self.transport.plan = FaultPlan()
+            self._replace_plan(FaultPlan())
             self.cache.faults.disarm()
             self.mangle.armed = None
+            self._evict_after_get = False
 
     def audit(self) -> dict:
         """Page ownership counts and overdue leases, without expiring any first."""

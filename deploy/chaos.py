@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -34,19 +35,25 @@ from .replay import Client, Served
 class ChaosReport:
     seed: int
     faults_injected: int
+    fault_attempts: int             # injections tried; the extra ones found nothing to act on
     requests: int
     failed_requests: int
-    retried_requests: int
+    retried_requests: int           # by the client: the app failed a request it should have served
+    app_retried_requests: int       # by the app, on another replica (a replica's node died)
     wrong_outputs: int
     leaked_pages: int
     double_owned_pages: int
     expired_leases_unreleased: int
-    index_converged_s: float
+    index_converged_s: float        # from the last fault until the index agreed with every node
+    wall_s: float
     by_kind: dict = field(default_factory=dict)
 
-    def ok(self, converge_limit_s: float = 5.0) -> bool:
-        return not (self.failed_requests or self.wrong_outputs or self.leaked_pages or self.double_owned_pages
-                    or self.expired_leases_unreleased) and self.index_converged_s <= converge_limit_s
+    def ok(self, faults: int | None = None, converge_limit_s: float = 5.0) -> bool:
+        """Every count zero, the index converged in time, and (given `faults`) all injected."""
+        return not (self.failed_requests or self.retried_requests or self.wrong_outputs or self.leaked_pages
+                    or self.double_owned_pages or self.expired_leases_unreleased) \
+            and self.index_converged_s <= converge_limit_s \
+            and (faults is None or self.faults_injected == faults)
 
 
 class Workload:
@@ -58,7 +65,7 @@ class Workload:
         self.endpoint, self.model, self.prompts, self.retries = endpoint, model, prompts, retries
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.requests = self.failed = self.retried = self.wrong = 0
+        self.requests = self.failed = self.retried = self.app_retried = self.wrong = 0
         self.served: dict[int, str] = {}                 # prompt index -> node that last served it
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
 
@@ -76,6 +83,11 @@ class Workload:
         with self._lock:
             return [k for k, n in self.served.items() if n != node]
 
+    def served_by(self, node: str) -> list[int]:
+        """Prompts (by index) whose last answer came from `node`."""
+        with self._lock:
+            return [k for k, n in self.served.items() if n == node]
+
     def _run(self, offset: int) -> None:
         client, i = Client(self.endpoint, None, timeout_s=120), offset
         try:
@@ -85,6 +97,7 @@ class Workload:
                 fab = self._call(client, k, cache=True)
                 with self._lock:
                     self.requests += 1
+                    self.app_retried += sum(s.retries for s in (base, fab) if s is not None)
                     if base is None or fab is None:
                         self.failed += 1
                     elif (base.token_ids, base.logits_digest) != (fab.token_ids, fab.logits_digest):
@@ -120,32 +133,48 @@ class ChaosHarness:
         self.client = FabricClient.connect(timeout_s=5.0)
         self.directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
         self.injected: dict[str, int] = {}
+        self.fire_wait_s = 5.0     # how long an armed fault may wait for the step it hits
 
     # --- the run -------------------------------------------------------------------------
     def run(self, seed: int, faults: int, kinds: Sequence[ChaosKind] = tuple(ChaosKind),
-            interval_s: float = 0.3, quiet_s: float = 3.0, threads: int = 2) -> ChaosReport:
+            interval_s: float = 0.3, quiet_s: float = 3.0, threads: int = 2,
+            attempts_per_fault: int = 4) -> ChaosReport:
+        """Inject `faults` faults. One that finds nothing to act on (no prompt held
+        elsewhere yet, an armed fault that never fired) is disarmed and tried again
+        later in the schedule, not counted; at most `attempts_per_fault` tries each."""
         rng = random.Random(seed)
         self.injected = {}
+        plan = deque(schedule(seed, faults, kinds))
+        attempts, limit = 0, attempts_per_fault * faults
+        started = time.monotonic()
+        last_fault = started
         work = Workload(self.endpoint, self.model, self.prompts, threads)
         work.start()
         try:
-            for i, kind in enumerate(schedule(seed, faults, kinds)):
+            while plan and attempts < limit:
+                kind = plan.popleft()
+                attempts += 1
                 if self._inject(kind, rng, work):
                     self.injected[kind.value] = self.injected.get(kind.value, 0) + 1
-                self.log(f"fault {i + 1}/{faults}: {kind.value}")
+                    last_fault = time.monotonic()
+                    self.log(f"fault {sum(self.injected.values())}/{faults}: {kind.value}")
+                else:
+                    plan.append(kind)          # nothing to act on now: later
                 time.sleep(interval_s)
         finally:
             work.stop()
         self._calm()
-        time.sleep(quiet_s)
-        converged = self._converged_after()
+        converged = self._converged_after(since=last_fault)
+        time.sleep(quiet_s)                    # leases of the last fetches run out or are released
         audit = self._audit()
-        return ChaosReport(seed, sum(self.injected.values()), work.requests, work.failed, work.retried, work.wrong,
-                           audit["leaked"], audit["double_owned"], audit["leases_overdue"], converged,
-                           dict(self.injected))
+        return ChaosReport(seed, sum(self.injected.values()), attempts, work.requests, work.failed,
+                           work.retried, work.app_retried, work.wrong, audit["leaked"],
+                           audit["double_owned"], audit["leases_overdue"], converged,
+                           round(time.monotonic() - started, 1), dict(self.injected))
 
     # --- faults ----------------------------------------------------------------------------
     def _inject(self, kind: ChaosKind, rng: random.Random, work: Workload) -> bool:
+        """Inject one fault of `kind`; False when it found nothing to act on."""
         nodes = self._nodes()
         if not nodes:
             return False
@@ -159,30 +188,68 @@ class ChaosHarness:
                 ray.kill(ray.get_actor(shard, namespace=NAMESPACE), no_restart=False)
             elif kind is ChaosKind.REMOVE_READD_NODE:
                 return self._remove_readd(rng)
-            elif kind is ChaosKind.ALLOC_FAIL:
-                ray.get(actor.inject.remote(ChaosAction(alloc_point=rng.randint(1, 3))), timeout=CALL_TIMEOUT_S)
-            elif kind in (ChaosKind.EVENT_DROP, ChaosKind.EVENT_DUPLICATE, ChaosKind.EVENT_REORDER):
-                event = EventFault(kind.value.removeprefix("event_"))
-                ray.get(actor.inject.remote(ChaosAction(events=event)), timeout=CALL_TIMEOUT_S)
+            elif kind is ChaosKind.KILL_DIRECTORY_MID_REBALANCE:
+                self._kill_directory_mid_rebalance(rng)
+            elif kind is ChaosKind.CROSS_FETCH:
+                return self._cross_fetch(nodes, rng, work)
             else:
-                return self._transfer_fault(kind, name, actor, rng, work)
+                return self._armed(kind, name, actor, rng, work)
             return True
         except (RayError, GetTimeoutError, ValueError) as e:
             self.log(f"  {kind.value} on {name} not injected: {e}")
             return False
 
-    def _transfer_fault(self, kind: ChaosKind, name: str, actor, rng: random.Random, work: Workload) -> bool:
-        """Arm the fault on `name`, then fetch into it a prompt another node served."""
+    def _armed(self, kind: ChaosKind, name: str, actor, rng: random.Random, work: Workload) -> bool:
+        """Arm a fault the node suffers at its own next step; True once it fired. A
+        transfer fault is followed at once by a fetch into the node of a prompt another
+        node served; one that has not fired within `fire_wait_s` is disarmed."""
         held = work.served_elsewhere(name)
-        if not held:
+        if kind in _TRANSFER and not held:
             return False
-        fault = {ChaosKind.TRANSFER_FAIL_AFTER: Fault(FaultKind.FAIL_AFTER, after=rng.randrange(4)),
-                 ChaosKind.TRANSFER_HANG: Fault(FaultKind.HANG),
-                 ChaosKind.TRANSFER_CORRUPT: Fault(FaultKind.CORRUPT),
-                 ChaosKind.SLOW_PEER: Fault(FaultKind.DELAY, delay_s=rng.uniform(0.05, 0.5))}[kind]
-        ray.get(actor.inject.remote(ChaosAction(transport=fault)), timeout=CALL_TIMEOUT_S)
-        self.client.fetch(self.prompts[rng.choice(held)], "chaos", into=name)
+        before = ray.get(actor.fired.remote(), timeout=CALL_TIMEOUT_S)
+        ray.get(actor.inject.remote(_action(kind, rng)), timeout=CALL_TIMEOUT_S)
+        if kind in _TRANSFER:
+            self.client.fetch(self.prompts[rng.choice(held)], "chaos", into=name)
+        deadline = time.monotonic() + self.fire_wait_s
+        while ray.get(actor.fired.remote(), timeout=CALL_TIMEOUT_S) == before:
+            if time.monotonic() > deadline:
+                ray.get(actor.calm.remote(), timeout=CALL_TIMEOUT_S)
+                return False
+            time.sleep(0.05)
         return True
+
+    def _cross_fetch(self, nodes: dict, rng: random.Random, work: Workload) -> bool:
+        """Two nodes fetch, at the same time, a prompt the other one served."""
+        names = sorted(nodes)
+        rng.shuffle(names)
+        for a, b in ((a, b) for a in names for b in names if a != b):
+            into_a, into_b = work.served_by(b), work.served_by(a)
+            if into_a and into_b:
+                pulls = [threading.Thread(target=self.client.fetch, daemon=True,
+                                          args=(self.prompts[rng.choice(ks)], "chaos"), kwargs={"into": into})
+                         for into, ks in ((a, into_a), (b, into_b))]
+                for t in pulls:
+                    t.start()
+                for t in pulls:
+                    t.join(timeout=60)
+                return True
+        return False
+
+    def _kill_directory_mid_rebalance(self, rng: random.Random) -> None:
+        """Start a rebalance that splits on any imbalance, kill the directory somewhere
+        in its steps, and wait until the restarted one answers."""
+        self.directory.rebalance.remote(1.0)
+        time.sleep(rng.uniform(0.0, 0.05))
+        ray.kill(self.directory, no_restart=False)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ray.get(self.directory.get_routes.remote(), timeout=CALL_TIMEOUT_S)
+                return
+            except (RayError, GetTimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def _remove_readd(self, rng: random.Random) -> bool:
         if self.cluster is None:
@@ -212,13 +279,14 @@ class ChaosHarness:
                 pass          # died since the directory listed it: nothing to inject into
         return out
 
-    def _converged_after(self, limit_s: float = 60.0) -> float:
-        """Seconds until the index answers, for every prompt, what the nodes hold."""
-        start = time.monotonic()
-        while time.monotonic() - start < limit_s:
+    def _converged_after(self, since: float, limit_s: float = 60.0) -> float:
+        """Seconds from `since` until the index answers, for every prompt, what the
+        nodes hold (inf if not within `limit_s`)."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
             if self._index_agrees():
-                return round(time.monotonic() - start, 3)
-            time.sleep(0.25)
+                return round(time.monotonic() - since, 3)
+            time.sleep(0.1)
         return float("inf")
 
     def _index_agrees(self) -> bool:
@@ -240,6 +308,25 @@ class ChaosHarness:
             for key in total:
                 total[key] += a[key]
         return total
+
+
+_TRANSFER = {ChaosKind.TRANSFER_FAIL_AFTER, ChaosKind.TRANSFER_HANG, ChaosKind.TRANSFER_CORRUPT,
+             ChaosKind.SLOW_PEER}
+
+
+def _action(kind: ChaosKind, rng: random.Random) -> ChaosAction:
+    """What a node is told to suffer for an armed kind of fault."""
+    if kind is ChaosKind.ALLOC_FAIL:
+        return ChaosAction(alloc_point=rng.randint(1, 3))
+    if kind is ChaosKind.EVICT_MID_REQUEST:
+        return ChaosAction(evict_after_get=True)
+    if kind in (ChaosKind.EVENT_DROP, ChaosKind.EVENT_DUPLICATE, ChaosKind.EVENT_REORDER):
+        return ChaosAction(events=EventFault(kind.value.removeprefix("event_")))
+    return ChaosAction(transport={
+        ChaosKind.TRANSFER_FAIL_AFTER: Fault(FaultKind.FAIL_AFTER, after=rng.randrange(4)),
+        ChaosKind.TRANSFER_HANG: Fault(FaultKind.HANG),
+        ChaosKind.TRANSFER_CORRUPT: Fault(FaultKind.CORRUPT),
+        ChaosKind.SLOW_PEER: Fault(FaultKind.DELAY, delay_s=rng.uniform(0.05, 0.5))}[kind])
 
 
 def _shard_count(directory) -> int:

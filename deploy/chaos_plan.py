@@ -19,6 +19,9 @@ class ChaosKind(str, Enum):
     EVENT_DROP = "event_drop"
     EVENT_DUPLICATE = "event_duplicate"
     EVENT_REORDER = "event_reorder"
+    CROSS_FETCH = "cross_fetch"
+    EVICT_MID_REQUEST = "evict_mid_request"
+    KILL_DIRECTORY_MID_REBALANCE = "kill_directory_mid_rebalance"
 
 
 DESCRIPTIONS = {
@@ -33,8 +36,12 @@ DESCRIPTIONS = {
     ChaosKind.EVENT_DROP: "a node's next KV event batches are lost",
     ChaosKind.EVENT_DUPLICATE: "a node's next KV event batches arrive twice",
     ChaosKind.EVENT_REORDER: "a node's next KV event batches arrive after later ones",
+    ChaosKind.CROSS_FETCH: "two nodes fetch from each other at the same time",
+    ChaosKind.EVICT_MID_REQUEST: "a node evicts all it can between a request's match and its put",
+    ChaosKind.KILL_DIRECTORY_MID_REBALANCE: "the directory is killed while it moves the route table",
 }
-_RARE = {ChaosKind.REMOVE_READD_NODE: 25, ChaosKind.KILL_NODE_ACTOR: 6, ChaosKind.KILL_SHARD: 6}
+_RARE = {ChaosKind.REMOVE_READD_NODE: 25, ChaosKind.KILL_NODE_ACTOR: 6, ChaosKind.KILL_SHARD: 6,
+         ChaosKind.KILL_DIRECTORY_MID_REBALANCE: 10}
 
 
 def schedule(seed: int, faults: int, kinds: Sequence[ChaosKind]) -> list[ChaosKind]:

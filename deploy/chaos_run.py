@@ -64,13 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     with session(args.nodes, args.prompts, args.address, log) as harness:
         report = harness.run(args.seed, args.faults, args.kinds, args.interval_s, args.quiet_s, args.threads)
     out = dataclasses.asdict(report)
-    print(f"faults injected {report.faults_injected} ({report.by_kind}); requests {report.requests}, "
-          f"failed {report.failed_requests} (retried {report.retried_requests}), wrong outputs {report.wrong_outputs}")
-    print(f"leaked pages {report.leaked_pages}, doubly owned {report.double_owned_pages}, "
-          f"overdue leases {report.expired_leases_unreleased}; index converged in {report.index_converged_s} s")
+    print(f"faults injected {report.faults_injected} of {args.faults} in {report.fault_attempts} tries "
+          f"({report.by_kind}); {report.wall_s} s")
+    print(f"requests {report.requests}, failed {report.failed_requests}, retried by the client "
+          f"{report.retried_requests}, by the app {report.app_retried_requests}, wrong outputs {report.wrong_outputs}")
+    print(f"leaked pages {report.leaked_pages}, doubly owned {report.double_owned_pages}, overdue leases "
+          f"{report.expired_leases_unreleased}; index converged {report.index_converged_s} s after the last fault")
     if args.json:
         print(json.dumps(out))
-    return 0 if report.ok() else 1
+    return 0 if report.ok(args.faults) else 1
 
 
 @contextlib.contextmanager

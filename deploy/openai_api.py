@@ -24,6 +24,7 @@ from pydantic_core import PydanticCustomError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .backend import HandleBackend
 from .engine import RequestError
 from .ingress_auth import Authorizer
 from .model import ModelConfig
@@ -123,6 +124,7 @@ class KVFabricInfo(BaseModel):
     node: str
     logits_digest: str
     token_ids: list[int]
+    retries: int = 0                # replicas that died under it; the ingress retried elsewhere
 
 
 class CompletionResponse(BaseModel):
@@ -335,20 +337,10 @@ def _completion(result: GenerateResult, model_name: str, tokenizer: ByteTokenize
             cached_tokens=result.cached_tokens, device_tokens=result.device_tokens,
             host_tokens=result.host_tokens, remote_tokens=result.remote_tokens, fetch=result.fetch,
             ttft_ms=result.ttft_s * 1e3, node=result.node, logits_digest=result.logits_digest,
-            token_ids=ids))
+            token_ids=ids, retries=result.retries))
 
 
 # --- Ray Serve --------------------------------------------------------------------------
-class HandleBackend:
-    """A Backend over a DeploymentHandle to the model-server deployment."""
-
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
-
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        return await self._handle.generate.remote(req)
-
-
 @serve.deployment
 @serve.ingress()
 class OpenAIIngress:

@@ -30,4 +30,5 @@ class GenerateResult:
     ttft_s: float                # arrival at the ingress to the first token
     node: str                    # the node actor whose cache served it
     logits_digest: str = ""      # hash of every step's logits: equal outputs, bit for bit
+    retries: int = 0             # replicas that died under it before this one answered
     extra: dict = field(default_factory=dict)
