@@ -15,7 +15,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from fabric import (AllocationFaults, CachedKV, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable,
+from fabric import (AllocationFaults, CachedKV, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout,
                     NodeCache, PoolCapacity, PoolName, RouteTable, Tier, TierConfig, export_prefix,
                     import_prefix)
 from transport import FaultPlan, FaultyTransport, LocalTransport, NixlTransport
@@ -44,7 +44,7 @@ class NodeCacheActor:
         self.config = config
         self.cache = NodeCache(config.layout, config.capacities, tier=config.tier, device=config.device,
                                copier=LocalTransport(), faults=AllocationFaults() if config.chaos else None)
-        self.leases = LeaseTable(self.cache)
+        self.leases = self.cache.leases     # exports' leases and requests' holds
         nixl = NixlTransport(name)
         faults = config.faults or (FaultPlan() if config.chaos else None)
         self.transport = nixl if faults is None else FaultyTransport(nixl, faults)
@@ -71,20 +71,27 @@ class NodeCacheActor:
         self.peers.add(peer)
 
     # --- local cache ------------------------------------------------------------------
-    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor], namespace: str) -> int:
-        stored = self.cache.put(tokens, kv, namespace)
+    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor], namespace: str,
+            starts: dict[PoolName, int] | None = None, release: int = 0) -> int:
+        """Store what `kv` has rows for (see NodeCache.put); `release`: the caller's hold."""
+        stored = self.cache.put(tokens, kv, namespace, starts=starts, release=release)
         self.publish()
         return stored
 
-    def get(self, tokens: Sequence[int], namespace: str) -> CachedKV:
+    def get(self, tokens: Sequence[int], namespace: str, hold_s: float | None = None) -> CachedKV:
         """The usable cached prefix, its K/V in host memory: the caller is another
-        process, which may not see this node's GPU (no-op on CPU pools)."""
-        hit = self.cache.get(tokens, namespace)
+        process, which may not see this node's GPU (no-op on CPU pools). With
+        `hold_s`, the prefix stays pinned until the caller's put (`hit.hold`)."""
+        hit = self.cache.get(tokens, namespace, hold_s)
         if self._evict_after_get:
             self._evict_all()
         self.publish()      # load-backs and evictions change what the index should know
         hit.layers = [None if t is None else t.cpu() for t in hit.layers]
         return hit
+
+    def release_hold(self, hold_id: int) -> bool:
+        """Release a hold a get gave (a request that failed, or stored nothing)."""
+        return self.cache.release_hold(hold_id)
 
     def match(self, tokens: Sequence[int], namespace: str) -> int:
         return self.cache.match(tokens, namespace).pages

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 
@@ -25,9 +25,12 @@ class RequestError(ValueError):
 
 
 class KVCache(Protocol):
-    """What the engine needs of a node's cache (fabric.NodeCache has it)."""
-    def get(self, tokens: Sequence[int], namespace: str) -> CachedKV: ...
-    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str) -> int: ...
+    """What the engine needs of a node's cache (fabric.NodeCache has it). A get
+    with `hold_s` pins the hit until a put with `release` or `release_hold`."""
+    def get(self, tokens: Sequence[int], namespace: str, hold_s: float | None = None) -> CachedKV: ...
+    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str, *,
+            starts: Mapping[PoolName, int] | None = None, release: int = 0) -> int: ...
+    def release_hold(self, hold_id: int) -> bool: ...
 
 
 class RemoteFetcher(Protocol):
@@ -89,6 +92,7 @@ class EngineStats:
     fetched_bytes: int = 0       # estimated from the layout's page sizes
     unusable_hits: int = 0       # cache answers the model could not use
     stored_pages: int = 0
+    hold_release_failures: int = 0   # holds left to expire: the cache did not answer
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -111,16 +115,22 @@ class Generation:
 
 
 class Engine:
+    """`hold_s`: how long a request's cache hit stays pinned at most, if the
+    request dies before its put releases it."""
+
     def __init__(self, model: TinyLM, cache: KVCache | None = None, *,
                  remote: RemoteFetcher | None = None, cost: CostModel | None = None,
-                 store: bool = True) -> None:
+                 store: bool = True, hold_s: float = 30.0) -> None:
+        if not hold_s > 0:
+            raise ValueError(f"hold_s must be > 0, got {hold_s!r}")
         self.model = model
         self.cache = cache
         self.remote = remote
         self.cost = cost if cost is not None or remote is None else CostModel.measure(model)
         self.store = store
+        self.hold_s = hold_s
         self.stats = EngineStats()
-        layout = model.config.layout()
+        layout = self.layout = model.config.layout()
         self._page_bytes = {p: layout.page_bytes(p) for p in layout.pools}
         self._window_pages = layout.window_pages
 
@@ -128,23 +138,29 @@ class Engine:
                  return_logits: bool = False) -> Generation:
         prompt = self._validate(tokens, max_tokens, namespace)
         start = time.perf_counter()
-        past, device, host, remote, fetch = self._lookup(prompt, namespace)
-        logits, state = self.model.prefill(prompt, past)
-        # The prompt's whole pages, before decoding appends to the state: what the
-        # generated tokens' pages are recomputed from (see _store).
-        ps = self.model.config.page_size
-        whole = state.truncated(len(prompt) // ps * ps)
-        out, steps = [], []
-        ttft = 0.0
-        for i in range(max_tokens):
-            if i:
-                logits = self.model.decode_step(out[-1], state)
-            if return_logits:
-                steps.append(logits)
-            out.append(int(torch.argmax(logits)))
-            if i == 0:
-                ttft = time.perf_counter() - start
-        stored = self._store(prompt, prompt + out, whole, namespace)
+        # Holds this request has on its cache: its last put releases the one it
+        # uses; whatever is left (a failure on the way) is released in `finally`.
+        holds: list[int] = []
+        try:
+            past, device, host, remote, fetch = self._lookup(prompt, namespace, holds)
+            logits, state = self.model.prefill(prompt, past)
+            # The prompt's whole pages, before decoding appends to the state: what the
+            # generated tokens' pages are recomputed from (see _store).
+            ps = self.model.config.page_size
+            whole = state.truncated(len(prompt) // ps * ps)
+            out, steps = [], []
+            ttft = 0.0
+            for i in range(max_tokens):
+                if i:
+                    logits = self.model.decode_step(out[-1], state)
+                if return_logits:
+                    steps.append(logits)
+                out.append(int(torch.argmax(logits)))
+                if i == 0:
+                    ttft = time.perf_counter() - start
+            stored = self._store(prompt, prompt + out, whole, namespace, holds)
+        finally:
+            self._release(holds)
         total = time.perf_counter() - start
         cached = past.length
         s = self.stats
@@ -181,22 +197,40 @@ class Engine:
             raise RequestError(f"namespace must be a non-empty string, got {namespace!r}")
         return prompt
 
-    def _lookup(self, prompt: list[int], namespace: str) -> tuple[KVState, int, int, int, str]:
+    def _lookup(self, prompt: list[int], namespace: str, holds: list[int]) -> tuple[KVState, int, int, int, str]:
         """The usable cached prefix as a model state, and where its tokens came
-        from: (state, device tokens, host tokens, remote tokens, fetch outcome)."""
+        from: (state, device tokens, host tokens, remote tokens, fetch outcome).
+        Every hit's hold is added to `holds`."""
         if self.cache is None:
             return self.model.empty_state(), 0, 0, 0, "none"
-        cached = self.cache.get(prompt, namespace)
+        cached = self._get(prompt, namespace, holds)
         state = self._usable(cached)
         host = min(state.length, cached.host_tokens)
         device = state.length - host
-        fetched, fetch = self._maybe_fetch(prompt, namespace, state)
+        fetched, fetch = self._maybe_fetch(prompt, namespace, state, holds)
         if fetched is None:
             return state, device, host, 0, fetch
         return fetched, device, host, fetched.length - state.length, fetch
 
+    def _get(self, prompt: list[int], namespace: str, holds: list[int]) -> CachedKV:
+        """The local cache hit, pinned until this request's put: its hold joins `holds`."""
+        cached = self.cache.get(prompt, namespace, self.hold_s)
+        if cached.hold:
+            holds.append(cached.hold)
+        return cached
+
+    def _release(self, holds: list[int]) -> None:
+        """Release what the puts did not (a request that failed or stored nothing).
+        A cache that cannot answer now leaves them to expire: never fail for it."""
+        while holds:
+            hold = holds.pop()
+            try:
+                self.cache.release_hold(hold)
+            except Exception:
+                self.stats.hold_release_failures += 1
+
     def _maybe_fetch(self, prompt: list[int], namespace: str,
-                     local: KVState) -> tuple[KVState | None, str]:
+                     local: KVState, holds: list[int]) -> tuple[KVState | None, str]:
         if self.remote is None or self.cost is None:
             return None, "none"
         ps = self.model.config.page_size
@@ -223,7 +257,8 @@ class Engine:
         if got <= have:
             self.stats.fetch_failures += 1
             return None, "failed"
-        state = self._usable(self.cache.get(prompt, namespace))
+        # Pinned from here: the fetched prefix cannot leave before this request's put.
+        state = self._usable(self._get(prompt, namespace, holds))
         if state.length <= local.length:      # evicted again before we could read it
             self.stats.fetch_failures += 1
             return None, "failed"
@@ -244,10 +279,12 @@ class Engine:
             self.stats.unusable_hits += 1     # a cache bug must not become wrong output
             return self.model.empty_state()
 
-    def _store(self, prompt: list[int], seq: list[int], whole: KVState, namespace: str) -> int:
+    def _store(self, prompt: list[int], seq: list[int], whole: KVState, namespace: str,
+               holds: list[int]) -> int:
         """Store the whole pages of the prompt, then of prompt and output, after
         decoding (off the TTFT path): a retry repeats the prompt, a conversation's
         next turn repeats both, and the two puts keep an SWA window at each end.
+        The last put releases a hold of this request's hit.
 
         `whole` holds the prompt's whole pages as prefill computed them. Pages past
         it (the prompt's partial page and the output) are recomputed in page
@@ -257,9 +294,20 @@ class Engine:
         if self.cache is None or not self.store:
             return 0
         ps = self.model.config.page_size
-        stored = self.cache.put(prompt[:whole.length], whole.for_put(whole.length), namespace) if whole.length else 0
         n = min(len(seq) // ps * ps, self.model.config.max_positions // ps * ps)
+        stored = 0
+        if whole.length:
+            stored += self._put(prompt[:whole.length], whole, namespace, holds if n <= whole.length else [])
         if n > whole.length:
             state = self.model.prefill(seq[:n], whole)[1]
-            stored += self.cache.put(seq[:n], state.for_put(n), namespace)
+            stored += self._put(seq[:n], state, namespace, holds)
+        return stored
+
+    def _put(self, tokens: list[int], state: KVState, namespace: str, holds: list[int]) -> int:
+        """Store the rows `state` has for `tokens` (never more), releasing a hold of `holds`
+        (if the put fails, the hold stays in `holds` for `finally`)."""
+        kv, starts = state.for_put(len(tokens), self.layout)
+        stored = self.cache.put(tokens, kv, namespace, starts=starts, release=holds[-1] if holds else 0)
+        if holds:
+            holds.pop()
         return stored

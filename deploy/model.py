@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from fabric import CachedKV, KVLayout, LayerKind, LayoutError
+from fabric import CachedKV, KVLayout, LayerKind, LayoutError, PoolName
 
 
 class ModelConfigError(ValueError):
@@ -105,23 +105,27 @@ class KVState:
             raise ValueError(f"cannot cut a state of {self.length} tokens (starts {self.starts}) at {tokens}")
         return KVState([t[:, :tokens - s] for t, s in zip(self.layers, self.starts)], list(self.starts), tokens)
 
-    def for_put(self, tokens: int) -> list[torch.Tensor]:
-        """Per-layer [2, tokens, H, D] from token 0, as NodeCache.put takes them.
+    def for_put(self, tokens: int, layout: KVLayout) -> tuple[list[torch.Tensor], dict[PoolName, int]]:
+        """What NodeCache.put takes for the first `tokens` positions: per layer
+        the rows it holds, and per pool the token position they start at.
 
-        SWA positions before a layer's start are unknown; they are NaN so that
-        a cache storing them by mistake would show up at once, never pass as KV.
-        (NodeCache.put only stores SWA pages of windows that end at or after
-        the cached prefix this state was built on, which lie past the start.)"""
+        Only rows this state computed or loaded are handed over, never padding:
+        a pool's rows start at the latest start among its layers, rounded up to
+        a whole page (SWA layers of a state built on a cache hit start at the
+        hit's window)."""
         if not 0 <= tokens <= self.length:
             raise ValueError(f"cannot export {tokens} tokens of a state of {self.length}")
-        out = []
-        for t, start in zip(self.layers, self.starts):
-            if start == 0:
-                out.append(t[:, :tokens].contiguous())
-                continue
-            pad = torch.full((2, start, *t.shape[2:]), float("nan"), dtype=t.dtype, device=t.device)
-            out.append(torch.cat([pad, t], dim=1)[:, :tokens].contiguous())
-        return out
+        ps = layout.page_size
+        layers = list(self.layers)
+        starts: dict[PoolName, int] = {}
+        for pool in layout.pools:
+            of = layout.layers_of(pool)
+            start = min(tokens, -(-max(self.starts[i] for i in of) // ps) * ps)
+            starts[pool] = start
+            for i in of:
+                s = self.starts[i]
+                layers[i] = self.layers[i][:, start - s:tokens - s].contiguous()
+        return layers, starts
 
 
 class TinyLM:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import ray
 import torch
@@ -22,7 +22,7 @@ from ray.util import metrics
 
 from actors import FabricClient
 from actors.directory import NAMESPACE, node_actor_name
-from fabric import CachedKV, NodeMatch
+from fabric import CachedKV, NodeMatch, PoolName
 
 from .engine import CostModel, Engine, Generation
 from .model import ModelConfig, TinyLM
@@ -42,12 +42,17 @@ class ActorCache:
     def __init__(self, actor, timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.actor, self.timeout_s = actor, timeout_s
 
-    def get(self, tokens: Sequence[int], namespace: str) -> CachedKV:
-        return ray.get(self.actor.get.remote(list(tokens), namespace), timeout=self.timeout_s)
+    def get(self, tokens: Sequence[int], namespace: str, hold_s: float | None = None) -> CachedKV:
+        return ray.get(self.actor.get.remote(list(tokens), namespace, hold_s), timeout=self.timeout_s)
 
-    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str) -> int:
+    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str, *,
+            starts: Mapping[PoolName, int] | None = None, release: int = 0) -> int:
         host = [t.detach().cpu() for t in kv]        # the actor moves them to its pools' device
-        return ray.get(self.actor.put.remote(list(tokens), host, namespace), timeout=self.timeout_s)
+        return ray.get(self.actor.put.remote(list(tokens), host, namespace, starts, release),
+                       timeout=self.timeout_s)
+
+    def release_hold(self, hold_id: int) -> bool:
+        return ray.get(self.actor.release_hold.remote(hold_id), timeout=self.timeout_s)
 
 
 class FabricRemote:

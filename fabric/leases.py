@@ -1,15 +1,20 @@
-"""Pins held for peers: a prefix lock with a time to live.
+"""Pins with a time to live: a prefix lock held for a peer's export, or for
+a request from its get to its put.
 
-A peer that asked for an export may die before it says it is done; its
-lease then expires on its own and the pages become evictable again."""
+A peer that asked for an export, or a request that matched a prefix, may die
+before it says it is done; its lease then expires on its own and the pages
+become evictable again."""
 from __future__ import annotations
 
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from .node_cache import NodeCache, PrefixLock
+from .records import PrefixLock
+
+if TYPE_CHECKING:     # NodeCache owns a LeaseTable: import for annotations only
+    from .node_cache import NodeCache
 
 
 @dataclass

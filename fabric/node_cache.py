@@ -13,11 +13,14 @@ from .eviction import Evictor
 from .faults import AllocationFaults
 from .keys import PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
-from .pages import PageCopier, TorchCopier, pack, unpack
+from .leases import LeaseTable
+from .pages import PageCopier, TorchCopier, unpack
 from .policies import AttentionPolicy, policies_for
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
+from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
 from .paths import by_node, groups, missing_on_device, within
 from .radix import TIERS, Node, RadixTree
+from .rows import check_kv, first_pages, pack_rows
 from .tiers import TierConfig, TierController
 from .txn import ReservationFailed, Transaction
 
@@ -27,54 +30,6 @@ DEVICE_ONLY = (Tier.DEVICE,)
 # Evicting for a reservation also frees 1/EVICTION_BATCH of the pool, so that the walk over
 # the tree that finds candidates is paid once per that many pages, not once per insert.
 EVICTION_BATCH = 64
-
-
-@dataclass
-class Match:
-    """A usable cached prefix of `pages` whole pages, along `path` from the root."""
-    path: list[Node]        # nodes holding the request's matched pages (the last may hold more)
-    matched: int            # pages present in the tree, on any tier, in any pool
-    pages: int              # usable length, either tier
-    device_pages: int       # usable length from the device tier alone
-    request_pages: int      # whole pages in the request
-
-    @property
-    def keys(self) -> list[bytes]:
-        return [k for n in self.path for k in n.keys][: self.pages]
-
-
-@dataclass
-class PrefixLock:
-    """A lock held outside the cache's own calls. It names pages by key and
-    position, not by node: a later split of a locked run copies the lock into
-    both halves, and unlocking finds both."""
-    keys: list[bytes]
-    spans: dict[PoolName, range]
-    released: bool = False
-
-
-@dataclass
-class NodeGuard:
-    """A lock held within one cache call, during which no run is split."""
-    nodes: dict[PoolName, list[Node]]
-
-
-@dataclass
-class CachedKV:
-    """K/V of a cached prefix. Full layers cover tokens [0, tokens); SWA layers
-    cover [swa_start, tokens). `layers[i]` is [2, n_tokens, kv_heads, head_dim].
-    `host_tokens`: how many of the tokens were loaded back from the host tier."""
-    tokens: int
-    swa_start: int
-    layers: list[torch.Tensor | None]
-    host_tokens: int = 0
-
-
-@dataclass
-class Quarantine:
-    until: float
-    peer: str | None
-    pages: dict[tuple[PoolName, Tier], list[int]]
 
 
 @dataclass
@@ -117,6 +72,8 @@ class NodeCache:
         self._stats = CacheStats()
         self.clock = clock
         self.quarantined: list[Quarantine] = []
+        # Prefix locks with a time to live: peers' exports and requests' holds.
+        self.leases = LeaseTable(self, clock)
 
     def _eviction_hook(self, entry: PoolEntry) -> Callable[[Tier, int, Transaction], int]:
         """What a reservation calls when a pool is short: evict what it needs plus a
@@ -185,6 +142,20 @@ class NodeCache:
                 self.tree.split_at(match.path, edge)
         return self.lock_nodes(within(match.path, spans)), spans
 
+    def hold(self, match: Match, pages: int, ttl_s: float) -> int:
+        """Pin what a match of `pages` needs until `release_hold`, or for `ttl_s`
+        seconds if that never comes (a crashed request); returns the hold id."""
+        lock = self.lock(match, pages)
+        try:
+            return self.leases.grant(lock, ttl_s).lease_id
+        except BaseException:
+            self.unlock(lock)
+            raise
+
+    def release_hold(self, hold_id: int) -> bool:
+        """Release a hold; False if it is unknown (released already, or expired)."""
+        return self.leases.release(hold_id)
+
     def unlock(self, lock: PrefixLock) -> None:
         if lock.released:
             raise RuntimeError("prefix lock released twice")
@@ -235,22 +206,40 @@ class NodeCache:
         return freed
 
     # --- put -------------------------------------------------------------------------
-    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str) -> int:
-        """Store the whole pages of `tokens`; returns pages newly stored (0 if no room)."""
+    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str, *,
+            starts: Mapping[PoolName, int] | None = None, release: int = 0) -> int:
+        """Store the whole pages of `tokens`; returns pages newly stored (0 if no room).
+
+        `kv[i]` holds layer i's rows from the token position `starts` gives for
+        its pool (default 0) to the end of the sequence. Pages before a pool's
+        start are never written: SWA pages stay tombstoned, and full KV, which
+        must be whole, grows the tree only where it has rows for every new page.
+        `release`: a hold from `get`, released once the put is done, whatever happens."""
+        try:
+            return self._put(tokens, kv, namespace, first_pages(self.layout, starts))
+        finally:
+            if release:
+                self.release_hold(release)
+
+    def _put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str,
+             first: dict[PoolName, int]) -> int:
         keyer = self.keyer(namespace)
         raw = encode_tokens(tokens)
         tree = self.tree
         step = tree.page_bytes
         n = len(raw) // step
-        self._check_kv(kv, n)
+        self._check_kv(kv, n, first)
         path, m = tree.walk(keyer.root, raw)
         if path and m < path[-1].end:
             tree.split_at(path, m)
             path.pop()
+        for f in first.values():      # full KV moves whole nodes: rows start at a node boundary
+            tree.split_at(path, f)
+        n = self.policies[self.primary_pool].extent(m, n, first[self.primary_pool])
         # Leaving the tree below a node that has other children makes a branch
         # point: a likely continuation, so SWA keeps its window too.
         branch = m if path and path[-1].children and m < n else 0
-        keep = {p: pol.store_positions(n, branch) for p, pol in self.policies.items()}
+        keep = {p: pol.store_positions(n, branch, first[p]) for p, pol in self.policies.items()}
         todo = {p: missing_on_device(path, pos, m, p) for p, pos in keep.items()}
         if not any(todo.values()):
             tree.touch(path)
@@ -273,7 +262,7 @@ class NodeCache:
             nodes.append(txn.attach(parent, keyer.chain(raw, prev, m), raw[m * step:n * step]))
         for pool, positions in todo.items():
             pages = got[(pool, DEVICE)]
-            self._write(pool, pages, kv, positions)
+            self._write(pool, pages, kv, positions, first[pool])
             for node, offsets, chunk in by_node(nodes, positions, pages):
                 txn.place(node, DEVICE, pool, offsets, chunk)
         txn.commit()
@@ -302,17 +291,22 @@ class NodeCache:
             primary.append(path[-1])   # new nodes hang below it: eviction must not prune it
         return self.lock_nodes(held)
 
-    def _write(self, pool: PoolName, pages: list[int], kv, positions: list[int]) -> None:
+    def _write(self, pool: PoolName, pages: list[int], kv, positions: list[int], first: int) -> None:
         if kv is None or not pages:
             return
         dst = self.registry.pool(pool, DEVICE)
         if dst.data is None:
             return
-        dst.data.index_copy_(0, dst.index_tensor(pages), pack(self.layout, pool, kv, positions).to(dst.data.device))
+        rows = pack_rows(self.layout, pool, kv, positions, first)
+        dst.data.index_copy_(0, dst.index_tensor(pages), rows.to(dst.data.device))
 
     # --- get -------------------------------------------------------------------------
-    def get(self, tokens: Sequence[int], namespace: str) -> CachedKV:
-        """The usable cached prefix of `tokens` and its K/V, loaded to device first."""
+    def get(self, tokens: Sequence[int], namespace: str, hold_s: float | None = None) -> CachedKV:
+        """The usable cached prefix of `tokens` and its K/V, loaded to device first.
+
+        With `hold_s`, what the hit needs stays pinned (`CachedKV.hold`) until
+        the caller's put releases it, or `release_hold`, or `hold_s` seconds pass:
+        eviction between a request's get and its put cannot take its prefix."""
         match = self.match(tokens, namespace)
         self._stats.lookups += 1
         self._stats.lookup_pages += match.request_pages
@@ -333,6 +327,8 @@ class NodeCache:
             self._stats.hit_pages_device += n - host_pages
             out = self._gather(path, n)
             out.host_tokens = host_pages * self.layout.page_size
+            if hold_s is not None and n:
+                out.hold = self.hold(match, n, hold_s)
         finally:
             self.unlock_nodes(guard)
         used = [x for x in path if x.start < n]
@@ -357,21 +353,12 @@ class NodeCache:
     def _empty(self) -> CachedKV:
         return CachedKV(0, 0, [None] * len(self.layout.layers))
 
-    def _check_kv(self, kv: Sequence[torch.Tensor] | None, pages: int) -> None:
+    def _check_kv(self, kv: Sequence[torch.Tensor] | None, pages: int, first: dict[PoolName, int]) -> None:
         if kv is None:
             if pages and self.registry.pool(self.primary_pool, DEVICE).data is not None:
                 raise ValueError("this cache stores bytes: put needs kv tensors")
             return
-        lay = self.layout
-        if len(kv) != len(lay.layers):
-            raise ValueError(f"kv has {len(kv)} layers, layout has {len(lay.layers)}")
-        want = (2, pages * lay.page_size, lay.kv_heads, lay.head_dim)
-        for i, t in enumerate(kv):
-            if not isinstance(t, torch.Tensor) or t.dtype != lay.torch_dtype or t.dim() != 4 \
-                    or t.shape[0] != 2 or t.shape[1] < want[1] or tuple(t.shape[2:]) != want[2:]:
-                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"kv[{i}] must be {lay.dtype} of shape [2, >={want[1]}, "
-                                 f"{lay.kv_heads}, {lay.head_dim}], got {got}")
+        check_kv(self.layout, kv, pages, first)
 
     # --- maintenance ---------------------------------------------------------------
     def evict(self, pool: PoolName, tier: Tier, n: int) -> int:

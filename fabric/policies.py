@@ -29,8 +29,16 @@ class AttentionPolicy(ABC):
         """Longest L <= limit such that every page in needed(L) is on one of `tiers`."""
 
     @abstractmethod
-    def store_positions(self, length: int, branch: int) -> range | list[int]:
-        """Positions to store when inserting `length` pages that branch off at `branch` (0: none)."""
+    def store_positions(self, length: int, branch: int, first_row: int = 0) -> range | list[int]:
+        """Positions to store when inserting `length` pages that branch off at `branch`
+        (0: none), of those the caller has rows for (page `first_row` on): a put
+        never stores bytes the caller did not compute."""
+
+    @abstractmethod
+    def extent(self, matched: int, length: int, first_row: int) -> int:
+        """How far a put may grow a path matched for `matched` pages toward `length`
+        when this pool keeps nodes alive (the layout's first pool) and its rows
+        start at page `first_row`: a new node must hold this pool's pages."""
 
     @abstractmethod
     def is_evictable(self, node: Node, tier: Tier, keep_copy: bool = False) -> bool:
@@ -66,8 +74,12 @@ class FullAttentionPolicy(AttentionPolicy):
                 return node.start
         return limit
 
-    def store_positions(self, length: int, branch: int) -> range:
-        return range(length)
+    def store_positions(self, length: int, branch: int, first_row: int = 0) -> range:
+        return range(first_row, length)
+
+    def extent(self, matched: int, length: int, first_row: int) -> int:
+        # Prefix closure: a page without full KV cannot be stored, nor any after it.
+        return length if first_row <= matched else matched
 
     def is_evictable(self, node: Node, tier: Tier, keep_copy: bool = False) -> bool:
         s = node.slots
@@ -103,11 +115,17 @@ class SlidingWindowPolicy(AttentionPolicy):
             length = gap
         return 0
 
-    def store_positions(self, length: int, branch: int) -> list[int]:
+    def store_positions(self, length: int, branch: int, first_row: int = 0) -> list[int]:
         keep = set(self.needed(length))
         if 0 < branch < length:
             keep.update(self.needed(branch))
-        return sorted(keep)
+        # The branch's window may lie before the caller's rows (its cached tail was
+        # evicted since it matched): those pages stay tombstoned.
+        return sorted(p for p in keep if p >= first_row)
+
+    def extent(self, matched: int, length: int, first_row: int) -> int:
+        # Every put keeps the last page's window, so rows for the last page suffice.
+        return length if first_row < length else matched
 
     def is_evictable(self, node: Node, tier: Tier, keep_copy: bool = False) -> bool:
         return node.slots[tier][PoolName.SWA] is not None and not node.locks[PoolName.SWA]

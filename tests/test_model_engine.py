@@ -40,7 +40,7 @@ def assert_same(got, want):
 
 
 def assert_no_poison(c: NodeCache) -> None:
-    """KVState.for_put marks SWA positions it does not know as NaN: none may be stored."""
+    """No stored page may hold NaN (a put once padded the SWA rows a state lacked with NaN)."""
     for entry in c.registry:
         for tier in (Tier.DEVICE, Tier.HOST):
             data = entry.tier(tier).data
@@ -84,8 +84,8 @@ def test_model_is_seeded_and_layout_matches():
     assert [k.value for k in lay.layers] == list(CONFIG.layers)
     assert (lay.kv_heads, lay.head_dim, lay.page_size, lay.window) == (2, 16, 16, 32)
     _, state = MODEL.prefill(toks(40, 0))
-    kv = state.for_put(32)
-    assert all(tuple(t.shape) == (2, 32, 2, 16) for t in kv)
+    kv, starts = state.for_put(32, lay)
+    assert all(tuple(t.shape) == (2, 32, 2, 16) for t in kv) and set(starts.values()) == {0}
 
 
 def test_swa_layers_see_only_the_window():
@@ -226,13 +226,16 @@ def test_bad_requests_raise_request_error(prompt, max_tokens, ns):
 def test_unusable_cache_answer_is_recomputed():
     class Liar:
         """Answers a hit whose tensors have the wrong shape."""
-        def get(self, tokens, namespace):
-            real = c.get(tokens, namespace)
+        def get(self, tokens, namespace, hold_s=None):
+            real = c.get(tokens, namespace, hold_s)
             real.layers = [t[:, 1:] if t is not None else t for t in real.layers]
             return real
 
-        def put(self, tokens, kv, namespace):
-            return c.put(tokens, kv, namespace)
+        def put(self, tokens, kv, namespace, **rows):
+            return c.put(tokens, kv, namespace, **rows)
+
+        def release_hold(self, hold):
+            return c.release_hold(hold)
 
     c = cache()
     prompt = toks(50, 11)

@@ -1,0 +1,60 @@
+"""What NodeCache's calls take and return: matches, locks, cached K/V, quarantines."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import PoolName, Tier
+from .radix import Node
+
+
+@dataclass
+class Match:
+    """A usable cached prefix of `pages` whole pages, along `path` from the root."""
+    path: list[Node]        # nodes holding the request's matched pages (the last may hold more)
+    matched: int            # pages present in the tree, on any tier, in any pool
+    pages: int              # usable length, either tier
+    device_pages: int       # usable length from the device tier alone
+    request_pages: int      # whole pages in the request
+
+    @property
+    def keys(self) -> list[bytes]:
+        return [k for n in self.path for k in n.keys][: self.pages]
+
+
+@dataclass
+class PrefixLock:
+    """A lock held outside the cache's own calls. It names pages by key and
+    position, not by node: a later split of a locked run copies the lock into
+    both halves, and unlocking finds both."""
+    keys: list[bytes]
+    spans: dict[PoolName, range]
+    released: bool = False
+
+
+@dataclass
+class NodeGuard:
+    """A lock held within one cache call, during which no run is split."""
+    nodes: dict[PoolName, list[Node]]
+
+
+@dataclass
+class CachedKV:
+    """K/V of a cached prefix. Full layers cover tokens [0, tokens); SWA layers
+    cover [swa_start, tokens). `layers[i]` is [2, n_tokens, kv_heads, head_dim].
+    `host_tokens`: how many of the tokens were loaded back from the host tier.
+    `hold`: the id of the hold pinning this prefix until the caller's put
+    (NodeCache.get with `hold_s`), 0 for none."""
+    tokens: int
+    swa_start: int
+    layers: list[torch.Tensor | None]
+    host_tokens: int = 0
+    hold: int = 0
+
+
+@dataclass
+class Quarantine:
+    until: float
+    peer: str | None
+    pages: dict[tuple[PoolName, Tier], list[int]]
