@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -18,12 +19,15 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from fabric import LoadTracker, RouteTable
+from fabric.balance import chance_target
 
 from .node_actor import NodeCacheActor, NodeConfig
 
 NAMESPACE = "kvfabric"
 DIRECTORY = "kvf-directory"
 CALL_TIMEOUT_S = 10.0
+REBALANCE_EVERY_S = 10.0     # the watcher's rebalance period
+REBALANCE_SIGMAS = 3.0       # its bar for uneven lookups (see fabric.balance.chance_target)
 log = logging.getLogger(__name__)
 
 
@@ -243,6 +247,7 @@ class FabricDirectory:
             self._watcher.start()
 
     def _watch(self, every_s: float) -> None:
+        balance_at = time.monotonic() + REBALANCE_EVERY_S
         while not self._stop.wait(every_s):
             try:
                 changed = self.reconcile()
@@ -251,25 +256,35 @@ class FabricDirectory:
                              changed.dropped, changed.added, changed.rejoined)
             except Exception as e:      # the watcher must outlive any one bad pass
                 log.warning("membership pass failed: %s", e)
+            if time.monotonic() >= balance_at:
+                # Also what keeps the shards' load counts short: each pass takes them.
+                balance_at = time.monotonic() + REBALANCE_EVERY_S
+                try:
+                    if self.rebalance(sigmas=REBALANCE_SIGMAS):
+                        log.info("rebalanced: routes version %d", self.routes.version)
+                except Exception as e:
+                    log.warning("rebalance pass failed: %s", e)
 
     def stop_watching(self) -> None:
         self._stop.set()
 
     # --- routes --------------------------------------------------------------------------
-    def rebalance(self, target: float = 1.25, timeout_s: float = CALL_TIMEOUT_S) -> bool:
+    def rebalance(self, target: float = 1.25, timeout_s: float = CALL_TIMEOUT_S, sigmas: float = 0.0) -> bool:
         """Split the hottest subtree if shard lookups are uneven (else the largest if
         entries are); nodes then resend snapshots under the new routes. Returns
-        whether routes changed."""
+        whether routes changed. With `sigmas`, lookups must be uneven beyond chance
+        (`chance_target`). The watcher calls this every REBALANCE_EVERY_S."""
         with self._lock:
             shards = self._shards()
             load = LoadTracker(self.routes.shards)
             for report in ray.get([s.load_report.remote() for s in shards], timeout=timeout_s):
                 load.merge(report)
-            fullest = load.fullest_if_uneven(target)
+            lookups = chance_target(target, load.lookups, sigmas) or target
+            fullest = load.fullest_if_uneven(lookups, target)
             if fullest is not None:
                 regions = ray.get(shards[fullest].entry_regions.remote(self.routes.encode()), timeout=timeout_s)
                 load.record_entries(fullest, load.entries[fullest], regions)
-            planned = load.plan(self.routes, target)
+            planned = load.plan(self.routes, lookups, target)
             if planned is None:
                 return False
             self.routes = planned[0]

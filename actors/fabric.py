@@ -15,7 +15,7 @@ from typing import Sequence
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from fabric import NodeMatch, PageKeyer, PoolName, RouteTable
+from fabric import KeyerCache, NodeMatch, PoolName, RouteTable
 
 from .directory import (CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, FabricDirectory, Membership, join,
                         place_node_actor, shard_name)
@@ -87,17 +87,15 @@ class FabricClient:
         self.layout = config.layout
         self.routes = RouteTable.decode(ray.get(directory.get_routes.remote(), timeout=CALL_TIMEOUT_S))
         self._shards: dict[int, object] = {}
-        self._keyers: dict[str, PageKeyer] = {}
+        # Bounded: a router or model server sees every tenant over its life.
+        self._keyers = KeyerCache(self.layout.fingerprint, self.layout.page_size)
 
     @classmethod
     def connect(cls, timeout_s: float = 2.0) -> "FabricClient":
         return cls(ray.get_actor(DIRECTORY, namespace=NAMESPACE), timeout_s)
 
     def keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
-        keyer = self._keyers.get(namespace)
-        if keyer is None:
-            keyer = self._keyers[namespace] = PageKeyer(namespace, self.layout.fingerprint, self.layout.page_size)
-        return keyer.keys(tokens)
+        return self._keyers.get(namespace).keys(tokens)
 
     def lookup(self, tokens: Sequence[int], namespace: str) -> list[NodeMatch]:
         """Each node's usable match for `tokens`, best first; [] if the index cannot answer."""

@@ -24,6 +24,9 @@ from transport.fetch import TransportReader, register_device_pools
 from .chaos_hooks import ChaosAction, EventMangler
 
 
+MAX_UNANSWERED = 4096      # event sends a node remembers until their shard answers
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     layout: KVLayout
@@ -183,7 +186,9 @@ class NodeCacheActor:
                         behind.add(shard)
                 except ray.exceptions.RayError:
                     behind.add(shard)      # a restarted shard has lost our events
-        self._sent = [(s, r) for s, r in self._sent if r not in done_set]
+        # Only the latest unanswered sends are kept (a hung shard answers none): a gap an
+        # older one would have shown, a later batch to that shard shows too.
+        self._sent = [(s, r) for s, r in self._sent if r not in done_set][-MAX_UNANSWERED:]
         if behind:
             snaps = self.publisher.snapshots(self.routes)
             for shard in behind:

@@ -24,6 +24,7 @@ from typing import Sequence
 
 from fabric import EventPublisher, KVLayout, NodeCache, PageKeyer, PoolCapacity, PoolName
 from fabric.sharded_index import ShardedIndex
+from fabric.balance import chance_target
 
 from .engine import CostModel
 from .trace import BLOCK_TOKENS, TraceRequest, request_tokens
@@ -298,16 +299,12 @@ class GlobalPolicy(Policy):
         self.index.apply(node.publisher.drain_routed(self.index.routes))
 
     def _rebalance(self) -> None:
-        # Split only on imbalance beyond chance: over a few lookups a balanced shard's count
-        # still strays about sqrt(mean) from the mean, and a split can cost every node a
-        # snapshot. So the bar is `rebalance_sigmas` standard deviations above the mean.
-        counts = self.index.load.lookups
-        mean = sum(counts) / len(counts)
-        if not mean:
+        c = self.config      # split only on imbalance beyond chance
+        target = chance_target(c.rebalance_target, self.index.load.lookups, c.rebalance_sigmas)
+        if target is None:
             return
-        c = self.config
         before = self.index.routes
-        split = self.index.rebalance(target=max(c.rebalance_target, 1 + c.rebalance_sigmas / math.sqrt(mean)))
+        split = self.index.rebalance(target=target)
         if split is None:
             return
         self.splits += 1

@@ -6,7 +6,7 @@ from .exchange import (ExportGrant, FetchOutcome, GrantError, PageReader, PoolPa
 from .events import EventBatch, EventError, PageMask, PageState, Snapshot, decode as decode_events
 from .faults import AllocationFaults
 from .index import ApplyResult, NodeMatch, PrefixIndex
-from .keys import PageKeyer, encode_tokens, namespace_key
+from .keys import KeyerCache, PageKeyer, encode_tokens, namespace_key
 from .layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
 from .leases import Lease, LeaseTable
 from .node_cache import CachedKV, CacheStats, Match, NodeCache, PrefixLock
@@ -24,7 +24,7 @@ from .txn import ReservationFailed, Transaction, TransactionClosed
 __all__ = [
     "AllocatorError", "OutOfPages", "PageAllocator", "InvariantError", "PageAudit", "ExportGrant",
     "FetchOutcome", "GrantError", "PageReader", "PoolPages", "ReadFailed", "export_prefix",
-    "import_prefix", "AllocationFaults", "PageKeyer", "encode_tokens",
+    "import_prefix", "AllocationFaults", "KeyerCache", "PageKeyer", "encode_tokens",
     "namespace_key", "KVLayout", "LayerKind", "LayoutError", "PoolName", "Tier", "Lease",
     "LeaseTable", "CachedKV", "CacheStats", "Match", "NodeCache", "PrefixLock", "PageCopier",
     "TorchCopier", "page_checksums", "AttentionPolicy", "FullAttentionPolicy",

@@ -7,9 +7,15 @@ the same way (`fabric.regions`). `plan` picks the hottest region of the
 hottest shard, by lookups first, else by entries, and splits it: a lone
 child is descended into (same shard, next time one level deeper); several
 children spread over all shards by key hash, so children that appear later
-spread too."""
+spread too.
+
+Lookups are unbounded, so what is counted is bounded: a region keeps exact hit
+counts for its most hit children only (`MAX_CHILDREN`, and its total for all),
+and a tracker keeps its most hit regions only (`MAX_REGIONS`). A split needs only
+the hottest region and whether it has one child or several, which both keep."""
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -24,7 +30,56 @@ class Split:
     shards: tuple[int, ...]
 
 
-Regions = dict[bytes, tuple[tuple[bytes, ...], Counter]]    # root -> (path, count per child)
+MAX_REGIONS = 256       # regions a tracker keeps (it prunes to these at twice as many)
+MAX_CHILDREN = 16       # children a region counts one by one (likewise)
+
+
+@dataclass
+class RegionHits:
+    """Hits (lookups, or entries held) in one region: per child one level below its
+    root, for the most hit children, and in all."""
+    path: tuple[bytes, ...]           # the region root's key path from depth 0
+    children: Counter = field(default_factory=Counter)
+    total: int = 0                    # every hit below the root, counted child or not
+
+    def add(self, child: bytes, n: int = 1) -> None:
+        self.children[child] += n
+        self.total += n
+        if len(self.children) > 2 * MAX_CHILDREN:
+            self.prune()
+
+    def merge(self, other: "RegionHits") -> None:
+        self.children.update(other.children)
+        self.total += other.total
+        if len(self.children) > 2 * MAX_CHILDREN:
+            self.prune()
+
+    def prune(self) -> None:
+        """Keep the MAX_CHILDREN most hit children (the total keeps counting them all)."""
+        self.children = Counter(dict(self.children.most_common(MAX_CHILDREN)))
+
+    def lone_child(self) -> bytes | None:
+        """The only child ever hit, if there is just one."""
+        if len(self.children) == 1:
+            (child, n), = self.children.items()
+            if n == self.total:
+                return child
+        return None
+
+
+Regions = dict[bytes, RegionHits]       # region root key -> its hits
+
+
+def prune_regions(regions: Regions) -> None:
+    """Keep the MAX_REGIONS most hit regions, each with its most hit children."""
+    if len(regions) > MAX_REGIONS:
+        keep = sorted(regions, key=lambda root: regions[root].total, reverse=True)[:MAX_REGIONS]
+        kept = {root: regions[root] for root in keep}
+        regions.clear()
+        regions.update(kept)
+    for region in regions.values():
+        if len(region.children) > MAX_CHILDREN:
+            region.prune()
 
 
 @dataclass
@@ -50,9 +105,11 @@ class LoadTracker:
         root = keys[depth]
         region = self.regions.get(root)
         if region is None:
-            region = self.regions[root] = (tuple(keys[:depth + 1]), Counter())
+            region = self.regions[root] = RegionHits(tuple(keys[:depth + 1]))
+            if len(self.regions) > 2 * MAX_REGIONS:
+                prune_regions(self.regions)
         if depth + 1 < len(keys):
-            region[1][keys[depth + 1]] += 1
+            region.add(keys[depth + 1])
 
     def merge(self, other: "LoadTracker") -> None:
         self.lookups = [a + b for a, b in zip(self.lookups, other.lookups)]
@@ -92,21 +149,36 @@ class LoadTracker:
     def _split_hottest(self, routes: RouteTable, counts: list[int],
                        regions: Regions) -> tuple[RouteTable, Split] | None:
         hot = max(range(self.shards), key=counts.__getitem__)
-        candidates = [(sum(c.values()), root) for root, (path, c) in regions.items()
-                      if c and routes.locate(path)[0] == hot]
+        candidates = [(r.total, root) for root, r in regions.items()
+                      if r.total and routes.locate(r.path)[0] == hot]
         if not candidates:
             return None
-        path, hits = regions[max(candidates)[1]]
-        if len(hits) == 1:
-            (child,) = hits
+        region = regions[max(candidates)[1]]
+        path, child = region.path, region.lone_child()
+        if child is not None:
             return routes.split(path, [child], [hot]), Split(path, (child,), (hot,))
         spread = routes.spread(path, hot)
-        return spread, Split(path, tuple(hits), tuple(spread.hashed(c) for c in hits))
+        return spread, Split(path, tuple(region.children), tuple(spread.hashed(c) for c in region.children))
+
+
+def chance_target(target: float, counts: Sequence[float], sigmas: float) -> float | None:
+    """The max/mean bar a lookup split must pass to be beyond chance: over a few lookups
+    a balanced shard's count still strays about sqrt(mean) from the mean, and a split can
+    cost every node a snapshot. So `sigmas` standard deviations above the mean, or
+    `target` if higher; None when there were no lookups."""
+    mean = sum(counts) / len(counts) if counts else 0
+    return max(target, 1 + sigmas / math.sqrt(mean)) if mean else None
 
 
 def _merge(into: Regions, other: Regions) -> None:
-    for root, (path, counts) in other.items():
-        into.setdefault(root, (path, Counter()))[1].update(counts)
+    for root, region in other.items():
+        mine = into.get(root)
+        if mine is None:
+            into[root] = RegionHits(region.path, Counter(region.children), region.total)
+        else:
+            mine.merge(region)
+    if len(into) > 2 * MAX_REGIONS:
+        prune_regions(into)
 
 
 def _max_over_mean(counts: list[int]) -> float:

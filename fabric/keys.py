@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import OrderedDict
 from typing import Sequence
 
 KEY_BYTES = 16
@@ -62,3 +63,28 @@ class PageKeyer:
             prev = h.digest()
             append(prev)
         return out
+
+
+class KeyerCache:
+    """The keyers of recently used namespaces, at most `size` of them (least recently
+    used dropped first): a keyer is cheap to rebuild, and tenants are unbounded."""
+
+    def __init__(self, fingerprint: bytes, page_size: int, size: int = 1024) -> None:
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be an int >= 1, got {size!r}")
+        self.fingerprint, self.page_size, self.size = fingerprint, page_size, size
+        self._keyers: OrderedDict[str, PageKeyer] = OrderedDict()
+
+    def get(self, namespace: str) -> PageKeyer:
+        keyer = self._keyers.get(namespace)
+        if keyer is not None:
+            self._keyers.move_to_end(namespace)
+            return keyer
+        keyer = PageKeyer(namespace, self.fingerprint, self.page_size)
+        self._keyers[namespace] = keyer
+        if len(self._keyers) > self.size:
+            self._keyers.popitem(last=False)
+        return keyer
+
+    def __len__(self) -> int:
+        return len(self._keyers)

@@ -11,7 +11,7 @@ import torch
 from .check import PageAudit, check_invariants, page_audit, snapshot as cache_snapshot
 from .eviction import Evictor
 from .faults import AllocationFaults
-from .keys import PageKeyer, encode_tokens
+from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
 from .leases import LeaseTable
 from .pages import PageCopier, TorchCopier, unpack
@@ -68,7 +68,7 @@ class NodeCache:
                          for p, pol in self.policies.items()}
         for entry in self.registry:
             entry.evict = self._eviction_hook(entry)
-        self._keyers: dict[str, PageKeyer] = {}
+        self._keyers = KeyerCache(layout.fingerprint, layout.page_size, size=4096)
         self._stats = CacheStats()
         self.clock = clock
         self.quarantined: list[Quarantine] = []
@@ -89,13 +89,7 @@ class NodeCache:
 
     # --- keys and matching ---------------------------------------------------------
     def keyer(self, namespace: str) -> PageKeyer:
-        keyer = self._keyers.get(namespace)
-        if keyer is None:
-            keyer = PageKeyer(namespace, self.layout.fingerprint, self.layout.page_size)
-            if len(self._keyers) >= 4096:    # bound the cache of per-tenant hashers
-                self._keyers.pop(next(iter(self._keyers)))
-            self._keyers[namespace] = keyer
-        return keyer
+        return self._keyers.get(namespace)
 
     def keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
         return self.keyer(namespace).keys(tokens)

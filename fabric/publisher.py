@@ -1,6 +1,7 @@
 """EventPublisher: turns a NodeCache's page changes into numbered event batches."""
 from __future__ import annotations
 
+from .changes import ChangeLog
 from .events import EventBatch, PageMask, PageState, Snapshot
 from .layout import PoolName, Tier
 from .node_cache import NodeCache
@@ -13,24 +14,27 @@ _BITS = {(PoolName.FULL, Tier.DEVICE): PageMask.FULL_DEVICE, (PoolName.FULL, Tie
 
 class EventPublisher:
     """Batches are numbered 0, 1, 2... within an epoch; batch 0 says `cleared`,
-    so an index that saw an older epoch of this node drops it first."""
+    so an index that saw an older epoch of this node drops it first.
 
-    def __init__(self, cache: NodeCache, node: str, epoch: int) -> None:
+    Changes wait in the tree's ChangeLog until drained, at most `pending_floor` plus
+    twice the keys held; past that, and for the first batch, the next batch restates
+    everything held instead (`cleared`: an index takes it after any gap)."""
+
+    def __init__(self, cache: NodeCache, node: str, epoch: int, pending_floor: int = 1024) -> None:
         self.cache, self.node, self.epoch = cache, node, epoch
         self.fingerprint = cache.layout.fingerprint
         self.next_seq = 0
         self.shard_seq: dict[int, int] = {}
         tree = cache.tree
-        tree.track_changes = True
-        tree.changed = [k for n in tree.nodes() for k in n.keys]   # what this epoch must announce
-        tree.removed = {}
+        tree.changes = ChangeLog(lambda: pending_floor + 2 * len(tree.by_key))
 
     def drain(self) -> EventBatch | None:
         """The states of every page changed since the last drain, as the next batch."""
-        if not self.cache.tree.changed and self.next_seq > 0:
+        if not self.cache.tree.changes and self.next_seq > 0:
             return None
-        pages = tuple(self._state(node, j) for node, j in self._take_changes())
-        batch = EventBatch(self.node, self.epoch, self.next_seq, pages, cleared=self.next_seq == 0,
+        changes, restate = self._take_changes()
+        pages = self._all_held() if restate else tuple(self._state(node, j) for node, j in changes)
+        batch = EventBatch(self.node, self.epoch, self.next_seq, pages, cleared=restate or self.next_seq == 0,
                            fingerprint=self.fingerprint)
         self.next_seq += 1
         return batch
@@ -39,9 +43,13 @@ class EventPublisher:
         """The same, split into one batch per shard that must hear of each page
         (each shard has its own sequence of batches from this node); with
         `every_shard`, shards with no news get an empty batch (a heartbeat)."""
+        changes, restate = self._take_changes()
+        if restate:
+            return {shard: self._next(shard, list(snap.pages), cleared=True)
+                    for shard, snap in self.snapshots(routes).items()}
         per_shard: dict[int, list[PageState]] = {}
         paths = _Paths()
-        for node, j in self._take_changes():
+        for node, j in changes:
             state = self._state(node, j)
             for shard in routes.shards_for(paths.of(node, j)):
                 per_shard.setdefault(shard, []).append(state)
@@ -64,25 +72,29 @@ class EventPublisher:
         return {s: Snapshot(self.node, self.epoch, self.shard_seq.get(s, 0) - 1, tuple(pages), self.fingerprint)
                 for s, pages in per_shard.items()}
 
-    def _next(self, shard: int, pages: list[PageState]) -> EventBatch:
+    def _next(self, shard: int, pages: list[PageState], cleared: bool = False) -> EventBatch:
         seq = self.shard_seq.get(shard, 0)
         self.shard_seq[shard] = seq + 1
-        return EventBatch(self.node, self.epoch, seq, tuple(pages), cleared=seq == 0, fingerprint=self.fingerprint)
+        return EventBatch(self.node, self.epoch, seq, tuple(pages), cleared=cleared or seq == 0,
+                          fingerprint=self.fingerprint)
 
-    def _take_changes(self) -> list[tuple[Node, int]]:
+    def _take_changes(self) -> tuple[list[tuple[Node, int]], bool]:
+        """(changed pages, each once; whether to restate everything instead)."""
         tree = self.cache.tree
+        keys, removed, restate = tree.changes.take()
         out = []
-        for key in dict.fromkeys(tree.changed):
+        for key in dict.fromkeys(keys):
             node = tree.by_key.get(key)
-            out.append((node, node.keys.index(key)) if node is not None else tree.removed[key])
-        tree.changed, tree.removed = [], {}
-        return out
+            out.append((node, node.keys.index(key)) if node is not None else removed[key])
+        return out, restate
 
     def snapshot(self) -> Snapshot:
         """Everything held now, as of the last drained batch (drain first)."""
+        return Snapshot(self.node, self.epoch, self.next_seq - 1, self._all_held(), self.fingerprint)
+
+    def _all_held(self) -> tuple[PageState, ...]:
         tree = self.cache.tree
-        pages = tuple(p for node in tree.nodes() for j in range(node.n) if (p := _held(node, j)).mask)
-        return Snapshot(self.node, self.epoch, self.next_seq - 1, pages, self.fingerprint)
+        return tuple(p for node in tree.nodes() for j in range(node.n) if (p := _held(node, j)).mask)
 
     def _state(self, node: Node, offset: int) -> PageState:
         if self.cache.tree.by_key.get(node.keys[offset]) is not node:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Protocol
 
+from .changes import ChangeLog
 from .layout import PoolName, Tier
 
 ABSENT = -1
@@ -81,11 +82,7 @@ class RadixTree:
         self.node_count = 0
         self.owned = [[0, 0], [0, 0]]       # [tier][pool] pages held by nodes
         self.protected = [[0, 0], [0, 0]]   # [tier][pool] pages held by locked nodes
-        # With events on: keys whose presence changed since the last drain, and
-        # (parent key, depth) of pages that left the tree.
-        self.track_changes = False
-        self.changed: list[bytes] = []
-        self.removed: dict[bytes, tuple[Node, int]] = {}     # key -> (detached node, offset)
+        self.changes: ChangeLog | None = None    # with events on (an EventPublisher)
 
     # --- reading -----------------------------------------------------------------
     def walk(self, root_key: bytes, raw: bytes) -> tuple[list[Node], int]:
@@ -160,8 +157,8 @@ class RadixTree:
         parent.children[tokens[:self.page_bytes]] = node
         self.by_key.update(dict.fromkeys(keys, node))
         self.node_count += 1
-        if self.track_changes:
-            self.changed.extend(keys)
+        if self.changes is not None:
+            self.changes.touched(keys)
         if journal is not None:
             journal.record(lambda: self.detach(node, None))
         return node
@@ -173,17 +170,16 @@ class RadixTree:
         for k in node.keys:
             del self.by_key[k]
         self.node_count -= 1
-        if self.track_changes:
-            self.removed.update((k, (node, i)) for i, k in enumerate(node.keys))
-            self.changed.extend(node.keys)
+        if self.changes is not None:
+            self.changes.left(node)
         if parent.is_root and not parent.children:
             del self.roots[parent.keys[0]]
         if journal is not None:
             journal.record(lambda: self._reattach(node))
 
     def _reattach(self, node: Node) -> None:
-        if self.track_changes:
-            self.changed.extend(node.keys)
+        if self.changes is not None:
+            self.changes.touched(node.keys)
         parent = node.parent
         if parent.is_root:
             self.roots.setdefault(parent.keys[0], parent)
@@ -234,9 +230,9 @@ class RadixTree:
                 assert current[off] == ABSENT, (node, tier, pool, off)
                 current[off] = index
         self._count(node, tier, pool, len(pages))
-        if self.track_changes:
+        if self.changes is not None:
             keys = node.keys
-            self.changed.extend([keys[o] for o in offsets])
+            self.changes.touched([keys[o] for o in offsets])
         if journal is not None:
             journal.record(lambda: self._clear(node, tier, pool, offsets))
 
@@ -261,9 +257,9 @@ class RadixTree:
         if current.count(ABSENT) == len(current):
             node.slots[tier][pool] = None
         self._count(node, tier, pool, -len(pages))
-        if self.track_changes:
+        if self.changes is not None:
             keys = node.keys
-            self.changed.extend([keys[o] for o in offsets])
+            self.changes.touched([keys[o] for o in offsets])
         return pages
 
     def _count(self, node: Node, tier: Tier, pool: PoolName, delta: int) -> None:

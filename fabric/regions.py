@@ -7,8 +7,7 @@ found by walking parent links, each key once (memoized), with no paths stored.
 """
 from __future__ import annotations
 
-from collections import Counter
-
+from .balance import RegionHits, Regions, prune_regions
 from .index import PrefixIndex
 from .routes import RouteTable
 
@@ -16,18 +15,21 @@ from .routes import RouteTable
 _Place = tuple[bytes, "bytes | None"]
 
 
-def entries_by_region(index: PrefixIndex, routes: RouteTable) -> dict[bytes, tuple[tuple[bytes, ...], Counter]]:
-    """Region root -> (its key path from depth 0, entries per child one level down)."""
+def entries_by_region(index: PrefixIndex, routes: RouteTable) -> Regions:
+    """Region root -> its entries, per child one level down (the most held children
+    and the most held regions only, as `fabric.balance` keeps lookups)."""
     by_key = {r.key: r for r in routes.routes}
     memo: dict[bytes, _Place] = {}
-    out: dict[bytes, tuple[tuple[bytes, ...], Counter]] = {}
+    out: Regions = {}
     for key in index.held_keys():
         root, child = _place(index, by_key, memo, key)
         region = out.get(root)
         if region is None:
-            region = out[root] = (_path(index, root), Counter())
+            region = out[root] = RegionHits(_path(index, root))
         if child is not None:
-            region[1][child] += 1
+            region.children[child] += 1      # pruned once, below: the pass is bounded anyway
+            region.total += 1
+    prune_regions(out)
     return out
 
 

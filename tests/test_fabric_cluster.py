@@ -51,6 +51,11 @@ def flush(f):
     ray.get([n.flush.remote() for n in f.nodes.values()], timeout=T)
 
 
+def routes_version(f) -> int:
+    from fabric import RouteTable
+    return RouteTable.decode(ray.get(f.directory.get_routes.remote(), timeout=T)).version
+
+
 def until_available(actor, deadline_s: float = T) -> None:
     """Wait out an actor's restart (calls fail with ActorUnavailableError meanwhile)."""
     import time
@@ -189,13 +194,13 @@ def test_hot_subtrees_split_across_shard_actors(fabric):
         ray.get(fabric.nodes[node].put.remote(p, prefix_kv(LAYOUT, p), NS), timeout=T)
     flush(fabric)
     client = FabricClient.connect(timeout_s=10.0)
-    splits = 0
+    before = routes_version(fabric)
     for _ in range(4):
         for p in prompts:
             assert [(m.node, m.pages) for m in client.lookup(p, NS)] == [(node, 4)]
-        splits += ray.get(fabric.directory.rebalance.remote(1.05), timeout=T)
+        ray.get(fabric.directory.rebalance.remote(1.05), timeout=T)
         flush(fabric)
-    assert splits >= 2
+    assert routes_version(fabric) >= before + 2     # the watcher may have made some of them
     for p in prompts:
         assert [(m.node, m.pages) for m in client.lookup(p, NS)] == [(node, 4)]
     served = [ray.get(s.stats.remote(), timeout=T)["lookups"] for s in fabric.shards]
@@ -214,14 +219,45 @@ def test_a_shard_holding_too_many_entries_is_split(fabric):
     for shard in fabric.shards:
         until_available(shard)
     ray.get([s.load_report.remote() for s in fabric.shards], timeout=T)    # forget earlier lookups
-    split = False
+    before = routes_version(fabric)
     for _ in range(3):
-        split |= ray.get(fabric.directory.rebalance.remote(1.2), timeout=T)
+        ray.get(fabric.directory.rebalance.remote(1.2), timeout=T)
         flush(fabric)
-    assert split
+    assert routes_version(fabric) > before
     client = FabricClient.connect(timeout_s=10.0)
     for p in prompts[::3]:
         assert [(m.node, m.pages) for m in client.lookup(p, "entries-tenant")] == [(node, 3)]
+
+
+def test_the_directory_rebalances_on_its_own(fabric):
+    """Lookups piled on one subtree split it with nobody calling rebalance: the
+    directory's watcher does, and answers stay right under the new routes."""
+    node = sorted(fabric.nodes)[0]
+    shared = list(range(60_000, 60_000 + 16))
+    prompts = [shared + list(range(61_000 + 64 * i, 61_000 + 64 * i + 16)) for i in range(16)]
+    for p in prompts:
+        ray.get(fabric.nodes[node].put.remote(p, prefix_kv(LAYOUT, p), "auto-tenant"), timeout=T)
+    flush(fabric)
+    client = FabricClient.connect(timeout_s=10.0)
+    before = routes_version(fabric)
+
+    def split() -> bool:
+        for p in prompts:
+            client.lookup(p, "auto-tenant")
+        return routes_version(fabric) > before
+
+    eventually(split, every_s=0.1)
+    flush(fabric)
+    eventually(lambda: all([(m.node, m.pages) for m in client.lookup(p, "auto-tenant")] == [(node, 2)]
+                           for p in prompts))
+
+
+def test_client_keyers_stay_bounded(fabric):
+    """A router's or model server's client sees every tenant over its life (100k here)."""
+    from tests.test_bounded_memory import BOUND, grown
+    client = FabricClient.connect(timeout_s=10.0)
+    tokens = list(range(32))
+    assert grown(lambda i: client.keys(tokens, f"tenant-{i}")) < BOUND
 
 
 def test_a_killed_directory_restarts_with_its_routes_and_nodes(fabric):

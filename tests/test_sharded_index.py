@@ -175,4 +175,4 @@ def test_entries_by_region_match_where_lookups_go(seed):
                 counts[child] = counts.get(child, 0) + 1
         got = entries_by_region(shard, routes)
         for root, counts in want.items():
-            assert dict(got[root][1]) == counts
+            assert dict(got[root].children) == counts and got[root].total == sum(counts.values())
