@@ -79,9 +79,10 @@ def is_dead(pools: tuple[PoolName, ...], node: Node) -> bool:
     return not any(node.has(p) for p in pools)
 
 
-def prune(tree: RadixTree, pools: tuple[PoolName, ...], node: Node, txn: "Transaction",
+def prune(tree: RadixTree, pools: tuple[PoolName, ...], node: Node, txn: "Transaction | None",
           count: tuple[Tier, PoolName]) -> int:
-    """Drop dead nodes' remaining pages and detach dead leaves, walking up.
+    """Drop dead nodes' remaining pages and detach dead leaves, walking up
+    (journaled in `txn`; with None, final).
 
     Returns how many pages of `count` (tier, pool) this freed."""
     freed = 0

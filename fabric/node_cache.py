@@ -9,7 +9,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .check import PageAudit, check_invariants, page_audit, snapshot as cache_snapshot
-from .eviction import Evictor
+from .eviction import Evictor, is_dead, prune
 from .faults import AllocationFaults
 from .keys import PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
@@ -202,6 +202,14 @@ class NodeCache:
     def unlock_nodes(self, guard: NodeGuard) -> None:
         for pool, nodes in guard.nodes.items():
             self.tree.lock(nodes, pool, -1)
+        # Eviction's pruning stops at a locked node: one that lost its pages' last
+        # holder below it meanwhile (its only child was evicted) goes with its last lock.
+        pools, step = self.layout.pools, self.tree.page_bytes
+        for nodes in guard.nodes.values():
+            for node in reversed(nodes):
+                if not node.children and not any(node.locks) and is_dead(pools, node) \
+                        and node.parent.children.get(node.tokens[:step]) is node:
+                    prune(self.tree, pools, node, None, count=(DEVICE, self.primary_pool))
 
     # --- transactions --------------------------------------------------------------
     def transaction(self) -> Transaction:
