@@ -100,3 +100,13 @@ def prune(tree: RadixTree, pools: tuple[PoolName, ...], node: Node, txn: "Transa
         tree.detach(node, txn)
         node = parent
     return freed
+
+
+def prune_unlocked(tree: RadixTree, pools: tuple[PoolName, ...], nodes: list[Node]) -> None:
+    """Finish the pruning eviction stopped at a lock: a node that lost its only child
+    while locked (and holds no pages of its own) goes once its last lock is gone."""
+    step = tree.page_bytes
+    for node in reversed(nodes):
+        if not node.children and not any(node.locks) and is_dead(pools, node) \
+                and node.parent.children.get(node.tokens[:step]) is node:   # not pruned already
+            prune(tree, pools, node, None, count=(Tier.DEVICE, pools[0]))
