@@ -28,6 +28,7 @@ from .wire import unpack
 GRANT_VERSION = 1
 
 # read(pool, [(source tier, source page)], [destination device page]); raises ReadFailed.
+# Any other exception is taken as a transfer abandoned, not known finished (may still write).
 PageReader = Callable[[PoolName, list[tuple[Tier, int]], list[int]], None]
 
 
