@@ -79,9 +79,10 @@ def is_dead(pools: tuple[PoolName, ...], node: Node) -> bool:
     return not any(node.has(p) for p in pools)
 
 
-def prune(tree: RadixTree, pools: tuple[PoolName, ...], node: Node, txn: "Transaction",
+def prune(tree: RadixTree, pools: tuple[PoolName, ...], node: Node, txn: "Transaction | None",
           count: tuple[Tier, PoolName]) -> int:
-    """Drop dead nodes' remaining pages and detach dead leaves, walking up.
+    """Drop dead nodes' remaining pages and detach dead leaves, walking up
+    (journaled in `txn`; with None, final).
 
     Returns how many pages of `count` (tier, pool) this freed."""
     freed = 0
@@ -99,3 +100,13 @@ def prune(tree: RadixTree, pools: tuple[PoolName, ...], node: Node, txn: "Transa
         tree.detach(node, txn)
         node = parent
     return freed
+
+
+def prune_unlocked(tree: RadixTree, pools: tuple[PoolName, ...], nodes: list[Node]) -> None:
+    """Finish the pruning eviction stopped at a lock: a node that lost its only child
+    while locked (and holds no pages of its own) goes once its last lock is gone."""
+    step = tree.page_bytes
+    for node in reversed(nodes):
+        if not node.children and not any(node.locks) and is_dead(pools, node) \
+                and node.parent.children.get(node.tokens[:step]) is node:   # not pruned already
+            prune(tree, pools, node, None, count=(Tier.DEVICE, pools[0]))

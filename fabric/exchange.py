@@ -28,6 +28,7 @@ from .wire import unpack
 GRANT_VERSION = 1
 
 # read(pool, [(source tier, source page)], [destination device page]); raises ReadFailed.
+# Any other exception is taken as a transfer abandoned, not known finished (may still write).
 PageReader = Callable[[PoolName, list[tuple[Tier, int]], list[int]], None]
 
 
@@ -158,23 +159,39 @@ def export_prefix(cache: NodeCache, leases: LeaseTable, keys: Sequence[bytes], s
     if n <= skip:
         return ExportGrant(0, cache.layout.fingerprint, n, tuple(match.keys[:n]))
     lock = cache.lock(match, n)
-    path = [x for x in match.path if x.start < n]
-    if device_only and not cache.tiers.load_back({p: groups(path, pol.needed(n))
-                                                  for p, pol in cache.policies.items()}):
-        n = cache.usable(path, n, (Tier.DEVICE,))
-        if n <= skip:
-            cache.unlock(lock)
-            return ExportGrant(0, cache.layout.fingerprint, n, tuple(match.keys[:n]))
-    lease = leases.grant(lock, ttl_s)
-    pools = {}
-    for pool, policy in cache.policies.items():
-        span = range(skip, n) if pool == PoolName.FULL else policy.needed(n)
-        refs = [(_tier_of(x, pool, j), x, j) for x, offs in groups(path, span) for j in offs]
-        tiers = [t for t, _, _ in refs]
-        indices = [x.slots[t][pool][j] for t, x, j in refs]
-        sums = _checksums(cache, pool, tiers, indices)
-        pools[pool] = PoolPages(span.start, tuple(int(t) for t in tiers), tuple(indices), tuple(sums))
-    return ExportGrant(lease.lease_id, cache.layout.fingerprint, n, tuple(match.keys[:n]), pools)
+    lease, granted = None, False
+    try:
+        path = [x for x in match.path if x.start < n]
+        if device_only and not cache.tiers.load_back({p: groups(path, pol.needed(n))
+                                                      for p, pol in cache.policies.items()}):
+            n = cache.usable(path, n, (Tier.DEVICE,))
+            if n <= skip:
+                return ExportGrant(0, cache.layout.fingerprint, n, tuple(match.keys[:n]))
+        lease = leases.grant(lock, ttl_s)
+        pools = {pool: _describe(cache, path, pool, span)
+                 for pool, span in _spans(cache, n, skip).items()}
+        granted = True
+        return ExportGrant(lease.lease_id, cache.layout.fingerprint, n, tuple(match.keys[:n]), pools)
+    finally:
+        if not granted:       # nothing pinned for nothing, whatever stopped the export
+            if lease is not None:
+                leases.release(lease.lease_id)
+            else:
+                cache.unlock(lock)
+
+
+def _spans(cache: NodeCache, n: int, skip: int) -> dict[PoolName, range]:
+    """What a grant of n pages describes: FULL pages from `skip` on, the SWA window."""
+    return {pool: range(skip, n) if pool == PoolName.FULL else policy.needed(n)
+            for pool, policy in cache.policies.items()}
+
+
+def _describe(cache: NodeCache, path, pool: PoolName, span: range) -> PoolPages:
+    refs = [(_tier_of(x, pool, j), x, j) for x, offs in groups(path, span) for j in offs]
+    tiers = [t for t, _, _ in refs]
+    indices = [x.slots[t][pool][j] for t, x, j in refs]
+    sums = _checksums(cache, pool, tiers, indices)
+    return PoolPages(span.start, tuple(int(t) for t in tiers), tuple(indices), tuple(sums))
 
 
 def _tier_of(node, pool: PoolName, offset: int) -> Tier:
@@ -229,44 +246,59 @@ def _fetch(cache, keyer, raw, path, m, n, grant, need, read, hold) -> FetchOutco
     guard = cache.lock_nodes({p: [x for x in path if p == cache.layout.pools[0]
                                    or (x.start < window[p].stop and x.end > window[p].start)]
                                for p in need})
-    txn = cache.transaction()
+    txn = None
     try:
-        got = txn.reserve_all({(p, Tier.DEVICE): len(pos) for p, pos in need.items()})
-    except ReservationFailed:
+        txn = cache.transaction()
+        try:
+            got = txn.reserve_all({(p, Tier.DEVICE): len(pos) for p, pos in need.items()})
+        except ReservationFailed:
+            return FetchOutcome.NO_ROOM
+        txn.seal()
+        outcome = _read_and_verify(cache, grant, need, got, read,
+                                   lambda: txn.rollback(hold=lambda pages: cache.quarantine(pages, *hold)))
+        if outcome is not None:
+            return outcome        # the reserved pages may be half written: freed (or held), never read
+        nodes = list(path)
+        if m < n:
+            parent = path[-1] if path else cache.tree.root(keyer.root)
+            step = cache.tree.page_bytes
+            nodes.append(txn.attach(parent, list(grant.keys[m:n]), raw[m * step:n * step]))
+        for pool, positions in need.items():
+            for node, offsets, pages in by_node(nodes, positions, got[(pool, Tier.DEVICE)]):
+                txn.place(node, Tier.DEVICE, pool, offsets, pages)
+        txn.commit()
+    finally:
+        if txn is not None:
+            txn.rollback()        # a no-op once committed or held
         cache.unlock_nodes(guard)
-        return FetchOutcome.NO_ROOM
-    txn.seal()
-    try:
-        outcome = _read_and_verify(cache, grant, need, got, read)
-    except ReadFailed as e:
-        outcome = FetchOutcome.TRANSFER_FAILED
-        if e.may_still_write:
-            txn.rollback(hold=lambda pages: cache.quarantine(pages, *hold))
-    if outcome is not None:
-        txn.rollback()       # the reserved pages may be half written: freed, never read
-        cache.unlock_nodes(guard)
-        return outcome
-    nodes = list(path)
-    if m < n:
-        parent = path[-1] if path else cache.tree.root(keyer.root)
-        step = cache.tree.page_bytes
-        nodes.append(txn.attach(parent, list(grant.keys[m:n]), raw[m * step:n * step]))
-    for pool, positions in need.items():
-        for node, offsets, pages in by_node(nodes, positions, got[(pool, Tier.DEVICE)]):
-            txn.place(node, Tier.DEVICE, pool, offsets, pages)
-    txn.commit()
-    cache.unlock_nodes(guard)
     cache.tree.touch(nodes)
     return FetchOutcome.COMMITTED
 
 
-def _read_and_verify(cache, grant, need, got, read) -> FetchOutcome | None:
+def _read_and_verify(cache, grant, need, got, read, hold: Callable[[], None]) -> FetchOutcome | None:
+    """Read and check every missing page; an outcome if that failed. `hold` ends the
+    transaction keeping its pages out of use, for a transfer that may still write."""
     for pool, positions in need.items():
         if not positions:
             continue
         refs = [grant.pools[pool].at(p) for p in positions]
         dst = got[(pool, Tier.DEVICE)]
-        read(pool, [(t, i) for t, i, _ in refs], dst)
-        if page_checksums(cache.registry.pool(pool, Tier.DEVICE), dst) != [s for _, _, s in refs]:
+        try:
+            read(pool, [(t, i) for t, i, _ in refs], dst)
+        except ReadFailed as e:
+            if e.may_still_write:
+                hold()
+            return FetchOutcome.TRANSFER_FAILED
+        except Exception:
+            hold()      # a failure the reader did not report: nothing says its transfer stopped
+            return FetchOutcome.TRANSFER_FAILED
+        except BaseException:
+            hold()
+            raise
+        try:
+            sums = page_checksums(cache.registry.pool(pool, Tier.DEVICE), dst)
+        except Exception:
+            return FetchOutcome.TRANSFER_FAILED     # bytes that cannot be checked are never used
+        if sums != [s for _, _, s in refs]:
             return FetchOutcome.CHECKSUM_MISMATCH
     return None

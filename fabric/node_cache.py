@@ -9,7 +9,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .check import PageAudit, check_invariants, page_audit, snapshot as cache_snapshot
-from .eviction import Evictor
+from .eviction import Evictor, prune_unlocked
 from .faults import AllocationFaults
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
@@ -167,6 +167,7 @@ class NodeCache:
     def unlock_nodes(self, guard: NodeGuard) -> None:
         for pool, nodes in guard.nodes.items():
             self.tree.lock(nodes, pool, -1)
+            prune_unlocked(self.tree, self.layout.pools, nodes)
 
     # --- transactions --------------------------------------------------------------
     def transaction(self) -> Transaction:
@@ -243,24 +244,26 @@ class NodeCache:
         # whole reservation nothing is evicted, so the common case skips it.
         guard = None if self._fits(todo) else self._guard(path, keep, m)
         try:
-            got = txn.reserve_all({(p, DEVICE): len(pos) for p, pos in todo.items()})
-        except ReservationFailed:
+            try:
+                got = txn.reserve_all({(p, DEVICE): len(pos) for p, pos in todo.items()})
+            except ReservationFailed:
+                self._stats.put_failures += 1
+                return 0
+            txn.seal()
+            nodes = list(path)
+            if m < n:
+                parent = path[-1] if path else tree.root(keyer.root)
+                prev = parent.keys[-1]
+                nodes.append(txn.attach(parent, keyer.chain(raw, prev, m), raw[m * step:n * step]))
+            for pool, positions in todo.items():
+                pages = got[(pool, DEVICE)]
+                self._write(pool, pages, kv, positions, first[pool])
+                for node, offsets, chunk in by_node(nodes, positions, pages):
+                    txn.place(node, DEVICE, pool, offsets, chunk)
+            txn.commit()
+        finally:
+            txn.rollback()        # a no-op once committed: whatever failed, nothing stays half done
             self._release(guard)
-            self._stats.put_failures += 1
-            return 0
-        txn.seal()
-        nodes = list(path)
-        if m < n:
-            parent = path[-1] if path else tree.root(keyer.root)
-            prev = parent.keys[-1]
-            nodes.append(txn.attach(parent, keyer.chain(raw, prev, m), raw[m * step:n * step]))
-        for pool, positions in todo.items():
-            pages = got[(pool, DEVICE)]
-            self._write(pool, pages, kv, positions, first[pool])
-            for node, offsets, chunk in by_node(nodes, positions, pages):
-                txn.place(node, DEVICE, pool, offsets, chunk)
-        txn.commit()
-        self._release(guard)
         tree.touch(nodes)
         self._stats.inserted_pages += n - m
         self.tiers.after_insert(nodes[len(path):])

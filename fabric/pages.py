@@ -1,7 +1,7 @@
 """Moving page bytes: per-layer K/V tensors <-> pool pages, and page copies."""
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -22,6 +22,18 @@ class TorchCopier:
             return
         pages = src.data.index_select(0, src.index_tensor(src_idx))
         dst.data.index_copy_(0, dst.index_tensor(dst_idx), pages.to(dst.data.device))
+
+
+def keep_bytes(pool: PagePool, indices: list[int]) -> Callable[[], None]:
+    """Save the bytes of pages `indices`; the returned call writes them back."""
+    if pool.data is None:
+        return lambda: None
+    index = pool.index_tensor(indices)
+    saved = pool.data.index_select(0, index)
+
+    def restore() -> None:
+        pool.data.index_copy_(0, index, saved)
+    return restore
 
 
 def pack(layout: KVLayout, pool: PoolName, kv: Sequence[torch.Tensor],

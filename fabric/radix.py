@@ -26,6 +26,8 @@ TIERS = (Tier.DEVICE, Tier.HOST)
 class Journal(Protocol):
     def record(self, undo: Callable[[], None]) -> None: ...
 
+    def dropped(self, pool: PoolName, tier: Tier, pages: list[int]) -> None: ...
+
 
 class Node:
     __slots__ = ("keys", "tokens", "parent", "children", "start", "end", "slots", "locks",
@@ -246,6 +248,7 @@ class RadixTree:
                 self._take(pool, tier, pages)
                 self.set_pages(node, tier, pool, offsets, pages, None)
             journal.record(undo)
+            journal.dropped(pool, tier, pages)
         return pages
 
     def _clear(self, node: Node, tier: Tier, pool: PoolName, offsets: list[int]) -> list[int]:

@@ -80,20 +80,23 @@ class TierController:
     def _move(self, todo: dict[PoolName, list[tuple[Node, list[int]]]], src: Tier, dst: Tier) -> bool:
         txn = self._begin()
         try:
-            got = txn.reserve_all({(p, dst): _size({p: groups}) for p, groups in todo.items()})
-        except ReservationFailed:
-            return False
-        for pool, groups in todo.items():
-            pages = iter(got[(pool, dst)])
-            for node, offsets in groups:
-                # A page may have lost its source copy to eviction during the reservation.
-                source = node.slots[src][pool]
-                offsets = [j for j in offsets if source is not None and source[j] != ABSENT]
-                mine = [next(pages) for _ in offsets]
-                if offsets:
-                    txn.defer_copy(pool, src, [source[j] for j in offsets], dst, mine)
-                    txn.place(node, dst, pool, offsets, mine)
-        txn.commit()
+            try:
+                got = txn.reserve_all({(p, dst): _size({p: groups}) for p, groups in todo.items()})
+            except ReservationFailed:
+                return False
+            for pool, groups in todo.items():
+                pages = iter(got[(pool, dst)])
+                for node, offsets in groups:
+                    # A page may have lost its source copy to eviction during the reservation.
+                    source = node.slots[src][pool]
+                    offsets = [j for j in offsets if source is not None and source[j] != ABSENT]
+                    mine = [next(pages) for _ in offsets]
+                    if offsets:
+                        txn.defer_copy(pool, src, [source[j] for j in offsets], dst, mine)
+                        txn.place(node, dst, pool, offsets, mine)
+            txn.commit()    # runs the copies: a failing one is undone with the rest
+        finally:
+            txn.rollback()  # a no-op once committed
         return True
 
 

@@ -6,6 +6,9 @@ is journaled; a failure undoes it all, leaving tree and allocators exactly
 as before. No page bytes are written in this phase: copies are deferred.
 
 Phase 2, after `seal()`: deferred copies have run and evictions are final.
+(A copy that fails inside `seal` is undone too: bytes it overwrote in pages
+this transaction evicted are journaled first, so a rollback hands the tree
+back its pages with their own bytes.)
 The caller writes its pages and places them into tree nodes. `rollback()`
 now undoes the placements and frees every reserved page; `commit()` keeps
 them and frees reserved pages that were never placed.
@@ -16,7 +19,7 @@ from typing import Callable, Mapping
 
 from .faults import AllocationFaults
 from .layout import PoolName, Tier
-from .pages import PageCopier
+from .pages import PageCopier, keep_bytes
 from .pools import PoolRegistry
 from .radix import Node, RadixTree
 
@@ -32,7 +35,7 @@ class TransactionClosed(RuntimeError):
 class Transaction:
     # One is made per put: slots, and lazily made page sets, keep that cheap.
     __slots__ = ("tree", "registry", "copier", "faults", "owned", "sealed", "closed",
-                 "_journal", "_copies", "_on_close")
+                 "_journal", "_copies", "_on_close", "_dropped")
 
     def __init__(self, tree: RadixTree, registry: PoolRegistry, copier: PageCopier,
                  faults: AllocationFaults | None, on_close: Callable[["Transaction"], None]) -> None:
@@ -47,10 +50,18 @@ class Transaction:
         self._journal: list[Callable[[], None]] = []
         self._copies: list[tuple[PoolName, Tier, list[int], Tier, list[int]]] = []
         self._on_close = on_close
+        # Pages evicted from the tree in phase 1, per (pool, tier): made lazily (most have none).
+        self._dropped: dict[tuple[PoolName, Tier], set[int]] | None = None
 
     # --- phase 1 -------------------------------------------------------------------
     def record(self, undo: Callable[[], None]) -> None:
         self._journal.append(undo)
+
+    def dropped(self, pool: PoolName, tier: Tier, pages: list[int]) -> None:
+        """The tree freed these pages here; an undo gives them back, bytes and all."""
+        if self._dropped is None:
+            self._dropped = {}
+        self._dropped.setdefault((pool, tier), set()).update(pages)
 
     def reserve(self, pool: PoolName, tier: Tier, n: int, evict: bool = True) -> list[int]:
         self._require_open()
@@ -81,10 +92,11 @@ class Transaction:
 
     def reserve_all(self, plan: Mapping[tuple[PoolName, Tier], int],
                     evict: bool = True) -> dict[tuple[PoolName, Tier], list[int]]:
-        """Reserve every (pool, tier) of `plan`, or nothing: on failure, roll back and raise."""
+        """Reserve every (pool, tier) of `plan`, or nothing: on any failure (no room, or an
+        error in an eviction), roll back and raise."""
         try:
             return {key: self.reserve(*key, n, evict=evict) for key, n in plan.items()}
-        except ReservationFailed:
+        except BaseException:
             self.rollback()
             raise
 
@@ -99,8 +111,15 @@ class Transaction:
             return
         for pool, src_tier, src, dst_tier, dst in self._copies:
             entry = self.registry[pool]
-            self.copier.copy(entry.tier(src_tier), src, entry.tier(dst_tier), dst)
+            target = entry.tier(dst_tier)
+            evicted = self._dropped and self._dropped.get((pool, dst_tier))
+            if evicted:     # a copy into an evicted page: its bytes are needed if this seal fails
+                reused = [d for d in dst if d in evicted]
+                if reused:
+                    self.record(keep_bytes(target, reused))
+            self.copier.copy(entry.tier(src_tier), src, target, dst)
         self._copies.clear()
+        self._dropped = None
         self._journal.clear()
         self.sealed = True
 
