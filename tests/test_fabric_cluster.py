@@ -139,10 +139,10 @@ def test_a_node_actor_ray_restarts_rejoins_with_a_new_epoch(fabric):
     flush(fabric)
     client = FabricClient.connect(timeout_s=10.0)
     assert [m.node for m in client.lookup(tokens, NS)] == [victim]
-    epoch = ray.get(actor.heartbeat.remote(), timeout=T)[0]
+    epoch = ray.get(actor.heartbeat.remote(), timeout=T).epoch
     ray.kill(actor, no_restart=False)
     # The old epoch's pages leave the index; the new actor is attached and connected again.
-    eventually(lambda: _epoch_attached(actor) not in (None, (epoch, True)) and _epoch_attached(actor)[1])
+    eventually(lambda: (beat := _beat(actor)) is not None and beat.epoch > epoch and beat.attached)
     eventually(lambda: client.lookup(tokens, NS) == [])
     again = list(range(61_000, 61_000 + 2 * 16))
     ray.get(actor.put.remote(again, prefix_kv(LAYOUT, again), NS), timeout=T)
@@ -152,9 +152,9 @@ def test_a_node_actor_ray_restarts_rejoins_with_a_new_epoch(fabric):
     ray.get([fabric.nodes[n].check.remote() for n in (victim, other)], timeout=T)
 
 
-def _epoch_attached(actor):
+def _beat(actor):
     try:
-        return tuple(ray.get(actor.heartbeat.remote(), timeout=T))
+        return ray.get(actor.heartbeat.remote(), timeout=T)
     except ray.exceptions.RayActorError:
         return None
 
