@@ -19,7 +19,7 @@ class IndexLink:
         self.mangle = mangle
         self.shards: list = []
         self.routes: RouteTable | None = None
-        self._sent: list[tuple[int, Future]] = []
+        self._sent: list[tuple[int, object, Future]] = []    # (shard, ref kept alive, its future)
 
     @property
     def attached(self) -> bool:
@@ -43,9 +43,9 @@ class IndexLink:
     def resync_behind(self) -> None:
         """Snapshots to the shards whose replies so far say they fell behind."""
         behind, pending = set(), []
-        for shard, reply in self._sent:
+        for shard, ref, reply in self._sent:
             if not reply.done():
-                pending.append((shard, reply))
+                pending.append((shard, ref, reply))
             elif reply.exception() is not None or reply.result() == "need_snapshot":
                 behind.add(shard)          # a restarted shard has lost our events
         self._sent = pending
@@ -62,7 +62,7 @@ class IndexLink:
             self._send(shard, self.shards[shard].load_snapshot.remote(snap.encode()))
 
     def pending(self) -> list[Future]:
-        return [reply for _, reply in self._sent if not reply.done()]
+        return [reply for _, _, reply in self._sent if not reply.done()]
 
     def _send(self, shard: int, ref) -> None:
-        self._sent.append((shard, ref.future()))
+        self._sent.append((shard, ref, ref.future()))

@@ -141,11 +141,13 @@ class NodeCacheActor:
             keys = self.cache.keys(tokens, namespace)
             skip = self.cache.match(tokens, namespace).matched
         deadline = self.config.fetch_deadline_s
-        reply = asyncio.wrap_future(peer.export.remote(keys, skip).future())
+        ref = peer.export.remote(keys, skip)
+        reply = asyncio.wrap_future(ref.future())
         done, _ = await asyncio.wait({reply}, timeout=deadline)
         if not done:
-            # Given up: the grant may still come, and its lease must not wait out its TTL.
-            reply.add_done_callback(lambda late: self._release_late(peer, late))
+            # Given up: the grant may still come, and its lease must not wait out its TTL
+            # (the callback keeps the ref, and so the reply, alive until then).
+            reply.add_done_callback(lambda late, ref=ref: self._release_late(peer, late))
             return FetchOutcome.TRANSFER_FAILED
         if reply.exception() is not None:
             return FetchOutcome.TRANSFER_FAILED       # the peer died or its export failed

@@ -414,5 +414,6 @@ class PrefixIndex:
         return {"keys": len(self._bits), "nodes": len(self._nodes),
                 "node_pages": sum(len(st.pages) for st in self._nodes.values()),
                 "out_of_sync": sorted(n for n, st in self._nodes.items() if st.seq is None),
+                "dropped_nodes": self.admission.dropped(),
                 "snapshots_loaded": self._snapshots,
                 **{r.value: c for r, c in self._counts.items()}}

@@ -105,3 +105,27 @@ def test_a_fetch_that_gives_up_releases_the_late_lease(cluster):
         ray.get([source.check.remote(), dest.check.remote()], timeout=T)
     finally:
         stop([source, dest])
+
+
+def test_epochs_rise_across_restarts_without_a_clock(cluster):
+    """A node actor Ray restarts claims its epoch from the GCS: above the old one."""
+    _, nodes = cluster
+    strategy = NodeAffinitySchedulingStrategy(nodes[2].node_id, soft=False)
+    actor = NodeCacheActor.options(name="epoch-node", num_cpus=0.25, max_restarts=-1,
+                                   scheduling_strategy=strategy).remote("epoch-node", CONFIG)
+    try:
+        epochs = [ray.get(actor.heartbeat.remote(), timeout=T).epoch]
+        for _ in range(2):
+            ray.kill(actor, no_restart=False)
+            eventually(lambda: _epoch(actor) not in (None, epochs[-1]))
+            epochs.append(_epoch(actor))
+        assert epochs == sorted(set(epochs))
+    finally:
+        ray.kill(actor)
+
+
+def _epoch(actor):
+    try:
+        return ray.get(actor.heartbeat.remote(), timeout=T).epoch
+    except ray.exceptions.RayActorError:
+        return None
