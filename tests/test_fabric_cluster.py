@@ -227,22 +227,11 @@ def test_a_shard_holding_too_many_entries_is_split(fabric):
 def test_a_killed_directory_restarts_with_its_routes_and_nodes(fabric):
     """The route table and the node list survive a restart of the directory: it
     rebuilds them from the node actors."""
-    import time
     from fabric import RouteTable
     before_routes = ray.get(fabric.directory.get_routes.remote(), timeout=T)
     before_nodes = ray.get(fabric.directory.node_names.remote(), timeout=T)
     assert RouteTable.decode(before_routes).version > 0          # earlier tests split
-    first = ray.get(fabric.directory.incarnation.remote(), timeout=T)
-    ray.kill(fabric.directory, no_restart=False)
-    deadline = time.monotonic() + T
-    while True:                          # kill is asynchronous: wait for the new process
-        try:
-            if ray.get(fabric.directory.incarnation.remote(), timeout=T) != first:
-                break
-        except ray.exceptions.RayActorError:
-            pass                         # restarting
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    _restart_directory(fabric)
     after_routes = ray.get(fabric.directory.get_routes.remote(), timeout=T)
     assert RouteTable.decode(after_routes).version == RouteTable.decode(before_routes).version
     assert after_routes == before_routes
