@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from fabric import LoadTracker, RouteTable
 from fabric.balance import chance_target
 
-from .node_actor import NodeCacheActor, NodeConfig
+from .node_actor import Beat, NodeCacheActor, NodeConfig
 
 NAMESPACE = "kvfabric"
 DIRECTORY = "kvf-directory"
@@ -94,7 +94,9 @@ class FabricDirectory:
         self.routes = RouteTable(shards)
         self.nodes: dict[str, bytes] = {}          # node actor name -> NIXL metadata
         self.cpus_per_actor = cpus_per_actor
-        self._lock = threading.RLock()             # guards nodes and routes
+        self._lock = threading.RLock()             # guards nodes and routes; never held across a call
+        self._rebalancing = threading.Lock()       # one rebalance at a time
+        self._undropped: set[str] = set()          # dropped nodes some shard has not heard of yet
         self._adding = threading.Lock()            # one pass adding node actors at a time
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -125,6 +127,41 @@ class FabricDirectory:
                     self.routes = table
         log.info("directory restarted: recovered %d nodes, routes version %d", len(self.nodes),
                  self.routes.version)
+        self._converge(timeout_s)
+
+    def _converge(self, timeout_s: float, beats: dict | None = None) -> None:
+        """Bring every shard and node onto this directory's route table: after a restart,
+        or a rebalance cut short. Shards ahead of it (killed after they took a version
+        whose table died with the old process, which a client may hold) make it re-issue
+        its table above theirs, so such clients are told to refresh; shards and nodes
+        behind it get it. Serialized with rebalances; never moves anyone back."""
+        with self._rebalancing:
+            if beats is None:
+                beats = self._beats(self.node_names(), timeout_s)
+            shards = self._shards()
+            versions = {}
+            for i, shard in enumerate(shards):
+                try:
+                    versions[i] = ray.get(shard.get_route_version.remote(), timeout=timeout_s)
+                except RayError:
+                    pass                    # restarting: it starts at 0, and hears next pass
+            with self._lock:
+                if max(versions.values(), default=0) > self.routes.version:
+                    self.routes = RouteTable(self.routes.shards, self.routes.routes, max(versions.values()) + 1)
+                routes = self.routes.encode()
+                version = self.routes.version
+            try:
+                ray.get([shards[i].set_route_version.remote(version) for i, v in versions.items() if v < version],
+                        timeout=timeout_s)
+            except RayError as e:
+                log.warning("a shard did not take route version %d (next pass retries): %s", version, e)
+            for name, beat in beats.items():
+                if beat is None or not beat.attached or beat.route_version >= version:
+                    continue
+                try:
+                    ray.get(ray.get_actor(name, namespace=NAMESPACE).reroute.remote(routes), timeout=timeout_s)
+                except (RayError, ValueError) as e:
+                    log.warning("rerouting %s failed (next pass retries): %s", name, e)
 
     def get_config(self) -> NodeConfig:
         return self.config
@@ -160,42 +197,59 @@ class FabricDirectory:
         with `add`, give every alive Ray node lacking a node actor one (a new actor
         imports torch and NIXL: `start_timeout_s`). Waits on other actors without
         `_lock` held."""
-        dead, restarted = self._beat(self.node_names(), timeout_s)
+        beats = self._beats(self.node_names(), timeout_s)
+        dead = sorted(name for name, beat in beats.items() if beat is None)
+        restarted = sorted(name for name, beat in beats.items() if beat is not None and not beat.attached)
         done = Membership(dropped=dead)
         for name in dead:
+            self._drop(name, timeout_s)
+        for name in sorted(self._undropped - set(dead)):
             self._drop(name, timeout_s)
         for name in restarted:
             if self._rejoin(name, timeout_s):
                 done.rejoined.append(name)
+        self._converge(timeout_s, beats)
         if add:
             with self._adding:
                 done.added = self._add_missing(start_timeout_s)
         return done
 
-    def _beat(self, names: list[str], timeout_s: float) -> tuple[list[str], list[str]]:
-        """(dead, restarted) among `names`."""
-        refs, dead, restarted = {}, [], []
+    def _beats(self, names: list[str], timeout_s: float) -> dict[str, Beat | None]:
+        """Each answering node's Beat; None for the dead. Slow or restarting ones are left out."""
+        refs, beats = {}, {}
         for name in names:
             try:
                 refs[name] = ray.get_actor(name, namespace=NAMESPACE).heartbeat.remote()
             except ValueError:         # the name is gone: the actor died for good
-                dead.append(name)
+                beats[name] = None
         for name, ref in refs.items():
             try:
-                attached = ray.get(ref, timeout=timeout_s)[1]
+                beats[name] = ray.get(ref, timeout=timeout_s)
             except ActorDiedError:
-                dead.append(name)
+                beats[name] = None
             except (GetTimeoutError, RayError):
                 continue               # slow or restarting is not dead
-            if not attached:
-                restarted.append(name)
-        return sorted(dead), sorted(restarted)
+        return beats
+
+    def attach(self, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        """Admit node `name`'s epoch to every shard, then attach it to the index: a node
+        dropped before (or restarted) is accepted again, and nothing older of it is."""
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+        epoch = ray.get(actor.heartbeat.remote(), timeout=timeout_s).epoch
+        shards = self._shards()
+        ray.get([s.admit.remote(name, epoch) for s in shards], timeout=timeout_s)
+        with self._lock:
+            self._undropped.discard(name)
+        routes = self.get_routes()
+        ray.get(actor.attach_index.remote(shards, routes), timeout=timeout_s)
+        if self.get_routes() != routes:      # a split landed in between: catch up
+            ray.get(actor.reroute.remote(self.get_routes()), timeout=timeout_s)
 
     def _rejoin(self, name: str, timeout_s: float) -> bool:
         """Attach a restarted node actor to the index and reconnect it with its peers."""
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
-            ray.get(actor.attach_index.remote(self._shards(), self.get_routes()), timeout=timeout_s)
+            self.attach(name, timeout_s)
             meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
             connect_peers(name, actor, meta, self.register(name, meta), timeout_s)
             return True
@@ -207,9 +261,13 @@ class FabricDirectory:
         self.unregister(name)
         try:
             ray.get([s.drop_node.remote(name) for s in self._shards()], timeout=timeout_s)
+            with self._lock:
+                self._undropped.discard(name)
         except RayError as e:
-            # A shard that is restarting starts empty: the node is not in it anyway.
+            # Its late batches could still reach that shard: the next pass drops it again.
             log.warning("dropping %s: a shard did not answer: %s", name, e)
+            with self._lock:
+                self._undropped.add(name)
 
     def _add_missing(self, timeout_s: float) -> list[str]:
         added, known = [], set(self.node_names())
@@ -222,12 +280,9 @@ class FabricDirectory:
                 if actor is None:
                     _, actor = place_node_actor(node["NodeID"], self.config, self.cpus_per_actor)
                 # Publishing first: once registered, a node is taken to be in the index.
-                routes = self.get_routes()
-                ray.get(actor.attach_index.remote(self._shards(), routes), timeout=timeout_s)
+                self.attach(name, timeout_s)
                 meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
                 connect_peers(name, actor, meta, self.register(name, meta), timeout_s)
-                if self.get_routes() != routes:      # a split landed in between: catch up
-                    ray.get(actor.reroute.remote(self.get_routes()), timeout=timeout_s)
                 added.append(name)
             except (RayError, ValueError) as e:
                 log.warning("adding a node actor on %s failed (next pass retries): %s", node["NodeID"], e)
@@ -274,21 +329,26 @@ class FabricDirectory:
         entries are); nodes then resend snapshots under the new routes. Returns
         whether routes changed. With `sigmas`, lookups must be uneven beyond chance
         (`chance_target`). The watcher calls this every REBALANCE_EVERY_S."""
-        with self._lock:
+        with self._rebalancing:
             shards = self._shards()
-            load = LoadTracker(self.routes.shards)
+            current = RouteTable.decode(self.get_routes())
+            load = LoadTracker(current.shards)
             for report in ray.get([s.load_report.remote() for s in shards], timeout=timeout_s):
                 load.merge(report)
             lookups = chance_target(target, load.lookups, sigmas) or target
             fullest = load.fullest_if_uneven(lookups, target)
             if fullest is not None:
-                regions = ray.get(shards[fullest].entry_regions.remote(self.routes.encode()), timeout=timeout_s)
+                regions = ray.get(shards[fullest].entry_regions.remote(current.encode()), timeout=timeout_s)
                 load.record_entries(fullest, load.entries[fullest], regions)
-            planned = load.plan(self.routes, lookups, target)
+            planned = load.plan(current, lookups, target)
             if planned is None:
                 return False
-            self.routes = planned[0]
-            ray.get([s.set_route_version.remote(self.routes.version) for s in shards], timeout=timeout_s)
-            nodes = [ray.get_actor(n, namespace=NAMESPACE) for n in self.nodes]
-            ray.get([n.reroute.remote(self.routes.encode()) for n in nodes], timeout=timeout_s)
+            # Shards first: no client can hold a table newer than every shard knows, so a
+            # restart cut in here re-issues above it (see _recover). Then the table, then nodes.
+            ray.get([s.set_route_version.remote(planned[0].version) for s in shards], timeout=timeout_s)
+            with self._lock:
+                self.routes = planned[0]
+            routes = planned[0].encode()
+            nodes = [ray.get_actor(n, namespace=NAMESPACE) for n in self.node_names()]
+            ray.get([n.reroute.remote(routes) for n in nodes], timeout=timeout_s)
             return True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Generator, Sequence
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -47,12 +47,11 @@ def start(config: NodeConfig, shards: int = 4, cpus_per_actor: float = 0.25,
     # refill it (their next batch shows a gap; they answer with a snapshot).
     shard_actors = [IndexShardActor.options(name=shard_name(i), max_restarts=-1, **opts)
                     .remote(i, shards, window, has_full, fingerprint) for i in range(shards)]
-    routes = ray.get(directory.get_routes.remote(), timeout=timeout_s)
     nodes = dict(place_node_actor(n["NodeID"], config, cpus_per_actor) for n in ray.nodes() if n["Alive"])
     ray.get([s.noop.remote() for s in shard_actors], timeout=timeout_s)
     for name, actor in nodes.items():
         join(directory, name, actor, timeout_s)
-        ray.get(actor.attach_index.remote(shard_actors, routes), timeout=timeout_s)
+        ray.get(directory.attach.remote(name), timeout=timeout_s)
     if watch_s > 0:
         ray.get(directory.watch.remote(watch_s), timeout=timeout_s)
     return Fabric(directory, nodes, shard_actors)
@@ -99,38 +98,42 @@ class FabricClient:
 
     def lookup(self, tokens: Sequence[int], namespace: str) -> list[NodeMatch]:
         """Each node's usable match for `tokens`, best first; [] if the index cannot answer."""
-        keys = self.keys(tokens, namespace)
-        if not keys:
-            return []
-        for _ in range(2):       # a stale route table is refreshed once
-            shard, depth = self.routes.locate(keys)
-            try:
-                found = ray.get(self._shard(shard).lookup.remote(b"".join(keys), self.routes.version, depth),
-                                timeout=self.timeout_s)
-            except (RayError, GetTimeoutError):
-                return []        # a miss costs recomputation, never an error
-            if found is not None:
-                return _matches(found)
-            self.routes = RouteTable.decode(ray.get(self.directory.get_routes.remote(), timeout=CALL_TIMEOUT_S))
-        return []
+        steps = self._lookup_steps(tokens, namespace)
+        try:
+            call = next(steps)
+            while True:
+                call = steps.send(ray.get(call.ref, timeout=call.timeout_s))
+        except StopIteration as done:
+            return done.value
+        except (RayError, GetTimeoutError, ValueError):
+            return []            # a miss costs recomputation, never an error
 
     async def lookup_async(self, tokens: Sequence[int], namespace: str) -> list[NodeMatch]:
         """`lookup` for an event loop (a request router): awaits instead of blocking."""
+        steps = self._lookup_steps(tokens, namespace)
+        try:
+            call = next(steps)
+            while True:
+                call = steps.send(await asyncio.wait_for(call.ref, call.timeout_s))
+        except StopIteration as done:
+            return done.value
+        except (RayError, asyncio.TimeoutError, ValueError):
+            return []
+
+    def _lookup_steps(self, tokens: Sequence[int], namespace: str) -> Generator[_Call, object, list[NodeMatch]]:
+        """The lookup, as the calls it waits on (each answer is sent back in): `lookup`
+        and `lookup_async` only differ in how they wait. A stale route table is
+        refreshed once; any failure (the caller catches it) is a miss."""
         keys = self.keys(tokens, namespace)
         if not keys:
             return []
         for _ in range(2):
             shard, depth = self.routes.locate(keys)
-            try:
-                found = await asyncio.wait_for(
-                    self._shard(shard).lookup.remote(b"".join(keys), self.routes.version, depth), self.timeout_s)
-                if found is None:
-                    routes = await asyncio.wait_for(self.directory.get_routes.remote(), CALL_TIMEOUT_S)
-                    self.routes = RouteTable.decode(routes)
-                    continue
-            except (RayError, asyncio.TimeoutError):
-                return []
-            return _matches(found)
+            found = yield _Call(self._shard(shard).lookup.remote(b"".join(keys), self.routes.version, depth),
+                                self.timeout_s)
+            if found is not None:
+                return _matches(found)
+            self.routes = RouteTable.decode((yield _Call(self.directory.get_routes.remote(), CALL_TIMEOUT_S)))
         return []
 
     def fetch(self, tokens: Sequence[int], namespace: str, into: str, source: NodeMatch | None = None) -> int:
@@ -162,6 +165,12 @@ class FabricClient:
         if handle is None:
             handle = self._shards[i] = ray.get_actor(shard_name(i), namespace=NAMESPACE)
         return handle
+
+
+@dataclass(frozen=True)
+class _Call:
+    ref: "ray.ObjectRef"
+    timeout_s: float
 
 
 def _matches(found: list[tuple[str, int, bool]]) -> list[NodeMatch]:

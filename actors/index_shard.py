@@ -75,8 +75,16 @@ class IndexShardActor:
     def set_route_version(self, version: int) -> None:
         self.route_version = max(self.route_version, version)
 
+    def get_route_version(self) -> int:
+        return self.route_version
+
     def drop_node(self, node: str) -> None:
+        """The directory's word that `node` died: its events are refused until `admit`."""
         self.index.drop_node(node)
+
+    def admit(self, node: str, epoch: int) -> None:
+        """The directory's word that `node` belongs, publishing from `epoch` on."""
+        self.index.admit(node, epoch)
 
     def noop(self, *payload: object) -> None:
         """Does nothing: the baseline a lookup's latency is measured against."""

@@ -11,12 +11,12 @@ passes over its keys, with no object per page (see `_Chain`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from functools import reduce
 from itertools import accumulate, chain as _chain, count, repeat, takewhile
 from operator import and_, or_
 from typing import Sequence
 
+from fabric.admission import Admission, ApplyResult
 from fabric.events import (KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot, check_header,
                            check_pages)
 
@@ -45,13 +45,6 @@ class NodeMatch:
 
 def _rank(m: NodeMatch) -> tuple[int, bool, str]:
     return -m.pages, not m.device, m.node
-
-
-class ApplyResult(Enum):
-    APPLIED = "applied"
-    DUPLICATE = "duplicate"
-    STALE_EPOCH = "stale_epoch"
-    NEED_SNAPSHOT = "need_snapshot"
 
 
 # What one publication said of a run of consecutive pages: (keys, first depth, parent of
@@ -96,8 +89,8 @@ class PrefixIndex:
         self._nodes: dict[str, _NodeState] = {}
         self._slots: list[str | None] = []        # slot -> node name; None: free
         self._ones = 0                            # bit 0 of every slot's nibble
-        # (epoch, seq) of dropped nodes, so their late batches cannot resurrect them.
-        self._retired: dict[str, tuple[int, int | None]] = {}
+        # Dropped nodes and epoch floors, so that late events cannot resurrect a node.
+        self.admission = Admission()
         self._counts = {r: 0 for r in ApplyResult}
         self._snapshots = 0
 
@@ -160,13 +153,11 @@ class PrefixIndex:
 
     def _admit(self, node: str, epoch: int, seq: int, cleared: bool) -> ApplyResult:
         """Decide what a batch means for its node's state; may reset that state."""
+        refused = self.admission.refuses(node, epoch)
+        if refused is not None:
+            return refused
         st = self._nodes.get(node)
         if st is None:
-            old_epoch, old_seq = self._retired.get(node, (-1, None))
-            if epoch < old_epoch:
-                return ApplyResult.STALE_EPOCH
-            if epoch == old_epoch and old_seq is not None and seq <= old_seq:
-                return ApplyResult.DUPLICATE
             st = self._add_node(node, epoch)
         if epoch < st.epoch:
             return ApplyResult.STALE_EPOCH
@@ -190,8 +181,11 @@ class PrefixIndex:
         self._check_layout(snap.fingerprint)
         check_header(snap.node, snap.epoch, snap.seq)
         check_pages(snap.pages, allow_zero=False)
+        refused = self.admission.refuses(snap.node, snap.epoch)
+        if refused is not None:
+            return refused
         st = self._nodes.get(snap.node)
-        epoch, seq = (st.epoch, st.seq) if st else self._retired.get(snap.node, (-1, None))
+        epoch, seq = (st.epoch, st.seq) if st else (-1, None)
         if snap.epoch < epoch:
             return ApplyResult.STALE_EPOCH
         if snap.epoch == epoch and seq is not None and snap.seq < seq:
@@ -206,16 +200,26 @@ class PrefixIndex:
         return ApplyResult.APPLIED
 
     def drop_node(self, node: str) -> None:
+        """Forget the node and refuse its events, late ones included, until `admit`."""
+        self.admission.drop(node)
         st = self._nodes.pop(node, None)
         if st is None:
             return
         self._clear(st)
-        self._retired[node] = (st.epoch, st.seq)
         self._slots[st.slot] = None
         self._ones &= ~(1 << 4 * st.slot)
 
+    def admit(self, node: str, epoch: int) -> None:
+        """The directory's word that `node` belongs, publishing from `epoch` on: a dropped
+        node is accepted again, and what an older epoch of it published is gone."""
+        check_header(node, epoch, 0)
+        floor = self.admission.admit(node, epoch)
+        st = self._nodes.get(node)
+        if st is not None and st.epoch < floor:
+            self._clear(st)
+            st.epoch, st.seq = floor, None
+
     def _add_node(self, node: str, epoch: int) -> _NodeState:
-        self._retired.pop(node, None)
         if None not in self._slots:       # reuse a dropped node's slot: ints stay short
             self._slots.append(None)
         slot = self._slots.index(None)
@@ -410,5 +414,6 @@ class PrefixIndex:
         return {"keys": len(self._bits), "nodes": len(self._nodes),
                 "node_pages": sum(len(st.pages) for st in self._nodes.values()),
                 "out_of_sync": sorted(n for n, st in self._nodes.items() if st.seq is None),
+                "dropped_nodes": self.admission.dropped(),
                 "snapshots_loaded": self._snapshots,
                 **{r.value: c for r, c in self._counts.items()}}

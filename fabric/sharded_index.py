@@ -36,6 +36,10 @@ class ShardedIndex:
         for shard in self.shards:
             shard.drop_node(node)
 
+    def admit(self, node: str, epoch: int) -> None:
+        for shard in self.shards:
+            shard.admit(node, epoch)
+
     # --- lookups --------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> list[NodeMatch]:
         if not keys:

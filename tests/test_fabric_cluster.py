@@ -144,10 +144,10 @@ def test_a_node_actor_ray_restarts_rejoins_with_a_new_epoch(fabric):
     flush(fabric)
     client = FabricClient.connect(timeout_s=10.0)
     assert [m.node for m in client.lookup(tokens, NS)] == [victim]
-    epoch = ray.get(actor.heartbeat.remote(), timeout=T)[0]
+    epoch = ray.get(actor.heartbeat.remote(), timeout=T).epoch
     ray.kill(actor, no_restart=False)
     # The old epoch's pages leave the index; the new actor is attached and connected again.
-    eventually(lambda: _epoch_attached(actor) not in (None, (epoch, True)) and _epoch_attached(actor)[1])
+    eventually(lambda: (beat := _beat(actor)) is not None and beat.epoch > epoch and beat.attached)
     eventually(lambda: client.lookup(tokens, NS) == [])
     again = list(range(61_000, 61_000 + 2 * 16))
     ray.get(actor.put.remote(again, prefix_kv(LAYOUT, again), NS), timeout=T)
@@ -157,9 +157,9 @@ def test_a_node_actor_ray_restarts_rejoins_with_a_new_epoch(fabric):
     ray.get([fabric.nodes[n].check.remote() for n in (victim, other)], timeout=T)
 
 
-def _epoch_attached(actor):
+def _beat(actor):
     try:
-        return tuple(ray.get(actor.heartbeat.remote(), timeout=T))
+        return ray.get(actor.heartbeat.remote(), timeout=T)
     except ray.exceptions.RayActorError:
         return None
 
@@ -263,22 +263,11 @@ def test_client_keyers_stay_bounded(fabric):
 def test_a_killed_directory_restarts_with_its_routes_and_nodes(fabric):
     """The route table and the node list survive a restart of the directory: it
     rebuilds them from the node actors."""
-    import time
     from fabric import RouteTable
     before_routes = ray.get(fabric.directory.get_routes.remote(), timeout=T)
     before_nodes = ray.get(fabric.directory.node_names.remote(), timeout=T)
     assert RouteTable.decode(before_routes).version > 0          # earlier tests split
-    first = ray.get(fabric.directory.incarnation.remote(), timeout=T)
-    ray.kill(fabric.directory, no_restart=False)
-    deadline = time.monotonic() + T
-    while True:                          # kill is asynchronous: wait for the new process
-        try:
-            if ray.get(fabric.directory.incarnation.remote(), timeout=T) != first:
-                break
-        except ray.exceptions.RayActorError:
-            pass                         # restarting
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    _restart_directory(fabric)
     after_routes = ray.get(fabric.directory.get_routes.remote(), timeout=T)
     assert RouteTable.decode(after_routes).version == RouteTable.decode(before_routes).version
     assert after_routes == before_routes
@@ -329,3 +318,118 @@ def test_shards_reject_bad_input_without_change(fabric):
     after = ray.get(shard.stats.remote(), timeout=T)
     assert after["rejected"] == before["rejected"] + 7 and after["keys"] == before["keys"]
     assert "intruder" not in ray.get(shard.stats.remote(), timeout=T)["out_of_sync"]
+
+
+def _restart_directory(fabric) -> None:
+    import time
+    first = ray.get(fabric.directory.incarnation.remote(), timeout=T)
+    ray.kill(fabric.directory, no_restart=False)
+    deadline = time.monotonic() + T
+    while True:                          # kill is asynchronous: wait for the new process
+        try:
+            if ray.get(fabric.directory.incarnation.remote(), timeout=T) != first:
+                return
+        except ray.exceptions.RayActorError:
+            pass                         # restarting
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def _node_actors(fabric) -> dict:
+    return {n: ray.get_actor(n, namespace="kvfabric") for n in ray.get(fabric.directory.node_names.remote(), timeout=T)}
+
+
+def _converged(fabric) -> bool:
+    """Every shard and every attached node on the directory's route table."""
+    from fabric import RouteTable
+    version = RouteTable.decode(ray.get(fabric.directory.get_routes.remote(), timeout=T)).version
+    shards = ray.get([s.get_route_version.remote() for s in fabric.shards], timeout=T)
+    beats = [_beat(a) for a in _node_actors(fabric).values()]
+    return all(v == version for v in shards) and all(b is not None and b.route_version == version for b in beats)
+
+
+@pytest.mark.parametrize("cut", ["after_the_shards", "after_one_node"])
+def test_a_directory_killed_mid_rebalance_converges(fabric, cut):
+    """A rebalance is: shards take the new version, the directory the new table, nodes
+    reroute. Killed after the first step (or partway through the last), the restarted
+    directory brings every shard and node onto one table, and lookups find puts again."""
+    from fabric import RouteTable
+    actors = _node_actors(fabric)
+    names = sorted(actors)
+    node = names[0]
+    base = 70_000 if cut == "after_the_shards" else 75_000
+    tokens = list(range(base, base + 3 * 16))
+    ray.get(actors[node].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
+    flush(fabric)
+    client = FabricClient.connect(timeout_s=10.0)
+    assert [m.node for m in client.lookup(tokens, NS)] == [node]
+    current = RouteTable.decode(ray.get(fabric.directory.get_routes.remote(), timeout=T))
+    keys = client.keys(tokens, NS)
+    # The rebalance's plan: the prompt's subtree moves to another shard.
+    planned = current.split(keys[:1], [keys[1]], [(current.owner(keys) + 1) % current.shards])
+    ray.get([s.set_route_version.remote(planned.version) for s in fabric.shards], timeout=T)
+    if cut == "after_one_node":
+        ray.get(actors[names[-1]].reroute.remote(planned.encode()), timeout=T)
+    _restart_directory(fabric)
+    eventually(lambda: [m.node for m in client.lookup(tokens, NS)] == [node])
+    eventually(lambda: _converged(fabric))
+    again = list(range(base + 1000, base + 1000 + 2 * 16))
+    ray.get(actors[node].put.remote(again, prefix_kv(LAYOUT, again), NS), timeout=T)
+    ray.get(actors[node].flush.remote(), timeout=T)
+    assert [m.node for m in FabricClient.connect(timeout_s=10.0).lookup(again, NS)] == [node]
+
+
+def test_a_lookup_misses_when_stale_routes_cannot_be_refreshed(fabric):
+    """The shard says the client's routes are stale and the directory is down: a miss."""
+    import asyncio
+    from actors import FabricDirectory
+    from fabric import RouteTable
+    client = FabricClient.connect(timeout_s=10.0)
+    tokens = list(range(90_000, 90_000 + 2 * 16))
+    current = client.routes
+    assert current.version > 0                                   # earlier tests split
+    client.routes = RouteTable(current.shards, current.routes, current.version - 1)
+    gone = FabricDirectory.options(namespace="kvfabric", num_cpus=0).remote(CONFIG, current.shards)
+    ray.get(gone.get_routes.remote(), timeout=T)
+    ray.kill(gone)
+    client.directory = gone
+    assert client.lookup(tokens, NS) == []
+    client.routes = RouteTable(current.shards, current.routes, current.version - 1)
+    assert asyncio.run(client.lookup_async(tokens, NS)) == []
+
+
+def test_a_restarted_node_whose_clock_stepped_back_is_still_accepted(fabric):
+    """Epochs do not come from the wall clock: a node actor Ray restarts with its clock
+    behind the old one's still publishes, and its new pages are found."""
+    from actors import join
+    from actors.node_actor import NodeCacheActor
+
+    class ClockSteppedBack(NodeCacheActor.__ray_metadata__.modified_class):
+        def __init__(self, name, config):
+            import time as clock            # this actor's own process: its wall clock only
+            behind = ray.get_runtime_context().was_current_actor_reconstructed
+            now = clock.time_ns() - (3600 * 10**9 if behind else 0)     # an hour back after a restart
+            clock.time_ns = lambda: now
+            super().__init__(name, config)
+
+    name = "kvf-node-clock"
+    actor = ray.remote(ClockSteppedBack).options(name=name, namespace="kvfabric", num_cpus=0.1,
+                                                 max_restarts=-1).remote(name, CONFIG)
+    try:
+        join(fabric.directory, name, actor, timeout_s=T)
+        client = FabricClient.connect(timeout_s=10.0)
+        first = list(range(95_000, 95_000 + 2 * 16))
+        ray.get(actor.put.remote(first, prefix_kv(LAYOUT, first), NS), timeout=T)
+
+        def found(tokens):
+            ray.get(actor.flush.remote(), timeout=T)
+            return [m.node for m in client.lookup(tokens, NS)] == [name]
+        eventually(lambda: found(first))                 # the watcher attached it
+        ray.kill(actor, no_restart=False)
+        eventually(lambda: client.lookup(first, NS) == [])
+        second = list(range(96_000, 96_000 + 2 * 16))
+        eventually(lambda: _beat(actor) is not None)
+        ray.get(actor.put.remote(second, prefix_kv(LAYOUT, second), NS), timeout=T)
+        eventually(lambda: found(second))
+    finally:
+        ray.kill(actor)

@@ -97,9 +97,12 @@ def test_drop_node_and_late_batches():
     ix.drop_node("nobody")
     assert ix.nodes() == ["b"] and ix.node_pages("a") == {} and len(ix) == 3
     assert ix.lookup(KEYS) == [NodeMatch("b", 3, True)]
-    assert ix.apply(batch("a", 1, 0, PAGES)) is R.DUPLICATE      # a late batch cannot resurrect it
-    assert ix.apply(batch("a", 0, 5, PAGES)) is R.STALE_EPOCH
+    assert ix.apply(batch("a", 1, 0, PAGES)) is R.DROPPED        # a late batch cannot resurrect it
+    assert ix.apply(batch("a", 0, 5, PAGES)) is R.DROPPED
     assert ix.apply(batch("c", 1, 0, PAGES[:2])) is R.APPLIED     # reuses a's slot
+    assert ix.apply(batch("a", 2, 0, PAGES[:1])) is R.DROPPED     # not even a new epoch, until admitted
+    ix.admit("a", 2)                                               # the directory rejoined it
+    assert ix.apply(batch("a", 1, 1, PAGES)) is R.STALE_EPOCH
     assert ix.apply(batch("a", 2, 0, PAGES[:1])) is R.APPLIED     # a restarted node is welcome
     assert [m.node for m in ix.lookup(KEYS)] == ["b", "c", "a"]
 
