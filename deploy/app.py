@@ -27,6 +27,8 @@ from .router import FabricRequestRouter
 from .serving import ModelServer
 from .tenants import TenantTable, load_tenants
 
+HEAD_RESOURCE = "node:__internal_head__"     # Ray's marker resource of the head node
+
 
 class AppArgsError(ValueError):
     """App args that do not make a valid app (unknown names, bad values)."""
@@ -126,7 +128,10 @@ def build_app(args: AppArgs) -> serve.Application:
     server = ModelServer.options(num_replicas=replicas, max_replicas_per_node=1, request_router_config=router,
                                  ray_actor_options={"num_cpus": 0.25, "num_gpus": args.gpus_per_replica}
                                  ).bind(args.model_config)
-    ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": 0.25})
+    # The ingress sits beside the HTTP proxy on the head node: a worker node that goes
+    # away then costs its model server's requests a retry (HandleBackend), never the
+    # ingress replica and every request it was holding.
+    ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": 0.25, "resources": {HEAD_RESOURCE: 0.001}})
     return ingress.bind(server, args.model_name, args.model_config, args.tenants_file, args.max_tokens_limit)
 
 
