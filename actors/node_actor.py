@@ -19,6 +19,7 @@ from fabric import (AllocationFaults, CachedKV, EventPublisher, ExportGrant, Fet
                     NodeCache, PoolCapacity, PoolName, RouteTable, TierConfig, export_prefix, import_prefix)
 from transport import FaultPlan, FaultyTransport, LocalTransport, NixlTransport
 from transport.fetch import TransportReader, register_device_pools
+from transport.staging import SharedPages, StagedHit, StagingSpec, load_to_staging, save_from_staging
 
 from .chaos_hooks import ChaosAction, EventMangler
 
@@ -85,6 +86,38 @@ class NodeCacheActor:
 
     def keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
         return self.cache.keys(tokens, namespace)
+
+    # --- engines on this host: bytes through shared-memory staging pages ----------------
+    def layout(self) -> KVLayout:
+        return self.config.layout
+
+    def load_staged(self, spec: StagingSpec, tokens: Sequence[int], namespace: str,
+                    skip_pages: int, slots: dict[PoolName, list[int]]) -> StagedHit:
+        """Copy the usable cached prefix beyond `skip_pages` into the engine's staging pages."""
+        hit = load_to_staging(self.cache, self._staging(spec), tokens, namespace, skip_pages, slots)
+        self.publish()
+        return hit
+
+    def save_staged(self, spec: StagingSpec, tokens: Sequence[int], namespace: str,
+                    slots: dict[PoolName, list[int]], swa_first_page: int) -> int:
+        """Store the whole pages of `tokens` that the engine wrote to its staging pages."""
+        stored = save_from_staging(self.cache, self._staging(spec), tokens, namespace, slots,
+                                   swa_first_page)
+        self.publish()
+        return stored
+
+    def drop_staging(self, spec: StagingSpec) -> None:
+        shared = getattr(self, "_shared", {}).pop(spec.prefix, None)
+        if shared is not None:
+            shared.unlink()
+
+    def _staging(self, spec: StagingSpec) -> SharedPages:
+        if not hasattr(self, "_shared"):
+            self._shared: dict[str, SharedPages] = {}
+        shared = self._shared.get(spec.prefix)
+        if shared is None:
+            shared = self._shared[spec.prefix] = SharedPages(spec, self.config.layout)
+        return shared
 
     # --- serving peers -----------------------------------------------------------------
     def export(self, keys: list[bytes], skip: int) -> bytes:

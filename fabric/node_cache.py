@@ -235,8 +235,12 @@ class NodeCache:
         return freed
 
     # --- put -------------------------------------------------------------------------
-    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str) -> int:
-        """Store the whole pages of `tokens`; returns pages newly stored (0 if no room)."""
+    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str,
+            available: Mapping[PoolName, range] | None = None) -> int:
+        """Store the whole pages of `tokens`; returns pages newly stored (0 if no room).
+        `available`: per pool, the page positions whose K/V `kv` really holds (default:
+        all); a pool's pages elsewhere are not stored (an engine that has dropped the
+        sliding-window KV before its window hands over only the window)."""
         keyer = self.keyer(namespace)
         raw = encode_tokens(tokens)
         tree = self.tree
@@ -251,6 +255,8 @@ class NodeCache:
         # point: a likely continuation, so SWA keeps its window too.
         branch = m if path and path[-1].children and m < n else 0
         keep = {p: pol.store_positions(n, branch) for p, pol in self.policies.items()}
+        if available is not None:
+            keep = {p: [i for i in pos if i in available.get(p, range(n))] for p, pos in keep.items()}
         todo = {p: missing_on_device(path, pos, m, p) for p, pos in keep.items()}
         if not any(todo.values()):
             tree.touch(path)
