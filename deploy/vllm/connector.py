@@ -85,6 +85,11 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self):
         return self.worker.worker_meta() if self.worker is not None else None
 
+    def shutdown(self) -> None:
+        # The staging files go with the engine (a node actor's mapping stays valid).
+        if self.worker is not None and self.worker.shared is not None:
+            self.worker.shared.unlink()
+
     # --- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
