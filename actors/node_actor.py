@@ -15,7 +15,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from fabric import (AllocationFaults, CachedKV, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable,
+from fabric import (AllocationFaults, CachedKV, CacheStats, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable,
                     NodeCache, PoolCapacity, PoolName, RouteTable, TierConfig, export_prefix, import_prefix)
 from transport import FaultPlan, FaultyTransport, LocalTransport, NixlTransport
 from transport.fetch import TransportReader, register_device_pools
@@ -105,6 +105,10 @@ class NodeCacheActor:
                                    swa_first_page)
         self.publish()
         return stored
+
+    def cache_stats(self) -> CacheStats:
+        """The cache's counters (hits by tier among them)."""
+        return self.cache.stats()
 
     def drop_staging(self, spec: StagingSpec) -> None:
         shared = getattr(self, "_shared", {}).pop(spec.prefix, None)

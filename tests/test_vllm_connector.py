@@ -37,8 +37,9 @@ CALL_TIMEOUT_S = 120
 
 
 class Engine:
-    def __init__(self, llm, fault_file: str) -> None:
+    def __init__(self, llm, node, fault_file: str) -> None:
         self.llm = llm
+        self.node = node
         self.fault_file = fault_file
         self.rng = random.Random(1234)
 
@@ -64,6 +65,9 @@ class Engine:
         return int(sum(m.value for m in self.llm.get_metrics()
                        if m.name == "vllm:external_prefix_cache_hits"))
 
+    def node_host_hits(self) -> int:
+        return ray.get(self.node.cache_stats.remote(), timeout=CALL_TIMEOUT_S).hit_pages_host
+
     def arm(self, point: str, exception: str) -> None:
         with open(self.fault_file, "w") as f:
             json.dump({point: exception}, f)
@@ -83,8 +87,10 @@ def engine(tmp_path_factory):
     llm = None
     try:
         layout = layout_for_model(path, BLOCK)
-        caps = {PoolName.FULL: PoolCapacity(device=1024, host=1024),
-                PoolName.SWA: PoolCapacity(device=256, host=256)}
+        # The node's device tier holds about one prompt: the others move to its host
+        # tier (write-back) and are loaded back from there.
+        caps = {PoolName.FULL: PoolCapacity(device=48, host=2048),
+                PoolName.SWA: PoolCapacity(device=16, host=512)}
         node = NodeCacheActor.options(name=NODE, namespace=NAMESPACE, num_cpus=0).remote(
             NODE, NodeConfig(layout, caps, device="cpu"))
         assert ray.get(node.ping.remote(), timeout=CALL_TIMEOUT_S) == NODE
@@ -95,7 +101,7 @@ def engine(tmp_path_factory):
                   kv_transfer_config=kv_transfer_config(NODE, cluster.address, ray_namespace=NAMESPACE,
                                                         fault_file=fault_file))
         print(f"\ncluster, node and engine up in {time.monotonic() - started:.1f} s")
-        yield Engine(llm, fault_file)
+        yield Engine(llm, node, fault_file)
     finally:
         engine_id = None
         if llm is not None:
@@ -119,12 +125,14 @@ def test_host_tier_hit_after_device_eviction_equals_uncached(engine):
     want = engine.reference(prompt)
     assert engine.generate(prompt)[0] == want      # computed, then saved to the node
     engine.evict()
-    before = engine.external_hits()
+    before, host_before = engine.external_hits(), engine.node_host_hits()
     got, cached = engine.generate(prompt)
     loaded = engine.external_hits() - before
     assert got == want
-    # The whole pages of the prompt but its last token came from the fabric.
+    # The whole pages of the prompt but its last token came from the fabric, some of
+    # them loaded back from the node's host tier.
     assert loaded >= (PROMPT_CHARS - 1) // BLOCK * BLOCK - BLOCK, (loaded, cached)
+    assert engine.node_host_hits() > host_before
 
 
 def test_conversation_longer_than_the_window(engine):
