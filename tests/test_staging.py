@@ -111,3 +111,16 @@ def test_files_live_in_shared_memory(shared):
     for pool in LAYOUT.pools:
         assert os.path.exists(shared.spec.path(pool))
         assert str(shared.spec.path(pool)).startswith("/dev/shm/")
+
+
+def test_layout_tag_is_part_of_the_fingerprint():
+    """An engine's model and KV tensor layout (the tag) separate caches as geometry does;
+    a layout without a tag keeps the fingerprint it always had."""
+    plain = KVLayout(layers=("swa", "full"), kv_heads=2, head_dim=8, page_size=4, window=8)
+    tagged = KVLayout(layers=("swa", "full"), kv_heads=2, head_dim=8, page_size=4, window=8, tag="vllm:x")
+    assert tagged.fingerprint != plain.fingerprint
+    assert tagged.fingerprint != KVLayout.from_dict({**tagged.to_dict(), "tag": "vllm:y"}).fingerprint
+    assert KVLayout.from_dict(tagged.to_dict()) == tagged
+    assert "tag" not in plain.to_dict() and KVLayout.from_dict(plain.to_dict()) == plain
+    with pytest.raises(ValueError):
+        KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=1, tag=3)
