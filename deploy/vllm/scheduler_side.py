@@ -64,6 +64,9 @@ class SchedulerSide:
         self.loading: dict[str, dict[PoolName, list[int]]] = {}
         self.saving: dict[str, _Save] = {}      # by save job key
         self.prompts: dict[str, tuple[list[int], str]] = {}   # requests whose prompt is unsaved
+        # Usable pages the node said it holds for a request at admission: a save of no
+        # more than that copies nothing.
+        self.fabric_has: dict[str, int] = {}
         self.kv_cache_manager = None
         self.no_load: set[str] = set()           # a load failed: recompute, never retry
         self.quarantined: list[tuple[float, dict[PoolName, list[int]]]] = []
@@ -95,6 +98,7 @@ class SchedulerSide:
             log.warning("fabric lookup failed for %s: %r", rid, e)
             self._quarantine(slots)
             return 0, False
+        self.fabric_has[rid] = hit.pages
         if hit.pages <= skip:
             self._free(slots)
             return 0, False
@@ -153,7 +157,7 @@ class SchedulerSide:
             if prompt is None or done + out.num_scheduled_tokens.get(rid, 0) < len(prompt[0]):
                 continue
             del self.prompts[rid]
-            if not self.node.ready():
+            if not self.node.ready() or len(prompt[0]) // self.plan.page_size <= self.fabric_has.get(rid, 0):
                 continue
             block_ids = self.kv_cache_manager.get_blocks(rid).get_block_ids()
             self._save(rid, f"{rid}/prompt", prompt[0], prompt[1], block_ids,
@@ -204,10 +208,13 @@ class SchedulerSide:
         self._drop_plan(rid)
         self.no_load.discard(rid)
         self.prompts.pop(rid, None)
+        has = self.fabric_has.pop(rid, 0)
         if not self.node.ready():
             return False, None
         tokens = list(request.all_token_ids)
         n = min(request.num_computed_tokens, len(tokens)) // self.plan.page_size
+        if n <= has:
+            return False, None
         return self._save(rid, f"{rid}/end", tokens, _namespace(request), block_ids, n,
                           ends_request=True), None
 
