@@ -181,3 +181,25 @@ def test_tenants_never_share(engine):
     engine.evict()
     got, cached = engine.generate(prompt, salt="tenant-a")
     assert got == want and engine.external_hits() > before
+
+
+def test_a_node_with_another_layout_is_not_used(engine):
+    """A node whose layout fingerprint differs (here: another model tag) leaves the
+    connector off rather than loading bytes of another layout."""
+    from dataclasses import replace
+    from deploy.vllm.jobs import FabricSettings
+    from deploy.vllm.node_link import NodeLink
+
+    layout = layout_for_model(ensure_tiny_model(), BLOCK)
+    other = replace(layout, tag=layout.tag + "-other")
+    name = f"other-{uuid.uuid4().hex[:6]}"
+    caps = {p: PoolCapacity(device=4, host=4) for p in layout.pools}
+    actor = NodeCacheActor.options(name=name, namespace=NAMESPACE, num_cpus=0).remote(name, NodeConfig(other, caps, device="cpu"))
+    try:
+        assert ray.get(actor.ping.remote(), timeout=CALL_TIMEOUT_S) == name
+        link = NodeLink(FabricSettings(node_actor=name, ray_namespace=NAMESPACE, timeout_s=CALL_TIMEOUT_S), layout)
+        assert not link.ready() and "layout" in link.disabled
+        same = NodeLink(FabricSettings(node_actor=NODE, ray_namespace=NAMESPACE, timeout_s=CALL_TIMEOUT_S), layout)
+        assert same.ready()
+    finally:
+        ray.kill(actor)

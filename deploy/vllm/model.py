@@ -7,6 +7,7 @@ sliding-window layers alternating with full-attention ones.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -41,8 +42,9 @@ class TinyModelSpec:
 
     @property
     def name(self) -> str:
-        return (f"kvf-tiny-llama-swa-l{self.layers}-h{self.hidden}-w{self.window}"
-                f"-s{self.seed}-v{FORMAT}")
+        # Every field and the format version name the folder: a changed spec is a new model.
+        digest = hashlib.blake2b(json.dumps([asdict(self), FORMAT]).encode(), digest_size=4).hexdigest()
+        return f"kvf-tiny-llama-swa-l{self.layers}-h{self.hidden}-w{self.window}-s{self.seed}-{digest}"
 
 
 def model_cache_dir() -> Path:
