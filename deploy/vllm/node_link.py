@@ -53,3 +53,18 @@ class NodeLink:
         import ray
 
         return ray.get(getattr(self.actor, method).remote(*args), timeout=self.settings.timeout_s)
+
+    def submit(self, method: str, *args: Any) -> Any:
+        """Start a call; `finished` says when it has answered, `result` gives the answer."""
+        return getattr(self.actor, method).remote(*args)
+
+    def finished(self, calls: list) -> list:
+        import ray
+
+        done, _ = ray.wait(calls, num_returns=len(calls), timeout=0)
+        return done
+
+    def result(self, call: Any) -> Any:
+        import ray
+
+        return ray.get(call, timeout=0)

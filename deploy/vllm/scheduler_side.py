@@ -63,6 +63,7 @@ class SchedulerSide:
         self.planned: dict[str, _Load] = {}      # admitted lookups, before block allocation
         self.loading: dict[str, dict[PoolName, list[int]]] = {}
         self.saving: dict[str, _Save] = {}      # by save job key
+        self.storing: list = []                 # (call, key, save, deadline): node stores in flight
         self.prompts: dict[str, tuple[list[int], str]] = {}   # requests whose prompt is unsaved
         # Usable pages the node said it holds for a request at admission: a save of no
         # more than that copies nothing.
@@ -138,6 +139,7 @@ class SchedulerSide:
         self.prompts[request.request_id] = (list(request.prompt_token_ids or []), _namespace(request))
 
     def build_meta(self, scheduler_output) -> FabricMeta:
+        self._collect_stores()
         self._save_finished_prompts(scheduler_output)
         meta, self.meta = self.meta, FabricMeta()
         self._release_quarantine()
@@ -185,20 +187,45 @@ class SchedulerSide:
             if save is not None:
                 self._store(key, save)
 
-    def _store(self, rid: str, save: _Save) -> None:
+    def _store(self, key: str, save: _Save) -> None:
+        """Ask the node to store staged pages without waiting: the engine keeps stepping,
+        and the slots come back when the node answers (collected each step)."""
         try:
             maybe_fail(self.settings, "node_save")
-            stored = self.node.call("save_staged", self.spec, save.tokens, save.namespace,
+            call = self.node.submit("save_staged", self.spec, save.tokens, save.namespace,
                                     save.slots, save.swa_first_page)
         except Exception as e:
-            self.stats.save_failures += 1
-            self.stats.node_errors += 1
-            log.warning("fabric save failed for %s: %r", rid, e)
-            self._quarantine(save.slots)
+            self._store_failed(key, save, e)
             return
-        self._free(save.slots)
-        self.stats.saved_requests += 1
-        self.stats.stored_pages += stored
+        self.storing.append((call, key, save, time.monotonic() + self.settings.timeout_s))
+
+    def _collect_stores(self) -> None:
+        if not self.storing:
+            return
+        done = set(self.node.finished([c for c, *_ in self.storing]))
+        now, waiting = time.monotonic(), []
+        for call, key, save, deadline in self.storing:
+            if call in done:
+                try:
+                    stored = self.node.result(call)
+                except Exception as e:
+                    self._store_failed(key, save, e)
+                    continue
+                self._free(save.slots)
+                self.stats.saved_requests += 1
+                self.stats.stored_pages += stored
+            elif now >= deadline:
+                self._store_failed(key, save, TimeoutError(f"no answer in {self.settings.timeout_s} s"))
+            else:
+                waiting.append((call, key, save, deadline))
+        self.storing = waiting
+
+    def _store_failed(self, key: str, save: _Save, error: BaseException) -> None:
+        # The node may still read the slots (a late call): they stay out of use a while.
+        self.stats.save_failures += 1
+        self.stats.node_errors += 1
+        log.warning("fabric save failed for %s: %r", key, error)
+        self._quarantine(save.slots)
 
     # --- finish ------------------------------------------------------------------------
     def finished(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
