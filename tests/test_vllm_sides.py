@@ -216,3 +216,16 @@ def test_any_failure_becomes_recomputation(tmp_path_factory, point, exception):
         node.cache.check()
     finally:
         node.shared.unlink()
+
+
+def test_a_node_that_never_answers_a_store_costs_slots_only_for_a_while(rig):
+    """A store past its deadline is given up: its slots stay quarantined (the node may
+    still read them), the engine never waits, and nothing is counted as stored."""
+    rig.node.finished = lambda calls: []          # the node never answers
+    rig.sched.settings = FabricSettings(node_actor="local", fault_file=rig.fault_file, timeout_s=0.0)
+    finish_first(rig)
+    rig.sched._collect_stores()
+    assert rig.sched.stats.save_failures == 1 and rig.sched.stats.saved_requests == 0
+    assert not rig.sched.storing
+    held = sum(len(s) for _, q in rig.sched.quarantined for s in q.values())
+    assert held and sum(a.capacity - a.free_count for a in rig.sched.allocators.values()) == held
