@@ -5,11 +5,17 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench
 
-$(STAMP): pyproject.toml Makefile
+REQ := requirements
+
+# vLLM (the CPU build) goes in beside torch, Ray and NIXL: its requirements without the
+# torch family, then three wheels with --no-deps (see requirements/*.txt for why).
+$(STAMP): pyproject.toml Makefile $(REQ)/constraints.txt $(REQ)/vllm.txt $(REQ)/vllm-nodeps.txt
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -c $(REQ)/constraints.txt -e '.[test]'
 	$(VENV)/bin/pip install -q --no-deps nixl==1.5.1
+	$(VENV)/bin/pip install -q -c $(REQ)/constraints.txt -r $(REQ)/vllm.txt
+	$(VENV)/bin/pip install -q --no-deps -c $(REQ)/constraints.txt -r $(REQ)/vllm-nodeps.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -17,10 +17,11 @@ from typing import Sequence
 import ray
 import torch
 
-from fabric import (AllocationFaults, CachedKV, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout,
+from fabric import (AllocationFaults, CachedKV, CacheStats, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout,
                     NodeCache, PoolCapacity, PoolName, RouteTable, Tier, TierConfig, export_prefix, import_prefix)
 from transport import FaultPlan, FaultyTransport, LocalTransport, NixlTransport
 from transport.fetch import TransportReader, register_device_pools
+from transport.staging import SharedPages, StagedHit, StagingSpec, load_to_staging, save_from_staging
 
 from .cache_gate import CacheGate
 from .chaos_hooks import ChaosAction, EventMangler
@@ -75,6 +76,7 @@ class NodeCacheActor:
         self._evict_after_get = False           # chaos: armed by inject
         self._evictions_injected = 0
         self._transport_faults_done = 0         # faults of transport plans since replaced
+        self._shared: dict[str, SharedPages] = {}   # engines' staging pages, by file prefix
 
     # --- identity and peers -----------------------------------------------------------
     def metadata(self) -> bytes:
@@ -119,6 +121,45 @@ class NodeCacheActor:
     def keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
         with self.gate.mutex:
             return self.cache.keys(tokens, namespace)
+
+    # --- engines on this host: bytes through shared-memory staging pages ----------------
+    def layout(self) -> KVLayout:
+        return self.config.layout
+
+    async def load_staged(self, spec: StagingSpec, tokens: Sequence[int], namespace: str,
+                          skip_pages: int, slots: dict[PoolName, list[int]]) -> StagedHit:
+        """Copy the usable cached prefix beyond `skip_pages` into the engine's staging pages."""
+        async with self.gate.family(self._family(tokens, namespace)):
+            with self.gate.mutex:
+                hit = load_to_staging(self.cache, self._staging(spec), tokens, namespace, skip_pages, slots)
+                self.link.publish()
+        return hit
+
+    async def save_staged(self, spec: StagingSpec, tokens: Sequence[int], namespace: str,
+                          slots: dict[PoolName, list[int]], swa_first_page: int) -> int:
+        """Store the whole pages of `tokens` that the engine wrote to its staging pages."""
+        async with self.gate.family(self._family(tokens, namespace)):
+            with self.gate.mutex:
+                stored = save_from_staging(self.cache, self._staging(spec), tokens, namespace, slots,
+                                           swa_first_page)
+                self.link.publish()
+        return stored
+
+    def cache_stats(self) -> CacheStats:
+        """The cache's counters (hits by tier among them)."""
+        with self.gate.mutex:
+            return self.cache.stats()
+
+    def drop_staging(self, spec: StagingSpec) -> None:
+        shared = self._shared.pop(spec.prefix, None)
+        if shared is not None:
+            shared.unlink()
+
+    def _staging(self, spec: StagingSpec) -> SharedPages:
+        shared = self._shared.get(spec.prefix)
+        if shared is None:
+            shared = self._shared[spec.prefix] = SharedPages(spec, self.config.layout)
+        return shared
 
     def _family(self, tokens: Sequence[int], namespace: str) -> bytes | None:
         with self.gate.mutex:

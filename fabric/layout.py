@@ -46,6 +46,9 @@ class KVLayout:
     page_size: int
     window: int = 0          # sliding window in tokens, used by SWA layers
     dtype: str = "float32"
+    # What else makes two caches' bytes incompatible: an engine's model and KV tensor
+    # layout (e.g. "vllm:CPU_ATTN:<model>"). Empty for the fabric's own engine.
+    tag: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, (tuple, list)) \
@@ -60,6 +63,8 @@ class KVLayout:
                 raise LayoutError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
             raise LayoutError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.tag, str):
+            raise LayoutError(f"tag must be a str, got {self.tag!r}")
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
             raise LayoutError(f"window must be an int >= 0, got {self.window!r}")
         has_swa = LayerKind.SWA in self.layers
@@ -97,19 +102,23 @@ class KVLayout:
     @property
     def fingerprint(self) -> bytes:
         text = "|".join([",".join(k.value for k in self.layers), str(self.kv_heads),
-                         str(self.head_dim), str(self.page_size), str(self.window), self.dtype])
+                         str(self.head_dim), str(self.page_size), str(self.window), self.dtype]
+                        + ([self.tag] if self.tag else []))
         return hashlib.blake2b(text.encode(), digest_size=16, person=b"kvf-layout").digest()
 
     def to_dict(self) -> dict:
-        return {"layers": [k.value for k in self.layers], "kv_heads": self.kv_heads,
-                "head_dim": self.head_dim, "page_size": self.page_size,
-                "window": self.window, "dtype": self.dtype}
+        d = {"layers": [k.value for k in self.layers], "kv_heads": self.kv_heads,
+             "head_dim": self.head_dim, "page_size": self.page_size,
+             "window": self.window, "dtype": self.dtype}
+        if self.tag:
+            d["tag"] = self.tag
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVLayout":
         if not isinstance(d, dict):
             raise LayoutError(f"layout must be a mapping, got {type(d).__name__}")
-        unknown = set(d) - {"layers", "kv_heads", "head_dim", "page_size", "window", "dtype"}
+        unknown = set(d) - {"layers", "kv_heads", "head_dim", "page_size", "window", "dtype", "tag"}
         if unknown:
             raise LayoutError(f"unknown layout fields: {sorted(map(repr, unknown))}")
         if not isinstance(d.get("layers"), (list, tuple)):
@@ -117,6 +126,6 @@ class KVLayout:
         try:
             return cls(layers=tuple(d["layers"]), kv_heads=d["kv_heads"], head_dim=d["head_dim"],
                        page_size=d["page_size"], window=d.get("window", 0),
-                       dtype=d.get("dtype", "float32"))
+                       dtype=d.get("dtype", "float32"), tag=d.get("tag", ""))
         except (KeyError, TypeError, ValueError) as e:
             raise LayoutError(f"bad layout: {e}") from e

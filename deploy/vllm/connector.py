@@ -1,0 +1,117 @@
+"""FabricConnector: the fabric as the KV layer of a vLLM engine (vLLM's KV connector API).
+
+Load it with `kv_transfer_config(...)` below, i.e. kv_connector="FabricConnector",
+kv_connector_module_path="deploy.vllm.connector", kv_role="kv_both". It supports the
+hybrid allocator (SupportsHMA), so full and sliding-window layers keep separate KV cache
+groups, and they land in the fabric's FULL and SWA pools.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorRole,
+                                                               KVConnectorTransferResults,
+                                                               SupportsHMA)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from transport.staging import StagingSpec
+
+from .jobs import FabricMeta, FabricSettings
+from .plan import plan_from_kv_cache_config
+from .scheduler_side import SchedulerSide
+from .worker_side import WorkerSide
+
+MODULE = __name__
+
+
+def kv_transfer_config(node_actor: str, ray_address: str = "", **settings: Any) -> dict:
+    """The `kv_transfer_config` that loads this connector for the node's actor."""
+    extra = {"node_actor": node_actor, "ray_address": ray_address, **settings}
+    FabricSettings.from_extra(extra)          # fail here, not in the engine process
+    return {"kv_connector": "FabricConnector", "kv_connector_module_path": MODULE,
+            "kv_role": "kv_both", "kv_connector_extra_config": extra,
+            # A failed load becomes recomputation, never a failed request.
+            "kv_load_failure_policy": "recompute"}
+
+
+class FabricConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        tc = vllm_config.kv_transfer_config
+        self.settings = FabricSettings.from_extra(tc.kv_connector_extra_config)
+        self.plan = plan_from_kv_cache_config(kv_cache_config, vllm_config.model_config.model)
+        # Both sides (two processes) name the same staging files after the engine.
+        spec = StagingSpec(f"kvf-vllm-{tc.engine_id}", self.settings.staging_pages)
+        self.scheduler = SchedulerSide(self.plan, self.settings, spec) \
+            if role == KVConnectorRole.SCHEDULER else None
+        self.worker = WorkerSide(self.plan, self.settings, spec) \
+            if role == KVConnectorRole.WORKER else None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False          # a best-effort cache: a dropped save is a later miss
+
+    # --- worker side -----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, FabricMeta)
+        self.worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return        # loads are whole before the step (the requests wait outside it)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return        # saves copy finished requests' blocks once, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, FabricMeta)
+        self.worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self.worker.transfer_results()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self.worker.transfer_results()
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def build_connector_worker_meta(self):
+        return self.worker.worker_meta() if self.worker is not None else None
+
+    def shutdown(self) -> None:
+        # The staging files go with the engine (a node actor's mapping stays valid).
+        if self.worker is not None and self.worker.shared is not None:
+            self.worker.shared.unlink()
+
+    # --- scheduler side ----------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler.kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request) -> None:
+        self.scheduler.on_new_request(request)
+
+    def build_connector_meta(self, scheduler_output) -> FabricMeta:
+        return self.scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.on_output(connector_output)
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
+        return self.scheduler.finished(request, block_ids)
+
+    def request_finished(self, request, block_ids: list[int]):
+        return self.scheduler.finished(request, (block_ids,))

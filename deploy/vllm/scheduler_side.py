@@ -1,0 +1,315 @@
+"""The FabricConnector's scheduler side (vLLM's EngineCore process).
+
+One Ray call to the node actor per request and operation: at admission it asks for
+the usable cached prefix beyond vLLM's own hit and has it copied into staging slots
+(then the worker copies slots into the request's blocks, asynchronously for vLLM:
+the request waits in WAITING_FOR_REMOTE_KVS, and a failed copy is reported as a
+failed receive, which vLLM recomputes). When a request finishes, its whole pages are
+copied by the worker into staging, and the node actor stores them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from fabric import OutOfPages, PageAllocator, PoolName
+from transport.staging import StagedHit, StagingSpec
+
+from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove, maybe_fail
+from .node_link import NodeLink
+from .plan import EnginePlan
+
+log = logging.getLogger(__name__)
+NULL_BLOCK = 0          # vLLM's null block (SWA blocks outside the window point at it)
+# Slots of a call that timed out may still be written by the node actor: kept out of use.
+QUARANTINE_S = 60.0
+
+
+@dataclass
+class ConnectorStats:
+    lookups: int = 0
+    loaded_tokens: int = 0
+    host_loaded_tokens: int = 0
+    load_failures: int = 0
+    saved_requests: int = 0
+    stored_pages: int = 0
+    save_failures: int = 0
+    node_errors: int = 0
+
+
+@dataclass
+class _Save:
+    tokens: list[int]
+    namespace: str
+    slots: dict[PoolName, list[int]]
+    swa_first_page: int
+
+
+@dataclass
+class _Load:
+    hit: StagedHit
+    slots: dict[PoolName, list[int]] = field(default_factory=dict)
+
+
+class SchedulerSide:
+    def __init__(self, plan: EnginePlan, settings: FabricSettings, spec: StagingSpec) -> None:
+        self.plan = plan
+        self.settings = settings
+        self.spec = spec
+        self.node = NodeLink(settings, plan.layout)
+        self.allocators = {p: PageAllocator(spec.pages) for p in plan.layout.pools}
+        self.window_pages = plan.layout.window_pages
+        self.planned: dict[str, _Load] = {}      # admitted lookups, before block allocation
+        self.loading: dict[str, dict[PoolName, list[int]]] = {}
+        self.saving: dict[str, _Save] = {}      # by save job key
+        self.storing: list = []                 # (call, key, save, deadline): node stores in flight
+        self.prompts: dict[str, tuple[list[int], str]] = {}   # requests whose prompt is unsaved
+        # Usable pages the node said it holds for a request at admission: a save of no
+        # more than that copies nothing.
+        self.fabric_has: dict[str, int] = {}
+        self.kv_cache_manager = None
+        self.no_load: set[str] = set()           # a load failed: recompute, never retry
+        self.quarantined: list[tuple[float, dict[PoolName, list[int]]]] = []
+        self.meta = FabricMeta()
+        self.stats = ConnectorStats()
+
+    # --- admission -------------------------------------------------------------------
+    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = request.request_id
+        self._drop_plan(rid)        # vLLM may ask again: the newest answer counts
+        if rid in self.no_load or not self.node.ready():
+            return 0, False
+        ps = self.plan.page_size
+        skip = num_computed_tokens // ps
+        tokens = list(request.prompt_token_ids or [])[:-1]   # vLLM computes >= 1 token itself
+        need = len(tokens) // ps - skip
+        if need <= 0:
+            return 0, False
+        self.stats.lookups += 1
+        want = {p: need if p == PoolName.FULL else min(need, self.window_pages) for p in self.plan.layout.pools}
+        slots = self._alloc(want)
+        if slots is None:
+            return 0, False
+        try:
+            maybe_fail(self.settings, "node_load")
+            hit = self.node.call("load_staged", self.spec, tokens, _namespace(request), skip, slots)
+        except Exception as e:       # any failure: this request computes its prefix itself
+            self.stats.node_errors += 1
+            log.warning("fabric lookup failed for %s: %r", rid, e)
+            self._quarantine(slots)
+            return 0, False
+        self.fabric_has[rid] = hit.pages
+        if hit.pages <= skip:
+            self._free(slots)
+            return 0, False
+        self._free({p: s[len(hit.slots.get(p, [])):] for p, s in slots.items()})
+        self.planned[rid] = _Load(hit, hit.slots)
+        return (hit.pages - skip) * ps, True
+
+    def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        load = self.planned.pop(rid, None)
+        if load is None:
+            return
+        if num_external_tokens == 0:
+            self._free(load.slots)
+            return
+        hit = load.hit
+        block_ids = blocks.get_block_ids()
+        job = CopyJob(rid, [])
+        for pool, slots in load.slots.items():
+            first = hit.first_page if pool == PoolName.FULL else hit.swa_first_page
+            per_group = {}
+            for g in self.plan.groups_of(pool):
+                ids = list(block_ids[g][first:first + len(slots)])
+                per_group[g] = [-1 if b == NULL_BLOCK else b for b in ids]
+                if pool == PoolName.SWA and any(b != NULL_BLOCK for b in block_ids[g][hit.first_page:first]):
+                    job.doomed = "vLLM wants SWA KV before the window the fabric holds"
+            job.moves.append(PoolMove(pool, slots, per_group))
+        if hit.pages * self.plan.page_size != num_external_tokens + hit.first_page * self.plan.page_size:
+            job.doomed = job.doomed or "vLLM admitted a different number of tokens than offered"
+        self.loading[rid] = load.slots
+        self.meta.loads.append(job)
+        self.stats.loaded_tokens += num_external_tokens
+        self.stats.host_loaded_tokens += min(hit.host_pages, hit.pages - hit.first_page) * self.plan.page_size
+
+    # --- each step ---------------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        self.prompts[request.request_id] = (list(request.prompt_token_ids or []), _namespace(request))
+
+    def build_meta(self, scheduler_output) -> FabricMeta:
+        self._collect_stores()
+        self._save_finished_prompts(scheduler_output)
+        meta, self.meta = self.meta, FabricMeta()
+        self._release_quarantine()
+        return meta
+
+    def _save_finished_prompts(self, out) -> None:
+        """Save each prompt in the step that computes its last token: the worker copies
+        after the forward, when the sliding-window blocks of the prompt's last window
+        are all still there (decoding moves the window on and vLLM frees them)."""
+        if not self.prompts or self.kv_cache_manager is None:
+            return
+        computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, done in computed.items():
+            prompt = self.prompts.get(rid)
+            if prompt is None or done + out.num_scheduled_tokens.get(rid, 0) < len(prompt[0]):
+                continue
+            del self.prompts[rid]
+            if not self.node.ready() or len(prompt[0]) // self.plan.page_size <= self.fabric_has.get(rid, 0):
+                continue
+            block_ids = self.kv_cache_manager.get_blocks(rid).get_block_ids()
+            self._save(rid, f"{rid}/prompt", prompt[0], prompt[1], block_ids,
+                       len(prompt[0]) // self.plan.page_size, ends_request=False)
+
+    def on_output(self, output) -> None:
+        failed_loads = set(getattr(output, "failed_recving", None) or ())
+        for rid in output.finished_recving or ():
+            slots = self.loading.pop(rid, None)
+            if slots is not None:
+                self._free(slots)
+            if rid in failed_loads:
+                self.no_load.add(rid)
+                self.stats.load_failures += 1
+        report = output.kv_connector_worker_meta
+        if not isinstance(report, FabricWorkerMeta):
+            return
+        for key in report.failed:
+            save = self.saving.pop(key, None)
+            if save is not None:
+                self.stats.save_failures += 1
+                self._free(save.slots)
+        for key in report.saved:
+            save = self.saving.pop(key, None)
+            if save is not None:
+                self._store(key, save)
+
+    def _store(self, key: str, save: _Save) -> None:
+        """Ask the node to store staged pages without waiting: the engine keeps stepping,
+        and the slots come back when the node answers (collected each step)."""
+        try:
+            maybe_fail(self.settings, "node_save")
+            call = self.node.submit("save_staged", self.spec, save.tokens, save.namespace,
+                                    save.slots, save.swa_first_page)
+        except Exception as e:
+            self._store_failed(key, save, e)
+            return
+        self.storing.append((call, key, save, time.monotonic() + self.settings.timeout_s))
+
+    def _collect_stores(self) -> None:
+        if not self.storing:
+            return
+        done = set(self.node.finished([c for c, *_ in self.storing]))
+        now, waiting = time.monotonic(), []
+        for call, key, save, deadline in self.storing:
+            if call in done:
+                try:
+                    stored = self.node.result(call)
+                except Exception as e:
+                    self._store_failed(key, save, e)
+                    continue
+                self._free(save.slots)
+                self.stats.saved_requests += 1
+                self.stats.stored_pages += stored
+            elif now >= deadline:
+                self._store_failed(key, save, TimeoutError(f"no answer in {self.settings.timeout_s} s"))
+            else:
+                waiting.append((call, key, save, deadline))
+        self.storing = waiting
+
+    def _store_failed(self, key: str, save: _Save, error: BaseException) -> None:
+        # The node may still read the slots (a late call): they stay out of use a while.
+        self.stats.save_failures += 1
+        self.stats.node_errors += 1
+        log.warning("fabric save failed for %s: %r", key, error)
+        self._quarantine(save.slots)
+
+    # --- finish ------------------------------------------------------------------------
+    def finished(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """Save the whole pages of the finished request (its full KV; SWA only where
+        vLLM still holds it). True: vLLM keeps the blocks until the worker copied them."""
+        rid = request.request_id
+        self._drop_plan(rid)
+        self.no_load.discard(rid)
+        self.prompts.pop(rid, None)
+        has = self.fabric_has.pop(rid, 0)
+        if not self.node.ready():
+            return False, None
+        tokens = list(request.all_token_ids)
+        n = min(request.num_computed_tokens, len(tokens)) // self.plan.page_size
+        if n <= has:
+            return False, None
+        return self._save(rid, f"{rid}/end", tokens, _namespace(request), block_ids, n,
+                          ends_request=True), None
+
+    def _save(self, rid: str, key: str, tokens: list[int], namespace: str,
+              block_ids: tuple[list[int], ...], n: int, ends_request: bool) -> bool:
+        """Queue the copy of pages [0, n) of a request's blocks to staging; the node
+        stores them when the worker reports the copy done."""
+        n = min([n] + [len(block_ids[g]) for g in range(len(self.plan.group_pools))])
+        if n == 0:
+            return False
+        swa_first = self._surviving_window(block_ids, n)
+        want = {p: n if p == PoolName.FULL else n - swa_first for p in self.plan.layout.pools}
+        slots = self._alloc(want)
+        if slots is None:
+            return False
+        job = CopyJob(rid, [], key=key, ends_request=ends_request)
+        for pool, pool_slots in slots.items():
+            first = 0 if pool == PoolName.FULL else swa_first
+            job.moves.append(PoolMove(pool, pool_slots, {g: list(block_ids[g][first:n])
+                                                         for g in self.plan.groups_of(pool)}))
+        self.saving[key] = _Save(tokens[: n * self.plan.page_size], namespace, slots, swa_first)
+        self.meta.saves.append(job)
+        return True
+
+    def _surviving_window(self, block_ids: tuple[list[int], ...], n: int) -> int:
+        """The first page from which every SWA group still holds its blocks up to n."""
+        first = 0
+        for g in self.plan.groups_of(PoolName.SWA):
+            ids = block_ids[g][:n]
+            for p in range(n - 1, -1, -1):
+                if ids[p] == NULL_BLOCK:
+                    first = max(first, p + 1)
+                    break
+        return first
+
+    # --- staging slots -----------------------------------------------------------------
+    def _alloc(self, want: dict[PoolName, int]) -> dict[PoolName, list[int]] | None:
+        got: dict[PoolName, list[int]] = {}
+        try:
+            for pool, n in want.items():
+                got[pool] = self.allocators[pool].alloc(n)
+        except OutOfPages:
+            self._free(got)
+            return None
+        return got
+
+    def _free(self, slots: dict[PoolName, list[int]]) -> None:
+        for pool, indices in slots.items():
+            if indices:
+                self.allocators[pool].free(indices)
+
+    def _drop_plan(self, rid: str) -> None:
+        load = self.planned.pop(rid, None)
+        if load is not None:
+            self._free(load.slots)
+
+    def _quarantine(self, slots: dict[PoolName, list[int]]) -> None:
+        self.quarantined.append((time.monotonic() + QUARANTINE_S, slots))
+
+    def _release_quarantine(self) -> None:
+        if not self.quarantined:
+            return
+        now = time.monotonic()
+        for until, slots in [q for q in self.quarantined if q[0] <= now]:
+            self._free(slots)
+        self.quarantined = [q for q in self.quarantined if q[0] > now]
+
+
+def _namespace(request) -> str:
+    # Tenants never share: a request's cache_salt is its namespace in the fabric.
+    return request.cache_salt or "default"

@@ -1,0 +1,110 @@
+"""The FabricConnector's worker side (vLLM's worker process): block <-> staging copies.
+
+vLLM's CPU backend gives one tensor per layer, [blocks, kv_heads, block_size, 2*head_dim],
+each (block, head) holding block_size K rows then block_size V rows; a fabric page of a
+pool is [layers, 2, page, kv_heads, head_dim]. All copies of a step's jobs happen in
+start_load_kv (loads, for requests waiting outside the batch) and wait_for_save (saves
+of finished requests, whose blocks vLLM keeps until we report them sent), so no
+layer hook does any work.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fabric import PoolName
+from transport.staging import SharedPages, StagingSpec
+
+from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, maybe_fail
+from .plan import EnginePlan, LayerSlot
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, plan: EnginePlan, settings: FabricSettings, spec: StagingSpec) -> None:
+        self.plan = plan
+        self.settings = settings
+        self.spec = spec
+        self.shared: SharedPages | None = None
+        self.views: dict[str, torch.Tensor] = {}       # layer -> [blocks, H, 2, page, D]
+        self.by_pool: dict[PoolName, list[LayerSlot]] = {p: [] for p in plan.layout.pools}
+        for slot in plan.layers:
+            self.by_pool[slot.pool].append(slot)
+        self.finished_recving: set[str] = set()
+        self.failed_recving: set[str] = set()
+        self.finished_sending: set[str] = set()
+        self.saved: set[str] = set()
+        self.failed_saves: set[str] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        lay = self.plan.layout
+        for slot in self.plan.layers:
+            t = kv_caches[slot.name]
+            want = (lay.page_size, lay.kv_heads, 2 * lay.head_dim)
+            if t.dim() != 4 or (t.shape[2], t.shape[1], t.shape[3]) != want or not t.is_contiguous():
+                raise RuntimeError(f"{slot.name}: KV tensor {tuple(t.shape)} is not the "
+                                   f"[blocks, {lay.kv_heads}, {lay.page_size}, {2 * lay.head_dim}] "
+                                   "layout this connector converts")
+            self.views[slot.name] = t.view(t.shape[0], lay.kv_heads, 2, lay.page_size, lay.head_dim)
+        self.shared = SharedPages(self.spec, lay)
+
+    # --- loads -------------------------------------------------------------------------
+    def start_load(self, meta: FabricMeta) -> None:
+        for job in meta.loads:
+            try:
+                if job.doomed:
+                    raise RuntimeError(job.doomed)
+                maybe_fail(self.settings, "worker_load")
+                self._copy(job, to_blocks=True)
+            except Exception as e:       # reported as a failed receive: vLLM recomputes
+                log.warning("fabric load failed for %s: %r", job.req_id, e)
+                self.failed_recving.add(job.req_id)
+            self.finished_recving.add(job.req_id)
+
+    # --- saves -------------------------------------------------------------------------
+    def save(self, meta: FabricMeta) -> None:
+        for job in meta.saves:
+            try:
+                maybe_fail(self.settings, "worker_save")
+                self._copy(job, to_blocks=False)
+                self.saved.add(job.key)
+            except Exception as e:       # nothing stored; the blocks are freed all the same
+                log.warning("fabric save failed for %s: %r", job.key, e)
+                self.failed_saves.add(job.key)
+            if job.ends_request:
+                self.finished_sending.add(job.req_id)
+
+    def _copy(self, job: CopyJob, to_blocks: bool) -> None:
+        assert self.shared is not None, "register_kv_caches comes first"
+        for move in job.moves:
+            staging = self.shared.pools[move.pool]
+            for slot in self.by_pool[move.pool]:
+                blocks = move.blocks[slot.group]
+                keep = [i for i, b in enumerate(blocks) if b >= 0]
+                if not keep:
+                    continue
+                block_idx = torch.tensor([blocks[i] for i in keep], dtype=torch.long)
+                slot_idx = torch.tensor([move.slots[i] for i in keep], dtype=torch.long)
+                view = self.views[slot.name]
+                layer_pages = staging[:, slot.index]          # [slots, 2, page, H, D]
+                if to_blocks:
+                    pages = layer_pages.index_select(0, slot_idx).permute(0, 3, 1, 2, 4)
+                    view.index_copy_(0, block_idx, pages.contiguous())
+                else:
+                    pages = view.index_select(0, block_idx).permute(0, 2, 3, 1, 4)
+                    layer_pages.index_copy_(0, slot_idx, pages.contiguous())
+
+    # --- reporting -----------------------------------------------------------------------
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        out = (self.finished_sending, self.finished_recving, self.failed_recving)
+        self.finished_sending, self.finished_recving, self.failed_recving = set(), set(), set()
+        return out
+
+    def worker_meta(self) -> FabricWorkerMeta | None:
+        if not self.saved and not self.failed_saves:
+            return None
+        meta = FabricWorkerMeta(self.saved, self.failed_saves)
+        self.saved, self.failed_saves = set(), set()
+        return meta

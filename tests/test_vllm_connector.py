@@ -1,0 +1,205 @@
+"""vLLM (CPU backend) with the FabricConnector, for real: one Ray cluster, one node
+actor, one engine for the module (an engine starts in 25-90 s here).
+
+The engine's own KV cache is sized below the workload (3k tokens), so filler prompts
+evict a conversation from it and the next turn is served from the node's host tier.
+Reference outputs come from the same engine with a fresh cache_salt per run: no cache,
+vLLM's or the fabric's, can match a salt never seen before, so every token is computed.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import time
+import uuid
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from actors.node_actor import NodeCacheActor, NodeConfig  # noqa: E402
+from deploy.vllm.connector import kv_transfer_config  # noqa: E402
+from deploy.vllm.model import ensure_tiny_model  # noqa: E402
+from deploy.vllm.plan import layout_for_model  # noqa: E402
+from fabric import PoolCapacity, PoolName  # noqa: E402
+
+NAMESPACE = "kvf-vllm-test"
+NODE = "vllm-node-0"
+BLOCK = 32
+PROMPT_CHARS = 1200          # one token per byte: 1,200 tokens, longer than the 256-token window
+MAX_TOKENS = 12
+CALL_TIMEOUT_S = 120
+
+
+class Engine:
+    def __init__(self, llm, node, fault_file: str) -> None:
+        self.llm = llm
+        self.node = node
+        self.fault_file = fault_file
+        self.rng = random.Random(1234)
+
+    def text(self, n: int = PROMPT_CHARS) -> str:
+        return "".join(self.rng.choice("abcdefghijklmnop qrstuvwxyz.,") for _ in range(n))
+
+    def generate(self, prompt: str, salt: str | None = None) -> tuple[list[int], int]:
+        from vllm import SamplingParams
+        item = {"prompt": prompt} if salt is None else {"prompt": prompt, "cache_salt": salt}
+        out = self.llm.generate([item], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                                use_tqdm=False)[0]
+        return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+    def reference(self, prompt: str) -> list[int]:
+        return self.generate(prompt, salt=f"ref-{uuid.uuid4().hex}")[0]
+
+    def evict(self) -> None:
+        """Fill the engine's own cache with other prompts (its LRU drops the older ones)."""
+        for _ in range(3):
+            self.generate(self.text(), salt=f"filler-{uuid.uuid4().hex}")
+
+    def external_hits(self) -> int:
+        return int(sum(m.value for m in self.llm.get_metrics()
+                       if m.name == "vllm:external_prefix_cache_hits"))
+
+    def node_host_hits(self) -> int:
+        return ray.get(self.node.cache_stats.remote(), timeout=CALL_TIMEOUT_S).hit_pages_host
+
+    def arm(self, point: str, exception: str) -> None:
+        with open(self.fault_file, "w") as f:
+            json.dump({point: exception}, f)
+
+    def armed(self) -> dict:
+        with open(self.fault_file) as f:
+            return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    started = time.monotonic()
+    path = ensure_tiny_model()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    ray.init(address=cluster.address, namespace=NAMESPACE)
+    llm = None
+    try:
+        layout = layout_for_model(path, BLOCK)
+        # The node's device tier holds about one prompt: the others move to its host
+        # tier (write-back) and are loaded back from there.
+        caps = {PoolName.FULL: PoolCapacity(device=48, host=2048),
+                PoolName.SWA: PoolCapacity(device=16, host=512)}
+        node = NodeCacheActor.options(name=NODE, namespace=NAMESPACE, num_cpus=0).remote(
+            NODE, NodeConfig(layout, caps, device="cpu"))
+        assert ray.get(node.ping.remote(), timeout=CALL_TIMEOUT_S) == NODE
+        fault_file = str(tmp_path_factory.mktemp("faults") / "faults.json")
+        from vllm import LLM
+        llm = LLM(model=str(path), enforce_eager=True, dtype="float32", seed=0, max_model_len=2048,
+                  block_size=BLOCK, kv_cache_memory_bytes=12 << 20, disable_log_stats=False,
+                  kv_transfer_config=kv_transfer_config(NODE, cluster.address, ray_namespace=NAMESPACE,
+                                                        fault_file=fault_file))
+        print(f"\ncluster, node and engine up in {time.monotonic() - started:.1f} s")
+        yield Engine(llm, node, fault_file)
+    finally:
+        engine_id = None
+        if llm is not None:
+            engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+            llm.llm_engine.engine_core.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        for f in glob.glob(f"/dev/shm/kvf-vllm-{engine_id}-*") if engine_id else []:
+            os.unlink(f)
+
+
+def test_greedy_outputs_are_deterministic(engine):
+    prompt = engine.text()
+    first = engine.reference(prompt)
+    assert first == engine.reference(prompt)
+    assert len(set(first)) > 1 or len(first) < MAX_TOKENS    # real weights, not one repeated token
+
+
+def test_host_tier_hit_after_device_eviction_equals_uncached(engine):
+    prompt = engine.text()
+    want = engine.reference(prompt)
+    assert engine.generate(prompt)[0] == want      # computed, then saved to the node
+    engine.evict()
+    before, host_before = engine.external_hits(), engine.node_host_hits()
+    got, cached = engine.generate(prompt)
+    loaded = engine.external_hits() - before
+    assert got == want
+    # The whole pages of the prompt but its last token came from the fabric, some of
+    # them loaded back from the node's host tier.
+    assert loaded >= (PROMPT_CHARS - 1) // BLOCK * BLOCK - BLOCK, (loaded, cached)
+    assert engine.node_host_hits() > host_before
+
+
+def test_conversation_longer_than_the_window(engine):
+    """Turn 2 extends turn 1 (prompt and output): the hit covers more than the SWA window,
+    and SWA KV is loaded for the window before its end only."""
+    turn1 = engine.text(700)
+    out1, _ = engine.generate(turn1)
+    tok = engine.llm.get_tokenizer()
+    turn2 = turn1 + tok.decode(out1) + engine.text(500)
+    want = engine.reference(turn2)
+    engine.evict()
+    before = engine.external_hits()
+    assert engine.generate(turn2)[0] == want
+    assert engine.external_hits() - before >= 600
+
+
+@pytest.mark.parametrize("point,exception", [("worker_load", "KeyError"), ("worker_load", "MemoryError"),
+                                             ("worker_load", "InjectedFault"), ("node_load", "RuntimeError"),
+                                             ("worker_save", "ValueError"), ("node_save", "OSError")])
+def test_injected_failure_becomes_recomputation(engine, point, exception):
+    prompt = engine.text()
+    want = engine.reference(prompt)
+    if point.endswith("save"):
+        engine.arm(point, exception)
+    assert engine.generate(prompt)[0] == want
+    engine.evict()
+    if point.endswith("load"):
+        engine.arm(point, exception)
+    assert engine.generate(prompt)[0] == want
+    assert point not in engine.armed(), "the fault never fired"
+    # After the failure, the fabric still serves (a save that failed stored nothing,
+    # so the next turn computes and saves again; a load that failed left the pages there).
+    engine.evict()
+    assert engine.generate(prompt)[0] == want
+
+
+def test_tenants_never_share(engine):
+    prompt = engine.text()
+    want = engine.reference(prompt)
+    assert engine.generate(prompt, salt="tenant-a")[0] == want
+    engine.evict()
+    before = engine.external_hits()
+    got, cached = engine.generate(prompt, salt="tenant-b")
+    assert got == want and cached == 0
+    assert engine.external_hits() == before
+    engine.evict()
+    got, cached = engine.generate(prompt, salt="tenant-a")
+    assert got == want and engine.external_hits() > before
+
+
+def test_a_node_with_another_layout_is_not_used(engine):
+    """A node whose layout fingerprint differs (here: another model tag) leaves the
+    connector off rather than loading bytes of another layout."""
+    from dataclasses import replace
+    from deploy.vllm.jobs import FabricSettings
+    from deploy.vllm.node_link import NodeLink
+
+    layout = layout_for_model(ensure_tiny_model(), BLOCK)
+    other = replace(layout, tag=layout.tag + "-other")
+    name = f"other-{uuid.uuid4().hex[:6]}"
+    caps = {p: PoolCapacity(device=4, host=4) for p in layout.pools}
+    actor = NodeCacheActor.options(name=name, namespace=NAMESPACE, num_cpus=0).remote(name, NodeConfig(other, caps, device="cpu"))
+    try:
+        assert ray.get(actor.ping.remote(), timeout=CALL_TIMEOUT_S) == name
+        link = NodeLink(FabricSettings(node_actor=name, ray_namespace=NAMESPACE, timeout_s=CALL_TIMEOUT_S), layout)
+        assert not link.ready() and "layout" in link.disabled
+        same = NodeLink(FabricSettings(node_actor=NODE, ray_namespace=NAMESPACE, timeout_s=CALL_TIMEOUT_S), layout)
+        assert same.ready()
+    finally:
+        ray.kill(actor)

@@ -1,0 +1,131 @@
+"""Shared-memory staging pages between a node's cache and an engine on the same host.
+
+An engine process (vLLM's worker) and the node actor both map the same files in
+/dev/shm, one per pool, laid out as the fabric's pages ([n, layers, 2, page, heads,
+dim]). The engine copies its KV blocks in or out; the node actor copies between
+these pages and its cache. Bytes never go through Ray's object store or pickling:
+a Ray call carries only token ids and page numbers.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from fabric import KVLayout, NodeCache, PoolName
+from fabric.pages import pack, unpack
+
+SHM_DIR = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class StagingSpec:
+    """Where the staging files are and how many pages each holds."""
+    prefix: str           # file name prefix under SHM_DIR
+    pages: int
+
+    def path(self, pool: PoolName) -> Path:
+        return SHM_DIR / f"{self.prefix}-{pool.name.lower()}"
+
+
+class SharedPages:
+    """The staging pages of every pool of `layout`, mapped shared (created if missing)."""
+
+    def __init__(self, spec: StagingSpec, layout: KVLayout) -> None:
+        self.spec = spec
+        self.layout = layout
+        self.pools: dict[PoolName, torch.Tensor] = {}
+        for pool in layout.pools:
+            shape = (spec.pages, *layout.page_shape(pool))
+            numel = 1
+            for d in shape:
+                numel *= d
+            path = spec.path(pool)
+            _ensure_file(path, numel * layout.torch_dtype.itemsize)
+            flat = torch.from_file(str(path), shared=True, size=numel, dtype=layout.torch_dtype)
+            self.pools[pool] = flat.view(shape)
+
+    def unlink(self) -> None:
+        for pool in self.pools:
+            try:
+                self.spec.path(pool).unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _ensure_file(path: Path, size: int) -> None:
+    # O_CREAT without O_EXCL: the engine's two processes and the node actor may race to
+    # create it; ftruncate to the same size is idempotent.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class StagedHit:
+    """What `load_to_staging` put in the staging pages: full KV for pages
+    [first_page, pages), SWA KV for pages [swa_first_page, pages)."""
+    pages: int = 0
+    first_page: int = 0
+    swa_first_page: int = 0
+    host_pages: int = 0          # of those pages, how many the cache loaded back from host
+    slots: dict[PoolName, list[int]] = field(default_factory=dict)
+
+
+def load_to_staging(cache: NodeCache, shared: SharedPages, tokens: Sequence[int], namespace: str,
+                    skip_pages: int, slots: dict[PoolName, list[int]]) -> StagedHit:
+    """Copy the usable cached prefix of `tokens` beyond `skip_pages` into staging `slots`
+    (the pool's i-th staged page goes to slots[pool][i]); nothing if they are too few."""
+    layout = cache.layout
+    ps = layout.page_size
+    hit = cache.get(tokens, namespace)
+    n = hit.tokens // ps
+    swa_first = hit.swa_start // ps
+    out = StagedHit(pages=n, first_page=skip_pages, swa_first_page=max(skip_pages, swa_first),
+                    host_pages=hit.host_tokens // ps)
+    # A shorter load than the hit would need the SWA window before its own end, which
+    # the hit does not carry: too few slots load nothing.
+    if n <= skip_pages or len(slots.get(layout.pools[0], ())) < n - skip_pages:
+        return StagedHit()
+    for pool in layout.pools:
+        start = out.first_page if pool == PoolName.FULL else out.swa_first_page
+        # SWA layers of a hit start at swa_start, full ones at 0.
+        offset = 0 if pool == PoolName.FULL else swa_first
+        positions = list(range(start - offset, n - offset))
+        dst = slots.get(pool, [])[: len(positions)]
+        if len(dst) < len(positions):
+            raise ValueError(f"{len(positions)} {pool.name} pages to stage, {len(dst)} slots")
+        if not positions:
+            continue
+        pages = pack(layout, pool, hit.layers, positions)
+        shared.pools[pool].index_copy_(0, torch.tensor(dst, dtype=torch.long), pages.to("cpu"))
+        out.slots[pool] = dst
+    return out
+
+
+def save_from_staging(cache: NodeCache, shared: SharedPages, tokens: Sequence[int], namespace: str,
+                      slots: dict[PoolName, list[int]], swa_first_page: int) -> int:
+    """Store the whole pages of `tokens` from staging: full KV of page i in
+    slots[FULL][i], SWA KV of page swa_first_page + j in slots[SWA][j]. Returns pages
+    newly stored."""
+    layout = cache.layout
+    ps = layout.page_size
+    n = len(tokens) // ps
+    kv: list[torch.Tensor | None] = [None] * len(layout.layers)
+    starts: dict[PoolName, int] = {}
+    for pool in layout.pools:
+        first = 0 if pool == PoolName.FULL else swa_first_page
+        idx = slots.get(pool, [])
+        if len(idx) != n - first:
+            raise ValueError(f"{pool.name}: {len(idx)} staged pages for positions [{first}, {n})")
+        starts[pool] = first * ps                   # rows before it were never staged: not stored
+        staged = shared.pools[pool].index_select(0, torch.tensor(idx, dtype=torch.long))
+        for li, t in zip(layout.layers_of(pool), unpack(staged)):   # [2, (n - first) * ps, H, D]
+            kv[li] = t
+    return cache.put(tokens[: n * ps], kv, namespace, starts=starts)
