@@ -67,6 +67,7 @@ class Workload:
         self._lock = threading.Lock()
         self.requests = self.failed = self.retried = self.app_retried = self.wrong = 0
         self.served: dict[int, str] = {}                 # prompt index -> node that last served it
+        self.recent: deque[str] = deque(maxlen=16)      # nodes of the latest answers
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
 
     def start(self) -> None:
@@ -82,6 +83,11 @@ class Workload:
         """Prompts (by index) whose last answer came from a node other than `node`."""
         with self._lock:
             return [k for k, n in self.served.items() if n != node]
+
+    def busy_nodes(self) -> list[str]:
+        """Nodes that served one of the latest answers: where an armed fault fires soon."""
+        with self._lock:
+            return sorted(set(self.recent))
 
     def served_by(self, node: str) -> list[int]:
         """Prompts (by index) whose last answer came from `node`."""
@@ -104,6 +110,7 @@ class Workload:
                         self.wrong += 1
                     else:
                         self.served[k] = fab.node
+                        self.recent.append(fab.node)
                 i += len(self._threads)
         finally:
             client.close()
@@ -178,7 +185,9 @@ class ChaosHarness:
         nodes = self._nodes()
         if not nodes:
             return False
-        name = rng.choice(sorted(nodes))
+        # A fault the node suffers at its own next step goes where requests are flowing.
+        busy = [n for n in work.busy_nodes() if n in nodes] if kind in _ARMED else []
+        name = rng.choice(busy or sorted(nodes))
         actor = nodes[name]
         try:
             if kind is ChaosKind.KILL_NODE_ACTOR:
@@ -209,11 +218,21 @@ class ChaosHarness:
         before = ray.get(actor.fired.remote(), timeout=CALL_TIMEOUT_S)
         ray.get(actor.inject.remote(_action(kind, rng)), timeout=CALL_TIMEOUT_S)
         if kind in _TRANSFER:
-            self.client.fetch(self.prompts[rng.choice(held)], "chaos", into=name)
-        deadline = time.monotonic() + self.fire_wait_s
+            # A prompt the node already holds reads nothing: try others until one does.
+            for k in rng.sample(held, min(len(held), 4)):
+                self.client.fetch(self.prompts[k], "chaos", into=name)
+                if self._fired_since(actor, before, 0.0):
+                    return True
+        if self._fired_since(actor, before, self.fire_wait_s):
+            return True
+        ray.get(actor.calm.remote(), timeout=CALL_TIMEOUT_S)
+        return False
+
+    @staticmethod
+    def _fired_since(actor, before: int, wait_s: float) -> bool:
+        deadline = time.monotonic() + wait_s
         while ray.get(actor.fired.remote(), timeout=CALL_TIMEOUT_S) == before:
-            if time.monotonic() > deadline:
-                ray.get(actor.calm.remote(), timeout=CALL_TIMEOUT_S)
+            if time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)
         return True
@@ -312,6 +331,8 @@ class ChaosHarness:
 
 _TRANSFER = {ChaosKind.TRANSFER_FAIL_AFTER, ChaosKind.TRANSFER_HANG, ChaosKind.TRANSFER_CORRUPT,
              ChaosKind.SLOW_PEER}
+_ARMED = {ChaosKind.ALLOC_FAIL, ChaosKind.EVICT_MID_REQUEST, ChaosKind.EVENT_DROP, ChaosKind.EVENT_DUPLICATE,
+          ChaosKind.EVENT_REORDER}
 
 
 def _action(kind: ChaosKind, rng: random.Random) -> ChaosAction:
