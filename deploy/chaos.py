@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -29,6 +29,9 @@ from transport import Fault, FaultKind
 from .chaos_plan import ChaosKind, schedule
 from .cluster import Endpoint
 from .replay import Client, Served
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -257,18 +260,12 @@ class ChaosHarness:
     def _kill_directory_mid_rebalance(self, rng: random.Random) -> None:
         """Start a rebalance that splits on any imbalance, kill the directory somewhere
         in its steps, and wait until the restarted one answers."""
+        before = ray.get(self.directory.incarnation.remote(), timeout=CALL_TIMEOUT_S)
         self.directory.rebalance.remote(1.0)
         time.sleep(rng.uniform(0.0, 0.05))
-        ray.kill(self.directory, no_restart=False)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                ray.get(self.directory.get_routes.remote(), timeout=CALL_TIMEOUT_S)
-                return
-            except (RayError, GetTimeoutError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        ray.kill(self.directory, no_restart=False)      # asynchronous: wait for the new process
+        _retry(lambda: ray.get(self.directory.incarnation.remote(), timeout=CALL_TIMEOUT_S),
+               until=lambda pid: pid != before)
 
     def _remove_readd(self, rng: random.Random) -> bool:
         if self.cluster is None:
@@ -290,8 +287,10 @@ class ChaosHarness:
 
     # --- checks ----------------------------------------------------------------------------
     def _nodes(self) -> dict:
+        # The directory may be restarting (a fault of ours): wait for it, within bounds.
+        names = _retry(lambda: ray.get(self.directory.node_names.remote(), timeout=CALL_TIMEOUT_S))
         out = {}
-        for name in ray.get(self.directory.node_names.remote(), timeout=CALL_TIMEOUT_S):
+        for name in names:
             try:
                 out[name] = ray.get_actor(name, namespace=NAMESPACE)
             except ValueError:
@@ -323,7 +322,7 @@ class ChaosHarness:
     def _audit(self) -> dict:
         total = {"leaked": 0, "double_owned": 0, "leases_overdue": 0}
         for actor in self._nodes().values():
-            a = ray.get(actor.audit.remote(), timeout=CALL_TIMEOUT_S)
+            a = _retry(lambda: ray.get(actor.audit.remote(), timeout=CALL_TIMEOUT_S))   # may be restarting
             for key in total:
                 total[key] += a[key]
         return total
@@ -348,6 +347,22 @@ def _action(kind: ChaosKind, rng: random.Random) -> ChaosAction:
         ChaosKind.TRANSFER_HANG: Fault(FaultKind.HANG),
         ChaosKind.TRANSFER_CORRUPT: Fault(FaultKind.CORRUPT),
         ChaosKind.SLOW_PEER: Fault(FaultKind.DELAY, delay_s=rng.uniform(0.05, 0.5))}[kind])
+
+
+def _retry(call: Callable[[], T], until: Callable[[T], bool] = lambda _: True, limit_s: float = 60.0) -> T:
+    """`call()`'s first answer that `until` accepts; Ray errors count as no answer yet.
+    Raises TimeoutError after `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            answer = call()
+            if until(answer):
+                return answer
+        except (RayError, GetTimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer within {limit_s} s")
+        time.sleep(0.2)
 
 
 def _shard_count(directory) -> int:
