@@ -102,8 +102,9 @@ class Workload:
         try:
             while not self._stop.is_set():
                 k = i % len(self.prompts)
-                base = self._call(client, k, cache=False)
-                fab = self._call(client, k, cache=True)
+                tokens = self.prompts[k] + self._tail(i)
+                base = self._call(client, tokens, cache=False)
+                fab = self._call(client, tokens, cache=True)
                 with self._lock:
                     self.requests += 1
                     self.app_retried += sum(s.retries for s in (base, fab) if s is not None)
@@ -118,10 +119,18 @@ class Workload:
         finally:
             client.close()
 
-    def _call(self, client: Client, k: int, cache: bool) -> Served | None:
+    def _tail(self, i: int, page: int = 16) -> list[int]:
+        """A last page that changes from request to request, taken from the prompts'
+        own tokens: every request stores something new, so puts keep reserving (and
+        evicting) while the shared prefixes keep hitting."""
+        source = self.prompts[(i * 7 + 3) % len(self.prompts)]
+        start = (i * page) % max(1, len(source) - page)
+        return list(source[start:start + page])
+
+    def _call(self, client: Client, tokens: list[int], cache: bool) -> Served | None:
         for attempt in range(self.retries + 1):
             try:
-                return client.complete(self.model, self.prompts[k], 2, cache, "chaos")
+                return client.complete(self.model, tokens, 2, cache, "chaos")
             except (OSError, RuntimeError, KeyError, ValueError):
                 client.reconnect()
                 with self._lock:
