@@ -9,6 +9,7 @@ from deploy.engine import CostModel, Engine, RequestError
 from deploy.model import KVState, ModelConfig, TinyLM
 from fabric import (LeaseTable, NodeCache, PoolCapacity, PoolName, Tier, TierConfig, WritePolicy,
                     export_prefix, import_prefix)
+from tests.engine_checks import assert_no_nan, assert_same
 
 CONFIG = ModelConfig()          # 4 layers full/swa/full/swa, page 16, window 32 (2 pages)
 MODEL = TinyLM(CONFIG)
@@ -30,21 +31,6 @@ def toks(n, seed):
 
 def reference(prompt, max_tokens=6):
     return Engine(MODEL).generate(prompt, max_tokens, NS, return_logits=True)
-
-
-def assert_same(got, want):
-    assert got.tokens == want.tokens
-    assert len(got.logits) == len(want.logits)
-    for a, b in zip(got.logits, want.logits):
-        assert torch.equal(a, b)
-
-
-def assert_no_poison(c: NodeCache) -> None:
-    """No stored page may hold NaN (a put once padded the SWA rows a state lacked with NaN)."""
-    for entry in c.registry:
-        for tier in (Tier.DEVICE, Tier.HOST):
-            data = entry.tier(tier).data
-            assert not torch.isnan(data).any(), f"{entry.name.name}/{tier.name} holds NaN"
 
 
 class InProcessRemote:
@@ -154,7 +140,7 @@ def test_hit_after_swa_tombstoning_uses_the_shorter_window():
     assert got.cached_tokens == 64
     assert_same(got, reference(prompt))
     assert c.match(prompt, NS).pages == 6           # the recomputed window was stored again
-    assert_no_poison(c)
+    assert_no_nan(c)
     c.check()
 
 
@@ -267,7 +253,7 @@ def test_output_with_cache_equals_without(stem, requests, seed, host):
         assert got.cached_tokens + got.computed_tokens == len(prompt)
         assert got.device_tokens + got.host_tokens == got.cached_tokens
         assert_same(got, reference(prompt, 3))
-    assert_no_poison(c)
+    assert_no_nan(c)
     c.check()
 
 
@@ -287,5 +273,5 @@ def test_a_conversations_next_turn_hits_the_previous_answer():
     again = engine.generate(first, 4, NS, return_logits=True)
     assert again.cached_tokens == 32
     assert_same(again, reference(first, 4))
-    assert_no_poison(c)
+    assert_no_nan(c)
     c.check()

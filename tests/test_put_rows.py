@@ -12,6 +12,7 @@ import torch
 from deploy.engine import Engine
 from deploy.model import ModelConfig, TinyLM
 from fabric import NodeCache, PoolCapacity, PoolName, Tier
+from tests.engine_checks import assert_no_nan, assert_same
 from tests.kvgen import prefix_kv
 from tests.test_node_cache import MIXED, SWA_ONLY, make, seq
 
@@ -36,20 +37,6 @@ def toks(n, seed):
 
 def reference(prompt, max_tokens):
     return Engine(MODEL).generate(prompt, max_tokens, NS, return_logits=True)
-
-
-def assert_same(got, want):
-    assert got.tokens == want.tokens
-    assert len(got.logits) == len(want.logits)
-    for a, b in zip(got.logits, want.logits):
-        assert torch.equal(a, b)
-
-
-def assert_no_nan(c: NodeCache) -> None:
-    for entry in c.registry:
-        for tier in (Tier.DEVICE, Tier.HOST):
-            data = entry.tier(tier).data
-            assert not torch.isnan(data).any(), f"{entry.name.name}/{tier.name} holds NaN"
 
 
 class EvictBeforePut:
