@@ -59,7 +59,11 @@ class IndexLink:
                 self._send(shard, self.shards[shard].load_snapshot.remote(snaps[shard].encode()))
 
     def reroute(self, routes: RouteTable) -> None:
-        """New routes: every shard gets this node's snapshot of its part (shard state is soft)."""
+        """New routes: every shard gets this node's snapshot of its part (shard state is soft).
+        A node not attached yet (a restarted or new actor a rebalance reached first) ignores
+        them: attaching brings it the current table and its shards together."""
+        if not self.attached:
+            return
         self.routes = routes
         self.publish()
         for shard, snap in self.publisher.snapshots(self.routes).items():
