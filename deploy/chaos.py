@@ -368,7 +368,7 @@ def _retry(call: Callable[[], T], until: Callable[[T], bool] = lambda _: True, l
             if until(answer):
                 return answer
         except (RayError, GetTimeoutError):
-            pass
+            pass               # restarting or busy: ask again below, until the deadline
         if time.monotonic() > deadline:
             raise TimeoutError(f"no answer within {limit_s} s")
         time.sleep(0.2)

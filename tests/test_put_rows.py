@@ -103,7 +103,7 @@ def test_a_failed_request_releases_its_hold():
     Engine(MODEL, c).generate(prompt, 1, NS)
 
     class Boom(RuntimeError):
-        pass
+        """Any failure of the put: the hold must still be released."""
 
     class FailingPut(EvictBeforePut):
         def put(self, tokens, kv, namespace, **kw):

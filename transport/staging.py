@@ -53,7 +53,7 @@ class SharedPages:
             try:
                 self.spec.path(pool).unlink()
             except FileNotFoundError:
-                pass
+                continue      # already gone: unlinking is idempotent
 
 
 def _ensure_file(path: Path, size: int) -> None:

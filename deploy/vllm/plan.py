@@ -23,7 +23,7 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 class PlanError(ValueError):
-    pass
+    """vLLM's KV cache config does not map onto a fabric layout."""
 
 
 @dataclass(frozen=True)
