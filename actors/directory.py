@@ -1,7 +1,7 @@
 """The fabric's directory: config, route table, and which node actors belong.
 
 It keeps membership true without anyone asking: a watcher thread reconciles
-every `watch_s` seconds. A node actor Ray reports dead (or whose name is gone)
+every `watch_s` seconds. A node actor Ray reports dead (its name gone, or its Ray node dead)
 is dropped from the directory and from every index shard; an alive Ray node
 without a node actor gets one, joined to its peers and the index, so a node
 added to the cluster (or re-added after a removal) joins the fabric by itself.
@@ -26,6 +26,7 @@ from .node_actor import Beat, NodeCacheActor, NodeConfig
 NAMESPACE = "kvfabric"
 DIRECTORY = "kvf-directory"
 CALL_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 180.0      # a new node actor imports torch and NIXL
 REBALANCE_EVERY_S = 10.0     # the watcher's rebalance period
 REBALANCE_SIGMAS = 3.0       # its bar for uneven lookups (see fabric.balance.chance_target)
 log = logging.getLogger(__name__)
@@ -67,6 +68,13 @@ def connect_peers(name: str, actor, meta: bytes, others: dict[str, bytes], timeo
                      ray.get_actor(peer, namespace=NAMESPACE).connect.remote(name, meta)], timeout=timeout_s)
         except (RayError, ValueError) as e:
             log.warning("connecting %s and %s failed: %s", name, peer, e)
+
+
+def _dead_hosts() -> set[str]:
+    """Names of node actors whose Ray node Ray reports dead."""
+    nodes = ray.nodes()
+    alive = {node_actor_name(n["NodeID"]) for n in nodes if n["Alive"]}
+    return {node_actor_name(n["NodeID"]) for n in nodes if not n["Alive"]} - alive
 
 
 def _existing(name: str):
@@ -191,7 +199,7 @@ class FabricDirectory:
 
     # --- membership ----------------------------------------------------------------------
     def reconcile(self, add: bool = True, timeout_s: float = CALL_TIMEOUT_S,
-                  start_timeout_s: float = 180.0) -> Membership:
+                  start_timeout_s: float = START_TIMEOUT_S) -> Membership:
         """Heartbeat every node; drop those Ray reports dead, rejoin those Ray
         restarted (a new actor: new transport agent, not attached to the index);
         with `add`, give every alive Ray node lacking a node actor one (a new actor
@@ -217,7 +225,13 @@ class FabricDirectory:
     def _beats(self, names: list[str], timeout_s: float) -> dict[str, Beat | None]:
         """Each answering node's Beat; None for the dead. Slow or restarting ones are left out."""
         refs, beats = {}, {}
+        # A node actor dies with its Ray node (hard affinity), whatever state Ray shows
+        # the actor in while it notices: a dead host is a dead node, asked or not.
+        gone = _dead_hosts()
         for name in names:
+            if name in gone:
+                beats[name] = None
+                continue
             try:
                 refs[name] = ray.get_actor(name, namespace=NAMESPACE).heartbeat.remote()
             except ValueError:         # the name is gone: the actor died for good
@@ -303,14 +317,18 @@ class FabricDirectory:
 
     def _watch(self, every_s: float) -> None:
         balance_at = time.monotonic() + REBALANCE_EVERY_S
+        adding: threading.Thread | None = None
         while not self._stop.wait(every_s):
             try:
-                changed = self.reconcile()
-                if changed.dropped or changed.added or changed.rejoined:
-                    log.info("membership: dropped %s, added %s, rejoined %s",
-                             changed.dropped, changed.added, changed.rejoined)
+                changed = self.reconcile(add=False)
+                if changed.dropped or changed.rejoined:
+                    log.info("membership: dropped %s, rejoined %s", changed.dropped, changed.rejoined)
             except Exception as e:      # the watcher must outlive any one bad pass
                 log.warning("membership pass failed: %s", e)
+            # Starting a node actor takes a while (torch, NIXL): drops must not wait for it.
+            if adding is None or not adding.is_alive():
+                adding = threading.Thread(target=self._add_pass, daemon=True, name="kvf-adding")
+                adding.start()
             if time.monotonic() >= balance_at:
                 # Also what keeps the shards' load counts short: each pass takes them.
                 balance_at = time.monotonic() + REBALANCE_EVERY_S
@@ -319,6 +337,15 @@ class FabricDirectory:
                         log.info("rebalanced: routes version %d", self.routes.version)
                 except Exception as e:
                     log.warning("rebalance pass failed: %s", e)
+
+    def _add_pass(self) -> None:
+        try:
+            with self._adding:
+                added = self._add_missing(START_TIMEOUT_S)
+            if added:
+                log.info("membership: added %s", added)
+        except Exception as e:          # the next pass tries again
+            log.warning("adding node actors failed: %s", e)
 
     def stop_watching(self) -> None:
         self._stop.set()

@@ -310,23 +310,28 @@ class ChaosHarness:
         """Seconds from `since` until the index answers, for every prompt, what the
         nodes hold (inf if not within `limit_s`)."""
         deadline = time.monotonic() + limit_s
+        disagreement = ""
         while time.monotonic() < deadline:
-            if self._index_agrees():
+            disagreement = self._disagreement()
+            if not disagreement:
                 return round(time.monotonic() - since, 3)
             time.sleep(0.1)
+        self.log(f"the index did not converge within {limit_s} s: {disagreement}")
         return float("inf")
 
-    def _index_agrees(self) -> bool:
+    def _disagreement(self) -> str:
+        """Where the index and the nodes disagree now ('' where they agree)."""
         nodes = self._nodes()
         try:
-            for tokens in self.prompts:
+            for k, tokens in enumerate(self.prompts):
                 truth = {n: p for n, p in zip(nodes, ray.get([a.match.remote(tokens, "chaos") for a in nodes.values()],
                                                                timeout=CALL_TIMEOUT_S)) if p}
-                if {m.node: m.pages for m in self.client.lookup(tokens, "chaos")} != truth:
-                    return False
-        except (RayError, GetTimeoutError):
-            return False
-        return True
+                index = {m.node: m.pages for m in self.client.lookup(tokens, "chaos")}
+                if index != truth:
+                    return f"prompt {k}: the index says {index}, the nodes hold {truth}"
+        except (RayError, GetTimeoutError) as e:
+            return f"{type(e).__name__}: {e}"
+        return ""
 
     def _audit(self) -> dict:
         total = {"leaked": 0, "double_owned": 0, "leases_overdue": 0}

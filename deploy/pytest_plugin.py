@@ -22,5 +22,6 @@ def kvfabric_chaos(request):
     keep_auth_on()           # before Ray loads, unless the suite already chose
     from deploy.chaos_run import session
     options = dict(getattr(request.module, "kvfabric_chaos_options", {}))
-    with session(options.get("nodes", 3), options.get("prompts", 12)) as harness:
+    # Its log goes to stdout: pytest shows it with a failing test.
+    with session(options.get("nodes", 3), options.get("prompts", 12), log=print) as harness:
         yield harness
