@@ -249,6 +249,7 @@ class FabricDirectory:
         """Attach a restarted node actor to the index and reconnect it with its peers."""
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
+            self._forget(name, timeout_s)      # its old process is dead: what it held drops
             self.attach(name, timeout_s)
             meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
             connect_peers(name, actor, meta, self.register(name, meta), timeout_s)
@@ -257,8 +258,21 @@ class FabricDirectory:
             log.warning("rejoining %s failed (next pass retries): %s", name, e)
             return False
 
+    def _forget(self, name: str, timeout_s: float) -> None:
+        """Tell every other node that `name`'s process is gone: disconnect it and free
+        the pages its abandoned reads held. A node that does not answer is left out (it
+        keeps them quarantined and refuses fetches from `name` until the next rejoin)."""
+        for peer in self.node_names():
+            if peer == name:
+                continue
+            try:
+                ray.get(ray.get_actor(peer, namespace=NAMESPACE).forget_peer.remote(name), timeout=timeout_s)
+            except (RayError, ValueError) as e:
+                log.warning("telling %s to forget %s failed: %s", peer, name, e)
+
     def _drop(self, name: str, timeout_s: float) -> None:
         self.unregister(name)
+        self._forget(name, timeout_s)
         try:
             ray.get([s.drop_node.remote(name) for s in self._shards()], timeout=timeout_s)
             with self._lock:
