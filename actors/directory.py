@@ -310,7 +310,10 @@ class FabricDirectory:
         """Reconcile every `every_s` seconds from now on, in a thread of this actor."""
         if not every_s > 0:
             raise ValueError(f"every_s must be > 0, got {every_s!r}")
+        if self._watcher is not None and not self._watcher.is_alive():
+            self._watcher = None                 # stopped: start again
         if self._watcher is None:
+            self._stop.clear()
             self._watcher = threading.Thread(target=self._watch, args=(every_s,), daemon=True,
                                              name="kvf-membership")
             self._watcher.start()
@@ -334,8 +337,13 @@ class FabricDirectory:
                 except Exception as e:
                     log.warning("rebalance pass failed: %s", e)
 
-    def stop_watching(self) -> None:
+    def stop_watching(self, wait_s: float = 0.0) -> bool:
+        """Stop the watcher once its pass in progress ends, waiting up to `wait_s` for
+        that; returns whether it has stopped. `watch` starts it again."""
         self._stop.set()
+        if self._watcher is not None and wait_s > 0:
+            self._watcher.join(wait_s)
+        return self._watcher is None or not self._watcher.is_alive()
 
     # --- routes --------------------------------------------------------------------------
     def rebalance(self, target: float = 1.25, timeout_s: float = CALL_TIMEOUT_S, sigmas: float = 0.0) -> bool:

@@ -350,6 +350,7 @@ class NodeCacheActor:
             s = self.cache.stats()
             return {"name": self.name, "nodes": s.nodes, "pools": s.pools, "leases": len(self.leases),
                     "fetches": dict(self.fetches), "quarantined": len(self.cache.quarantined),
+                    "peers": sorted(self.peers),
                     "late_releases": self.late_releases, "epoch": self.epoch}
 
     async def shutdown(self) -> None:
