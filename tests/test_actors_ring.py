@@ -99,8 +99,9 @@ def test_a_fetch_that_gives_up_releases_the_late_lease(cluster):
         tokens = list(range(500, 500 + 3 * 16))
         ray.get(source.put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
         assert ray.get(dest.fetch.remote(source, "late-src", tokens, NS), timeout=T) == "transfer_failed"
+        # The export may not even have run yet (no lease): wait for the late reply first.
+        eventually(lambda: ray.get(dest.stats.remote(), timeout=T)["late_releases"] == 1, deadline_s=60.0)
         eventually(lambda: ray.get(source.stats.remote(), timeout=T)["leases"] == 0, deadline_s=60.0)
-        assert ray.get(dest.stats.remote(), timeout=T)["late_releases"] == 1
         assert ray.get(dest.match.remote(tokens, NS), timeout=T) == 0
         ray.get([source.check.remote(), dest.check.remote()], timeout=T)
     finally:
