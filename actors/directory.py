@@ -263,6 +263,7 @@ class FabricDirectory:
         """Attach a restarted node actor to the index and reconnect it with its peers."""
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
+            self._forget(name, timeout_s)      # its old process is dead: what it held drops
             self.attach(name, timeout_s)
             meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
             connect_peers(name, actor, meta, self.register(name, meta), timeout_s)
@@ -271,8 +272,21 @@ class FabricDirectory:
             log.warning("rejoining %s failed (next pass retries): %s", name, e)
             return False
 
+    def _forget(self, name: str, timeout_s: float) -> None:
+        """Tell every other node that `name`'s process is gone: disconnect it and free
+        the pages its abandoned reads held. A node that does not answer is left out (it
+        keeps them quarantined and refuses fetches from `name` until the next rejoin)."""
+        for peer in self.node_names():
+            if peer == name:
+                continue
+            try:
+                ray.get(ray.get_actor(peer, namespace=NAMESPACE).forget_peer.remote(name), timeout=timeout_s)
+            except (RayError, ValueError) as e:
+                log.warning("telling %s to forget %s failed: %s", peer, name, e)
+
     def _drop(self, name: str, timeout_s: float) -> None:
-        self.unregister(name)
+        """Purge `name` from the shards, then from the members: once it is no longer
+        listed, the index no longer names it (unless a shard did not answer)."""
         try:
             ray.get([s.drop_node.remote(name) for s in self._shards()], timeout=timeout_s)
             with self._lock:
@@ -282,6 +296,9 @@ class FabricDirectory:
             log.warning("dropping %s: a shard did not answer: %s", name, e)
             with self._lock:
                 self._undropped.add(name)
+        finally:
+            self.unregister(name)
+        self._forget(name, timeout_s)
 
     def _add_missing(self, timeout_s: float) -> list[str]:
         added, known = [], set(self.node_names())
@@ -310,7 +327,10 @@ class FabricDirectory:
         """Reconcile every `every_s` seconds from now on, in a thread of this actor."""
         if not every_s > 0:
             raise ValueError(f"every_s must be > 0, got {every_s!r}")
+        if self._watcher is not None and not self._watcher.is_alive():
+            self._watcher = None                 # stopped: start again
         if self._watcher is None:
+            self._stop.clear()
             self._watcher = threading.Thread(target=self._watch, args=(every_s,), daemon=True,
                                              name="kvf-membership")
             self._watcher.start()
@@ -347,8 +367,13 @@ class FabricDirectory:
         except Exception as e:          # the next pass tries again
             log.warning("adding node actors failed: %s", e)
 
-    def stop_watching(self) -> None:
+    def stop_watching(self, wait_s: float = 0.0) -> bool:
+        """Stop the watcher once its pass in progress ends, waiting up to `wait_s` for
+        that; returns whether it has stopped. `watch` starts it again."""
         self._stop.set()
+        if self._watcher is not None and wait_s > 0:
+            self._watcher.join(wait_s)
+        return self._watcher is None or not self._watcher.is_alive()
 
     # --- routes --------------------------------------------------------------------------
     def rebalance(self, target: float = 1.25, timeout_s: float = CALL_TIMEOUT_S, sigmas: float = 0.0) -> bool:

@@ -20,7 +20,7 @@ import torch
 from fabric import (AllocationFaults, CachedKV, CacheStats, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout,
                     NodeCache, PoolCapacity, PoolName, RouteTable, Tier, TierConfig, export_prefix, import_prefix)
 from transport import FaultPlan, FaultyTransport, LocalTransport, NixlTransport
-from transport.fetch import TransportReader, register_device_pools
+from transport.fetch import TransportReader, probe, register_device_pools
 from transport.staging import SharedPages, StagedHit, StagingSpec, load_to_staging, save_from_staging
 
 from .cache_gate import CacheGate
@@ -37,7 +37,6 @@ class NodeConfig:
     device: str | None = None          # default: cuda when present, else cpu
     lease_ttl_s: float = 10.0
     fetch_deadline_s: float = 2.0
-    quarantine_s: float = 30.0
     faults: FaultPlan | None = None    # scripted transport faults from the start (tests)
     chaos: bool = False                # accept injected faults at run time (`inject`)
     epochs: EpochSource = field(default_factory=GcsEpochs)
@@ -68,6 +67,7 @@ class NodeCacheActor:
         self.peers: set[str] = set()
         self.fetches: dict[str, int] = {}
         self.late_releases = 0
+        self._probing: asyncio.Task | None = None     # the heartbeat's probe of quarantined peers
         # A restarted actor starts a new epoch, above every earlier one of this name:
         # the index drops what the old one said (see actors/epochs.py: no clock).
         self.epoch = config.epochs.claim(name)
@@ -85,6 +85,16 @@ class NodeCacheActor:
     async def connect(self, peer: str, metadata: bytes) -> None:
         await self.gate.run_wire(lambda: self.transport.connect(peer, metadata))
         self.peers.add(peer)
+
+    async def forget_peer(self, peer: str) -> int:
+        """`peer`'s process is gone (the directory dropped it, or Ray restarted it):
+        disconnect it and free the pages its abandoned reads held, since a dead
+        process writes nothing more. Returns the pages freed."""
+        self.peers.discard(peer)
+        # The import thread runs this after any read in flight, which may quarantine.
+        await self.gate.run_wire(lambda: self.transport.disconnect(peer))
+        with self.gate.mutex:
+            return self.cache.release_quarantine(peer)
 
     # --- local cache ------------------------------------------------------------------
     async def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor], namespace: str,
@@ -191,6 +201,8 @@ class NodeCacheActor:
         if peer_name not in self.peers:
             return FetchOutcome.TRANSFER_FAILED
         with self.gate.mutex:
+            if self.cache.quarantines(peer_name):
+                return FetchOutcome.PEER_QUARANTINED      # before a lease is taken for nothing
             keys = self.cache.keys(tokens, namespace)
             skip = self.cache.match(tokens, namespace).matched
         deadline = self.config.fetch_deadline_s
@@ -218,12 +230,7 @@ class NodeCacheActor:
 
     def _import(self, tokens, namespace: str, grant: ExportGrant, read, peer_name: str) -> FetchOutcome:
         """In the import thread, holding the cache mutex (given up while reading)."""
-        outcome = import_prefix(self.cache, tokens, namespace, grant, read, self.config.quarantine_s,
-                                peer=peer_name)
-        if outcome == FetchOutcome.COMMITTED:
-            # A later read from this peer completed: earlier abandoned ones drained.
-            self.cache.release_quarantine(peer=peer_name)
-        return outcome
+        return import_prefix(self.cache, tokens, namespace, grant, read, peer=peer_name)
 
     def _release_late(self, peer, late: Future) -> None:
         if late.cancelled() or late.exception() is not None:
@@ -248,14 +255,17 @@ class NodeCacheActor:
         with self.gate.mutex:
             return self.link.publish(every_shard)
 
-    def heartbeat(self) -> Beat:
+    async def heartbeat(self) -> Beat:
         """The directory's periodic call: expire overdue leases, and tell every shard
         where this node's sequence is, so a lost batch shows as a gap and heals by a
-        snapshot even when nothing else changes."""
+        snapshot even when nothing else changes. Starts a probe of quarantined peers."""
         with self.gate.mutex:
             self.leases.expire()
             self.link.publish(every_shard=True)
             routes = self.link.routes
+            probing = bool(self.cache.quarantined_peers())
+        if probing and (self._probing is None or self._probing.done()):
+            self._probing = asyncio.create_task(self.probe_quarantine())
         return Beat(self.epoch, routes is not None, None if routes is None else routes.version)
 
     def reroute(self, routes: bytes) -> None:
@@ -348,10 +358,26 @@ class NodeCacheActor:
         routes = self.link.routes
         return self._metadata, None if routes is None else routes.encode()
 
-    def release_quarantine(self) -> int:
-        """Free quarantined pages whose hold has passed; returns how many."""
+    async def probe_quarantine(self) -> list[str]:
+        """For each connected peer with quarantined pages, read one page from it into
+        one of those pages, under the fetch deadline: if it completes, the abandoned
+        reads posted before it drained, and that peer's quarantine is freed. A peer
+        still stopped fails the probe and stays quarantined (until it resumes or dies).
+        Returns the peers released."""
         with self.gate.mutex:
-            return self.cache.release_quarantine()
+            peers = sorted(self.cache.quarantined_peers() & self.peers)
+        return [p for p in peers if await self.gate.run_wire(lambda p=p: self._probe(p))]
+
+    def _probe(self, peer: str) -> bool:
+        """In the import thread: the page is picked there, so no release (a forget or
+        another probe, both behind this in that thread) frees it while the read runs."""
+        with self.gate.mutex:
+            target = self.cache.quarantined_page(peer)
+        if target is None or not probe(self.transport, peer, *target, self.config.fetch_deadline_s):
+            return False
+        with self.gate.mutex:
+            self.cache.release_quarantine(peer)
+        return True
 
     # --- health --------------------------------------------------------------------------
     def check(self) -> None:
@@ -365,6 +391,7 @@ class NodeCacheActor:
             s = self.cache.stats()
             return {"name": self.name, "nodes": s.nodes, "pools": s.pools, "leases": len(self.leases),
                     "fetches": dict(self.fetches), "quarantined": len(self.cache.quarantined),
+                    "peers": sorted(self.peers),
                     "late_releases": self.late_releases, "epoch": self.epoch}
 
     async def shutdown(self) -> None:

@@ -79,7 +79,7 @@ def check_invariants(cache: "NodeCache") -> None:
     for q in cache.quarantined:
         for (pool, tier), indices in q.pages.items():
             for index in indices:
-                claim(pool, tier, index, f"quarantine (peer {q.peer}) until {q.until:.3f}")
+                claim(pool, tier, index, f"quarantine (peer {q.peer}) since {q.since:.3f}")
 
     for txn in cache.open_txns:
         for (pool, tier), pages in txn.pages().items():

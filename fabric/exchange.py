@@ -36,7 +36,8 @@ class ReadFailed(Exception):
     """What a PageReader raises when pages could not be read (error, deadline, dead peer).
 
     `may_still_write`: the transfer was abandoned, not known finished (a deadline
-    passed on a hung peer), so its destination pages stay quarantined a while."""
+    passed on a hung peer), so its destination pages stay quarantined until that
+    peer is known dead or a later read from it completes."""
 
     def __init__(self, message: str, may_still_write: bool = False) -> None:
         super().__init__(message)
@@ -54,6 +55,7 @@ class FetchOutcome(str, Enum):
     TRANSFER_FAILED = "transfer_failed"
     CHECKSUM_MISMATCH = "checksum_mismatch"
     BAD_GRANT = "bad_grant"
+    PEER_QUARANTINED = "peer_quarantined"    # an abandoned read from that peer may still write: refused
 
 
 @dataclass(frozen=True)
@@ -209,8 +211,15 @@ def _checksums(cache: NodeCache, pool: PoolName, tiers: list[Tier], indices: lis
 
 # --- destination side ----------------------------------------------------------------
 def import_prefix(cache: NodeCache, tokens: Sequence[int], namespace: str, grant: ExportGrant,
-                  read: PageReader, quarantine_s: float = 120.0, peer: str | None = None) -> FetchOutcome:
-    """Insert what `grant` offers beyond the local match, whole or not at all."""
+                  read: PageReader, peer: str | None = None) -> FetchOutcome:
+    """Insert what `grant` offers beyond the local match, whole or not at all.
+
+    While pages an abandoned read from `peer` may still write are quarantined, no
+    new read from it starts: a hung peer holds one fetch's pages, not one per
+    fetch. The caller frees it (NodeCache.release_quarantine) once the peer is dead
+    or a later read from it completed (a probe: see actors/node_actor.py)."""
+    if peer is not None and cache.quarantines(peer):
+        return FetchOutcome.PEER_QUARANTINED
     if grant.fingerprint != cache.layout.fingerprint:
         return FetchOutcome.BAD_GRANT
     keyer = cache.keyer(namespace)
@@ -230,7 +239,7 @@ def import_prefix(cache: NodeCache, tokens: Sequence[int], namespace: str, grant
         return FetchOutcome.NOTHING_TO_FETCH
     if any(not grant.pools.get(p) or not all(grant.pools[p].covers(i) for i in pos) for p, pos in need.items() if pos):
         return FetchOutcome.BAD_GRANT     # the source offers less than the missing pages
-    return _fetch(cache, keyer, raw, path, m, n, grant, need, read, (quarantine_s, peer))
+    return _fetch(cache, keyer, raw, path, m, n, grant, need, read, peer)
 
 
 def _held(path, position: int, pool: PoolName) -> bool:
@@ -240,7 +249,7 @@ def _held(path, position: int, pool: PoolName) -> bool:
     return False
 
 
-def _fetch(cache, keyer, raw, path, m, n, grant, need, read, hold) -> FetchOutcome:
+def _fetch(cache, keyer, raw, path, m, n, grant, need, read, peer) -> FetchOutcome:
     # Keep the path (and the window pages it already holds) while making room.
     window = {p: cache.policies[p].needed(n) for p in need}
     guard = cache.lock_nodes({p: [x for x in path if p == cache.layout.pools[0]
@@ -255,7 +264,7 @@ def _fetch(cache, keyer, raw, path, m, n, grant, need, read, hold) -> FetchOutco
             return FetchOutcome.NO_ROOM
         txn.seal()
         outcome = _read_and_verify(cache, grant, need, got, read,
-                                   lambda: txn.rollback(hold=lambda pages: cache.quarantine(pages, *hold)))
+                                   lambda: txn.rollback(hold=lambda pages: cache.quarantine(pages, peer)))
         if outcome is not None:
             return outcome        # the reserved pages may be half written: freed (or held), never read
         nodes = list(path)

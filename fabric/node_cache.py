@@ -171,8 +171,6 @@ class NodeCache:
 
     # --- transactions --------------------------------------------------------------
     def transaction(self) -> Transaction:
-        if self.quarantined:
-            self.release_quarantine()
         txn = Transaction(self.tree, self.registry, self.copier, self.faults, self._txn_closed)
         self.open_txns.add(txn)
         return txn
@@ -180,18 +178,35 @@ class NodeCache:
     def _txn_closed(self, txn: Transaction) -> None:
         self.open_txns.discard(txn)
 
-    def quarantine(self, pages: dict[tuple[PoolName, Tier], list[int]], hold_s: float,
-                   peer: str | None = None) -> None:
-        """Keep pages out of use: an abandoned transfer from `peer` may still write them."""
-        self.quarantined.append(Quarantine(self.clock() + hold_s, peer, pages))
+    def quarantine(self, pages: dict[tuple[PoolName, Tier], list[int]], peer: str | None = None) -> None:
+        """Keep pages out of use: an abandoned transfer from `peer` may still write them.
+        No time releases them (a stopped peer resumes when it likes): only
+        `release_quarantine`, once the peer is dead or a later read from it completed."""
+        self.quarantined.append(Quarantine(self.clock(), peer, pages))
 
-    def release_quarantine(self, force: bool = False, peer: str | None = None) -> int:
-        """Free quarantined pages whose hold has passed, or that came from `peer`
-        (which has died, or whose later transfers completed, so earlier ones
-        drained); `force` frees all. Returns how many pages were freed."""
-        now, keep, freed = self.clock(), [], 0
+    def quarantines(self, peer: str) -> bool:
+        """Whether pages an abandoned transfer from `peer` may still write are held."""
+        return any(q.peer == peer for q in self.quarantined)
+
+    def quarantined_peers(self) -> set[str]:
+        return {q.peer for q in self.quarantined if q.peer is not None}
+
+    def quarantined_page(self, peer: str) -> tuple[PoolName, int] | None:
+        """One quarantined device page of `peer`'s: poisoned already, so a probe read may land there."""
         for q in self.quarantined:
-            if force or q.until <= now or (peer is not None and q.peer == peer):
+            if q.peer == peer:
+                for (pool, tier), indices in q.pages.items():
+                    if tier == Tier.DEVICE and indices:
+                        return pool, indices[0]
+        return None
+
+    def release_quarantine(self, peer: str | None = None, force: bool = False) -> int:
+        """Free the pages quarantined for `peer`: it is dead, or a read from it posted
+        after theirs completed (one endpoint's transfers complete in order, see
+        transport/base.py). `force` frees all (tests, shutdown). Returns pages freed."""
+        keep, freed = [], 0
+        for q in self.quarantined:
+            if force or (peer is not None and q.peer == peer):
                 for (pool, tier), indices in q.pages.items():
                     self.registry.pool(pool, tier).allocator.free(indices)
                     freed += len(indices)

@@ -55,6 +55,8 @@ class CachedKV:
 
 @dataclass
 class Quarantine:
-    until: float
+    """Pages an abandoned transfer from `peer` may still write: held until that
+    peer is known dead or a later read from it completes (never by time alone)."""
+    since: float
     peer: str | None
     pages: dict[tuple[PoolName, Tier], list[int]]

@@ -90,6 +90,9 @@ def test_index_finds_a_prefix_and_fetch_moves_it(fabric):
 
 
 def test_source_killed_mid_fetch_leaves_the_destination_clean(fabric):
+    """The abandoned read's pages stay quarantined (no time frees them, and the dead
+    source's probe fails) until the directory drops the source and tells every node
+    to forget it: then they are freed."""
     import dataclasses
     import time
 
@@ -98,10 +101,12 @@ def test_source_killed_mid_fetch_leaves_the_destination_clean(fabric):
     source_name = sorted(fabric.nodes)[0]
     tokens = list(range(300, 300 + 4 * 16))
     ray.get(fabric.nodes[source_name].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
-    hanging = dataclasses.replace(CONFIG, faults=FaultPlan([Fault(FaultKind.HANG)]), quarantine_s=0.5)
+    hanging = dataclasses.replace(CONFIG, faults=FaultPlan([Fault(FaultKind.HANG)]))
     dest = NodeCacheActor.options(name="kvf-node-chaos", namespace="kvfabric", num_cpus=0.1).remote(
         "kvf-node-chaos", hanging)
     join(fabric.directory, "kvf-node-chaos", dest, timeout_s=T)
+    # The drop below happens when the test says (the watcher would race the checks before it).
+    assert ray.get(fabric.directory.stop_watching.remote(wait_s=T / 2), timeout=T)
     source = fabric.nodes.pop(source_name)
     pending = dest.fetch.remote(source, source_name, tokens, NS)
     time.sleep(0.5)
@@ -109,12 +114,18 @@ def test_source_killed_mid_fetch_leaves_the_destination_clean(fabric):
     assert ray.get(pending, timeout=T) == "transfer_failed"
     assert ray.get(dest.match.remote(tokens, NS), timeout=T) == 0   # nothing half-inserted
     ray.get(dest.check.remote(), timeout=T)
-    time.sleep(0.6)
-    ray.get(dest.release_quarantine.remote(), timeout=T)
+    assert ray.get(dest.probe_quarantine.remote(), timeout=T) == []  # the dead source answers no probe
+    stats = ray.get(dest.stats.remote(), timeout=T)
+    assert stats["quarantined"] > 0 and source_name in stats["peers"]
+    assert ray.get(dest.fetch.remote(source, source_name, tokens, NS), timeout=T) == "peer_quarantined"
+    changed = ray.get(fabric.directory.reconcile.remote(add=False), timeout=T)
+    assert source_name in changed.dropped
     stats = ray.get(dest.stats.remote(), timeout=T)
     assert stats["quarantined"] == 0 and stats["pools"]["FULL/DEVICE"]["used"] == 0
+    assert source_name not in stats["peers"]            # forgotten: disconnected too
     ray.kill(dest)
-    # The directory's watcher drops both dead actors from the directory and the index (and
+    ray.get(fabric.directory.watch.remote(0.5), timeout=T)
+    # The directory's watcher drops the dead dest from the directory and the index (and
     # gives the source's Ray node, still alive, a fresh node actor of the same name).
     client = FabricClient.connect(timeout_s=10.0)
     eventually(lambda: "kvf-node-chaos" not in ray.get(fabric.directory.node_names.remote(), timeout=T)
@@ -180,7 +191,7 @@ def test_a_node_added_to_the_cluster_joins_and_its_removal_purges_it(fabric, clu
     assert client.fetch(tokens, NS, into=other) == 3                # peers were connected both ways
     cluster.remove_node(added)
     eventually(lambda: name not in ray.get(fabric.directory.node_names.remote(), timeout=T))
-    flush(fabric)
+    flush(fabric)       # the directory purges the shards before it stops listing the node
     assert [m.node for m in client.lookup(tokens, NS)] == [other]
 
 

@@ -6,18 +6,19 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 import uuid
 
 import msgpack
 import pytest
 import torch
 
-from fabric import (ExportGrant, FetchOutcome, KVLayout, LeaseTable, NodeCache, PoolCapacity, PoolName,
+from fabric import (ExportGrant, FetchOutcome, KVLayout, LeaseTable, NodeCache, PoolCapacity, PoolName, Tier,
                     export_prefix, import_prefix)
 from tests.kvgen import prefix_kv
 from transport import NixlTransport
 from transport.faulty import Fault, FaultKind, FaultPlan, FaultyTransport
-from transport.fetch import TransportReader, register_device_pools
+from transport.fetch import TransportReader, probe, register_device_pools
 
 LAYOUT = KVLayout(layers=("full", "swa", "full"), kv_heads=2, head_dim=64, page_size=16, window=32)
 CAPS = {PoolName.FULL: PoolCapacity(64, 0), PoolName.SWA: PoolCapacity(32, 0)}
@@ -26,8 +27,9 @@ TOKENS = list(range(1000, 1000 + 8 * 16))      # 8 pages
 STARTUP_S = 90.0
 
 
-def source_main(conn, name: str) -> None:
+def source_main(conn, name: str, env: dict[str, str]) -> None:
     """The source node: a cache with the prefix, exporting under leases."""
+    os.environ.update(env)               # UCX reads its environment when the agent starts
     parent = os.getppid()
     cache = NodeCache(LAYOUT, CAPS, device="cpu")
     transport = NixlTransport(name)
@@ -54,11 +56,11 @@ def source_main(conn, name: str) -> None:
 
 
 class Source:
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         self.name = f"src-{uuid.uuid4().hex[:8]}"
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=source_main, args=(child, self.name), daemon=True)
+        self.proc = ctx.Process(target=source_main, args=(child, self.name, env or {}), daemon=True)
         self.proc.start()
         child.close()
         if not self.conn.poll(STARTUP_S):
@@ -95,8 +97,8 @@ def source():
     src.stop()
 
 
-def destination(source: Source, script=(), kill=None):
-    cache = NodeCache(LAYOUT, CAPS, device="cpu")
+def destination(source: Source, script=(), kill=None, clock=time.monotonic):
+    cache = NodeCache(LAYOUT, CAPS, device="cpu", clock=clock)
     nixl = NixlTransport(f"dst-{uuid.uuid4().hex[:8]}")
     plan = FaultPlan(script)
     transport = FaultyTransport(nixl, plan, kill_peer=kill)
@@ -110,7 +112,7 @@ def fetch(cache, transport, source, deadline_s=2.0):
     skip = cache.match(TOKENS, NS).matched
     grant = ExportGrant.from_wire(msgpack.unpackb(source.ask("export", keys, skip, 5.0)))
     outcome = import_prefix(cache, TOKENS, NS, grant, TransportReader(transport, source.name, deadline_s),
-                            quarantine_s=0.0)
+                            peer=source.name)
     if grant.lease_id:
         source.ask("release", grant.lease_id)
     return outcome
@@ -158,7 +160,10 @@ def test_each_fault_rolls_back_then_retry_succeeds(source, name):
         assert fetch(cache, transport, source, deadline_s=0.5) == expected
         assert plan.injected
         if expected != FetchOutcome.COMMITTED:
-            cache.release_quarantine()
+            if cache.quarantined:      # abandoned: refused until a later read from the peer completes
+                assert fetch(cache, transport, source) == FetchOutcome.PEER_QUARANTINED
+                assert probe(transport, source.name, *cache.quarantined_page(source.name), 5.0)
+                cache.release_quarantine(source.name)
             assert cache.snapshot() == before and not cache.quarantined
             cache.check()
             assert source.ask("state") == (0, 0)      # lease released, nothing pinned
@@ -182,5 +187,48 @@ def test_peer_killed_mid_fetch_leaves_destination_clean():
         assert cache.snapshot() == before
         cache.check()
     finally:
+        transport.close()
+        src.stop()
+
+
+def test_stopped_source_keeps_pages_quarantined_until_a_probe_after_it_resumes(monkeypatch):
+    """A hung peer may land an abandoned read's bytes whenever it resumes (seen over UCX
+    tcp): its pages stay quarantined however long it stays stopped, fetches from it are
+    refused meanwhile, and a probe read posted after it resumes releases them."""
+    monkeypatch.setenv("UCX_TLS", "tcp")         # shared memory would read a stopped peer's pages
+    src = Source(env={"UCX_TLS": "tcp"})
+    now = [0.0]
+    cache, transport, _ = destination(src, clock=lambda: now[0])
+    try:
+        transport.wait(transport.read(src.name, {"full": ([0], [0])}), 30.0)   # connection up
+        grant = ExportGrant.from_wire(msgpack.unpackb(src.ask("export", cache.keys(TOKENS, NS), 0, 60.0)))
+        before = cache.snapshot()
+        os.kill(src.proc.pid, signal.SIGSTOP)
+        outcome = import_prefix(cache, TOKENS, NS, grant, TransportReader(transport, src.name, 0.5), peer=src.name)
+        assert outcome == FetchOutcome.TRANSFER_FAILED
+        held = [q.pages for q in cache.quarantined]
+        assert held and cache.snapshot() == before
+        now[0] += 3600.0                            # far past any hold time: still quarantined
+        assert cache.release_quarantine() == 0 and [q.pages for q in cache.quarantined] == held
+        target = cache.quarantined_page(src.name)
+        assert not probe(transport, src.name, *target, 0.5)    # still stopped: no release
+        assert import_prefix(cache, TOKENS, NS, grant, TransportReader(transport, src.name, 0.5),
+                             peer=src.name) == FetchOutcome.PEER_QUARANTINED
+        quarantined = {(pool, i) for pages in held for (pool, _), idx in pages.items() for i in idx}
+        outside = {e.name: [i for i in range(e.device.capacity) if (e.name, i) not in quarantined]
+                   for e in cache.registry}
+        untouched = {p: cache.registry.pool(p, Tier.DEVICE).data[i].clone() for p, i in outside.items()}
+        os.kill(src.proc.pid, signal.SIGCONT)
+        assert probe(transport, src.name, *target, 30.0)       # posted after the abandoned reads
+        assert cache.release_quarantine(src.name) == sum(len(i) for p in held for i in p.values())
+        for pool, indices in outside.items():                   # late bytes landed only in quarantine
+            assert torch.equal(cache.registry.pool(pool, Tier.DEVICE).data[indices], untouched[pool])
+        assert cache.snapshot() == before and not cache.quarantined
+        src.ask("release", grant.lease_id)
+        assert fetch(cache, transport, src) == FetchOutcome.COMMITTED
+        assert_fetched(cache)
+        cache.check()
+    finally:
+        os.kill(src.proc.pid, signal.SIGCONT)
         transport.close()
         src.stop()

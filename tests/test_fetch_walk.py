@@ -130,7 +130,13 @@ class FetchWalk(RuleBasedStateMachine):
         t = self.seq(i, extra)
         grant = export_prefix(self.src, self.leases, self.dst.keys(t, NS), self.dst.match(t, NS).matched, 5.0)
         keys = set(self.dst.tree.by_key)
-        outcome = import_prefix(self.dst, t, NS, grant, self.reader(how), quarantine_s=1.0, peer="src")
+        refused = self.dst.quarantines("src")
+        outcome = import_prefix(self.dst, t, NS, grant, self.reader(how), peer="src")
+        if refused:      # an abandoned read from "src" may still write: no new read starts
+            assert outcome == FetchOutcome.PEER_QUARANTINED and set(self.dst.tree.by_key) == keys
+            how = "refused"
+        elif how == "abandoned" and outcome == FetchOutcome.TRANSFER_FAILED:
+            assert self.dst.quarantines("src")
         if grant.lease_id:
             assert self.leases.release(grant.lease_id)
         assert len(self.leases) == 0
@@ -139,7 +145,9 @@ class FetchWalk(RuleBasedStateMachine):
         # Outcomes decided before any read (BAD_GRANT: the source is shorter than what we
         # matched and sent no pages for the window we lack) are possible for every reader.
         early = (FetchOutcome.NOTHING_TO_FETCH, FetchOutcome.NO_ROOM, FetchOutcome.BAD_GRANT)
-        if how == "corrupt":
+        if how == "refused":
+            pass
+        elif how == "corrupt":
             assert outcome in (FetchOutcome.CHECKSUM_MISMATCH, *early)
         elif how != "ok":
             assert outcome in (FetchOutcome.TRANSFER_FAILED, *early)
@@ -172,10 +180,19 @@ class FetchWalk(RuleBasedStateMachine):
         if pool in self.dst.registry:
             self.dst.evict(pool, tier, n)
 
-    @rule()
-    def time_passes(self):
-        self.clock.now += 2.0
+    @rule(dt=st.floats(0.0, 1e6))
+    def time_passes(self, dt):
+        # No time releases quarantine: a stopped peer may resume after any delay.
+        held = [q.pages for q in self.dst.quarantined]
+        self.clock.now += dt
         self.dst.release_quarantine()
+        assert [q.pages for q in self.dst.quarantined] == held
+
+    @rule()
+    def peer_drained(self):
+        # "src" died, or a probe read posted after its abandoned ones completed.
+        self.dst.release_quarantine("src")
+        assert not self.dst.quarantines("src")
 
     @invariant()
     def whole(self):

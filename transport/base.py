@@ -32,7 +32,13 @@ class TransferError(Exception):
 
     They may even be written *later*: with UCX over tcp, bytes of a READ aborted while
     the peer was stopped landed once it resumed, after the abort and after a
-    disconnect. Keep such pages out of circulation until the peer is known dead."""
+    disconnect. Keep such pages out of circulation until the peer is known dead (its
+    process gone), or until a read from the same peer posted after it completes.
+
+    That second rule rests on an assumption, not a NIXL guarantee: UCX completes one
+    endpoint's transfers in the order they were posted (true of its tcp and rc
+    transports, which run one endpoint over one ordered connection). A transport
+    that breaks it must not use a later read to release earlier pages."""
 
 
 class TransferTimeout(TransferError):

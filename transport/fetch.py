@@ -6,7 +6,7 @@ import time
 
 from fabric import NodeCache, PoolName, ReadFailed, Tier
 
-from .base import PeerDisconnected, PeerNotConnected, Transport, TransferError
+from .base import PeerNotConnected, Transport, TransferError
 
 
 def pool_name(pool: PoolName) -> str:
@@ -40,10 +40,23 @@ class TransportReader:
         try:
             handle = self.transport.read(self.peer, {pool_name(pool): ([i for _, i in refs], pages)})
             self.transport.wait(handle, left)
-        except (PeerDisconnected, PeerNotConnected) as e:
-            raise ReadFailed(str(e)) from e           # a dead peer writes nothing more
+        except PeerNotConnected as e:
+            raise ReadFailed(str(e)) from e           # raised before anything was posted
         except TransferError as e:
-            # Abandoned, not known finished: NIXL may still land its bytes later.
+            # Abandoned, not known finished: NIXL may still land its bytes later. That
+            # includes PeerDisconnected: an endpoint error does not prove the peer's
+            # process gone (a stopped peer's bytes landed after a disconnect).
             raise ReadFailed(str(e), may_still_write=True) from e
         except ValueError as e:           # indices the peer's pools cannot hold: a bad grant
             raise ReadFailed(f"rejected read: {e}") from e
+
+
+def probe(transport: Transport, peer: str, pool: PoolName, page: int, deadline_s: float) -> bool:
+    """Read `peer`'s page 0 of `pool` into our device page `page` (a quarantined one:
+    poisoned already); True if it completed within the deadline. Posted after every
+    abandoned read from `peer`, so its completion means they drained (see base.py)."""
+    try:
+        transport.wait(transport.read(peer, {pool_name(pool): ([0], [page])}), deadline_s)
+        return True
+    except TransferError:
+        return False
