@@ -6,6 +6,7 @@ import ray
 from fabric import EventBatch, EventError, LoadTracker, PrefixIndex, RouteTable, Snapshot, decode_events
 from fabric.regions import entries_by_region
 from fabric.keys import KEY_BYTES
+from fabric.wire import is_int
 
 
 @ray.remote
@@ -50,7 +51,7 @@ class IndexShardActor:
         """Each node's usable match for the concatenated 16-byte page keys, best
         first; None: the caller's routes are stale. (One bytes object pickles
         much faster than a list of keys.)"""
-        if not _is_int(route_version) or not _is_int(depth):
+        if not is_int(route_version) or not is_int(depth):
             raise ValueError(f"route_version and depth must be ints, got {route_version!r}, {depth!r}")
         if route_version < self.route_version:
             return None
@@ -92,7 +93,3 @@ class IndexShardActor:
 
     def stats(self) -> dict:
         return {"shard": self.shard, "lookups": self.lookups, "rejected": self.rejected, **self.index.stats()}
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

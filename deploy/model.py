@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from fabric import CachedKV, KVLayout, LayerKind, LayoutError, PoolName
+from fabric.wire import is_int
 
 
 class ModelConfigError(ValueError):
@@ -34,10 +35,6 @@ class ModelConfigError(ValueError):
 
 
 _KINDS = tuple(k.value for k in LayerKind)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -60,7 +57,7 @@ class ModelConfig:
         for name in ("vocab", "d_model", "n_heads", "kv_heads", "head_dim", "ffn",
                      "page_size", "max_positions"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ModelConfigError(f"{name} must be a positive int, got {value!r}")
         if self.n_heads % self.kv_heads:
             raise ModelConfigError(f"n_heads {self.n_heads} must be a multiple of kv_heads {self.kv_heads}")
@@ -69,13 +66,13 @@ class ModelConfig:
         if not isinstance(self.layers, (tuple, list)) or not all(isinstance(k, str) and k in _KINDS for k in self.layers):
             raise ModelConfigError(f"layers must be a sequence of {_KINDS}, got {self.layers!r}")
         object.__setattr__(self, "layers", tuple(self.layers))      # hashable, like the default
-        if not _is_int(self.window) or self.window < 0:
+        if not is_int(self.window) or self.window < 0:
             raise ModelConfigError(f"window must be an int >= 0, got {self.window!r}")
         for name in ("rope_base", "eps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
                 raise ModelConfigError(f"{name} must be a finite number > 0, got {value!r}")
-        if not _is_int(self.seed) or not 0 <= self.seed < 1 << 64:
+        if not is_int(self.seed) or not 0 <= self.seed < 1 << 64:
             raise ModelConfigError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
         try:
             self.layout()    # the layout validates layer kinds and the window

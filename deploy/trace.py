@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from fabric.wire import is_int
+
 __all__ = [
     "BLOCK_TOKENS",
     "DEFAULT_TRACE",
@@ -56,11 +58,6 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
-def _is_int(value: object) -> bool:
-    # bool is a subclass of int; JSON true/false must not pass as 1/0.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _parse_line(obj: object, block_tokens: int) -> TraceRequest:
     """Validate one decoded line; raises ValueError with the reason (no location)."""
     if not isinstance(obj, dict):
@@ -74,7 +71,7 @@ def _parse_line(obj: object, block_tokens: int) -> TraceRequest:
 
     for name, minimum in (("timestamp", 0), ("input_length", 1), ("output_length", 0)):
         value = obj[name]
-        if not _is_int(value):
+        if not is_int(value):
             raise ValueError(f"{name} must be an integer, got {value!r}")
         if value < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
@@ -83,7 +80,7 @@ def _parse_line(obj: object, block_tokens: int) -> TraceRequest:
     if not isinstance(hash_ids, list):
         raise ValueError(f"hash_ids must be a list, got {type(hash_ids).__name__}")
     for i, h in enumerate(hash_ids):
-        if not _is_int(h):
+        if not is_int(h):
             raise ValueError(f"hash_ids[{i}] must be an integer, got {h!r}")
         if h < 0:
             raise ValueError(f"hash_ids[{i}] must be >= 0, got {h}")

@@ -23,7 +23,7 @@ from .node_cache import NodeCache
 from .paths import by_node, groups
 from .pages import page_checksums
 from .txn import ReservationFailed
-from .wire import unpack
+from .wire import is_int, unpack
 
 GRANT_VERSION = 1
 
@@ -114,10 +114,10 @@ def _parse_grant(msg: object) -> ExportGrant:
     if not isinstance(msg, dict) or msg.keys() != _GRANT_FIELDS:
         got = sorted(map(repr, msg)) if isinstance(msg, dict) else type(msg).__name__
         raise ValueError(f"fields must be {sorted(_GRANT_FIELDS)}; got {got}")
-    if not _is_int(msg["v"]) or msg["v"] != GRANT_VERSION:
+    if not is_int(msg["v"]) or msg["v"] != GRANT_VERSION:
         raise ValueError(f"version {msg['v']!r}, expected {GRANT_VERSION}")
     lease, pages, keys = msg["lease"], msg["pages"], msg["keys"]
-    if not _is_int(lease) or lease < 0 or not _is_int(pages) or pages < 0:
+    if not is_int(lease) or lease < 0 or not is_int(pages) or pages < 0:
         raise ValueError("lease and pages must be ints >= 0")
     if not isinstance(msg["fp"], bytes) or len(msg["fp"]) != KEY_BYTES:
         raise ValueError(f"fingerprint must be {KEY_BYTES} bytes")
@@ -131,21 +131,17 @@ def _parse_grant(msg: object) -> ExportGrant:
         if not isinstance(entry, list) or len(entry) != 5:
             raise ValueError("a pool entry is [pool, first, tiers, indices, checksums]")
         name, first, tiers, indices, sums = entry
-        pool = PoolName(name) if _is_int(name) and name in _POOL_NAMES else None
+        pool = PoolName(name) if is_int(name) and name in _POOL_NAMES else None
         if pool is None or pool in pools:
             raise ValueError(f"pool {name!r} is unknown or listed twice")
         lists = (tiers, indices, sums)
-        if not _is_int(first) or first < 0 or not all(isinstance(x, list) for x in lists) \
+        if not is_int(first) or first < 0 or not all(isinstance(x, list) for x in lists) \
                 or not len(tiers) == len(indices) == len(sums) or first + len(indices) > pages \
-                or not all(t in (0, 1) and _is_int(t) for t in tiers) \
-                or not all(_is_int(i) and i >= 0 for i in indices) or not all(_is_int(s) for s in sums):
+                or not all(t in (0, 1) and is_int(t) for t in tiers) \
+                or not all(is_int(i) and i >= 0 for i in indices) or not all(is_int(s) for s in sums):
             raise ValueError(f"pool {pool.name}: malformed page list")
         pools[pool] = PoolPages(first, tuple(tiers), tuple(indices), tuple(sums))
     return ExportGrant(lease, msg["fp"], pages, tuple(keys), pools)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 # --- source side ---------------------------------------------------------------------

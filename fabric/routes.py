@@ -19,7 +19,7 @@ from typing import Sequence
 import msgpack
 
 from .keys import KEY_BYTES
-from .wire import unpack
+from .wire import is_int, unpack
 
 ROUTES_VERSION = 1
 MAX_SHARDS = 1024       # a spread route lists every shard per key: bound what a table may ask for
@@ -42,9 +42,9 @@ class Route:
 
 class RouteTable:
     def __init__(self, shards: int, routes: Sequence[Route] = (), version: int = 0) -> None:
-        if not _is_int(shards) or not 1 <= shards <= MAX_SHARDS:
+        if not is_int(shards) or not 1 <= shards <= MAX_SHARDS:
             raise RouteError(f"shards must be an int in [1, {MAX_SHARDS}], got {shards!r}")
-        if not _is_int(version) or version < 0:
+        if not is_int(version) or version < 0:
             raise RouteError(f"version must be an int >= 0, got {version!r}")
         self.shards, self.version = shards, version
         self._routes: dict[bytes, Route] = {}
@@ -54,7 +54,7 @@ class RouteTable:
             self._add(r)
 
     def _add(self, route: Route) -> None:
-        if not _is_int(route.shard) or not 0 <= route.shard < self.shards or not route.path:
+        if not is_int(route.shard) or not 0 <= route.shard < self.shards or not route.path:
             raise RouteError(f"route to shard {route.shard} of {self.shards} with {len(route.path)} pages")
         if route.key in self._routes:
             raise RouteError("two routes for one subtree")
@@ -134,7 +134,7 @@ class RouteTable:
         if not isinstance(msg, list) or len(msg) != 4:
             raise RouteError("a route table is [format version, version, shards, routes]")
         v, version, shards, routes = msg
-        if not _is_int(v) or v != ROUTES_VERSION or not _is_int(version) or version < 0:
+        if not is_int(v) or v != ROUTES_VERSION or not is_int(version) or version < 0:
             raise RouteError(f"route table version {v!r}/{version!r} not understood")
         if not isinstance(routes, list):
             raise RouteError("routes must be a list")
@@ -142,11 +142,7 @@ class RouteTable:
         for r in routes:
             if not (isinstance(r, list) and len(r) == 3 and isinstance(r[0], list)
                     and all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in r[0])
-                    and _is_int(r[1]) and isinstance(r[2], bool)):
+                    and is_int(r[1]) and isinstance(r[2], bool)):
                 raise RouteError(f"a route is [[{KEY_BYTES}-byte keys...], shard, spread]")
             parsed.append(Route(tuple(r[0]), r[1], r[2]))
         return cls(shards, parsed, version)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

@@ -1,4 +1,5 @@
-"""Decoding msgpack from outside: any failure becomes the caller's own error type."""
+"""Checking input from outside: msgpack decoding whose failures become the caller's own
+error type, and the type tests every decoder shares."""
 from __future__ import annotations
 
 import msgpack
@@ -12,3 +13,8 @@ def unpack(data: bytes, error: type[Exception], what: str) -> object:
     except (msgpack.UnpackException, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
             ValueError, TypeError) as e:
         raise error(f"not a msgpack {what}: {e}") from None
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool: JSON and msgpack true/false must not pass as 1/0."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,6 +1,5 @@
 import json
 import math
-import time
 
 import pytest
 from hypothesis import given, strategies as st
@@ -28,14 +27,11 @@ def test_limit_reads_a_prefix():
         load_trace(limit=-1)
 
 
-def test_first_3000_requests_expand_quickly():
+def test_first_3000_requests_expand_to_their_lengths():
     reqs = load_trace(limit=3000)
     trace._block_caches.clear()
-    start = time.perf_counter()
     seqs = [request_tokens(r) for r in reqs]
-    elapsed = time.perf_counter() - start
     assert sum(map(len, seqs)) == sum(-(-r.input_length * 32 // 512) for r in reqs)
-    assert elapsed < 2.0  # about 0.4 s on one core; generous for loaded CI machines
     trace._block_caches.clear()
     assert [request_tokens(r) for r in reqs[:50]] == seqs[:50]  # deterministic, not cache state
 
