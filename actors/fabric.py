@@ -120,6 +120,11 @@ class FabricClient:
         except (RayError, asyncio.TimeoutError, ValueError):
             return []
 
+    def start_lookup(self, tokens: Sequence[int], namespace: str) -> "PendingLookup":
+        """`lookup` for a loop that must not wait (an engine's scheduler): poll the
+        answer at each step."""
+        return PendingLookup(self._lookup_steps(tokens, namespace))
+
     def _lookup_steps(self, tokens: Sequence[int], namespace: str) -> Generator[_Call, object, list[NodeMatch]]:
         """The lookup, as the calls it waits on (each answer is sent back in): `lookup`
         and `lookup_async` only differ in how they wait. A stale route table is
@@ -165,6 +170,37 @@ class FabricClient:
         if handle is None:
             handle = self._shards[i] = ray.get_actor(shard_name(i), namespace=NAMESPACE)
         return handle
+
+
+class PendingLookup:
+    """A lookup in flight. `poll` never waits: None until the index has answered,
+    then the matches. A failed call raises (the caller takes it as a miss); the
+    caller bounds the whole by its own deadline."""
+
+    def __init__(self, steps: Generator[_Call, object, list[NodeMatch]]) -> None:
+        self._steps = steps
+        self._found: list[NodeMatch] | None = None
+        self._call: _Call | None = None
+        try:
+            self._call = next(steps)
+        except StopIteration as done:
+            self._found = done.value
+
+    @property
+    def pending(self) -> "ray.ObjectRef | None":
+        """The call it waits on now (None once answered)."""
+        return None if self._found is not None or self._call is None else self._call.ref
+
+    def poll(self) -> list[NodeMatch] | None:
+        while self._found is None:
+            ready, _ = ray.wait([self._call.ref], timeout=0)
+            if not ready:
+                return None
+            try:
+                self._call = self._steps.send(ray.get(self._call.ref, timeout=0))
+            except StopIteration as done:
+                self._found = done.value
+        return self._found
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
-"""vLLM (CPU backend) with the FabricConnector, for real: one Ray cluster, one node
-actor, one engine for the module (an engine starts in 25-90 s here).
+"""vLLM (CPU backend) with the FabricConnector, for real: one Ray cluster of two nodes
+with the fabric on it (a node actor on each, the index, the directory), one engine for
+the module (an engine starts in 25-90 s here), that of the head node's actor. The other
+node is the remote one: a prefix only it holds is fetched over NIXL for the engine.
 
 The engine's own KV cache is sized below the workload (3k tokens), so filler prompts
 evict a conversation from it and the next turn is served from the node's host tier.
@@ -22,24 +24,39 @@ vllm = pytest.importorskip("vllm")
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from actors import FabricClient, start, stop  # noqa: E402
+from actors.chaos_hooks import ChaosAction  # noqa: E402
+from actors.directory import NAMESPACE as FABRIC_NS, node_actor_name  # noqa: E402
 from actors.node_actor import NodeCacheActor, NodeConfig  # noqa: E402
 from deploy.vllm.connector import kv_transfer_config  # noqa: E402
 from deploy.vllm.model import ensure_tiny_model  # noqa: E402
 from deploy.vllm.plan import layout_for_model  # noqa: E402
-from fabric import PoolCapacity, PoolName  # noqa: E402
+from fabric import NodeMatch, PoolCapacity, PoolName  # noqa: E402
+from transport import Fault, FaultKind  # noqa: E402
 
 NAMESPACE = "kvf-vllm-test"
-NODE = "vllm-node-0"
+TENANT = "default"           # the fabric namespace of requests without a cache_salt
 BLOCK = 32
 PROMPT_CHARS = 1200          # one token per byte: 1,200 tokens, longer than the 256-token window
 MAX_TOKENS = 12
 CALL_TIMEOUT_S = 120
 
 
+def eventually(check, what: str, deadline_s: float = CALL_TIMEOUT_S, every_s: float = 0.2):
+    """Poll `check` at a pace until it returns something truthy; that value."""
+    end = time.monotonic() + deadline_s
+    while not (value := check()):
+        assert time.monotonic() < end, f"not reached in {deadline_s} s: {what}"
+        time.sleep(every_s)
+    return value
+
+
 class Engine:
-    def __init__(self, llm, node, fault_file: str) -> None:
+    def __init__(self, llm, fabric, here: str, there: str, fault_file: str) -> None:
         self.llm = llm
-        self.node = node
+        self.fabric = fabric
+        self.here, self.there = here, there      # the engine's node actor, the remote one
+        self.node, self.peer = fabric.nodes[here], fabric.nodes[there]
         self.fault_file = fault_file
         self.rng = random.Random(1234)
 
@@ -65,6 +82,45 @@ class Engine:
         return int(sum(m.value for m in self.llm.get_metrics()
                        if m.name == "vllm:external_prefix_cache_hits"))
 
+    def remote_hits(self) -> int:
+        """Tokens the connector loaded after fetching them from another node (vLLM's
+        cached-tokens-by-source counter, source p2p)."""
+        return int(sum(m.value for m in self.llm.get_metrics()
+                       if m.name == "vllm:prompt_tokens_cached_by_source" and m.labels.get("source") == "p2p"))
+
+    def pages(self, node, ids: list[int]) -> int:
+        return ray.get(node.match.remote(ids, TENANT), timeout=CALL_TIMEOUT_S)
+
+    def move_to_peer(self, prompt: str) -> int:
+        """Leave the prompt's KV on the other node only: computed by this engine (and
+        saved to its node), fetched into the peer, then dropped from this node and from
+        vLLM's own cache. Returns the pages the peer holds."""
+        ids = self.llm.get_tokenizer().encode(prompt)
+        want = (len(ids) - 1) // BLOCK
+        self.generate(prompt)
+        have = eventually(lambda: (n := self.pages(self.node, ids)) >= want and n, "the prompt saved here")
+        client = FabricClient.connect(timeout_s=CALL_TIMEOUT_S)
+        assert client.fetch(ids, TENANT, into=self.there, source=NodeMatch(self.here, have, True)) >= want
+        self.evict()
+        ray.get(self.node.inject.remote(ChaosAction(evict_after_get=True)), timeout=CALL_TIMEOUT_S)
+        ray.get(self.node.get.remote(ids, TENANT), timeout=CALL_TIMEOUT_S)      # then evicts all it can
+        assert self.pages(self.node, ids) == 0
+        ray.get([self.node.flush.remote(), self.peer.flush.remote()], timeout=CALL_TIMEOUT_S)
+        found = eventually(lambda: [(m.node, m.pages) for m in client.lookup(ids, TENANT)] == [(self.there, have)],
+                           "the index to say only the peer holds it")
+        assert found
+        return have
+
+    def quiet(self) -> None:
+        """No fault armed and no quarantined page left on this node (a hung or dead
+        peer's read quarantines pages until a probe read from it completes)."""
+        ray.get(self.node.calm.remote(), timeout=CALL_TIMEOUT_S)
+
+        def released() -> bool:
+            ray.get(self.node.probe_quarantine.remote(), timeout=CALL_TIMEOUT_S)
+            return ray.get(self.node.stats.remote(), timeout=CALL_TIMEOUT_S)["quarantined"] == 0
+        eventually(released, "the quarantine released")
+
     def node_host_hits(self) -> int:
         return ray.get(self.node.cache_stats.remote(), timeout=CALL_TIMEOUT_S).hit_pages_host
 
@@ -82,31 +138,40 @@ def engine(tmp_path_factory):
     os.environ["HF_HUB_OFFLINE"] = "1"
     started = time.monotonic()
     path = ensure_tiny_model()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    # On a loaded machine a raylet may wait past Ray's default for its agents to start
+    # (and abort): give them longer.
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)          # the remote node
     ray.init(address=cluster.address, namespace=NAMESPACE)
-    llm = None
+    cluster.wait_for_nodes()
+    llm = fab = None
     try:
         layout = layout_for_model(path, BLOCK)
         # The node's device tier holds about one prompt: the others move to its host
-        # tier (write-back) and are loaded back from there.
+        # tier (write-back) and are loaded back from there. chaos: transport faults
+        # can be armed on a node's next read from its peer.
         caps = {PoolName.FULL: PoolCapacity(device=48, host=2048),
                 PoolName.SWA: PoolCapacity(device=16, host=512)}
-        node = NodeCacheActor.options(name=NODE, namespace=NAMESPACE, num_cpus=0).remote(
-            NODE, NodeConfig(layout, caps, device="cpu"))
-        assert ray.get(node.ping.remote(), timeout=CALL_TIMEOUT_S) == NODE
+        fab = start(NodeConfig(layout, caps, device="cpu", chaos=True), shards=1, cpus_per_actor=0.25,
+                    timeout_s=CALL_TIMEOUT_S, watch_s=1.0)
+        here = node_actor_name(ray.get_runtime_context().get_node_id())
+        (there,) = set(fab.nodes) - {here}
         fault_file = str(tmp_path_factory.mktemp("faults") / "faults.json")
         from vllm import LLM
         llm = LLM(model=str(path), enforce_eager=True, dtype="float32", seed=0, max_model_len=2048,
                   block_size=BLOCK, kv_cache_memory_bytes=12 << 20, disable_log_stats=False,
-                  kv_transfer_config=kv_transfer_config(NODE, cluster.address, ray_namespace=NAMESPACE,
+                  kv_transfer_config=kv_transfer_config(here, cluster.address, ray_namespace=FABRIC_NS,
                                                         fault_file=fault_file))
-        print(f"\ncluster, node and engine up in {time.monotonic() - started:.1f} s")
-        yield Engine(llm, node, fault_file)
+        print(f"\ncluster, fabric and engine up in {time.monotonic() - started:.1f} s")
+        yield Engine(llm, fab, here, there, fault_file)
     finally:
         engine_id = None
         if llm is not None:
             engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
             llm.llm_engine.engine_core.shutdown()
+        if fab is not None:
+            stop(fab)
         ray.shutdown()
         cluster.shutdown()
         for f in glob.glob(f"/dev/shm/kvf-vllm-{engine_id}-*") if engine_id else []:
@@ -199,7 +264,44 @@ def test_a_node_with_another_layout_is_not_used(engine):
         assert ray.get(actor.ping.remote(), timeout=CALL_TIMEOUT_S) == name
         link = NodeLink(FabricSettings(node_actor=name, ray_namespace=NAMESPACE, timeout_s=CALL_TIMEOUT_S), layout)
         assert not link.ready() and "layout" in link.disabled
-        same = NodeLink(FabricSettings(node_actor=NODE, ray_namespace=NAMESPACE, timeout_s=CALL_TIMEOUT_S), layout)
+        same = NodeLink(FabricSettings(node_actor=engine.here, ray_namespace=FABRIC_NS, timeout_s=CALL_TIMEOUT_S),
+                        layout)
         assert same.ready()
     finally:
         ray.kill(actor)
+
+
+def test_remote_hit_from_another_node_equals_uncached(engine):
+    """A prompt only the other node holds is fetched from it (NIXL, the node's fetch
+    transaction) while the engine keeps stepping, then loaded: output equal to the
+    uncached run, and the loaded tokens count as remote (p2p) hits."""
+    prompt = engine.text()
+    want = engine.reference(prompt)
+    engine.move_to_peer(prompt)
+    before, remote_before = engine.external_hits(), engine.remote_hits()
+    fetched_before = ray.get(engine.node.stats.remote(), timeout=CALL_TIMEOUT_S)["fetches"].get("committed", 0)
+    got, _ = engine.generate(prompt)
+    assert got == want
+    assert ray.get(engine.node.stats.remote(), timeout=CALL_TIMEOUT_S)["fetches"].get("committed", 0) == fetched_before + 1
+    loaded = engine.external_hits() - before
+    assert engine.remote_hits() - remote_before == loaded >= (PROMPT_CHARS - 1) // BLOCK * BLOCK - BLOCK
+
+
+@pytest.mark.parametrize("kind", list(FaultKind))
+def test_transport_fault_on_a_remote_fetch_becomes_recomputation(engine, kind):
+    """The engine's node fails its read from the peer (each fault kind; a delay past the
+    fetch deadline): the fetch rolls back whole, the request computes, output equal."""
+    prompt = engine.text()
+    want = engine.reference(prompt)
+    engine.move_to_peer(prompt)
+    engine.quiet()
+    fired, remote_before = ray.get(engine.node.fired.remote(), timeout=CALL_TIMEOUT_S), engine.remote_hits()
+    fault = Fault(kind, after=1, delay_s=30.0)        # DELAY: far past the node's fetch deadline
+    ray.get(engine.node.inject.remote(ChaosAction(transport=fault)), timeout=CALL_TIMEOUT_S)
+    try:
+        assert engine.generate(prompt)[0] == want
+        assert ray.get(engine.node.fired.remote(), timeout=CALL_TIMEOUT_S) == fired + 1, "the fault never acted"
+        assert engine.remote_hits() == remote_before
+    finally:
+        engine.quiet()
+    ray.get([engine.node.check.remote(), engine.peer.check.remote()], timeout=CALL_TIMEOUT_S)

@@ -45,13 +45,22 @@ class LocalNode:
                                device="cpu")
         self.shared = SharedPages(spec, LAYOUT)
         self.disabled = ""
+        self.name = "local"
 
     def ready(self) -> bool:
         return True
 
-    def call(self, method: str, spec, *args):
+    def index_ready(self) -> bool:
+        return False          # no fabric index: hits come from this node only
+
+    def attach(self, sched: SchedulerSide) -> None:
+        sched.node = sched.remote.link = self
+
+    def call(self, method: str, *args):
+        if method == "match":                   # (tokens, namespace)
+            return self.cache.match(*args).pages
         fn = {"load_staged": load_to_staging, "save_staged": save_from_staging}[method]
-        return fn(self.cache, self.shared, *args)
+        return fn(self.cache, self.shared, *args[1:])     # args[0]: the staging spec
 
     def submit(self, method: str, *args) -> "Answer":
         """A call that has answered by the time anyone asks."""
@@ -103,6 +112,7 @@ class Rig:
 
     def step(self):
         meta = self.sched.build_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                                                     total_num_scheduled_tokens=0,
                                                      scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
         self.worker.start_load(meta)
         self.worker.save(meta)
@@ -125,7 +135,7 @@ def rig(tmp_path):
     settings_ = FabricSettings(node_actor="local", fault_file=fault_file)
     sched = SchedulerSide(PLAN, settings_, spec)
     node = LocalNode(spec)
-    sched.node = node
+    node.attach(sched)
     worker = WorkerSide(PLAN, settings_, spec)
     g = torch.Generator().manual_seed(0)
     kv = {n: torch.randn(NB, H, PS, 2 * D, generator=g) for n in NAMES}
@@ -194,7 +204,7 @@ def test_any_failure_becomes_recomputation(tmp_path_factory, point, exception):
     node = LocalNode(spec)
     try:
         sched, worker = SchedulerSide(PLAN, settings_, spec), WorkerSide(PLAN, settings_, spec)
-        sched.node = node
+        node.attach(sched)
         worker.register({n: torch.randn(NB, H, PS, 2 * D) for n in NAMES})
         rig = Rig(sched, worker, worker.views, settings_.fault_file, node)
         if point.endswith("save"):

@@ -92,10 +92,14 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
 
     # --- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        # None: another node's prefix is still being fetched; vLLM asks again next step.
         return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self.scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        return self.scheduler.hit_sources_of(request, num_external_tokens)
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)

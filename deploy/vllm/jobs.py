@@ -64,7 +64,9 @@ class FabricSettings:
     ray_namespace: str = "kvfabric"
     node_actor: str = ""           # the NodeCacheActor of this engine's node
     staging_pages: int = 512       # per pool
-    timeout_s: float = 5.0         # every call to the node actor
+    timeout_s: float = 5.0         # every call to the node actor, and an index lookup
+    remote: bool = True            # fetch longer prefixes from other nodes (needs the fabric's index)
+    fetch_timeout_s: float = 10.0  # a fetch from another node, before the request computes instead
     fault_file: str = ""           # tests: a JSON file of injected faults, read at each step
 
     @classmethod

@@ -1,12 +1,16 @@
-"""The scheduler side's handle on its node's NodeCacheActor: every call bounded."""
+"""The scheduler side's handle on its node's NodeCacheActor and on the fabric's index:
+every call bounded, or started without waiting and polled."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from fabric import KVLayout
 
 from .jobs import FabricSettings
+
+if TYPE_CHECKING:
+    from actors.fabric import PendingLookup
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +25,10 @@ class NodeLink:
         self.layout = layout
         self.actor = None
         self.disabled = "" if settings.node_actor else "no node_actor configured"
+        self.name = settings.node_actor
+        self.index = None            # the fabric's client for index lookups, at first use
+        self.index_off = "" if settings.remote else "remote hits not asked for"
+        self._peers: dict[str, Any] = {}
 
     def ready(self) -> bool:
         if self.actor is not None:
@@ -68,3 +76,46 @@ class NodeLink:
         import ray
 
         return ray.get(call, timeout=0)
+
+    # --- other nodes, through the fabric's global index -------------------------------------
+    def index_ready(self) -> bool:
+        """Whether remote hits are on: the fabric's directory answers, for this layout."""
+        if self.index is not None:
+            return True
+        if self.index_off or not self.ready():
+            return False
+        try:
+            self._connect_index()
+        except Exception as e:       # no fabric index: hits come from this node only
+            self.index_off = f"no fabric index: {e!r}"
+        if self.index_off:
+            log.warning("FabricConnector: remote hits off: %s", self.index_off)
+        return self.index is not None
+
+    def _connect_index(self) -> None:
+        from actors.fabric import FabricClient
+
+        client = FabricClient.connect(timeout_s=self.settings.timeout_s)
+        if client.layout.fingerprint != self.layout.fingerprint:
+            self.index_off = f"the fabric's index is for layout {client.layout.to_dict()}"
+            return
+        self.index = client
+
+    def start_lookup(self, tokens: Sequence[int], namespace: str) -> PendingLookup:
+        return self.index.start_lookup(tokens, namespace)
+
+    def start_fetch(self, peer: str, tokens: Sequence[int], namespace: str) -> Any:
+        """Start this node's fetch of `peer`'s longer prefix of `tokens` (the node's
+        transaction: it commits whole or not at all); answers a FetchOutcome value."""
+        import ray
+        from actors.directory import NAMESPACE
+
+        handle = self._peers.get(peer)
+        if handle is None:
+            handle = self._peers[peer] = ray.get_actor(peer, namespace=NAMESPACE)
+        return self.actor.fetch.remote(handle, peer, list(tokens), namespace)
+
+    def wait_any(self, calls: list, timeout_s: float) -> None:
+        import ray
+
+        ray.wait(calls, num_returns=1, timeout=timeout_s)

@@ -6,6 +6,9 @@ the usable cached prefix beyond vLLM's own hit and has it copied into staging sl
 the request waits in WAITING_FOR_REMOTE_KVS, and a failed copy is reported as a
 failed receive, which vLLM recomputes). When a request finishes, its whole pages are
 copied by the worker into staging, and the node actor stores them.
+
+Before that load, a prefix another node holds longer is first fetched into the node
+(remote_fetch.py): the request waits unscheduled meanwhile, the engine keeps stepping.
 """
 from __future__ import annotations
 
@@ -13,12 +16,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
 from fabric import OutOfPages, PageAllocator, PoolName
 from transport.staging import StagedHit, StagingSpec
 
 from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove, maybe_fail
 from .node_link import NodeLink
 from .plan import EnginePlan
+from .remote_fetch import RemoteFetches, RemoteStats
 
 log = logging.getLogger(__name__)
 NULL_BLOCK = 0          # vLLM's null block (SWA blocks outside the window point at it)
@@ -30,12 +36,14 @@ QUARANTINE_S = 60.0
 class ConnectorStats:
     lookups: int = 0
     loaded_tokens: int = 0
-    host_loaded_tokens: int = 0
+    host_loaded_tokens: int = 0        # loaded back from the node's host tier
+    remote_loaded_tokens: int = 0      # fetched from another node for the request
     load_failures: int = 0
     saved_requests: int = 0
     stored_pages: int = 0
     save_failures: int = 0
     node_errors: int = 0
+    remote: RemoteStats = field(default_factory=RemoteStats)
 
 
 @dataclass
@@ -73,9 +81,13 @@ class SchedulerSide:
         self.quarantined: list[tuple[float, dict[PoolName, list[int]]]] = []
         self.meta = FabricMeta()
         self.stats = ConnectorStats()
+        self.remote = RemoteFetches(self.node, settings, self.stats.remote)
+        self.hit_sources: dict[str, dict[CacheHitSource, int]] = {}   # the last load's, per request
 
     # --- admission -------------------------------------------------------------------
-    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(tokens the fabric will load, True), (0, False) for none, or (None, False)
+        while another node's prefix is being fetched (vLLM asks again next step)."""
         rid = request.request_id
         self._drop_plan(rid)        # vLLM may ask again: the newest answer counts
         if rid in self.no_load or not self.node.ready():
@@ -86,6 +98,8 @@ class SchedulerSide:
         need = len(tokens) // ps - skip
         if need <= 0:
             return 0, False
+        if not self.remote.ready(rid, tokens, _namespace(request), skip):
+            return None, False
         self.stats.lookups += 1
         want = {p: need if p == PoolName.FULL else min(need, self.window_pages) for p in self.plan.layout.pools}
         slots = self._alloc(want)
@@ -131,14 +145,27 @@ class SchedulerSide:
             job.doomed = job.doomed or "vLLM admitted a different number of tokens than offered"
         self.loading[rid] = load.slots
         self.meta.loads.append(job)
+        ps = self.plan.page_size
+        remote = min(self.remote.fetched_pages(rid, hit.pages, hit.first_page) * ps, num_external_tokens)
+        host = min(hit.host_pages * ps, num_external_tokens - remote)
         self.stats.loaded_tokens += num_external_tokens
-        self.stats.host_loaded_tokens += min(hit.host_pages, hit.pages - hit.first_page) * self.plan.page_size
+        self.stats.remote_loaded_tokens += remote
+        self.stats.host_loaded_tokens += host
+        # vLLM's metrics split cached tokens by source: fetched ones as P2P, the rest HOST.
+        self.hit_sources[rid] = {s: n for s, n in ((CacheHitSource.P2P, remote),
+                                                   (CacheHitSource.HOST, num_external_tokens - remote)) if n}
 
     # --- each step ---------------------------------------------------------------------
     def on_new_request(self, request) -> None:
         self.prompts[request.request_id] = (list(request.prompt_token_ids or []), _namespace(request))
 
+    def hit_sources_of(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        sources = self.hit_sources.pop(request.request_id, {})
+        return sources if sum(sources.values()) == num_external_tokens else \
+            ({CacheHitSource.HOST: num_external_tokens} if num_external_tokens else {})
+
     def build_meta(self, scheduler_output) -> FabricMeta:
+        self.remote.wait_if_idle(scheduler_output.total_num_scheduled_tokens)
         self._collect_stores()
         self._save_finished_prompts(scheduler_output)
         meta, self.meta = self.meta, FabricMeta()
@@ -235,6 +262,8 @@ class SchedulerSide:
         self._drop_plan(rid)
         self.no_load.discard(rid)
         self.prompts.pop(rid, None)
+        self.remote.forget(rid)
+        self.hit_sources.pop(rid, None)
         has = self.fabric_has.pop(rid, 0)
         if not self.node.ready():
             return False, None
