@@ -37,10 +37,12 @@ CALL_TIMEOUT_S = 120
 
 
 class Engine:
-    def __init__(self, llm, node, fault_file: str) -> None:
+    def __init__(self, llm, node, fault_file: str, layout=None, events: str = "") -> None:
         self.llm = llm
         self.node = node
         self.fault_file = fault_file
+        self.layout = layout
+        self.events = events          # the engine's KV-event endpoint (its replay endpoint: + "-replay")
         self.rng = random.Random(1234)
 
     def text(self, n: int = PROMPT_CHARS) -> str:
@@ -96,12 +98,16 @@ def engine(tmp_path_factory):
         assert ray.get(node.ping.remote(), timeout=CALL_TIMEOUT_S) == NODE
         fault_file = str(tmp_path_factory.mktemp("faults") / "faults.json")
         from vllm import LLM
+        from vllm.config import KVEventsConfig
+        events = f"ipc:///tmp/kvf-events-{uuid.uuid4().hex[:12]}"
         llm = LLM(model=str(path), enforce_eager=True, dtype="float32", seed=0, max_model_len=2048,
                   block_size=BLOCK, kv_cache_memory_bytes=12 << 20, disable_log_stats=False,
                   kv_transfer_config=kv_transfer_config(NODE, cluster.address, ray_namespace=NAMESPACE,
-                                                        fault_file=fault_file))
+                                                        fault_file=fault_file),
+                  kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events,
+                                                  replay_endpoint=events + "-replay"))
         print(f"\ncluster, node and engine up in {time.monotonic() - started:.1f} s")
-        yield Engine(llm, node, fault_file)
+        yield Engine(llm, node, fault_file, layout, events)
     finally:
         engine_id = None
         if llm is not None:
@@ -203,3 +209,63 @@ def test_a_node_with_another_layout_is_not_used(engine):
         assert same.ready()
     finally:
         ray.kill(actor)
+
+
+def test_kv_events_name_the_engine_in_the_index_until_it_evicts(engine):
+    """The engine's own device cache, fed to the fabric's index by its KV events: after a
+    request the index names the engine for the prompt's pages (that tenant's only), and
+    after the engine evicts them, or clears its cache, it no longer does."""
+    from vllm import SamplingParams
+
+    from actors import FabricClient
+    from actors.directory import DIRECTORY, FabricDirectory, shard_name
+    from actors.directory import NAMESPACE as FABRIC_NAMESPACE
+    from actors.index_shard import IndexShardActor
+    from deploy.vllm.engine_identity import engine_index_node
+    from deploy.vllm.engine_pages import group_pools_of
+    from deploy.vllm.index_sink import start_engine_feed
+
+    layout = engine.layout
+    opts = dict(namespace=FABRIC_NAMESPACE, num_cpus=0)
+    directory = FabricDirectory.options(name=DIRECTORY, max_concurrency=8, **opts).remote(
+        NodeConfig(layout, {}, device="cpu"), 1)
+    shard = IndexShardActor.options(name=shard_name(0), **opts).remote(0, 1, layout.window_pages, True,
+                                                                       layout.fingerprint)
+    ray.get(shard.noop.remote(), timeout=CALL_TIMEOUT_S)
+    pools = group_pools_of(engine.llm.llm_engine.engine_core.call_utility("get_kv_cache_group_metadata"))
+    feed = start_engine_feed(directory, NODE, "0", layout, pools, engine.events, engine.events + "-replay")
+    me = engine_index_node(NODE, "0")
+    try:
+        client = FabricClient(directory, timeout_s=CALL_TIMEOUT_S)
+
+        def engine_pages(tokens: list[int], salt: str) -> int:
+            return max((m.pages for m in client.lookup(tokens, salt) if m.node == me), default=0)
+
+        def wait_until(cond, what: str) -> None:
+            deadline = time.monotonic() + CALL_TIMEOUT_S
+            while not cond():
+                assert time.monotonic() < deadline, f"timed out waiting until {what} ({feed.stats}, " \
+                                                    f"{feed.pages.stats})"
+                time.sleep(0.1)
+
+        def prompt_tokens(salt: str) -> list[int]:
+            out = engine.llm.generate([{"prompt": engine.text(), "cache_salt": salt}],
+                                      SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+            return list(out.prompt_token_ids)
+
+        salt = f"events-{uuid.uuid4().hex}"
+        tokens = prompt_tokens(salt)
+        wait_until(lambda: engine_pages(tokens, salt) > 0, "the index names the engine")
+        assert engine_pages(tokens, f"other-{salt}") == 0         # another tenant's identical prompt
+        engine.evict()
+        wait_until(lambda: engine_pages(tokens, salt) == 0, "the evicted prompt is gone from the index")
+
+        tokens = prompt_tokens(salt)
+        wait_until(lambda: engine_pages(tokens, salt) > 0, "the index names the engine again")
+        assert engine.llm.reset_prefix_cache()
+        wait_until(lambda: engine_pages(tokens, salt) == 0, "a cleared cache is gone from the index")
+        assert feed.stats.bad_frames == 0 and feed.pages.stats.stored_blocks > 0
+    finally:
+        assert feed.stop()
+        for actor in (directory, shard):
+            ray.kill(actor)

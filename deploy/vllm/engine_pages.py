@@ -41,6 +41,18 @@ DEVICE_MEDIA = (None, "GPU")       # vLLM's own KV cache (the CPU backend's too)
 SPEC_KINDS = {PoolName.FULL: "full_attention", PoolName.SWA: "sliding_window"}
 
 
+def group_pools_of(metadata: list[dict]) -> tuple[PoolName, ...]:
+    """Each KV cache group's pool, from EngineCore's `get_kv_cache_group_metadata`
+    (vLLM's own events name a group by index only)."""
+    kinds = {v: k for k, v in SPEC_KINDS.items()}
+    pools = []
+    for i, m in enumerate(sorted(metadata, key=lambda m: m["group_idx"])):
+        if m["group_idx"] != i or m["kind"] not in kinds:
+            raise ValueError(f"KV cache group {m}: the fabric indexes full and sliding-window groups only")
+        pools.append(kinds[m["kind"]])
+    return tuple(pools)
+
+
 class Skip(Enum):
     MEDIUM = "medium"                 # an offload tier's event, not the device cache
     GROUP = "group"                   # no such group, or its kind disagrees with the engine's

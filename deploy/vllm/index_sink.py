@@ -13,10 +13,13 @@ import ray
 
 from actors.chaos_hooks import EventMangler
 from actors.directory import CALL_TIMEOUT_S, NAMESPACE, shard_name
+from actors.epochs import GcsEpochs
 from actors.index_link import IndexLink
-from fabric import RouteTable
+from fabric import KVLayout, PoolName, RouteTable
 
+from .engine_identity import engine_index_node
 from .engine_pages import EnginePages
+from .event_feed import EngineEventFeed
 
 
 class ShardSink:
@@ -46,3 +49,16 @@ class ShardSink:
 
     def _routes(self) -> RouteTable:
         return RouteTable.decode(ray.get(self.directory.get_routes.remote(), timeout=self.timeout_s))
+
+
+def start_engine_feed(directory, node_actor: str, slot: str, layout: KVLayout, group_pools: tuple[PoolName, ...],
+                      endpoint: str, replay_endpoint: str | None = None, **feed_args) -> EngineEventFeed:
+    """Feed the index from one engine's KV events, as `<node_actor>/engine/<slot>` under a
+    new epoch (engine_identity.py), from a process connected to the Ray cluster."""
+    identity = engine_index_node(node_actor, slot)
+    pages = EnginePages(identity, GcsEpochs().claim(identity), layout, group_pools)
+    sink = ShardSink(directory)
+    sink.attach(pages)
+    feed = EngineEventFeed(pages, sink, endpoint, replay_endpoint, **feed_args)
+    feed.start()
+    return feed
