@@ -56,9 +56,10 @@ class Engine:
         return events
 
     def expected(self) -> dict[bytes, PageState]:
-        out = {}
-        for h in {h for h, _ in self.held}:
-            groups = {g for hh, g in self.held if hh == h}
+        out, by_hash = {}, {}
+        for h, g in self.held:
+            by_hash.setdefault(h, set()).add(g)
+        for h, groups in by_hash.items():
             mask = (PageMask.FULL_DEVICE if 1 in groups else 0) | (PageMask.SWA_DEVICE if {0, 2} <= groups else 0)
             if not mask:
                 continue
