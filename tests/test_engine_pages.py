@@ -49,9 +49,11 @@ class Engine:
             lo = first if GROUPS[g] == PoolName.FULL else max(first, end - WINDOW_BLOCKS)
             for b in range(lo, end):
                 self.held.add((hashes[b], g))
+            # As vLLM writes them: a window group lists its in-window hashes only, with the
+            # parent and the tokens of the whole range.
             extra = [([salt] if salt and b == 0 else None) for b in range(lo, end)]
-            events.append(BlockStored(tuple(hashes[lo:end]), hashes[lo - 1] if lo else None,
-                                      tokens[lo * PS:end * PS], PS, "GPU", g, None, None, None, None,
+            events.append(BlockStored(tuple(hashes[lo:end]), hashes[first - 1] if first else None,
+                                      tokens[first * PS:end * PS], PS, "GPU", g, None, None, None, None,
                                       tuple(None if e is None else tuple(e) for e in extra)))
         return events
 

@@ -32,9 +32,10 @@ EXTRA = st.none() | st.lists(st.text(max_size=4) | st.binary(max_size=4)
 def stored(draw: st.DrawFn) -> Any:
     size = draw(st.integers(1, 4))
     hashes = draw(st.lists(HASH, min_size=1, max_size=3))
+    blocks = len(hashes) + draw(st.sampled_from([0, 0, 1, 2]))      # a window group skips blocks
     return vllm_events.BlockStored(
         block_hashes=hashes, parent_block_hash=draw(st.none() | HASH),
-        token_ids=draw(st.lists(st.integers(0, 2**31 - 1), min_size=size * len(hashes), max_size=size * len(hashes))),
+        token_ids=draw(st.lists(st.integers(0, 2**31 - 1), min_size=size * blocks, max_size=size * blocks)),
         block_size=size, lora_id=draw(st.none() | st.integers(0, 9)), medium=draw(TEXT), lora_name=draw(TEXT),
         extra_keys=draw(st.none() | st.lists(EXTRA, min_size=len(hashes), max_size=len(hashes))),
         group_idx=draw(st.none() | st.integers(0, 5)), kv_cache_spec_kind=draw(TEXT),
@@ -125,7 +126,7 @@ def event_ok(e: object) -> bool:
     size, tokens, extra, window = e["block_size"], e["token_ids"], e.get("extra_keys"), e.get(
         "kv_cache_spec_sliding_window")
     return (common and group_ok and _uint(size) and 0 < size <= 1 << 16 and type(tokens) is list
-            and len(tokens) == size * len(hashes) and all(type(t) is int and 0 <= t < 2**31 for t in tokens)
+            and len(tokens) % size == 0 and size * len(hashes) <= len(tokens) <= size << 16 and all(type(t) is int and 0 <= t < 2**31 for t in tokens)
             and (e["parent_block_hash"] is None or _hash_ok(e["parent_block_hash"]))
             and (e["lora_id"] is None or _uint(e["lora_id"])) and _text(e["medium"]) and _text(e["lora_name"])
             and _text(e.get("kv_cache_spec_kind")) and (window is None or _uint(window) and window > 0)
@@ -188,7 +189,7 @@ def test_bad_envelopes_raise_kv_event_error(parts: list, batch: Any) -> None:
 
 
 @pytest.mark.parametrize("field,value", [
-    ("block_size", 0), ("block_size", True), ("token_ids", [1]), ("block_hashes", []), ("block_hashes", [b"x" * 31]),
+    ("block_size", 0), ("block_size", True), ("token_ids", [1]), ("token_ids", [1, 2, 3]), ("token_ids", []), ("block_hashes", []), ("block_hashes", [b"x" * 31]),
     ("parent_block_hash", -1), ("group_idx", -1), ("kv_cache_spec_sliding_window", 0), ("extra_keys", [[1.5]]),
     ("medium", 7), ("lora_id", "a"), ("unknown_field", 1)])
 def test_each_bad_stored_field_is_refused(field: str, value: Any) -> None:

@@ -59,6 +59,7 @@ class Skip(Enum):
     BLOCK_SIZE = "block_size"         # not one fabric page per block (a partial-block entry)
     EXTRA_KEYS = "extra_keys"         # LoRA, multimodal or prompt-embeds inputs
     UNKNOWN_PARENT = "unknown_parent"
+    PARTIAL_RANGE = "partial_range"   # a window's blocks, before a full group's event keyed them
     TOO_DEEP = "too_deep"
     KEY_TAKEN = "key_taken"           # another vLLM hash already names this page
     UNKNOWN_REMOVED = "unknown_removed"
@@ -142,6 +143,9 @@ class EnginePages:
             return
         raw = encode_tokens(ev.token_ids)
         step = self.layout.page_size * 4
+        # A group that skipped blocks of the range (out of its window) does not say which
+        # tokens are whose: its blocks are held, their keys come from a full group's event.
+        whole = len(ev.token_ids) == ev.block_size * len(ev.block_hashes)
         parent_hash = ev.parent_hash
         for j, h in enumerate(ev.block_hashes):
             extra = ev.extra_keys[j] if ev.extra_keys is not None else None
@@ -150,8 +154,10 @@ class EnginePages:
                 entry = self._entries[h] = _Entry()
             else:
                 self._entries.move_to_end(h)
-            if entry.page is None:
+            if entry.page is None and whole:
                 self._translate(entry, h, parent_hash, extra, raw[j * step:(j + 1) * step])
+            elif entry.page is None:
+                self._skip(Skip.PARTIAL_RANGE)
             # Held even without a key yet: a later event (another group's) may bring it.
             entry.groups |= 1 << group
             if entry.page is not None:

@@ -38,7 +38,9 @@ class KVEventError(ValueError):
 class BlockStored:
     block_hashes: tuple[bytes, ...]     # int hashes as 8 bytes big-endian
     parent_hash: bytes | None
-    token_ids: tuple[int, ...]          # block_size per block, in order
+    # The tokens of the block range stored, block_size per block: one block per hash,
+    # unless the group skipped blocks of the range (a sliding window's out-of-window ones).
+    token_ids: tuple[int, ...]
     block_size: int
     medium: str | None
     group: int | None
@@ -146,8 +148,11 @@ def _stored(e: dict, i: int) -> BlockStored:
     if not _uint(size) or not 0 < size <= MAX_BLOCK_SIZE:
         raise KVEventError(f"event {i}: block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {size!r}")
     tokens = e["token_ids"]
-    if type(tokens) is not list or len(tokens) != size * len(hashes):
-        raise KVEventError(f"event {i}: token_ids must list block_size tokens per block hash")
+    # The tokens of the event's whole block range: a sliding-window group lists the hashes
+    # of its in-window blocks only, with the tokens (and parent) of the whole range.
+    if (type(tokens) is not list or len(tokens) % size or len(tokens) < size * len(hashes)
+            or len(tokens) > size * MAX_BLOCKS_PER_EVENT):
+        raise KVEventError(f"event {i}: token_ids must be whole blocks, at least one per block hash")
     if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens):
         raise KVEventError(f"event {i}: token ids must be ints in [0, {MAX_TOKEN_ID}]")
     window = e.get("kv_cache_spec_sliding_window")
