@@ -19,6 +19,7 @@ from actors import FabricClient
 from actors.directory import node_actor_name
 
 from .protocol import GenerateRequest
+from .vllm.engine_identity import node_actor_of
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,13 @@ class FabricRequestRouter(FIFOMixin, RequestRouter):
         except Exception as e:           # routing must never fail a request
             log.warning("fabric lookup failed, routing without it: %s", e)
             return {}
-        return {m.node: m.pages for m in found}
+        # An engine's own device cache is indexed under its node's name plus the engine
+        # (deploy/vllm/engine_identity.py): its pages count for the replica on that node.
+        cached: dict[str, int] = {}
+        for m in found:
+            node = node_actor_of(m.node)
+            cached[node] = max(cached.get(node, 0), m.pages)
+        return cached
 
 
 def _request_of(pending: Optional[PendingRequest]) -> GenerateRequest | None:

@@ -52,12 +52,15 @@ def eventually(check, what: str, deadline_s: float = CALL_TIMEOUT_S, every_s: fl
 
 
 class Engine:
-    def __init__(self, llm, fabric, here: str, there: str, fault_file: str) -> None:
+    def __init__(self, llm, fabric, here: str, there: str, fault_file: str, layout=None,
+                 events: str = "") -> None:
         self.llm = llm
         self.fabric = fabric
         self.here, self.there = here, there      # the engine's node actor, the remote one
         self.node, self.peer = fabric.nodes[here], fabric.nodes[there]
         self.fault_file = fault_file
+        self.layout = layout
+        self.events = events          # the engine's KV-event endpoint (its replay endpoint: + "-replay")
         self.rng = random.Random(1234)
 
     def text(self, n: int = PROMPT_CHARS) -> str:
@@ -159,12 +162,16 @@ def engine(tmp_path_factory):
         (there,) = set(fab.nodes) - {here}
         fault_file = str(tmp_path_factory.mktemp("faults") / "faults.json")
         from vllm import LLM
+        from vllm.config import KVEventsConfig
+        events = f"ipc:///tmp/kvf-events-{uuid.uuid4().hex[:12]}"
         llm = LLM(model=str(path), enforce_eager=True, dtype="float32", seed=0, max_model_len=2048,
                   block_size=BLOCK, kv_cache_memory_bytes=12 << 20, disable_log_stats=False,
                   kv_transfer_config=kv_transfer_config(here, cluster.address, ray_namespace=FABRIC_NS,
-                                                        fault_file=fault_file))
+                                                        fault_file=fault_file),
+                  kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events,
+                                                  replay_endpoint=events + "-replay"))
         print(f"\ncluster, fabric and engine up in {time.monotonic() - started:.1f} s")
-        yield Engine(llm, fab, here, there, fault_file)
+        yield Engine(llm, fab, here, there, fault_file, layout, events)
     finally:
         engine_id = None
         if llm is not None:
@@ -305,3 +312,60 @@ def test_transport_fault_on_a_remote_fetch_becomes_recomputation(engine, kind):
     finally:
         engine.quiet()
     ray.get([engine.node.check.remote(), engine.peer.check.remote()], timeout=CALL_TIMEOUT_S)
+
+
+def test_kv_events_name_the_engine_in_the_index_until_it_evicts(engine):
+    """The engine's own device cache, fed to the fabric's index by its KV events: after a
+    request the index names the engine for the prompt's pages (that tenant's only), and
+    after the engine evicts them, or clears its cache, it no longer does."""
+    from vllm import SamplingParams
+
+    from deploy.vllm.engine_identity import engine_index_node
+    from deploy.vllm.engine_pages import group_pools_of
+    from deploy.vllm.index_sink import start_engine_feed
+
+    layout = engine.layout
+    directory = engine.fabric.directory          # the module's fabric: its directory and shard
+    pools = group_pools_of(engine.llm.llm_engine.engine_core.call_utility("get_kv_cache_group_metadata"))
+    feed = start_engine_feed(directory, engine.here, "0", layout, pools, engine.events, engine.events + "-replay")
+    me = engine_index_node(engine.here, "0")
+    try:
+        client = FabricClient(directory, timeout_s=CALL_TIMEOUT_S)
+
+        def engine_pages(tokens: list[int], salt: str) -> int:
+            return max((m.pages for m in client.lookup(tokens, salt) if m.node == me), default=0)
+
+        def step_engine() -> None:
+            # vLLM hands its KV events to the publisher in a step: a one-token request makes one.
+            engine.generate("x", salt=f"step-{uuid.uuid4().hex}")
+
+        def wait_until(cond, what: str, poke=lambda: time.sleep(0.1)) -> None:
+            deadline = time.monotonic() + CALL_TIMEOUT_S
+            while not cond():
+                assert time.monotonic() < deadline, f"timed out waiting until {what} ({feed.stats}, " \
+                                                    f"{feed.pages.stats})"
+                poke()
+
+        def prompt_tokens(salt: str) -> list[int]:
+            out = engine.llm.generate([{"prompt": engine.text(), "cache_salt": salt}],
+                                      SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+            return list(out.prompt_token_ids)
+
+        salt = f"events-{uuid.uuid4().hex}"
+        tokens = prompt_tokens(salt)
+        wait_until(lambda: engine_pages(tokens, salt) > 0, "the index names the engine")
+        assert engine_pages(tokens, f"other-{salt}") == 0         # another tenant's identical prompt
+        engine.evict()
+        wait_until(lambda: engine_pages(tokens, salt) == 0, "the evicted prompt is gone from the index")
+
+        tokens = prompt_tokens(salt)
+        wait_until(lambda: engine_pages(tokens, salt) > 0, "the index names the engine again")
+
+        # Blocks of a finished request wait for the connector's save, which completes in a
+        # later step: a reset refused for that is tried again after a step.
+        wait_until(engine.llm.reset_prefix_cache, "the engine clears its cache", poke=step_engine)
+        wait_until(lambda: engine_pages(tokens, salt) == 0, "a cleared cache is gone from the index",
+                   poke=step_engine)
+        assert feed.stats.bad_frames == 0 and feed.pages.stats.clears > 0
+    finally:
+        assert feed.stop()

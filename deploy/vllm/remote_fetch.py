@@ -20,6 +20,7 @@ from typing import Any, Protocol, Sequence
 
 from fabric import FetchOutcome, NodeMatch
 
+from .engine_identity import is_engine
 from .jobs import FabricSettings
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,9 @@ class RemoteFetches:
                 rec.matches = rec.lookup.poll()
             if rec.local_pages is None or rec.matches is None:
                 return
-            best = next((m for m in rec.matches if m.node != self.link.name), None)
+            # Only node actors serve fetches: an engine's own device cache is indexed too
+            # (engine_identity.py), but nothing can read from it.
+            best = next((m for m in rec.matches if m.node != self.link.name and not is_engine(m.node)), None)
             if best is None or best.pages <= max(rec.local_pages, skip_pages):
                 rec.stage, rec.outcome = Stage.READY, "no longer match elsewhere"
                 return

@@ -22,6 +22,7 @@ from fabric import OutOfPages, PageAllocator, PoolName
 from transport.staging import StagedHit, StagingSpec
 
 from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove, maybe_fail
+from .namespaces import fabric_namespace
 from .node_link import NodeLink
 from .plan import EnginePlan
 from .remote_fetch import RemoteFetches, RemoteStats
@@ -340,5 +341,4 @@ class SchedulerSide:
 
 
 def _namespace(request) -> str:
-    # Tenants never share: a request's cache_salt is its namespace in the fabric.
-    return request.cache_salt or "default"
+    return fabric_namespace(request.cache_salt)

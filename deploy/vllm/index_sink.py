@@ -1,0 +1,64 @@
+"""ShardSink: an engine's pages go to the fabric's index shards as a publisher of its own.
+
+The same path as a node actor's (actors/index_link.py: batches per shard without
+waiting, snapshots to shards that fell behind or restarted). The directory does not
+know engines, so the sink admits the engine's epoch to every shard itself before its
+first batch (older lives of the name are refused from then on), and reads the route
+table again every `refresh_s` (a rebalance sends every shard a snapshot)."""
+from __future__ import annotations
+
+import time
+
+import ray
+
+from actors.chaos_hooks import EventMangler
+from actors.directory import CALL_TIMEOUT_S, NAMESPACE, shard_name
+from actors.epochs import GcsEpochs
+from actors.index_link import IndexLink
+from fabric import KVLayout, PoolName, RouteTable
+
+from .engine_identity import engine_index_node
+from .engine_pages import EnginePages
+from .event_feed import EngineEventFeed
+
+
+class ShardSink:
+    def __init__(self, directory, timeout_s: float = CALL_TIMEOUT_S, refresh_s: float = 2.0) -> None:
+        self.directory, self.timeout_s, self.refresh_s = directory, timeout_s, refresh_s
+        self.link: IndexLink | None = None
+        self._refreshed = 0.0
+
+    def attach(self, pages: EnginePages) -> None:
+        routes = self._routes()
+        shards = [ray.get_actor(shard_name(i), namespace=NAMESPACE) for i in range(routes.shards)]
+        ray.get([s.admit.remote(pages.node, pages.epoch) for s in shards], timeout=self.timeout_s)
+        self.link = IndexLink(pages, EventMangler())
+        self.link.attach(shards, routes)
+        self._refreshed = time.monotonic()
+
+    def publish(self, every_shard: bool = False) -> int:
+        """Send what changed (with `every_shard`, a heartbeat to every shard); batches sent."""
+        if self.link is None:
+            raise RuntimeError("attach first")
+        if time.monotonic() - self._refreshed >= self.refresh_s:
+            self._refreshed = time.monotonic()
+            routes = self._routes()
+            if routes.version != self.link.routes.version:
+                self.link.reroute(routes)
+        return self.link.publish(every_shard)
+
+    def _routes(self) -> RouteTable:
+        return RouteTable.decode(ray.get(self.directory.get_routes.remote(), timeout=self.timeout_s))
+
+
+def start_engine_feed(directory, node_actor: str, slot: str, layout: KVLayout, group_pools: tuple[PoolName, ...],
+                      endpoint: str, replay_endpoint: str | None = None, **feed_args) -> EngineEventFeed:
+    """Feed the index from one engine's KV events, as `<node_actor>/engine/<slot>` under a
+    new epoch (engine_identity.py), from a process connected to the Ray cluster."""
+    identity = engine_index_node(node_actor, slot)
+    pages = EnginePages(identity, GcsEpochs().claim(identity), layout, group_pools)
+    sink = ShardSink(directory)
+    sink.attach(pages)
+    feed = EngineEventFeed(pages, sink, endpoint, replay_endpoint, **feed_args)
+    feed.start()
+    return feed
