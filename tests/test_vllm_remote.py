@@ -236,6 +236,30 @@ def test_no_fetch_when_the_node_holds_as_much(tmp_path_factory):
         rig.node.shared.unlink()
 
 
+class EngineListedFirst(FabricEdge):
+    """The index also names an engine's device cache (its KV events) with more pages."""
+
+    def start_lookup(self, tokens, namespace):
+        from deploy.vllm.engine_identity import engine_index_node
+        found = super().start_lookup(tokens, namespace)
+        engine = NodeMatch(engine_index_node(PEER, "0"), 1000, True)
+        found.value = [engine, *found.value] if found.error is None else found.value
+        return found
+
+
+def test_an_engines_entry_is_never_fetched_from(tmp_path_factory):
+    rig = make_rig(tmp_path_factory, Edge())
+    rig.node.__class__ = EngineListedFirst
+    try:
+        move_to_peer(rig)
+        req = Req("r2", PROMPT, PROMPT, 0)
+        n, _ = ask_until_known(rig, req, [0.0])
+        assert n == 40 and rig.sched.stats.remote.committed == 1     # from the peer's node actor
+        assert rig.sched.stats.remote.failures == 0
+    finally:
+        rig.node.shared.unlink()
+
+
 @settings(max_examples=40, deadline=None)
 @given(point=st.sampled_from(POINTS), exception=st.sampled_from(EXCEPTIONS),
        never=st.booleans(), commits_anyway=st.booleans(),
