@@ -21,26 +21,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from fabric import LoadTracker, RouteTable
 from fabric.balance import chance_target
 
+from .names import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, NODE_PREFIX, node_actor_name, shard_name
 from .node_actor import Beat, NodeCacheActor, NodeConfig
 
-NAMESPACE = "kvfabric"
-DIRECTORY = "kvf-directory"
-CALL_TIMEOUT_S = 10.0
+__all__ = ["CALL_TIMEOUT_S", "DIRECTORY", "NAMESPACE", "NODE_PREFIX", "FabricDirectory", "Membership",
+           "connect_peers", "join", "node_actor_name", "place_node_actor", "shard_name"]
+
 START_TIMEOUT_S = 180.0      # a new node actor imports torch and NIXL
 REBALANCE_EVERY_S = 10.0     # the watcher's rebalance period
 REBALANCE_SIGMAS = 3.0       # its bar for uneven lookups (see fabric.balance.chance_target)
 log = logging.getLogger(__name__)
-
-
-def shard_name(i: int) -> str:
-    return f"kvf-index-{i}"
-
-
-NODE_PREFIX = "kvf-node-"
-
-
-def node_actor_name(ray_node_id: str) -> str:
-    return f"{NODE_PREFIX}{ray_node_id[:12]}"
 
 
 def place_node_actor(ray_node_id: str, config: NodeConfig, cpus: float):
