@@ -146,7 +146,7 @@ class FetchWalk(RuleBasedStateMachine):
         # matched and sent no pages for the window we lack) are possible for every reader.
         early = (FetchOutcome.NOTHING_TO_FETCH, FetchOutcome.NO_ROOM, FetchOutcome.BAD_GRANT)
         if how == "refused":
-            pass
+            pass              # any outcome: the checks above hold for all of them
         elif how == "corrupt":
             assert outcome in (FetchOutcome.CHECKSUM_MISMATCH, *early)
         elif how != "ok":

@@ -62,7 +62,7 @@ class BlockRemoved:
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    pass
+    """The engine dropped every block: it carries nothing else."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
