@@ -5,7 +5,9 @@ every `watch_s` seconds. A node actor Ray reports dead (its name gone, or its Ra
 is dropped from the directory and from every index shard; an alive Ray node
 without a node actor gets one, joined to its peers and the index, so a node
 added to the cluster (or re-added after a removal) joins the fabric by itself.
-A node actor that is merely slow is left alone: only Ray's word counts."""
+A node actor that is merely slow is left alone: only Ray's word counts. One the index
+names but the directory does not list (it died while the directory was down) is
+purged from the shards; if it is alive after all, it is added again."""
 from __future__ import annotations
 
 import logging
@@ -21,8 +23,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from fabric import LoadTracker, RouteTable
 from fabric.balance import chance_target
 
-from .names import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, NODE_PREFIX, node_actor_name, shard_name
-from .node_actor import Beat, NodeCacheActor, NodeConfig
+from .names import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, NODE_PREFIX, is_node_actor_name, node_actor_name, shard_name
+from .node_actor import Beat, NodeConfig
+from .node_placement import connect_peers, dead_hosts, existing, join, place_node_actor
 
 __all__ = ["CALL_TIMEOUT_S", "DIRECTORY", "NAMESPACE", "NODE_PREFIX", "FabricDirectory", "Membership",
            "connect_peers", "join", "node_actor_name", "place_node_actor", "shard_name"]
@@ -31,47 +34,6 @@ START_TIMEOUT_S = 180.0      # a new node actor imports torch and NIXL
 REBALANCE_EVERY_S = 10.0     # the watcher's rebalance period
 REBALANCE_SIGMAS = 3.0       # its bar for uneven lookups (see fabric.balance.chance_target)
 log = logging.getLogger(__name__)
-
-
-def place_node_actor(ray_node_id: str, config: NodeConfig, cpus: float):
-    """A detached node actor pinned to one Ray node (hard affinity: it dies with the node)."""
-    strategy = NodeAffinitySchedulingStrategy(ray_node_id, soft=False)
-    name = node_actor_name(ray_node_id)
-    # Ray restarts a killed node actor (a new epoch); the directory's watcher rejoins it.
-    return name, NodeCacheActor.options(name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
-                                        num_cpus=cpus, scheduling_strategy=strategy).remote(name, config)
-
-
-def join(directory, name: str, actor, timeout_s: float = CALL_TIMEOUT_S) -> None:
-    """Register a node and connect it and its peers both ways."""
-    meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
-    others = ray.get(directory.register.remote(name, meta), timeout=timeout_s)
-    connect_peers(name, actor, meta, others, timeout_s)
-
-
-def connect_peers(name: str, actor, meta: bytes, others: dict[str, bytes], timeout_s: float) -> None:
-    """Connect `name` and each of `others` both ways. A peer that cannot be reached (one
-    dying as this runs) is skipped: fetches between that pair fail and recompute."""
-    for peer, peer_meta in others.items():
-        try:
-            ray.get([actor.connect.remote(peer, peer_meta),
-                     ray.get_actor(peer, namespace=NAMESPACE).connect.remote(name, meta)], timeout=timeout_s)
-        except (RayError, ValueError) as e:
-            log.warning("connecting %s and %s failed: %s", name, peer, e)
-
-
-def _dead_hosts() -> set[str]:
-    """Names of node actors whose Ray node Ray reports dead."""
-    nodes = ray.nodes()
-    alive = {node_actor_name(n["NodeID"]) for n in nodes if n["Alive"]}
-    return {node_actor_name(n["NodeID"]) for n in nodes if not n["Alive"]} - alive
-
-
-def _existing(name: str):
-    try:
-        return ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        return None
 
 
 @dataclass
@@ -95,6 +57,7 @@ class FabricDirectory:
         self._lock = threading.RLock()             # guards nodes and routes; never held across a call
         self._rebalancing = threading.Lock()       # one rebalance at a time
         self._undropped: set[str] = set()          # dropped nodes some shard has not heard of yet
+        self._joining: set[str] = set()            # attached to the index, not yet registered
         self._adding = threading.Lock()            # one pass adding node actors at a time
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -110,7 +73,7 @@ class FabricDirectory:
                  if a["namespace"] == NAMESPACE and a["name"].startswith(NODE_PREFIX)]
         answers = {}
         for name in names:
-            actor = _existing(name)
+            actor = existing(name)
             if actor is not None:
                 answers[name] = actor.membership.remote()
         for name, ref in answers.items():
@@ -201,7 +164,7 @@ class FabricDirectory:
         done = Membership(dropped=dead)
         for name in dead:
             self._drop(name, timeout_s)
-        for name in sorted(self._undropped - set(dead)):
+        for name in sorted((self._undropped | self._strays(timeout_s)) - set(dead)):
             self._drop(name, timeout_s)
         for name in restarted:
             if self._rejoin(name, timeout_s):
@@ -212,12 +175,26 @@ class FabricDirectory:
                 done.added = self._add_missing(start_timeout_s)
         return done
 
+    def _strays(self, timeout_s: float) -> set[str]:
+        """Node actors the index names that are neither members nor joining: one that
+        died while the directory was down (a restarted directory recovers only the
+        nodes that answer) or whose join failed half-way. Holders first, then members:
+        a node registers before it stops joining, so a joining one is never taken."""
+        held: set[str] = set()
+        try:
+            for names in ray.get([s.holders.remote() for s in self._shards()], timeout=timeout_s):
+                held.update(n for n in names if is_node_actor_name(n))
+        except RayError as e:
+            log.warning("listing the index's holders failed (next pass retries): %s", e)
+        with self._lock:
+            return held - set(self.nodes) - self._joining
+
     def _beats(self, names: list[str], timeout_s: float) -> dict[str, Beat | None]:
         """Each answering node's Beat; None for the dead. Slow or restarting ones are left out."""
         refs, beats = {}, {}
         # A node actor dies with its Ray node (hard affinity), whatever state Ray shows
         # the actor in while it notices: a dead host is a dead node, asked or not.
-        gone = _dead_hosts()
+        gone = dead_hosts()
         for name in names:
             if name in gone:
                 beats[name] = None
@@ -296,8 +273,10 @@ class FabricDirectory:
             name = node_actor_name(node["NodeID"])
             if not node["Alive"] or name in known:
                 continue
+            with self._lock:
+                self._joining.add(name)
             try:
-                actor = _existing(name)        # one an earlier pass started but did not finish
+                actor = existing(name)        # one an earlier pass started but did not finish
                 if actor is None:
                     _, actor = place_node_actor(node["NodeID"], self.config, self.cpus_per_actor)
                 # Publishing first: once registered, a node is taken to be in the index.
@@ -308,6 +287,9 @@ class FabricDirectory:
             except (RayError, ValueError) as e:
                 log.warning("adding a node actor on %s failed (next pass retries): %s", node["NodeID"], e)
                 self.unregister(name)
+            finally:
+                with self._lock:
+                    self._joining.discard(name)
         return added
 
     def _shards(self) -> list:

@@ -83,6 +83,10 @@ class IndexShardActor:
         """The directory's word that `node` died: its events are refused until `admit`."""
         self.index.drop_node(node)
 
+    def holders(self) -> list[str]:
+        """The publishers this shard names as holding pages."""
+        return self.index.nodes()
+
     def admit(self, node: str, epoch: int) -> None:
         """The directory's word that `node` belongs, publishing from `epoch` on."""
         self.index.admit(node, epoch)

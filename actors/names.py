@@ -14,3 +14,10 @@ def shard_name(i: int) -> str:
 
 def node_actor_name(ray_node_id: str) -> str:
     return f"{NODE_PREFIX}{ray_node_id[:12]}"
+
+
+def is_node_actor_name(name: str) -> bool:
+    """Whether `name` is one `node_actor_name` gives (an engine's identity, which starts
+    the same and goes on with "/engine/...", is not)."""
+    rest = name[len(NODE_PREFIX):] if name.startswith(NODE_PREFIX) else ""
+    return len(rest) == 12 and all(c in "0123456789abcdef" for c in rest)

@@ -22,7 +22,7 @@ from ray.exceptions import GetTimeoutError, RayError
 
 from actors import FabricClient
 from actors.chaos_hooks import ChaosAction, EventFault
-from actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, shard_name
+from actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, node_actor_name, shard_name
 from fabric import RouteTable
 from transport import Fault, FaultKind
 
@@ -282,7 +282,9 @@ class ChaosHarness:
         workers = [n for n in self.cluster.worker_nodes]
         if not workers:
             return False
-        self.cluster.remove_node(rng.choice(workers))
+        gone = rng.choice(workers)
+        self.log(f"  removing the Ray node of {node_actor_name(gone.node_id)}")
+        self.cluster.remove_node(gone)
         self.cluster.add_node(**self.node_args)
         self.cluster.wait_for_nodes()
         return True
@@ -328,7 +330,8 @@ class ChaosHarness:
                                                                timeout=CALL_TIMEOUT_S)) if p}
                 index = {m.node: m.pages for m in self.client.lookup(tokens, "chaos")}
                 if index != truth:
-                    return f"prompt {k}: the index says {index}, the nodes hold {truth}"
+                    return (f"prompt {k}: the index says {index}, the nodes hold {truth} "
+                            f"(the directory lists {sorted(nodes)})")
         except (RayError, GetTimeoutError) as e:
             return f"{type(e).__name__}: {e}"
         return ""

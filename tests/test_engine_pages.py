@@ -168,3 +168,11 @@ def test_memory_stays_bounded_with_many_distinct_blocks(shards: int) -> None:
     held = pages.held()
     assert published == held and 0 < len(held) <= cap
     assert held.items() <= engine.expected().items()
+
+
+def test_a_salt_is_a_namespace_apart_from_no_salt():
+    # vLLM hashes a salt of "default" apart from no salt; the fabric keeps them apart too.
+    assert fabric_namespace(None) == fabric_namespace("") != fabric_namespace("default")
+    assert fabric_namespace("a") != fabric_namespace("b")
+    with pytest.raises(ValueError):
+        fabric_namespace(7)  # type: ignore[arg-type]

@@ -332,6 +332,23 @@ def test_shards_reject_bad_input_without_change(fabric):
     assert "intruder" not in ray.get(shard.stats.remote(), timeout=T)["out_of_sync"]
 
 
+def test_a_holder_the_directory_does_not_list_is_purged(fabric):
+    """A node actor that died while the directory was down (a restarted directory lists
+    only nodes that answer) is still named by the shards: the watcher purges such a
+    stray. An engine's identity on a listed node is not one."""
+    from fabric import EventBatch, PageState
+    shard = fabric.shards[0]
+    until_available(shard)
+    stray, engine = "kvf-node-0123456789ab", f"{sorted(fabric.nodes)[0]}/engine/0"
+    for name in (stray, engine):
+        batch = EventBatch(name, 1, 0, (PageState(b"s" * 16, b"p" * 16, 0, 1),), cleared=True,
+                           fingerprint=LAYOUT.fingerprint)
+        assert ray.get(shard.apply.remote(batch.encode()), timeout=T) == "applied"
+    eventually(lambda: stray not in ray.get(shard.holders.remote(), timeout=T))
+    assert engine in ray.get(shard.holders.remote(), timeout=T)
+    ray.get(shard.drop_node.remote(engine), timeout=T)
+
+
 def _restart_directory(fabric) -> None:
     import time
     first = ray.get(fabric.directory.incarnation.remote(), timeout=T)

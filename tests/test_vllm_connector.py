@@ -31,6 +31,7 @@ from actors.node_actor import NodeCacheActor, NodeConfig  # noqa: E402
 from deploy.vllm.connector import kv_transfer_config  # noqa: E402
 from deploy.vllm.model import ensure_tiny_model  # noqa: E402
 from deploy.vllm.plan import layout_for_model  # noqa: E402
+from deploy.vllm.namespaces import fabric_namespace  # noqa: E402
 from fabric import NodeMatch, PoolCapacity, PoolName  # noqa: E402
 from transport import Fault, FaultKind  # noqa: E402
 
@@ -333,7 +334,7 @@ def test_kv_events_name_the_engine_in_the_index_until_it_evicts(engine):
         client = FabricClient(directory, timeout_s=CALL_TIMEOUT_S)
 
         def engine_pages(tokens: list[int], salt: str) -> int:
-            return max((m.pages for m in client.lookup(tokens, salt) if m.node == me), default=0)
+            return max((m.pages for m in client.lookup(tokens, fabric_namespace(salt)) if m.node == me), default=0)
 
         def step_engine() -> None:
             # vLLM hands its KV events to the publisher in a step: a one-token request makes one.

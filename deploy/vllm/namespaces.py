@@ -4,8 +4,13 @@ engine holds), so both name a page by the same key."""
 from __future__ import annotations
 
 DEFAULT = "default"
+SALTED = "salt/"
 
 
 def fabric_namespace(cache_salt: str | None) -> str:
-    # Tenants never share: a request's cache_salt is its namespace in the fabric.
-    return cache_salt or DEFAULT
+    """Tenants never share: each cache_salt is a namespace of its own, apart from the
+    unsalted one (vLLM hashes a salt of "default" apart from no salt, and so must we)."""
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+    # vLLM treats an empty salt as none (it adds no extra key to the first block).
+    return SALTED + cache_salt if cache_salt else DEFAULT
