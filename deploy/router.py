@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -49,8 +50,10 @@ class FabricRequestRouter(FIFOMixin, RequestRouter):
         if cached is None:
             return [candidate_replicas]       # the index cannot say: Serve's own choice
         views = [NodeView(self._replica_queue_len_cache.get(r.replica_id) or 0,
-                          cached.get(node_actor_name(r.node_id), 0)) for r in candidate_replicas]
-        order = self._placement.rank(Request(Prompt(len(request.tokens), self._page_size)), views)
+                          cached.get(node_actor_name(r.node_id), 0), r.replica_id.unique_id)
+                 for r in candidate_replicas]
+        order = self._placement.rank(Request(Prompt(len(request.tokens), self._page_size),
+                                             at_s=time.monotonic()), views)
         self.routed_by_prefix += any(v.cached_pages for v in views)
         return [[candidate_replicas[i]] for i in order]
 

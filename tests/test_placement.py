@@ -51,38 +51,44 @@ views = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 30)), min_size=1, m
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(views, min_size=1, max_size=6), st.integers(1, 30))
+@given(st.lists(st.tuples(views, st.floats(0, 5)), min_size=1, max_size=6), st.integers(1, 30))
 def test_the_score_ranks_every_node_by_expected_first_token(rounds, pages):
     score = FabricScore(COST, SIZES, overhead_s=0.005)
-    req = request(list(range(pages)), page_tokens=512)
-    for raw in rounds:
-        nodes = [NodeView(q, min(c, pages)) for q, c in raw]
-        mean = score.mean_s
+    now = 0.0
+    for raw, gap in rounds:
+        now += gap
+        req = Request(Prompt(pages * 512, 512), at_s=now)
+        nodes = [NodeView(q, min(c, pages), f"n{i}") for i, (q, c) in enumerate(raw)]
+        wait = [score.backlog_s(v.name, now) for v in nodes]
         order = score.rank(req, nodes)
         assert sorted(order) == list(range(len(nodes)))
         best = max(v.cached_pages for v in nodes)
         own = [0.005 + score.plan(req, v.cached_pages, best).seconds for v in nodes]
-        per = own[0] if mean is None else mean
-        expect = [nodes[i].queued * per + own[i] for i in order]
+        expect = [wait[i] + own[i] for i in order]
         assert all(a <= b + 1e-12 for a, b in zip(expect, expect[1:]))
-        assert score.mean_s is not None and score.mean_s >= 0.005     # a request costs its overhead
+        # The router now expects the chosen node busy until this request's first token.
+        assert score.backlog_s(nodes[order[0]].name, now) == pytest.approx(expect[0])
 
 
 def test_equal_nodes_take_cold_requests_in_turn():
     score = FabricScore(COST, SIZES)
-    req = request([1, 2, 3], page_tokens=512)
-    firsts = [score.rank(req, [NodeView(0)] * 4)[0] for _ in range(8)]
+    # Far apart in time: nothing sent earlier is still running, so every node is equal.
+    firsts = [score.rank(Request(Prompt(1536, 512), at_s=100.0 * t), [NodeView(0, 0, f"n{i}") for i in range(4)])[0]
+              for t in range(8)]
     assert firsts == [0, 1, 2, 3, 0, 1, 2, 3]
 
 
 def test_the_holder_wins_when_idle_and_a_fetch_wins_when_it_is_busy():
     req = request(list(range(20)), page_tokens=512)        # 10,240 tokens: about 1 s to prefill
-    assert FabricScore(COST, SIZES).rank(req, [NodeView(0), NodeView(0, 20), NodeView(0)])[0] == 1
-    # Busy with 3 requests of about 1 s each: another node fetches the 20 pages (about
-    # 0.14 s) sooner.
+    nodes = [NodeView(0, 0, "a"), NodeView(0, 20, "b"), NodeView(0, 0, "c")]
+    assert FabricScore(COST, SIZES).rank(req, nodes)[0] == 1
+    # The router just sent the holder a cold request of about 1 s: another node fetches
+    # the 20 pages (about 0.14 s) and prefills nothing sooner.
     score = FabricScore(COST, SIZES)
-    score.rank(request(list(range(100, 120)), page_tokens=512), [NodeView(0)] * 3)   # learns ~1 s each
-    assert score.rank(req, [NodeView(0), NodeView(3, 20), NodeView(0)])[0] != 1
+    assert score.rank(request(list(range(100, 120)), page_tokens=512), [NodeView(0, 0, "b")]) == [0]
+    assert score.rank(req, nodes)[0] != 1
+    # Many requests decoding there (a long queue) do not keep a request from its holder.
+    assert FabricScore(COST, SIZES).rank(req, [NodeView(0, 0, "a"), NodeView(30, 20, "b")])[0] == 1
 
 
 # ---- power of two choices -------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Each ranks the nodes for one request from what a Ray Serve router sees of them: each
 replica's queue length (requests queued or running there) and, for the fabric, what the
-global index says each node holds of the prompt. The first node of the ranking is where
+global index says each node holds of the prompt and what the router itself sent there. The first node of the ranking is where
 the request goes when it accepts (Serve tries the rest in order).
 """
 from __future__ import annotations
@@ -19,12 +19,14 @@ from .cost import CostModel, PageBytes, Plan, Prompt, plan
 class NodeView:
     queued: int                  # requests queued or running there: Serve's queue length
     cached_pages: int = 0        # of this prompt, usable there (the fabric index's answer)
+    name: str = ""               # the node, the same from one request to the next
 
 
 @dataclass(frozen=True)
 class Request:
     prompt: Prompt
     keys: Sequence[bytes] = ()   # the prompt's page keys (a key names its whole prefix)
+    at_s: float = 0.0            # when it is routed, on the router's clock
 
 
 class Router(ABC):
@@ -57,23 +59,27 @@ class PowerOfTwo(Router):
 
 class FabricScore(Router):
     """The fabric's router (deploy.router.FabricRequestRouter): the node where the first
-    token is expected soonest. That is the node's queue, each request in it counted at the
-    mean estimate of what this router places, plus this request's own time there: a fixed
-    overhead (scheduling, the first decode step), fetching the rest of the longest prefix
-    held anywhere when the cost model says moving beats recomputing (the engine then does
-    the same), and prefilling what is left. Equal scores go round-robin, so that cold
-    requests spread."""
+    token is expected soonest. That is when the prefills this router already sent there
+    should end (its own estimates, on its own clock: a replica's queue length counts the
+    requests decoding there too, which hardly delay a prefill), plus this request's own
+    time there: a fixed overhead (scheduling, the first decode step), fetching the rest of
+    the longest prefix held anywhere when the cost model says moving beats recomputing
+    (the engine then does the same), and prefilling what is left. Ties go to the shorter
+    queue, then round-robin, so that cold requests spread. The first node ranked is taken
+    to be where the request goes."""
 
-    def __init__(self, cost: CostModel, sizes: PageBytes, overhead_s: float = 0.0,
-                 smoothing: float = 0.05) -> None:
-        if not 0 < smoothing <= 1 or not overhead_s >= 0:
-            raise ValueError(f"smoothing must be in (0, 1] and overhead_s >= 0, got {smoothing!r}, {overhead_s!r}")
-        self.cost, self.sizes, self.overhead_s, self.smoothing = cost, sizes, overhead_s, smoothing
-        self.mean_s: float | None = None         # the mean estimate of placed requests
+    def __init__(self, cost: CostModel, sizes: PageBytes, overhead_s: float = 0.0) -> None:
+        if not overhead_s >= 0:
+            raise ValueError(f"overhead_s must be >= 0, got {overhead_s!r}")
+        self.cost, self.sizes, self.overhead_s = cost, sizes, overhead_s
+        self.free_at: dict[str, float] = {}     # node -> when the prefills sent there should end
         self._turn = 0
 
     def plan(self, req: Request, have: int, best: int) -> Plan:
         return plan(self.cost, self.sizes, req.prompt, have, best)
+
+    def backlog_s(self, node: str, now: float) -> float:
+        return max(0.0, self.free_at.get(node, now) - now)
 
     def rank(self, req: Request, nodes: Sequence[NodeView]) -> list[int]:
         n = len(nodes)
@@ -81,10 +87,10 @@ class FabricScore(Router):
             return []
         best = max(v.cached_pages for v in nodes)
         own = [self.overhead_s + self.plan(req, v.cached_pages, best).seconds for v in nodes]
-        per_queued = own[0] if self.mean_s is None else self.mean_s
+        wait = [self.backlog_s(v.name, req.at_s) for v in nodes]
         start, self._turn = self._turn, (self._turn + 1) % n
-        order = sorted(range(n), key=lambda i: (nodes[i].queued * per_queued + own[i],
-                                                -nodes[i].cached_pages, (i - start) % n))
-        chosen = own[order[0]]
-        self.mean_s = chosen if self.mean_s is None else self.mean_s + self.smoothing * (chosen - self.mean_s)
+        order = sorted(range(n), key=lambda i: (wait[i] + own[i], -nodes[i].cached_pages, nodes[i].queued,
+                                                (i - start) % n))
+        top = order[0]
+        self.free_at[nodes[top].name] = req.at_s + wait[top] + own[top]
         return order
