@@ -98,3 +98,32 @@ def _pool(kind: Kind, rng: random.Random, ids: itertools.count) -> tuple[list[li
         prefixes.append(head + [next(ids) for _ in range(rng.randint(*kind.prefix_blocks))])
     weights = [1 / (k + 1) ** kind.zipf for k in range(kind.prefixes)]
     return prefixes, weights
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m deploy.workloads SHAPE N [--seed S] [--new-per-s R] [-o PATH]`: write a trace."""
+    import argparse
+    import json
+    import sys
+    ap = argparse.ArgumentParser(prog="python -m deploy.workloads", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shape", choices=[s.value for s in Shape])
+    ap.add_argument("requests", type=int)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--new-per-s", type=float, default=1.0, help="conversations started per second")
+    ap.add_argument("-o", "--output", default=None, help="JSONL file (default: stdout)")
+    args = ap.parse_args(argv)
+    if args.requests < 1 or not args.new_per_s > 0:
+        ap.error("requests must be >= 1 and --new-per-s > 0")
+    text = "".join(json.dumps(r) + "\n" for r in generate(Shape(args.shape), args.requests, args.seed,
+                                                         args.new_per_s))
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -38,11 +38,20 @@ def replay_lookups(prompts: list[list[bytes]], shards: int, rebalance: bool) -> 
 
 @pytest.mark.parametrize("shape", list(Shape))
 def test_lookups_even_out_over_8_shards_on_every_workload_shape(shape):
-    prompts = lookups_of(shape, 6000, seed=2)
+    prompts = lookups_of(shape, 8000, seed=2)
     # By first page alone (no splits) a few prefixes take most shards' share.
     assert replay_lookups(prompts, 8, rebalance=False).load_max_over_mean() > 2.0
     index = replay_lookups(prompts, 8, rebalance=True)
     assert index.load_max_over_mean() <= 1.25
+
+
+def test_generated_traces_load_as_mooncake_traces(tmp_path):
+    from deploy.trace import load_trace
+    from deploy.workloads import main
+    for shape in Shape:
+        path = tmp_path / f"{shape.value}.jsonl"
+        assert main([shape.value, "50", "--seed", "3", "-o", str(path)]) == 0
+        assert len(load_trace(path)) == 50
 
 
 def test_generated_shapes_have_the_structure_they_claim():
