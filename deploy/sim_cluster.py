@@ -90,7 +90,7 @@ class SimConfig:
     @property
     def page_bytes(self) -> PageBytes:
         """What a fetch moves per page: one real 512-token block's K/V."""
-        return PageBytes(full=BLOCK_TOKENS * self.kv_bytes_per_token)
+        return PageBytes.full(BLOCK_TOKENS * self.kv_bytes_per_token)
 
 
 @dataclass(frozen=True)

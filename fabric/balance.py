@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from statistics import NormalDist
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Sequence
 
 from .routes import RouteTable
-from .splits import plan_split
+from .splits import Split, plan_split
 
-
-@dataclass(frozen=True)
-class Split:
-    path: tuple[bytes, ...]       # the page the split went below
-    children: tuple[bytes, ...]   # its children the counts knew of (none for a branch point)
-    shards: tuple[int, ...]       # and where each went
+__all__ = ["LoadTracker", "MAX_CHILDREN", "MAX_REGIONS", "RegionHits", "Regions", "Split", "chance_target",
+           "max_sigmas", "prune_regions", "shared_path"]
 
 
 MAX_REGIONS = 256       # regions a tracker keeps (it prunes to these at twice as many)
@@ -100,7 +96,7 @@ def shared_path(a: Sequence[bytes], b: Sequence[bytes]) -> tuple[bytes, ...]:
     n = min(len(a), len(b))
     if n and a[n - 1] == b[n - 1]:
         return tuple(a[:n])
-    lo, hi = 0, n - 1                 # a[:lo] == b[:lo]; they differ at depth hi
+    lo, hi = 0, n - 1                 # a[:lo] == b[:lo], a[:hi + 1] != b[:hi + 1]
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[mid - 1] == b[mid - 1]:

@@ -15,18 +15,27 @@ busiest. Nothing here knows a workload.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from .routes import RouteTable
 
 if TYPE_CHECKING:
-    from .balance import Regions, RegionHits, Split
+    from .balance import RegionHits, Regions
 
 CANDIDATES = 16          # regions of the busiest shard weighed, busiest first
 
 
-def plan_split(routes: RouteTable, counts: Sequence[int], regions: "Regions") -> tuple[RouteTable, "Split"] | None:
-    from .balance import Split
+@dataclass(frozen=True)
+class Split:
+    path: tuple[bytes, ...]       # the page the change went below (or the region moved)
+    children: tuple[bytes, ...]   # its children the counts knew of (none for a branch point)
+    shards: tuple[int, ...]       # and where each went (a move: where the region went)
+
+
+def plan_split(routes: RouteTable, counts: Sequence[int], regions: "Regions") -> tuple[RouteTable, Split] | None:
+    """The routes after the best change for `counts` (hits per shard) given where the
+    hits lie (`regions`), or None when no change evens them out beyond chance."""
     k = len(counts)
     mean = sum(counts) / k if k else 0
     if k < 2 or not mean:
@@ -61,9 +70,10 @@ def plan_split(routes: RouteTable, counts: Sequence[int], regions: "Regions") ->
         return routes.move(region.path, cool), Split(region.path, (), (cool,))
     # Entries counted one level down only: a lone child is descended into (same shard),
     # so that next time the region's children there can spread.
+    routed = {r.key for r in routes.routes}
     for region in on_hot:
         child = region.lone_child() if region.common is None else None
-        if child is not None and (*region.path, child) and child not in {r.key for r in routes.routes}:
+        if child is not None and child not in routed:
             return routes.split(region.path, [child], [hot]), Split(region.path, (child,), (hot,))
     return None
 

@@ -10,9 +10,10 @@ from hypothesis import given, settings, strategies as st
 
 from deploy.placement import (CostModel, FabricScore, NodeView, PageBytes, PowerOfTwo, PrefixAffinity, Prompt,
                               Request, plan)
+from fabric import KVLayout, PoolName
 
 COST = CostModel(prefill_tokens_per_s=10_000.0, transfer_bytes_per_s=10e9, fetch_overhead_s=0.002)
-SIZES = PageBytes(full=512 * 131_072)
+SIZES = PageBytes.full(512 * 131_072)
 
 
 def request(blocks: list[int], page_tokens: int = 1, tokens: int | None = None) -> Request:
@@ -41,8 +42,10 @@ def test_a_fetch_is_planned_exactly_when_it_beats_recomputing(pages, have, best,
 
 
 def test_swa_pages_count_once_per_window():
-    sizes = PageBytes(full=100, swa=10, window_pages=3)
-    assert [sizes.fetch(n) for n in (0, 1, 3, 5)] == [0, 110, 330, 530]
+    layout = KVLayout(layers=("full", "swa"), kv_heads=1, head_dim=1, page_size=2, window=6)
+    full, swa = layout.page_bytes(PoolName.FULL), layout.page_bytes(PoolName.SWA)
+    sizes = PageBytes.of(layout)                 # a window of 6 tokens: 3 pages of 2
+    assert [sizes.fetch(n) for n in (0, 1, 3, 5)] == [0, full + swa, 3 * (full + swa), 5 * full + 3 * swa]
 
 
 # ---- the fabric's score ---------------------------------------------------------------------

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
-from fabric import KVLayout, PoolName
+from fabric import AttentionPolicy, FullAttentionPolicy, KVLayout, PoolName
+from fabric.policies import policies_for
 
 
 class Prefills(Protocol):
@@ -57,21 +58,25 @@ class CostModel:
         return cls(n / elapsed, transfer_bytes_per_s, fetch_overhead_s)
 
 
-@dataclass(frozen=True)
 class PageBytes:
-    """Bytes a fetch moves: FULL K/V for each page, SWA for the part of the new window
-    the local prefix does not already cover."""
-    full: int
-    swa: int = 0
-    window_pages: int = 0
+    """Bytes a fetch of `pages` more pages moves: per pool, the pages its attention policy
+    needs of them (every one for full attention, the last window's for SWA) at that pool's
+    page size."""
+
+    def __init__(self, sizes: Mapping[PoolName, int], policies: Mapping[PoolName, AttentionPolicy]) -> None:
+        self.sizes, self.policies = dict(sizes), dict(policies)
 
     @classmethod
     def of(cls, layout: KVLayout) -> "PageBytes":
-        sizes = {p: layout.page_bytes(p) for p in layout.pools}
-        return cls(sizes.get(PoolName.FULL, 0), sizes.get(PoolName.SWA, 0), layout.window_pages)
+        return cls({p: layout.page_bytes(p) for p in layout.pools}, policies_for(layout))
+
+    @classmethod
+    def full(cls, page_bytes: int) -> "PageBytes":
+        """Full attention only, `page_bytes` a page."""
+        return cls({PoolName.FULL: page_bytes}, {PoolName.FULL: FullAttentionPolicy()})
 
     def fetch(self, pages: int) -> int:
-        return pages * self.full + min(pages, self.window_pages) * self.swa
+        return sum(len(self.policies[p].needed(pages)) * size for p, size in self.sizes.items())
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 Each ranks the nodes for one request from what a Ray Serve router sees of them: each
 replica's queue length (requests queued or running there) and, for the fabric, what the
-global index says each node holds of the prompt and what the router itself sent there. The first node of the ranking is where
-the request goes when it accepts (Serve tries the rest in order).
+global index says each node holds of the prompt and what the router itself sent there.
+The first node of the ranking is where the request goes when it accepts (Serve tries the
+rest in order).
 """
 from __future__ import annotations
 
