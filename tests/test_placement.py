@@ -73,6 +73,13 @@ def test_the_score_ranks_every_node_by_expected_first_token(rounds, pages):
         assert score.backlog_s(nodes[order[0]].name, now) == pytest.approx(expect[0])
 
 
+def test_the_score_forgets_replicas_that_are_gone():
+    score = FabricScore(COST, SIZES)
+    for gen in range(50):                      # each round a new set of 3 replicas
+        score.rank(Request(Prompt(512, 512), at_s=float(gen)), [NodeView(0, 0, f"r{gen}-{i}") for i in range(3)])
+    assert len(score.free_at) <= 2 * 3 + 1
+
+
 def test_equal_nodes_take_cold_requests_in_turn():
     score = FabricScore(COST, SIZES)
     # Far apart in time: nothing sent earlier is still running, so every node is equal.

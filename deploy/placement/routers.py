@@ -93,5 +93,7 @@ class FabricScore(Router):
         order = sorted(range(n), key=lambda i: (wait[i] + own[i], -nodes[i].cached_pages, nodes[i].queued,
                                                 (i - start) % n))
         top = order[0]
+        if len(self.free_at) > 2 * n:            # replicas come and go: keep the ones ranked now
+            self.free_at = {v.name: self.free_at[v.name] for v in nodes if v.name in self.free_at}
         self.free_at[nodes[top].name] = req.at_s + wait[top] + own[top]
         return order
