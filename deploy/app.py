@@ -124,7 +124,7 @@ def build_app(args: AppArgs) -> serve.Application:
     args.tenants()
     replicas = args.nodes or sum(1 for n in ray.nodes() if n["Alive"])
     router = RequestRouterConfig(request_router_class=FabricRequestRouter,
-                                 request_router_kwargs={"page_size": args.model_config.page_size})
+                                 request_router_kwargs={"layout": args.model_config.layout().to_dict()})
     server = ModelServer.options(num_replicas=replicas, max_replicas_per_node=1, request_router_config=router,
                                  ray_actor_options={"num_cpus": 0.25, "num_gpus": args.gpus_per_replica}
                                  ).bind(args.model_config)

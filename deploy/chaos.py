@@ -69,7 +69,9 @@ class Workload:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.requests = self.failed = self.retried = self.app_retried = self.wrong = 0
-        self.served: dict[int, str] = {}                 # prompt index -> node that last served it
+        # prompt index -> the node that served its latest answer, and that answer's tokens
+        # (their last page is new each time: a fetch of them reads something)
+        self.served: dict[int, tuple[str, list[int]]] = {}
         self.recent: deque[str] = deque(maxlen=16)      # nodes of the latest answers
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
 
@@ -82,20 +84,20 @@ class Workload:
         for t in self._threads:
             t.join(timeout=600)
 
-    def served_elsewhere(self, node: str) -> list[int]:
-        """Prompts (by index) whose last answer came from a node other than `node`."""
+    def served_elsewhere(self, node: str) -> list[list[int]]:
+        """The tokens of latest answers that came from a node other than `node`."""
         with self._lock:
-            return [k for k, n in self.served.items() if n != node]
+            return [t for n, t in self.served.values() if n != node]
 
     def busy_nodes(self) -> list[str]:
         """Nodes that served one of the latest answers: where an armed fault fires soon."""
         with self._lock:
             return sorted(set(self.recent))
 
-    def served_by(self, node: str) -> list[int]:
-        """Prompts (by index) whose last answer came from `node`."""
+    def served_by(self, node: str) -> list[list[int]]:
+        """The tokens of latest answers that came from `node`."""
         with self._lock:
-            return [k for k, n in self.served.items() if n == node]
+            return [t for n, t in self.served.values() if n == node]
 
     def _run(self, offset: int) -> None:
         client, i = Client(self.endpoint, None, timeout_s=120), offset
@@ -113,7 +115,7 @@ class Workload:
                     elif (base.token_ids, base.logits_digest) != (fab.token_ids, fab.logits_digest):
                         self.wrong += 1
                     else:
-                        self.served[k] = fab.node
+                        self.served[k] = (fab.node, tokens)
                         self.recent.append(fab.node)
                 i += len(self._threads)
         finally:
@@ -197,9 +199,15 @@ class ChaosHarness:
         nodes = self._nodes()
         if not nodes:
             return False
-        # A fault the node suffers at its own next step goes where requests are flowing.
-        busy = [n for n in work.busy_nodes() if n in nodes] if kind in _ARMED else []
-        name = rng.choice(busy or sorted(nodes))
+        # A fault the node suffers at its own next step goes where requests are flowing;
+        # a transfer fault, to a node that another node's answers can be fetched into.
+        if kind in _ARMED:
+            likely = [n for n in work.busy_nodes() if n in nodes]
+        elif kind in _TRANSFER:
+            likely = [n for n in sorted(nodes) if work.served_elsewhere(n)]
+        else:
+            likely = []
+        name = rng.choice(likely or sorted(nodes))
         actor = nodes[name]
         try:
             if kind is ChaosKind.KILL_NODE_ACTOR:
@@ -231,8 +239,8 @@ class ChaosHarness:
         ray.get(actor.inject.remote(_action(kind, rng)), timeout=CALL_TIMEOUT_S)
         if kind in _TRANSFER:
             # A prompt the node already holds reads nothing: try others until one does.
-            for k in rng.sample(held, min(len(held), 4)):
-                self.client.fetch(self.prompts[k], "chaos", into=name)
+            for tokens in rng.sample(held, min(len(held), 4)):
+                self.client.fetch(tokens, "chaos", into=name)
                 if self._fired_since(actor, before, 0.0):
                     return True
         if self._fired_since(actor, before, self.fire_wait_s):
@@ -257,7 +265,7 @@ class ChaosHarness:
             into_a, into_b = work.served_by(b), work.served_by(a)
             if into_a and into_b:
                 pulls = [threading.Thread(target=self.client.fetch, daemon=True,
-                                          args=(self.prompts[rng.choice(ks)], "chaos"), kwargs={"into": into})
+                                          args=(rng.choice(ks), "chaos"), kwargs={"into": into})
                          for into, ks in ((a, into_a), (b, into_b))]
                 for t in pulls:
                     t.start()

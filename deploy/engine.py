@@ -18,6 +18,9 @@ import torch
 from fabric import CachedKV, PoolName
 
 from .model import KVState, TinyLM
+from .placement import CostModel, PageBytes, Prompt, plan
+
+__all__ = ["CostModel", "Engine", "EngineStats", "Generation", "RequestError"]
 
 
 class RequestError(ValueError):
@@ -38,42 +41,6 @@ class RemoteFetcher(Protocol):
     bound to this node). Both answer in whole pages of `tokens`."""
     def best_remote(self, tokens: Sequence[int], namespace: str) -> int: ...
     def fetch(self, tokens: Sequence[int], namespace: str) -> int: ...
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Fetch the extra pages when moving them takes less time than computing them."""
-    prefill_tokens_per_s: float
-    transfer_bytes_per_s: float = 10e9      # about a 100 Gb/s NIC
-    fetch_overhead_s: float = 2e-3          # lookup, export grant, lease, commit
-
-    def __post_init__(self) -> None:
-        for name in ("prefill_tokens_per_s", "transfer_bytes_per_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if not self.fetch_overhead_s >= 0:
-            raise ValueError(f"fetch_overhead_s must be >= 0, got {self.fetch_overhead_s!r}")
-
-    def recompute_s(self, tokens: int) -> float:
-        return tokens / self.prefill_tokens_per_s
-
-    def transfer_s(self, nbytes: int) -> float:
-        return self.fetch_overhead_s + nbytes / self.transfer_bytes_per_s
-
-    def should_fetch(self, tokens: int, nbytes: int) -> bool:
-        return tokens > 0 and self.transfer_s(nbytes) < self.recompute_s(tokens)
-
-    @classmethod
-    def measure(cls, model: TinyLM, *, transfer_bytes_per_s: float = 10e9,
-                fetch_overhead_s: float = 2e-3, pages: int = 4) -> "CostModel":
-        """Time a short prefill on this node's model (after one warm-up run)."""
-        n = min(pages * model.config.page_size, model.config.max_positions)
-        tokens = [i % model.config.vocab for i in range(n)]
-        model.prefill(tokens)
-        start = time.perf_counter()
-        model.prefill(tokens)
-        elapsed = max(time.perf_counter() - start, 1e-9)
-        return cls(n / elapsed, transfer_bytes_per_s, fetch_overhead_s)
 
 
 @dataclass
@@ -131,8 +98,7 @@ class Engine:
         self.hold_s = hold_s
         self.stats = EngineStats()
         layout = self.layout = model.config.layout()
-        self._page_bytes = {p: layout.page_bytes(p) for p in layout.pools}
-        self._window_pages = layout.window_pages
+        self._sizes = PageBytes.of(layout)
 
     def generate(self, tokens: Sequence[int], max_tokens: int, namespace: str = "default", *,
                  return_logits: bool = False) -> Generation:
@@ -242,11 +208,9 @@ class Engine:
         except Exception:
             self.stats.fetch_failures += 1
             return None, "failed"
-        extra = best - have
-        if extra <= 0:
+        if best <= have:
             return None, "none"
-        nbytes = self._fetch_bytes(extra)
-        if not self.cost.should_fetch(extra * ps, nbytes):
+        if not plan(self.cost, self._sizes, Prompt(len(prompt), ps), have, best).fetched_pages:
             self.stats.fetches_skipped += 1
             return None, "skipped"
         self.stats.fetches += 1
@@ -262,15 +226,8 @@ class Engine:
         if state.length <= local.length:      # evicted again before we could read it
             self.stats.fetch_failures += 1
             return None, "failed"
-        self.stats.fetched_bytes += self._fetch_bytes(state.length // ps - have)
+        self.stats.fetched_bytes += self._sizes.fetch(state.length // ps - have)
         return state, "fetched"
-
-    def _fetch_bytes(self, pages: int) -> int:
-        """Bytes a fetch of `pages` more pages moves: FULL for each, SWA for the
-        part of the new window the local prefix does not already cover."""
-        full = pages * self._page_bytes.get(PoolName.FULL, 0)
-        swa = min(pages, self._window_pages) * self._page_bytes.get(PoolName.SWA, 0)
-        return full + swa
 
     def _usable(self, cached: CachedKV) -> KVState:
         try:

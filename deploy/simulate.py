@@ -1,10 +1,13 @@
 """`kvfabric replay`: a cluster-scale trace replay on the real `fabric/` core, in simulated time.
 
-Requests arrive at their trace timestamps. Each of N nodes serves one prefill at a time from a
-FIFO queue; a request's TTFT is its queue wait, plus a remote fetch if it makes one, plus the
-prefill of what it did not find cached, plus a per-request overhead. Three modes run on the same
-trace: `local` (node-local caches, cache-aware routing), `global` (the fabric: sharded index and
-remote fetch) and `infinite` (one unbounded cache: the ceiling). See `deploy.sim_cluster`.
+Requests arrive at their trace timestamps and are routed as Ray Serve would, seeing each
+replica's queue length (requests queued or running there). Each of N nodes runs one prefill
+at a time from a FIFO queue; a request's TTFT is its queue wait, plus a remote fetch if it
+makes one, plus the prefill of what it did not find cached, plus a per-request overhead.
+It then decodes its output (output_length x the time per output token, batched beside the
+node's other work) and leaves the node's queue. Five modes run on the same trace at each
+capacity: `pow2`, `affinity` (what Ray Serve ships), `global` (the fabric as deployed),
+`pooled` and `infinite` (the limits). See `deploy.sim_cluster`.
 """
 from __future__ import annotations
 
@@ -19,11 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
-from .sim_cluster import GlobalPolicy, Mode, Policy, SimConfig, SimRequest, make_policy, prepare
+from .sim_cluster import Cluster, Mode, SimConfig, SimRequest, make_cluster, prepare
 
-# Capacity points of `--plot`, as multiples of --capacity-tokens.
-PLOT_FACTORS = (0.25, 0.5, 1.0, 2.0)
-MOONCAKE_GLOBAL_OVER_LOCAL = {"conversation": 2.22, "synthetic": 2.36}
 INDEX_CHECK_SAMPLES = 200
 
 Progress = Callable[[int], None]        # called with requests done so far in the current run
@@ -40,6 +40,7 @@ class ModeResult:
     bytes_moved: int = 0
     fetches: int = 0
     ttft_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)      # arrival to the last output token
     shard_balance: float | None = None
     index_checked: int = 0
     index_disagreements: int = 0
@@ -50,16 +51,16 @@ class ModeResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def ttft_ms(self, q: float) -> float:
-        """Nearest-rank percentile of TTFT, in ms."""
-        if not self.ttft_s:
-            return 0.0
-        ordered = sorted(self.ttft_s)
-        return ordered[max(0, math.ceil(q * len(ordered)) - 1)] * 1e3
+        return _percentile(self.ttft_s, q) * 1e3
+
+    def e2e_ms(self, q: float) -> float:
+        return _percentile(self.e2e_s, q) * 1e3
 
     def to_json(self) -> dict:
         out = {"hit_rate": round(self.hit_rate, 4), "prefill_tokens": self.prefill_tokens,
                "ttft_p50_ms": round(self.ttft_ms(0.5), 1), "ttft_p99_ms": round(self.ttft_ms(0.99), 1),
-               "hit_tokens": self.hit_tokens, "bytes_moved": self.bytes_moved}
+               "e2e_p50_ms": round(self.e2e_ms(0.5), 1), "hit_tokens": self.hit_tokens,
+               "bytes_moved": self.bytes_moved}
         if self.mode is Mode.GLOBAL:
             out.update(remote_hit_tokens=self.remote_hit_tokens, fetches=self.fetches,
                        shard_load_max_over_mean=_round(self.shard_balance),
@@ -67,34 +68,43 @@ class ModeResult:
         return out
 
 
+def _percentile(values: list[float], q: float) -> float:
+    """Nearest rank."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 def _round(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits)
 
 
-def simulate(policy: Policy, requests: Sequence[SimRequest], progress: Progress | None = None) -> ModeResult:
-    """Replay `requests` (in arrival order) through `policy`'s cluster; discrete events."""
-    n = policy.config.nodes
-    queues: list[deque[tuple[SimRequest, float]]] = [deque() for _ in range(n)]
+def simulate(cluster: Cluster, requests: Sequence[SimRequest], mode: Mode,
+             progress: Progress | None = None) -> ModeResult:
+    """Replay `requests` (in arrival order) through `cluster`; discrete events."""
+    n, c = cluster.config.nodes, cluster.config
+    queues: list[deque[SimRequest]] = [deque() for _ in range(n)]
     busy, loads = [False] * n, [0] * n
-    run_end, queued_s = [0.0] * n, [0.0] * n     # the router's backlog view
-    done: list[tuple] = []                  # (end time, tie-break, node, request, service)
+    events: list[tuple] = []                # (time, tie-break, node, request, service or None)
     order = itertools.count()
-    res = ModeResult(policy.mode, policy.config.capacity_tokens)
+    res = ModeResult(mode, c.capacity_tokens)
     t0 = time.perf_counter()
 
     def start(i: int, now: float) -> None:
-        req, estimate = queues[i].popleft()
-        queued_s[i] = queued_s[i] - estimate if queues[i] else 0.0
-        svc = policy.serve(i, req)
-        run_end[i] = now + svc.duration_s
-        heapq.heappush(done, (run_end[i], next(order), i, req, svc))
+        req = queues[i].popleft()
+        svc = cluster.serve(i, req)
+        heapq.heappush(events, (now + svc.duration_s, next(order), i, req, svc))
         busy[i] = True
 
-    def finish_until(t: float) -> None:
-        while done and done[0][0] <= t:
-            now, _, i, req, svc = heapq.heappop(done)
-            policy.complete(i, req)
-            loads[i] -= 1
+    def advance(t: float) -> None:
+        while events and events[0][0] <= t:
+            now, _, i, req, svc = heapq.heappop(events)
+            if svc is None:                 # its decode ended: it leaves the node's queue
+                loads[i] -= 1
+                res.e2e_s.append(now - req.arrival_s)
+                continue
+            cluster.complete(i, req)
             busy[i] = False
             res.prompt_tokens += req.input_length
             res.hit_tokens += svc.hit_tokens
@@ -103,84 +113,106 @@ def simulate(policy: Policy, requests: Sequence[SimRequest], progress: Progress 
             res.bytes_moved += svc.fetched_bytes
             res.fetches += svc.fetched_bytes > 0
             res.ttft_s.append(now - req.arrival_s)
+            heapq.heappush(events, (now + req.output_length * c.decode_s_per_token, next(order), i, req, None))
             if queues[i]:
                 start(i, now)
 
     for k, req in enumerate(requests):
-        finish_until(req.arrival_s)
-        now = req.arrival_s
-        placed = policy.route(req, loads, [max(0.0, run_end[j] - now) + queued_s[j] for j in range(n)])
-        i = placed.node
-        queues[i].append((req, placed.estimate_s))
-        queued_s[i] += placed.estimate_s
+        advance(req.arrival_s)
+        i = cluster.route(req, loads)
+        queues[i].append(req)
         loads[i] += 1
         if not busy[i]:
             start(i, req.arrival_s)
         if progress is not None:
             progress(k + 1)
-    finish_until(math.inf)
-    res.shard_balance = policy.shard_balance()
-    if isinstance(policy, GlobalPolicy):
-        step = max(1, len(requests) // INDEX_CHECK_SAMPLES)
-        sample = requests[::step]
+    advance(math.inf)
+    res.shard_balance = cluster.shard_balance()
+    check = getattr(cluster, "index_disagreements", None)
+    if check is not None:
+        sample = requests[::max(1, len(requests) // INDEX_CHECK_SAMPLES)]
         res.index_checked = len(sample)
-        res.index_disagreements = len(policy.index_disagreements(sample))
+        res.index_disagreements = len(check(sample))
     res.elapsed_s = time.perf_counter() - t0
     return res
 
 
 def run_mode(mode: Mode, config: SimConfig, requests: Sequence[SimRequest],
              progress: Progress | None = None) -> ModeResult:
-    return simulate(make_policy(mode, config, requests), requests, progress)
+    return simulate(make_cluster(mode, config, requests), requests, mode, progress)
+
+
+RATIOS = (Mode.POW2, Mode.AFFINITY, Mode.POOLED, Mode.INFINITE)     # global over each
+
+
+@dataclass
+class Point:
+    """Every mode at one capacity per node."""
+    capacity_tokens: int
+    modes: dict[Mode, ModeResult]
+
+    def ratio(self, a: Mode, b: Mode) -> float | None:
+        """Hit rate of `a` over `b`; None when either did not run or `b` hit nothing."""
+        if a not in self.modes or b not in self.modes or not self.modes[b].hit_rate:
+            return None
+        return self.modes[a].hit_rate / self.modes[b].hit_rate
+
+    def ttft_ratio(self, a: Mode, b: Mode) -> float | None:
+        """TTFT p50 of `a` over `b` (below 1: `a` is faster)."""
+        if a not in self.modes or b not in self.modes or not self.modes[b].ttft_ms(0.5):
+            return None
+        return self.modes[a].ttft_ms(0.5) / self.modes[b].ttft_ms(0.5)
+
+    def to_json(self) -> dict:
+        out: dict = {"capacity_tokens": self.capacity_tokens,
+                     "modes": {m.value: r.to_json() for m, r in self.modes.items()}}
+        for b in RATIOS:
+            out[f"global_over_{b.value}_hit_rate"] = _round(self.ratio(Mode.GLOBAL, b))
+        for b in (Mode.POW2, Mode.AFFINITY):
+            out[f"global_over_{b.value}_ttft_p50"] = _round(self.ttft_ratio(Mode.GLOBAL, b))
+        g = self.modes.get(Mode.GLOBAL)
+        out["shard_load_max_over_mean"] = _round(g.shard_balance) if g else None
+        return out
 
 
 @dataclass
 class Replay:
     config: SimConfig
     requests: int
-    main: dict[Mode, ModeResult]
-    sweep: list[ModeResult]                 # every run, the main ones included
+    points: list[Point]                     # one per capacity, in the order asked
     elapsed_s: float
 
-    def ratio(self, a: Mode, b: Mode) -> float | None:
-        hb = self.main[b].hit_rate
-        return self.main[a].hit_rate / hb if hb else None
-
     def to_json(self) -> dict:
-        return {"requests": self.requests, "nodes": self.config.nodes,
-                "capacity_tokens": self.config.capacity_tokens, "shards": self.config.shards,
-                "modes": {m.value: r.to_json() for m, r in self.main.items()},
-                "global_over_local_hit_rate": _round(self.ratio(Mode.GLOBAL, Mode.LOCAL)),
-                "global_over_infinite_hit_rate": _round(self.ratio(Mode.GLOBAL, Mode.INFINITE)),
-                "shard_load_max_over_mean": _round(self.main[Mode.GLOBAL].shard_balance),
-                "mooncake_global_over_local_hit_rate": MOONCAKE_GLOBAL_OVER_LOCAL,
-                "sweep": [{"mode": r.mode.value, "capacity_tokens": r.capacity_tokens,
-                           "hit_rate": round(r.hit_rate, 4)} for r in self.sweep],
-                "elapsed_s": round(self.elapsed_s, 1)}
+        """The first capacity's figures at the top, every capacity's in `sweep`;
+        `shard_load_max_over_mean` is the worst global run's."""
+        first = self.points[0].to_json()
+        balances = [p.modes[Mode.GLOBAL].shard_balance for p in self.points if Mode.GLOBAL in p.modes]
+        return {"requests": self.requests, "nodes": self.config.nodes, "shards": self.config.shards,
+                **first, "shard_load_max_over_mean": _round(max(balances)) if balances else None,
+                "sweep": [p.to_json() for p in self.points], "elapsed_s": round(self.elapsed_s, 1)}
 
 
-def replay(config: SimConfig, requests: Sequence[SimRequest], factors: Sequence[float] = (1.0,),
-           bar: "Bar | None" = None) -> Replay:
-    """Every mode at `config`'s capacity, and local and global at each other capacity factor."""
+def replay(config: SimConfig, requests: Sequence[SimRequest], capacities: Sequence[int] = (),
+           modes: Sequence[Mode] = tuple(Mode), bar: "Bar | None" = None) -> Replay:
+    """Every mode at each capacity (default: the config's). The infinite cache does not
+    depend on capacity: it runs once."""
     t0 = time.perf_counter()
-    plan = [(Mode.INFINITE, config)]        # capacity-independent: run once
-    for f in sorted(set(factors) | {1.0}):
-        c = config if f == 1.0 else _scaled(config, f)
-        plan += [(Mode.LOCAL, c), (Mode.GLOBAL, c)]
-    runs, main = [], {}
-    for k, (mode, c) in enumerate(plan):
-        label = f"[{k + 1}/{len(plan)}] {mode.value} @ {c.capacity_tokens:,} tokens/node"
-        runs.append(run_mode(mode, c, requests, bar.for_run(label) if bar else None))
-        if c is config:
-            main[mode] = runs[-1]
+    points, infinite = [], None
+    for cap in capacities or (config.capacity_tokens,):
+        cfg = dataclasses.replace(config, capacity_tokens=cap)
+        results = {}
+        for mode in modes:
+            if mode is Mode.INFINITE and infinite is not None:
+                results[mode] = dataclasses.replace(infinite, capacity_tokens=cap)
+                continue
+            label = f"{mode.value:<8} {cap:>10,}"
+            results[mode] = run_mode(mode, cfg, requests, bar.for_run(label) if bar else None)
+            if mode is Mode.INFINITE:
+                infinite = results[mode]
+        points.append(Point(cap, results))
     if bar:
         bar.close()
-    main = {m: main[m] for m in (Mode.LOCAL, Mode.GLOBAL, Mode.INFINITE)}
-    return Replay(config, len(requests), main, runs, time.perf_counter() - t0)
-
-
-def _scaled(config: SimConfig, factor: float) -> SimConfig:
-    return dataclasses.replace(config, capacity_tokens=max(512, int(config.capacity_tokens * factor)))
+    return Replay(config, len(requests), points, time.perf_counter() - t0)
 
 
 class Bar:
@@ -221,9 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvfabric replay: error: the trace {args.trace or 'packaged'} has no requests", file=sys.stderr)
         return 2
     requests = prepare(trace, config)
-    factors = PLOT_FACTORS if args.plot else (1.0,)
     bar = None if args.no_progress else Bar(len(requests))
-    result = replay(config, requests, factors, bar)
+    result = replay(config, requests, args.capacity_tokens, args.modes, bar)
     print_table(result, args.trace)
     if args.plot:
         print(f"plot: {write_plot(result, Path(args.plot))}")

@@ -123,6 +123,15 @@ class RouteTable:
         table._add(Route(tuple(path), owner, spread=True))
         return table
 
+    def move(self, path: Sequence[bytes], shard: int) -> "RouteTable":
+        """A new table in which the subtree of the page ending `path` is on `shard`
+        (a route there keeps spreading its children, if it did)."""
+        old = self._routes.get(path[-1])
+        kept = [r for r in self.routes if r.key != path[-1]]
+        table = RouteTable(self.shards, kept, self.version + 1)
+        table._add(Route(tuple(path), shard, spread=old is not None and old.spread))
+        return table
+
     def encode(self) -> bytes:
         return msgpack.packb([ROUTES_VERSION, self.version, self.shards,
                               [[list(r.path), r.shard, r.spread] for r in self._routes.values()]])

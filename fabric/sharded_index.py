@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .balance import LoadTracker, Split
+from .balance import LoadTracker, Split, chance_target
 from .events import EventBatch, Snapshot
 from .index import ApplyResult, NodeMatch, PrefixIndex
 from .regions import entries_by_region
@@ -71,6 +71,13 @@ class ShardedIndex:
         self.routes, split = planned
         self.load = LoadTracker(len(self.shards))
         return split
+
+    def rebalance_if_uneven(self, target: float = 1.1, sigmas: float | None = None) -> Split | None:
+        """`rebalance`, when lookups are uneven beyond chance (`chance_target`: a split
+        costs every node a snapshot) or entries beyond `target`; what the directory's
+        watcher does, in process."""
+        bar = chance_target(target, self.load.lookups, sigmas) or target
+        return self.rebalance(target=bar, entries_target=target)
 
     def stats(self) -> dict:
         return {"shards": len(self.shards), "routes": len(self.routes.routes),

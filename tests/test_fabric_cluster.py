@@ -211,7 +211,8 @@ def test_hot_subtrees_split_across_shard_actors(fabric):
             assert [(m.node, m.pages) for m in client.lookup(p, NS)] == [(node, 4)]
         ray.get(fabric.directory.rebalance.remote(1.05), timeout=T)
         flush(fabric)
-    assert routes_version(fabric) >= before + 2     # the watcher may have made some of them
+    # One split at the pages every prompt shares spreads them (the watcher may add more).
+    assert routes_version(fabric) > before
     for p in prompts:
         assert [(m.node, m.pages) for m in client.lookup(p, NS)] == [(node, 4)]
     served = [ray.get(s.stats.remote(), timeout=T)["lookups"] for s in fabric.shards]

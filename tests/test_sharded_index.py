@@ -98,7 +98,7 @@ def test_trace_prefixes_spread_over_shards():
         world.agree(tokens)
     # every request shares block 0: by the first page alone one shard would take all
     assert world.sharded.load_max_over_mean() < 8.0
-    assert len(world.sharded.routes.routes) > 1
+    assert any(r.spread for r in world.sharded.routes.routes)      # block 0's children spread
 
 
 def test_route_table_wire_and_validation():

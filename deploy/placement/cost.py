@@ -1,0 +1,116 @@
+"""The cost model: what a prefill, a fetch and a request's placement cost in time.
+
+One decision, used by the Serve router (scoring a node), the engine (fetching before its
+prefill) and `kvfabric replay` (both): fetch the pages another node holds beyond this one's
+when moving them takes less time than computing them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+from fabric import AttentionPolicy, FullAttentionPolicy, KVLayout, PoolName
+from fabric.policies import policies_for
+
+
+class Prefills(Protocol):
+    """A model that can be timed (deploy.model.TinyLM has it)."""
+    config: object
+
+    def prefill(self, tokens: Sequence[int], past: object = None) -> object: ...
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Fetch the extra pages when moving them takes less time than computing them."""
+    prefill_tokens_per_s: float
+    transfer_bytes_per_s: float = 10e9      # about a 100 Gb/s NIC
+    fetch_overhead_s: float = 2e-3          # lookup, export grant, lease, commit
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "transfer_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.fetch_overhead_s >= 0:
+            raise ValueError(f"fetch_overhead_s must be >= 0, got {self.fetch_overhead_s!r}")
+
+    def recompute_s(self, tokens: int) -> float:
+        return tokens / self.prefill_tokens_per_s
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.fetch_overhead_s + nbytes / self.transfer_bytes_per_s
+
+    def should_fetch(self, tokens: int, nbytes: int) -> bool:
+        return tokens > 0 and self.transfer_s(nbytes) < self.recompute_s(tokens)
+
+    @classmethod
+    def measure(cls, model: Prefills, *, transfer_bytes_per_s: float = 10e9,
+                fetch_overhead_s: float = 2e-3, pages: int = 4) -> "CostModel":
+        """Time a short prefill on this node's model (after one warm-up run)."""
+        cfg = model.config
+        n = min(pages * cfg.page_size, cfg.max_positions)
+        tokens = [i % cfg.vocab for i in range(n)]
+        model.prefill(tokens)
+        start = time.perf_counter()
+        model.prefill(tokens)
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        return cls(n / elapsed, transfer_bytes_per_s, fetch_overhead_s)
+
+
+class PageBytes:
+    """Bytes a fetch of `pages` more pages moves: per pool, the pages its attention policy
+    needs of them (every one for full attention, the last window's for SWA) at that pool's
+    page size."""
+
+    def __init__(self, sizes: Mapping[PoolName, int], policies: Mapping[PoolName, AttentionPolicy]) -> None:
+        self.sizes, self.policies = dict(sizes), dict(policies)
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> "PageBytes":
+        return cls({p: layout.page_bytes(p) for p in layout.pools}, policies_for(layout))
+
+    @classmethod
+    def full(cls, page_bytes: int) -> "PageBytes":
+        """Full attention only, `page_bytes` a page."""
+        return cls({PoolName.FULL: page_bytes}, {PoolName.FULL: FullAttentionPolicy()})
+
+    def fetch(self, pages: int) -> int:
+        return sum(len(self.policies[p].needed(pages)) * size for p, size in self.sizes.items())
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as placement sees it: its length in tokens and its page size. A page
+    count converts to tokens capped at the length (the last page may be partial)."""
+    tokens: int
+    page_tokens: int
+
+    def hit_tokens(self, pages: int) -> int:
+        return min(pages * self.page_tokens, self.tokens)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a node holding `have` pages does when some node holds `best`."""
+    cached_pages: int            # after the fetch, if any
+    fetched_pages: int
+    fetched_bytes: int
+    fetch_s: float
+    prefill_s: float             # computing what is still missing
+
+    @property
+    def seconds(self) -> float:
+        return self.fetch_s + self.prefill_s
+
+
+def plan(cost: CostModel, sizes: PageBytes, prompt: Prompt, have: int, best: int) -> Plan:
+    """Fetch the pages from `have` to `best` when the cost model says moving beats
+    recomputing them; otherwise compute them."""
+    extra_pages = max(0, best - have)
+    extra = prompt.hit_tokens(best) - prompt.hit_tokens(have) if extra_pages else 0
+    nbytes = sizes.fetch(extra_pages)
+    if extra_pages and cost.should_fetch(extra, nbytes):
+        return Plan(best, extra_pages, nbytes, cost.transfer_s(nbytes),
+                    cost.recompute_s(prompt.tokens - prompt.hit_tokens(best)))
+    return Plan(have, 0, 0, 0.0, cost.recompute_s(prompt.tokens - prompt.hit_tokens(have)))
