@@ -7,6 +7,7 @@ from .layout import PoolName, Tier
 from .node_cache import NodeCache
 from .radix import ABSENT, Node
 from .routes import RouteTable
+from .shard_batches import ShardBatches
 
 _BITS = {(PoolName.FULL, Tier.DEVICE): PageMask.FULL_DEVICE, (PoolName.FULL, Tier.HOST): PageMask.FULL_HOST,
          (PoolName.SWA, Tier.DEVICE): PageMask.SWA_DEVICE, (PoolName.SWA, Tier.HOST): PageMask.SWA_HOST}
@@ -24,7 +25,7 @@ class EventPublisher:
         self.cache, self.node, self.epoch = cache, node, epoch
         self.fingerprint = cache.layout.fingerprint
         self.next_seq = 0
-        self.shard_seq: dict[int, int] = {}
+        self.shards = ShardBatches(node, epoch, self.fingerprint)
         tree = cache.tree
         tree.changes = ChangeLog(lambda: pending_floor + 2 * len(tree.by_key))
 
@@ -45,38 +46,19 @@ class EventPublisher:
         `every_shard`, shards with no news get an empty batch (a heartbeat)."""
         changes, restate = self._take_changes()
         if restate:
-            return {shard: self._next(shard, list(snap.pages), cleared=True)
-                    for shard, snap in self.snapshots(routes).items()}
-        per_shard: dict[int, list[PageState]] = {}
+            return self.shards.restatement(routes, self._held_paths())
         paths = _Paths()
-        for node, j in changes:
-            state = self._state(node, j)
-            for shard in routes.shards_for(paths.of(node, j)):
-                per_shard.setdefault(shard, []).append(state)
-        for shard in range(routes.shards):      # the first batch of each shard says `cleared`
-            if every_shard or shard not in self.shard_seq:
-                per_shard.setdefault(shard, [])
-        return {shard: self._next(shard, pages) for shard, pages in per_shard.items()}
+        return self.shards.changes(routes, ((self._state(node, j), paths.of(node, j)) for node, j in changes),
+                                   every_shard)
 
     def snapshots(self, routes: RouteTable) -> dict[int, Snapshot]:
         """What each shard should hold of this node under `routes`, each as of
         the last batch that shard got (drain_routed first)."""
-        paths = _Paths()
-        per_shard: dict[int, list[PageState]] = {s: [] for s in range(routes.shards)}
-        for node in self.cache.tree.nodes():
-            for j in range(node.n):
-                state = _held(node, j)
-                if state.mask:
-                    for shard in routes.shards_for(paths.of(node, j)):
-                        per_shard[shard].append(state)
-        return {s: Snapshot(self.node, self.epoch, self.shard_seq.get(s, 0) - 1, tuple(pages), self.fingerprint)
-                for s, pages in per_shard.items()}
+        return self.shards.snapshots(routes, self._held_paths())
 
-    def _next(self, shard: int, pages: list[PageState], cleared: bool = False) -> EventBatch:
-        seq = self.shard_seq.get(shard, 0)
-        self.shard_seq[shard] = seq + 1
-        return EventBatch(self.node, self.epoch, seq, tuple(pages), cleared=cleared or seq == 0,
-                          fingerprint=self.fingerprint)
+    def _held_paths(self):
+        paths = _Paths()
+        return ((_held(node, j), paths.of(node, j)) for node in self.cache.tree.nodes() for j in range(node.n))
 
     def _take_changes(self) -> tuple[list[tuple[Node, int]], bool]:
         """(changed pages, each once; whether to restate everything instead)."""

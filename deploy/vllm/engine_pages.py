@@ -33,6 +33,7 @@ from typing import Iterable
 
 from fabric import EventBatch, KeyerCache, KVLayout, PageMask, PageState, PoolName, RouteTable, Snapshot
 from fabric.keys import encode_tokens
+from fabric.shard_batches import ShardBatches
 
 from .event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from .namespaces import fabric_namespace
@@ -107,7 +108,7 @@ class EnginePages:
         self._changed: dict[bytes, _Page] = {}
         self._pending_limit = pending_floor + 2 * max_entries
         self._restate = True
-        self.shard_seq: dict[int, int] = {}
+        self.shards = ShardBatches(node, epoch, layout.fingerprint)
         self.stats = EngineStats()
 
     # --- vLLM's events -----------------------------------------------------------------
@@ -252,49 +253,26 @@ class EnginePages:
 
     def held(self) -> dict[bytes, PageState]:
         """Every page published as held, by key."""
-        out = {}
-        for entry in self._entries.values():
-            if entry.page is not None and entry.groups:
-                state = self._state(entry.page)
-                if state.mask:
-                    out[state.key] = state
-        return out
+        return {state.key: state for state in map(self._state, self._pages()) if state.mask}
+
+    def _pages(self) -> Iterable[_Page]:
+        return (e.page for e in self._entries.values() if e.page is not None and e.groups)
 
     def drain_routed(self, routes: RouteTable, every_shard: bool = False) -> dict[int, EventBatch]:
         """One batch per shard that must hear of a changed page (EventPublisher's rules)."""
         changed, restate = list(self._changed.values()), self._restate
         self._changed, self._restate = {}, False
         if restate:
-            return {shard: self._next(shard, list(snap.pages), cleared=True)
-                    for shard, snap in self.snapshots(routes).items()}
-        per_shard: dict[int, list[PageState]] = {}
+            return self.shards.restatement(routes, self._held_paths())
         paths = _Paths()
-        for page in changed:
-            state = self._state(page)
-            for shard in routes.shards_for(paths.of(page)):
-                per_shard.setdefault(shard, []).append(state)
-        for shard in range(routes.shards):
-            if every_shard or shard not in self.shard_seq:
-                per_shard.setdefault(shard, [])
-        return {shard: self._next(shard, pages) for shard, pages in per_shard.items()}
+        return self.shards.changes(routes, ((self._state(page), paths.of(page)) for page in changed), every_shard)
 
     def snapshots(self, routes: RouteTable) -> dict[int, Snapshot]:
-        paths = _Paths()
-        per_shard: dict[int, list[PageState]] = {s: [] for s in range(routes.shards)}
-        for entry in self._entries.values():
-            if entry.page is not None and entry.groups:
-                state = self._state(entry.page)
-                if state.mask:
-                    for shard in routes.shards_for(paths.of(entry.page)):
-                        per_shard[shard].append(state)
-        return {s: Snapshot(self.node, self.epoch, self.shard_seq.get(s, 0) - 1, tuple(pages), self.fingerprint)
-                for s, pages in per_shard.items()}
+        return self.shards.snapshots(routes, self._held_paths())
 
-    def _next(self, shard: int, pages: list[PageState], cleared: bool = False) -> EventBatch:
-        seq = self.shard_seq.get(shard, 0)
-        self.shard_seq[shard] = seq + 1
-        return EventBatch(self.node, self.epoch, seq, tuple(pages), cleared=cleared or seq == 0,
-                          fingerprint=self.fingerprint)
+    def _held_paths(self):
+        paths = _Paths()
+        return ((self._state(page), paths.of(page)) for page in self._pages())
 
     def __len__(self) -> int:
         return len(self._entries)
