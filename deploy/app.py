@@ -104,17 +104,22 @@ class AppArgs:
 
 
 def ensure_fabric(args: AppArgs, timeout_s: float = 180.0) -> bool:
+    """Start the fabric for the reference model unless one runs (see `ensure_fabric_for`)."""
+    return ensure_fabric_for(args.node_config(), args.shards, timeout_s)
+
+
+def ensure_fabric_for(config: NodeConfig, shards: int, timeout_s: float = 180.0) -> bool:
     """Start the fabric on the connected cluster unless one runs; returns whether it
     started one. A running fabric of another model layout is an error, not a mix."""
     try:
         directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
     except ValueError:
-        start(args.node_config(), shards=args.shards, timeout_s=timeout_s)
+        start(config, shards=shards, timeout_s=timeout_s)
         return True
     running: NodeConfig = ray.get(directory.get_config.remote(), timeout=CALL_TIMEOUT_S)
-    if running.layout != args.model_config.layout():
+    if running.layout != config.layout:
         raise AppArgsError(f"the running fabric caches layout {running.layout.to_dict()}, "
-                           f"not this model's {args.model_config.layout().to_dict()}")
+                           f"not this model's {config.layout.to_dict()}")
     return False
 
 

@@ -24,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: localhost only)")
     up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--args", default="{}", help="app args as JSON (see deploy.app.AppArgs)")
+    up.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                    help="reference: the bit-exact reference model; vllm: vLLM under Ray Serve LLM")
+    up.add_argument("--args", default="{}", help="app args as JSON (deploy.app.AppArgs; with --engine vllm, "
+                    "deploy.vllm.serve_llm.LLMAppArgs)")
     up.add_argument("--tenants", metavar="FILE", help="the tenant table: API keys and the namespaces "
                     "each may use (JSON or YAML; deploy/tenants.py); the same path on every node")
     down = sub.add_parser("down", help="remove the Serve app and the fabric from a running cluster")
@@ -56,21 +59,31 @@ def _up(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ap.error(f"--args is not JSON: {e}")
     if not isinstance(app_args, dict):
         ap.error("--args must be a JSON object")
+    try:
+        _check_app_args(ap, args, app_args)
+    except (ValueError, TypeError) as e:         # bad args fail here, not in a replica
+        ap.error(str(e))
+    from deploy.cluster import connect, up
+    connect(args.address)
+    endpoint = up(app_args, host=args.host, port=args.port, engine=args.engine)
+    print(f"kvfabric is up: {endpoint.base_url}/v1/completions (models: {endpoint.base_url}/v1/models)")
+    return 0
+
+
+def _check_app_args(ap: argparse.ArgumentParser, args: argparse.Namespace, app_args: dict) -> None:
+    """Validate `app_args` for the engine (adding --tenants to the reference app's)."""
+    if args.engine == "vllm":
+        if args.tenants is not None:
+            ap.error("--tenants is for the reference engine; a vLLM app's tenants are cache_salts")
+        from deploy.vllm.serve_llm import LLMAppArgs
+        LLMAppArgs.from_dict(app_args)
+        return
     if args.tenants is not None:
         if "tenants_file" in app_args:
             ap.error("give the tenant table with --tenants or in --args, not both")
         app_args["tenants_file"] = os.path.abspath(os.path.expanduser(args.tenants))
-    from deploy.app import AppArgs, AppArgsError
-    from deploy.tenants import TenantsError
-    try:
-        AppArgs.from_dict(app_args).tenants()       # a bad table fails here, not in a replica
-    except (AppArgsError, TenantsError, TypeError) as e:
-        ap.error(str(e))
-    from deploy.cluster import connect, up
-    connect(args.address)
-    endpoint = up(app_args, host=args.host, port=args.port)
-    print(f"kvfabric is up: {endpoint.base_url}/v1/completions (models: {endpoint.base_url}/v1/models)")
-    return 0
+    from deploy.app import AppArgs
+    AppArgs.from_dict(app_args).tenants()
 
 
 def _down(args: argparse.Namespace) -> int:

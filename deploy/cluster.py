@@ -72,27 +72,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def up(args: dict | None = None, host: str = "127.0.0.1", port: int = 8000,
-       wait_s: float = 300.0) -> Endpoint:
-    """Deploy the fabric and the Serve app onto the connected cluster and leave them
-    running. Binds to localhost unless `host` says otherwise."""
-    from ray import serve
+ENGINES = ("reference", "vllm")
 
-    from .app import AppArgs, build_app, ensure_fabric
-    parsed = AppArgs.from_dict(args)
+
+def up(args: dict | None = None, host: str = "127.0.0.1", port: int = 8000,
+       wait_s: float = 300.0, engine: str = "reference") -> Endpoint:
+    """Deploy the fabric and the Serve app onto the connected cluster and leave them
+    running. Binds to localhost unless `host` says otherwise. `engine`: "reference"
+    (the bit-exact reference model, deploy/app.py) or "vllm" (vLLM under Ray Serve LLM,
+    deploy/vllm/serve_llm.py; its args are LLMAppArgs)."""
+    from ray import serve
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "vllm":
+        from .vllm.serve_llm import llm_app_builder as builder
+        ready = "/v1/models"
+    else:
+        from .app import app_builder as builder
+        ready = "/healthz"
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
-    ensure_fabric(parsed)
-    serve.run(build_app(parsed), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(builder(args or {}), name=APP_NAME, route_prefix="/", blocking=False)
     endpoint = Endpoint("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)
-    wait_healthy(endpoint, wait_s)
+    wait_healthy(endpoint, wait_s, ready)
     return endpoint
 
 
-def wait_healthy(endpoint: Endpoint, wait_s: float) -> None:
+def wait_healthy(endpoint: Endpoint, wait_s: float, path: str = "/healthz") -> None:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            with urllib.request.urlopen(endpoint.base_url + "/healthz", timeout=5) as r:
+            with urllib.request.urlopen(endpoint.base_url + path, timeout=5) as r:
                 if r.status == 200:
                     return
         except OSError:

@@ -17,6 +17,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from transport.staging import StagingSpec
 
+from .index_sink import FeedSpec
 from .jobs import FabricMeta, FabricSettings
 from .plan import plan_from_kv_cache_config
 from .scheduler_side import SchedulerSide
@@ -45,7 +46,8 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
         self.plan = plan_from_kv_cache_config(kv_cache_config, vllm_config.model_config.model)
         # Both sides (two processes) name the same staging files after the engine.
         spec = StagingSpec(f"kvf-vllm-{tc.engine_id}", self.settings.staging_pages)
-        self.scheduler = SchedulerSide(self.plan, self.settings, spec) \
+        feed = FeedSpec.of(vllm_config.kv_events_config, self.settings.engine_slot, self.plan.group_pools)
+        self.scheduler = SchedulerSide(self.plan, self.settings, spec, feed) \
             if role == KVConnectorRole.SCHEDULER else None
         self.worker = WorkerSide(self.plan, self.settings, spec) \
             if role == KVConnectorRole.WORKER else None

@@ -8,6 +8,8 @@ table again every `refresh_s` (a rebalance sends every shard a snapshot)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 
@@ -20,6 +22,34 @@ from fabric import KVLayout, PoolName, RouteTable
 from .engine_identity import engine_index_node
 from .engine_pages import EnginePages
 from .event_feed import EngineEventFeed
+
+
+@dataclass(frozen=True)
+class FeedSpec:
+    """Where an engine's KV events are read, and what the index names the engine."""
+    slot: str
+    group_pools: tuple[PoolName, ...]
+    endpoint: str
+    replay_endpoint: str | None = None
+
+    @classmethod
+    def of(cls, kv_events_config: Any, slot: str, group_pools: tuple[PoolName, ...]) -> "FeedSpec | None":
+        """From vLLM's KVEventsConfig: None unless a slot is named and the engine
+        publishes its events over ZMQ."""
+        cfg = kv_events_config
+        if not slot or cfg is None or not cfg.enable_kv_cache_events or cfg.publisher != "zmq":
+            return None
+        replay = cfg.replay_endpoint
+        return cls(slot, group_pools, _subscriber(cfg.endpoint), _subscriber(replay) if replay else None)
+
+    def start(self, directory, node_actor: str, layout: KVLayout) -> EngineEventFeed:
+        return start_engine_feed(directory, node_actor, self.slot, layout, self.group_pools, self.endpoint,
+                                 self.replay_endpoint)
+
+
+def _subscriber(endpoint: str) -> str:
+    """The address to connect to where the publisher binds (it binds "tcp://*:port")."""
+    return endpoint.replace("://*:", "://127.0.0.1:", 1)
 
 
 class ShardSink:

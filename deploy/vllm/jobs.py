@@ -68,6 +68,9 @@ class FabricSettings:
     remote: bool = True            # fetch longer prefixes from other nodes (needs the fabric's index)
     fetch_timeout_s: float = 10.0  # a fetch from another node, before the request computes instead
     fault_file: str = ""           # tests: a JSON file of injected faults, read at each step
+    # Feed the fabric's index from this engine's KV events (its kv_events_config) as
+    # `<node_actor>/engine/<engine_slot>`; empty: no feed.
+    engine_slot: str = ""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "FabricSettings":

@@ -12,6 +12,8 @@ from .jobs import FabricSettings
 if TYPE_CHECKING:
     from actors.fabric import PendingLookup
 
+    from .index_sink import FeedSpec
+
 log = logging.getLogger(__name__)
 
 
@@ -20,9 +22,11 @@ class NodeLink:
     fingerprint differs from the engine's (another model, dtype or KV tensor layout),
     leaves the connector off: the engine computes everything itself."""
 
-    def __init__(self, settings: FabricSettings, layout: KVLayout) -> None:
+    def __init__(self, settings: FabricSettings, layout: KVLayout, feed: FeedSpec | None = None) -> None:
         self.settings = settings
         self.layout = layout
+        self.feed_spec = feed       # the engine's KV events, fed to the index once connected
+        self.feed = None
         self.actor = None
         self.disabled = "" if settings.node_actor else "no node_actor configured"
         self.name = settings.node_actor
@@ -56,6 +60,18 @@ class NodeLink:
                              f"this engine needs {self.layout.to_dict()}")
             return
         self.actor = actor
+        if self.feed_spec is not None:
+            self._start_feed()
+
+    def _start_feed(self) -> None:
+        from actors.directory import DIRECTORY
+
+        import ray
+        try:
+            directory = ray.get_actor(DIRECTORY, namespace=self.settings.ray_namespace)
+            self.feed = self.feed_spec.start(directory, self.name, self.layout)
+        except Exception as e:       # no feed: the index does not know this engine's own cache
+            log.warning("FabricConnector: the engine's KV events do not reach the index: %r", e)
 
     def call(self, method: str, *args: Any) -> Any:
         import ray

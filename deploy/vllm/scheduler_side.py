@@ -21,6 +21,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from fabric import OutOfPages, PageAllocator, PoolName
 from transport.staging import StagedHit, StagingSpec
 
+from .index_sink import FeedSpec
 from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove, maybe_fail
 from .namespaces import fabric_namespace
 from .node_link import NodeLink
@@ -62,11 +63,12 @@ class _Load:
 
 
 class SchedulerSide:
-    def __init__(self, plan: EnginePlan, settings: FabricSettings, spec: StagingSpec) -> None:
+    def __init__(self, plan: EnginePlan, settings: FabricSettings, spec: StagingSpec,
+                 feed: FeedSpec | None = None) -> None:
         self.plan = plan
         self.settings = settings
         self.spec = spec
-        self.node = NodeLink(settings, plan.layout)
+        self.node = NodeLink(settings, plan.layout, feed)
         self.allocators = {p: PageAllocator(spec.pages) for p in plan.layout.pools}
         self.window_pages = plan.layout.window_pages
         self.planned: dict[str, _Load] = {}      # admitted lookups, before block allocation

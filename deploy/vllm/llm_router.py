@@ -1,0 +1,81 @@
+"""FabricLLMRouter: the fabric's request router for Ray Serve LLM deployments.
+
+Ray Serve LLM hands a replica router the OpenAI request (a completion's `prompt`,
+a chat's `messages`), not token ids. The router tokenizes it as the engine will,
+with the model's own tokenizer (a chat through its chat template), and asks the
+index with the request's tenant: its `cache_salt` (namespaces.py). Anything it
+cannot read is routed by Serve alone: routing never fails a request.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest
+
+from deploy.router import FabricRanking, RoutedPrompt
+
+from .namespaces import fabric_namespace
+from .plan import layout_for_model
+
+MAX_PROMPT_CHARS = 1 << 20       # longer text is not tokenized for routing (the engine refuses it anyway)
+
+
+class OpenAIPrompts:
+    """Reads an OpenAI completion or chat request's prompt as token ids."""
+
+    tokenizer: Any = None
+
+    def load_tokenizer(self, model_dir: str) -> None:
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    async def prompt_of(self, pending: PendingRequest) -> RoutedPrompt | None:
+        for arg in list(pending.args) + list(pending.kwargs.values()):
+            prompt, messages = getattr(arg, "prompt", None), getattr(arg, "messages", None)
+            if prompt is None and messages is None:
+                continue
+            tokens = await asyncio.to_thread(self.tokens_of, prompt, messages)
+            if tokens is None:
+                return None
+            return RoutedPrompt(tokens, fabric_namespace(getattr(arg, "cache_salt", None)))
+        return None
+
+    def tokens_of(self, prompt: Any, messages: Any) -> list[int] | None:
+        """The prompt's token ids; None for what the router does not read (a batch of
+        prompts, embeddings, a chat without a template)."""
+        if isinstance(prompt, str):
+            if len(prompt) > MAX_PROMPT_CHARS:
+                return None
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if _is_token_ids(prompt):
+            return list(prompt)
+        if isinstance(messages, list) and getattr(self.tokenizer, "chat_template", None):
+            plain = [_plain_message(m) for m in messages]
+            if any(m is None for m in plain) or sum(len(m["content"]) for m in plain) > MAX_PROMPT_CHARS:
+                return None
+            return list(self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True))
+        return None
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
+
+
+def _plain_message(message: Any) -> dict | None:
+    """A chat message with text content as {"role", "content"}; None for anything else."""
+    get = message.get if isinstance(message, dict) else lambda k: getattr(message, k, None)
+    role, content = get("role"), get("content")
+    if isinstance(role, str) and isinstance(content, str):
+        return {"role": role, "content": content}
+    return None
+
+
+class FabricLLMRouter(OpenAIPrompts, FIFOMixin, FabricRanking):
+    def initialize_state(self, model_dir: str, block_size: int, **cost: float) -> None:
+        """`model_dir`: the model's local folder (its config gives the KV layout, its
+        tokenizer the token ids); `block_size`: the engines' KV block size; `cost`: see
+        `FabricRanking.init_ranking`."""
+        self.init_ranking(layout_for_model(model_dir, block_size), **cost)
+        self.load_tokenizer(model_dir)
+

@@ -1,0 +1,146 @@
+"""The fabric under Ray Serve LLM: `build_openai_app` with vLLM engines whose KV layer
+is the FabricConnector, replicas ranked by FabricLLMRouter, the index fed by each
+engine's KV events.
+
+`llm_app_builder(args)` is the entry point for Serve configs (`import_path:
+deploy.vllm.serve_llm:llm_app_builder`, as `kvfabric up --engine vllm` and the
+manifests use): it validates the args, starts the fabric for the model's KV layout
+(or checks a running one caches that layout) and returns the bound app.
+
+Serve places the replicas; an LLMConfig is written before that. So a callback
+(`FabricNodeCallback`) runs in each replica before its engine starts and points the
+engine at its own node's actor, and gives it a KV-event socket of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray import serve
+from ray.llm._internal.common.callbacks.base import CallbackBase
+from ray.serve.llm import LLMConfig, build_openai_app
+
+from actors import NodeConfig
+from actors.directory import node_actor_name
+from deploy.app import AppArgsError, ensure_fabric_for
+from fabric import KVLayout, PoolCapacity, PoolName
+
+from .connector import kv_transfer_config
+from .llm_router import FabricLLMRouter
+from .model import ensure_tiny_model
+from .plan import layout_for_model
+
+
+@dataclass(frozen=True)
+class LLMAppArgs:
+    model_dir: str = ""              # a local HF model folder; "": the small full+SWA model, written at first use
+    model_id: str = "kvfabric-tiny-vllm"
+    replicas: int = 0                # engines; 0: one per alive Ray node
+    block_size: int = 32             # vLLM's KV block: one fabric page (CPU: a multiple of 32)
+    max_model_len: int = 2048
+    kv_cache_bytes: int = 12 << 20   # each engine's own (device) KV cache
+    device_pages: int = 64           # the node actor's pools, per pool (SWA pools: a quarter)
+    host_pages: int = 4096
+    shards: int = 2
+    remote: bool = True              # engines fetch longer prefixes from other nodes
+    index_events: bool = True        # engines feed the index their own caches' contents
+    cpus_per_replica: float = 1.0    # Ray places engines by it: more than half a node's CPUs, one per node
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_dir, str) or (self.model_dir and not Path(self.model_dir).is_absolute()):
+            raise AppArgsError(f"model_dir must be an absolute path or empty, got {self.model_dir!r}")
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise AppArgsError(f"model_id must be a non-empty string, got {self.model_id!r}")
+        for f, low in (("replicas", 0), ("block_size", 32), ("max_model_len", 64), ("kv_cache_bytes", 1 << 20),
+                       ("device_pages", 1), ("host_pages", 0), ("shards", 1)):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise AppArgsError(f"{f} must be an int >= {low}, got {v!r}")
+        if self.block_size % 32:
+            raise AppArgsError(f"block_size must be a multiple of 32 (vLLM's CPU backend), got {self.block_size}")
+        for f in ("remote", "index_events"):
+            if not isinstance(getattr(self, f), bool):
+                raise AppArgsError(f"{f} must be a bool, got {getattr(self, f)!r}")
+        c = self.cpus_per_replica
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 64:
+            raise AppArgsError(f"cpus_per_replica must be a number in (0, 64], got {c!r}")
+
+    @classmethod
+    def from_dict(cls, args: dict | None) -> "LLMAppArgs":
+        if args is None:
+            return cls()
+        if not isinstance(args, dict):
+            raise AppArgsError(f"app args must be a mapping, got {type(args).__name__}")
+        unknown = set(args) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise AppArgsError(f"unknown app args: {sorted(map(str, unknown))}")
+        return cls(**args)
+
+    def model(self) -> str:
+        return self.model_dir or str(ensure_tiny_model())
+
+    def layout(self) -> KVLayout:
+        return layout_for_model(self.model(), self.block_size)
+
+    def node_config(self) -> NodeConfig:
+        layout = self.layout()
+        caps = {PoolName.FULL: PoolCapacity(self.device_pages, self.host_pages)}
+        if PoolName.SWA in layout.pools:
+            caps[PoolName.SWA] = PoolCapacity(max(1, self.device_pages // 4), self.host_pages // 4)
+        return NodeConfig(layout, caps, device="cpu")
+
+
+class FabricNodeCallback(CallbackBase):
+    """Runs in a replica before its engine starts: the engine's connector is pointed at
+    this node's actor, and its KV events at a socket of its own, named after the replica
+    in the index. The engine kwargs' nested dicts are shared with the engine config Serve
+    builds from them, so they are changed in place."""
+
+    async def on_before_node_init(self) -> None:
+        ctx = ray.get_runtime_context()
+        kwargs = self.llm_config.engine_kwargs
+        extra = kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+        extra["node_actor"] = node_actor_name(ctx.get_node_id())
+        extra["ray_address"] = ctx.gcs_address
+        events = kwargs.get("kv_events_config")
+        if events:
+            endpoint = f"ipc://{tempfile.gettempdir()}/kvf-events-{uuid.uuid4().hex[:12]}"
+            events["endpoint"], events["replay_endpoint"] = endpoint, endpoint + "-replay"
+            extra["engine_slot"] = serve.get_replica_context().replica_id.unique_id
+
+
+def llm_config(args: LLMAppArgs) -> LLMConfig:
+    model = args.model()
+    replicas = args.replicas or sum(1 for n in ray.nodes() if n["Alive"])
+    engine = {"enforce_eager": True, "dtype": "float32", "max_model_len": args.max_model_len,
+              "block_size": args.block_size, "kv_cache_memory_bytes": args.kv_cache_bytes,
+              # The node actor and the Ray address are filled in on the replica's node.
+              "kv_transfer_config": kv_transfer_config("", "", remote=args.remote)}
+    if args.index_events:
+        engine["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq"}
+    router = {"request_router_class": FabricLLMRouter,
+              "request_router_kwargs": {"model_dir": model, "block_size": args.block_size}}
+    return LLMConfig(model_loading_config={"model_id": args.model_id, "model_source": model},
+                     engine_kwargs=engine,
+                     # The replica's own CPU is counted in its engine's bundle (Serve LLM adds
+                     # the two): `cpus_per_replica` is what one engine takes of a node.
+                     deployment_config={"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0},
+                                        "request_router_config": router},
+                     placement_group_config={"bundles": [{"CPU": args.cpus_per_replica}]},
+                     callback_config={"callback_class": FabricNodeCallback})
+
+
+def build_llm_app(args: LLMAppArgs) -> serve.Application:
+    """The bound app (the fabric must be up for the model's layout)."""
+    return build_openai_app({"llm_configs": [llm_config(args)]})
+
+
+def llm_app_builder(args: dict) -> serve.Application:
+    """Serve's application builder: validated args -> fabric up -> the app."""
+    parsed = LLMAppArgs.from_dict(args)
+    ensure_fabric_for(parsed.node_config(), parsed.shards)
+    return build_llm_app(parsed)

@@ -1,0 +1,125 @@
+"""vLLM under Ray Serve LLM with the fabric as its KV layer, started as `kvfabric up
+--engine vllm` starts it: `build_openai_app`, two engines on two Ray nodes, the
+FabricConnector in each, FabricLLMRouter ranking the replicas, the index fed by
+the engines' KV events. Outputs through the fabric equal outputs with no cache at
+all (a fresh cache_salt per reference run: nothing can match it)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import ray  # noqa: E402
+
+from actors import FabricClient  # noqa: E402
+from actors.directory import CALL_TIMEOUT_S, NAMESPACE  # noqa: E402
+from deploy.cluster import free_port, local_cluster, up  # noqa: E402
+from deploy.vllm.engine_identity import is_engine, node_actor_of  # noqa: E402
+from deploy.vllm.llm_router import OpenAIPrompts  # noqa: E402
+from deploy.vllm.model import ensure_tiny_model  # noqa: E402
+from deploy.vllm.namespaces import fabric_namespace  # noqa: E402
+
+MODEL_ID = "kvfabric-tiny-vllm"
+PROMPT_CHARS = 900            # about 900 tokens (one per byte): 28 blocks of 32
+MAX_TOKENS = 8
+T = 180.0
+
+
+def eventually(check, what: str, deadline_s: float = T, every_s: float = 0.25):
+    end = time.monotonic() + deadline_s
+    while not (value := check()):
+        assert time.monotonic() < end, f"not reached in {deadline_s} s: {what}"
+        time.sleep(every_s)
+    return value
+
+
+class App:
+    def __init__(self, endpoint, model_dir: str) -> None:
+        self.endpoint = endpoint
+        self.prompts = OpenAIPrompts()
+        self.prompts.load_tokenizer(model_dir)
+        self.rng = random.Random(7)
+
+    def text(self) -> str:
+        return "".join(self.rng.choice("abcdefghijklmnop qrstuvwxyz.,") for _ in range(PROMPT_CHARS))
+
+    def complete(self, prompt: str, salt: str | None = None) -> list[int]:
+        """The greedy output's token ids."""
+        return self.request(prompt, salt)["token_ids"]
+
+    def request(self, prompt: str, salt: str | None = None) -> dict:
+        body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                "return_token_ids": True}
+        if salt is not None:
+            body["cache_salt"] = salt
+        req = urllib.request.Request(self.endpoint.base_url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=T) as r:
+            return json.load(r)["choices"][0]
+
+    def reference(self, prompt: str) -> list[int]:
+        return self.complete(prompt, salt=f"ref-{uuid.uuid4().hex}")
+
+    def tokens(self, prompt: str) -> list[int]:
+        return self.prompts.tokens_of(prompt, None)
+
+
+def node_stats() -> dict[str, dict]:
+    names = ray.get(ray.get_actor("kvf-directory", namespace=NAMESPACE).node_names.remote(), timeout=CALL_TIMEOUT_S)
+    return {n: ray.get(ray.get_actor(n, namespace=NAMESPACE).stats.remote(), timeout=CALL_TIMEOUT_S) for n in names}
+
+
+@pytest.fixture(scope="module")
+def app():
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+    model_dir = str(ensure_tiny_model())
+    started = time.monotonic()
+    # An engine's bundle takes 1.5 of a node's 2 CPUs (a node actor 0.25): one engine per node.
+    with local_cluster(2, cpus_per_node=2):
+        from ray import serve
+        try:
+            args = {"replicas": 2, "device_pages": 64, "host_pages": 2048, "cpus_per_replica": 1.5}
+            endpoint = up(args, port=free_port(), engine="vllm", wait_s=600.0)
+            print(f"\ncluster, fabric and two vLLM engines under Ray Serve LLM up in "
+                  f"{time.monotonic() - started:.1f} s")
+            yield App(endpoint, model_dir)
+        finally:
+            serve.shutdown()
+
+
+def test_outputs_through_the_fabric_equal_uncached_outputs(app):
+    """Six prompts, more than the two engines' own caches hold, three times each (routed
+    by the index, served from the engines' and the nodes' caches): every answer equals
+    the uncached one, and the nodes' pools served hits the engines had evicted."""
+    prompts = [app.text() for _ in range(6)]
+    want = [app.reference(p) for p in prompts]
+    for _ in range(3):
+        for p, w in zip(prompts, want):
+            assert app.complete(p) == w
+    stats = [ray.get(ray.get_actor(n, namespace=NAMESPACE).cache_stats.remote(), timeout=CALL_TIMEOUT_S)
+             for n in node_stats()]
+    assert sum(s.hit_pages_device + s.hit_pages_host for s in stats) > 0, "the nodes' pools served no hit"
+
+
+def test_the_index_names_the_engine_that_holds_a_prompt(app):
+    """The engines' KV events reach the index: after a request, the index names an engine
+    (`<node actor>/engine/<replica>`) for the prompt's pages, in its tenant's namespace only."""
+    prompt, salt = app.text(), f"tenant-{uuid.uuid4().hex[:8]}"
+    tokens = app.request(prompt, salt=salt)["prompt_token_ids"]
+    assert app.tokens(prompt) == tokens            # the router reads the prompt as the engine does
+    client = FabricClient.connect(timeout_s=CALL_TIMEOUT_S)
+
+    def engines(namespace: str) -> list[str]:
+        return [m.node for m in client.lookup(tokens, namespace) if is_engine(m.node) and m.pages > 0]
+    held = eventually(lambda: engines(fabric_namespace(salt)), "the index names the engine")
+    assert {node_actor_of(e) for e in held} <= set(node_stats())
+    assert engines(fabric_namespace(f"other-{salt}")) == []
+
