@@ -82,11 +82,12 @@ def app():
     os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
     model_dir = str(ensure_tiny_model())
     started = time.monotonic()
-    # An engine's bundle takes 1.5 of a node's 2 CPUs (a node actor 0.25): one engine per node.
-    with local_cluster(2, cpus_per_node=2):
+    # An engine's bundle takes 2 of a node's 3 CPUs; the fabric's actors take at most 1
+    # of a node (0.25 each): one engine per node, wherever the shards land.
+    with local_cluster(2, cpus_per_node=3):
         from ray import serve
         try:
-            args = {"replicas": 2, "device_pages": 64, "host_pages": 2048, "cpus_per_replica": 1.5}
+            args = {"replicas": 2, "device_pages": 64, "host_pages": 2048, "cpus_per_replica": 2.0}
             endpoint = up(args, port=free_port(), engine="vllm", wait_s=600.0)
             print(f"\ncluster, fabric and two vLLM engines under Ray Serve LLM up in "
                   f"{time.monotonic() - started:.1f} s")
@@ -96,16 +97,18 @@ def app():
 
 
 def test_outputs_through_the_fabric_equal_uncached_outputs(app):
-    """Six prompts, more than the two engines' own caches hold, three times each (routed
-    by the index, served from the engines' and the nodes' caches): every answer equals
-    the uncached one, and the nodes' pools served hits the engines had evicted."""
-    prompts = [app.text() for _ in range(6)]
+    """Ten prompts of about 900 tokens, three times what the two engines' own caches hold
+    (3,048 tokens each), three times each (routed by the index, served from the engines'
+    and the nodes' caches): every answer equals the uncached one, and the nodes' pools
+    served hits the engines had evicted."""
+    prompts = [app.text() for _ in range(10)]
     want = [app.reference(p) for p in prompts]
     for _ in range(3):
         for p, w in zip(prompts, want):
             assert app.complete(p) == w
     stats = [ray.get(ray.get_actor(n, namespace=NAMESPACE).cache_stats.remote(), timeout=CALL_TIMEOUT_S)
              for n in node_stats()]
+    assert sum(s.inserted_pages for s in stats) > 0, "the engines stored nothing in their nodes' pools"
     assert sum(s.hit_pages_device + s.hit_pages_host for s in stats) > 0, "the nodes' pools served no hit"
 
 

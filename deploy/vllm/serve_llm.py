@@ -35,6 +35,9 @@ from .model import ensure_tiny_model
 from .plan import layout_for_model
 
 
+INGRESS_CPUS = 0.25
+
+
 @dataclass(frozen=True)
 class LLMAppArgs:
     model_dir: str = ""              # a local HF model folder; "": the small full+SWA model, written at first use
@@ -136,7 +139,9 @@ def llm_config(args: LLMAppArgs) -> LLMConfig:
 
 def build_llm_app(args: LLMAppArgs) -> serve.Application:
     """The bound app (the fabric must be up for the model's layout)."""
-    return build_openai_app({"llm_configs": [llm_config(args)]})
+    # The ingress only parses and forwards HTTP (Serve LLM asks a whole CPU by default).
+    return build_openai_app({"llm_configs": [llm_config(args)],
+                             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": INGRESS_CPUS}}})
 
 
 def llm_app_builder(args: dict) -> serve.Application:
