@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import TypeVar
 
 import ray
 from ray import serve
@@ -32,6 +33,22 @@ HEAD_RESOURCE = "node:__internal_head__"     # Ray's marker resource of the head
 
 class AppArgsError(ValueError):
     """App args that do not make a valid app (unknown names, bad values)."""
+
+
+T = TypeVar("T")
+
+
+def args_of(cls: type[T], args: dict | None) -> T:
+    """App args of dataclass `cls` from a mapping (None: the defaults); a name `cls`
+    lacks is an error, not ignored."""
+    if args is None:
+        return cls()
+    if not isinstance(args, dict):
+        raise AppArgsError(f"app args must be a mapping, got {type(args).__name__}")
+    unknown = set(args) - {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    if unknown:
+        raise AppArgsError(f"unknown app args: {sorted(map(str, unknown))}")
+    return cls(**args)
 
 
 @dataclass(frozen=True)
@@ -75,17 +92,10 @@ class AppArgs:
 
     @classmethod
     def from_dict(cls, args: dict | None) -> "AppArgs":
-        if args is None:
-            return cls()
-        if not isinstance(args, dict):
-            raise AppArgsError(f"app args must be a mapping, got {type(args).__name__}")
-        if "api_key" in args:
+        if isinstance(args, dict) and "api_key" in args:
             raise AppArgsError("api_key was replaced by tenants_file: a file of API keys and the "
                                "namespaces each may use (see deploy/tenants.py)")
-        unknown = set(args) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise AppArgsError(f"unknown app args: {sorted(map(str, unknown))}")
-        return cls(**args)
+        return args_of(cls, args)
 
     def tenants(self) -> TenantTable | None:
         """The tenant table, read from `tenants_file` (raises TenantsError if it is bad)."""

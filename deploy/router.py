@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -53,9 +54,9 @@ class FabricRanking(RequestRouter):
         self._client: FabricClient | None = None
         self.routed_by_prefix = 0
 
+    @abstractmethod
     async def prompt_of(self, pending: PendingRequest) -> RoutedPrompt | None:
         """The request's prompt; None to leave the choice to Serve (no prompt, caching off)."""
-        raise NotImplementedError
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:

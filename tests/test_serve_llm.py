@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 import ray  # noqa: E402
 
 from actors import FabricClient  # noqa: E402
-from actors.directory import CALL_TIMEOUT_S, NAMESPACE  # noqa: E402
+from actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE  # noqa: E402
 from deploy.cluster import free_port, local_cluster, up  # noqa: E402
 from deploy.vllm.engine_identity import is_engine, node_actor_of  # noqa: E402
 from deploy.vllm.llm_router import OpenAIPrompts  # noqa: E402
@@ -71,9 +71,8 @@ class App:
         return self.prompts.tokens_of(prompt, None)
 
 
-def node_stats() -> dict[str, dict]:
-    names = ray.get(ray.get_actor("kvf-directory", namespace=NAMESPACE).node_names.remote(), timeout=CALL_TIMEOUT_S)
-    return {n: ray.get(ray.get_actor(n, namespace=NAMESPACE).stats.remote(), timeout=CALL_TIMEOUT_S) for n in names}
+def node_names() -> list[str]:
+    return ray.get(ray.get_actor(DIRECTORY, namespace=NAMESPACE).node_names.remote(), timeout=CALL_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +106,7 @@ def test_outputs_through_the_fabric_equal_uncached_outputs(app):
         for p, w in zip(prompts, want):
             assert app.complete(p) == w
     stats = [ray.get(ray.get_actor(n, namespace=NAMESPACE).cache_stats.remote(), timeout=CALL_TIMEOUT_S)
-             for n in node_stats()]
+             for n in node_names()]
     assert sum(s.inserted_pages for s in stats) > 0, "the engines stored nothing in their nodes' pools"
     assert sum(s.hit_pages_device + s.hit_pages_host for s in stats) > 0, "the nodes' pools served no hit"
 
@@ -123,6 +122,6 @@ def test_the_index_names_the_engine_that_holds_a_prompt(app):
     def engines(namespace: str) -> list[str]:
         return [m.node for m in client.lookup(tokens, namespace) if is_engine(m.node) and m.pages > 0]
     held = eventually(lambda: engines(fabric_namespace(salt)), "the index names the engine")
-    assert {node_actor_of(e) for e in held} <= set(node_stats())
+    assert {node_actor_of(e) for e in held} <= set(node_names())
     assert engines(fabric_namespace(f"other-{salt}")) == []
 

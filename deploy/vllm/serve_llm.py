@@ -13,7 +13,6 @@ engine at its own node's actor, and gives it a KV-event socket of its own.
 """
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from ray.serve.llm import LLMConfig, build_openai_app
 
 from actors import NodeConfig
 from actors.directory import node_actor_name
-from deploy.app import AppArgsError, ensure_fabric_for
+from deploy.app import AppArgsError, args_of, ensure_fabric_for
 from fabric import KVLayout, PoolCapacity, PoolName
 
 from .connector import kv_transfer_config
@@ -74,14 +73,7 @@ class LLMAppArgs:
 
     @classmethod
     def from_dict(cls, args: dict | None) -> "LLMAppArgs":
-        if args is None:
-            return cls()
-        if not isinstance(args, dict):
-            raise AppArgsError(f"app args must be a mapping, got {type(args).__name__}")
-        unknown = set(args) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise AppArgsError(f"unknown app args: {sorted(map(str, unknown))}")
-        return cls(**args)
+        return args_of(cls, args)
 
     def model(self) -> str:
         return self.model_dir or str(ensure_tiny_model())
