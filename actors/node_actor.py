@@ -21,10 +21,10 @@ from fabric import (AllocationFaults, CachedKV, CacheStats, EventPublisher, Expo
                     NodeCache, PoolCapacity, PoolName, RouteTable, Tier, TierConfig, export_prefix, import_prefix)
 from transport import FaultPlan, FaultyTransport, LocalTransport, NixlTransport
 from transport.fetch import TransportReader, probe, register_device_pools
-from transport.staging import SharedPages, StagedHit, StagingSpec, load_to_staging, save_from_staging
 
 from .cache_gate import CacheGate
 from .chaos_hooks import ChaosAction, EventMangler
+from .engine_host import EngineHost
 from .epochs import EpochSource, GcsEpochs
 from .index_link import IndexLink
 
@@ -51,7 +51,7 @@ class Beat:
 
 
 @ray.remote
-class NodeCacheActor:
+class NodeCacheActor(EngineHost):
     def __init__(self, name: str, config: NodeConfig) -> None:
         self.name = name
         self.config = config
@@ -67,6 +67,7 @@ class NodeCacheActor:
         self.peers: set[str] = set()
         self.fetches: dict[str, int] = {}
         self.late_releases = 0
+        self.fetched_bytes = 0                  # read from peers over the transport (NIXL)
         self._probing: asyncio.Task | None = None     # the heartbeat's probe of quarantined peers
         # A restarted actor starts a new epoch, above every earlier one of this name:
         # the index drops what the old one said (see actors/epochs.py: no clock).
@@ -76,7 +77,7 @@ class NodeCacheActor:
         self._evict_after_get = False           # chaos: armed by inject
         self._evictions_injected = 0
         self._transport_faults_done = 0         # faults of transport plans since replaced
-        self._shared: dict[str, SharedPages] = {}   # engines' staging pages, by file prefix
+        self.init_engine_host()
 
     # --- identity and peers -----------------------------------------------------------
     def metadata(self) -> bytes:
@@ -132,44 +133,13 @@ class NodeCacheActor:
         with self.gate.mutex:
             return self.cache.keys(tokens, namespace)
 
-    # --- engines on this host: bytes through shared-memory staging pages ----------------
     def layout(self) -> KVLayout:
         return self.config.layout
-
-    async def load_staged(self, spec: StagingSpec, tokens: Sequence[int], namespace: str,
-                          skip_pages: int, slots: dict[PoolName, list[int]]) -> StagedHit:
-        """Copy the usable cached prefix beyond `skip_pages` into the engine's staging pages."""
-        async with self.gate.family(self._family(tokens, namespace)):
-            with self.gate.mutex:
-                hit = load_to_staging(self.cache, self._staging(spec), tokens, namespace, skip_pages, slots)
-                self.link.publish()
-        return hit
-
-    async def save_staged(self, spec: StagingSpec, tokens: Sequence[int], namespace: str,
-                          slots: dict[PoolName, list[int]], swa_first_page: int) -> int:
-        """Store the whole pages of `tokens` that the engine wrote to its staging pages."""
-        async with self.gate.family(self._family(tokens, namespace)):
-            with self.gate.mutex:
-                stored = save_from_staging(self.cache, self._staging(spec), tokens, namespace, slots,
-                                           swa_first_page)
-                self.link.publish()
-        return stored
 
     def cache_stats(self) -> CacheStats:
         """The cache's counters (hits by tier among them)."""
         with self.gate.mutex:
             return self.cache.stats()
-
-    def drop_staging(self, spec: StagingSpec) -> None:
-        shared = self._shared.pop(spec.prefix, None)
-        if shared is not None:
-            shared.unlink()
-
-    def _staging(self, spec: StagingSpec) -> SharedPages:
-        shared = self._shared.get(spec.prefix)
-        if shared is None:
-            shared = self._shared[spec.prefix] = SharedPages(spec, self.config.layout)
-        return shared
 
     def _family(self, tokens: Sequence[int], namespace: str) -> bytes | None:
         with self.gate.mutex:
@@ -220,11 +190,13 @@ class NodeCacheActor:
             grant = ExportGrant.decode(reply.result())
         except GrantError:
             return FetchOutcome.BAD_GRANT
+        reader = TransportReader(self.transport, peer_name, deadline)
         try:
-            read = self.gate.released(TransportReader(self.transport, peer_name, deadline))
+            read = self.gate.released(reader)
             return await self.gate.run_import(keys[0] if keys else None, lambda: self._import(
                 tokens, namespace, grant, read, peer_name))
         finally:
+            self.fetched_bytes += reader.bytes_read
             if grant.lease_id:
                 peer.release.remote(grant.lease_id)   # if lost, the lease expires
 
@@ -392,7 +364,8 @@ class NodeCacheActor:
             return {"name": self.name, "nodes": s.nodes, "pools": s.pools, "leases": len(self.leases),
                     "fetches": dict(self.fetches), "quarantined": len(self.cache.quarantined),
                     "peers": sorted(self.peers),
-                    "late_releases": self.late_releases, "epoch": self.epoch}
+                    "late_releases": self.late_releases, "epoch": self.epoch,
+                    "fetched_bytes": self.fetched_bytes}
 
     async def shutdown(self) -> None:
         await self.gate.run_wire(self.transport.close)

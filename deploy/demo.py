@@ -1,10 +1,14 @@
-"""`kvfabric demo`: the fabric and its Serve app on a cluster, fed a multi-turn
-slice of a real conversation trace through the OpenAI endpoint.
+"""`kvfabric demo`: the fabric and its Serve app on a cluster, fed multi-turn
+conversations of a real trace through the OpenAI endpoint.
 
-With no address it starts an embedded local Ray cluster of 3 simulated nodes
-on this machine; with `--address` (or RAY_ADDRESS) it uses that cluster. Each
-request is sent twice, caching off and through the fabric; the report gives
-hit rates by tier, remote fetches, TTFT of both, and output mismatches.
+With no address it starts an embedded local Ray cluster of simulated nodes on this
+machine; with `--address` (or RAY_ADDRESS) it uses that cluster.
+- `--engine vllm` (default): vLLM engines under Ray Serve LLM, first as users run them
+  today (vLLM's prefix cache, Ray's PrefixCacheAffinityRouter), then with the fabric as
+  their KV layer; outputs are checked against a pass with caching off (deploy/vllm/demo.py).
+- `--engine reference`: the reference model's app; each request is sent twice, caching
+  off and through the fabric, outputs compared bit for bit.
+The report gives hit rates by tier, bytes moved, TTFT and output mismatches; a PNG too.
 """
 from __future__ import annotations
 
@@ -20,26 +24,37 @@ from .cluster import keep_auth_on
 DEFAULT_PLOT = "kvfabric-demo.png"
 
 
+# Per engine: (nodes, requests, tokens per trace block, max tokens, concurrency).
+DEFAULTS = {"reference": (3, 120, 64, 4, 3), "vllm": (2, 60, 32, 8, 6)}
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvfabric demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=tuple(DEFAULTS), default="vllm",
+                    help="vllm: vLLM under Ray Serve LLM against the stock set-up (default); "
+                         "reference: the bit-exact reference model against caching off")
     ap.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
                     help="an existing Ray cluster (default: RAY_ADDRESS, else an embedded one)")
-    ap.add_argument("--nodes", type=int, default=3, help="simulated nodes of the embedded cluster")
+    ap.add_argument("--nodes", type=int, help="simulated nodes of the embedded cluster (vllm 2, reference 3)")
     ap.add_argument("--trace", default=None, help="a Mooncake-format JSONL trace (default: the packaged one)")
-    ap.add_argument("--requests", type=int, default=120)
-    ap.add_argument("--tokens-per-block", type=int, default=64,
-                    help="prompt tokens per trace hash block (the trace's blocks are 512 tokens)")
-    ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--concurrency", type=int, default=3)
+    ap.add_argument("--requests", type=int, help="requests a pass (vllm 60, reference 120)")
+    ap.add_argument("--tokens-per-block", type=int,
+                    help="prompt tokens per trace hash block (the trace's are 512; vllm 32, reference 64)")
+    ap.add_argument("--max-tokens", type=int, help="tokens generated a request (vllm 8, reference 4)")
+    ap.add_argument("--concurrency", type=int, help="requests (vllm: conversations) at once (vllm 6, reference 3)")
+    ap.add_argument("--kv-cache-mib", type=int, default=17,
+                    help="vllm: each engine's own KV cache (17: about 2,000 tokens, one max-length prompt)")
     ap.add_argument("--plot", default=DEFAULT_PLOT, help="where to write the PNG")
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
     args = ap.parse_args(argv)
-    for name in ("nodes", "requests", "tokens_per_block", "concurrency"):
+    names = ("nodes", "requests", "tokens_per_block", "max_tokens", "concurrency")
+    for name, default in zip(names, DEFAULTS[args.engine]):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    for name in names + ("kv_cache_mib",):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
-    if args.max_tokens < 1:
-        ap.error("--max-tokens must be at least 1")
     return args
 
 
@@ -47,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if not args.address:
         keep_auth_on()
+    if args.engine == "vllm":
+        from .vllm.demo import main as vllm_demo
+        return vllm_demo(args)
     # Ray and torch load only now: argument errors answer at once.
     from .app import AppArgs
     from .cluster import connect, free_port, local_cluster, up
@@ -101,9 +119,18 @@ def run(args: argparse.Namespace, app, trace, endpoint):
 
 
 def _plot(pairs, where: str) -> Path | None:
+    from .plots import cumulative_rate
+    done = [p for p in pairs if p.baseline and p.fabric]
+    rates = {"fabric": cumulative_rate([p.fabric.cached_tokens for p in done], [p.fabric.prompt_tokens for p in done]),
+             "caching off": [0.0] * len(done)}
+    ttfts = {"fabric": [p.fabric.ttft_ms for p in done], "caching off": [p.baseline.ttft_ms for p in done]}
+    return write_plot(Path(where), rates, ttfts)
+
+
+def write_plot(where: Path, rates: dict, ttfts: dict) -> Path | None:
     from .plots import write_png
     try:
-        return write_png(pairs, Path(where)).resolve()
+        return write_png(where, rates, ttfts).resolve()
     except OSError as e:
         print(f"could not write the plot to {where}: {e}", file=sys.stderr)
         return None

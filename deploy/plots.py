@@ -1,31 +1,32 @@
-"""The demo's figure: hit rate over the replay, and TTFT with and without the fabric."""
+"""The demos' figure: cumulative hit rate over the replay, and TTFT distributions."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Mapping, Sequence
 
-from .replay import Pair
+
+def cumulative_rate(hits: Sequence[int], totals: Sequence[int]) -> list[float]:
+    out, h, t = [], 0, 0
+    for a, b in zip(hits, totals):
+        h, t = h + a, t + b
+        out.append(h / t if t else 0.0)
+    return out
 
 
-def write_png(pairs: list[Pair], path: Path) -> Path:
+def write_png(path: Path, hit_rates: Mapping[str, Sequence[float]], ttfts_ms: Mapping[str, Sequence[float]]) -> Path:
+    """`hit_rates`: per label, the cumulative prompt-token hit rate after each request;
+    `ttfts_ms`: per label, every request's time to first token."""
     import matplotlib
     matplotlib.use("Agg")             # no display: render to a file
     import matplotlib.pyplot as plt
 
-    done = [p for p in pairs if p.baseline and p.fabric]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    hits = prompt = 0
-    rate = []
-    for p in done:
-        hits += p.fabric.cached_tokens
-        prompt += p.fabric.prompt_tokens
-        rate.append(hits / prompt if prompt else 0.0)
-    left.plot(range(1, len(rate) + 1), rate, label="fabric")
-    left.plot(range(1, len(rate) + 1), [0.0] * len(rate), label="caching off")
+    for label, rate in hit_rates.items():
+        left.plot(range(1, len(rate) + 1), rate, label=label)
     left.set(title="cumulative prompt-token hit rate", xlabel="request", ylabel="hit rate", ylim=(0, 1))
     left.legend()
-    fabric = sorted(p.fabric.ttft_ms for p in done)
-    base = sorted(p.baseline.ttft_ms for p in done)
-    for values, label in ((fabric, "fabric"), (base, "caching off")):
+    for label, values in ttfts_ms.items():
+        values = sorted(values)
         right.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
     right.set(title="TTFT distribution", xlabel="TTFT (ms)", ylabel="fraction of requests", xscale="log")
     right.legend()

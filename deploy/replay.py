@@ -38,11 +38,11 @@ class Pair:
         return b is None or f is None or (b.token_ids, b.logits_digest) != (f.token_ids, f.logits_digest)
 
 
-def multi_turn_slice(trace: Sequence[TraceRequest], n: int, min_turns: int = 3) -> list[TraceRequest]:
-    """About `n` requests of whole conversations with at least `min_turns` turns, the
-    earliest conversations first, in arrival order. A request continues the earlier
-    request it shares its longest hash-id prefix with (beyond the first block, which
-    every request of this trace shares), if that prefix covers at least half of it."""
+def conversations(trace: Sequence[TraceRequest], min_turns: int = 3) -> list[list[TraceRequest]]:
+    """The trace's conversations of at least `min_turns` turns, by first arrival, each
+    in arrival order. A request continues the earlier request it shares its longest
+    hash-id prefix with (beyond the first block, which every request of this trace
+    shares), if that prefix covers at least half of it."""
     conv_of: list[int] = []
     prefixes: dict[tuple[int, ...], int] = {}
     for i, r in enumerate(trace):
@@ -58,11 +58,18 @@ def multi_turn_slice(trace: Sequence[TraceRequest], n: int, min_turns: int = 3) 
     members: dict[int, list[int]] = {}
     for i, c in enumerate(conv_of):
         members.setdefault(c, []).append(i)
-    picked: list[int] = []
-    for turns in members.values():           # conversations by first arrival
-        if len(turns) >= min_turns and len(picked) < n:
-            picked += turns
-    return [trace[i] for i in sorted(picked)[:n]]
+    return [[trace[i] for i in turns] for turns in members.values() if len(turns) >= min_turns]
+
+
+def multi_turn_slice(trace: Sequence[TraceRequest], n: int, min_turns: int = 3) -> list[TraceRequest]:
+    """About `n` requests of whole conversations (`conversations`), the earliest
+    conversations first, in arrival order."""
+    picked: list[TraceRequest] = []
+    for turns in conversations(trace, min_turns):
+        if len(picked) >= n:
+            break
+        picked += turns
+    return sorted(picked, key=trace.index)[:n]
 
 
 class Client:
@@ -125,7 +132,7 @@ def replay(endpoint: Endpoint, model: str, prompts: list[list[int]], max_tokens:
                 with lock:
                     done[0] += 1
                     if progress:
-                        _bar(done[0], len(prompts))
+                        progress_bar(done[0], len(prompts))
         finally:
             client.close()
 
@@ -139,9 +146,9 @@ def replay(endpoint: Endpoint, model: str, prompts: list[list[int]], max_tokens:
     return pairs
 
 
-def _bar(done: int, total: int, width: int = 40) -> None:
+def progress_bar(done: int, total: int, label: str = "", width: int = 40) -> None:
     filled = width * done // max(1, total)
-    print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end="", file=sys.stderr, flush=True)
+    print(f"\r  {label}[{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end="", file=sys.stderr, flush=True)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from deploy.cli import main
 
 def test_demo_serves_a_trace_slice_on_three_nodes_and_matches_uncached_output(capsys, tmp_path):
     plot = tmp_path / "demo.png"
-    assert main(["demo", "--requests", "9", "--tokens-per-block", "16", "--json", "--plot", str(plot)]) == 0
+    assert main(["demo", "--engine", "reference", "--requests", "9", "--tokens-per-block", "16", "--json", "--plot", str(plot)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["requests"] == 9 and out["failed_requests"] == 0 and out["output_mismatches"] == 0
     assert out["device_hit_tokens"] + out["host_hit_tokens"] + out["remote_hit_tokens"] > 0
@@ -16,7 +16,7 @@ def test_demo_serves_a_trace_slice_on_three_nodes_and_matches_uncached_output(ca
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("argv", [["demo", "--requests", "0"], ["demo", "--max-tokens", "0"],
+@pytest.mark.parametrize("argv", [["demo", "--requests", "0"], ["demo", "--max-tokens", "0"], ["demo", "--engine", "tiny"],
                                   ["bench", "nothing"], ["frobnicate"], ["up", "--args", "not json"],
                                   ["up", "--args", "[1]"], ["up", "--args", '{"bogus": 1}'],
                                   ["up", "--args", '{"shards": 0}'], ["down", "--what"],

@@ -109,6 +109,17 @@ def test_outputs_through_the_fabric_equal_uncached_outputs(app):
              for n in node_names()]
     assert sum(s.inserted_pages for s in stats) > 0, "the engines stored nothing in their nodes' pools"
     assert sum(s.hit_pages_device + s.hit_pages_host for s in stats) > 0, "the nodes' pools served no hit"
+    # The engines' connectors report what they did to their nodes (NodeCacheActor.engine_reports).
+    reports = eventually(lambda: [r for r in engine_reports() if r["finished_requests"] >= 1]
+                         if sum(r["finished_requests"] for r in engine_reports()) >= 40 else None,
+                         "every finished request reported")
+    assert sum(r["loaded_tokens"] for r in reports) >= PROMPT_CHARS // 2, "no engine loaded from its node"
+    assert sum(r["load_failures"] + r["save_failures"] for r in reports) == 0
+
+
+def engine_reports() -> list[dict]:
+    return [r for n in node_names() for r in ray.get(ray.get_actor(n, namespace=NAMESPACE).engine_reports.remote(),
+                                                     timeout=CALL_TIMEOUT_S).values()]
 
 
 def test_the_index_names_the_engine_that_holds_a_prompt(app):

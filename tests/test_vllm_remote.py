@@ -236,6 +236,30 @@ def test_no_fetch_when_the_node_holds_as_much(tmp_path_factory):
         rig.node.shared.unlink()
 
 
+class AnswersWhileWaitedOn(FabricEdge):
+    """The index and the node answer while admission waits on them (as in milliseconds)."""
+
+    def wait_any(self, calls: list, timeout_s: float) -> int:
+        super().wait_any(calls, timeout_s)
+        return 1
+
+
+@pytest.mark.parametrize("on_peer", [False, True])
+def test_a_prompt_answered_while_admission_waits_loses_no_engine_step(tmp_path_factory, on_peer):
+    """A hit on the node is loaded at the first ask; a longer prefix on a peer is fetched
+    at once (vLLM asks again only while the fetch runs)."""
+    rig = make_rig(tmp_path_factory, Edge(delay={"lookup": 2, "match": 1, "fetch": 1}))
+    rig.node.__class__ = AnswersWhileWaitedOn
+    try:
+        move_to_peer(rig) if on_peer else finish_first(rig)
+        req = Req("r2", PROMPT, PROMPT, 0)
+        n, asks = ask_until_known(rig, req, [0.0])
+        assert n == 40 and asks == (2 if on_peer else 1) and rig.sched.stats.remote.fetches == on_peer
+        assert not load(rig, req, n).failed_recving and loaded_exactly(rig)
+    finally:
+        rig.node.shared.unlink()
+
+
 class EngineListedFirst(FabricEdge):
     """The index also names an engine's device cache (its KV events) with more pages."""
 

@@ -8,6 +8,7 @@ at any step becomes a failed load or a skipped save, never an escaped error, and
 staging slot leaks."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("vllm")
 
-from deploy.vllm.jobs import FabricSettings, FabricWorkerMeta  # noqa: E402
+from deploy.vllm.jobs import FabricSettings  # noqa: E402
 from deploy.vllm.plan import EnginePlan, LayerSlot  # noqa: E402
 from deploy.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from deploy.vllm.worker_side import WorkerSide  # noqa: E402
@@ -46,6 +47,10 @@ class LocalNode:
         self.shared = SharedPages(spec, LAYOUT)
         self.disabled = ""
         self.name = "local"
+        self.reports: dict[str, dict] = {}      # the connector's counters, as the node keeps them
+
+    def report(self, engine: str, stats) -> None:
+        self.reports[engine] = dataclasses.asdict(stats)
 
     def ready(self) -> bool:
         return True
@@ -179,6 +184,11 @@ def test_blocks_round_trip_through_the_fabric(rig):
     for name in NAMES[0::2]:      # SWA layers: the window before the hit's end
         assert torch.equal(layer_blocks(rig, name, [40, 41]), layer_blocks(rig, name, [20, 21]))
     assert all(a.free_count == a.capacity for a in rig.sched.allocators.values())
+    # The node keeps what the connector counted, as of the last finished request.
+    rig.sched.finished(Req("r2", PROMPT, PROMPT + [7], len(PROMPT)), (SWA_BLOCKS, FULL_BLOCKS))
+    (report,) = rig.node.reports.values()
+    assert report["finished_requests"] == 2 and report["loaded_tokens"] == 40
+    assert report["host_loaded_tokens"] + report["remote_loaded_tokens"] <= 40
 
 
 def test_load_vllm_wants_beyond_the_window_is_reported_failed(rig):

@@ -30,6 +30,7 @@ class TransportReader:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s!r}")
         self.transport, self.peer = transport, peer
         self.deadline = time.monotonic() + deadline_s
+        self.bytes_read = 0            # of reads that completed
 
     def __call__(self, pool: PoolName, refs: list[tuple[Tier, int]], pages: list[int]) -> None:
         if any(tier != Tier.DEVICE for tier, _ in refs):
@@ -40,6 +41,7 @@ class TransportReader:
         try:
             handle = self.transport.read(self.peer, {pool_name(pool): ([i for _, i in refs], pages)})
             self.transport.wait(handle, left)
+            self.bytes_read += handle.nbytes
         except PeerNotConnected as e:
             raise ReadFailed(str(e)) from e           # raised before anything was posted
         except TransferError as e:

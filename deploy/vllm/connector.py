@@ -88,9 +88,11 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.worker_meta() if self.worker is not None else None
 
     def shutdown(self) -> None:
-        # The staging files go with the engine (a node actor's mapping stays valid).
+        # The staging files go with the engine, and the node unmaps them.
         if self.worker is not None and self.worker.shared is not None:
             self.worker.shared.unlink()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
 
     # --- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -67,6 +67,7 @@ class FabricSettings:
     timeout_s: float = 5.0         # every call to the node actor, and an index lookup
     remote: bool = True            # fetch longer prefixes from other nodes (needs the fabric's index)
     fetch_timeout_s: float = 10.0  # a fetch from another node, before the request computes instead
+    lookup_wait_s: float = 0.05    # admission waits this long for the index (later: at a next step)
     fault_file: str = ""           # tests: a JSON file of injected faults, read at each step
     # Feed the fabric's index from this engine's KV events (its kv_events_config) as
     # `<node_actor>/engine/<engine_slot>`; empty: no feed.

@@ -2,6 +2,7 @@
 every call bounded, or started without waiting and polled."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -82,6 +83,18 @@ class NodeLink:
         """Start a call; `finished` says when it has answered, `result` gives the answer."""
         return getattr(self.actor, method).remote(*args)
 
+    def tell(self, method: str, *args: Any) -> None:
+        """A call whose answer nobody waits for (lost: the next one says it again)."""
+        try:
+            getattr(self.actor, method).remote(*args)
+        except Exception as e:
+            log.debug("fabric %s not sent: %r", method, e)
+
+    def report(self, engine: str, stats: Any) -> None:
+        """The connector's counters so far, kept by the node for whoever asks
+        (`NodeCacheActor.engine_reports`)."""
+        self.tell("engine_report", engine, dataclasses.asdict(stats))
+
     def finished(self, calls: list) -> list:
         import ray
 
@@ -131,7 +144,8 @@ class NodeLink:
             handle = self._peers[peer] = ray.get_actor(peer, namespace=NAMESPACE)
         return self.actor.fetch.remote(handle, peer, list(tokens), namespace)
 
-    def wait_any(self, calls: list, timeout_s: float) -> None:
+    def wait_any(self, calls: list, timeout_s: float) -> int:
+        """Wait until one of `calls` answers or `timeout_s` passes; how many answered."""
         import ray
 
-        ray.wait(calls, num_returns=1, timeout=timeout_s)
+        return len(ray.wait(calls, num_returns=1, timeout=timeout_s)[0])

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # An engine with nothing scheduled waits this long for a fabric answer rather than spin
 # (its scheduler loop would otherwise take the CPU the node and the index need).
 IDLE_WAIT_S = 0.01
+SETTLE_ROUNDS = 8       # a lookup's calls (shards, the node's match) answered within one admission
 
 
 class Stage(str, Enum):
@@ -51,7 +52,7 @@ class RemoteLink(Protocol):
     def start_fetch(self, peer: str, tokens: Sequence[int], namespace: str) -> Any: ...
     def finished(self, calls: list) -> list: ...
     def result(self, call: Any) -> Any: ...
-    def wait_any(self, calls: list, timeout_s: float) -> None: ...
+    def wait_any(self, calls: list, timeout_s: float) -> int: ...
 
 
 @dataclass
@@ -99,12 +100,22 @@ class RemoteFetches:
         """Whether the request may go on to the local load path now (False: ask again
         at a later step)."""
         rec = self.requests.get(rid)
+        settle_by = 0.0
         if rec is None:
             rec = self.requests[rid] = self._start(tokens, namespace)
-        try:
-            self._advance(rec, tokens, namespace, skip_pages)
-        except Exception as e:        # any failure: the request computes what the node lacks
-            self._give_up(rec, f"{rec.stage.value} failed: {e!r}")
+            # A lookup answers in milliseconds; waiting that long beats a whole engine step
+            # (a busy engine's step is a prefill: seconds on a CPU).
+            settle_by = self.clock() + self.settings.lookup_wait_s
+        for _ in range(SETTLE_ROUNDS):
+            try:
+                self._advance(rec, tokens, namespace, skip_pages)
+            except Exception as e:        # any failure: the request computes what the node lacks
+                self._give_up(rec, f"{rec.stage.value} failed: {e!r}")
+            if rec.stage is not Stage.LOOKING or self.clock() >= settle_by:
+                break
+            calls = rec.pending()      # none: answered, not read yet
+            if calls and not self._wait(calls, settle_by - self.clock()):
+                break
         if rec.stage is not Stage.READY and self.clock() >= rec.deadline:
             self._give_up(rec, f"{rec.stage.value} past its deadline")
         return rec.stage is Stage.READY
@@ -119,16 +130,21 @@ class RemoteFetches:
     def forget(self, rid: str) -> None:
         self.requests.pop(rid, None)
 
+    def _wait(self, calls: list, timeout_s: float) -> bool:
+        """Whether one of `calls` answered within `timeout_s`."""
+        try:
+            return bool(self.link.wait_any(calls, timeout_s))
+        except Exception as e:     # the next poll sees the same failure and gives up
+            log.debug("waiting on the fabric failed: %r", e)
+            return False
+
     def wait_if_idle(self, scheduled_tokens: int) -> None:
         """With nothing scheduled, wait a little for the first fabric answer."""
         if scheduled_tokens:
             return
         calls = [c for rec in self.requests.values() for c in rec.pending()]
         if calls:
-            try:
-                self.link.wait_any(calls, IDLE_WAIT_S)
-            except Exception as e:     # the next poll sees the same failure and gives up
-                log.debug("waiting on the fabric failed: %r", e)
+            self._wait(calls, IDLE_WAIT_S)
 
     # --- stages --------------------------------------------------------------------------
     def _start(self, tokens: Sequence[int], namespace: str) -> RemoteFetch:

@@ -45,6 +45,7 @@ class ConnectorStats:
     stored_pages: int = 0
     save_failures: int = 0
     node_errors: int = 0
+    finished_requests: int = 0
     remote: RemoteStats = field(default_factory=RemoteStats)
 
 
@@ -268,8 +269,10 @@ class SchedulerSide:
         self.remote.forget(rid)
         self.hit_sources.pop(rid, None)
         has = self.fabric_has.pop(rid, 0)
+        self.stats.finished_requests += 1
         if not self.node.ready():
             return False, None
+        self.node.report(self.spec.prefix, self.stats)
         tokens = list(request.all_token_ids)
         n = min(request.num_computed_tokens, len(tokens)) // self.plan.page_size
         if n <= has:
@@ -308,6 +311,11 @@ class SchedulerSide:
                     first = max(first, p + 1)
                     break
         return first
+
+    def shutdown(self) -> None:
+        """The engine is going: its node unmaps the staging pages (the worker unlinks them)."""
+        if self.node.actor is not None:
+            self.node.tell("drop_staging", self.spec)
 
     # --- staging slots -----------------------------------------------------------------
     def _alloc(self, want: dict[PoolName, int]) -> dict[PoolName, list[int]] | None:

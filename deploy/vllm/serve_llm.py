@@ -109,30 +109,44 @@ class FabricNodeCallback(CallbackBase):
 
 
 def llm_config(args: LLMAppArgs) -> LLMConfig:
-    model = args.model()
-    replicas = args.replicas or sum(1 for n in ray.nodes() if n["Alive"])
-    engine = {"enforce_eager": True, "dtype": "float32", "max_model_len": args.max_model_len,
-              "block_size": args.block_size, "kv_cache_memory_bytes": args.kv_cache_bytes,
-              # The node actor and the Ray address are filled in on the replica's node.
-              "kv_transfer_config": kv_transfer_config("", "", remote=args.remote)}
+    """Engines with the FabricConnector and KV events, ranked by FabricLLMRouter."""
+    engine = {"kv_transfer_config": kv_transfer_config("", "", remote=args.remote)}
+    # The node actor and the Ray address are filled in on the replica's node.
     if args.index_events:
         engine["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq"}
     router = {"request_router_class": FabricLLMRouter,
-              "request_router_kwargs": {"model_dir": model, "block_size": args.block_size}}
-    return LLMConfig(model_loading_config={"model_id": args.model_id, "model_source": model},
+              "request_router_kwargs": {"model_dir": args.model(), "block_size": args.block_size}}
+    return _config(args, engine, router, callback_config={"callback_class": FabricNodeCallback})
+
+
+def baseline_llm_config(args: LLMAppArgs) -> LLMConfig:
+    """What users run without the fabric: the same engines with vLLM's own prefix cache
+    only, ranked by Ray Serve LLM's PrefixCacheAffinityRouter (its defaults)."""
+    from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+    return _config(args, {}, {"request_router_class": PrefixCacheAffinityRouter})
+
+
+def _config(args: LLMAppArgs, engine: dict, router: dict, **extra) -> LLMConfig:
+    replicas = args.replicas or sum(1 for n in ray.nodes() if n["Alive"])
+    engine = {"enforce_eager": True, "dtype": "float32", "max_model_len": args.max_model_len,
+              "block_size": args.block_size, "kv_cache_memory_bytes": args.kv_cache_bytes,
+              "enable_prefix_caching": True,
+              # Answers say how many prompt tokens came from a cache (usage.prompt_tokens_details).
+              "enable_prompt_tokens_details": True, **engine}
+    return LLMConfig(model_loading_config={"model_id": args.model_id, "model_source": args.model()},
                      engine_kwargs=engine,
                      # The replica's own CPU is counted in its engine's bundle (Serve LLM adds
                      # the two): `cpus_per_replica` is what one engine takes of a node.
                      deployment_config={"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0},
                                         "request_router_config": router},
-                     placement_group_config={"bundles": [{"CPU": args.cpus_per_replica}]},
-                     callback_config={"callback_class": FabricNodeCallback})
+                     placement_group_config={"bundles": [{"CPU": args.cpus_per_replica}]}, **extra)
 
 
-def build_llm_app(args: LLMAppArgs) -> serve.Application:
-    """The bound app (the fabric must be up for the model's layout)."""
+def build_llm_app(args: LLMAppArgs, config=llm_config) -> serve.Application:
+    """The bound app of `config(args)` (the fabric's: the fabric must be up for the
+    model's layout)."""
     # The ingress only parses and forwards HTTP (Serve LLM asks a whole CPU by default).
-    return build_openai_app({"llm_configs": [llm_config(args)],
+    return build_openai_app({"llm_configs": [config(args)],
                              "ingress_deployment_config": {"ray_actor_options": {"num_cpus": INGRESS_CPUS}}})
 
 

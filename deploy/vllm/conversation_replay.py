@@ -1,0 +1,182 @@
+"""Multi-turn conversations of a trace replayed through an OpenAI endpoint as text,
+streamed, so time to first token is measured as a client sees it.
+
+Each conversation's turns go in order (a user's next turn follows the answer), several
+conversations at once. The text of a trace block depends only on its hash id, so turns
+of one conversation share their earlier blocks' text, and the byte-level tokenizer of
+the demo's model makes one token of each character.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import statistics
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..cluster import Endpoint
+from ..replay import progress_bar
+from ..trace import TraceRequest, request_tokens
+
+# Printable ASCII without the characters a tokenizer or JSON might treat specially.
+ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:-"
+
+
+def conversation_texts(convs: Sequence[Sequence[TraceRequest]], chars_per_block: int,
+                       max_chars: int) -> list[list[str]]:
+    """Each turn's prompt: its blocks' text (`chars_per_block` a block), cut to `max_chars`."""
+    return [[_text(r, chars_per_block)[:max_chars] for r in turns] for turns in convs]
+
+
+def _text(r: TraceRequest, chars_per_block: int) -> str:
+    ids = request_tokens(r, chars_per_block, vocab_size=len(ALPHABET))
+    return "".join(ALPHABET[i] for i in ids)
+
+
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_ms: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class PassResult:
+    name: str
+    turns: list[Turn]
+    wall_s: float
+
+    @property
+    def done(self) -> list[Turn]:
+        return [t for t in self.turns if not t.error]
+
+    @property
+    def failed(self) -> int:
+        return len(self.turns) - len(self.done)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(t.prompt_tokens for t in self.done)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(t.cached_tokens for t in self.done)
+
+    def ttft_ms(self, q: float) -> float:
+        values = sorted(t.ttft_ms for t in self.done)
+        if not values:
+            return float("nan")
+        if q == 0.5:
+            return statistics.median(values)
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    def outputs(self) -> dict[tuple[int, int], list[int]]:
+        return {(t.conversation, t.turn): t.token_ids for t in self.done}
+
+
+class StreamingClient:
+    """A keep-alive HTTP client of /v1/completions that streams each answer."""
+
+    def __init__(self, endpoint: Endpoint, model: str, timeout_s: float = 300.0) -> None:
+        self.endpoint, self.model, self.timeout_s = endpoint, model, timeout_s
+        self.conn = self._connect()
+
+    def _connect(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.endpoint.host, self.endpoint.port, timeout=self.timeout_s)
+
+    def reconnect(self) -> None:
+        self.conn.close()
+        self.conn = self._connect()
+
+    def complete(self, prompt: str, max_tokens: int, salt: str | None, into: Turn) -> None:
+        """Greedy completion of `prompt`; fills `into` (TTFT: the first chunk with a token)."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+                "ignore_eos": True}
+        if salt is not None:
+            body["cache_salt"] = salt
+        start = time.perf_counter()
+        self.conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = self.conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+        for chunk in _events(resp):
+            for choice in chunk.get("choices") or ():
+                ids = choice.get("token_ids") or []
+                if (ids or choice.get("text")) and not into.ttft_ms:
+                    into.ttft_ms = (time.perf_counter() - start) * 1000
+                into.token_ids += ids
+            usage = chunk.get("usage")
+            if usage:
+                into.prompt_tokens = int(usage["prompt_tokens"])
+                into.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        if not into.token_ids or not into.prompt_tokens:
+            raise ValueError("the stream ended without tokens or usage")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _events(resp: http.client.HTTPResponse):
+    """The JSON objects of a server-sent event stream, until `[DONE]`."""
+    for raw in resp:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            resp.read()           # the stream's end, so the connection can take the next request
+            return
+        yield json.loads(data)
+
+
+def replay_conversations(name: str, endpoint: Endpoint, model: str, texts: list[list[str]], max_tokens: int,
+                         concurrency: int, uncached: bool = False, progress: bool = True) -> PassResult:
+    """Every conversation's turns in order, `concurrency` conversations at a time.
+    `uncached`: each request gets a cache_salt of its own, so nothing cached can match."""
+    turns = [Turn(c, k) for c, conv in enumerate(texts) for k in range(len(conv))]
+    by_conv: dict[int, list[Turn]] = {}
+    for t in turns:
+        by_conv.setdefault(t.conversation, []).append(t)
+    lock, next_c, done = threading.Lock(), [0], [0]
+
+    def work() -> None:
+        client = StreamingClient(endpoint, model)
+        try:
+            while True:
+                with lock:
+                    c = next_c[0]
+                    next_c[0] += 1
+                if c >= len(texts):
+                    return
+                for t in by_conv[c]:
+                    salt = f"nocache-{uuid.uuid4().hex}" if uncached else None
+                    try:
+                        client.complete(texts[c][t.turn], max_tokens, salt, t)
+                    except Exception as e:     # any failure is this request's, counted, not the run's
+                        t.error = repr(e)[:300]
+                        client.reconnect()
+                    with lock:
+                        done[0] += 1
+                        if progress:
+                            progress_bar(done[0], len(turns), f"{name:<10} ")
+        finally:
+            client.close()
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(max(1, concurrency))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if progress:
+        print(file=sys.stderr)
+    return PassResult(name, turns, time.monotonic() - start)

@@ -1,0 +1,280 @@
+"""`kvfabric demo` with vLLM (the default engine): the same conversations through what
+users run today and through the fabric, on one cluster.
+
+1. The stock Ray Serve LLM set-up: `build_openai_app`, vLLM's own prefix cache, Ray's
+   `PrefixCacheAffinityRouter`. The conversations go through it twice: once with a fresh
+   `cache_salt` per request (nothing cached can match: the reference outputs and the
+   uncached TTFT), then as users send them (the baseline).
+2. That app is deleted; the fabric starts, and the same engines (same model, same device
+   KV cache size, same placement) serve under Ray Serve LLM with the FabricConnector and
+   FabricLLMRouter. The conversations go through once more.
+
+Sizes (`kvfabric demo --help`): each engine's own KV cache holds about 2,000 tokens (one
+max-length prompt), and six conversations run at once over two engines, so the engines
+evict what a next turn needs, as a GPU's KV cache does under load: the baseline
+recomputes it, the fabric loads it from the node's pools or another node's. The model
+(model.py, DEMO_SPEC) is sized so that prefill dominates time to first token. Every
+measured pass follows warm-up requests (two per engine); the server processes run with
+Python's default GC, and the passes are long enough (a minute or more) that no
+collection decides a median.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+
+BASELINE = "ray.serve.llm PrefixCacheAffinityRouter"
+CPUS_PER_NODE = 3        # an engine's bundle takes 2: one engine per node; the fabric's actors fit beside
+REPORT_WAIT_S = 60.0
+
+
+def app_args(nodes: int, kv_cache_bytes: int):
+    from .model import DEMO_SPEC, ensure_tiny_model
+    from .serve_llm import LLMAppArgs
+    model = ensure_tiny_model(DEMO_SPEC, say=lambda m: print(m, file=sys.stderr))
+    return LLMAppArgs(model_dir=str(model), model_id="kvfabric-demo-vllm", replicas=nodes, max_model_len=2048,
+                      kv_cache_bytes=kv_cache_bytes, device_pages=256, host_pages=4096, cpus_per_replica=2.0)
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..cluster import connect, local_cluster
+    from ..replay import conversations
+    from ..trace import TraceError, load_trace
+    from .conversation_replay import conversation_texts
+    try:
+        trace = load_trace(args.trace)
+    except (TraceError, OSError) as e:
+        print(f"kvfabric demo: {e}", file=sys.stderr)
+        return 2
+    convs, n = [], 0
+    for turns in conversations(trace):
+        if n >= args.requests:
+            break
+        convs.append(turns[: args.requests - n])
+        n += len(convs[-1])
+    texts = conversation_texts(convs, args.tokens_per_block, 2048 - args.max_tokens - 1)
+    cm = local_cluster(args.nodes, cpus_per_node=CPUS_PER_NODE) if not args.address \
+        else contextlib.nullcontext(connect(args.address))
+    with cm:
+        import ray
+        nodes = sum(1 for node in ray.nodes() if node["Alive"])
+        app = app_args(nodes, args.kv_cache_mib << 20)
+        print(f"{len(texts)} conversations, {n} requests ({sum(map(len, sum(texts, [])))} prompt tokens), "
+              f"{args.concurrency} conversations at a time, on {nodes} nodes with one vLLM engine each "
+              f"(own KV cache {args.kv_cache_mib} MiB)", file=sys.stderr)
+        try:
+            passes, fabric_counts = run_passes(app, texts, args)
+        finally:
+            if not args.address:
+                from ray import serve
+                serve.shutdown()
+    report = Report.of(passes, fabric_counts, nodes)
+    plot = _plot(passes, args.plot)
+    report.print(plot)
+    if args.json:
+        print(json.dumps(report.as_json()))
+    return 1 if report.output_mismatches or report.failed_requests else 0
+
+
+def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[dict, dict]:
+    from ray import serve
+
+    from ..cluster import APP_NAME, Endpoint, free_port, up, wait_healthy
+    from .conversation_replay import replay_conversations
+    from .serve_llm import baseline_llm_config, build_llm_app
+
+    port = free_port()
+
+    def go(name: str, endpoint, **kw):
+        return replay_conversations(name, endpoint, app.model_id, texts, args.max_tokens, args.concurrency, **kw)
+
+    print(f"starting the stock Ray Serve LLM app ({BASELINE}, vLLM's own prefix cache) ...", file=sys.stderr)
+    started = time.monotonic()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    serve.run(build_llm_app(app, baseline_llm_config), name=APP_NAME, route_prefix="/", blocking=False)
+    endpoint = Endpoint("127.0.0.1", port)
+    wait_healthy(endpoint, 600.0, "/v1/models")
+    print(f"  up in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    warm_up(endpoint, app)
+    passes = {"caching off": go("nocache", endpoint, uncached=True)}
+    passes["baseline"] = go("baseline", endpoint)
+    serve.delete(APP_NAME)
+
+    print("starting the fabric and its Ray Serve LLM app (FabricConnector, FabricLLMRouter) ...", file=sys.stderr)
+    started = time.monotonic()
+    endpoint = up(dataclasses.asdict(app), port=port, engine="vllm", wait_s=600.0)
+    print(f"  up in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    warmups = warm_up(endpoint, app)
+    before = fabric_counters(warmups)
+    store_before = object_store_created_bytes()
+    passes["fabric"] = go("fabric", endpoint)
+    after = fabric_counters(warmups + len(passes["fabric"].turns))
+    store_after = object_store_created_bytes()
+    counts = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    print("  the engines' connectors: " + ", ".join(f"{k} {v}" for k, v in counts.items()), file=sys.stderr)
+    counts["object_store_bytes"] = None if store_before is None or store_after is None else store_after - store_before
+    return passes, counts
+
+
+def warm_up(endpoint, app) -> int:
+    """A short uncached request per engine, a few at once, so the measured passes find
+    every engine's code paths loaded; returns how many were sent."""
+    import threading
+
+    from .conversation_replay import StreamingClient, Turn
+    n = 2 * app.replicas
+
+    def one() -> None:
+        client = StreamingClient(endpoint, app.model_id)
+        try:
+            client.complete("warm up " * 40, 2, f"warmup-{uuid.uuid4().hex}", Turn(-1, 0))
+        except Exception as e:        # the measured passes will count failures
+            print(f"  warm-up request failed: {e!r}", file=sys.stderr)
+        finally:
+            client.close()
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return n
+
+
+def fabric_counters(finished: int) -> dict[str, int]:
+    """The engines' connector counters summed over every node (engine_reports), once they
+    account for `finished` requests (reports are sent as requests finish)."""
+    import ray
+
+    from actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE
+    directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
+    deadline = time.monotonic() + REPORT_WAIT_S
+    while True:
+        names = ray.get(directory.node_names.remote(), timeout=CALL_TIMEOUT_S)
+        actors = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
+        reports = [r for a in actors for r in ray.get(a.engine_reports.remote(), timeout=CALL_TIMEOUT_S).values()]
+        total: dict[str, int] = {}
+        for r in reports:
+            for k, v in r.items():
+                if isinstance(v, int):
+                    total[k] = total.get(k, 0) + v
+        total["nixl_bytes"] = sum(ray.get(a.stats.remote(), timeout=CALL_TIMEOUT_S)["fetched_bytes"] for a in actors)
+        if total.get("finished_requests", 0) >= finished or time.monotonic() > deadline:
+            return total
+        time.sleep(0.2)
+
+
+def object_store_created_bytes() -> int | None:
+    """Bytes ever created in the cluster's object stores (Ray's store stats); None when
+    Ray cannot say."""
+    try:
+        import ray
+        from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+        reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+        return int(reply.store_stats.cumulative_created_bytes)
+    except Exception as e:        # a private API: its absence costs the figure, not the demo
+        print(f"  the object store's counters are not readable: {e!r}", file=sys.stderr)
+        return None
+
+
+@dataclasses.dataclass
+class Report:
+    requests: int
+    nodes: int
+    failed_requests: int
+    output_mismatches: int
+    baseline_output_mismatches: int
+    prompt_tokens: int
+    cached_tokens: int
+    host_hit_tokens: int
+    remote_hit_tokens: int
+    nixl_bytes: int
+    object_store_bytes: int | None
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    baseline_ttft_p50_ms: float
+    baseline_ttft_p99_ms: float
+    baseline_hit_rate: float
+    nocache_ttft_p50_ms: float
+    wall_s: dict[str, float]
+    first_errors: dict[str, str]
+
+    @classmethod
+    def of(cls, passes: dict, counts: dict, nodes: int) -> "Report":
+        ref = passes["caching off"].outputs()
+        fabric, base = passes["fabric"], passes["baseline"]
+
+        def mismatches(p) -> int:
+            """Requests whose greedy tokens differ from caching off (a failed one has none)."""
+            out = p.outputs()
+            return sum(1 for k, v in ref.items() if out.get(k) != v)
+        return cls(requests=len(fabric.turns), nodes=nodes, failed_requests=sum(p.failed for p in passes.values()),
+                   output_mismatches=mismatches(fabric), baseline_output_mismatches=mismatches(base),
+                   prompt_tokens=fabric.prompt_tokens, cached_tokens=fabric.cached_tokens,
+                   host_hit_tokens=counts.get("loaded_tokens", 0) - counts.get("remote_loaded_tokens", 0),
+                   remote_hit_tokens=counts.get("remote_loaded_tokens", 0), nixl_bytes=counts.get("nixl_bytes", 0),
+                   object_store_bytes=counts.get("object_store_bytes"),
+                   ttft_p50_ms=fabric.ttft_ms(0.5), ttft_p99_ms=fabric.ttft_ms(0.99),
+                   baseline_ttft_p50_ms=base.ttft_ms(0.5), baseline_ttft_p99_ms=base.ttft_ms(0.99),
+                   baseline_hit_rate=base.cached_tokens / max(1, base.prompt_tokens),
+                   nocache_ttft_p50_ms=passes["caching off"].ttft_ms(0.5),
+                   wall_s={k: round(p.wall_s, 1) for k, p in passes.items()},
+                   first_errors={k: p.turns[i].error for k, p in passes.items()
+                                 for i in [next((i for i, t in enumerate(p.turns) if t.error), -1)] if i >= 0})
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / max(1, self.prompt_tokens)
+
+    @property
+    def device_hit_tokens(self) -> int:
+        return self.cached_tokens - self.host_hit_tokens - self.remote_hit_tokens
+
+    @property
+    def ratio(self) -> float:
+        return self.ttft_p50_ms / self.baseline_ttft_p50_ms if self.baseline_ttft_p50_ms else float("nan")
+
+    def print(self, plot: Path | None) -> None:
+        pct = 100 / max(1, self.prompt_tokens)
+        for name, error in self.first_errors.items():
+            print(f"{name}: a request failed: {error}")
+        print(f"requests {self.requests} a pass ({self.failed_requests} failed in all) on {self.nodes} nodes; "
+              f"greedy outputs differing from caching off: fabric {self.output_mismatches}, "
+              f"baseline {self.baseline_output_mismatches}")
+        print(f"fabric hit rate {self.hit_rate:.1%}: engine's own cache {self.device_hit_tokens * pct:.1f}%, "
+              f"node's pools {self.host_hit_tokens * pct:.1f}%, other nodes {self.remote_hit_tokens * pct:.1f}% "
+              f"of {self.prompt_tokens} prompt tokens; baseline hit rate {self.baseline_hit_rate:.1%}")
+        store = "unknown" if self.object_store_bytes is None else f"{self.object_store_bytes / 2 ** 20:.1f} MiB"
+        print(f"NIXL moved {self.nixl_bytes / 2 ** 20:.1f} MiB between nodes; the object store took {store} "
+              f"during the fabric's pass (all objects, K/V or not)")
+        print(f"TTFT p50 {self.ttft_p50_ms:.0f} ms / p99 {self.ttft_p99_ms:.0f} ms with the fabric; "
+              f"{self.baseline_ttft_p50_ms:.0f} / {self.baseline_ttft_p99_ms:.0f} ms with {BASELINE}; "
+              f"{self.nocache_ttft_p50_ms:.0f} ms p50 uncached (ratio to the baseline {self.ratio:.2f}, target <= 0.7)")
+        if plot:
+            print(f"plot: {plot}")
+
+    def as_json(self) -> dict:
+        return {"engine": "vllm", "requests": self.requests, "nodes": self.nodes,
+                "output_mismatches": self.output_mismatches, "hit_rate": round(self.hit_rate, 4),
+                "device_hit_tokens": self.device_hit_tokens, "host_hit_tokens": self.host_hit_tokens,
+                "remote_hit_tokens": self.remote_hit_tokens, "nixl_bytes": self.nixl_bytes,
+                "object_store_kv_bytes": self.object_store_bytes, "ttft_p50_ms": round(self.ttft_p50_ms, 1),
+                "baseline": BASELINE, "baseline_ttft_p50_ms": round(self.baseline_ttft_p50_ms, 1),
+                "ttft_ratio_vs_baseline": round(self.ratio, 3),
+                "baseline_output_mismatches": self.baseline_output_mismatches,
+                "baseline_hit_rate": round(self.baseline_hit_rate, 4), "failed_requests": self.failed_requests,
+                "prompt_tokens": self.prompt_tokens, "nocache_ttft_p50_ms": round(self.nocache_ttft_p50_ms, 1),
+                "wall_s": self.wall_s}
+
+
+def _plot(passes: dict, where: str) -> Path | None:
+    from ..demo import write_plot
+    from ..plots import cumulative_rate
+    rates = {name: cumulative_rate([t.cached_tokens for t in p.done], [t.prompt_tokens for t in p.done])
+             for name, p in passes.items()}
+    return write_plot(Path(where), rates, {name: [t.ttft_ms for t in p.done] for name, p in passes.items()})
