@@ -71,17 +71,18 @@ def _up(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _check_app_args(ap: argparse.ArgumentParser, args: argparse.Namespace, app_args: dict) -> None:
-    """Validate `app_args` for the engine (adding --tenants to the reference app's)."""
-    if args.engine == "vllm":
-        if args.tenants is not None:
-            ap.error("--tenants is for the reference engine; a vLLM app's tenants are cache_salts")
-        from deploy.vllm.serve_llm import LLMAppArgs
-        LLMAppArgs.from_dict(app_args)
-        return
+    """Validate `app_args` for the engine (adding --tenants to them)."""
     if args.tenants is not None:
         if "tenants_file" in app_args:
             ap.error("give the tenant table with --tenants or in --args, not both")
         app_args["tenants_file"] = os.path.abspath(os.path.expanduser(args.tenants))
+    if args.engine == "vllm":
+        from deploy.tenants import load_tenants
+        from deploy.vllm.serve_llm import LLMAppArgs
+        parsed = LLMAppArgs.from_dict(app_args)
+        if parsed.tenants_file:
+            load_tenants(parsed.tenants_file)
+        return
     from deploy.app import AppArgs
     AppArgs.from_dict(app_args).tenants()
 

@@ -87,7 +87,7 @@ def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[d
 
     from ..cluster import APP_NAME, Endpoint, free_port, up, wait_healthy
     from .conversation_replay import replay_conversations
-    from .serve_llm import baseline_llm_config, build_llm_app
+    from .serve_llm import build_baseline_app
 
     port = free_port()
 
@@ -97,7 +97,7 @@ def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[d
     print(f"starting the stock Ray Serve LLM app ({BASELINE}, vLLM's own prefix cache) ...", file=sys.stderr)
     started = time.monotonic()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    serve.run(build_llm_app(app, baseline_llm_config), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(build_baseline_app(app), name=APP_NAME, route_prefix="/", blocking=False)
     endpoint = Endpoint("127.0.0.1", port)
     wait_healthy(endpoint, 600.0, "/v1/models")
     print(f"  up in {time.monotonic() - started:.0f} s", file=sys.stderr)

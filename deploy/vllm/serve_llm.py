@@ -17,6 +17,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray import serve
@@ -26,9 +27,11 @@ from ray.serve.llm import LLMConfig, build_openai_app
 from actors import NodeConfig
 from actors.directory import node_actor_name
 from deploy.app import AppArgsError, args_of, ensure_fabric_for
+from deploy.tenants import load_tenants
 from fabric import KVLayout, PoolCapacity, PoolName
 
 from .connector import kv_transfer_config
+from .llm_ingress import FabricLLMIngress
 from .llm_router import FabricLLMRouter
 from .model import ensure_tiny_model
 from .plan import layout_for_model
@@ -51,6 +54,9 @@ class LLMAppArgs:
     remote: bool = True              # engines fetch longer prefixes from other nodes
     index_events: bool = True        # engines feed the index their own caches' contents
     cpus_per_replica: float = 1.0    # Ray places engines by it: more than half a node's CPUs, one per node
+    # API keys -> the cache_salts (namespaces) each may use (deploy/tenants.py); an absolute
+    # path on every node, read when the ingress starts. "": any client picks its salt.
+    tenants_file: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str) or (self.model_dir and not Path(self.model_dir).is_absolute()):
@@ -67,6 +73,8 @@ class LLMAppArgs:
         for f in ("remote", "index_events"):
             if not isinstance(getattr(self, f), bool):
                 raise AppArgsError(f"{f} must be a bool, got {getattr(self, f)!r}")
+        if not isinstance(self.tenants_file, str) or (self.tenants_file and not Path(self.tenants_file).is_absolute()):
+            raise AppArgsError(f"tenants_file must be an absolute path or empty, got {self.tenants_file!r}")
         c = self.cpus_per_replica
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 64:
             raise AppArgsError(f"cpus_per_replica must be a number in (0, 64], got {c!r}")
@@ -142,16 +150,28 @@ def _config(args: LLMAppArgs, engine: dict, router: dict, **extra) -> LLMConfig:
                      placement_group_config={"bundles": [{"CPU": args.cpus_per_replica}]}, **extra)
 
 
-def build_llm_app(args: LLMAppArgs, config=llm_config) -> serve.Application:
-    """The bound app of `config(args)` (the fabric's: the fabric must be up for the
-    model's layout)."""
+def build_llm_app(args: LLMAppArgs) -> serve.Application:
+    """The fabric's app (the fabric must be up for the model's layout): its engines, and
+    the OpenAI ingress with the tenant table when there is one."""
+    ingress = {"ingress_cls": FabricLLMIngress, "ingress_extra_kwargs": {"tenants_file": args.tenants_file}}
+    return _app(llm_config(args), ingress_cls_config=ingress)
+
+
+def build_baseline_app(args: LLMAppArgs) -> serve.Application:
+    """The stock app of the same engines: Ray's ingress, `baseline_llm_config`."""
+    return _app(baseline_llm_config(args))
+
+
+def _app(config: LLMConfig, **builder: Any) -> serve.Application:
     # The ingress only parses and forwards HTTP (Serve LLM asks a whole CPU by default).
-    return build_openai_app({"llm_configs": [config(args)],
+    return build_openai_app({"llm_configs": [config], **builder,
                              "ingress_deployment_config": {"ray_actor_options": {"num_cpus": INGRESS_CPUS}}})
 
 
 def llm_app_builder(args: dict) -> serve.Application:
     """Serve's application builder: validated args -> fabric up -> the app."""
     parsed = LLMAppArgs.from_dict(args)
+    if parsed.tenants_file:
+        load_tenants(parsed.tenants_file)     # a bad table fails the deploy, not each replica
     ensure_fabric_for(parsed.node_config(), parsed.shards)
     return build_llm_app(parsed)
