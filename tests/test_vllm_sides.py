@@ -249,3 +249,24 @@ def test_a_node_that_never_answers_a_store_costs_slots_only_for_a_while(rig):
     assert not rig.sched.storing
     held = sum(len(s) for _, q in rig.sched.quarantined for s in q.values())
     assert held and sum(a.capacity - a.free_count for a in rig.sched.allocators.values()) == held
+
+
+SETTING_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 1 << 21), st.floats(allow_nan=True),
+                           st.text(max_size=5), st.lists(st.integers(), max_size=2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from(sorted(FabricSettings.__dataclass_fields__) + ["bogus"]), value=SETTING_VALUES)
+def test_connector_settings_of_a_wrong_type_or_range_are_refused(name, value):
+    """kv_connector_extra_config comes from a deployment's config: each setting has its type
+    and range, and anything else is a ValueError naming it."""
+    kind = FabricSettings.__dataclass_fields__[name].type if name != "bogus" else None
+    want_ok = {"bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+               "int": lambda v: type(v) is int and 1 <= v <= 1 << 20,
+               "float": lambda v: type(v) in (int, float) and 0 <= v <= 3600}.get(kind, lambda v: False)(value)
+    try:
+        got = FabricSettings.from_extra({name: value})
+    except ValueError as e:
+        assert not want_ok and name in str(e)
+        return
+    assert want_ok and getattr(got, name) == value

@@ -5,6 +5,7 @@ copies between its KV tensors and the shared staging pages.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -72,6 +73,21 @@ class FabricSettings:
     # Feed the fabric's index from this engine's KV events (its kv_events_config) as
     # `<node_actor>/engine/<engine_slot>`; empty: no feed.
     engine_slot: str = ""
+
+    def __post_init__(self) -> None:
+        # Settings come from a deployment's config: a wrong type fails here, with its name.
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "bool":
+                ok = isinstance(v, bool)
+            elif f.type == "str":
+                ok = isinstance(v, str) and len(v) <= 4096
+            elif f.type == "int":
+                ok = type(v) is int and 1 <= v <= 1 << 20
+            else:        # seconds
+                ok = type(v) in (int, float) and 0 <= v <= 3600
+            if not ok:
+                raise ValueError(f"FabricConnector setting {f.name} must be a {f.type} in range, got {v!r:.80}")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "FabricSettings":
