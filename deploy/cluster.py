@@ -81,7 +81,6 @@ def up(args: dict | None = None, host: str = "127.0.0.1", port: int = 8000,
     running. Binds to localhost unless `host` says otherwise. `engine`: "reference"
     (the bit-exact reference model, deploy/app.py) or "vllm" (vLLM under Ray Serve LLM,
     deploy/vllm/serve_llm.py; its args are LLMAppArgs)."""
-    from ray import serve
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "vllm":
@@ -90,8 +89,15 @@ def up(args: dict | None = None, host: str = "127.0.0.1", port: int = 8000,
     else:
         from .app import app_builder as builder
         ready = "/healthz"
+    return serve_app(builder(args or {}), ready, host, port, wait_s)
+
+
+def serve_app(app, ready: str, host: str = "127.0.0.1", port: int = 8000, wait_s: float = 300.0) -> Endpoint:
+    """Run a bound Serve app as APP_NAME at `/` on the connected cluster; its endpoint once
+    `ready` (a path) answers."""
+    from ray import serve
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
-    serve.run(builder(args or {}), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     endpoint = Endpoint("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)
     wait_healthy(endpoint, wait_s, ready)
     return endpoint

@@ -4,13 +4,14 @@ the fabric; the two outputs must be equal, token for token and logit for logit.
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import statistics
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, ContextManager, Iterator, Sequence
 
 from pydantic import ValidationError
 
@@ -111,39 +112,71 @@ def replay(endpoint: Endpoint, model: str, prompts: list[list[int]], max_tokens:
            progress: bool = True) -> list[Pair]:
     """Each prompt baseline-then-fabric, `concurrency` prompts at a time, in order."""
     pairs = [Pair(i) for i in range(len(prompts))]
-    lock, next_i, done = threading.Lock(), [0], [0]
+    bar = Progress(len(prompts), show=progress)
+
+    @contextlib.contextmanager
+    def worker() -> Iterator[Callable[[int], None]]:
+        client = [Client(endpoint, api_key)]
+
+        def serve(i: int) -> None:
+            try:
+                pairs[i].baseline = client[0].complete(model, prompts[i], max_tokens, False, namespace)
+                pairs[i].fabric = client[0].complete(model, prompts[i], max_tokens, True, namespace)
+            except (OSError, RuntimeError, KeyError, ValueError) as e:
+                pairs[i].error = str(e)
+                client[0].close()
+                client[0] = Client(endpoint, api_key)
+            bar.tick()
+        try:
+            yield serve
+        finally:
+            client[0].close()
+
+    each_in_threads(len(prompts), concurrency, worker)
+    bar.end()
+    return pairs
+
+
+def each_in_threads(n: int, concurrency: int,
+                    worker: Callable[[], ContextManager[Callable[[int], None]]]) -> None:
+    """Items 0..n-1 in order, `concurrency` threads at a time; each thread serves the items
+    it takes through a `worker()` of its own (one HTTP connection, say)."""
+    lock, next_i = threading.Lock(), [0]
 
     def work() -> None:
-        client = Client(endpoint, api_key)
-        try:
+        with worker() as serve:
             while True:
                 with lock:
                     i = next_i[0]
                     next_i[0] += 1
-                if i >= len(prompts):
+                if i >= n:
                     return
-                try:
-                    pairs[i].baseline = client.complete(model, prompts[i], max_tokens, False, namespace)
-                    pairs[i].fabric = client.complete(model, prompts[i], max_tokens, True, namespace)
-                except (OSError, RuntimeError, KeyError, ValueError) as e:
-                    pairs[i].error = str(e)
-                    client.close()
-                    client = Client(endpoint, api_key)
-                with lock:
-                    done[0] += 1
-                    if progress:
-                        progress_bar(done[0], len(prompts))
-        finally:
-            client.close()
+                serve(i)
 
     threads = [threading.Thread(target=work, daemon=True) for _ in range(max(1, concurrency))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    if progress:
-        print(file=sys.stderr)
-    return pairs
+
+
+class Progress:
+    """A progress bar on stderr that threads tick."""
+
+    def __init__(self, total: int, label: str = "", show: bool = True) -> None:
+        self.total, self.label, self.show = total, label, show
+        self.done = 0
+        self.lock = threading.Lock()
+
+    def tick(self) -> None:
+        with self.lock:
+            self.done += 1
+            if self.show:
+                progress_bar(self.done, self.total, self.label)
+
+    def end(self) -> None:
+        if self.show:
+            print(file=sys.stderr)
 
 
 def progress_bar(done: int, total: int, label: str = "", width: int = 40) -> None:

@@ -59,7 +59,7 @@ class OpenAIStream(BaseHTTPRequestHandler):
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
 
     def log_message(self, *args):
-        pass
+        """Quiet: the test reads answers, not the server's access log."""
 
 
 @pytest.fixture

@@ -8,18 +8,17 @@ the demo's model makes one token of each character.
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import statistics
-import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..cluster import Endpoint
-from ..replay import progress_bar
+from ..replay import Progress, each_in_threads
 from ..trace import TraceRequest, request_tokens
 
 # Printable ASCII without the characters a tokenizer or JSON might treat specially.
@@ -146,37 +145,27 @@ def replay_conversations(name: str, endpoint: Endpoint, model: str, texts: list[
     by_conv: dict[int, list[Turn]] = {}
     for t in turns:
         by_conv.setdefault(t.conversation, []).append(t)
-    lock, next_c, done = threading.Lock(), [0], [0]
+    bar = Progress(len(turns), f"{name:<10} ", show=progress)
 
-    def work() -> None:
+    @contextlib.contextmanager
+    def worker() -> Iterator[Callable[[int], None]]:
         client = StreamingClient(endpoint, model)
+
+        def serve(c: int) -> None:
+            for t in by_conv[c]:
+                salt = f"nocache-{uuid.uuid4().hex}" if uncached else None
+                try:
+                    client.complete(texts[c][t.turn], max_tokens, salt, t)
+                except Exception as e:     # any failure is this request's, counted, not the run's
+                    t.error = repr(e)[:300]
+                    client.reconnect()
+                bar.tick()
         try:
-            while True:
-                with lock:
-                    c = next_c[0]
-                    next_c[0] += 1
-                if c >= len(texts):
-                    return
-                for t in by_conv[c]:
-                    salt = f"nocache-{uuid.uuid4().hex}" if uncached else None
-                    try:
-                        client.complete(texts[c][t.turn], max_tokens, salt, t)
-                    except Exception as e:     # any failure is this request's, counted, not the run's
-                        t.error = repr(e)[:300]
-                        client.reconnect()
-                    with lock:
-                        done[0] += 1
-                        if progress:
-                            progress_bar(done[0], len(turns), f"{name:<10} ")
+            yield serve
         finally:
             client.close()
 
     start = time.monotonic()
-    threads = [threading.Thread(target=work, daemon=True) for _ in range(max(1, concurrency))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if progress:
-        print(file=sys.stderr)
+    each_in_threads(len(texts), concurrency, worker)
+    bar.end()
     return PassResult(name, turns, time.monotonic() - start)

@@ -26,7 +26,6 @@ import dataclasses
 import json
 import sys
 import time
-import uuid
 from pathlib import Path
 
 BASELINE = "ray.serve.llm PrefixCacheAffinityRouter"
@@ -85,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
 def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[dict, dict]:
     from ray import serve
 
-    from ..cluster import APP_NAME, Endpoint, free_port, up, wait_healthy
+    from ..cluster import APP_NAME, free_port, serve_app, up
     from .conversation_replay import replay_conversations
     from .serve_llm import build_baseline_app
 
@@ -96,10 +95,7 @@ def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[d
 
     print(f"starting the stock Ray Serve LLM app ({BASELINE}, vLLM's own prefix cache) ...", file=sys.stderr)
     started = time.monotonic()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    serve.run(build_baseline_app(app), name=APP_NAME, route_prefix="/", blocking=False)
-    endpoint = Endpoint("127.0.0.1", port)
-    wait_healthy(endpoint, 600.0, "/v1/models")
+    endpoint = serve_app(build_baseline_app(app), "/v1/models", port=port, wait_s=600.0)
     print(f"  up in {time.monotonic() - started:.0f} s", file=sys.stderr)
     warm_up(endpoint, app)
     passes = {"caching off": go("nocache", endpoint, uncached=True)}
@@ -123,26 +119,15 @@ def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[d
 
 
 def warm_up(endpoint, app) -> int:
-    """A short uncached request per engine, a few at once, so the measured passes find
-    every engine's code paths loaded; returns how many were sent."""
-    import threading
-
-    from .conversation_replay import StreamingClient, Turn
+    """Short uncached requests, two an engine at once, so the measured passes find every
+    engine's code paths loaded; returns how many were sent."""
+    from .conversation_replay import replay_conversations
     n = 2 * app.replicas
-
-    def one() -> None:
-        client = StreamingClient(endpoint, app.model_id)
-        try:
-            client.complete("warm up " * 40, 2, f"warmup-{uuid.uuid4().hex}", Turn(-1, 0))
-        except Exception as e:        # the measured passes will count failures
-            print(f"  warm-up request failed: {e!r}", file=sys.stderr)
-        finally:
-            client.close()
-    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    result = replay_conversations("warm-up", endpoint, app.model_id, [["warm up " * 40]] * n, 2, n,
+                                  uncached=True, progress=False)
+    for t in result.turns:
+        if t.error:               # the measured passes count their own failures
+            print(f"  warm-up request failed: {t.error}", file=sys.stderr)
     return n
 
 
