@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Transport and model checks with CUDA pools, for a machine with a GPU (none on the dev hosts).
+# Transport, model and vLLM checks with CUDA, for a machine with a GPU (none on the dev hosts).
 # Runs the transport tests and the benchmark with every pool in device memory (VRAM
 # registered with NIXL/UCX, LocalTransport copies through pinned memory on a side
-# stream), each under a hard time limit; whole script well under 5 minutes.
+# stream), the vLLM connector's block copies between VRAM and host staging, and, when
+# vLLM's CUDA build is installed (pip install '.[vllm-cuda]'), the vLLM demo with its
+# engines on the GPU; each under a hard time limit, whole script under 10 minutes.
 # Usage: benchmarks/gpu_check.sh [output-dir]     (from the repository root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,4 +48,15 @@ assert a.cached_tokens > 0 and a.tokens == b.tokens, (a, b)
 assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), "logits differ on CUDA"
 print("cuda model ok: cached", a.cached_tokens, "tokens, outputs equal bit for bit")
 PY
+echo "== vLLM connector: blocks in VRAM <-> host staging, every backend format"
+timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_block_format.py 2>&1 | tee "$OUT/block_format.txt"
+
+echo "== vLLM demo with engines on the GPU (two simulated nodes share it)"
+if "$PY" -c "from vllm.platforms import current_platform as p; raise SystemExit(0 if p.is_cuda() else 1)"; then
+    HF_HUB_OFFLINE=1 timeout 420 "$PY" -m deploy.cli demo --gpu --requests 30 --json \
+        --plot "$OUT/demo.png" 2>&1 | tee "$OUT/demo.txt"
+    tail -n 1 "$OUT/demo.txt" > "$OUT/demo.json"
+else
+    echo "skipped: vLLM's CUDA build is not installed here (pip install '.[vllm-cuda]')" | tee "$OUT/demo.txt"
+fi
 echo "results in $OUT"

@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--engine", choices=("reference", "vllm"), default="reference",
                     help="reference: the bit-exact reference model; vllm: vLLM under Ray Serve LLM")
-    up.add_argument("--args", default="{}", help="app args as JSON (deploy.app.AppArgs; with --engine vllm, "
-                    "deploy.vllm.serve_llm.LLMAppArgs)")
+    up.add_argument("--args", default="{}", help="app args as JSON, or @FILE of JSON (deploy.app.AppArgs; "
+                    "with --engine vllm, deploy.vllm.serve_llm.LLMAppArgs)")
     up.add_argument("--tenants", metavar="FILE", help="the tenant table: API keys and the namespaces "
                     "each may use (JSON or YAML; deploy/tenants.py); the same path on every node")
     down = sub.add_parser("down", help="remove the Serve app and the fabric from a running cluster")
@@ -52,13 +52,32 @@ def main(argv: list[str] | None = None) -> int:
     return importlib.import_module(BENCHES[args.name]).main(rest) or 0
 
 
+def read_app_args(value: str) -> dict:
+    """`--args`: a JSON object, or `@PATH` of a file holding one (`~` expanded); a
+    ValueError saying which when it is not."""
+    where = "--args"
+    if value.startswith("@"):
+        path = os.path.expanduser(value[1:])
+        where = f"--args file {path}"
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = f.read(1 << 20)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{where}: {e}") from None
+    try:
+        app_args = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not JSON: {e}") from None
+    if not isinstance(app_args, dict):
+        raise ValueError(f"{where} must be a JSON object")
+    return app_args
+
+
 def _up(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
-        app_args = json.loads(args.args)
-    except json.JSONDecodeError as e:
-        ap.error(f"--args is not JSON: {e}")
-    if not isinstance(app_args, dict):
-        ap.error("--args must be a JSON object")
+        app_args = read_app_args(args.args)
+    except ValueError as e:
+        ap.error(str(e))
     try:
         _check_app_args(ap, args, app_args)
     except (ValueError, TypeError) as e:         # bad args fail here, not in a replica

@@ -40,15 +40,16 @@ class Endpoint:
 
 
 @contextlib.contextmanager
-def local_cluster(nodes: int = 3, cpus_per_node: int = 2,
-                  object_store_bytes: int = 256 * 1024 ** 2) -> Iterator["Cluster"]:
+def local_cluster(nodes: int = 3, cpus_per_node: int = 2, object_store_bytes: int = 256 * 1024 ** 2,
+                  gpus_per_node: int = 0) -> Iterator["Cluster"]:
     """A head and `nodes - 1` workers on this machine, connected; yields the
-    `ray.cluster_utils.Cluster` (nodes can be removed and added), shuts down after."""
+    `ray.cluster_utils.Cluster` (nodes can be removed and added), shuts down after.
+    `gpus_per_node`: GPUs each node announces; they are this machine's, so nodes share them."""
     import ray
     from ray.cluster_utils import Cluster
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
-    node_args = {"num_cpus": cpus_per_node, "object_store_memory": object_store_bytes}
+    node_args = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node, "object_store_memory": object_store_bytes}
     cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
     try:
         for _ in range(nodes - 1):

@@ -45,6 +45,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, help="requests (vllm: conversations) at once (vllm 6, reference 3)")
     ap.add_argument("--kv-cache-mib", type=int, default=17,
                     help="vllm: each engine's own KV cache (17: about 2,000 tokens, one max-length prompt)")
+    ap.add_argument("--gpu", action="store_true",
+                    help="vllm: engines on CUDA, every simulated node given this machine's GPU 0 "
+                         "(they share it; each engine may take 0.8/nodes of its memory)")
     ap.add_argument("--plot", default=DEFAULT_PLOT, help="where to write the PNG")
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
     args = ap.parse_args(argv)
@@ -55,6 +58,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name in names + ("kv_cache_mib",):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.gpu and (args.engine != "vllm" or args.address):
+        ap.error("--gpu is for the vllm engine on the embedded cluster")
     return args
 
 

@@ -23,8 +23,26 @@ def test_demo_serves_a_trace_slice_on_three_nodes_and_matches_uncached_output(ca
                                   ["up", "--args", '{"api_key": "sk-old-single-key"}'],
                                   ["up", "--tenants", "/nonexistent/tenants.yaml"],
                                   ["up", "--tenants", "/t.yaml", "--args", '{"tenants_file": "/t.yaml"}'],
-                                  ["up", "--args", '{"tenants_file": "relative.yaml"}']])
+                                  ["up", "--args", '{"tenants_file": "relative.yaml"}'],
+                                  ["up", "--args", "@/nonexistent/args.json"], ["up", "--args", "@/"],
+                                  ["demo", "--engine", "reference", "--gpu"]])
 def test_bad_arguments_exit_with_usage(argv):
     with pytest.raises(SystemExit) as e:
         main(argv)
+    assert e.value.code == 2
+
+
+def test_app_args_from_a_file(tmp_path):
+    from deploy.cli import read_app_args
+    f = tmp_path / "args.json"
+    f.write_text('{"replicas": 2, "block_size": 64}')
+    assert read_app_args(f"@{f}") == read_app_args('{"replicas": 2, "block_size": 64}') == {"replicas": 2, "block_size": 64}
+    f.write_text("[2]")
+    with pytest.raises(ValueError, match="args.json must be a JSON object"):
+        read_app_args(f"@{f}")
+    f.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match="args.json"):
+        read_app_args(f"@{f}")
+    with pytest.raises(SystemExit) as e:       # a bad file's args fail before any cluster is reached
+        main(["up", "--engine", "vllm", "--args", f"@{f}"])
     assert e.value.code == 2

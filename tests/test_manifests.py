@@ -1,7 +1,7 @@
 """The deployment manifests stay true to the code and to each other.
 
-deploy/manifests/rayservice.yaml (KubeRay RayService) and deploy/manifests/cluster.yaml (Ray
-cluster launcher) name things that live elsewhere: the Serve app's import path and args,
+deploy/manifests/rayservice.yaml and rayservice-vllm.yaml (KubeRay RayServices: the reference
+model's app and vLLM's) and deploy/manifests/cluster.yaml (Ray cluster launcher) name things that live elsewhere: the Serve app's import path and args,
 the `kvfabric` command, the pinned Ray and Python versions, the runtime dependencies. These
 tests parse both files and check every such name against the code, pyproject.toml and Ray's
 own validators, so a rename or a version bump cannot leave a manifest quietly broken."""
@@ -22,9 +22,22 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "deploy" / "manifests"
-RAYSERVICE = MANIFESTS / "rayservice.yaml"
+RAYSERVICES = {"reference": MANIFESTS / "rayservice.yaml", "vllm": MANIFESTS / "rayservice-vllm.yaml"}
 CLUSTER = MANIFESTS / "cluster.yaml"
 GPU = "nvidia.com/gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class AppKind:
+    """What a Serve app's import path implies: its args' class and the pyproject extras its
+    nodes install beside the runtime dependencies."""
+    args_class: str
+    extras: tuple[str, ...]
+    engine: str                     # `kvfabric up --engine`
+
+
+APPS = {"deploy.app:app_builder": AppKind("deploy.app:AppArgs", (), "reference"),
+        "deploy.vllm.serve_llm:llm_app_builder": AppKind("deploy.vllm.serve_llm:LLMAppArgs", ("vllm-cuda",), "vllm")}
 
 
 # ------------------------------------------------------------------ loading
@@ -35,9 +48,14 @@ def pyproject() -> dict:
         return tomllib.load(f)
 
 
+@pytest.fixture(scope="module", params=sorted(RAYSERVICES))
+def rayservice_path(request) -> Path:
+    return RAYSERVICES[request.param]
+
+
 @pytest.fixture(scope="module")
-def rayservice() -> dict:
-    return yaml.safe_load(RAYSERVICE.read_text())
+def rayservice(rayservice_path) -> dict:
+    return yaml.safe_load(rayservice_path.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +71,11 @@ def cluster() -> dict:
     return yaml.safe_load(CLUSTER.read_text())
 
 
-def _deps(pyproject) -> dict[str, Requirement]:
+def _deps(pyproject, extras: tuple[str, ...] = ()) -> dict[str, Requirement]:
+    """The runtime dependencies and those of `extras`, by canonical name."""
     reqs = [Requirement(d) for d in pyproject["project"]["dependencies"]]
+    for extra in extras:
+        reqs += [Requirement(d) for d in pyproject["project"]["optional-dependencies"][extra]]
     return {canonicalize_name(r.name): r for r in reqs}
 
 
@@ -100,80 +121,109 @@ def test_rayservice_is_a_kuberay_rayservice(rayservice, pyproject):
     assert rc["workerGroupSpecs"]
 
 
+def _app(serve_config) -> tuple[dict, AppKind]:
+    (app,) = serve_config["applications"]
+    return app, APPS[app["import_path"]]
+
+
 def test_serve_config_is_one_valid_serve_application(serve_config):
     from ray.serve.schema import ServeDeploySchema
 
     ServeDeploySchema.model_validate(serve_config)    # Ray Serve's own config schema
     (app,) = serve_config["applications"]
-    assert app["import_path"] == "deploy.app:app_builder"
+    assert app["import_path"] in APPS
+    assert callable(_resolve(app["import_path"]))
     assert app["route_prefix"] == "/"
     assert serve_config.get("http_options", {}).get("port", 8000) == 8000
 
 
-def test_every_import_path_names_a_callable(serve_config):
-    for app in serve_config["applications"]:
-        target = _resolve(app["import_path"])
-        assert callable(target), f"{app['import_path']} is not callable"
+def test_app_args_build_the_apps_args(serve_config):
+    app, kind = _app(serve_config)
+    cls = _resolve(kind.args_class)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    args = app.get("args", {})
+    assert "shards" in args
+    assert set(args) <= fields, f"unknown app args: {sorted(set(args) - fields)}"
+    cls.from_dict(args)      # validated as the app builder validates them
 
 
-def test_app_args_are_fields_of_AppArgs(serve_config):
-    app_mod = importlib.import_module("deploy.app")
-    fields = {f.name for f in dataclasses.fields(app_mod.AppArgs)}
-    for app in serve_config["applications"]:
-        args = app.get("args", {})
-        assert {"model_name", "shards"} <= set(args)
-        assert set(args) <= fields, f"unknown app args: {sorted(set(args) - fields)}"
-        app_mod.AppArgs(**args)      # every field is optional: the manifest's args build one
+def _workers(rayservice) -> list[dict]:
+    return rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
 
 
 def test_model_server_replicas_fit_the_cluster(serve_config, rayservice):
-    # At most one model server per Ray node: `nodes`, when set, is the head plus every worker.
-    workers = sum(g["replicas"] for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"])
-    for app in serve_config["applications"]:
-        nodes = app.get("args", {}).get("nodes")
-        assert nodes in (None, 0, 1 + workers), f"nodes={nodes} but the cluster has {1 + workers} nodes"
+    app, kind = _app(serve_config)
+    args = app["args"]
+    workers = sum(g["replicas"] for g in _workers(rayservice))
+    if kind.engine == "reference":
+        # At most one model server per Ray node: `nodes`, when set, is the head plus every worker.
+        assert args.get("nodes") in (None, 0, 1 + workers), f"nodes={args.get('nodes')}, {1 + workers} nodes"
+        return
+    # One vLLM engine per GPU worker (the head has none), each within its worker's GPUs and CPUs.
+    assert args["replicas"] == workers
+    for g in _workers(rayservice):
+        (c,) = g["template"]["spec"]["containers"]
+        assert 0 < args["gpus_per_replica"] <= int(c["resources"]["limits"][GPU]), g["groupName"]
+        assert args["cpus_per_replica"] < float(c["resources"]["limits"]["cpu"]), g["groupName"]
 
 
 def test_app_args_carry_no_secret(serve_config):
     # serveConfigV2 is stored in plain text in the custom resource: the keys are in a file.
-    for app in serve_config["applications"]:
-        args = app.get("args", {})
-        assert "api_key" not in args
-        assert args.get("tenants_file", "").startswith("/"), "the app runs with API keys"
+    app, _ = _app(serve_config)
+    assert "api_key" not in app["args"]
+    assert app["args"].get("tenants_file", "").startswith("/"), "the app runs with API keys"
 
 
-def test_the_tenant_table_is_a_secret_mounted_on_every_pod(serve_config, rayservice):
+def _volumes_at(spec: dict, container: dict, path: str) -> list[tuple[dict, dict]]:
+    """(volume, mount) of every mount of `container` that holds `path`."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    out = []
+    for m in container.get("volumeMounts", []):
+        root = m["mountPath"].rstrip("/") + "/"
+        if path.startswith(root) and m["name"] in volumes:
+            out.append((volumes[m["name"]], m))
+    return out
+
+
+def test_the_tenant_table_is_a_secret_mounted_on_every_pod(serve_config, rayservice, rayservice_path):
     # The ingress replica (and the app builder) may run on any node, so every Ray
     # container reads the table at the path the app args name.
-    (app,) = serve_config["applications"]
+    app, _ = _app(serve_config)
     path = app["args"]["tenants_file"]
     for group, spec in _pod_specs(rayservice):
-        volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for c in spec["containers"]:
-            where = f"{group}/{c['name']}"
-            found = []
-            for m in c.get("volumeMounts", []):
-                secret = volumes.get(m["name"], {}).get("secret")
-                if secret is None:
-                    continue
-                for item in secret.get("items", []):
-                    if f"{m['mountPath'].rstrip('/')}/{item['path']}" == path:
-                        found.append((secret["secretName"], item["key"], m.get("readOnly")))
-            assert found == [("kvfabric-tenants", "tenants.yaml", True)], f"{where}: {found}"
-    assert "kubectl create secret generic kvfabric-tenants --from-file=tenants.yaml=" in RAYSERVICE.read_text()
+            found = [(v["secret"]["secretName"], item["key"], m.get("readOnly"))
+                     for v, m in _volumes_at(spec, c, path) if "secret" in v
+                     for item in v["secret"].get("items", [])
+                     if f"{m['mountPath'].rstrip('/')}/{item['path']}" == path]
+            assert found == [("kvfabric-tenants", "tenants.yaml", True)], f"{group}/{c['name']}: {found}"
+    assert "kubectl create secret generic kvfabric-tenants --from-file=tenants.yaml=" in rayservice_path.read_text()
+
+
+def test_the_model_folder_is_on_every_pod(serve_config, rayservice):
+    # Engines load the weights, the router (any node) the tokenizer, the builder the config.
+    app, kind = _app(serve_config)
+    if kind.engine != "vllm":
+        pytest.skip("the reference model is built in")
+    path = app["args"]["model_dir"]
+    for group, spec in _pod_specs(rayservice):
+        for c in spec["containers"]:
+            found = [(v["persistentVolumeClaim"]["claimName"], m.get("readOnly"))
+                     for v, m in _volumes_at(spec, c, path + "/") if "persistentVolumeClaim" in v]
+            assert found == [("kvfabric-models", True)], f"{group}/{c['name']}: {found}"
 
 
 def test_runtime_env_installs_the_project_dependencies(serve_config, pyproject):
-    deps = _deps(pyproject)
-    for app in serve_config["applications"]:
-        env = app["runtime_env"]
-        # The code comes as a zip of the repository at a URL the user sets.
-        assert re.fullmatch(r"(https|s3|gs)://\S+\.zip", env["working_dir"]), env["working_dir"]
-        pip = {canonicalize_name(r.name): r for r in map(Requirement, env["pip"])}
-        # Every runtime dependency but Ray, which the image provides (and must not be reinstalled).
-        assert set(pip) == set(deps) - {"ray"}
-        for name, req in pip.items():
-            assert req.specifier == deps[name].specifier, f"{name}: {req} vs pyproject {deps[name]}"
+    app, kind = _app(serve_config)
+    deps = _deps(pyproject, kind.extras)
+    env = app["runtime_env"]
+    # The code comes as a zip of the repository at a URL the user sets.
+    assert re.fullmatch(r"(https|s3|gs)://\S+\.zip", env["working_dir"]), env["working_dir"]
+    pip = {canonicalize_name(r.name): r for r in map(Requirement, env["pip"])}
+    # Every runtime dependency but Ray, which the image provides (and must not be reinstalled).
+    assert set(pip) == set(deps) - {"ray"}
+    for name, req in pip.items():
+        assert req.specifier == deps[name].specifier, f"{name}: {req} vs pyproject {deps[name]}"
 
 
 def test_images_match_the_pinned_ray_and_python(rayservice, pyproject):
@@ -251,7 +301,30 @@ def test_cluster_installs_the_project_from_its_file_mount(cluster):
     mounts = cluster["file_mounts"]
     (remote,) = [r for r, local in mounts.items() if (ROOT / local).resolve() == ROOT]
     setup = " && ".join(cluster["setup_commands"])
-    assert re.search(rf"cd {re.escape(remote)} && pip install -e \.", setup), setup
+    # With vLLM's CUDA build: the extra pyproject.toml declares for GPU nodes.
+    assert re.search(rf"cd {re.escape(remote)} && pip install -e '\.\[vllm-cuda\]'", setup), setup
+
+
+def test_cluster_vllm_app_args_fit_its_nodes_and_model(cluster, pyproject):
+    from deploy.cli import read_app_args
+    from deploy.vllm.serve_llm import LLMAppArgs
+
+    assert "vllm-cuda" in pyproject["project"]["optional-dependencies"]
+    (repo,) = [r for r, local in cluster["file_mounts"].items() if (ROOT / local).resolve() == ROOT]
+    ups = re.findall(r"kvfabric up --engine vllm --args @(\S+)", CLUSTER.read_text())
+    assert ups, "cluster.yaml tells the user how to start the vLLM app"
+    for remote in ups:
+        assert remote.startswith(repo + "/"), f"{remote} is not in the synced repository {repo}"
+        args = LLMAppArgs.from_dict(read_app_args("@" + str(ROOT / remote[len(repo) + 1:])))
+        # The model folder the engines load is the one every node downloads in setup, in the
+        # container's home (rayproject images run as `ray`).
+        (folder,) = re.findall(r"--local-dir (\S+)", " ".join(cluster["setup_commands"]))
+        assert args.model_dir == folder.replace("~", "/home/ray", 1)
+        gpu = [t for t in cluster["available_node_types"].values() if t.get("resources", {}).get("GPU")]
+        assert args.replicas == sum(t["min_workers"] for t in gpu), "one engine per GPU worker"
+        for t in gpu:
+            assert 0 < args.gpus_per_replica <= t["resources"]["GPU"]
+            assert args.cpus_per_replica < t["resources"]["CPU"]
 
 
 def _with_home(path: str) -> str:
@@ -308,7 +381,7 @@ def _cli_parsers(main) -> dict[str, argparse.ArgumentParser]:
 
 def test_kvfabric_commands_in_manifests_exist(pyproject):
     used = set()
-    for path in (RAYSERVICE, CLUSTER):
+    for path in (*RAYSERVICES.values(), CLUSTER):
         used |= set(re.findall(r"(?<![\w./-])kvfabric[ \t]+([a-z][\w-]*)", path.read_text()))
     assert "up" in used, "cluster.yaml tells the user to run `kvfabric up`"
     target = pyproject["project"]["scripts"]["kvfabric"]

@@ -19,6 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("vllm")
 
+from deploy.vllm.block_format import BlockFormat  # noqa: E402
 from deploy.vllm.jobs import FabricSettings  # noqa: E402
 from deploy.vllm.remote_fetch import Stage  # noqa: E402
 from deploy.vllm.scheduler_side import SchedulerSide  # noqa: E402
@@ -161,7 +162,7 @@ def make_rig(tmp_path_factory, edge: Edge, **settings_) -> Rig:
     node = FabricEdge(spec, edge)
     node.attach(sched)
     g = torch.Generator().manual_seed(0)
-    worker.register({n: torch.randn(NB, H, PS, 2 * D, generator=g) for n in NAMES})
+    worker.register({n: torch.randn(NB, H, PS, 2 * D, generator=g) for n in NAMES}, BlockFormat.KV_ROWS)
     return Rig(sched, worker, worker.views, fault_file, node)
 
 

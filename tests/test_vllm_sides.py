@@ -20,6 +20,7 @@ from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("vllm")
 
+from deploy.vllm.block_format import BlockFormat  # noqa: E402
 from deploy.vllm.jobs import FabricSettings  # noqa: E402
 from deploy.vllm.plan import EnginePlan, LayerSlot  # noqa: E402
 from deploy.vllm.scheduler_side import SchedulerSide  # noqa: E402
@@ -144,7 +145,7 @@ def rig(tmp_path):
     worker = WorkerSide(PLAN, settings_, spec)
     g = torch.Generator().manual_seed(0)
     kv = {n: torch.randn(NB, H, PS, 2 * D, generator=g) for n in NAMES}
-    worker.register(kv)
+    worker.register(kv, BlockFormat.KV_ROWS)
     yield Rig(sched, worker, kv, fault_file, node)
     node.shared.unlink()
 
@@ -215,7 +216,7 @@ def test_any_failure_becomes_recomputation(tmp_path_factory, point, exception):
     try:
         sched, worker = SchedulerSide(PLAN, settings_, spec), WorkerSide(PLAN, settings_, spec)
         node.attach(sched)
-        worker.register({n: torch.randn(NB, H, PS, 2 * D) for n in NAMES})
+        worker.register({n: torch.randn(NB, H, PS, 2 * D) for n in NAMES}, BlockFormat.KV_ROWS)
         rig = Rig(sched, worker, worker.views, settings_.fault_file, node)
         if point.endswith("save"):
             rig.arm(point, exception)

@@ -17,6 +17,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from transport.staging import StagingSpec
 
+from .block_format import BlockFormat
 from .index_sink import FeedSpec
 from .jobs import FabricMeta, FabricSettings
 from .plan import plan_from_kv_cache_config
@@ -43,7 +44,8 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
         self.settings = FabricSettings.from_extra(tc.kv_connector_extra_config)
-        self.plan = plan_from_kv_cache_config(kv_cache_config, vllm_config.model_config.model)
+        self.plan = plan_from_kv_cache_config(kv_cache_config, vllm_config.model_config.model,
+                                              vllm_config.device_config.device_type)
         # Both sides (two processes) name the same staging files after the engine.
         spec = StagingSpec(f"kvf-vllm-{tc.engine_id}", self.settings.staging_pages)
         feed = FeedSpec.of(vllm_config.kv_events_config, self.settings.engine_slot, self.plan.group_pools)
@@ -58,7 +60,10 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
 
     # --- worker side -----------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
-        self.worker.register(kv_caches)
+        # Asked here, once the model's layers exist: their backends say how K and V sit.
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+        backends = get_current_attn_backends(self._vllm_config, list(kv_caches))
+        self.worker.register(kv_caches, BlockFormat.of_backends(b.get_name() for b in backends))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -33,12 +33,15 @@ CPUS_PER_NODE = 3        # an engine's bundle takes 2: one engine per node; the 
 REPORT_WAIT_S = 60.0
 
 
-def app_args(nodes: int, kv_cache_bytes: int):
+def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False):
+    """The demo's app; with `gpu`, every engine on the one GPU the simulated nodes share."""
     from .model import DEMO_SPEC, ensure_tiny_model
     from .serve_llm import LLMAppArgs
     model = ensure_tiny_model(DEMO_SPEC, say=lambda m: print(m, file=sys.stderr))
+    gpus = {"gpus_per_replica": 1.0, "gpu_memory_utilization": round(0.8 / nodes, 3)} if gpu else {}
     return LLMAppArgs(model_dir=str(model), model_id="kvfabric-demo-vllm", replicas=nodes, max_model_len=2048,
-                      kv_cache_bytes=kv_cache_bytes, device_pages=256, host_pages=4096, cpus_per_replica=2.0)
+                      kv_cache_bytes=kv_cache_bytes, device_pages=256, host_pages=4096, cpus_per_replica=2.0,
+                      **gpus)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -58,15 +61,15 @@ def main(args: argparse.Namespace) -> int:
         convs.append(turns[: args.requests - n])
         n += len(convs[-1])
     texts = conversation_texts(convs, args.tokens_per_block, 2048 - args.max_tokens - 1)
-    cm = local_cluster(args.nodes, cpus_per_node=CPUS_PER_NODE) if not args.address \
+    cm = local_cluster(args.nodes, cpus_per_node=CPUS_PER_NODE, gpus_per_node=int(args.gpu)) if not args.address \
         else contextlib.nullcontext(connect(args.address))
     with cm:
         import ray
         nodes = sum(1 for node in ray.nodes() if node["Alive"])
-        app = app_args(nodes, args.kv_cache_mib << 20)
+        app = app_args(nodes, args.kv_cache_mib << 20, args.gpu)
         print(f"{len(texts)} conversations, {n} requests ({sum(map(len, sum(texts, [])))} prompt tokens), "
               f"{args.concurrency} conversations at a time, on {nodes} nodes with one vLLM engine each "
-              f"(own KV cache {args.kv_cache_mib} MiB)", file=sys.stderr)
+              f"(own KV cache {args.kv_cache_mib} MiB, on {app.device()})", file=sys.stderr)
         try:
             passes, fabric_counts = run_passes(app, texts, args)
         finally:

@@ -72,10 +72,10 @@ def _plain_message(message: Any) -> dict | None:
 
 
 class FabricLLMRouter(OpenAIPrompts, FIFOMixin, FabricRanking):
-    def initialize_state(self, model_dir: str, block_size: int, **cost: float) -> None:
+    def initialize_state(self, model_dir: str, block_size: int, device: str = "cpu", **cost: float) -> None:
         """`model_dir`: the model's local folder (its config gives the KV layout, its
-        tokenizer the token ids); `block_size`: the engines' KV block size; `cost`: see
-        `FabricRanking.init_ranking`."""
-        self.init_ranking(layout_for_model(model_dir, block_size), **cost)
+        tokenizer the token ids); `block_size`: the engines' KV block size; `device`:
+        where they compute; `cost`: see `FabricRanking.init_ranking`."""
+        self.init_ranking(layout_for_model(model_dir, block_size, device), **cost)
         self.load_tokenizer(model_dir)
 

@@ -2,7 +2,10 @@
 
 Full-attention groups go to the FULL pool, sliding-window groups to the SWA pool; one
 fabric page per vLLM block. The layout's tag names what else must match for two caches'
-bytes to be interchangeable: the model and the KV tensor layout the worker converts from.
+bytes to be interchangeable: the model, and the kind of device that computed the KV (a
+GPU's kernels round differently from the CPU's, so their pages would not give the
+outputs an uncached run gives). Pages have one format whatever the attention backend
+(block_format.py converts), so the backend is not in the tag.
 """
 from __future__ import annotations
 
@@ -15,9 +18,7 @@ import torch
 
 from fabric import KVLayout, LayerKind, PoolName
 
-# The CPU backend's per-layer tensor: [blocks, kv_heads, block_size, 2 * head_dim], each
-# (block, head) holding K rows then V rows. The worker converts it to fabric pages.
-TENSOR_LAYOUT = "LBHNC-kv-rows"
+DEVICE_KINDS = ("cpu", "cuda")
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -48,12 +49,15 @@ class EnginePlan:
         return [g for g, p in enumerate(self.group_pools) if p == pool]
 
 
-def model_tag(model: str) -> str:
-    return f"vllm:{TENSOR_LAYOUT}:{Path(model).name}"
+def model_tag(model: str, device: str) -> str:
+    if device not in DEVICE_KINDS:
+        raise PlanError(f"engines on {device!r}: the fabric serves {DEVICE_KINDS}")
+    return f"vllm:{device}:{Path(model).name}"
 
 
-def plan_from_kv_cache_config(kv_cache_config, model: str) -> EnginePlan:
-    """The plan for an engine's KV cache config (vllm.v1.kv_cache_interface.KVCacheConfig)."""
+def plan_from_kv_cache_config(kv_cache_config, model: str, device: str) -> EnginePlan:
+    """The plan for an engine's KV cache config (vllm.v1.kv_cache_interface.KVCacheConfig)
+    on `device` ("cpu" or "cuda")."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     kinds: dict[str, tuple[int, LayerKind]] = {}
@@ -80,7 +84,7 @@ def plan_from_kv_cache_config(kv_cache_config, model: str) -> EnginePlan:
         raise PlanError(f"unsupported KV dtype {dtype}")
     names = sorted(kinds, key=_layer_index)
     layout = KVLayout(layers=tuple(kinds[n][1] for n in names), kv_heads=kv_heads, head_dim=head_dim,
-                      page_size=block_size, window=window, dtype=_DTYPE_NAMES[dtype], tag=model_tag(model))
+                      page_size=block_size, window=window, dtype=_DTYPE_NAMES[dtype], tag=model_tag(model, device))
     pos = {p: 0 for p in PoolName}
     slots = []
     for name in names:
@@ -91,9 +95,9 @@ def plan_from_kv_cache_config(kv_cache_config, model: str) -> EnginePlan:
     return EnginePlan(layout, tuple(slots), tuple(group_pools))
 
 
-def layout_for_model(model_dir: str | Path, block_size: int) -> KVLayout:
-    """The layout the connector will derive for a Llama-style model with `layer_types`,
-    read from its config (so a node can be started before the engine)."""
+def layout_for_model(model_dir: str | Path, block_size: int, device: str = "cpu") -> KVLayout:
+    """The layout the connector will derive for a Llama-style model with `layer_types` on
+    engines on `device`, read from its config (so a node can be started before the engine)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
     layers = tuple(LayerKind.SWA if t == "sliding_attention" else LayerKind.FULL for t in types)
@@ -101,7 +105,7 @@ def layout_for_model(model_dir: str | Path, block_size: int) -> KVLayout:
     return KVLayout(layers=layers, kv_heads=cfg.get("num_key_value_heads", heads),
                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, page_size=block_size,
                     window=cfg.get("sliding_window") or 0 if LayerKind.SWA in layers else 0,
-                    dtype=cfg.get("torch_dtype", "float32"), tag=model_tag(str(model_dir)))
+                    dtype=cfg.get("torch_dtype", "float32"), tag=model_tag(str(model_dir), device))
 
 
 def _layer_index(name: str) -> tuple[int, str]:

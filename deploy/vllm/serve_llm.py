@@ -45,7 +45,7 @@ class LLMAppArgs:
     model_dir: str = ""              # a local HF model folder; "": the small full+SWA model, written at first use
     model_id: str = "kvfabric-tiny-vllm"
     replicas: int = 0                # engines; 0: one per alive Ray node
-    block_size: int = 32             # vLLM's KV block: one fabric page (CPU: a multiple of 32)
+    block_size: int = 32             # vLLM's KV block: one fabric page (a multiple of 32 on CPU, 16 on GPU)
     max_model_len: int = 2048
     kv_cache_bytes: int = 12 << 20   # each engine's own (device) KV cache
     device_pages: int = 64           # the node actor's pools, per pool (SWA pools: a quarter)
@@ -54,6 +54,8 @@ class LLMAppArgs:
     remote: bool = True              # engines fetch longer prefixes from other nodes
     index_events: bool = True        # engines feed the index their own caches' contents
     cpus_per_replica: float = 1.0    # Ray places engines by it: more than half a node's CPUs, one per node
+    gpus_per_replica: float = 0.0    # 0: engines on CPU; else each engine's GPUs (vLLM's CUDA build)
+    gpu_memory_utilization: float = 0.9   # GPU engines: the share of a GPU's memory each may take
     # API keys -> the cache_salts (namespaces) each may use (deploy/tenants.py); an absolute
     # path on every node, read when the ingress starts. "": any client picks its salt.
     tenants_file: str = ""
@@ -63,21 +65,27 @@ class LLMAppArgs:
             raise AppArgsError(f"model_dir must be an absolute path or empty, got {self.model_dir!r}")
         if not isinstance(self.model_id, str) or not self.model_id:
             raise AppArgsError(f"model_id must be a non-empty string, got {self.model_id!r}")
-        for f, low in (("replicas", 0), ("block_size", 32), ("max_model_len", 64), ("kv_cache_bytes", 1 << 20),
+        for f, low in (("replicas", 0), ("block_size", 16), ("max_model_len", 64), ("kv_cache_bytes", 1 << 20),
                        ("device_pages", 1), ("host_pages", 0), ("shards", 1)):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise AppArgsError(f"{f} must be an int >= {low}, got {v!r}")
-        if self.block_size % 32:
-            raise AppArgsError(f"block_size must be a multiple of 32 (vLLM's CPU backend), got {self.block_size}")
+        c, g = self.cpus_per_replica, self.gpus_per_replica
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 64:
+            raise AppArgsError(f"cpus_per_replica must be a number in (0, 64], got {c!r}")
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 8:
+            raise AppArgsError(f"gpus_per_replica must be a number in [0, 8], got {g!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise AppArgsError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
+        multiple = 16 if g else 32          # vLLM's CUDA and CPU kernels' block sizes
+        if self.block_size % multiple:
+            raise AppArgsError(f"block_size must be a multiple of {multiple} on {self.device()}, got {self.block_size}")
         for f in ("remote", "index_events"):
             if not isinstance(getattr(self, f), bool):
                 raise AppArgsError(f"{f} must be a bool, got {getattr(self, f)!r}")
         if not isinstance(self.tenants_file, str) or (self.tenants_file and not Path(self.tenants_file).is_absolute()):
             raise AppArgsError(f"tenants_file must be an absolute path or empty, got {self.tenants_file!r}")
-        c = self.cpus_per_replica
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 64:
-            raise AppArgsError(f"cpus_per_replica must be a number in (0, 64], got {c!r}")
 
     @classmethod
     def from_dict(cls, args: dict | None) -> "LLMAppArgs":
@@ -86,8 +94,17 @@ class LLMAppArgs:
     def model(self) -> str:
         return self.model_dir or str(ensure_tiny_model())
 
+    def device(self) -> str:
+        """Where the engines compute (the node actors' pools stay in host memory)."""
+        return "cuda" if self.gpus_per_replica else "cpu"
+
     def layout(self) -> KVLayout:
-        return layout_for_model(self.model(), self.block_size)
+        return layout_for_model(self.model(), self.block_size, self.device())
+
+    def bundle(self) -> dict[str, float]:
+        """One engine's placement group bundle."""
+        gpus = {"GPU": self.gpus_per_replica} if self.gpus_per_replica else {}
+        return {"CPU": self.cpus_per_replica, **gpus}
 
     def node_config(self) -> NodeConfig:
         layout = self.layout()
@@ -123,7 +140,8 @@ def llm_config(args: LLMAppArgs) -> LLMConfig:
     if args.index_events:
         engine["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq"}
     router = {"request_router_class": FabricLLMRouter,
-              "request_router_kwargs": {"model_dir": args.model(), "block_size": args.block_size}}
+              "request_router_kwargs": {"model_dir": args.model(), "block_size": args.block_size,
+                                        "device": args.device()}}
     return _config(args, engine, router, callback_config={"callback_class": FabricNodeCallback})
 
 
@@ -136,18 +154,23 @@ def baseline_llm_config(args: LLMAppArgs) -> LLMConfig:
 
 def _config(args: LLMAppArgs, engine: dict, router: dict, **extra) -> LLMConfig:
     replicas = args.replicas or sum(1 for n in ray.nodes() if n["Alive"])
-    engine = {"enforce_eager": True, "dtype": "float32", "max_model_len": args.max_model_len,
+    # The engine computes in the dtype the nodes store (the model config's); CUDA graphs
+    # only on a GPU (the CPU backend runs eager).
+    engine = {"enforce_eager": not args.gpus_per_replica, "dtype": args.layout().dtype,
+              "max_model_len": args.max_model_len,
               "block_size": args.block_size, "kv_cache_memory_bytes": args.kv_cache_bytes,
               "enable_prefix_caching": True,
               # Answers say how many prompt tokens came from a cache (usage.prompt_tokens_details).
               "enable_prompt_tokens_details": True, **engine}
+    if args.gpus_per_replica:
+        engine["gpu_memory_utilization"] = args.gpu_memory_utilization
     return LLMConfig(model_loading_config={"model_id": args.model_id, "model_source": args.model()},
                      engine_kwargs=engine,
                      # The replica's own CPU is counted in its engine's bundle (Serve LLM adds
                      # the two): `cpus_per_replica` is what one engine takes of a node.
                      deployment_config={"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0},
                                         "request_router_config": router},
-                     placement_group_config={"bundles": [{"CPU": args.cpus_per_replica}]}, **extra)
+                     placement_group_config={"bundles": [args.bundle()]}, **extra)
 
 
 def build_llm_app(args: LLMAppArgs) -> serve.Application:

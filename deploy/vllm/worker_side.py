@@ -1,8 +1,9 @@
 """The FabricConnector's worker side (vLLM's worker process): block <-> staging copies.
 
-vLLM's CPU backend gives one tensor per layer, [blocks, kv_heads, block_size, 2*head_dim],
-each (block, head) holding block_size K rows then block_size V rows; a fabric page of a
-pool is [layers, 2, page, kv_heads, head_dim]. All copies of a step's jobs happen in
+vLLM gives one tensor per layer, which block_format.py views as [blocks, kv_heads, 2,
+block_size, head_dim] whatever the backend; a fabric page of a pool is [layers, 2, page,
+kv_heads, head_dim], in host memory shared with the node actor. On a GPU the blocks are
+in device memory and each copy crosses to the host once per layer and job. All copies of a step's jobs happen in
 start_load_kv (loads, for requests waiting outside the batch) and wait_for_save (saves
 of finished requests, whose blocks vLLM keeps until we report them sent), so no
 layer hook does any work.
@@ -16,6 +17,7 @@ import torch
 from fabric import PoolName
 from transport.staging import SharedPages, StagingSpec
 
+from .block_format import BlockFormat
 from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, maybe_fail
 from .plan import EnginePlan, LayerSlot
 
@@ -38,16 +40,13 @@ class WorkerSide:
         self.saved: set[str] = set()
         self.failed_saves: set[str] = set()
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor], fmt: BlockFormat) -> None:
         lay = self.plan.layout
         for slot in self.plan.layers:
-            t = kv_caches[slot.name]
-            want = (lay.page_size, lay.kv_heads, 2 * lay.head_dim)
-            if t.dim() != 4 or (t.shape[2], t.shape[1], t.shape[3]) != want or not t.is_contiguous():
-                raise RuntimeError(f"{slot.name}: KV tensor {tuple(t.shape)} is not the "
-                                   f"[blocks, {lay.kv_heads}, {lay.page_size}, {2 * lay.head_dim}] "
-                                   "layout this connector converts")
-            self.views[slot.name] = t.view(t.shape[0], lay.kv_heads, 2, lay.page_size, lay.head_dim)
+            try:
+                self.views[slot.name] = fmt.view(kv_caches[slot.name], lay.kv_heads, lay.page_size, lay.head_dim)
+            except RuntimeError as e:
+                raise RuntimeError(f"{slot.name} ({fmt.value}): {e}") from None
         self.shared = SharedPages(self.spec, lay)
 
     # --- loads -------------------------------------------------------------------------
@@ -85,16 +84,16 @@ class WorkerSide:
                 keep = [i for i, b in enumerate(blocks) if b >= 0]
                 if not keep:
                     continue
-                block_idx = torch.tensor([blocks[i] for i in keep], dtype=torch.long)
-                slot_idx = torch.tensor([move.slots[i] for i in keep], dtype=torch.long)
                 view = self.views[slot.name]
+                block_idx = torch.tensor([blocks[i] for i in keep], dtype=torch.long, device=view.device)
+                slot_idx = torch.tensor([move.slots[i] for i in keep], dtype=torch.long)
                 layer_pages = staging[:, slot.index]          # [slots, 2, page, H, D]
                 if to_blocks:
                     pages = layer_pages.index_select(0, slot_idx).permute(0, 3, 1, 2, 4)
-                    view.index_copy_(0, block_idx, pages.contiguous())
+                    view.index_copy_(0, block_idx, pages.to(view.device))
                 else:
                     pages = view.index_select(0, block_idx).permute(0, 2, 3, 1, 4)
-                    layer_pages.index_copy_(0, slot_idx, pages.contiguous())
+                    layer_pages.index_copy_(0, slot_idx, pages.to("cpu"))
 
     # --- reporting -----------------------------------------------------------------------
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
