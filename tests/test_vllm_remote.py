@@ -237,6 +237,29 @@ def test_no_fetch_when_the_node_holds_as_much(tmp_path_factory):
         rig.node.shared.unlink()
 
 
+def test_no_load_call_when_the_node_holds_no_more_than_vllm(tmp_path_factory):
+    # The admission's match already said so: the load call would only queue in the node.
+    rig = make_rig(tmp_path_factory, Edge())
+    calls: list[str] = []
+    call = rig.node.call
+    rig.node.call = lambda method, *args: calls.append(method) or call(method, *args)
+    try:
+        fresh = Req("r0", PROMPT, PROMPT, 0)
+        assert rig.sched.num_new_matched_tokens(fresh, 0) == (0, False)      # no node holds it
+        finish_first(rig)                                                    # the node: 10 pages
+        longer = PROMPT + list(range(300, 320))                              # 15 pages of prompt
+        assert rig.sched.num_new_matched_tokens(Req("r2", longer, longer, 0), 40) == (0, False)
+        assert "load_staged" not in calls
+        assert rig.sched.stats.lookups_answered_by_match == 2
+        # The node holding more than vLLM's own hit is still loaded from.
+        n, _ = rig.sched.num_new_matched_tokens(Req("r3", longer, longer, 0), 32)
+        assert n == 8 and calls.count("load_staged") == 1
+        rig.sched.after_alloc(Req("r3", longer, longer, 0), Blocks(([0] * 8 + [40, 41, 42], list(range(30, 45)))), 0)
+        assert slots_in_use(rig) == 0
+    finally:
+        rig.node.shared.unlink()
+
+
 class AnswersWhileWaitedOn(FabricEdge):
     """The index and the node answer while admission waits on them (as in milliseconds)."""
 

@@ -196,6 +196,8 @@ def test_load_vllm_wants_beyond_the_window_is_reported_failed(rig):
     finish_first(rig)
     n, out = admit(rig, "r2", [0] * 5 + [43, 44, 45, 40, 41, 42])
     assert n == 40 and out.failed_recving == {"r2"}
+    stats = rig.sched.stats       # a failed load is a failure, not a hit
+    assert stats.load_failures == 1 and stats.loaded_tokens == stats.host_loaded_tokens == 0
     # vLLM recomputes it; the connector does not offer it again.
     assert rig.sched.num_new_matched_tokens(Req("r2", PROMPT, PROMPT, 0), 0) == (0, False)
 

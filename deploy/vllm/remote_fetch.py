@@ -127,6 +127,14 @@ class RemoteFetches:
             return 0
         return max(0, pages - max(first_page, rec.local_pages))
 
+    def node_holds(self, rid: str) -> int | None:
+        """The node's own usable match for the request as its lookup found it; None when
+        it was not asked, or a fetch started since (the node may hold more now)."""
+        rec = self.requests.get(rid)
+        if rec is None or rec.fetch_call is not None:
+            return None
+        return rec.local_pages
+
     def forget(self, rid: str) -> None:
         self.requests.pop(rid, None)
 

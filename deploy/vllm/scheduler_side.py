@@ -37,6 +37,7 @@ QUARANTINE_S = 60.0
 @dataclass
 class ConnectorStats:
     lookups: int = 0
+    lookups_answered_by_match: int = 0  # the admission's match said nothing to load: no load call
     loaded_tokens: int = 0
     host_loaded_tokens: int = 0        # loaded back from the node's host tier
     remote_loaded_tokens: int = 0      # fetched from another node for the request
@@ -61,6 +62,10 @@ class _Save:
 class _Load:
     hit: StagedHit
     slots: dict[PoolName, list[int]] = field(default_factory=dict)
+    # Tokens by where they came from, counted once the worker says the copy succeeded.
+    tokens: int = 0
+    remote_tokens: int = 0
+    host_tokens: int = 0
 
 
 class SchedulerSide:
@@ -73,7 +78,7 @@ class SchedulerSide:
         self.allocators = {p: PageAllocator(spec.pages) for p in plan.layout.pools}
         self.window_pages = plan.layout.window_pages
         self.planned: dict[str, _Load] = {}      # admitted lookups, before block allocation
-        self.loading: dict[str, dict[PoolName, list[int]]] = {}
+        self.loading: dict[str, _Load] = {}      # copies the worker has not reported yet
         self.saving: dict[str, _Save] = {}      # by save job key
         self.storing: list = []                 # (call, key, save, deadline): node stores in flight
         self.prompts: dict[str, tuple[list[int], str]] = {}   # requests whose prompt is unsaved
@@ -105,6 +110,13 @@ class SchedulerSide:
         if not self.remote.ready(rid, tokens, _namespace(request), skip):
             return None, False
         self.stats.lookups += 1
+        held = self.remote.node_holds(rid)
+        if held is not None and held <= skip:
+            # The lookup already asked the node: a load call would find nothing, and it
+            # would wait in the node actor's queue behind other engines' saves.
+            self.fabric_has[rid] = held
+            self.stats.lookups_answered_by_match += 1
+            return 0, False
         want = {p: need if p == PoolName.FULL else min(need, self.window_pages) for p in self.plan.layout.pools}
         slots = self._alloc(want)
         if slots is None:
@@ -147,14 +159,12 @@ class SchedulerSide:
             job.moves.append(PoolMove(pool, slots, per_group))
         if hit.pages * self.plan.page_size != num_external_tokens + hit.first_page * self.plan.page_size:
             job.doomed = job.doomed or "vLLM admitted a different number of tokens than offered"
-        self.loading[rid] = load.slots
         self.meta.loads.append(job)
         ps = self.plan.page_size
         remote = min(self.remote.fetched_pages(rid, hit.pages, hit.first_page) * ps, num_external_tokens)
-        host = min(hit.host_pages * ps, num_external_tokens - remote)
-        self.stats.loaded_tokens += num_external_tokens
-        self.stats.remote_loaded_tokens += remote
-        self.stats.host_loaded_tokens += host
+        load.tokens, load.remote_tokens = num_external_tokens, remote
+        load.host_tokens = min(hit.host_pages * ps, num_external_tokens - remote)
+        self.loading[rid] = load
         # vLLM's metrics split cached tokens by source: fetched ones as P2P, the rest HOST.
         self.hit_sources[rid] = {s: n for s, n in ((CacheHitSource.P2P, remote),
                                                    (CacheHitSource.HOST, num_external_tokens - remote)) if n}
@@ -199,12 +209,16 @@ class SchedulerSide:
     def on_output(self, output) -> None:
         failed_loads = set(getattr(output, "failed_recving", None) or ())
         for rid in output.finished_recving or ():
-            slots = self.loading.pop(rid, None)
-            if slots is not None:
-                self._free(slots)
+            load = self.loading.pop(rid, None)
+            if load is not None:
+                self._free(load.slots)
             if rid in failed_loads:
                 self.no_load.add(rid)
                 self.stats.load_failures += 1
+            elif load is not None:
+                self.stats.loaded_tokens += load.tokens
+                self.stats.remote_loaded_tokens += load.remote_tokens
+                self.stats.host_loaded_tokens += load.host_tokens
         report = output.kv_connector_worker_meta
         if not isinstance(report, FabricWorkerMeta):
             return
