@@ -23,7 +23,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from fabric import LoadTracker, RouteTable
 from fabric.balance import chance_target
 
-from .names import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, NODE_PREFIX, is_node_actor_name, node_actor_name, shard_name
+from .names import (CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, NODE_PREFIX, is_node_actor_name, node_actor_name,
+                    owner_node, shard_name)
 from .node_actor import Beat, NodeConfig
 from .node_placement import connect_peers, dead_hosts, existing, join, place_node_actor
 
@@ -42,6 +43,7 @@ class Membership:
     dropped: list[str] = field(default_factory=list)
     added: list[str] = field(default_factory=list)
     rejoined: list[str] = field(default_factory=list)
+    retired_engines: list[str] = field(default_factory=list)
 
 
 # Threaded (see `start`): the watcher thread and callers' methods run side by side, and
@@ -164,6 +166,7 @@ class FabricDirectory:
         done = Membership(dropped=dead)
         for name in dead:
             self._drop(name, timeout_s)
+        done.retired_engines = self._retire_engines(beats, timeout_s)
         for name in sorted((self._undropped | self._strays(timeout_s)) - set(dead)):
             self._drop(name, timeout_s)
         for name in restarted:
@@ -175,19 +178,35 @@ class FabricDirectory:
                 done.added = self._add_missing(start_timeout_s)
         return done
 
+    def _retire_engines(self, beats: dict[str, Beat | None], timeout_s: float) -> list[str]:
+        """Clear the index entries of engines whose node saw their process end, each life
+        by its epoch: admitted from the next epoch on, that life and its late events are
+        gone, a later life of the name keeps its own. Then tell the node."""
+        retired: list[str] = []
+        for name, beat in ((n, b) for n, b in beats.items() if b is not None and b.gone_engines):
+            try:
+                ray.get([s.admit.remote(engine, epoch + 1) for s in self._shards()
+                         for engine, epoch in beat.gone_engines.items()], timeout=timeout_s)
+                ray.get_actor(name, namespace=NAMESPACE).engines_retired.remote(beat.gone_engines)
+                retired += sorted(beat.gone_engines)
+            except (RayError, ValueError) as e:
+                log.warning("retiring %s's ended engines failed (next pass retries): %s", name, e)
+        return retired
+
     def _strays(self, timeout_s: float) -> set[str]:
-        """Node actors the index names that are neither members nor joining: one that
-        died while the directory was down (a restarted directory recovers only the
-        nodes that answer) or whose join failed half-way. Holders first, then members:
-        a node registers before it stops joining, so a joining one is never taken."""
+        """Node actors (and their engines) the index names that are neither members nor
+        joining: one that died while the directory was down (a restarted directory
+        recovers only the nodes that answer) or whose join failed half-way. Holders
+        first, then members: a node registers before it stops joining."""
         held: set[str] = set()
         try:
             for names in ray.get([s.holders.remote() for s in self._shards()], timeout=timeout_s):
-                held.update(n for n in names if is_node_actor_name(n))
+                held.update(names)
         except RayError as e:
             log.warning("listing the index's holders failed (next pass retries): %s", e)
         with self._lock:
-            return held - set(self.nodes) - self._joining
+            members = set(self.nodes) | self._joining
+        return {n for n in held if (owner := owner_node(n)) is not None and owner not in members}
 
     def _beats(self, names: list[str], timeout_s: float) -> dict[str, Beat | None]:
         """Each answering node's Beat; None for the dead. Slow or restarting ones are left out."""
@@ -265,7 +284,8 @@ class FabricDirectory:
                 self._undropped.add(name)
         finally:
             self.unregister(name)
-        self._forget(name, timeout_s)
+        if is_node_actor_name(name):       # an engine is no transport peer
+            self._forget(name, timeout_s)
 
     def _add_missing(self, timeout_s: float) -> list[str]:
         added, known = [], set(self.node_names())

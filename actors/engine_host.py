@@ -12,6 +12,8 @@ from typing import Sequence
 from fabric import PoolName
 from transport.staging import SharedPages, StagedHit, StagingSpec, load_to_staging, save_from_staging
 
+from .engine_process import EngineProcess, EngineProcessError
+
 MAX_ENGINES = 64                # reports kept, newest first: engines restart under new names
 MAX_NAME = 256
 
@@ -44,6 +46,40 @@ class EngineHost:
     def init_engine_host(self) -> None:
         self._shared: dict[str, SharedPages] = {}       # engines' staging pages, by file prefix
         self._reports: OrderedDict[str, dict] = OrderedDict()
+        self._engines: dict[int, EngineProcess] = {}     # by pid: the engines to watch
+        self._gone: dict[str, int] = {}       # ended engines' index names -> epoch, until retired
+
+    def engine_started(self, proc: EngineProcess) -> None:
+        """An engine on this host announces itself; what the node keeps for it is dropped
+        when its process ends (`reap_engines`). A refused announcement changes nothing."""
+        if not isinstance(proc, EngineProcess):
+            raise EngineProcessError(f"expected an EngineProcess, got {type(proc).__name__}")
+        proc.check(self.name)
+        if proc.pid not in self._engines and len(self._engines) >= MAX_ENGINES:
+            raise EngineProcessError(f"{MAX_ENGINES} engines are watched already")
+        self._engines[proc.pid] = proc
+
+    def reap_engines(self) -> dict[str, int]:
+        """Drop the staging pages of engines whose process is gone. Returns every ended
+        engine's index name and epoch not yet retired: that life's entries are stale,
+        and the directory retires them (`engines_retired` says it did)."""
+        for proc in [p for p in self._engines.values() if not p.alive()]:
+            del self._engines[proc.pid]
+            self.drop_staging(proc.staging)
+            for pool in self.config.layout.pools:       # files the node never mapped too
+                proc.staging.path(pool).unlink(missing_ok=True)
+            if proc.index_name:
+                self._gone[proc.index_name] = max(proc.index_epoch, self._gone.get(proc.index_name, 0))
+        return dict(self._gone)
+
+    def engines_retired(self, retired: dict[str, int]) -> None:
+        """The directory retired these lives in every shard: stop naming them."""
+        for name, epoch in retired.items():
+            if self._gone.get(name) == epoch:
+                del self._gone[name]
+
+    def watched_engines(self) -> list[int]:
+        return sorted(self._engines)
 
     async def load_staged(self, spec: StagingSpec, tokens: Sequence[int], namespace: str,
                           skip_pages: int, slots: dict[PoolName, list[int]]) -> StagedHit:

@@ -21,3 +21,10 @@ def is_node_actor_name(name: str) -> bool:
     the same and goes on with "/engine/...", is not)."""
     rest = name[len(NODE_PREFIX):] if name.startswith(NODE_PREFIX) else ""
     return len(rest) == 12 and all(c in "0123456789abcdef" for c in rest)
+
+
+def owner_node(holder: str) -> str | None:
+    """The node actor an index holder belongs to: a node actor itself, or the node of an
+    engine published as `<node actor>/...`; None for any other name."""
+    node = holder.split("/", 1)[0]
+    return node if is_node_actor_name(node) else None

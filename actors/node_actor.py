@@ -48,6 +48,8 @@ class Beat:
     epoch: int
     attached: bool                     # publishing to the index (a restarted actor is not, until rejoined)
     route_version: int | None          # of the route table it publishes under
+    # This host's engines whose process ended: index name -> the epoch of that life.
+    gone_engines: dict[str, int] = field(default_factory=dict)
 
 
 @ray.remote
@@ -230,7 +232,8 @@ class NodeCacheActor(EngineHost):
     async def heartbeat(self) -> Beat:
         """The directory's periodic call: expire overdue leases, and tell every shard
         where this node's sequence is, so a lost batch shows as a gap and heals by a
-        snapshot even when nothing else changes. Starts a probe of quarantined peers."""
+        snapshot even when nothing else changes. Starts a probe of quarantined peers.
+        Names the engines found gone since the last beat, for the directory to drop."""
         with self.gate.mutex:
             self.leases.expire()
             self.link.publish(every_shard=True)
@@ -238,7 +241,8 @@ class NodeCacheActor(EngineHost):
             probing = bool(self.cache.quarantined_peers())
         if probing and (self._probing is None or self._probing.done()):
             self._probing = asyncio.create_task(self.probe_quarantine())
-        return Beat(self.epoch, routes is not None, None if routes is None else routes.version)
+        gone = self.reap_engines()
+        return Beat(self.epoch, routes is not None, None if routes is None else routes.version, gone)
 
     def reroute(self, routes: bytes) -> None:
         with self.gate.mutex:

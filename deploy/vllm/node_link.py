@@ -6,7 +6,9 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Sequence
 
+from actors.engine_process import EngineProcess
 from fabric import KVLayout
+from transport.staging import StagingSpec
 
 from .jobs import FabricSettings
 
@@ -23,9 +25,11 @@ class NodeLink:
     fingerprint differs from the engine's (another model, dtype or KV tensor layout),
     leaves the connector off: the engine computes everything itself."""
 
-    def __init__(self, settings: FabricSettings, layout: KVLayout, feed: FeedSpec | None = None) -> None:
+    def __init__(self, settings: FabricSettings, layout: KVLayout, feed: FeedSpec | None = None,
+                 staging: StagingSpec | None = None) -> None:
         self.settings = settings
         self.layout = layout
+        self.staging = staging      # the engine's staging pages, announced to the node
         self.feed_spec = feed       # the engine's KV events, fed to the index once connected
         self.feed = None
         self.actor = None
@@ -63,6 +67,12 @@ class NodeLink:
         self.actor = actor
         if self.feed_spec is not None:
             self._start_feed()
+        if self.staging is not None:
+            # The node watches this process: if it ends without a word, the node drops its
+            # staging pages and the index its entries (actors/engine_process.py).
+            pages = self.feed.pages if self.feed is not None else None
+            self.tell("engine_started", EngineProcess.this_process(
+                self.staging, pages.node if pages else "", pages.epoch if pages else 0))
 
     def _start_feed(self) -> None:
         from actors.directory import DIRECTORY

@@ -74,7 +74,7 @@ class SchedulerSide:
         self.plan = plan
         self.settings = settings
         self.spec = spec
-        self.node = NodeLink(settings, plan.layout, feed)
+        self.node = NodeLink(settings, plan.layout, feed, spec)
         self.allocators = {p: PageAllocator(spec.pages) for p in plan.layout.pools}
         self.window_pages = plan.layout.window_pages
         self.planned: dict[str, _Load] = {}      # admitted lookups, before block allocation
