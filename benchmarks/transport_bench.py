@@ -47,7 +47,7 @@ class Row:
     pages: int
     nixl_gbps: float
     memcpy_gbps: float
-    ray_object_store_gbps: float
+    ray_object_store_gbps: float | None      # None: not measured (--no-object-store)
 
 
 def pool_name(page_bytes: int) -> str:
@@ -249,9 +249,10 @@ def print_table(rows: list[Row]) -> None:
     print(f"{'page':>6} {'pages':>5} {'nixl GB/s':>10} {'memcpy GB/s':>12} "
           f"{'ray GB/s':>9} {'nixl/ray':>9} {'nixl/memcpy':>12}")
     for r in rows:
+        ray_os = r.ray_object_store_gbps
         print(f"{r.page_bytes >> 10:>5}K {r.pages:>5} {r.nixl_gbps:>10.2f} "
-              f"{r.memcpy_gbps:>12.2f} {r.ray_object_store_gbps:>9.2f} "
-              f"{r.nixl_gbps / r.ray_object_store_gbps:>9.2f} "
+              f"{r.memcpy_gbps:>12.2f} {'-' if ray_os is None else f'{ray_os:.2f}':>9} "
+              f"{'-' if ray_os is None else f'{r.nixl_gbps / ray_os:.2f}':>9} "
               f"{r.nixl_gbps / r.memcpy_gbps:>12.2f}")
 
 
@@ -261,17 +262,21 @@ def ratio_at(rows: list[Row], page_bytes: int, field: str) -> float:
     return round(statistics.mean(r.nixl_gbps / getattr(r, field) for r in sel), 3)
 
 
-def run(json_out: bool) -> dict:
-    """Measure every row, print the table (and, with json_out, a final JSON line)."""
+def run(json_out: bool, object_store: bool = True) -> dict:
+    """Measure every row, print the table (and, with json_out, a final JSON line).
+    Without `object_store` (a host without Ray) the object store's column is left out."""
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("KVF_TEST_DEVICE=cuda but CUDA is not available")
     with nixl_peer(DEVICE) as metadata:
         nixl, memcpy = bench_nixl_and_memcpy(metadata, DEVICE)
-    with local_ray():
-        ray_os = bench_ray()
-    rows = [Row(p, n, nixl[(p, n)], memcpy[(p, n)], ray_os[(p, n)]) for p, n in ROWS]
+    ray_os: dict[tuple[int, int], float] = {}
+    if object_store:
+        with local_ray():
+            ray_os = bench_ray()
+    rows = [Row(p, n, nixl[(p, n)], memcpy[(p, n)], ray_os.get((p, n))) for p, n in ROWS]
     result = {"name": "transport", "device": DEVICE, "rows": [asdict(r) for r in rows],
-              "ratio_vs_object_store_64k": ratio_at(rows, 64 << 10, "ray_object_store_gbps"),
+              "ratio_vs_object_store_64k":
+                  ratio_at(rows, 64 << 10, "ray_object_store_gbps") if object_store else None,
               "ratio_vs_memcpy_64k": ratio_at(rows, 64 << 10, "memcpy_gbps")}
     print_table(rows)
     if json_out:
@@ -283,8 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvfabric bench transport",
                                  description="NIXL page reads against memcpy and the Ray object store.")
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
+    ap.add_argument("--no-object-store", action="store_true",
+                    help="leave out the Ray object store (a host without Ray, e.g. a bare GPU machine)")
     args = ap.parse_args(argv)
-    run(json_out=args.json)
+    run(json_out=args.json, object_store=not args.no_object_store)
     return 0
 
 
