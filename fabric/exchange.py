@@ -16,11 +16,11 @@ from typing import Callable, Sequence
 
 import msgpack
 
-from .keys import KEY_BYTES, encode_tokens
+from .keys import KEY_BYTES
 from .layout import PoolName, Tier
 from .leases import LeaseTable
 from .node_cache import NodeCache
-from .paths import by_node, groups
+from .paths import groups
 from .pages import page_checksums
 from .txn import ReservationFailed
 from .wire import is_int, unpack
@@ -218,66 +218,22 @@ def import_prefix(cache: NodeCache, tokens: Sequence[int], namespace: str, grant
         return FetchOutcome.PEER_QUARANTINED
     if grant.fingerprint != cache.layout.fingerprint:
         return FetchOutcome.BAD_GRANT
-    keyer = cache.keyer(namespace)
-    raw = encode_tokens(tokens)
     n = grant.pages
-    if n > len(raw) // cache.tree.page_bytes or list(grant.keys) != keyer.keys(tokens[: n * cache.layout.page_size]):
+    if n > len(tokens) // cache.layout.page_size \
+            or list(grant.keys) != cache.keys(tokens[: n * cache.layout.page_size], namespace):
         return FetchOutcome.BAD_GRANT     # not this request's prefix (or another tenant's)
-    path, m = cache.tree.walk(keyer.root, raw[: n * cache.tree.page_bytes])
-    if path and m < path[-1].end:
-        cache.tree.split_at(path, m)
-        path.pop()
-    need = {PoolName.FULL: list(range(m, n))} if PoolName.FULL in cache.policies else {}
-    if PoolName.SWA in cache.policies:
-        need[PoolName.SWA] = [p for p in cache.policies[PoolName.SWA].needed(n)
-                              if p >= m or not _held(path, p, PoolName.SWA)]
-    if not any(need.values()):
+    plan = cache.plan_fetch(tokens, namespace, n)
+    if plan.empty:
         return FetchOutcome.NOTHING_TO_FETCH
-    if any(not grant.pools.get(p) or not all(grant.pools[p].covers(i) for i in pos) for p, pos in need.items() if pos):
+    if any(not grant.pools.get(p) or not all(grant.pools[p].covers(i) for i in pos)
+           for p, pos in plan.todo.items() if pos):
         return FetchOutcome.BAD_GRANT     # the source offers less than the missing pages
-    return _fetch(cache, keyer, raw, path, m, n, grant, need, read, peer)
-
-
-def _held(path, position: int, pool: PoolName) -> bool:
-    for node in path:
-        if node.start <= position < node.end:
-            return node.page_has(position - node.start, pool)
-    return False
-
-
-def _fetch(cache, keyer, raw, path, m, n, grant, need, read, peer) -> FetchOutcome:
-    # Keep the path (and the window pages it already holds) while making room.
-    window = {p: cache.policies[p].needed(n) for p in need}
-    guard = cache.lock_nodes({p: [x for x in path if p == cache.layout.pools[0]
-                                   or (x.start < window[p].stop and x.end > window[p].start)]
-                               for p in need})
-    txn = None
     try:
-        txn = cache.transaction()
-        try:
-            got = txn.reserve_all({(p, Tier.DEVICE): len(pos) for p, pos in need.items()})
-        except ReservationFailed:
-            return FetchOutcome.NO_ROOM
-        txn.seal()
-        outcome = _read_and_verify(cache, grant, need, got, read,
-                                   lambda: txn.rollback(hold=lambda pages: cache.quarantine(pages, peer)))
-        if outcome is not None:
-            return outcome        # the reserved pages may be half written: freed (or held), never read
-        nodes = list(path)
-        if m < n:
-            parent = path[-1] if path else cache.tree.root(keyer.root)
-            step = cache.tree.page_bytes
-            nodes.append(txn.attach(parent, list(grant.keys[m:n]), raw[m * step:n * step]))
-        for pool, positions in need.items():
-            for node, offsets, pages in by_node(nodes, positions, got[(pool, Tier.DEVICE)]):
-                txn.place(node, Tier.DEVICE, pool, offsets, pages)
-        txn.commit()
-    finally:
-        if txn is not None:
-            txn.rollback()        # a no-op once committed or held
-        cache.unlock_nodes(guard)
-    cache.tree.touch(nodes)
-    return FetchOutcome.COMMITTED
+        failed = cache.insert(plan, lambda got, hold: _read_and_verify(cache, grant, plan.todo, got, read, hold),
+                              writer=peer)
+    except ReservationFailed:
+        return FetchOutcome.NO_ROOM
+    return FetchOutcome.COMMITTED if failed is None else failed
 
 
 def _read_and_verify(cache, grant, need, got, read, hold: Callable[[], None]) -> FetchOutcome | None:

@@ -1,7 +1,6 @@
 """NodeCache: one node's SWA-aware tiered prefix cache, the facade other layers use."""
 from __future__ import annotations
 
-from bisect import bisect_left
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -11,6 +10,7 @@ import torch
 from .check import PageAudit, check_invariants, page_audit, snapshot as cache_snapshot
 from .eviction import Evictor, prune_unlocked
 from .faults import AllocationFaults
+from .insert import Inserts
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
 from .leases import LeaseTable
@@ -18,7 +18,7 @@ from .pages import PageCopier, TorchCopier, unpack
 from .policies import AttentionPolicy, policies_for
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
 from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
-from .paths import by_node, groups, missing_on_device, within
+from .paths import groups, within
 from .radix import TIERS, Node, RadixTree
 from .rows import check_kv, first_pages, pack_rows
 from .tiers import TierConfig, TierController
@@ -45,7 +45,7 @@ class CacheStats:
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-class NodeCache:
+class NodeCache(Inserts):
     def __init__(self, layout: KVLayout, capacities: Mapping[PoolName, PoolCapacity], *,
                  tier: TierConfig = TierConfig(), device: torch.device | str | None = None,
                  store_bytes: bool = True, copier: PageCopier | None = None,
@@ -233,75 +233,21 @@ class NodeCache:
 
     def _put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str,
              first: dict[PoolName, int]) -> int:
-        keyer = self.keyer(namespace)
-        raw = encode_tokens(tokens)
-        tree = self.tree
-        step = tree.page_bytes
-        n = len(raw) // step
-        self._check_kv(kv, n, first)
-        path, m = tree.walk(keyer.root, raw)
-        if path and m < path[-1].end:
-            tree.split_at(path, m)
-            path.pop()
-        for f in first.values():      # full KV moves whole nodes: rows start at a node boundary
-            tree.split_at(path, f)
-        n = self.policies[self.primary_pool].extent(m, n, first[self.primary_pool])
-        # Leaving the tree below a node that has other children makes a branch
-        # point: a likely continuation, so SWA keeps its window too.
-        branch = m if path and path[-1].children and m < n else 0
-        keep = {p: pol.store_positions(n, branch, first[p]) for p, pol in self.policies.items()}
-        todo = {p: missing_on_device(path, pos, m, p) for p, pos in keep.items()}
-        if not any(todo.values()):
-            tree.touch(path)
+        self._check_kv(kv, len(tokens) // self.layout.page_size, first)
+        plan = self.plan_store(tokens, namespace, first)
+        if plan.empty:
+            self.tree.touch(plan.path)
             return 0
-        txn = self.transaction()
-        # The lock only keeps eviction off the path; when free pages cover the
-        # whole reservation nothing is evicted, so the common case skips it.
-        guard = None if self._fits(todo) else self._guard(path, keep, m)
+
+        def write(got: dict[tuple[PoolName, Tier], list[int]], hold: Callable[[], None]) -> None:
+            for pool, positions in plan.todo.items():
+                self._write(pool, got[(pool, DEVICE)], kv, positions, first[pool])
         try:
-            try:
-                got = txn.reserve_all({(p, DEVICE): len(pos) for p, pos in todo.items()})
-            except ReservationFailed:
-                self._stats.put_failures += 1
-                return 0
-            txn.seal()
-            nodes = list(path)
-            if m < n:
-                parent = path[-1] if path else tree.root(keyer.root)
-                prev = parent.keys[-1]
-                nodes.append(txn.attach(parent, keyer.chain(raw, prev, m), raw[m * step:n * step]))
-            for pool, positions in todo.items():
-                pages = got[(pool, DEVICE)]
-                self._write(pool, pages, kv, positions, first[pool])
-                for node, offsets, chunk in by_node(nodes, positions, pages):
-                    txn.place(node, DEVICE, pool, offsets, chunk)
-            txn.commit()
-        finally:
-            txn.rollback()        # a no-op once committed: whatever failed, nothing stays half done
-            self._release(guard)
-        tree.touch(nodes)
-        self._stats.inserted_pages += n - m
-        self.tiers.after_insert(nodes[len(path):])
-        return n - m
-
-    def _fits(self, todo: dict[PoolName, list[int]]) -> bool:
-        """Whether every pool has the free device pages `todo` asks for (no eviction needed)."""
-        registry = self.registry
-        return all(registry[p].device.allocator.free_count >= len(pos) for p, pos in todo.items())
-
-    def _release(self, guard: NodeGuard | None) -> None:
-        """Unlock what `_guard` locked, if the put needed it."""
-        if guard is not None:
-            self.unlock_nodes(guard)
-
-    def _guard(self, path: list[Node], keep: dict[PoolName, Sequence[int]], m: int) -> NodeGuard:
-        """Lock what a put keeps of the existing path while it makes room."""
-        held = {pool: [x for x in path if bisect_left(positions, x.start) < bisect_left(positions, x.end)]
-                for pool, positions in keep.items()}
-        primary = held[self.primary_pool]
-        if path and path[-1] not in primary[-1:]:
-            primary.append(path[-1])   # new nodes hang below it: eviction must not prune it
-        return self.lock_nodes(held)
+            self.insert(plan, write)
+        except ReservationFailed:
+            self._stats.put_failures += 1
+            return 0
+        return plan.pages - plan.matched
 
     def _write(self, pool: PoolName, pages: list[int], kv, positions: list[int], first: int) -> None:
         if kv is None or not pages:

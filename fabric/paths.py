@@ -8,17 +8,19 @@ from .layout import PoolName, Tier
 from .radix import ABSENT, Node
 
 
-def missing_on_device(path: list[Node], positions: Sequence[int], m: int, pool: PoolName) -> list[int]:
-    """Which of sorted `positions` lack a device page in `pool`: all from m on."""
+def missing(path: list[Node], positions: Sequence[int], pool: PoolName,
+            tiers: tuple[Tier, ...] = (Tier.DEVICE,)) -> list[int]:
+    """Which of sorted `positions` have a page in `pool` on none of `tiers`: all past the path."""
     out: list[int] = []
     i = 0
     for node in path:
         j = bisect_left(positions, node.end, i)
-        pages = node.slots[Tier.DEVICE][pool]
-        if pages is None:
-            out.extend(positions[i:j])
-        elif ABSENT in pages:
-            out.extend(p for p in positions[i:j] if pages[p - node.start] == ABSENT)
+        if j > i:
+            slots = [node.slots[t][pool] for t in tiers]
+            if all(pages is None for pages in slots):
+                out.extend(positions[i:j])
+            elif not any(pages is not None and ABSENT not in pages for pages in slots):
+                out.extend(p for p in positions[i:j] if not node.page_has(p - node.start, pool, tiers))
         i = j
     out.extend(positions[i:])    # past the path: new pages
     return out

@@ -236,12 +236,12 @@ class RadixTree:
             keys = node.keys
             self.changes.touched([keys[o] for o in offsets])
         if journal is not None:
-            journal.record(lambda: self._clear(node, tier, pool, offsets))
+            journal.record(lambda: self.clear_pages(node, tier, pool, offsets))
 
     def drop_pages(self, node: Node, tier: Tier, pool: PoolName, offsets: list[int],
                    journal: Journal | None) -> list[int]:
         """Free `node`'s pages at `offsets` in (tier, pool) back to their allocator."""
-        pages = self._clear(node, tier, pool, offsets)
+        pages = self.clear_pages(node, tier, pool, offsets)
         self._free(pool, tier, pages)
         if journal is not None:
             def undo() -> None:
@@ -251,7 +251,8 @@ class RadixTree:
             journal.dropped(pool, tier, pages)
         return pages
 
-    def _clear(self, node: Node, tier: Tier, pool: PoolName, offsets: list[int]) -> list[int]:
+    def clear_pages(self, node: Node, tier: Tier, pool: PoolName, offsets: list[int]) -> list[int]:
+        """Empty `node`'s slots at `offsets`; returns their pages, which stay taken."""
         current = node.slots[tier][pool]
         pages = [current[off] for off in offsets]
         assert ABSENT not in pages, (node, tier, pool, offsets)

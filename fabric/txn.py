@@ -137,7 +137,7 @@ class Transaction:
         self.tree.set_pages(node, tier, pool, offsets, pages, None)
 
         def undo() -> None:
-            self.tree._clear(node, tier, pool, offsets)
+            self.tree.clear_pages(node, tier, pool, offsets)
             owned.update(pages)
         self.record(undo)
 

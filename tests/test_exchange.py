@@ -185,6 +185,24 @@ def test_nothing_to_fetch_and_shorter_source():
     assert grant.pages == 6                                    # the length the source really has
 
 
+
+def test_a_fetch_is_stored_as_a_put_is():
+    # One insert path: a write-through destination backs fetched pages up to host and
+    # counts them, exactly as it does for pages it computed itself.
+    src, _, t = setup_pair()
+    dst = NodeCache(LAYOUT, {PoolName.FULL: PoolCapacity(16, 16), PoolName.SWA: PoolCapacity(8, 8)},
+                    tier=TierConfig(policy="write_through"), device="cpu")
+    put_twin = NodeCache(LAYOUT, {PoolName.FULL: PoolCapacity(16, 16), PoolName.SWA: PoolCapacity(8, 8)},
+                         tier=TierConfig(policy="write_through"), device="cpu")
+    put_twin.put(t, prefix_kv(LAYOUT, t), NS)
+    grant = export_prefix(src, LeaseTable(src), dst.keys(t, NS), 0, 5.0)
+    assert import_prefix(dst, t, NS, grant, reader(src, dst)) == FetchOutcome.COMMITTED
+    dst.check()
+    assert dst.snapshot() == put_twin.snapshot()
+    assert dst.stats().inserted_pages == put_twin.stats().inserted_pages == 6
+    assert dst.stats().pools["FULL/HOST"] == put_twin.stats().pools["FULL/HOST"]
+    assert dst.match(t, NS).pages == 6
+
 @given(st.dictionaries(st.sampled_from(["v", "lease", "fp", "pages", "keys", "pools", "x"]),
                        st.one_of(st.integers(-3, 3), st.binary(max_size=20), st.none(), st.booleans(),
                                  st.lists(st.binary(min_size=16, max_size=16), max_size=3),

@@ -1,0 +1,132 @@
+"""The one insert path of a node's cache.
+
+A put of rows the caller computed and a fetch of a peer's pages differ only in which
+pages they plan to fill (a put stores what its policies keep and the device lacks; a
+fetch, what a usable match needs and no tier holds) and in where the bytes come from.
+Both then commit the same way: keep the path from eviction while making room, reserve,
+fill, attach the new run, place the pages, commit, whole or not at all."""
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+
+from .keys import PageKeyer, encode_tokens
+from .layout import PoolName, Tier
+from .paths import by_node, missing
+from .radix import TIERS, Node
+from .records import NodeGuard
+
+if TYPE_CHECKING:
+    from .node_cache import NodeCache
+
+T = TypeVar("T")
+Reserved = dict[tuple[PoolName, Tier], list[int]]
+# fill(reserved, hold) writes every planned page into its reserved device page. It returns
+# None once written, or a failure, which the insert returns after rolling back. It calls
+# hold() first when a transfer may still write the pages: they are quarantined, not freed.
+Fill = Callable[[Reserved, Callable[[], None]], "T | None"]
+
+
+@dataclass
+class InsertPlan:
+    keyer: PageKeyer
+    raw: bytes                            # the packed tokens of the stored pages
+    path: list[Node]                      # what the tree has of them, split at `matched`
+    matched: int                          # pages already in the tree
+    pages: int                            # pages stored once the insert commits
+    keep: dict[PoolName, Sequence[int]]   # positions the insert keeps: locked while it makes room
+    todo: dict[PoolName, list[int]]       # of those, the pages to fill
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.todo.values())
+
+
+class Inserts:
+    """NodeCache's insert path (a mixin: it uses the cache's tree, pools and policies)."""
+
+    def plan_store(self: "NodeCache", tokens: Sequence[int], namespace: str,
+                   first: dict[PoolName, int]) -> InsertPlan:
+        """A put's plan: the pages each policy keeps of `tokens` (rows from `first[pool]`
+        on) that lack a device copy."""
+        keyer, raw = self.keyer(namespace), encode_tokens(tokens)
+        n = len(raw) // self.tree.page_bytes
+        path, m = self._walk(keyer, raw, n, first.values())
+        n = self.policies[self.primary_pool].extent(m, n, first[self.primary_pool])
+        # Leaving the tree below a node that has other children makes a branch
+        # point: a likely continuation, so SWA keeps its window too.
+        branch = m if path and path[-1].children and m < n else 0
+        keep = {p: pol.store_positions(n, branch, first[p]) for p, pol in self.policies.items()}
+        return self._plan(keyer, raw, path, m, n, keep, (Tier.DEVICE,))
+
+    def plan_fetch(self: "NodeCache", tokens: Sequence[int], namespace: str, pages: int) -> InsertPlan:
+        """A fetch's plan: the pages a usable match of `pages` pages needs that no tier holds."""
+        keyer, raw = self.keyer(namespace), encode_tokens(tokens)
+        path, m = self._walk(keyer, raw, pages, ())
+        keep = {p: pol.needed(pages) for p, pol in self.policies.items()}
+        return self._plan(keyer, raw, path, m, pages, keep, TIERS)
+
+    def _walk(self: "NodeCache", keyer: PageKeyer, raw: bytes, n: int,
+              splits) -> tuple[list[Node], int]:
+        tree = self.tree
+        path, m = tree.walk(keyer.root, raw[: n * tree.page_bytes])
+        if path and m < path[-1].end:
+            tree.split_at(path, m)
+            path.pop()
+        for f in splits:      # full KV moves whole nodes: rows start at a node boundary
+            tree.split_at(path, f)
+        return path, m
+
+    def _plan(self, keyer: PageKeyer, raw: bytes, path: list[Node], m: int, n: int,
+              keep: dict[PoolName, Sequence[int]], present: tuple[Tier, ...]) -> InsertPlan:
+        todo = {p: missing(path, pos, p, present) for p, pos in keep.items()}
+        return InsertPlan(keyer, raw[: n * self.tree.page_bytes], path, m, n, keep, todo)  # type: ignore[attr-defined]
+
+    def insert(self: "NodeCache", plan: InsertPlan, fill: Fill, writer: str | None = None) -> "T | None":
+        """Commit `plan`, its pages written by `fill`: None once committed, or fill's
+        failure with nothing changed. Raises ReservationFailed (nothing changed) when
+        eviction cannot make room. `writer`: the peer whose transfer may still write
+        pages that fill holds."""
+        tree, path, m, n = self.tree, plan.path, plan.matched, plan.pages
+        txn = self.transaction()
+        # The lock only keeps eviction off the path; when free pages cover the
+        # whole reservation nothing is evicted, so the common case skips it.
+        guard = None if self._fits(plan.todo) else self._guard(path, plan.keep)
+        try:
+            got = txn.reserve_all({(p, Tier.DEVICE): len(pos) for p, pos in plan.todo.items()})
+            txn.seal()
+            failed = fill(got, lambda: txn.rollback(hold=lambda pages: self.quarantine(pages, writer)))
+            if failed is not None:
+                return failed     # the reserved pages may be half written: freed (or held), never read
+            nodes = list(path)
+            if m < n:
+                parent = path[-1] if path else tree.root(plan.keyer.root)
+                nodes.append(txn.attach(parent, plan.keyer.chain(plan.raw, parent.keys[-1], m),
+                                        plan.raw[m * tree.page_bytes:]))
+            for pool, positions in plan.todo.items():
+                for node, offsets, pages in by_node(nodes, positions, got[(pool, Tier.DEVICE)]):
+                    txn.place(node, Tier.DEVICE, pool, offsets, pages)
+            txn.commit()
+        finally:
+            txn.rollback()        # a no-op once committed: whatever failed, nothing stays half done
+            if guard is not None:
+                self.unlock_nodes(guard)
+        tree.touch(nodes)
+        self._stats.inserted_pages += n - m
+        self.tiers.after_insert(nodes[len(path):])
+        return None
+
+    def _fits(self: "NodeCache", todo: dict[PoolName, list[int]]) -> bool:
+        """Whether every pool has the free device pages `todo` asks for (no eviction needed)."""
+        registry = self.registry
+        return all(registry[p].device.allocator.free_count >= len(pos) for p, pos in todo.items())
+
+    def _guard(self: "NodeCache", path: list[Node], keep: dict[PoolName, Sequence[int]]) -> NodeGuard:
+        """Lock what an insert keeps of the existing path while it makes room."""
+        held = {pool: [x for x in path if bisect_left(positions, x.start) < bisect_left(positions, x.end)]
+                for pool, positions in keep.items()}
+        primary = held[self.primary_pool]
+        if path and path[-1] not in primary[-1:]:
+            primary.append(path[-1])   # new nodes hang below it: eviction must not prune it
+        return self.lock_nodes(held)
