@@ -202,6 +202,34 @@ def test_load_vllm_wants_beyond_the_window_is_reported_failed(rig):
     assert rig.sched.num_new_matched_tokens(Req("r2", PROMPT, PROMPT, 0), 0) == (0, False)
 
 
+
+def test_asked_again_while_waiting_the_staged_answer_stands(rig):
+    """vLLM asks again at each step a request waits for room: the same own hit gets the
+    same answer with no call to the node (a call would block the engine's loop); a
+    different own hit is planned anew, and a request whose node held nothing more is
+    not asked about again."""
+    finish_first(rig)
+    calls = []
+    node_call = rig.node.call
+    rig.node.call = lambda method, *args: calls.append(method) or node_call(method, *args)
+    req = Req("r2", PROMPT, PROMPT, 0)
+    assert rig.sched.num_new_matched_tokens(req, 0) == (40, True)
+    assert rig.sched.num_new_matched_tokens(req, 0) == (40, True)
+    assert calls == ["load_staged"]
+    held = sum(a.capacity - a.free_count for a in rig.sched.allocators.values())
+    assert rig.sched.num_new_matched_tokens(req, 8) == (32, True)          # vLLM's own hit grew
+    assert calls == ["load_staged"] * 2
+    assert sum(a.capacity - a.free_count for a in rig.sched.allocators.values()) <= held
+    rig.sched.after_alloc(req, Blocks(([0] * 8 + [40, 41, 42], list(range(30, 41)))), 32)
+    out = rig.step()
+    assert out.finished_recving == {"r2"} and not out.failed_recving
+    assert all(a.free_count == a.capacity for a in rig.sched.allocators.values())
+    # Another prompt the node holds none of: asked once, then answered from memory.
+    other = Req("r3", list(range(500, 541)), list(range(500, 541)), 0)
+    assert rig.sched.num_new_matched_tokens(other, 0) == (0, False)
+    assert rig.sched.num_new_matched_tokens(other, 0) == (0, False)
+    assert calls == ["load_staged"] * 3
+
 def test_tenants_do_not_share(rig):
     finish_first(rig)
     req = Req("r2", PROMPT, PROMPT, 0, cache_salt="other")

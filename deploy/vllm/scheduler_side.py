@@ -61,6 +61,7 @@ class _Save:
 @dataclass
 class _Load:
     hit: StagedHit
+    skip: int                     # vLLM's own hit (pages) it was planned for
     slots: dict[PoolName, list[int]] = field(default_factory=dict)
     # Tokens by where they came from, counted once the worker says the copy succeeded.
     tokens: int = 0
@@ -98,11 +99,17 @@ class SchedulerSide:
         """(tokens the fabric will load, True), (0, False) for none, or (None, False)
         while another node's prefix is being fetched (vLLM asks again next step)."""
         rid = request.request_id
-        self._drop_plan(rid)        # vLLM may ask again: the newest answer counts
-        if rid in self.no_load or not self.node.ready():
-            return 0, False
         ps = self.plan.page_size
         skip = num_computed_tokens // ps
+        # vLLM asks again at each step a request waits for room: an answer for the same
+        # own hit stands (its pages are staged already), a call per step would block the
+        # engine's loop on the node actor each time.
+        load = self.planned.get(rid)
+        if load is not None and load.skip == skip:
+            return (load.hit.pages - skip) * ps, True
+        self._drop_plan(rid)
+        if rid in self.no_load or not self.node.ready() or self.fabric_has.get(rid, skip + 1) <= skip:
+            return 0, False
         tokens = list(request.prompt_token_ids or [])[:-1]   # vLLM computes >= 1 token itself
         need = len(tokens) // ps - skip
         if need <= 0:
@@ -134,7 +141,7 @@ class SchedulerSide:
             self._free(slots)
             return 0, False
         self._free({p: s[len(hit.slots.get(p, [])):] for p, s in slots.items()})
-        self.planned[rid] = _Load(hit, hit.slots)
+        self.planned[rid] = _Load(hit, skip, hit.slots)
         return (hit.pages - skip) * ps, True
 
     def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
