@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from fabric import EventPublisher, RouteTable
+from fabric import ApplyResult, EventPublisher, RouteTable
 
 from .chaos_hooks import EventMangler
 
@@ -48,7 +48,7 @@ class IndexLink:
         for shard, ref, reply in self._sent:
             if not reply.done():
                 pending.append((shard, ref, reply))
-            elif reply.exception() is not None or reply.result() == "need_snapshot":
+            elif reply.exception() is not None or reply.result() is ApplyResult.NEED_SNAPSHOT:
                 behind.add(shard)          # a restarted shard has lost our events
         # Only the latest unanswered sends are kept (a hung shard answers none): a gap an
         # older one would have shown, a later batch to that shard shows too.

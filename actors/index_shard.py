@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import ray
 
-from fabric import EventBatch, EventError, LoadTracker, PrefixIndex, RouteTable, Snapshot, decode_events
+from fabric import (ApplyResult, EventBatch, EventError, LoadTracker, PrefixIndex, RouteTable, Snapshot,
+                    decode_events)
 from fabric.regions import entries_by_region
 from fabric.keys import KEY_BYTES
 from fabric.wire import is_int
@@ -20,21 +21,21 @@ class IndexShardActor:
         self.rejected = 0
         self.lookups = 0
 
-    def apply(self, data: bytes) -> str:
-        """An encoded event batch; answers an ApplyResult value, or 'rejected'."""
+    def apply(self, data: bytes) -> ApplyResult:
+        """An encoded event batch; what became of it."""
         batch = self._decode(data, EventBatch)
-        return "rejected" if batch is None else self._checked(self.index.apply, batch)
+        return ApplyResult.REJECTED if batch is None else self._checked(self.index.apply, batch)
 
-    def load_snapshot(self, data: bytes) -> str:
+    def load_snapshot(self, data: bytes) -> ApplyResult:
         snap = self._decode(data, Snapshot)
-        return "rejected" if snap is None else self._checked(self.index.load_snapshot, snap)
+        return ApplyResult.REJECTED if snap is None else self._checked(self.index.load_snapshot, snap)
 
-    def _checked(self, apply, msg) -> str:
+    def _checked(self, apply, msg) -> ApplyResult:
         try:
-            return apply(msg).value
+            return apply(msg)
         except EventError:          # e.g. another model's layout: refused, nothing applied
             self.rejected += 1
-            return "rejected"
+            return ApplyResult.REJECTED
 
     def _decode(self, data: bytes, kind: type):
         """The decoded message if it is valid and of `kind`; else counts a rejection."""

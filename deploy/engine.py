@@ -19,6 +19,7 @@ from fabric import CachedKV, PoolName
 
 from .model import KVState, TinyLM
 from .placement import CostModel, PageBytes, Prompt, plan
+from .protocol import PrefixFetch
 
 __all__ = ["CostModel", "Engine", "EngineStats", "Generation", "RequestError"]
 
@@ -65,6 +66,7 @@ class EngineStats:
         return asdict(self)
 
 
+
 @dataclass
 class Generation:
     tokens: list[int]            # generated ids
@@ -74,7 +76,7 @@ class Generation:
     host_tokens: int             #     loaded back from the local host tier,
     remote_tokens: int           #     and fetched from another node
     computed_tokens: int
-    fetch: str                   # none | skipped | fetched | failed
+    fetch: PrefixFetch
     stored_pages: int
     ttft_s: float
     total_s: float
@@ -168,7 +170,7 @@ class Engine:
         from: (state, device tokens, host tokens, remote tokens, fetch outcome).
         Every hit's hold is added to `holds`."""
         if self.cache is None:
-            return self.model.empty_state(), 0, 0, 0, "none"
+            return self.model.empty_state(), 0, 0, 0, PrefixFetch.NONE
         cached = self._get(prompt, namespace, holds)
         state = self._usable(cached)
         host = min(state.length, cached.host_tokens)
@@ -196,9 +198,9 @@ class Engine:
                 self.stats.hold_release_failures += 1
 
     def _maybe_fetch(self, prompt: list[int], namespace: str,
-                     local: KVState, holds: list[int]) -> tuple[KVState | None, str]:
+                     local: KVState, holds: list[int]) -> tuple[KVState | None, PrefixFetch]:
         if self.remote is None or self.cost is None:
-            return None, "none"
+            return None, PrefixFetch.NONE
         ps = self.model.config.page_size
         have = local.length // ps
         # A remote node's cache is outside this process: whatever goes wrong there
@@ -207,12 +209,12 @@ class Engine:
             best = min(int(self.remote.best_remote(prompt, namespace)), len(prompt) // ps)
         except Exception:
             self.stats.fetch_failures += 1
-            return None, "failed"
+            return None, PrefixFetch.FAILED
         if best <= have:
-            return None, "none"
+            return None, PrefixFetch.NONE
         if not plan(self.cost, self._sizes, Prompt(len(prompt), ps), have, best).fetched_pages:
             self.stats.fetches_skipped += 1
-            return None, "skipped"
+            return None, PrefixFetch.SKIPPED
         self.stats.fetches += 1
         try:
             got = int(self.remote.fetch(prompt, namespace))
@@ -220,14 +222,14 @@ class Engine:
             got = 0
         if got <= have:
             self.stats.fetch_failures += 1
-            return None, "failed"
+            return None, PrefixFetch.FAILED
         # Pinned from here: the fetched prefix cannot leave before this request's put.
         state = self._usable(self._get(prompt, namespace, holds))
         if state.length <= local.length:      # evicted again before we could read it
             self.stats.fetch_failures += 1
-            return None, "failed"
+            return None, PrefixFetch.FAILED
         self.stats.fetched_bytes += self._sizes.fetch(state.length // ps - have)
-        return state, "fetched"
+        return state, PrefixFetch.FETCHED
 
     def _usable(self, cached: CachedKV) -> KVState:
         try:

@@ -30,7 +30,7 @@ from .ingress_auth import Authorizer
 from .model import ModelConfig
 from .openai_errors import APIError, ErrorResponse
 from .openai_errors import bad_request as _bad
-from .protocol import GenerateRequest, GenerateResult
+from .protocol import GenerateRequest, GenerateResult, PrefixFetch
 from .tenants import MAX_NAME_CHARS, TenantTable, load_tenants
 from .tokenizer import ByteTokenizer
 
@@ -119,7 +119,7 @@ class KVFabricInfo(BaseModel):
     device_tokens: int
     host_tokens: int
     remote_tokens: int
-    fetch: str
+    fetch: PrefixFetch
     ttft_ms: float
     node: str
     logits_digest: str

@@ -7,6 +7,7 @@ model-server replicas. The ingress validates HTTP bodies before building one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,14 @@ class GenerateRequest:
     arrival_s: float = 0.0       # time.time() when the ingress received it (for TTFT)
 
 
+class PrefixFetch(str, Enum):
+    """What a request did about a longer prefix held on another node."""
+    NONE = "none"            # no fabric, or no node holds more than this one
+    SKIPPED = "skipped"      # one did, but recomputing was cheaper than moving it
+    FETCHED = "fetched"
+    FAILED = "failed"        # tried; the request computed instead
+
+
 @dataclass(frozen=True)
 class GenerateResult:
     tokens: list[int]            # generated ids
@@ -26,7 +35,7 @@ class GenerateResult:
     device_tokens: int
     host_tokens: int
     remote_tokens: int
-    fetch: str                   # none | skipped | fetched | failed
+    fetch: PrefixFetch
     ttft_s: float                # arrival at the ingress to the first token
     node: str                    # the node actor whose cache served it
     logits_digest: str = ""      # hash of every step's logits: equal outputs, bit for bit

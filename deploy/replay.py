@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from .cluster import Endpoint
 from .openai_api import KVFabricInfo
+from .protocol import PrefixFetch
 from .trace import TraceRequest
 
 
@@ -220,14 +221,14 @@ def summarize(pairs: list[Pair], full_bytes_per_token: float, swa_bytes_per_fetc
     fab = [p.fabric for p in ok]
     base = [p.baseline for p in ok]
     remote = sum(f.remote_tokens for f in fab)
-    fetches = sum(f.fetch == "fetched" for f in fab)
+    fetches = sum(f.fetch == PrefixFetch.FETCHED for f in fab)
     return Report(
         requests=len(pairs), failed_requests=len(pairs) - len(ok),
         output_mismatches=sum(p.mismatch for p in ok),
         prompt_tokens=sum(f.prompt_tokens for f in fab),
         device_hit_tokens=sum(f.device_tokens for f in fab), host_hit_tokens=sum(f.host_tokens for f in fab),
         remote_hit_tokens=remote, remote_fetches=fetches,
-        remote_fetch_failures=sum(f.fetch == "failed" for f in fab),
+        remote_fetch_failures=sum(f.fetch == PrefixFetch.FAILED for f in fab),
         remote_bytes=int(remote * full_bytes_per_token + fetches * swa_bytes_per_fetch),
         ttft_p50_ms_fabric=_pct([f.ttft_ms for f in fab], 50), ttft_p99_ms_fabric=_pct([f.ttft_ms for f in fab], 99),
         ttft_p50_ms_nocache=_pct([b.ttft_ms for b in base], 50),

@@ -26,7 +26,7 @@ from fabric import CachedKV, NodeMatch, PoolName
 
 from .engine import CostModel, Engine, Generation
 from .model import ModelConfig, TinyLM
-from .protocol import GenerateRequest, GenerateResult
+from .protocol import GenerateRequest, GenerateResult, PrefixFetch
 
 CALL_TIMEOUT_S = 10.0
 # A fetch makes about this many actor calls in a row (lookup, match, export, the
@@ -108,9 +108,9 @@ class ServingMetrics:
             self.miss_tokens.inc(g.computed_tokens, tags=self.node)
         if fetched_bytes:
             self.bytes_moved.inc(fetched_bytes, tags=self.node)
-        if g.fetch == "failed":
+        if g.fetch is PrefixFetch.FAILED:
             self.rollbacks.inc(1, tags=self.node)
-        if g.fetch in ("fetched", "failed"):
+        if g.fetch in (PrefixFetch.FETCHED, PrefixFetch.FAILED):
             self.fetch_latency.observe(fetch_s * 1e3, tags=self.node)
         self.ttft.observe(ttft_s * 1e3, tags=self.node)
 
@@ -150,7 +150,7 @@ class ModelServer:
         except (RayError, GetTimeoutError):
             # The node's cache actor failed mid-request: serve it uncached, never fail it.
             g = self.uncached.generate(req.tokens, req.max_tokens, req.namespace, return_logits=True)
-        if g.fetch in ("fetched", "failed"):
+        if g.fetch in (PrefixFetch.FETCHED, PrefixFetch.FAILED):
             self._learn_fetch_cost(self.remote.last_fetch_s)
         ttft = waited + g.ttft_s
         self.metrics.record(g, engine.stats.fetched_bytes - fetched_before, self.remote.last_fetch_s, ttft)

@@ -11,12 +11,13 @@ from __future__ import annotations
 from enum import Enum
 
 
-class ApplyResult(Enum):
+class ApplyResult(str, Enum):
     APPLIED = "applied"
     DUPLICATE = "duplicate"
     STALE_EPOCH = "stale_epoch"
     NEED_SNAPSHOT = "need_snapshot"
     DROPPED = "dropped"          # the directory dropped the node and has not admitted it again
+    REJECTED = "rejected"        # not a valid message, or another layout's: nothing applied
 
 
 class Admission:
