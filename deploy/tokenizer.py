@@ -48,7 +48,3 @@ class ByteTokenizer:
             if OFFSET <= i < OFFSET + 256:
                 data.append(i - OFFSET)
         return data.decode("utf-8", errors="replace")
-
-    def is_byte(self, token_id: int) -> bool:
-        """Whether `token_id` stands for a byte (is ever produced by `encode`)."""
-        return OFFSET <= token_id < OFFSET + 256

@@ -14,7 +14,7 @@ from .pages import PageCopier, TorchCopier, page_checksums
 from .publisher import EventPublisher
 from .policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
 from .pools import PagePool, PoolCapacity, PoolEntry, PoolRegistry
-from .radix import Node, RadixTree
+from .radix import TreeNode, RadixTree
 from .routes import Route, RouteError, RouteTable
 from .balance import LoadTracker, Split
 from .sharded_index import ShardedIndex
@@ -28,7 +28,7 @@ __all__ = [
     "namespace_key", "KVLayout", "LayerKind", "LayoutError", "PoolName", "Tier", "Lease",
     "LeaseTable", "CachedKV", "CacheStats", "Match", "NodeCache", "PrefixLock", "PageCopier",
     "TorchCopier", "page_checksums", "AttentionPolicy", "FullAttentionPolicy",
-    "SlidingWindowPolicy", "PagePool", "PoolCapacity", "PoolEntry", "PoolRegistry", "Node",
+    "SlidingWindowPolicy", "PagePool", "PoolCapacity", "PoolEntry", "PoolRegistry", "TreeNode",
     "RadixTree", "TierConfig", "TierController", "WritePolicy", "ReservationFailed",
     "Transaction", "TransactionClosed", "EventBatch", "EventError", "PageMask", "PageState",
     "Snapshot", "decode_events", "EventPublisher", "ApplyResult", "NodeMatch", "PrefixIndex",

@@ -59,9 +59,6 @@ class PageAllocator:
         self._free = [i for i in self._free if i not in gone]
         self._used.update(indices)
 
-    def is_used(self, index: int) -> bool:
-        return index in self._used
-
     def used_indices(self) -> set[int]:
         return set(self._used)
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterable
 
 if TYPE_CHECKING:
-    from .radix import Node
+    from .radix import TreeNode
 
 
 class ChangeLog:
     def __init__(self, limit: Callable[[], int]) -> None:
         self.limit = limit
         self.keys: list[bytes] = []                          # may repeat a key
-        self.removed: dict[bytes, tuple["Node", int]] = {}   # key -> (detached node, offset)
+        self.removed: dict[bytes, tuple["TreeNode", int]] = {}   # key -> (detached node, offset)
         self.overflowed = True
 
     def touched(self, keys: Iterable[bytes]) -> None:
@@ -27,13 +27,13 @@ class ChangeLog:
         if len(self.keys) > self.limit():
             self.keys, self.removed, self.overflowed = [], {}, True
 
-    def left(self, node: "Node") -> None:
+    def left(self, node: "TreeNode") -> None:
         """`node`'s pages left the tree (its keys resolve through the detached node)."""
         if not self.overflowed:
             self.removed.update((k, (node, i)) for i, k in enumerate(node.keys))
             self.touched(node.keys)
 
-    def take(self) -> tuple[list[bytes], dict[bytes, tuple["Node", int]], bool]:
+    def take(self) -> tuple[list[bytes], dict[bytes, tuple["TreeNode", int]], bool]:
         """(keys changed, removed ones, whether to restate everything instead); starts afresh."""
         out = self.keys, self.removed, self.overflowed
         self.keys, self.removed, self.overflowed = [], {}, False

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .layout import PoolName, Tier
 from .policies import AttentionPolicy
-from .radix import ABSENT, TIERS, Node, RadixTree
+from .radix import ABSENT, TIERS, TreeNode, RadixTree
 
 if TYPE_CHECKING:
     from .txn import Transaction
@@ -53,7 +53,7 @@ class Evictor:
                 heapq.heappush(heap, policy.group(parent, tier))
         return freed
 
-    def _write_back(self, node: Node, offsets: list[int], txn: "Transaction") -> bool:
+    def _write_back(self, node: TreeNode, offsets: list[int], txn: "Transaction") -> bool:
         """Copy the pages at `offsets` to host where they have no host copy yet."""
         from .txn import ReservationFailed
         pool = self.policy.pool
@@ -72,14 +72,14 @@ class Evictor:
         return True
 
 
-def is_dead(pools: tuple[PoolName, ...], node: Node) -> bool:
+def is_dead(pools: tuple[PoolName, ...], node: TreeNode) -> bool:
     """A node is dead once it lacks full KV (if the layout has full layers) or any KV."""
     if PoolName.FULL in pools:
         return not node.has(PoolName.FULL)
     return not any(node.has(p) for p in pools)
 
 
-def prune(tree: RadixTree, pools: tuple[PoolName, ...], node: Node, txn: "Transaction | None",
+def prune(tree: RadixTree, pools: tuple[PoolName, ...], node: TreeNode, txn: "Transaction | None",
           count: tuple[Tier, PoolName]) -> int:
     """Drop dead nodes' remaining pages and detach dead leaves, walking up
     (journaled in `txn`; with None, final).
@@ -102,7 +102,7 @@ def prune(tree: RadixTree, pools: tuple[PoolName, ...], node: Node, txn: "Transa
     return freed
 
 
-def prune_unlocked(tree: RadixTree, pools: tuple[PoolName, ...], nodes: list[Node]) -> None:
+def prune_unlocked(tree: RadixTree, pools: tuple[PoolName, ...], nodes: list[TreeNode]) -> None:
     """Finish the pruning eviction stopped at a lock: a node that lost its only child
     while locked (and holds no pages of its own) goes once its last lock is gone."""
     step = tree.page_bytes

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 from .keys import PageKeyer, encode_tokens
 from .layout import PoolName, Tier
 from .paths import by_node, missing
-from .radix import TIERS, Node
+from .radix import TIERS, TreeNode
 from .records import NodeGuard
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ Fill = Callable[[Reserved, Callable[[], None]], "T | None"]
 class InsertPlan:
     keyer: PageKeyer
     raw: bytes                            # the packed tokens of the stored pages
-    path: list[Node]                      # what the tree has of them, split at `matched`
+    path: list[TreeNode]                      # what the tree has of them, split at `matched`
     matched: int                          # pages already in the tree
     pages: int                            # pages stored once the insert commits
     keep: dict[PoolName, Sequence[int]]   # positions the insert keeps: locked while it makes room
@@ -68,7 +68,7 @@ class Inserts:
         return self._plan(keyer, raw, path, m, pages, keep, TIERS)
 
     def _walk(self: "NodeCache", keyer: PageKeyer, raw: bytes, n: int,
-              splits) -> tuple[list[Node], int]:
+              splits) -> tuple[list[TreeNode], int]:
         tree = self.tree
         path, m = tree.walk(keyer.root, raw[: n * tree.page_bytes])
         if path and m < path[-1].end:
@@ -78,7 +78,7 @@ class Inserts:
             tree.split_at(path, f)
         return path, m
 
-    def _plan(self, keyer: PageKeyer, raw: bytes, path: list[Node], m: int, n: int,
+    def _plan(self, keyer: PageKeyer, raw: bytes, path: list[TreeNode], m: int, n: int,
               keep: dict[PoolName, Sequence[int]], present: tuple[Tier, ...]) -> InsertPlan:
         todo = {p: missing(path, pos, p, present) for p, pos in keep.items()}
         return InsertPlan(keyer, raw[: n * self.tree.page_bytes], path, m, n, keep, todo)  # type: ignore[attr-defined]
@@ -122,7 +122,7 @@ class Inserts:
         registry = self.registry
         return all(registry[p].device.allocator.free_count >= len(pos) for p, pos in todo.items())
 
-    def _guard(self: "NodeCache", path: list[Node], keep: dict[PoolName, Sequence[int]]) -> NodeGuard:
+    def _guard(self: "NodeCache", path: list[TreeNode], keep: dict[PoolName, Sequence[int]]) -> NodeGuard:
         """Lock what an insert keeps of the existing path while it makes room."""
         held = {pool: [x for x in path if bisect_left(positions, x.start) < bisect_left(positions, x.end)]
                 for pool, positions in keep.items()}

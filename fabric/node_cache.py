@@ -19,7 +19,7 @@ from .policies import AttentionPolicy, policies_for
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
 from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
 from .paths import groups, within
-from .radix import TIERS, Node, RadixTree
+from .radix import TIERS, TreeNode, RadixTree
 from .rows import check_kv, first_pages, pack_rows
 from .tiers import TierConfig, TierController
 from .txn import ReservationFailed, Transaction
@@ -105,11 +105,11 @@ class NodeCache(Inserts):
         path, matched = self.tree.walk_keys(keys)
         return self._match(path, matched, len(keys))
 
-    def _match(self, path: list[Node], matched: int, request_pages: int) -> Match:
+    def _match(self, path: list[TreeNode], matched: int, request_pages: int) -> Match:
         return Match(path, matched, self.usable(path, matched, TIERS),
                      self.usable(path, matched, DEVICE_ONLY), request_pages)
 
-    def usable(self, path: list[Node], limit: int, tiers: tuple[Tier, ...]) -> int:
+    def usable(self, path: list[TreeNode], limit: int, tiers: tuple[Tier, ...]) -> int:
         # Policies are visited in pool order, FULL first. Full usability is
         # prefix-closed, so the SWA policy's answer is usable for FULL too.
         for policy in self.policies.values():
@@ -159,7 +159,7 @@ class NodeCache(Inserts):
         lock.released = True
         self.unlock_nodes(NodeGuard(within(path, lock.spans)))
 
-    def lock_nodes(self, held: dict[PoolName, list[Node]]) -> NodeGuard:
+    def lock_nodes(self, held: dict[PoolName, list[TreeNode]]) -> NodeGuard:
         for pool, nodes in held.items():
             self.tree.lock(nodes, pool, +1)
         return NodeGuard(held)
@@ -294,7 +294,7 @@ class NodeCache(Inserts):
         self.tiers.after_hit(used)
         return out
 
-    def _gather(self, path: list[Node], n: int) -> CachedKV:
+    def _gather(self, path: list[TreeNode], n: int) -> CachedKV:
         ps = self.layout.page_size
         layers: list[torch.Tensor | None] = [None] * len(self.layout.layers)
         for pool, policy in self.policies.items():

@@ -5,10 +5,10 @@ from bisect import bisect_left
 from typing import Iterator, Sequence
 
 from .layout import PoolName, Tier
-from .radix import ABSENT, Node
+from .radix import ABSENT, TreeNode
 
 
-def missing(path: list[Node], positions: Sequence[int], pool: PoolName,
+def missing(path: list[TreeNode], positions: Sequence[int], pool: PoolName,
             tiers: tuple[Tier, ...] = (Tier.DEVICE,)) -> list[int]:
     """Which of sorted `positions` have a page in `pool` on none of `tiers`: all past the path."""
     out: list[int] = []
@@ -26,12 +26,12 @@ def missing(path: list[Node], positions: Sequence[int], pool: PoolName,
     return out
 
 
-def within(path: list[Node], spans: dict[PoolName, range]) -> dict[PoolName, list[Node]]:
+def within(path: list[TreeNode], spans: dict[PoolName, range]) -> dict[PoolName, list[TreeNode]]:
     """Per pool, the nodes of `path` inside its span (span ends are node boundaries)."""
     return {p: [x for x in path if x.start < span.stop and x.end > span.start] for p, span in spans.items()}
 
 
-def groups(path: list[Node], positions: range) -> list[tuple[Node, list[int]]]:
+def groups(path: list[TreeNode], positions: range) -> list[tuple[TreeNode, list[int]]]:
     """Positions of a range, as (node, offsets in its run) along `path`."""
     out = []
     for node in path:
@@ -41,8 +41,8 @@ def groups(path: list[Node], positions: range) -> list[tuple[Node, list[int]]]:
     return out
 
 
-def by_node(nodes: list[Node], positions: Sequence[int],
-            pages: Sequence[int]) -> Iterator[tuple[Node, list[int], Sequence[int]]]:
+def by_node(nodes: list[TreeNode], positions: Sequence[int],
+            pages: Sequence[int]) -> Iterator[tuple[TreeNode, list[int], Sequence[int]]]:
     """Split sorted `positions` and their `pages` by the node holding each position."""
     i = 0
     for node in nodes:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from .layout import KVLayout, PoolName, Tier
-from .radix import TIERS, Node, RadixTree
+from .radix import TIERS, TreeNode, RadixTree
 
 FULL = PoolName.FULL   # read once: enum member lookups are Python-level
 
@@ -25,7 +25,7 @@ class AttentionPolicy(ABC):
         """Page positions whose KV this pool must hold for a match of `length` pages."""
 
     @abstractmethod
-    def usable(self, path: list[Node], limit: int, tiers: tuple[Tier, ...] = TIERS) -> int:
+    def usable(self, path: list[TreeNode], limit: int, tiers: tuple[Tier, ...] = TIERS) -> int:
         """Longest L <= limit such that every page in needed(L) is on one of `tiers`."""
 
     @abstractmethod
@@ -41,14 +41,14 @@ class AttentionPolicy(ABC):
         start at page `first_row`: a new node must hold this pool's pages."""
 
     @abstractmethod
-    def is_evictable(self, node: Node, tier: Tier, keep_copy: bool = False) -> bool:
+    def is_evictable(self, node: TreeNode, tier: Tier, keep_copy: bool = False) -> bool:
         """May `node`'s pages on `tier` go? `keep_copy`: a copy will be kept on the other tier."""
 
     @abstractmethod
     def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[Group]:
         """Eviction groups, lowest priority evicted first."""
 
-    def group(self, node: Node, tier: Tier) -> Group:
+    def group(self, node: TreeNode, tier: Tier) -> Group:
         """The group a node becomes once its children are gone (FULL cascades)."""
         pages = node.slots[tier][self.pool]
         return (node.last_access, -node.start, node.keys[0], node, list(range(len(pages))))
@@ -63,7 +63,7 @@ class FullAttentionPolicy(AttentionPolicy):
     def needed(self, length: int) -> range:
         return range(length)
 
-    def usable(self, path: list[Node], limit: int, tiers: tuple[Tier, ...] = TIERS) -> int:
+    def usable(self, path: list[TreeNode], limit: int, tiers: tuple[Tier, ...] = TIERS) -> int:
         if len(tiers) == len(TIERS):
             return limit  # every node in the tree holds full KV on some tier
         (tier,) = tiers
@@ -81,7 +81,7 @@ class FullAttentionPolicy(AttentionPolicy):
         # Prefix closure: a page without full KV cannot be stored, nor any after it.
         return length if first_row <= matched else matched
 
-    def is_evictable(self, node: Node, tier: Tier, keep_copy: bool = False) -> bool:
+    def is_evictable(self, node: TreeNode, tier: Tier, keep_copy: bool = False) -> bool:
         s = node.slots
         if s[tier][PoolName.FULL] is None or node.locks[PoolName.FULL]:
             return False
@@ -106,7 +106,7 @@ class SlidingWindowPolicy(AttentionPolicy):
     def needed(self, length: int) -> range:
         return range(max(0, length - self.window_pages), length)
 
-    def usable(self, path: list[Node], limit: int, tiers: tuple[Tier, ...] = TIERS) -> int:
+    def usable(self, path: list[TreeNode], limit: int, tiers: tuple[Tier, ...] = TIERS) -> int:
         length = limit
         while length > 0:
             gap = _last_gap(path, self.needed(length), tiers)
@@ -127,10 +127,10 @@ class SlidingWindowPolicy(AttentionPolicy):
         # Every put keeps the last page's window, so rows for the last page suffice.
         return length if first_row < length else matched
 
-    def is_evictable(self, node: Node, tier: Tier, keep_copy: bool = False) -> bool:
+    def is_evictable(self, node: TreeNode, tier: Tier, keep_copy: bool = False) -> bool:
         return node.slots[tier][PoolName.SWA] is not None and not node.locks[PoolName.SWA]
 
-    def group(self, node: Node, tier: Tier) -> Group:
+    def group(self, node: TreeNode, tier: Tier) -> Group:
         pages = node.slots[tier][PoolName.SWA]
         return (True, node.last_access, node.keys[0], node, [j for j, p in enumerate(pages) if p >= 0])
 
@@ -153,7 +153,7 @@ class SlidingWindowPolicy(AttentionPolicy):
         return out
 
 
-def _last_gap(path: list[Node], positions: range, tiers: tuple[Tier, ...]) -> int | None:
+def _last_gap(path: list[TreeNode], positions: range, tiers: tuple[Tier, ...]) -> int | None:
     """The last position in `positions` whose SWA page is on none of `tiers`."""
     lo, hi = positions.start, positions.stop
     for node in reversed(path):

@@ -5,7 +5,7 @@ from .changes import ChangeLog
 from .events import EventBatch, PageMask, PageState, Snapshot
 from .layout import PoolName, Tier
 from .node_cache import NodeCache
-from .radix import ABSENT, Node
+from .radix import ABSENT, TreeNode
 from .routes import RouteTable
 from .shard_batches import ShardBatches
 
@@ -60,7 +60,7 @@ class EventPublisher:
         paths = _Paths()
         return ((_held(node, j), paths.of(node, j)) for node in self.cache.tree.nodes() for j in range(node.n))
 
-    def _take_changes(self) -> tuple[list[tuple[Node, int]], bool]:
+    def _take_changes(self) -> tuple[list[tuple[TreeNode, int]], bool]:
         """(changed pages, each once; whether to restate everything instead)."""
         tree = self.cache.tree
         keys, removed, restate = tree.changes.take()
@@ -78,7 +78,7 @@ class EventPublisher:
         tree = self.cache.tree
         return tuple(p for node in tree.nodes() for j in range(node.n) if (p := _held(node, j)).mask)
 
-    def _state(self, node: Node, offset: int) -> PageState:
+    def _state(self, node: TreeNode, offset: int) -> PageState:
         if self.cache.tree.by_key.get(node.keys[offset]) is not node:
             return _gone(node, offset)
         return _held(node, offset)
@@ -90,10 +90,10 @@ class _Paths:
     def __init__(self) -> None:
         self._memo: dict[int, list[bytes]] = {}
 
-    def of(self, node: Node, offset: int) -> list[bytes]:
+    def of(self, node: TreeNode, offset: int) -> list[bytes]:
         return self._upto(node.parent) + node.keys[: offset + 1]
 
-    def _upto(self, node: Node) -> list[bytes]:
+    def _upto(self, node: TreeNode) -> list[bytes]:
         if node.is_root:
             return []
         path = self._memo.get(id(node))
@@ -102,12 +102,12 @@ class _Paths:
         return path
 
 
-def _gone(node: Node, offset: int) -> PageState:
+def _gone(node: TreeNode, offset: int) -> PageState:
     parent = node.keys[offset - 1] if offset else node.parent.keys[-1]
     return PageState(node.keys[offset], parent, node.start + offset, 0)
 
 
-def _held(node: Node, offset: int) -> PageState:
+def _held(node: TreeNode, offset: int) -> PageState:
     mask = 0
     for (pool, tier), bit in _BITS.items():
         pages = node.slots[tier][pool]

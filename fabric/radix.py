@@ -29,15 +29,15 @@ class Journal(Protocol):
     def dropped(self, pool: PoolName, tier: Tier, pages: list[int]) -> None: ...
 
 
-class Node:
+class TreeNode:
     __slots__ = ("keys", "tokens", "parent", "children", "start", "end", "slots", "locks",
                  "last_access", "hits")
 
-    def __init__(self, keys: list[bytes], tokens: bytes, parent: "Node | None", start: int) -> None:
+    def __init__(self, keys: list[bytes], tokens: bytes, parent: "TreeNode | None", start: int) -> None:
         self.keys = keys                # chained key of each page (a root: [namespace root key])
         self.tokens = tokens            # token bytes of the run
         self.parent = parent
-        self.children: dict[bytes, Node] = {}
+        self.children: dict[bytes, TreeNode] = {}
         self.start = start              # position of the run's first page in the sequence
         self.end = start + len(keys) if parent is not None else 0
         self.slots: list[list[list[int] | None]] = [[None, None], [None, None]]   # [tier][pool]
@@ -69,7 +69,7 @@ class Node:
         return 0 if pages is None else len(pages) - pages.count(ABSENT)
 
     def __repr__(self) -> str:
-        return (f"Node(start={self.start}, n={self.n}, key={self.keys[0].hex()[:8]}, "
+        return (f"TreeNode(start={self.start}, n={self.n}, key={self.keys[0].hex()[:8]}, "
                 f"slots={self.slots}, locks={self.locks})")
 
 
@@ -78,8 +78,8 @@ class RadixTree:
                  take_page: Callable[[PoolName, Tier, list[int]], None]) -> None:
         self.page_bytes = page_bytes
         self._free, self._take = free_page, take_page
-        self.roots: dict[bytes, Node] = {}                 # namespace root key -> root
-        self.by_key: dict[bytes, Node] = {}    # page key -> the node whose run holds it
+        self.roots: dict[bytes, TreeNode] = {}                 # namespace root key -> root
+        self.by_key: dict[bytes, TreeNode] = {}    # page key -> the node whose run holds it
         self.clock = 0
         self.node_count = 0
         self.owned = [[0, 0], [0, 0]]       # [tier][pool] pages held by nodes
@@ -87,10 +87,10 @@ class RadixTree:
         self.changes: ChangeLog | None = None    # with events on (an EventPublisher)
 
     # --- reading -----------------------------------------------------------------
-    def walk(self, root_key: bytes, raw: bytes) -> tuple[list[Node], int]:
+    def walk(self, root_key: bytes, raw: bytes) -> tuple[list[TreeNode], int]:
         """Nodes along the whole pages of encoded tokens `raw`, and how many pages
         matched (the last node may match only part of its run)."""
-        path: list[Node] = []
+        path: list[TreeNode] = []
         node = self.roots.get(root_key)
         step, off, end = self.page_bytes, 0, len(raw) - len(raw) % self.page_bytes
         while node is not None and off < end:
@@ -108,9 +108,9 @@ class RadixTree:
             return path, node.start + k
         return path, off // step
 
-    def walk_keys(self, keys: list[bytes]) -> tuple[list[Node], int]:
+    def walk_keys(self, keys: list[bytes]) -> tuple[list[TreeNode], int]:
         """The same for a chain of page keys, up to the first key not held here."""
-        path: list[Node] = []
+        path: list[TreeNode] = []
         for i, k in enumerate(keys):
             node = self.by_key.get(k)
             if node is None:
@@ -128,7 +128,7 @@ class RadixTree:
             return path, len(keys)
         return path, i
 
-    def nodes(self) -> Iterator[Node]:
+    def nodes(self) -> Iterator[TreeNode]:
         """Every page node, parents before children."""
         stack = [c for r in self.roots.values() for c in r.children.values()]
         while stack:
@@ -140,21 +140,21 @@ class RadixTree:
         self.clock += 1
         return self.clock
 
-    def touch(self, nodes: list[Node], hit: bool = False) -> None:
+    def touch(self, nodes: list[TreeNode], hit: bool = False) -> None:
         now = self.tick()
         for node in nodes:
             node.last_access = now
             node.hits += hit
 
     # --- structure -----------------------------------------------------------------
-    def root(self, root_key: bytes) -> Node:
+    def root(self, root_key: bytes) -> TreeNode:
         node = self.roots.get(root_key)
         if node is None:
-            node = self.roots[root_key] = Node([root_key], b"", None, 0)
+            node = self.roots[root_key] = TreeNode([root_key], b"", None, 0)
         return node
 
-    def attach(self, parent: Node, keys: list[bytes], tokens: bytes, journal: Journal | None) -> Node:
-        node = Node(keys, tokens, parent, parent.end)
+    def attach(self, parent: TreeNode, keys: list[bytes], tokens: bytes, journal: Journal | None) -> TreeNode:
+        node = TreeNode(keys, tokens, parent, parent.end)
         node.last_access = self.clock
         parent.children[tokens[:self.page_bytes]] = node
         self.by_key.update(dict.fromkeys(keys, node))
@@ -165,7 +165,7 @@ class RadixTree:
             journal.record(lambda: self.detach(node, None))
         return node
 
-    def detach(self, node: Node, journal: Journal | None) -> None:
+    def detach(self, node: TreeNode, journal: Journal | None) -> None:
         assert not node.children and not any(node.slots[t][p] for t in TIERS for p in PoolName), node
         parent = node.parent
         del parent.children[node.tokens[:self.page_bytes]]
@@ -179,7 +179,7 @@ class RadixTree:
         if journal is not None:
             journal.record(lambda: self._reattach(node))
 
-    def _reattach(self, node: Node) -> None:
+    def _reattach(self, node: TreeNode) -> None:
         if self.changes is not None:
             self.changes.touched(node.keys)
         parent = node.parent
@@ -189,14 +189,14 @@ class RadixTree:
         self.by_key.update(dict.fromkeys(node.keys, node))
         self.node_count += 1
 
-    def split(self, node: Node, k: int) -> Node:
+    def split(self, node: TreeNode, k: int) -> TreeNode:
         """Cut `node`'s run after its first k pages; returns the new head node.
 
         Structure only: pages, locks and the per-page view are unchanged, so
         splits need no undo."""
         assert 0 < k < node.n, (node, k)
         step = self.page_bytes
-        head = Node(node.keys[:k], node.tokens[:k * step], node.parent, node.start)
+        head = TreeNode(node.keys[:k], node.tokens[:k * step], node.parent, node.start)
         head.locks = list(node.locks)
         head.last_access, head.hits = node.last_access, node.hits
         for head_slots, slots in zip(head.slots, node.slots):   # per tier, then per pool
@@ -211,7 +211,7 @@ class RadixTree:
         self.node_count += 1
         return head
 
-    def split_at(self, path: list[Node], position: int) -> None:
+    def split_at(self, path: list[TreeNode], position: int) -> None:
         """Make `position` a node boundary on `path` (which covers it)."""
         for i, node in enumerate(path):
             if node.start < position < node.end:
@@ -219,7 +219,7 @@ class RadixTree:
                 return
 
     # --- pages -----------------------------------------------------------------------
-    def set_pages(self, node: Node, tier: Tier, pool: PoolName, offsets: list[int],
+    def set_pages(self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int],
                   pages: list[int], journal: Journal | None) -> None:
         """Give already-allocated pages to `node` at `offsets` (the tree now owns them)."""
         current = node.slots[tier][pool]
@@ -238,7 +238,7 @@ class RadixTree:
         if journal is not None:
             journal.record(lambda: self.clear_pages(node, tier, pool, offsets))
 
-    def drop_pages(self, node: Node, tier: Tier, pool: PoolName, offsets: list[int],
+    def drop_pages(self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int],
                    journal: Journal | None) -> list[int]:
         """Free `node`'s pages at `offsets` in (tier, pool) back to their allocator."""
         pages = self.clear_pages(node, tier, pool, offsets)
@@ -251,7 +251,7 @@ class RadixTree:
             journal.dropped(pool, tier, pages)
         return pages
 
-    def clear_pages(self, node: Node, tier: Tier, pool: PoolName, offsets: list[int]) -> list[int]:
+    def clear_pages(self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int]) -> list[int]:
         """Empty `node`'s slots at `offsets`; returns their pages, which stay taken."""
         current = node.slots[tier][pool]
         pages = [current[off] for off in offsets]
@@ -266,13 +266,13 @@ class RadixTree:
             self.changes.touched([keys[o] for o in offsets])
         return pages
 
-    def _count(self, node: Node, tier: Tier, pool: PoolName, delta: int) -> None:
+    def _count(self, node: TreeNode, tier: Tier, pool: PoolName, delta: int) -> None:
         self.owned[tier][pool] += delta
         if node.locks[pool]:
             self.protected[tier][pool] += delta
 
     # --- locks -----------------------------------------------------------------------
-    def lock(self, nodes: list[Node], pool: PoolName, delta: int) -> None:
+    def lock(self, nodes: list[TreeNode], pool: PoolName, delta: int) -> None:
         """Add `delta` (+1 or -1) to each node's lock on `pool`."""
         # Runs per node of every locked path (gets, evicting puts): index lists by a
         # plain int (an IntEnum index is slower) and count pages inline.

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 import torch
 
 from .layout import PoolName, Tier
-from .radix import Node
+from .radix import TreeNode
 
 
 @dataclass
 class Match:
     """A usable cached prefix of `pages` whole pages, along `path` from the root."""
-    path: list[Node]        # nodes holding the request's matched pages (the last may hold more)
+    path: list[TreeNode]        # nodes holding the request's matched pages (the last may hold more)
     matched: int            # pages present in the tree, on any tier, in any pool
     pages: int              # usable length, either tier
     device_pages: int       # usable length from the device tier alone
@@ -36,7 +36,7 @@ class PrefixLock:
 @dataclass
 class NodeGuard:
     """A lock held within one cache call, during which no run is split."""
-    nodes: dict[PoolName, list[Node]]
+    nodes: dict[PoolName, list[TreeNode]]
 
 
 @dataclass

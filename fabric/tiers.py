@@ -8,7 +8,7 @@ from typing import Callable
 
 from .layout import PoolName, Tier
 from .pools import PoolRegistry
-from .radix import ABSENT, Node
+from .radix import ABSENT, TreeNode
 from .txn import ReservationFailed, Transaction
 
 
@@ -42,16 +42,16 @@ class TierController:
     def write_back(self) -> bool:
         return self.config.policy == WritePolicy.WRITE_BACK
 
-    def after_insert(self, nodes: list[Node]) -> None:
+    def after_insert(self, nodes: list[TreeNode]) -> None:
         if self.config.policy == WritePolicy.WRITE_THROUGH:
             self.backup(nodes)
 
-    def after_hit(self, nodes: list[Node]) -> None:
+    def after_hit(self, nodes: list[TreeNode]) -> None:
         if self.config.policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
             n = self.config.selective_hits
             self.backup([node for node in nodes if node.hits >= n])
 
-    def backup(self, nodes: list[Node]) -> bool:
+    def backup(self, nodes: list[TreeNode]) -> bool:
         """Copy device pages lacking a host copy to host, whole or not at all."""
         todo = {}
         for pool in self.registry.names:
@@ -65,7 +65,7 @@ class TierController:
         self.backup_failures += not ok
         return ok
 
-    def load_back(self, needs: dict[PoolName, list[tuple[Node, list[int]]]]) -> bool:
+    def load_back(self, needs: dict[PoolName, list[tuple[TreeNode, list[int]]]]) -> bool:
         """Give every (node, offsets) in `needs[pool]` a device copy of those pages."""
         todo = {}
         for pool, groups in needs.items():
@@ -77,7 +77,7 @@ class TierController:
         self.loaded_back += ok * _size(todo)
         return ok
 
-    def _move(self, todo: dict[PoolName, list[tuple[Node, list[int]]]], src: Tier, dst: Tier) -> bool:
+    def _move(self, todo: dict[PoolName, list[tuple[TreeNode, list[int]]]], src: Tier, dst: Tier) -> bool:
         txn = self._begin()
         try:
             try:
@@ -100,12 +100,12 @@ class TierController:
         return True
 
 
-def _lacking(node: Node, pool: PoolName, have: Tier, want: Tier) -> list[int]:
+def _lacking(node: TreeNode, pool: PoolName, have: Tier, want: Tier) -> list[int]:
     src, dst = node.slots[have][pool], node.slots[want][pool]
     if src is None:
         return []
     return [j for j, p in enumerate(src) if p != ABSENT and (dst is None or dst[j] == ABSENT)]
 
 
-def _size(todo: dict[PoolName, list[tuple[Node, list[int]]]]) -> int:
+def _size(todo: dict[PoolName, list[tuple[TreeNode, list[int]]]]) -> int:
     return sum(len(offs) for groups in todo.values() for _, offs in groups)

@@ -21,7 +21,7 @@ from .faults import AllocationFaults
 from .layout import PoolName, Tier
 from .pages import PageCopier, keep_bytes
 from .pools import PoolRegistry
-from .radix import Node, RadixTree
+from .radix import TreeNode, RadixTree
 
 
 class ReservationFailed(RuntimeError):
@@ -123,7 +123,7 @@ class Transaction:
         self._journal.clear()
         self.sealed = True
 
-    def place(self, node: Node, tier: Tier, pool: PoolName, offsets: list[int], pages: list[int]) -> None:
+    def place(self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int], pages: list[int]) -> None:
         """Move reserved pages into `node` at `offsets` of its run."""
         owned = self._owned(pool, tier)
         if not owned.issuperset(pages):
@@ -141,7 +141,7 @@ class Transaction:
             owned.update(pages)
         self.record(undo)
 
-    def attach(self, parent: Node, keys: list[bytes], tokens: bytes) -> Node:
+    def attach(self, parent: TreeNode, keys: list[bytes], tokens: bytes) -> TreeNode:
         return self.tree.attach(parent, keys, tokens, self)
 
     def commit(self) -> None:
