@@ -230,6 +230,35 @@ def test_asked_again_while_waiting_the_staged_answer_stands(rig):
     assert rig.sched.num_new_matched_tokens(other, 0) == (0, False)
     assert calls == ["load_staged"] * 3
 
+
+def test_a_next_turn_saves_only_its_new_full_pages(rig):
+    """A conversation's next turn copies the full KV the node does not hold yet (plus the
+    SWA window), not the whole conversation again; what the node then holds loads back
+    equal to the engine's blocks."""
+    finish_first(rig)                                       # the node holds PROMPT's 10 pages
+    n, out = admit(rig, "r2", [0] * 8 + [40, 41, 42])       # loaded into full blocks 30..39
+    assert n == 40 and out.finished_recving == {"r2"}
+    turn = PROMPT + [7, 8, 9, 10, 11, 12, 13]               # 48 tokens: 12 pages
+    delay, _ = rig.sched.finished(Req("r2", PROMPT, turn, len(turn)),
+                                  ([0] * 10 + [44, 45], list(range(30, 42))))
+    (job,) = rig.sched.meta.saves
+    moved = {m.pool: len(m.slots) for m in job.moves}
+    assert delay and moved == {PoolName.FULL: 2, PoolName.SWA: 2}
+    rig.step()
+    assert rig.sched.stats.stored_pages == 10 + 2
+    # The whole turn loads back: its new full pages from blocks 40 and 41.
+    req = Req("r3", turn + [99], turn + [99], 0)
+    n, _ = rig.sched.num_new_matched_tokens(req, 0)
+    assert n == 48
+    rig.sched.after_alloc(req, Blocks(([0] * 10 + [50, 51], list(range(50, 62)))), n)
+    out = rig.step()
+    assert out.finished_recving == {"r3"} and not out.failed_recving
+    for name in NAMES[1::2]:
+        assert torch.equal(layer_blocks(rig, name, list(range(50, 62))), layer_blocks(rig, name, list(range(30, 42))))
+    for name in NAMES[0::2]:
+        assert torch.equal(layer_blocks(rig, name, [50, 51]), layer_blocks(rig, name, [44, 45]))
+    assert all(a.free_count == a.capacity for a in rig.sched.allocators.values())
+
 def test_tenants_do_not_share(rig):
     finish_first(rig)
     req = Req("r2", PROMPT, PROMPT, 0, cache_salt="other")

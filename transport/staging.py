@@ -110,17 +110,18 @@ def load_to_staging(cache: NodeCache, shared: SharedPages, tokens: Sequence[int]
 
 
 def save_from_staging(cache: NodeCache, shared: SharedPages, tokens: Sequence[int], namespace: str,
-                      slots: dict[PoolName, list[int]], swa_first_page: int) -> int:
-    """Store the whole pages of `tokens` from staging: full KV of page i in
-    slots[FULL][i], SWA KV of page swa_first_page + j in slots[SWA][j]. Returns pages
-    newly stored."""
+                      slots: dict[PoolName, list[int]], swa_first_page: int, first_page: int = 0) -> int:
+    """Store the whole pages of `tokens` from staging: full KV of page first_page + i in
+    slots[FULL][i], SWA KV of page swa_first_page + j in slots[SWA][j]. Full KV from
+    first_page on grows the cache only where it holds every page before (NodeCache.put).
+    Returns pages newly stored."""
     layout = cache.layout
     ps = layout.page_size
     n = len(tokens) // ps
     kv: list[torch.Tensor | None] = [None] * len(layout.layers)
     starts: dict[PoolName, int] = {}
     for pool in layout.pools:
-        first = 0 if pool == PoolName.FULL else swa_first_page
+        first = first_page if pool == PoolName.FULL else swa_first_page
         idx = slots.get(pool, [])
         if len(idx) != n - first:
             raise ValueError(f"{pool.name}: {len(idx)} staged pages for positions [{first}, {n})")

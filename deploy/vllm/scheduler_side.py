@@ -56,6 +56,7 @@ class _Save:
     namespace: str
     slots: dict[PoolName, list[int]]
     swa_first_page: int
+    first_page: int = 0           # full KV before it is the node's already (or queued to it)
 
 
 @dataclass
@@ -210,8 +211,10 @@ class SchedulerSide:
             if not self.node.ready() or len(prompt[0]) // self.plan.page_size <= self.fabric_has.get(rid, 0):
                 continue
             block_ids = self.kv_cache_manager.get_blocks(rid).get_block_ids()
-            self._save(rid, f"{rid}/prompt", prompt[0], prompt[1], block_ids,
-                       len(prompt[0]) // self.plan.page_size, ends_request=False)
+            pages = len(prompt[0]) // self.plan.page_size
+            if self._save(rid, f"{rid}/prompt", prompt[0], prompt[1], block_ids, pages,
+                          ends_request=False, has=self.fabric_has.get(rid, 0)):
+                self.fabric_has[rid] = pages      # the end's save copies only what follows
 
     def on_output(self, output) -> None:
         failed_loads = set(getattr(output, "failed_recving", None) or ())
@@ -245,7 +248,7 @@ class SchedulerSide:
         try:
             maybe_fail(self.settings, "node_save")
             call = self.node.submit("save_staged", self.spec, save.tokens, save.namespace,
-                                    save.slots, save.swa_first_page)
+                                    save.slots, save.swa_first_page, save.first_page)
         except Exception as e:
             self._store_failed(key, save, e)
             return
@@ -299,26 +302,30 @@ class SchedulerSide:
         if n <= has:
             return False, None
         return self._save(rid, f"{rid}/end", tokens, _namespace(request), block_ids, n,
-                          ends_request=True), None
+                          ends_request=True, has=has), None
 
     def _save(self, rid: str, key: str, tokens: list[int], namespace: str,
-              block_ids: tuple[list[int], ...], n: int, ends_request: bool) -> bool:
-        """Queue the copy of pages [0, n) of a request's blocks to staging; the node
-        stores them when the worker reports the copy done."""
+              block_ids: tuple[list[int], ...], n: int, ends_request: bool, has: int = 0) -> bool:
+        """Queue the copy of a request's pages to staging, up to page n: full KV from
+        page `has` on (the node holds or is storing those before it: a conversation's
+        next turn copies its new pages, not the whole conversation again), SWA where
+        vLLM still holds it. The node stores them when the worker reports the copy done."""
         n = min([n] + [len(block_ids[g]) for g in range(len(self.plan.group_pools))])
         if n == 0:
             return False
         swa_first = self._surviving_window(block_ids, n)
-        want = {p: n if p == PoolName.FULL else n - swa_first for p in self.plan.layout.pools}
+        full_first = min(has, n)
+        first_of = {PoolName.FULL: full_first, PoolName.SWA: swa_first}
+        want = {p: n - first_of[p] for p in self.plan.layout.pools}
         slots = self._alloc(want)
         if slots is None:
             return False
         job = CopyJob(rid, [], key=key, ends_request=ends_request)
         for pool, pool_slots in slots.items():
-            first = 0 if pool == PoolName.FULL else swa_first
+            first = first_of[pool]
             job.moves.append(PoolMove(pool, pool_slots, {g: list(block_ids[g][first:n])
                                                          for g in self.plan.groups_of(pool)}))
-        self.saving[key] = _Save(tokens[: n * self.plan.page_size], namespace, slots, swa_first)
+        self.saving[key] = _Save(tokens[: n * self.plan.page_size], namespace, slots, swa_first, full_first)
         self.meta.saves.append(job)
         return True
 
