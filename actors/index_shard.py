@@ -97,4 +97,5 @@ class IndexShardActor:
         return None
 
     def stats(self) -> dict:
-        return {"shard": self.shard, "lookups": self.lookups, "rejected": self.rejected, **self.index.stats()}
+        # The shard counts what it refused before the index saw it (the index never rejects).
+        return {**self.index.stats(), "shard": self.shard, "lookups": self.lookups, "rejected": self.rejected}
