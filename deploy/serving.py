@@ -108,7 +108,7 @@ class ServingMetrics:
             self.miss_tokens.inc(g.computed_tokens, tags=self.node)
         if fetched_bytes:
             self.bytes_moved.inc(fetched_bytes, tags=self.node)
-        if g.fetch is PrefixFetch.FAILED:
+        if g.fetch == PrefixFetch.FAILED:
             self.rollbacks.inc(1, tags=self.node)
         if g.fetch in (PrefixFetch.FETCHED, PrefixFetch.FAILED):
             self.fetch_latency.observe(fetch_s * 1e3, tags=self.node)

@@ -123,14 +123,15 @@ def test_serving_metrics_record_every_kind_of_answer(endpoint):
     @ray.remote(num_cpus=0)
     def record() -> int:
         from deploy.engine import Generation
+        from deploy.protocol import PrefixFetch
         from deploy.serving import ServingMetrics
         m = ServingMetrics("kvf-node-test")
-        for fetch in ("none", "skipped", "fetched", "failed"):
+        for fetch in PrefixFetch:
             g = Generation([1], 64, 48, 16, 16, 16, 16, fetch, 4, 0.01, 0.02)
-            m.record(g, fetched_bytes=4096 if fetch == "fetched" else 0, fetch_s=0.005, ttft_s=0.01)
-        return 4
+            m.record(g, fetched_bytes=4096 if fetch is PrefixFetch.FETCHED else 0, fetch_s=0.005, ttft_s=0.01)
+        return len(PrefixFetch)
 
-    assert ray.get(record.remote(), timeout=120) == 4
+    assert ray.get(record.remote(), timeout=120) == 4      # every kind recorded, none refused
 
 
 def test_down_removes_the_app_and_the_fabric(endpoint):
