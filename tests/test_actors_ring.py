@@ -3,8 +3,8 @@ a ring, every fetch commits and leaves no lease; a fetch that gives up on a slow
 export releases the lease that export took as soon as its reply lands."""
 from __future__ import annotations
 
+from functools import partial
 import dataclasses
-import time
 
 import pytest
 import ray
@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.node_actor import NodeCacheActor, NodeConfig
 from fabric import KVLayout, PoolCapacity, PoolName
 from tests.kvgen import prefix_kv
+from tests.waiting import eventually as wait_for
 
 LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=2, head_dim=16, page_size=16, window=32)
 CONFIG = NodeConfig(LAYOUT, {PoolName.FULL: PoolCapacity(64, 64), PoolName.SWA: PoolCapacity(32, 32)},
@@ -44,12 +45,7 @@ def connect_all(actors: dict) -> None:
     ray.get([a.connect.remote(p, meta[p]) for n, a in actors.items() for p in actors if p != n], timeout=T)
 
 
-def eventually(check, deadline_s: float = T, every_s: float = 0.1):
-    end = time.monotonic() + deadline_s
-    while not (value := check()):
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(every_s)
-    return value
+eventually = partial(wait_for, deadline_s=T, every_s=0.1)
 
 
 def stop(actors) -> None:

@@ -9,9 +9,9 @@ shards as vLLM engines publish theirs, killed; the directory's next passes clear
 entries, a second life of the same name publishes and stays, a node's engines go with it."""
 from __future__ import annotations
 
+from functools import partial
 import subprocess
 import sys
-import time
 import uuid
 from types import SimpleNamespace
 
@@ -22,6 +22,7 @@ from actors.engine_host import EngineHost
 from actors.engine_process import EngineProcess, EngineProcessError, can_watch, process_start
 from fabric import PoolCapacity, PoolName
 from transport.staging import SharedPages, StagingSpec
+from tests.waiting import eventually as wait_for
 
 pytestmark = pytest.mark.skipif(not can_watch(), reason="engines are watched through /proc (Linux)")
 
@@ -29,12 +30,7 @@ NODE_NAME = "kvf-node-0123456789ab"
 T = 60.0
 
 
-def eventually(check, what: str, deadline_s: float = T, every_s: float = 0.1):
-    end = time.monotonic() + deadline_s
-    while not (value := check()):
-        assert time.monotonic() < end, f"not reached in {deadline_s} s: {what}"
-        time.sleep(every_s)
-    return value
+eventually = partial(wait_for, deadline_s=T, every_s=0.1)
 
 
 def sleeper() -> subprocess.Popen:

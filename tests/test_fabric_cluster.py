@@ -3,6 +3,7 @@ shards; a client finds a prefix put on one node from anywhere, fetches it
 into another with equal bytes, and a removed node leaves the index."""
 from __future__ import annotations
 
+from functools import partial
 import pytest
 import ray
 import torch
@@ -11,6 +12,7 @@ from ray.cluster_utils import Cluster
 from actors import FabricClient, NodeConfig, start, stop
 from fabric import KVLayout, PoolCapacity, PoolName
 from tests.kvgen import prefix_kv
+from tests.waiting import eventually as wait_for
 
 LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=2, head_dim=16, page_size=16, window=32)
 CONFIG = NodeConfig(LAYOUT, {PoolName.FULL: PoolCapacity(64, 64), PoolName.SWA: PoolCapacity(32, 32)}, device="cpu")
@@ -37,14 +39,7 @@ def fabric(cluster):
     stop(f)
 
 
-def eventually(check, deadline_s: float = T, every_s: float = 0.2):
-    """Poll `check` until it returns something truthy; that value."""
-    import time
-    end = time.monotonic() + deadline_s
-    while not (value := check()):
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(every_s)
-    return value
+eventually = partial(wait_for, deadline_s=T, every_s=0.2)
 
 
 def flush(f):

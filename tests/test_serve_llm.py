@@ -5,6 +5,7 @@ the engines' KV events. Outputs through the fabric equal outputs with no cache a
 all (a fresh cache_salt per reference run: nothing can match it)."""
 from __future__ import annotations
 
+from functools import partial
 import json
 import os
 import random
@@ -25,6 +26,7 @@ from deploy.vllm.engine_identity import is_engine, node_actor_of  # noqa: E402
 from deploy.vllm.llm_router import OpenAIPrompts  # noqa: E402
 from deploy.vllm.model import ensure_tiny_model  # noqa: E402
 from deploy.vllm.namespaces import fabric_namespace  # noqa: E402
+from tests.waiting import eventually as wait_for
 
 MODEL_ID = "kvfabric-tiny-vllm"
 PROMPT_CHARS = 900            # about 900 tokens (one per byte): 28 blocks of 32
@@ -32,12 +34,7 @@ MAX_TOKENS = 8
 T = 180.0
 
 
-def eventually(check, what: str, deadline_s: float = T, every_s: float = 0.25):
-    end = time.monotonic() + deadline_s
-    while not (value := check()):
-        assert time.monotonic() < end, f"not reached in {deadline_s} s: {what}"
-        time.sleep(every_s)
-    return value
+eventually = partial(wait_for, deadline_s=T, every_s=0.25)
 
 
 class App:

@@ -10,6 +10,7 @@ vLLM's or the fabric's, can match a salt never seen before, so every token is co
 """
 from __future__ import annotations
 
+from functools import partial
 import glob
 import json
 import os
@@ -34,6 +35,7 @@ from deploy.vllm.plan import layout_for_model  # noqa: E402
 from deploy.vllm.namespaces import fabric_namespace  # noqa: E402
 from fabric import NodeMatch, PoolCapacity, PoolName  # noqa: E402
 from transport import Fault, FaultKind  # noqa: E402
+from tests.waiting import eventually as wait_for
 
 NAMESPACE = "kvf-vllm-test"
 TENANT = "default"           # the fabric namespace of requests without a cache_salt
@@ -43,13 +45,7 @@ MAX_TOKENS = 12
 CALL_TIMEOUT_S = 120
 
 
-def eventually(check, what: str, deadline_s: float = CALL_TIMEOUT_S, every_s: float = 0.2):
-    """Poll `check` at a pace until it returns something truthy; that value."""
-    end = time.monotonic() + deadline_s
-    while not (value := check()):
-        assert time.monotonic() < end, f"not reached in {deadline_s} s: {what}"
-        time.sleep(every_s)
-    return value
+eventually = partial(wait_for, deadline_s=CALL_TIMEOUT_S, every_s=0.2)
 
 
 class Engine:
