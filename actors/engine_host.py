@@ -12,10 +12,9 @@ from typing import Sequence
 from fabric import PoolName
 from transport.staging import SharedPages, StagedHit, StagingSpec, load_to_staging, save_from_staging
 
-from .engine_process import EngineProcess, EngineProcessError
+from .engine_process import MAX_NAME, EngineProcess, EngineProcessError
 
 MAX_ENGINES = 64                # reports kept, newest first: engines restart under new names
-MAX_NAME = 256
 
 
 class EngineReportError(ValueError):

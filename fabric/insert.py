@@ -78,10 +78,10 @@ class Inserts:
             tree.split_at(path, f)
         return path, m
 
-    def _plan(self, keyer: PageKeyer, raw: bytes, path: list[TreeNode], m: int, n: int,
+    def _plan(self: "NodeCache", keyer: PageKeyer, raw: bytes, path: list[TreeNode], m: int, n: int,
               keep: dict[PoolName, Sequence[int]], present: tuple[Tier, ...]) -> InsertPlan:
         todo = {p: missing(path, pos, p, present) for p, pos in keep.items()}
-        return InsertPlan(keyer, raw[: n * self.tree.page_bytes], path, m, n, keep, todo)  # type: ignore[attr-defined]
+        return InsertPlan(keyer, raw[: n * self.tree.page_bytes], path, m, n, keep, todo)
 
     def insert(self: "NodeCache", plan: InsertPlan, fill: Fill, writer: str | None = None) -> "T | None":
         """Commit `plan`, its pages written by `fill`: None once committed, or fill's
