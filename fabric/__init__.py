@@ -1,8 +1,9 @@
 """fabric: the single-node core. No Ray here."""
 from .allocator import AllocatorError, OutOfPages, PageAllocator
 from .check import InvariantError, PageAudit
-from .exchange import (ExportGrant, FetchOutcome, GrantError, PageReader, PoolPages, ReadFailed,
-                       export_prefix, import_prefix)
+from .export import export_prefix
+from .fetch import FetchOutcome, PageReader, ReadFailed, import_prefix
+from .grant import ExportGrant, GrantError, PoolPages
 from .events import EventBatch, EventError, PageMask, PageState, Snapshot, decode as decode_events
 from .faults import AllocationFaults
 from .index import ApplyResult, NodeMatch, PrefixIndex
