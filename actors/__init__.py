@@ -2,7 +2,7 @@
 from .directory import FabricDirectory, Membership, join
 from .fabric import Fabric, FabricClient, start, stop
 from .index_shard import IndexShardActor
-from .node_actor import NodeCacheActor, NodeConfig
+from .node.node_actor import NodeCacheActor, NodeConfig
 
 __all__ = ["Fabric", "FabricClient", "FabricDirectory", "IndexShardActor", "Membership", "NodeCacheActor",
            "NodeConfig", "join", "start", "stop"]

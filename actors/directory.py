@@ -20,20 +20,20 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from fabric import LoadTracker, RouteTable
-from fabric.balance import chance_target
+from kvfabric.fabric import LoadTracker, RouteTable
+from kvfabric.fabric.index.balance import chance_target
 
 from .names import (CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, NODE_PREFIX, is_node_actor_name, node_actor_name,
                     owner_node, shard_name)
-from .node_actor import Beat, NodeConfig
-from .node_placement import connect_peers, dead_hosts, existing, join, place_node_actor
+from .node.node_actor import Beat, NodeConfig
+from .node.node_placement import connect_peers, dead_hosts, existing, join, place_node_actor
 
 __all__ = ["CALL_TIMEOUT_S", "DIRECTORY", "NAMESPACE", "NODE_PREFIX", "FabricDirectory", "Membership",
            "connect_peers", "join", "node_actor_name", "place_node_actor", "shard_name"]
 
 START_TIMEOUT_S = 180.0      # a new node actor imports torch and NIXL
 REBALANCE_EVERY_S = 10.0     # the watcher's rebalance period
-REBALANCE_SIGMAS = 3.0       # its bar for uneven lookups (see fabric.balance.chance_target)
+REBALANCE_SIGMAS = 3.0       # its bar for uneven lookups (see kvfabric.fabric.index.balance.chance_target)
 log = logging.getLogger(__name__)
 
 

@@ -15,12 +15,12 @@ from typing import Generator, Sequence
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from fabric import KeyerCache, NodeMatch, PoolName, RouteTable
+from kvfabric.fabric import KeyerCache, NodeMatch, PoolName, RouteTable
 
 from .directory import (CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, FabricDirectory, Membership, join,
                         place_node_actor, shard_name)
 from .index_shard import IndexShardActor
-from .node_actor import NodeConfig
+from .node.node_actor import NodeConfig
 
 
 @dataclass

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import ray
 
-from fabric import (ApplyResult, EventBatch, EventError, LoadTracker, PrefixIndex, RouteTable, Snapshot,
+from kvfabric.fabric import (ApplyResult, EventBatch, EventError, LoadTracker, PrefixIndex, RouteTable, Snapshot,
                     decode_events)
-from fabric.regions import entries_by_region
-from fabric.keys import KEY_BYTES
-from fabric.wire import is_int
+from kvfabric.fabric.index.regions import entries_by_region
+from kvfabric.fabric.cache.keys import KEY_BYTES
+from kvfabric.fabric.wire import is_int
 
 
 @ray.remote

@@ -21,12 +21,12 @@ export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
 import torch
 assert torch.cuda.is_available(), "CUDA is not available: this script needs a GPU"
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
-from transport import nixl_transport as nt
+from kvfabric.transport import nixl_transport as nt
 print("nixl bindings", nt._nb.__name__, "VRAM ok")
 PY
 
 echo "== transport tests (KVF_TEST_DEVICE=cuda)"
-timeout 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_nixl_transport.py \
+timeout 100 "$PY" -m pytest -q -p no:cacheprovider tests/transport/test_nixl_transport.py \
     2>&1 | tee "$OUT/tests.txt"
 
 echo "== transport benchmark (KVF_TEST_DEVICE=cuda)"
@@ -36,9 +36,9 @@ tail -n 1 "$OUT/bench.txt" > "$OUT/bench.json"
 echo "== reference model on CUDA: cached greedy output equals uncached (one GPU, fp32)"
 timeout 60 "$PY" - <<'PY' 2>&1 | tee "$OUT/model.txt"
 import torch
-from deploy.engine import Engine
-from deploy.model import ModelConfig, TinyLM
-from fabric import NodeCache, PoolCapacity, PoolName
+from kvfabric.deploy.reference.engine import Engine
+from kvfabric.deploy.reference.model import ModelConfig, TinyLM
+from kvfabric.fabric import NodeCache, PoolCapacity, PoolName
 cfg = ModelConfig()
 model = TinyLM(cfg, "cuda")
 layout = cfg.layout()
@@ -54,12 +54,12 @@ print("cuda model ok: cached", a.cached_tokens, "tokens, outputs equal bit for b
 PY
 echo "== vLLM connector: blocks in VRAM <-> host staging, every backend format"
 rc=0
-timeout 60 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_block_format.py 2>&1 | tee "$OUT/block_format.txt" || rc=$?
+timeout 60 "$PY" -m pytest -q -p no:cacheprovider -rs tests/deploy/vllm/test_block_format.py 2>&1 | tee "$OUT/block_format.txt" || rc=$?
 [ "$rc" = 0 ] || [ "$rc" = 5 ] || exit "$rc"       # 5: the module skipped whole (no vLLM here)
 
 echo "== vLLM demo with engines on the GPU (two simulated nodes share it)"
 if "$PY" -c "from vllm.platforms import current_platform as p; raise SystemExit(0 if p.is_cuda() else 1)" 2>/dev/null; then
-    HF_HUB_OFFLINE=1 timeout 420 "$PY" -m deploy.cli demo --gpu --requests 30 --json \
+    HF_HUB_OFFLINE=1 timeout 420 "$PY" -m kvfabric.deploy.cli.main demo --gpu --requests 30 --json \
         --plot "$OUT/demo.png" 2>&1 | tee "$OUT/demo.txt"
     tail -n 1 "$OUT/demo.txt" > "$OUT/demo.json"
 else

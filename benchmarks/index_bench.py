@@ -22,10 +22,10 @@ import time
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
-from deploy.trace import load_trace, request_tokens  # noqa: E402
-from fabric import EventBatch, PageKeyer, PageMask, PageState
-from fabric.index import PrefixIndex
-from fabric.sharded_index import ShardedIndex
+from kvfabric.deploy.sim.trace import load_trace, request_tokens  # noqa: E402
+from kvfabric.fabric import EventBatch, PageKeyer, PageMask, PageState
+from kvfabric.fabric.index.prefix_index import PrefixIndex
+from kvfabric.fabric.index.sharded_index import ShardedIndex
 
 NODES = 4
 PAGE = 16
@@ -98,7 +98,7 @@ def actor_latency(all_keys: list[list[bytes]], calls: int = 400) -> tuple[float,
 
     import ray
 
-    from actors.index_shard import IndexShardActor
+    from kvfabric.actors.index_shard import IndexShardActor
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         shard = IndexShardActor.remote(0, 1, 0, True)     # shard 0 of 1, window 0, full layers

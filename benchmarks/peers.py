@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="collector state before the timed loop (see run_sglang_radix)")
     args = parser.parse_args(argv)
 
-    from deploy.trace import load_trace, request_tokens
+    from kvfabric.deploy.sim.trace import load_trace, request_tokens
 
     trace = load_trace(limit=args.requests)
     sequences = [request_tokens(r, args.tokens_per_block) for r in trace]

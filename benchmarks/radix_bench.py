@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import peers
-from deploy.trace import load_trace, request_tokens
+from kvfabric.deploy.sim.trace import load_trace, request_tokens
 
 
 @dataclass
@@ -42,7 +42,7 @@ def sequences(trace: str | None, requests: int, tokens_per_block: int) -> list[l
 
 
 def ours_worker(data: Path, page_size: int, gc_mode: str) -> dict:
-    from fabric import KVLayout, NodeCache, PoolCapacity, PoolName
+    from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity, PoolName
     seqs = [list(s) for s in peers._read_sequences(data)]
     pages = sum(len(s) for s in seqs) // page_size + 1
     layout = KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=page_size)

@@ -5,7 +5,7 @@ sides out of a 1024-page pool, as a fragmented cache holds them):
   nixl     a peer process exposes its pools; this process reads into its own pools
            (one batched READ per batch over prepared descriptor lists, deadline-checked);
   memcpy   pages copied between two pools of this process: the faster of
-           index_select + index_copy_ (what fabric.pages.TorchCopier does) and a
+           index_select + index_copy_ (what kvfabric.fabric.cache.pages.TorchCopier does) and a
            per-page copy_ loop;
   ray      one actor `ray.put`s the gathered pages, another `ray.get`s them and
            scatters them into its pool, timed inside the second actor.
@@ -89,7 +89,7 @@ def time_reps(fn: Callable[[int], None], warmup: int = 3, min_reps: int = 15,
 
 def serve_peer(conn, device: str) -> None:
     """Peer process: register filled pools, hand out metadata, idle until told to quit."""
-    from transport import NixlTransport
+    from kvfabric.transport import NixlTransport
     transport = NixlTransport(PEER)
     pools = make_pools(device, fill=True)
     for name, tensor in pools.items():
@@ -163,7 +163,7 @@ def memcpy_copiers(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
 
 def bench_nixl_and_memcpy(metadata: bytes, device: str) -> tuple[dict, dict]:
     """Best-of-ROUNDS medians; the two alternate so that both see the same host load."""
-    from transport import NixlTransport
+    from kvfabric.transport import NixlTransport
     nixl: dict[tuple[int, int], float] = {}
     memcpy: dict[tuple[int, int], float] = {}
     src, dst = make_pools(device, fill=True), make_pools(device, fill=False)

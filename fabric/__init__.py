@@ -1,26 +1,26 @@
 """fabric: the single-node core. No Ray here."""
-from .allocator import AllocatorError, OutOfPages, PageAllocator
-from .check import InvariantError, PageAudit
-from .export import export_prefix
-from .fetch import FetchOutcome, PageReader, ReadFailed, import_prefix
-from .grant import ExportGrant, GrantError, PoolPages
-from .events import EventBatch, EventError, PageMask, PageState, Snapshot, decode as decode_events
-from .faults import AllocationFaults
-from .index import ApplyResult, NodeMatch, PrefixIndex
-from .keys import KeyerCache, PageKeyer, encode_tokens, namespace_key
-from .layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
-from .leases import Lease, LeaseTable
-from .node_cache import CachedKV, CacheStats, Match, NodeCache, PrefixLock
-from .pages import PageCopier, TorchCopier, page_checksums
-from .publisher import EventPublisher
-from .policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
-from .pools import PagePool, PoolCapacity, PoolEntry, PoolRegistry
-from .radix import TreeNode, RadixTree
-from .routes import Route, RouteError, RouteTable
-from .balance import LoadTracker, Split
-from .sharded_index import ShardedIndex
-from .tiers import TierConfig, TierController, WritePolicy
-from .txn import ReservationFailed, Transaction, TransactionClosed
+from .cache.allocator import AllocatorError, OutOfPages, PageAllocator
+from .cache.check import InvariantError, PageAudit
+from .exchange.export import export_prefix
+from .exchange.fetch import FetchOutcome, PageReader, ReadFailed, import_prefix
+from .exchange.grant import ExportGrant, GrantError, PoolPages
+from .index.events import EventBatch, EventError, PageMask, PageState, Snapshot, decode as decode_events
+from .cache.faults import AllocationFaults
+from .index.prefix_index import ApplyResult, NodeMatch, PrefixIndex
+from .cache.keys import KeyerCache, PageKeyer, encode_tokens, namespace_key
+from .cache.layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
+from .exchange.leases import Lease, LeaseTable
+from .cache.node_cache import CachedKV, CacheStats, Match, NodeCache, PrefixLock
+from .cache.pages import PageCopier, TorchCopier, page_checksums
+from .index.publisher import EventPublisher
+from .cache.policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
+from .cache.pools import PagePool, PoolCapacity, PoolEntry, PoolRegistry
+from .cache.radix import TreeNode, RadixTree
+from .index.routes import Route, RouteError, RouteTable
+from .index.balance import LoadTracker, Split
+from .index.sharded_index import ShardedIndex
+from .cache.tiers import TierConfig, TierController, WritePolicy
+from .cache.txn import ReservationFailed, Transaction, TransactionClosed
 
 __all__ = [
     "AllocatorError", "OutOfPages", "PageAllocator", "InvariantError", "PageAudit", "ExportGrant",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from fabric import NodeCache, Tier
+from kvfabric.fabric import NodeCache, Tier
 
 
 def assert_same(got, want) -> None:

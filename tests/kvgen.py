@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fabric import KVLayout
+from kvfabric.fabric import KVLayout
 
 
 def prefix_kv(layout: KVLayout, tokens: list[int]) -> list[torch.Tensor]:

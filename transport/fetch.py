@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from fabric import NodeCache, PoolName, ReadFailed, Tier
+from kvfabric.fabric import NodeCache, PoolName, ReadFailed, Tier
 
 from .base import PeerNotConnected, Transport, TransferError
 

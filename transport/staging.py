@@ -15,8 +15,8 @@ from typing import Sequence
 
 import torch
 
-from fabric import KVLayout, NodeCache, PoolName
-from fabric.pages import pack, unpack
+from kvfabric.fabric import KVLayout, NodeCache, PoolName
+from kvfabric.fabric.cache.pages import pack, unpack
 
 SHM_DIR = Path("/dev/shm")
 

@@ -10,12 +10,12 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
-from fabric import AttentionPolicy, FullAttentionPolicy, KVLayout, PoolName
-from fabric.policies import policies_for
+from kvfabric.fabric import AttentionPolicy, FullAttentionPolicy, KVLayout, PoolName
+from kvfabric.fabric.cache.policies import policies_for
 
 
 class Prefills(Protocol):
-    """A model that can be timed (deploy.model.TinyLM has it)."""
+    """A model that can be timed (kvfabric.deploy.reference.model.TinyLM has it)."""
     config: object
 
     def prefill(self, tokens: Sequence[int], past: object = None) -> object: ...

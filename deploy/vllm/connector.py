@@ -1,7 +1,7 @@
 """FabricConnector: the fabric as the KV layer of a vLLM engine (vLLM's KV connector API).
 
 Load it with `kv_transfer_config(...)` below, i.e. kv_connector="FabricConnector",
-kv_connector_module_path="deploy.vllm.connector", kv_role="kv_both". It supports the
+kv_connector_module_path="kvfabric.deploy.vllm.connector", kv_role="kv_both". It supports the
 hybrid allocator (SupportsHMA), so full and sliding-window layers keep separate KV cache
 groups, and they land in the fabric's FULL and SWA pools.
 """
@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                SupportsHMA)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from transport.staging import StagingSpec
+from kvfabric.transport.staging import StagingSpec
 
 from .block_format import BlockFormat
 from .index_sink import FeedSpec

@@ -17,9 +17,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from ..cluster import Endpoint
-from ..replay import Progress, each_in_threads
-from ..trace import TraceRequest, request_tokens
+from kvfabric.deploy.cli.cluster import Endpoint
+from kvfabric.deploy.cli.http_replay import Progress, each_in_threads
+from kvfabric.deploy.sim.trace import TraceRequest, request_tokens
 
 # Printable ASCII without the characters a tokenizer or JSON might treat specially.
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:-"

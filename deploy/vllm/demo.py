@@ -45,9 +45,9 @@ def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False):
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..cluster import connect, local_cluster
-    from ..replay import conversations
-    from ..trace import TraceError, load_trace
+    from kvfabric.deploy.cli.cluster import connect, local_cluster
+    from kvfabric.deploy.cli.http_replay import conversations
+    from kvfabric.deploy.sim.trace import TraceError, load_trace
     from .conversation_replay import conversation_texts
     try:
         trace = load_trace(args.trace)
@@ -87,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
 def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[dict, dict]:
     from ray import serve
 
-    from ..cluster import APP_NAME, free_port, serve_app, up
+    from kvfabric.deploy.cli.cluster import APP_NAME, free_port, serve_app, up
     from .conversation_replay import replay_conversations
     from .serve_llm import build_baseline_app
 
@@ -139,7 +139,7 @@ def fabric_counters(finished: int) -> dict[str, int]:
     account for `finished` requests (reports are sent as requests finish)."""
     import ray
 
-    from actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE
+    from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE
     directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
     deadline = time.monotonic() + REPORT_WAIT_S
     while True:
@@ -261,8 +261,8 @@ class Report:
 
 
 def _plot(passes: dict, where: str) -> Path | None:
-    from ..demo import write_plot
-    from ..plots import cumulative_rate
+    from kvfabric.deploy.cli.demo import write_plot
+    from kvfabric.deploy.cli.plots import cumulative_rate
     rates = {name: cumulative_rate([t.cached_tokens for t in p.done], [t.prompt_tokens for t in p.done])
              for name, p in passes.items()}
     return write_plot(Path(where), rates, {name: [t.ttft_ms for t in p.done] for name, p in passes.items()})

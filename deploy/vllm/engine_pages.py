@@ -1,7 +1,7 @@
 """EnginePages: what one vLLM engine's device cache holds, as fabric pages for the index.
 
 vLLM names a block by its own chained hash; the fabric names a page by its chained
-key (fabric/keys.py: namespace-keyed, over the page's tokens and the previous key).
+key (fabric/cache/keys.py: namespace-keyed, over the page's tokens and the previous key).
 A BlockStored event carries each block's hash, its parent's hash and its tokens, so a
 block's key follows from its parent's key and its tokens: a bounded map from vLLM hash
 to page remembers the keys of blocks seen. A block whose parent is not in the map
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable
 
-from fabric import EventBatch, KeyerCache, KVLayout, PageMask, PageState, PoolName, RouteTable, Snapshot
-from fabric.keys import encode_tokens
-from fabric.shard_batches import ShardBatches
+from kvfabric.fabric import EventBatch, KeyerCache, KVLayout, PageMask, PageState, PoolName, RouteTable, Snapshot
+from kvfabric.fabric.cache.keys import encode_tokens
+from kvfabric.fabric.index.shard_batches import ShardBatches
 
 from .event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from .namespaces import fabric_namespace

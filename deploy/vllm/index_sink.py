@@ -1,6 +1,6 @@
 """ShardSink: an engine's pages go to the fabric's index shards as a publisher of its own.
 
-The same path as a node actor's (actors/index_link.py: batches per shard without
+The same path as a node actor's (actors/node/index_link.py: batches per shard without
 waiting, snapshots to shards that fell behind or restarted). The directory does not
 know engines, so the sink admits the engine's epoch to every shard itself before its
 first batch (older lives of the name are refused from then on), and reads the route
@@ -13,11 +13,11 @@ from typing import Any
 
 import ray
 
-from actors.chaos_hooks import EventMangler
-from actors.directory import CALL_TIMEOUT_S, NAMESPACE, shard_name
-from actors.epochs import GcsEpochs
-from actors.index_link import IndexLink
-from fabric import KVLayout, PoolName, RouteTable
+from kvfabric.actors.node.chaos_hooks import EventMangler
+from kvfabric.actors.directory import CALL_TIMEOUT_S, NAMESPACE, shard_name
+from kvfabric.actors.epochs import GcsEpochs
+from kvfabric.actors.node.index_link import IndexLink
+from kvfabric.fabric import KVLayout, PoolName, RouteTable
 
 from .engine_identity import engine_index_node
 from .engine_pages import EnginePages

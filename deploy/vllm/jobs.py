@@ -14,7 +14,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
                                                                KVConnectorWorkerMetadata)
 
-from fabric import PoolName
+from kvfabric.fabric import PoolName
 
 
 @dataclass

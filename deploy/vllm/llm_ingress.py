@@ -2,7 +2,7 @@
 
 In a vLLM app a request's tenant is its `cache_salt`: vLLM salts its own prefix-cache
 hashes with it, and the fabric keys its pages by it (namespaces.py). With a tenant table
-(`tenants_file`, deploy/tenants.py) the salt is no longer the client's to pick: every
+(`tenants_file`, deploy/serve/tenants.py) the salt is no longer the client's to pick: every
 completion or chat carries one of the table's API keys ("Authorization: Bearer <key>";
 401 otherwise), its `cache_salt` must be a namespace the key grants (403 otherwise),
 and one it leaves out becomes the key's default. Two keys that share no namespace never
@@ -18,9 +18,9 @@ from fastapi.responses import Response
 from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
-from deploy.ingress_auth import Authorizer
-from deploy.openai_errors import APIError
-from deploy.tenants import load_tenants
+from kvfabric.deploy.serve.ingress_auth import Authorizer
+from kvfabric.deploy.serve.openai_errors import APIError
+from kvfabric.deploy.serve.tenants import load_tenants
 
 
 class FabricLLMIngress(OpenAiIngress):

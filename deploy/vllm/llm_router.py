@@ -13,7 +13,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest
 
-from deploy.router import FabricRanking, RoutedPrompt
+from kvfabric.deploy.serve.router import FabricRanking, RoutedPrompt
 
 from .namespaces import fabric_namespace
 from .plan import layout_for_model

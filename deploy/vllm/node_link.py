@@ -6,14 +6,14 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Sequence
 
-from actors.engine_process import EngineProcess
-from fabric import KVLayout
-from transport.staging import StagingSpec
+from kvfabric.actors.node.engine_process import EngineProcess
+from kvfabric.fabric import KVLayout
+from kvfabric.transport.staging import StagingSpec
 
 from .jobs import FabricSettings
 
 if TYPE_CHECKING:
-    from actors.fabric import PendingLookup
+    from kvfabric.actors.fabric import PendingLookup
 
     from .index_sink import FeedSpec
 
@@ -69,13 +69,13 @@ class NodeLink:
             self._start_feed()
         if self.staging is not None:
             # The node watches this process: if it ends without a word, the node drops its
-            # staging pages and the index its entries (actors/engine_process.py).
+            # staging pages and the index its entries (actors/node/engine_process.py).
             pages = self.feed.pages if self.feed is not None else None
             self.tell("engine_started", EngineProcess.this_process(
                 self.staging, pages.node if pages else "", pages.epoch if pages else 0))
 
     def _start_feed(self) -> None:
-        from actors.directory import DIRECTORY
+        from kvfabric.actors.directory import DIRECTORY
 
         import ray
         try:
@@ -132,7 +132,7 @@ class NodeLink:
         return self.index is not None
 
     def _connect_index(self) -> None:
-        from actors.fabric import FabricClient
+        from kvfabric.actors.fabric import FabricClient
 
         client = FabricClient.connect(timeout_s=self.settings.timeout_s)
         if client.layout.fingerprint != self.layout.fingerprint:
@@ -147,7 +147,7 @@ class NodeLink:
         """Start this node's fetch of `peer`'s longer prefix of `tokens` (the node's
         transaction: it commits whole or not at all); answers a FetchOutcome value."""
         import ray
-        from actors.directory import NAMESPACE
+        from kvfabric.actors.directory import NAMESPACE
 
         handle = self._peers.get(peer)
         if handle is None:

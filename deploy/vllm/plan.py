@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fabric import KVLayout, LayerKind, PoolName
+from kvfabric.fabric import KVLayout, LayerKind, PoolName
 
 DEVICE_KINDS = ("cpu", "cuda")
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}

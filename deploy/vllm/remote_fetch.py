@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol, Sequence
 
-from fabric import FetchOutcome, NodeMatch
+from kvfabric.fabric import FetchOutcome, NodeMatch
 
 from .engine_identity import is_engine
 from .jobs import FabricSettings

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from fabric import OutOfPages, PageAllocator, PoolName
-from transport.staging import StagedHit, StagingSpec
+from kvfabric.fabric import OutOfPages, PageAllocator, PoolName
+from kvfabric.transport.staging import StagedHit, StagingSpec
 
 from .index_sink import FeedSpec
 from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove, maybe_fail

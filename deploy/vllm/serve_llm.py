@@ -3,7 +3,7 @@ is the FabricConnector, replicas ranked by FabricLLMRouter, the index fed by eac
 engine's KV events.
 
 `llm_app_builder(args)` is the entry point for Serve configs (`import_path:
-deploy.vllm.serve_llm:llm_app_builder`, as `kvfabric up --engine vllm` and the
+kvfabric.deploy.vllm.serve_llm:llm_app_builder`, as `kvfabric up --engine vllm` and the
 manifests use): it validates the args, starts the fabric for the model's KV layout
 (or checks a running one caches that layout) and returns the bound app.
 
@@ -24,11 +24,11 @@ from ray import serve
 from ray.llm._internal.common.callbacks.base import CallbackBase
 from ray.serve.llm import LLMConfig, build_openai_app
 
-from actors import NodeConfig
-from actors.directory import node_actor_name
-from deploy.app import AppArgsError, args_of, ensure_fabric_for
-from deploy.tenants import load_tenants
-from fabric import KVLayout, PoolCapacity, PoolName
+from kvfabric.actors import NodeConfig
+from kvfabric.actors.directory import node_actor_name
+from kvfabric.deploy.serve.app import AppArgsError, args_of, ensure_fabric_for
+from kvfabric.deploy.serve.tenants import load_tenants
+from kvfabric.fabric import KVLayout, PoolCapacity, PoolName
 
 from .connector import kv_transfer_config
 from .llm_ingress import FabricLLMIngress
@@ -56,7 +56,7 @@ class LLMAppArgs:
     cpus_per_replica: float = 1.0    # Ray places engines by it: more than half a node's CPUs, one per node
     gpus_per_replica: float = 0.0    # 0: engines on CPU; else each engine's GPUs (vLLM's CUDA build)
     gpu_memory_utilization: float = 0.9   # GPU engines: the share of a GPU's memory each may take
-    # API keys -> the cache_salts (namespaces) each may use (deploy/tenants.py); an absolute
+    # API keys -> the cache_salts (namespaces) each may use (deploy/serve/tenants.py); an absolute
     # path on every node, read when the ingress starts. "": any client picks its salt.
     tenants_file: str = ""
 

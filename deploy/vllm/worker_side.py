@@ -14,8 +14,8 @@ import logging
 
 import torch
 
-from fabric import PoolName
-from transport.staging import SharedPages, StagingSpec
+from kvfabric.fabric import PoolName
+from kvfabric.transport.staging import SharedPages, StagingSpec
 
 from .block_format import BlockFormat
 from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, maybe_fail

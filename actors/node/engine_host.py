@@ -1,0 +1,132 @@
+"""What a node actor offers the engines on its host: their KV through shared-memory
+staging pages (no bytes through Ray), and a place for their connectors' counters.
+
+A mixin of NodeCacheActor: it uses the actor's `cache`, `gate`, `link`, `config` and
+`_family`.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+from kvfabric.fabric import PoolName
+from kvfabric.transport.staging import SharedPages, StagedHit, StagingSpec, load_to_staging, save_from_staging
+
+from .engine_process import MAX_NAME, EngineProcess, EngineProcessError
+
+MAX_ENGINES = 64                # reports kept, newest first: engines restart under new names
+
+
+class EngineReportError(ValueError):
+    """An engine's report that is not names to counters; the kept reports are unchanged."""
+
+
+def check_report(engine: str, counters: dict) -> dict[str, int | dict[str, int]]:
+    """An engine's counters: names to ints, one level of nesting; anything else is refused."""
+    if not isinstance(engine, str) or not 0 < len(engine) <= MAX_NAME:
+        raise EngineReportError(f"engine must be a name of 1..{MAX_NAME} characters, got {engine!r:.80}")
+    if not isinstance(counters, dict) or len(counters) > 64:
+        raise EngineReportError("counters must be a dict of at most 64 entries")
+    out: dict[str, int | dict[str, int]] = {}
+    for k, v in counters.items():
+        if isinstance(v, dict):
+            v = check_report(engine, v)
+            if any(isinstance(x, dict) for x in v.values()):
+                raise EngineReportError("counters nest one level at most")
+        elif type(v) is not int or v < 0:
+            raise EngineReportError(f"counter {k!r:.40} must be an int >= 0, got {v!r:.40}")
+        if not isinstance(k, str) or not k:
+            raise EngineReportError(f"counter names must be non-empty strings, got {k!r:.40}")
+        out[k] = v
+    return out
+
+
+class EngineHost:
+    def init_engine_host(self) -> None:
+        self._shared: dict[str, SharedPages] = {}       # engines' staging pages, by file prefix
+        self._reports: OrderedDict[str, dict] = OrderedDict()
+        self._engines: dict[int, EngineProcess] = {}     # by pid: the engines to watch
+        self._gone: dict[str, int] = {}       # ended engines' index names -> epoch, until retired
+
+    def engine_started(self, proc: EngineProcess) -> None:
+        """An engine on this host announces itself; what the node keeps for it is dropped
+        when its process ends (`reap_engines`). A refused announcement changes nothing."""
+        if not isinstance(proc, EngineProcess):
+            raise EngineProcessError(f"expected an EngineProcess, got {type(proc).__name__}")
+        proc.check(self.name)
+        if proc.pid not in self._engines and len(self._engines) >= MAX_ENGINES:
+            raise EngineProcessError(f"{MAX_ENGINES} engines are watched already")
+        self._engines[proc.pid] = proc
+
+    def reap_engines(self) -> dict[str, int]:
+        """Drop the staging pages of engines whose process is gone. Returns every ended
+        engine's index name and epoch not yet retired: that life's entries are stale,
+        and the directory retires them (`engines_retired` says it did)."""
+        for proc in [p for p in self._engines.values() if not p.alive()]:
+            del self._engines[proc.pid]
+            self.drop_staging(proc.staging)
+            for pool in self.config.layout.pools:       # files the node never mapped too
+                proc.staging.path(pool).unlink(missing_ok=True)
+            if proc.index_name:
+                self._gone[proc.index_name] = max(proc.index_epoch, self._gone.get(proc.index_name, 0))
+        return dict(self._gone)
+
+    def engines_retired(self, retired: dict[str, int]) -> None:
+        """The directory retired these lives in every shard: stop naming them."""
+        for name, epoch in retired.items():
+            if self._gone.get(name) == epoch:
+                del self._gone[name]
+
+    def watched_engines(self) -> list[int]:
+        return sorted(self._engines)
+
+    async def load_staged(self, spec: StagingSpec, tokens: Sequence[int], namespace: str,
+                          skip_pages: int, slots: dict[PoolName, list[int]]) -> StagedHit:
+        """Copy the usable cached prefix beyond `skip_pages` into the engine's staging pages."""
+        async with self.gate.family(self._family(tokens, namespace)):
+            with self.gate.mutex:
+                hit = load_to_staging(self.cache, self._staging(spec), tokens, namespace, skip_pages, slots)
+                self.link.publish()
+        return hit
+
+    async def save_staged(self, spec: StagingSpec, tokens: Sequence[int], namespace: str,
+                          slots: dict[PoolName, list[int]], swa_first_page: int, first_page: int = 0) -> int:
+        """Store the whole pages of `tokens` that the engine wrote to its staging pages
+        (full KV from `first_page` on: see save_from_staging)."""
+        async with self.gate.family(self._family(tokens, namespace)):
+            with self.gate.mutex:
+                stored = save_from_staging(self.cache, self._staging(spec), tokens, namespace, slots,
+                                           swa_first_page, first_page)
+                self.link.publish()
+        return stored
+
+    def drop_staging(self, spec: StagingSpec) -> bool:
+        """Unmap an engine's staging pages (the engine is shutting down)."""
+        shared = self._shared.pop(spec.prefix, None)
+        if shared is not None:
+            shared.unlink()
+        return shared is not None
+
+    def staging_engines(self) -> list[str]:
+        return sorted(self._shared)
+
+    def _staging(self, spec: StagingSpec) -> SharedPages:
+        shared = self._shared.get(spec.prefix)
+        if shared is None:
+            shared = self._shared[spec.prefix] = SharedPages(spec, self.config.layout)
+        return shared
+
+    def engine_report(self, engine: str, counters: dict) -> None:
+        """An engine's connector counters so far (cumulative): a report with fewer finished
+        requests than the one kept is late and ignored."""
+        counters = check_report(engine, counters)
+        kept = self._reports.get(engine)
+        if kept is not None and kept.get("finished_requests", 0) > counters.get("finished_requests", 0):
+            return
+        self._reports[engine] = counters
+        self._reports.move_to_end(engine)
+        while len(self._reports) > MAX_ENGINES:
+            self._reports.popitem(last=False)
+
+    def engine_reports(self) -> dict[str, dict]:
+        return dict(self._reports)

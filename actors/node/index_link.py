@@ -1,0 +1,76 @@
+"""IndexLink: what a node actor sends the index shards, and what it learns back.
+
+Batches go out under the node's route table without waiting; a shard that saw a
+gap answers need_snapshot (a restarted shard answers nothing: its call failed)
+and gets this node's snapshot of its part with the next publish. Replies are
+read from their futures once they are done: nothing here waits on a shard."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from kvfabric.fabric import ApplyResult, EventPublisher, RouteTable
+
+from .chaos_hooks import EventMangler
+
+MAX_UNANSWERED = 4096      # event sends a node remembers until their shard answers
+
+
+class IndexLink:
+    def __init__(self, publisher: EventPublisher, mangle: EventMangler) -> None:
+        self.publisher = publisher
+        self.mangle = mangle
+        self.shards: list = []
+        self.routes: RouteTable | None = None
+        self._sent: list[tuple[int, object, Future]] = []    # (shard, ref kept alive, its future)
+
+    @property
+    def attached(self) -> bool:
+        return self.routes is not None
+
+    def attach(self, shards: list, routes: RouteTable) -> None:
+        self.shards, self.routes = list(shards), routes
+        self.publish()
+
+    def publish(self, every_shard: bool = False) -> int:
+        """Send what changed since the last call, one batch per shard (with `every_shard`,
+        an empty one to shards with no news); returns batches sent."""
+        if self.routes is None:
+            return 0
+        self.resync_behind()
+        batches = list(self.publisher.drain_routed(self.routes, every_shard).items())
+        for shard, batch in self.mangle(batches):
+            self._send(shard, self.shards[shard].apply.remote(batch.encode()))
+        return len(batches)
+
+    def resync_behind(self) -> None:
+        """Snapshots to the shards whose replies so far say they fell behind."""
+        behind, pending = set(), []
+        for shard, ref, reply in self._sent:
+            if not reply.done():
+                pending.append((shard, ref, reply))
+            elif reply.exception() is not None or reply.result() is ApplyResult.NEED_SNAPSHOT:
+                behind.add(shard)          # a restarted shard has lost our events
+        # Only the latest unanswered sends are kept (a hung shard answers none): a gap an
+        # older one would have shown, a later batch to that shard shows too.
+        self._sent = pending[-MAX_UNANSWERED:]
+        if behind:
+            snaps = self.publisher.snapshots(self.routes)
+            for shard in behind:
+                self._send(shard, self.shards[shard].load_snapshot.remote(snaps[shard].encode()))
+
+    def reroute(self, routes: RouteTable) -> None:
+        """New routes: every shard gets this node's snapshot of its part (shard state is soft).
+        A node not attached yet (a restarted or new actor a rebalance reached first) ignores
+        them: attaching brings it the current table and its shards together."""
+        if not self.attached:
+            return
+        self.routes = routes
+        self.publish()
+        for shard, snap in self.publisher.snapshots(self.routes).items():
+            self._send(shard, self.shards[shard].load_snapshot.remote(snap.encode()))
+
+    def pending(self) -> list[Future]:
+        return [reply for _, _, reply in self._sent if not reply.done()]
+
+    def _send(self, shard: int, ref) -> None:
+        self._sent.append((shard, ref, ref.future()))

@@ -1,0 +1,376 @@
+"""NodeCacheActor: one per node, owning that node's NodeCache and transport agent.
+
+It answers puts, gets and matches, exports prefixes to peers under leases,
+and imports prefixes from peers through fabric's fetch transaction. Every
+failure of a fetch (peer gone, export slow, transfer fault) becomes a
+FetchOutcome, never an exception, so a request can always recompute.
+
+An asyncio actor: no method blocks on another actor, so two nodes fetching from
+each other both get served. The cache is touched under `CacheGate` rules."""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import ray
+import torch
+
+from kvfabric.fabric import (AllocationFaults, CachedKV, CacheStats, EventPublisher, ExportGrant, FetchOutcome, GrantError, KVLayout,
+                    NodeCache, PoolCapacity, PoolName, RouteTable, Tier, TierConfig, export_prefix, import_prefix)
+from kvfabric.transport import FaultPlan, FaultyTransport, LocalTransport, NixlTransport
+from kvfabric.transport.fetch import TransportReader, probe, register_device_pools
+
+from .cache_gate import CacheGate
+from .chaos_hooks import ChaosAction, EventMangler
+from .engine_host import EngineHost
+from kvfabric.actors.epochs import EpochSource, GcsEpochs
+from .index_link import IndexLink
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    layout: KVLayout
+    capacities: dict[PoolName, PoolCapacity]
+    tier: TierConfig = field(default_factory=TierConfig)
+    device: str | None = None          # default: cuda when present, else cpu
+    lease_ttl_s: float = 10.0
+    fetch_deadline_s: float = 2.0
+    faults: FaultPlan | None = None    # scripted transport faults from the start (tests)
+    chaos: bool = False                # accept injected faults at run time (`inject`)
+    epochs: EpochSource = field(default_factory=GcsEpochs)
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A node's answer to the directory's heartbeat."""
+    epoch: int
+    attached: bool                     # publishing to the index (a restarted actor is not, until rejoined)
+    route_version: int | None          # of the route table it publishes under
+    # This host's engines whose process ended: index name -> the epoch of that life.
+    gone_engines: dict[str, int] = field(default_factory=dict)
+
+
+@ray.remote
+class NodeCacheActor(EngineHost):
+    def __init__(self, name: str, config: NodeConfig) -> None:
+        self.name = name
+        self.config = config
+        self.cache = NodeCache(config.layout, config.capacities, tier=config.tier, device=config.device,
+                               copier=LocalTransport(), faults=AllocationFaults() if config.chaos else None)
+        self.leases = self.cache.leases     # exports' leases and requests' holds
+        nixl = NixlTransport(name)
+        faults = config.faults or (FaultPlan() if config.chaos else None)
+        self.transport = nixl if faults is None else FaultyTransport(nixl, faults)
+        register_device_pools(self.transport, self.cache)
+        self._metadata = self.transport.metadata()     # fixed once the pools are registered
+        self.gate = CacheGate()
+        self.peers: set[str] = set()
+        self.fetches: dict[str, int] = {}
+        self.late_releases = 0
+        self.fetched_bytes = 0                  # read from peers over the transport (NIXL)
+        self._probing: asyncio.Task | None = None     # the heartbeat's probe of quarantined peers
+        # A restarted actor starts a new epoch, above every earlier one of this name:
+        # the index drops what the old one said (see actors/epochs.py: no clock).
+        self.epoch = config.epochs.claim(name)
+        self.mangle = EventMangler()
+        self.link = IndexLink(EventPublisher(self.cache, name, epoch=self.epoch), self.mangle)
+        self._evict_after_get = False           # chaos: armed by inject
+        self._evictions_injected = 0
+        self._transport_faults_done = 0         # faults of transport plans since replaced
+        self.init_engine_host()
+
+    # --- identity and peers -----------------------------------------------------------
+    def metadata(self) -> bytes:
+        return self._metadata
+
+    async def connect(self, peer: str, metadata: bytes) -> None:
+        await self.gate.run_wire(lambda: self.transport.connect(peer, metadata))
+        self.peers.add(peer)
+
+    async def forget_peer(self, peer: str) -> int:
+        """`peer`'s process is gone (the directory dropped it, or Ray restarted it):
+        disconnect it and free the pages its abandoned reads held, since a dead
+        process writes nothing more. Returns the pages freed."""
+        self.peers.discard(peer)
+        # The import thread runs this after any read in flight, which may quarantine.
+        await self.gate.run_wire(lambda: self.transport.disconnect(peer))
+        with self.gate.mutex:
+            return self.cache.release_quarantine(peer)
+
+    # --- local cache ------------------------------------------------------------------
+    async def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor], namespace: str,
+                  starts: dict[PoolName, int] | None = None, release: int = 0) -> int:
+        """Store what `kv` has rows for (see NodeCache.put); `release`: the caller's hold."""
+        async with self.gate.family(self._family(tokens, namespace)):
+            with self.gate.mutex:
+                stored = self.cache.put(tokens, kv, namespace, starts=starts, release=release)
+                self.link.publish()
+        return stored
+
+    async def get(self, tokens: Sequence[int], namespace: str, hold_s: float | None = None) -> CachedKV:
+        """The usable cached prefix, its K/V in host memory: the caller is another
+        process, which may not see this node's GPU (no-op on CPU pools). With
+        `hold_s`, the prefix stays pinned until the caller's put (`hit.hold`)."""
+        async with self.gate.family(self._family(tokens, namespace)):
+            with self.gate.mutex:
+                hit = self.cache.get(tokens, namespace, hold_s)
+                if self._evict_after_get:
+                    self._evict_all()
+                self.link.publish()      # load-backs and evictions change what the index should know
+                hit.layers = [None if t is None else t.cpu() for t in hit.layers]
+        return hit
+
+    def release_hold(self, hold_id: int) -> bool:
+        """Release a hold a get gave (a request that failed, or stored nothing)."""
+        with self.gate.mutex:
+            return self.cache.release_hold(hold_id)
+
+    def match(self, tokens: Sequence[int], namespace: str) -> int:
+        with self.gate.mutex:
+            return self.cache.match(tokens, namespace).pages
+
+    def keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
+        with self.gate.mutex:
+            return self.cache.keys(tokens, namespace)
+
+    def layout(self) -> KVLayout:
+        return self.config.layout
+
+    def cache_stats(self) -> CacheStats:
+        """The cache's counters (hits by tier among them)."""
+        with self.gate.mutex:
+            return self.cache.stats()
+
+    def _family(self, tokens: Sequence[int], namespace: str) -> bytes | None:
+        with self.gate.mutex:
+            first = self.cache.keys(tokens[: self.config.layout.page_size], namespace)
+        return first[0] if first else None
+
+    # --- serving peers -----------------------------------------------------------------
+    async def export(self, keys: list[bytes], skip: int) -> bytes:
+        async with self.gate.family(keys[0] if keys else None):
+            with self.gate.mutex:
+                grant = export_prefix(self.cache, self.leases, keys, skip, self.config.lease_ttl_s)
+        return grant.encode()
+
+    def release(self, lease_id: int) -> bool:
+        with self.gate.mutex:
+            return self.leases.release(lease_id)
+
+    # --- fetching from peers --------------------------------------------------------------
+    async def fetch(self, peer: ray.actor.ActorHandle, peer_name: str, tokens: Sequence[int],
+                    namespace: str) -> str:
+        """Pull the peer's longer prefix of `tokens`; returns the FetchOutcome's value."""
+        outcome = await self._fetch(peer, peer_name, tokens, namespace)
+        with self.gate.mutex:
+            self.fetches[outcome.value] = self.fetches.get(outcome.value, 0) + 1
+            self.link.publish()
+        return outcome.value
+
+    async def _fetch(self, peer, peer_name: str, tokens: Sequence[int], namespace: str) -> FetchOutcome:
+        if peer_name not in self.peers:
+            return FetchOutcome.TRANSFER_FAILED
+        with self.gate.mutex:
+            if self.cache.quarantines(peer_name):
+                return FetchOutcome.PEER_QUARANTINED      # before a lease is taken for nothing
+            keys = self.cache.keys(tokens, namespace)
+            skip = self.cache.match(tokens, namespace).matched
+        deadline = self.config.fetch_deadline_s
+        ref = peer.export.remote(keys, skip)
+        reply = asyncio.wrap_future(ref.future())
+        done, _ = await asyncio.wait({reply}, timeout=deadline)
+        if not done:
+            # Given up: the grant may still come, and its lease must not wait out its TTL
+            # (the callback keeps the ref, and so the reply, alive until then).
+            reply.add_done_callback(lambda late, ref=ref: self._release_late(peer, late))
+            return FetchOutcome.TRANSFER_FAILED
+        if reply.exception() is not None:
+            return FetchOutcome.TRANSFER_FAILED       # the peer died or its export failed
+        try:
+            grant = ExportGrant.decode(reply.result())
+        except GrantError:
+            return FetchOutcome.BAD_GRANT
+        reader = TransportReader(self.transport, peer_name, deadline)
+        try:
+            read = self.gate.released(reader)
+            return await self.gate.run_import(keys[0] if keys else None, lambda: self._import(
+                tokens, namespace, grant, read, peer_name))
+        finally:
+            self.fetched_bytes += reader.bytes_read
+            if grant.lease_id:
+                peer.release.remote(grant.lease_id)   # if lost, the lease expires
+
+    def _import(self, tokens, namespace: str, grant: ExportGrant, read, peer_name: str) -> FetchOutcome:
+        """In the import thread, holding the cache mutex (given up while reading)."""
+        return import_prefix(self.cache, tokens, namespace, grant, read, peer=peer_name)
+
+    def _release_late(self, peer, late: Future) -> None:
+        if late.cancelled() or late.exception() is not None:
+            return
+        try:
+            lease_id = ExportGrant.decode(late.result()).lease_id
+        except GrantError:
+            return
+        if lease_id:
+            peer.release.remote(lease_id)
+            self.late_releases += 1
+
+    # --- events for the global index ---------------------------------------------------
+    def attach_index(self, shards: list, routes: bytes) -> None:
+        """Publish to these index shards under this route table (from now on). The
+        directory admits this node's epoch to the shards first."""
+        with self.gate.mutex:
+            self.link.attach(shards, RouteTable.decode(routes))
+
+    def publish(self, every_shard: bool = False) -> int:
+        """Send what changed since the last call (see IndexLink.publish)."""
+        with self.gate.mutex:
+            return self.link.publish(every_shard)
+
+    async def heartbeat(self) -> Beat:
+        """The directory's periodic call: expire overdue leases, and tell every shard
+        where this node's sequence is, so a lost batch shows as a gap and heals by a
+        snapshot even when nothing else changes. Starts a probe of quarantined peers.
+        Names the engines found gone since the last beat, for the directory to drop."""
+        with self.gate.mutex:
+            self.leases.expire()
+            self.link.publish(every_shard=True)
+            routes = self.link.routes
+            probing = bool(self.cache.quarantined_peers())
+        if probing and (self._probing is None or self._probing.done()):
+            self._probing = asyncio.create_task(self.probe_quarantine())
+        gone = self.reap_engines()
+        return Beat(self.epoch, routes is not None, None if routes is None else routes.version, gone)
+
+    def reroute(self, routes: bytes) -> None:
+        with self.gate.mutex:
+            self.link.reroute(RouteTable.decode(routes))
+
+    async def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until every batch sent so far is applied (tests, shutdown)."""
+        with self.gate.mutex:
+            self.link.publish()
+            pending = self.link.pending()
+        if pending:
+            await asyncio.wait([asyncio.wrap_future(f) for f in pending], timeout=timeout_s)
+            with self.gate.mutex:
+                self.link.resync_behind()
+
+    def drain_events(self) -> bytes | None:
+        """The next encoded event batch (not routed), or None if nothing changed.
+        Only for a node with no index attached: it takes the changes publish() would send."""
+        if self.link.attached:
+            raise RuntimeError("this node publishes to an index; use publish()")
+        with self.gate.mutex:
+            batch = self.link.publisher.drain()
+        return None if batch is None else batch.encode()
+
+    def snapshot(self) -> bytes:
+        """Everything held, as of the last drained batch, encoded."""
+        with self.gate.mutex:
+            return self.link.publisher.snapshot().encode()
+
+    def ping(self) -> str:
+        return self.name
+
+    # --- chaos -----------------------------------------------------------------------------
+    def inject(self, action: ChaosAction) -> None:
+        """Suffer `action` (only a node started with chaos=True)."""
+        if not self.config.chaos:
+            raise RuntimeError(f"{self.name} was not started with chaos=True")
+        with self.gate.mutex:
+            if action.transport is not None:
+                self._replace_plan(FaultPlan([action.transport]))
+            if action.alloc_point:
+                self.cache.faults.arm(action.alloc_point)
+            if action.events is not None:
+                self.mangle.arm(action.events)
+            self._evict_after_get = action.evict_after_get
+
+    def calm(self) -> None:
+        """Disarm every injected fault (held-back events go out with the next send)."""
+        if self.config.chaos:
+            with self.gate.mutex:
+                self._replace_plan(FaultPlan())
+                self.cache.faults.disarm()
+                self.mangle.armed = None
+                self._evict_after_get = False
+
+    def fired(self) -> int:
+        """How many injected faults have acted so far (armed ones count once they hit)."""
+        with self.gate.mutex:
+            transport = self._transport_faults_done
+            if isinstance(self.transport, FaultyTransport):
+                transport += len(self.transport.plan.injected)
+            allocation = self.cache.faults.injected if self.cache.faults is not None else 0
+            return transport + allocation + self.mangle.applied + self._evictions_injected
+
+    def _replace_plan(self, plan: FaultPlan) -> None:
+        self._transport_faults_done += len(self.transport.plan.injected)
+        self.transport.plan = plan
+
+    def _evict_all(self) -> None:
+        """Evict every unlocked page: what happens to a request's match when other
+        requests and peers' exports crowd the pools between its get and its put."""
+        self._evict_after_get = False
+        self._evictions_injected += 1
+        for pool, capacity in self.config.capacities.items():
+            for tier, pages in ((Tier.DEVICE, capacity.device), (Tier.HOST, capacity.host)):
+                if pages:
+                    self.cache.evict(pool, tier, pages)
+
+    def audit(self) -> dict:
+        """Page ownership counts and overdue leases, without expiring any first."""
+        with self.gate.mutex:
+            a = self.cache.audit()
+            return {"leaked": a.leaked, "double_owned": a.double_owned, "unallocated": a.unallocated,
+                    "leases_overdue": self.leases.overdue(), "leases": len(self.leases)}
+
+    def membership(self) -> tuple[bytes, bytes | None]:
+        """(transport metadata, the route table it publishes under): what a restarted
+        directory rebuilds itself from."""
+        routes = self.link.routes
+        return self._metadata, None if routes is None else routes.encode()
+
+    async def probe_quarantine(self) -> list[str]:
+        """For each connected peer with quarantined pages, read one page from it into
+        one of those pages, under the fetch deadline: if it completes, the abandoned
+        reads posted before it drained, and that peer's quarantine is freed. A peer
+        still stopped fails the probe and stays quarantined (until it resumes or dies).
+        Returns the peers released."""
+        with self.gate.mutex:
+            peers = sorted(self.cache.quarantined_peers() & self.peers)
+        return [p for p in peers if await self.gate.run_wire(lambda p=p: self._probe(p))]
+
+    def _probe(self, peer: str) -> bool:
+        """In the import thread: the page is picked there, so no release (a forget or
+        another probe, both behind this in that thread) frees it while the read runs."""
+        with self.gate.mutex:
+            target = self.cache.quarantined_page(peer)
+        if target is None or not probe(self.transport, peer, *target, self.config.fetch_deadline_s):
+            return False
+        with self.gate.mutex:
+            self.cache.release_quarantine(peer)
+        return True
+
+    # --- health --------------------------------------------------------------------------
+    def check(self) -> None:
+        with self.gate.mutex:
+            self.leases.expire()
+            self.cache.check()
+
+    def stats(self) -> dict:
+        with self.gate.mutex:
+            self.leases.expire()
+            s = self.cache.stats()
+            return {"name": self.name, "nodes": s.nodes, "pools": s.pools, "leases": len(self.leases),
+                    "fetches": dict(self.fetches), "quarantined": len(self.cache.quarantined),
+                    "peers": sorted(self.peers),
+                    "late_releases": self.late_releases, "epoch": self.epoch,
+                    "fetched_bytes": self.fetched_bytes}
+
+    async def shutdown(self) -> None:
+        await self.gate.run_wire(self.transport.close)
+        self.gate.close()

@@ -1,0 +1,55 @@
+"""Placing node actors on Ray nodes and connecting them with their peers: what the
+directory does to a node, apart from deciding when."""
+from __future__ import annotations
+
+import logging
+
+import ray
+from ray.exceptions import RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvfabric.actors.names import CALL_TIMEOUT_S, NAMESPACE, node_actor_name
+from .node_actor import NodeCacheActor, NodeConfig
+
+log = logging.getLogger(__name__)
+
+
+def place_node_actor(ray_node_id: str, config: NodeConfig, cpus: float):
+    """A detached node actor pinned to one Ray node (hard affinity: it dies with the node)."""
+    strategy = NodeAffinitySchedulingStrategy(ray_node_id, soft=False)
+    name = node_actor_name(ray_node_id)
+    # Ray restarts a killed node actor (a new epoch); the directory's watcher rejoins it.
+    return name, NodeCacheActor.options(name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
+                                        num_cpus=cpus, scheduling_strategy=strategy).remote(name, config)
+
+
+def join(directory, name: str, actor, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    """Register a node and connect it and its peers both ways."""
+    meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
+    others = ray.get(directory.register.remote(name, meta), timeout=timeout_s)
+    connect_peers(name, actor, meta, others, timeout_s)
+
+
+def connect_peers(name: str, actor, meta: bytes, others: dict[str, bytes], timeout_s: float) -> None:
+    """Connect `name` and each of `others` both ways. A peer that cannot be reached (one
+    dying as this runs) is skipped: fetches between that pair fail and recompute."""
+    for peer, peer_meta in others.items():
+        try:
+            ray.get([actor.connect.remote(peer, peer_meta),
+                     ray.get_actor(peer, namespace=NAMESPACE).connect.remote(name, meta)], timeout=timeout_s)
+        except (RayError, ValueError) as e:
+            log.warning("connecting %s and %s failed: %s", name, peer, e)
+
+
+def dead_hosts() -> set[str]:
+    """Names of node actors whose Ray node Ray reports dead."""
+    nodes = ray.nodes()
+    alive = {node_actor_name(n["NodeID"]) for n in nodes if n["Alive"]}
+    return {node_actor_name(n["NodeID"]) for n in nodes if not n["Alive"]} - alive
+
+
+def existing(name: str):
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None

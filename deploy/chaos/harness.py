@@ -1,0 +1,394 @@
+"""The chaos harness: a seeded schedule of faults over a running fabric while
+requests flow through the Serve app, then checks that nothing was lost.
+
+Each fault is injected where it bites: a transfer fault is armed on a node and
+a fetch into that node follows at once; an allocation fault fails one of the
+node's next reservation points; event faults mangle its next batches to the
+index. After the last fault and a quiet period it checks every request
+completed with the uncached output, no page leaked or is owned twice, no lease
+outlived its TTL, and how long the index took to agree with the nodes.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, TypeVar
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+
+from kvfabric.actors import FabricClient
+from kvfabric.actors.node.chaos_hooks import ChaosAction, EventFault
+from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, node_actor_name, shard_name
+from kvfabric.fabric import RouteTable
+from kvfabric.transport import Fault, FaultKind
+
+from .plan import ChaosKind, schedule
+from kvfabric.deploy.cli.cluster import Endpoint
+from kvfabric.deploy.cli.http_replay import Client, Served
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class ChaosReport:
+    seed: int
+    faults_injected: int
+    fault_attempts: int             # injections tried; the extra ones found nothing to act on
+    requests: int
+    failed_requests: int
+    retried_requests: int           # by the client: the app failed a request it should have served
+    app_retried_requests: int       # by the app, on another replica (a replica's node died)
+    wrong_outputs: int
+    leaked_pages: int
+    double_owned_pages: int
+    expired_leases_unreleased: int
+    index_converged_s: float        # from the last fault until the index agreed with every node
+    wall_s: float
+    by_kind: dict = field(default_factory=dict)
+
+    def ok(self, faults: int | None = None, converge_limit_s: float = 5.0) -> bool:
+        """Every count zero, the index converged in time, and (given `faults`) all injected."""
+        return not (self.failed_requests or self.retried_requests or self.wrong_outputs or self.leaked_pages
+                    or self.double_owned_pages or self.expired_leases_unreleased) \
+            and self.index_converged_s <= converge_limit_s \
+            and (faults is None or self.faults_injected == faults)
+
+
+class Workload:
+    """Threads sending each prompt with caching off and through the fabric, over and
+    over, until stopped; a failed request is retried (a client's retry) and counted."""
+
+    def __init__(self, endpoint: Endpoint, model: str, prompts: list[list[int]], threads: int = 2,
+                 retries: int = 4) -> None:
+        self.endpoint, self.model, self.prompts, self.retries = endpoint, model, prompts, retries
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.requests = self.failed = self.retried = self.app_retried = self.wrong = 0
+        # prompt index -> the node that served its latest answer, and that answer's tokens
+        # (their last page is new each time: a fetch of them reads something)
+        self.served: dict[int, tuple[str, list[int]]] = {}
+        self.recent: deque[str] = deque(maxlen=16)      # nodes of the latest answers
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=600)
+
+    def served_elsewhere(self, node: str) -> list[list[int]]:
+        """The tokens of latest answers that came from a node other than `node`."""
+        with self._lock:
+            return [t for n, t in self.served.values() if n != node]
+
+    def busy_nodes(self) -> list[str]:
+        """Nodes that served one of the latest answers: where an armed fault fires soon."""
+        with self._lock:
+            return sorted(set(self.recent))
+
+    def served_by(self, node: str) -> list[list[int]]:
+        """The tokens of latest answers that came from `node`."""
+        with self._lock:
+            return [t for n, t in self.served.values() if n == node]
+
+    def _run(self, offset: int) -> None:
+        client, i = Client(self.endpoint, None, timeout_s=120), offset
+        try:
+            while not self._stop.is_set():
+                k = i % len(self.prompts)
+                tokens = self.prompts[k] + self._tail(i)
+                base = self._call(client, tokens, cache=False)
+                fab = self._call(client, tokens, cache=True)
+                with self._lock:
+                    self.requests += 1
+                    self.app_retried += sum(s.retries for s in (base, fab) if s is not None)
+                    if base is None or fab is None:
+                        self.failed += 1
+                    elif (base.token_ids, base.logits_digest) != (fab.token_ids, fab.logits_digest):
+                        self.wrong += 1
+                    else:
+                        self.served[k] = (fab.node, tokens)
+                        self.recent.append(fab.node)
+                i += len(self._threads)
+        finally:
+            client.close()
+
+    def _tail(self, i: int, page: int = 16) -> list[int]:
+        """A last page that changes from request to request, taken from the prompts'
+        own tokens: every request stores something new, so puts keep reserving (and
+        evicting) while the shared prefixes keep hitting."""
+        source = self.prompts[(i * 7 + 3) % len(self.prompts)]
+        start = (i * page) % max(1, len(source) - page)
+        return list(source[start:start + page])
+
+    def _call(self, client: Client, tokens: list[int], cache: bool) -> Served | None:
+        for attempt in range(self.retries + 1):
+            try:
+                return client.complete(self.model, tokens, 2, cache, "chaos")
+            except (OSError, RuntimeError, KeyError, ValueError):
+                client.reconnect()
+                with self._lock:
+                    self.retried += attempt == 0
+                time.sleep(0.5 * (attempt + 1))
+        return None
+
+
+class ChaosHarness:
+    """Faults over a running fabric (`kvfabric up`-style, nodes started with chaos=True).
+
+    `cluster`: a `ray.cluster_utils.Cluster` for node removal, or None (that fault
+    is then skipped)."""
+
+    def __init__(self, endpoint: Endpoint, model: str, prompts: list[list[int]], *, cluster=None,
+                 node_args: dict | None = None, log: Callable[[str], None] = lambda _: None) -> None:
+        self.endpoint, self.model, self.prompts = endpoint, model, prompts
+        self.cluster, self.node_args, self.log = cluster, node_args or {}, log
+        self.client = FabricClient.connect(timeout_s=5.0)
+        self.directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
+        self.injected: dict[str, int] = {}
+        self.fire_wait_s = 5.0     # how long an armed fault may wait for the step it hits
+
+    # --- the run -------------------------------------------------------------------------
+    def run(self, seed: int, faults: int, kinds: Sequence[ChaosKind] = tuple(ChaosKind),
+            interval_s: float = 0.3, quiet_s: float = 3.0, threads: int = 2,
+            attempts_per_fault: int = 4) -> ChaosReport:
+        """Inject `faults` faults. One that finds nothing to act on (no prompt held
+        elsewhere yet, an armed fault that never fired) is disarmed and tried again
+        later in the schedule, not counted; at most `attempts_per_fault` tries each."""
+        rng = random.Random(seed)
+        self.injected = {}
+        plan = deque(schedule(seed, faults, kinds))
+        attempts, limit = 0, attempts_per_fault * faults
+        started = time.monotonic()
+        last_fault = started
+        work = Workload(self.endpoint, self.model, self.prompts, threads)
+        work.start()
+        try:
+            while plan and attempts < limit:
+                kind = plan.popleft()
+                attempts += 1
+                if self._inject(kind, rng, work):
+                    self.injected[kind.value] = self.injected.get(kind.value, 0) + 1
+                    last_fault = time.monotonic()
+                    self.log(f"fault {sum(self.injected.values())}/{faults}: {kind.value}")
+                else:
+                    plan.append(kind)          # nothing to act on now: later
+                time.sleep(interval_s)
+        finally:
+            work.stop()
+        self._calm()
+        converged = self._converged_after(since=last_fault)
+        time.sleep(quiet_s)                    # leases of the last fetches run out or are released
+        audit = self._audit()
+        return ChaosReport(seed, sum(self.injected.values()), attempts, work.requests, work.failed,
+                           work.retried, work.app_retried, work.wrong, audit["leaked"],
+                           audit["double_owned"], audit["leases_overdue"], converged,
+                           round(time.monotonic() - started, 1), dict(self.injected))
+
+    # --- faults ----------------------------------------------------------------------------
+    def _inject(self, kind: ChaosKind, rng: random.Random, work: Workload) -> bool:
+        """Inject one fault of `kind`; False when it found nothing to act on."""
+        nodes = self._nodes()
+        if not nodes:
+            return False
+        # A fault the node suffers at its own next step goes where requests are flowing;
+        # a transfer fault, to a node that another node's answers can be fetched into.
+        if kind in _ARMED:
+            likely = [n for n in work.busy_nodes() if n in nodes]
+        elif kind in _TRANSFER:
+            likely = [n for n in sorted(nodes) if work.served_elsewhere(n)]
+        else:
+            likely = []
+        name = rng.choice(likely or sorted(nodes))
+        actor = nodes[name]
+        try:
+            if kind is ChaosKind.KILL_NODE_ACTOR:
+                ray.kill(actor, no_restart=False)
+            elif kind is ChaosKind.KILL_SHARD:
+                shard = shard_name(rng.randrange(_shard_count(self.directory)))
+                ray.kill(ray.get_actor(shard, namespace=NAMESPACE), no_restart=False)
+            elif kind is ChaosKind.REMOVE_READD_NODE:
+                return self._remove_readd(rng)
+            elif kind is ChaosKind.KILL_DIRECTORY_MID_REBALANCE:
+                self._kill_directory_mid_rebalance(rng)
+            elif kind is ChaosKind.CROSS_FETCH:
+                return self._cross_fetch(nodes, rng, work)
+            else:
+                return self._armed(kind, name, actor, rng, work)
+            return True
+        except (RayError, GetTimeoutError, ValueError) as e:
+            self.log(f"  {kind.value} on {name} not injected: {e}")
+            return False
+
+    def _armed(self, kind: ChaosKind, name: str, actor, rng: random.Random, work: Workload) -> bool:
+        """Arm a fault the node suffers at its own next step; True once it fired. A
+        transfer fault is followed at once by a fetch into the node of a prompt another
+        node served; one that has not fired within `fire_wait_s` is disarmed."""
+        held = work.served_elsewhere(name)
+        if kind in _TRANSFER and not held:
+            return False
+        before = ray.get(actor.fired.remote(), timeout=CALL_TIMEOUT_S)
+        ray.get(actor.inject.remote(_action(kind, rng)), timeout=CALL_TIMEOUT_S)
+        if kind in _TRANSFER:
+            # A prompt the node already holds reads nothing: try others until one does.
+            for tokens in rng.sample(held, min(len(held), 4)):
+                self.client.fetch(tokens, "chaos", into=name)
+                if self._fired_since(actor, before, 0.0):
+                    return True
+        if self._fired_since(actor, before, self.fire_wait_s):
+            return True
+        ray.get(actor.calm.remote(), timeout=CALL_TIMEOUT_S)
+        return False
+
+    @staticmethod
+    def _fired_since(actor, before: int, wait_s: float) -> bool:
+        deadline = time.monotonic() + wait_s
+        while ray.get(actor.fired.remote(), timeout=CALL_TIMEOUT_S) == before:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _cross_fetch(self, nodes: dict, rng: random.Random, work: Workload) -> bool:
+        """Two nodes fetch, at the same time, a prompt the other one served."""
+        names = sorted(nodes)
+        rng.shuffle(names)
+        for a, b in ((a, b) for a in names for b in names if a != b):
+            into_a, into_b = work.served_by(b), work.served_by(a)
+            if into_a and into_b:
+                pulls = [threading.Thread(target=self.client.fetch, daemon=True,
+                                          args=(rng.choice(ks), "chaos"), kwargs={"into": into})
+                         for into, ks in ((a, into_a), (b, into_b))]
+                for t in pulls:
+                    t.start()
+                for t in pulls:
+                    t.join(timeout=60)
+                return True
+        return False
+
+    def _kill_directory_mid_rebalance(self, rng: random.Random) -> None:
+        """Start a rebalance that splits on any imbalance, kill the directory somewhere
+        in its steps, and wait until the restarted one answers."""
+        before = ray.get(self.directory.incarnation.remote(), timeout=CALL_TIMEOUT_S)
+        self.directory.rebalance.remote(1.0)
+        time.sleep(rng.uniform(0.0, 0.05))
+        ray.kill(self.directory, no_restart=False)      # asynchronous: wait for the new process
+        _retry(lambda: ray.get(self.directory.incarnation.remote(), timeout=CALL_TIMEOUT_S),
+               until=lambda pid: pid != before)
+
+    def _remove_readd(self, rng: random.Random) -> bool:
+        if self.cluster is None:
+            return False
+        workers = [n for n in self.cluster.worker_nodes]
+        if not workers:
+            return False
+        gone = rng.choice(workers)
+        self.log(f"  removing the Ray node of {node_actor_name(gone.node_id)}")
+        self.cluster.remove_node(gone)
+        self.cluster.add_node(**self.node_args)
+        self.cluster.wait_for_nodes()
+        return True
+
+    def _calm(self) -> None:
+        for actor in self._nodes().values():
+            try:
+                ray.get(actor.calm.remote(), timeout=CALL_TIMEOUT_S)
+            except (RayError, GetTimeoutError):
+                pass           # restarting: a new actor has nothing armed
+
+    # --- checks ----------------------------------------------------------------------------
+    def _nodes(self) -> dict:
+        # The directory may be restarting (a fault of ours): wait for it, within bounds.
+        names = _retry(lambda: ray.get(self.directory.node_names.remote(), timeout=CALL_TIMEOUT_S))
+        out = {}
+        for name in names:
+            try:
+                out[name] = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                pass          # died since the directory listed it: nothing to inject into
+        return out
+
+    def _converged_after(self, since: float, limit_s: float = 60.0) -> float:
+        """Seconds from `since` until the index answers, for every prompt, what the
+        nodes hold (inf if not within `limit_s`)."""
+        deadline = time.monotonic() + limit_s
+        disagreement = ""
+        while time.monotonic() < deadline:
+            disagreement = self._disagreement()
+            if not disagreement:
+                return round(time.monotonic() - since, 3)
+            time.sleep(0.1)
+        self.log(f"the index did not converge within {limit_s} s: {disagreement}")
+        return float("inf")
+
+    def _disagreement(self) -> str:
+        """Where the index and the nodes disagree now ('' where they agree)."""
+        nodes = self._nodes()
+        try:
+            for k, tokens in enumerate(self.prompts):
+                truth = {n: p for n, p in zip(nodes, ray.get([a.match.remote(tokens, "chaos") for a in nodes.values()],
+                                                               timeout=CALL_TIMEOUT_S)) if p}
+                index = {m.node: m.pages for m in self.client.lookup(tokens, "chaos")}
+                if index != truth:
+                    return (f"prompt {k}: the index says {index}, the nodes hold {truth} "
+                            f"(the directory lists {sorted(nodes)})")
+        except (RayError, GetTimeoutError) as e:
+            return f"{type(e).__name__}: {e}"
+        return ""
+
+    def _audit(self) -> dict:
+        total = {"leaked": 0, "double_owned": 0, "leases_overdue": 0}
+        for actor in self._nodes().values():
+            a = _retry(lambda: ray.get(actor.audit.remote(), timeout=CALL_TIMEOUT_S))   # may be restarting
+            for key in total:
+                total[key] += a[key]
+        return total
+
+
+_TRANSFER = {ChaosKind.TRANSFER_FAIL_AFTER, ChaosKind.TRANSFER_HANG, ChaosKind.TRANSFER_CORRUPT,
+             ChaosKind.SLOW_PEER}
+_ARMED = {ChaosKind.ALLOC_FAIL, ChaosKind.EVICT_MID_REQUEST, ChaosKind.EVENT_DROP, ChaosKind.EVENT_DUPLICATE,
+          ChaosKind.EVENT_REORDER}
+
+
+def _action(kind: ChaosKind, rng: random.Random) -> ChaosAction:
+    """What a node is told to suffer for an armed kind of fault."""
+    if kind is ChaosKind.ALLOC_FAIL:
+        return ChaosAction(alloc_point=rng.randint(1, 3))
+    if kind is ChaosKind.EVICT_MID_REQUEST:
+        return ChaosAction(evict_after_get=True)
+    if kind in (ChaosKind.EVENT_DROP, ChaosKind.EVENT_DUPLICATE, ChaosKind.EVENT_REORDER):
+        return ChaosAction(events=EventFault(kind.value.removeprefix("event_")))
+    return ChaosAction(transport={
+        ChaosKind.TRANSFER_FAIL_AFTER: Fault(FaultKind.FAIL_AFTER, after=rng.randrange(4)),
+        ChaosKind.TRANSFER_HANG: Fault(FaultKind.HANG),
+        ChaosKind.TRANSFER_CORRUPT: Fault(FaultKind.CORRUPT),
+        ChaosKind.SLOW_PEER: Fault(FaultKind.DELAY, delay_s=rng.uniform(0.05, 0.5))}[kind])
+
+
+def _retry(call: Callable[[], T], until: Callable[[T], bool] = lambda _: True, limit_s: float = 60.0) -> T:
+    """`call()`'s first answer that `until` accepts; Ray errors count as no answer yet.
+    Raises TimeoutError after `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            answer = call()
+            if until(answer):
+                return answer
+        except (RayError, GetTimeoutError):
+            pass               # restarting or busy: ask again below, until the deadline
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer within {limit_s} s")
+        time.sleep(0.2)
+
+
+def _shard_count(directory) -> int:
+    return RouteTable.decode(ray.get(directory.get_routes.remote(), timeout=CALL_TIMEOUT_S)).shards

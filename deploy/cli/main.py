@@ -1,0 +1,147 @@
+"""The `kvfabric` command."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import kvfabric
+
+BENCHES = {"radix": "benchmarks.radix_bench", "transport": "benchmarks.transport_bench",
+           "index": "benchmarks.index_bench"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="kvfabric", description="Cluster-wide KV-cache fabric on Ray.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="the fabric and its Serve app on a 3-node cluster, fed a real trace",
+                   add_help=False)
+    sub.add_parser("replay", help="cluster-scale trace replay on the real fabric core, in simulated time",
+                   add_help=False)
+    sub.add_parser("chaos", help="seeded faults over a running fabric and workload, then checks", add_help=False)
+    up = sub.add_parser("up", help="deploy the fabric and the Serve app onto a running cluster; leave them up")
+    up.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
+    up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: localhost only)")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                    help="reference: the bit-exact reference model; vllm: vLLM under Ray Serve LLM")
+    up.add_argument("--args", default="{}", help="app args as JSON, or @FILE of JSON (kvfabric.deploy.serve.app.AppArgs; "
+                    "with --engine vllm, kvfabric.deploy.vllm.serve_llm.LLMAppArgs)")
+    up.add_argument("--tenants", metavar="FILE", help="the tenant table: API keys and the namespaces "
+                    "each may use (JSON or YAML; deploy/serve/tenants.py); the same path on every node")
+    down = sub.add_parser("down", help="remove the Serve app and the fabric from a running cluster")
+    down.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
+    bench = sub.add_parser("bench", help="benchmarks against peers and limits", add_help=False)
+    bench.add_argument("name", choices=sorted(BENCHES))
+    args, rest = ap.parse_known_args(argv)
+    if args.command == "demo":
+        from kvfabric.deploy.cli.demo import main as demo
+        return demo(rest)
+    if args.command == "replay":
+        from kvfabric.deploy.sim.replay import main as replay
+        return replay(rest)
+    if args.command == "chaos":
+        from kvfabric.deploy.chaos.run import main as chaos
+        return chaos(rest)
+    if args.command in ("up", "down"):
+        if rest:
+            ap.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _up(ap, args) if args.command == "up" else _down(args)
+    try:
+        _benchmarks()
+    except FileNotFoundError as e:
+        ap.error(str(e))
+    return importlib.import_module(BENCHES[args.name]).main(rest) or 0
+
+
+def _benchmarks() -> ModuleType:
+    """The repository's benchmarks/ package. It is not installed (its peers are not our
+    dependencies): it lies beside the kvfabric folders of a source checkout, which is
+    what the README's install (`pip install -e`) leaves."""
+    folder = Path(kvfabric.__file__).resolve().parent.parent / "benchmarks"
+    loaded = sys.modules.get("benchmarks")
+    if loaded is not None and Path(loaded.__file__ or "").resolve().parent == folder:
+        return loaded
+    init = folder / "__init__.py"
+    if not init.is_file():
+        raise FileNotFoundError(f"kvfabric bench runs from a source checkout of ray-kv-fabric "
+                                f"(pip install -e): no {init}")
+    spec = importlib.util.spec_from_file_location("benchmarks", init,
+                                                  submodule_search_locations=[str(folder)])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["benchmarks"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_app_args(value: str) -> dict:
+    """`--args`: a JSON object, or `@PATH` of a file holding one (`~` expanded); a
+    ValueError saying which when it is not."""
+    where = "--args"
+    if value.startswith("@"):
+        path = os.path.expanduser(value[1:])
+        where = f"--args file {path}"
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = f.read(1 << 20)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{where}: {e}") from None
+    try:
+        app_args = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not JSON: {e}") from None
+    if not isinstance(app_args, dict):
+        raise ValueError(f"{where} must be a JSON object")
+    return app_args
+
+
+def _up(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        app_args = read_app_args(args.args)
+    except ValueError as e:
+        ap.error(str(e))
+    try:
+        _check_app_args(ap, args, app_args)
+    except (ValueError, TypeError) as e:         # bad args fail here, not in a replica
+        ap.error(str(e))
+    from kvfabric.deploy.cli.cluster import connect, up
+    connect(args.address)
+    endpoint = up(app_args, host=args.host, port=args.port, engine=args.engine)
+    print(f"kvfabric is up: {endpoint.base_url}/v1/completions (models: {endpoint.base_url}/v1/models)")
+    return 0
+
+
+def _check_app_args(ap: argparse.ArgumentParser, args: argparse.Namespace, app_args: dict) -> None:
+    """Validate `app_args` for the engine (adding --tenants to them)."""
+    if args.tenants is not None:
+        if "tenants_file" in app_args:
+            ap.error("give the tenant table with --tenants or in --args, not both")
+        app_args["tenants_file"] = os.path.abspath(os.path.expanduser(args.tenants))
+    if args.engine == "vllm":
+        from kvfabric.deploy.serve.tenants import load_tenants
+        from kvfabric.deploy.vllm.serve_llm import LLMAppArgs
+        parsed = LLMAppArgs.from_dict(app_args)
+        if parsed.tenants_file:
+            load_tenants(parsed.tenants_file)
+        return
+    from kvfabric.deploy.serve.app import AppArgs
+    AppArgs.from_dict(app_args).tenants()
+
+
+def _down(args: argparse.Namespace) -> int:
+    from kvfabric.deploy.cli.cluster import connect, down
+    connect(args.address)
+    killed = down()
+    print(f"kvfabric is down ({len(killed)} actors stopped)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The `global` mode of `kvfabric replay`: the fabric as deployed, on the real sharded index.
+
+Every node publishes its page events into the index. The router (FabricScore, as
+kvfabric.deploy.serve.router runs it) asks the index who holds how much of the prompt; when the prefill
+starts, the node does what the engine does: matches locally, asks the index for the best
+remote holder, and fetches from it when `kvfabric.deploy.placement.plan` says moving beats
+recomputing. Mooncake's conductor places requests the same way.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvfabric.fabric import EventPublisher
+from kvfabric.fabric.index.sharded_index import ShardedIndex
+
+from kvfabric.deploy.placement import FabricScore, NodeView
+from .cluster import NAMESPACE, Cluster, Service, SimConfig, SimRequest
+
+
+class FabricCluster(Cluster):
+    def __init__(self, config: SimConfig, router: FabricScore) -> None:
+        super().__init__(config, router)
+        self.slot = {name: i for i, name in enumerate(self.names)}
+        self.index = ShardedIndex(config.shards, window_pages=0, has_full=True)
+        self.publishers = [EventPublisher(c, name, epoch=1) for c, name in zip(self.caches, self.names)]
+        self.lookups = 0
+        self.splits = 0
+        self.fetches = 0
+        for i in range(config.nodes):
+            self._publish(i)        # batch 0 of every shard says `cleared`: snapshots need a seq
+
+    def lookup(self, req: SimRequest) -> dict[int, int]:
+        """Node -> pages of the prompt it holds, as the index says."""
+        found = self.index.lookup(req.keys)
+        self.lookups += 1
+        if self.lookups % self.config.rebalance_every == 0:
+            self._rebalance()
+        return {self.slot[m.node]: m.pages for m in found}
+
+    def views(self, req: SimRequest, loads: Sequence[int]) -> list[NodeView]:
+        held = self.lookup(req)
+        return [NodeView(q, held.get(i, 0), self.names[i]) for i, q in enumerate(loads)]
+
+    def serve(self, node: int, req: SimRequest) -> Service:
+        c = self.config
+        local = self.caches[node].get(req.tokens, NAMESPACE).tokens // c.page_tokens
+        remote = {i: p for i, p in self.lookup(req).items() if i != node}
+        src = max(remote, key=lambda i: (remote[i], -i), default=None)
+        assert isinstance(self.router, FabricScore)
+        plan = self.router.plan(req.request, local, remote[src] if src is not None else 0)
+        if plan.fetched_pages:
+            # The source serves the export: its pages count as used, as a real export's do.
+            self.caches[src].get(req.tokens[: plan.cached_pages * c.page_tokens], NAMESPACE)
+            self.fetches += 1
+        return self.service(req, local, plan.cached_pages, plan.fetched_bytes, plan.fetch_s)
+
+    def complete(self, node: int, req: SimRequest) -> None:
+        # The fetched pages and the computed ones go in together: nothing else writes to this
+        # node's cache while its one prefill runs, so this equals inserting at fetch time.
+        super().complete(node, req)
+        self._publish(node)
+
+    def _publish(self, node: int) -> None:
+        self.index.apply(self.publishers[node].drain_routed(self.index.routes))
+
+    def _rebalance(self) -> None:
+        if self.index.rebalance_if_uneven() is None:
+            return
+        self.splits += 1
+        for pub in self.publishers:          # shard state is soft: resend under the new routes
+            for shard, snap in pub.snapshots(self.index.routes).items():
+                self.index.load_snapshot(shard, snap)
+
+    def shard_balance(self) -> float | None:
+        return self.index.load_max_over_mean()
+
+    def index_disagreements(self, requests: Sequence[SimRequest]) -> list[int]:
+        """Requests for which the index's answer differs from what the nodes' caches hold.
+        Asks the owning shard directly, so that the check adds no lookup load."""
+        bad = []
+        for req in requests:
+            if not req.keys:
+                continue
+            shard = self.index.shards[self.index.routes.owner(req.keys)]
+            said = {m.node: m.pages for m in shard.lookup(req.keys)}
+            held = {name: p for name, c in zip(self.names, self.caches)
+                    if (p := c.match(req.tokens, NAMESPACE).pages)}
+            if said != held:
+                bad.append(req.index)
+        return bad

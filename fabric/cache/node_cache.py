@@ -1,0 +1,342 @@
+"""NodeCache: one node's SWA-aware tiered prefix cache, the facade other layers use."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from .check import PageAudit, check_invariants, page_audit, snapshot as cache_snapshot
+from .eviction import Evictor, prune_unlocked
+from .faults import AllocationFaults
+from .insert import Inserts
+from .keys import KeyerCache, PageKeyer, encode_tokens
+from .layout import KVLayout, PoolName, Tier
+from kvfabric.fabric.exchange.leases import LeaseTable
+from .pages import PageCopier, TorchCopier, unpack
+from .policies import AttentionPolicy, policies_for
+from .pools import PoolCapacity, PoolEntry, PoolRegistry
+from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
+from .paths import groups, within
+from .radix import TIERS, TreeNode, RadixTree
+from .rows import check_kv, first_pages, pack_rows
+from .tiers import TierConfig, TierController
+from .txn import ReservationFailed, Transaction
+
+# Enum members read once: each `Tier.DEVICE` on a hot path is a Python-level lookup.
+DEVICE = Tier.DEVICE
+DEVICE_ONLY = (Tier.DEVICE,)
+# Evicting for a reservation also frees 1/EVICTION_BATCH of the pool, so that the walk over
+# the tree that finds candidates is paid once per that many pages, not once per insert.
+EVICTION_BATCH = 64
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    hit_pages_device: int = 0
+    hit_pages_host: int = 0
+    lookup_pages: int = 0
+    inserted_pages: int = 0
+    put_failures: int = 0
+    load_back_failures: int = 0
+    nodes: int = 0
+    pools: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+class NodeCache(Inserts):
+    def __init__(self, layout: KVLayout, capacities: Mapping[PoolName, PoolCapacity], *,
+                 tier: TierConfig = TierConfig(), device: torch.device | str | None = None,
+                 store_bytes: bool = True, copier: PageCopier | None = None,
+                 faults: AllocationFaults | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.layout = layout
+        # The pool whose pages keep a node alive (layout.pools builds a new tuple per call).
+        self.primary_pool = layout.pools[0]
+        self.registry = PoolRegistry.build(layout, capacities, device, store_bytes)
+        reg = self.registry
+        self.tree = RadixTree(layout.page_size * 4,
+                              free_page=lambda p, t, pages: reg.pool(p, t).allocator.free(pages),
+                              take_page=lambda p, t, pages: reg.pool(p, t).allocator.take(pages))
+        self.policies: dict[PoolName, AttentionPolicy] = policies_for(layout)
+        self.copier = copier or TorchCopier()
+        self.faults = faults
+        self.open_txns: set[Transaction] = set()
+        self.tiers = TierController(self.registry, tier, self.transaction)
+        self.evictors = {p: Evictor(self.tree, pol, layout.pools, self.tiers.write_back)
+                         for p, pol in self.policies.items()}
+        for entry in self.registry:
+            entry.evict = self._eviction_hook(entry)
+        self._keyers = KeyerCache(layout.fingerprint, layout.page_size, size=4096)
+        self._stats = CacheStats()
+        self.clock = clock
+        self.quarantined: list[Quarantine] = []
+        # Prefix locks with a time to live: peers' exports and requests' holds.
+        self.leases = LeaseTable(self, clock)
+
+    def _eviction_hook(self, entry: PoolEntry) -> Callable[[Tier, int, Transaction], int]:
+        """What a reservation calls when a pool is short: evict what it needs plus a
+        slice of the pool (none for pools under EVICTION_BATCH pages)."""
+        evictor = self.evictors[entry.name]
+
+        def make_room(tier: Tier, n: int, txn: Transaction) -> int:
+            capacity = entry.tier(tier).capacity
+            if n > capacity:
+                return 0          # no eviction can make that much room: spare the walk
+            return evictor.make_room(tier, n, txn, extra=capacity // EVICTION_BATCH)
+        return make_room
+
+    # --- keys and matching ---------------------------------------------------------
+    def keyer(self, namespace: str) -> PageKeyer:
+        return self._keyers.get(namespace)
+
+    def keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
+        return self.keyer(namespace).keys(tokens)
+
+    def match(self, tokens: Sequence[int], namespace: str) -> Match:
+        """The longest usable cached prefix of `tokens`; changes nothing."""
+        raw = encode_tokens(tokens)
+        path, matched = self.tree.walk(self.keyer(namespace).root, raw)
+        return self._match(path, matched, len(raw) // self.tree.page_bytes)
+
+    def match_keys(self, keys: list[bytes]) -> Match:
+        """The same, for a chain of page keys (as peers and the index name prefixes)."""
+        path, matched = self.tree.walk_keys(keys)
+        return self._match(path, matched, len(keys))
+
+    def _match(self, path: list[TreeNode], matched: int, request_pages: int) -> Match:
+        return Match(path, matched, self.usable(path, matched, TIERS),
+                     self.usable(path, matched, DEVICE_ONLY), request_pages)
+
+    def usable(self, path: list[TreeNode], limit: int, tiers: tuple[Tier, ...]) -> int:
+        # Policies are visited in pool order, FULL first. Full usability is
+        # prefix-closed, so the SWA policy's answer is usable for FULL too.
+        for policy in self.policies.values():
+            limit = policy.usable(path, limit, tiers)
+        return limit
+
+    def presence(self, match: Match, pool: PoolName, tiers: tuple[Tier, ...] = TIERS) -> list[bool]:
+        """Per matched page, whether `pool` KV is held on one of `tiers`."""
+        return [n.page_has(j, pool, tiers) for n in match.path for j in range(n.n)][: match.matched]
+
+    # --- locks ---------------------------------------------------------------------
+    def lock(self, match: Match, pages: int | None = None) -> PrefixLock:
+        """Protect what a match of `pages` (default: all usable) needs from eviction."""
+        n = match.pages if pages is None else pages
+        if not 0 <= n <= match.matched:
+            raise ValueError(f"cannot lock {n} pages of a match of {match.matched}")
+        guard, spans = self._guard_match(match, n)
+        return PrefixLock([k for x in match.path if x.start < n for k in x.keys], spans)
+
+    def _guard_match(self, match: Match, n: int) -> tuple[NodeGuard, dict[PoolName, range]]:
+        spans = {p: pol.needed(n) for p, pol in self.policies.items()}
+        for span in spans.values():   # locks are per node: make span ends node boundaries
+            for edge in (span.start, span.stop):
+                self.tree.split_at(match.path, edge)
+        return self.lock_nodes(within(match.path, spans)), spans
+
+    def hold(self, match: Match, pages: int, ttl_s: float) -> int:
+        """Pin what a match of `pages` needs until `release_hold`, or for `ttl_s`
+        seconds if that never comes (a crashed request); returns the hold id."""
+        lock = self.lock(match, pages)
+        try:
+            return self.leases.grant(lock, ttl_s).lease_id
+        except BaseException:
+            self.unlock(lock)
+            raise
+
+    def release_hold(self, hold_id: int) -> bool:
+        """Release a hold; False if it is unknown (released already, or expired)."""
+        return self.leases.release(hold_id)
+
+    def unlock(self, lock: PrefixLock) -> None:
+        if lock.released:
+            raise RuntimeError("prefix lock released twice")
+        path, matched = self.tree.walk_keys(lock.keys)
+        if matched != len(lock.keys):
+            raise RuntimeError("a locked prefix left the tree")   # locks forbid eviction: a bug
+        lock.released = True
+        self.unlock_nodes(NodeGuard(within(path, lock.spans)))
+
+    def lock_nodes(self, held: dict[PoolName, list[TreeNode]]) -> NodeGuard:
+        for pool, nodes in held.items():
+            self.tree.lock(nodes, pool, +1)
+        return NodeGuard(held)
+
+    def unlock_nodes(self, guard: NodeGuard) -> None:
+        for pool, nodes in guard.nodes.items():
+            self.tree.lock(nodes, pool, -1)
+            prune_unlocked(self.tree, self.layout.pools, nodes)
+
+    # --- transactions --------------------------------------------------------------
+    def transaction(self) -> Transaction:
+        txn = Transaction(self.tree, self.registry, self.copier, self.faults, self._txn_closed)
+        self.open_txns.add(txn)
+        return txn
+
+    def _txn_closed(self, txn: Transaction) -> None:
+        self.open_txns.discard(txn)
+
+    def quarantine(self, pages: dict[tuple[PoolName, Tier], list[int]], peer: str | None = None) -> None:
+        """Keep pages out of use: an abandoned transfer from `peer` may still write them.
+        No time releases them (a stopped peer resumes when it likes): only
+        `release_quarantine`, once the peer is dead or a later read from it completed."""
+        self.quarantined.append(Quarantine(self.clock(), peer, pages))
+
+    def quarantines(self, peer: str) -> bool:
+        """Whether pages an abandoned transfer from `peer` may still write are held."""
+        return any(q.peer == peer for q in self.quarantined)
+
+    def quarantined_peers(self) -> set[str]:
+        return {q.peer for q in self.quarantined if q.peer is not None}
+
+    def quarantined_page(self, peer: str) -> tuple[PoolName, int] | None:
+        """One quarantined device page of `peer`'s: poisoned already, so a probe read may land there."""
+        for q in self.quarantined:
+            if q.peer == peer:
+                for (pool, tier), indices in q.pages.items():
+                    if tier == Tier.DEVICE and indices:
+                        return pool, indices[0]
+        return None
+
+    def release_quarantine(self, peer: str | None = None, force: bool = False) -> int:
+        """Free the pages quarantined for `peer`: it is dead, or a read from it posted
+        after theirs completed (one endpoint's transfers complete in order, see
+        transport/base.py). `force` frees all (tests, shutdown). Returns pages freed."""
+        keep, freed = [], 0
+        for q in self.quarantined:
+            if force or (peer is not None and q.peer == peer):
+                for (pool, tier), indices in q.pages.items():
+                    self.registry.pool(pool, tier).allocator.free(indices)
+                    freed += len(indices)
+            else:
+                keep.append(q)
+        self.quarantined = keep
+        return freed
+
+    # --- put -------------------------------------------------------------------------
+    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str, *,
+            starts: Mapping[PoolName, int] | None = None, release: int = 0) -> int:
+        """Store the whole pages of `tokens`; returns pages newly stored (0 if no room).
+
+        `kv[i]` holds layer i's rows from the token position `starts` gives for
+        its pool (default 0) to the end of the sequence. Pages before a pool's
+        start are never written: SWA pages stay tombstoned, and full KV, which
+        must be whole, grows the tree only where it has rows for every new page.
+        `release`: a hold from `get`, released once the put is done, whatever happens."""
+        try:
+            return self._put(tokens, kv, namespace, first_pages(self.layout, starts))
+        finally:
+            if release:
+                self.release_hold(release)
+
+    def _put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str,
+             first: dict[PoolName, int]) -> int:
+        self._check_kv(kv, len(tokens) // self.layout.page_size, first)
+        plan = self.plan_store(tokens, namespace, first)
+        if plan.empty:
+            self.tree.touch(plan.path)
+            return 0
+
+        def write(got: dict[tuple[PoolName, Tier], list[int]], hold: Callable[[], None]) -> None:
+            for pool, positions in plan.todo.items():
+                self._write(pool, got[(pool, DEVICE)], kv, positions, first[pool])
+        try:
+            self.insert(plan, write)
+        except ReservationFailed:
+            self._stats.put_failures += 1
+            return 0
+        return plan.pages - plan.matched
+
+    def _write(self, pool: PoolName, pages: list[int], kv, positions: list[int], first: int) -> None:
+        if kv is None or not pages:
+            return
+        dst = self.registry.pool(pool, DEVICE)
+        if dst.data is None:
+            return
+        rows = pack_rows(self.layout, pool, kv, positions, first)
+        dst.data.index_copy_(0, dst.index_tensor(pages), rows.to(dst.data.device))
+
+    # --- get -------------------------------------------------------------------------
+    def get(self, tokens: Sequence[int], namespace: str, hold_s: float | None = None) -> CachedKV:
+        """The usable cached prefix of `tokens` and its K/V, loaded to device first.
+
+        With `hold_s`, what the hit needs stays pinned (`CachedKV.hold`) until
+        the caller's put releases it, or `release_hold`, or `hold_s` seconds pass:
+        eviction between a request's get and its put cannot take its prefix."""
+        match = self.match(tokens, namespace)
+        self._stats.lookups += 1
+        self._stats.lookup_pages += match.request_pages
+        n = match.pages
+        if n == 0:
+            return self._empty()
+        guard, _ = self._guard_match(match, n)
+        path = [x for x in match.path if x.start < n]
+        try:
+            needs = {p: groups(path, pol.needed(n)) for p, pol in self.policies.items()}
+            host_only = {(p, x.start + j) for p, groups in needs.items() for x, offs in groups
+                         for j in offs if not x.page_has(j, p, (Tier.DEVICE,))}
+            if not self.tiers.load_back(needs):
+                self._stats.load_back_failures += 1
+                n, host_only = self.usable(path, n, (Tier.DEVICE,)), set()
+            host_pages = len({pos for _, pos in host_only})
+            self._stats.hit_pages_host += host_pages
+            self._stats.hit_pages_device += n - host_pages
+            out = self._gather(path, n)
+            out.host_tokens = host_pages * self.layout.page_size
+            if hold_s is not None and n:
+                out.hold = self.hold(match, n, hold_s)
+        finally:
+            self.unlock_nodes(guard)
+        used = [x for x in path if x.start < n]
+        self.tree.touch(used, hit=True)
+        self.tiers.after_hit(used)
+        return out
+
+    def _gather(self, path: list[TreeNode], n: int) -> CachedKV:
+        ps = self.layout.page_size
+        layers: list[torch.Tensor | None] = [None] * len(self.layout.layers)
+        for pool, policy in self.policies.items():
+            src = self.registry.pool(pool, Tier.DEVICE)
+            if src.data is None or n == 0:
+                continue
+            indices = [x.slots[Tier.DEVICE][pool][j] for x, offs in groups(path, policy.needed(n)) for j in offs]
+            pages = src.data.index_select(0, src.index_tensor(indices))
+            for li, t in zip(self.layout.layers_of(pool), unpack(pages)):
+                layers[li] = t
+        swa = self.policies.get(PoolName.SWA)
+        return CachedKV(n * ps, swa.needed(n).start * ps if swa else 0, layers)
+
+    def _empty(self) -> CachedKV:
+        return CachedKV(0, 0, [None] * len(self.layout.layers))
+
+    def _check_kv(self, kv: Sequence[torch.Tensor] | None, pages: int, first: dict[PoolName, int]) -> None:
+        if kv is None:
+            if pages and self.registry.pool(self.primary_pool, DEVICE).data is not None:
+                raise ValueError("this cache stores bytes: put needs kv tensors")
+            return
+        check_kv(self.layout, kv, pages, first)
+
+    # --- maintenance ---------------------------------------------------------------
+    def evict(self, pool: PoolName, tier: Tier, n: int) -> int:
+        with self.transaction() as txn:
+            return self.evictors[pool].make_room(tier, n, txn)
+
+    def stats(self) -> CacheStats:
+        s = self._stats
+        s.nodes = self.tree.node_count
+        s.pools = {f"{e.name.name}/{t.name}": {
+            "capacity": e.tier(t).capacity, "used": e.tier(t).allocator.used_count,
+            "protected": self.tree.protected[t][e.name]} for e in self.registry for t in TIERS}
+        return s
+
+    def audit(self) -> PageAudit:
+        """Leaked and doubly owned pages, counted (see `check` for the first violation)."""
+        return page_audit(self)
+
+    def check(self) -> None:
+        check_invariants(self)
+
+    def snapshot(self) -> tuple:
+        return cache_snapshot(self)

@@ -1,0 +1,419 @@
+"""The global prefix index: which node holds which page, from the nodes' KV events.
+
+Plain Python, one process: an index shard wraps one, and the unsharded reference
+of the differential tests is one. Per page key it keeps every holder's mask packed
+in one int, a 4-bit nibble per node slot (see `_code`), so that the running AND of
+the ints along a request's keys says, for all nodes at once, which hold every page
+so far, in which pool and tier. A lookup does its per-page work in C iterators;
+Python-level work is per distinct match length, not per page or node. `apply_chain` takes
+what a node publishes after a put, a run of consecutive pages with one mask, as a few C-level
+passes over its keys, with no object per page (see `_Chain`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import reduce
+from itertools import accumulate, chain as _chain, count, repeat, takewhile
+from operator import and_, or_
+from typing import Sequence
+
+from kvfabric.fabric.index.admission import Admission, ApplyResult
+from kvfabric.fabric.index.events import (KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot, check_header,
+                           check_pages)
+
+# Bits of a node's nibble: FULL on either tier, FULL on device, SWA on either, SWA on device.
+_F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8
+_MAX_MASK = int(PageMask.FULL | PageMask.SWA)
+_BYTES, _KEY_LEN = {bytes}, {KEY_BYTES}
+
+
+def _code(mask: int) -> int:
+    """A PageMask as a nibble whose bits AND sensibly along a path: FULL_DEVICE then
+    FULL_HOST still means "FULL on both", which ANDing raw masks would lose."""
+    return ((_F_ANY if mask & PageMask.FULL else 0) | (_F_DEV if mask & PageMask.FULL_DEVICE else 0)
+            | (_S_ANY if mask & PageMask.SWA else 0) | (_S_DEV if mask & PageMask.SWA_DEVICE else 0))
+
+
+_CODES = tuple(_code(m) for m in range(_MAX_MASK + 1))     # mask -> nibble, without enum arithmetic
+
+
+@dataclass(frozen=True)
+class NodeMatch:
+    node: str
+    pages: int          # usable match length in pages on that node
+    device: bool        # True if every page that match needs is on the node's DEVICE tier
+
+
+def _rank(m: NodeMatch) -> tuple[int, bool, str]:
+    return -m.pages, not m.device, m.node
+
+
+# What one publication said of a run of consecutive pages: (keys, first depth, parent of
+# keys[0], mask). Every key of the run maps to the one record, so that storing a chain is a
+# C-level dict update with no object per page; a page's parent and depth follow from its
+# position. A record lives while any of its keys still maps to it.
+_Chain = tuple[tuple[bytes, ...], int, bytes, int]
+
+
+def _resolve(key: bytes, rec: _Chain) -> tuple[bytes, int, int]:
+    """(parent, depth, mask) of a key in its record: the last place it has there, as
+    applying the pages in order would leave it."""
+    keys, depth, parent, mask = rec
+    if len(keys) == 1:
+        return parent, depth, mask
+    i = len(keys) - 1 - keys[::-1].index(key)
+    return keys[i - 1] if i else parent, depth + i, mask
+
+
+@dataclass
+class _NodeState:
+    slot: int
+    epoch: int
+    seq: int | None     # last applied batch; None: not in sync (needs seq 0, cleared or a snapshot)
+    # key -> the _Chain this node last published it in (`node_pages` makes PageStates)
+    pages: dict[bytes, _Chain] = field(default_factory=dict)
+
+
+class PrefixIndex:
+    def __init__(self, window_pages: int, has_full: bool = True, fingerprint: bytes | None = None) -> None:
+        if not isinstance(window_pages, int) or isinstance(window_pages, bool) or window_pages < 0:
+            raise ValueError(f"window_pages must be an int >= 0, got {window_pages!r}")
+        if not has_full and window_pages == 0:
+            raise ValueError("a layout with neither full nor SWA layers has nothing to match")
+        self.window_pages = window_pages
+        self.has_full = bool(has_full)
+        self.fingerprint = fingerprint      # if set, batches of another layout are refused
+        # Key -> packed holders (never 0: a key no node holds is deleted), kept apart from
+        # key -> (parent, depth) so that a lookup reads plain ints at C speed.
+        self._bits: dict[bytes, int] = {}
+        self._meta: dict[bytes, _Chain] = {}      # key -> the record it was last published in
+        self._nodes: dict[str, _NodeState] = {}
+        self._slots: list[str | None] = []        # slot -> node name; None: free
+        self._ones = 0                            # bit 0 of every slot's nibble
+        # Dropped nodes and epoch floors, so that late events cannot resurrect a node.
+        self.admission = Admission()
+        self._counts = {r: 0 for r in ApplyResult}
+        self._snapshots = 0
+
+    # ---- events ----
+
+    def apply(self, batch: EventBatch) -> ApplyResult:
+        self._check_layout(batch.fingerprint)
+        check_header(batch.node, batch.epoch, batch.seq)
+        check_pages(batch.pages, allow_zero=True)
+        result = self._admit(batch.node, batch.epoch, batch.seq, batch.cleared)
+        if result is ApplyResult.APPLIED:
+            st = self._nodes[batch.node]
+            if batch.cleared:
+                self._clear(st)
+            for p in batch.pages:
+                self._set(st, p.key, p.parent, p.depth, p.mask)
+            st.seq = batch.seq
+        self._counts[result] += 1
+        return result
+
+    def apply_chain(self, node: str, epoch: int, seq: int, keys: Sequence[bytes], first_depth: int,
+                    parent: bytes, mask: int, cleared: bool = False) -> ApplyResult:
+        """Batch `seq` of `node` stating one chain of consecutive pages, all with `mask`:
+        what a node publishes after a put (mask > 0) or an eviction of a suffix (mask 0).
+
+        The same as `apply(EventBatch(node, epoch, seq, pages, cleared))` where page i is
+        `PageState(keys[i], keys[i - 1] if i else parent, first_depth + i, mask)`: the same
+        admission rules (seq order, epochs, gaps, cleared), the same result and state, but
+        without a PageState per page. Arguments are validated in bulk before anything is
+        applied (keys: exact `bytes` of KEY_BYTES each; bad input raises EventError and
+        changes nothing), and the per-page work is a few C-level passes over the keys."""
+        if not (type(node) is str and node and type(epoch) is int and epoch >= 0
+                and type(seq) is int and seq >= 0):
+            check_header(node, epoch, seq)           # the full check: subclasses, or raises
+        if type(keys) is not list:
+            if isinstance(keys, (str, bytes, bytearray, memoryview)) or not hasattr(keys, "__iter__"):
+                raise EventError(f"keys must be a sequence of {KEY_BYTES}-byte bytes")
+            keys = list(keys)
+        if keys and (set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN):
+            raise EventError(f"chain keys must be {KEY_BYTES}-byte bytes")
+        if type(parent) is not bytes or len(parent) != KEY_BYTES:
+            raise EventError(f"chain parent must be {KEY_BYTES} bytes")
+        fast = type(first_depth) is int and first_depth >= 0 and type(mask) is int and 0 <= mask <= _MAX_MASK
+        if not fast and (
+                not isinstance(first_depth, int) or isinstance(first_depth, bool) or first_depth < 0
+                or not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask <= _MAX_MASK):
+            raise EventError(f"bad first_depth {first_depth!r} or mask {mask!r}")
+        if type(cleared) is not bool:
+            raise EventError(f"cleared must be a bool, got {cleared!r}")
+        result = self._admit(node, epoch, seq, cleared)
+        if result is ApplyResult.APPLIED:
+            st = self._nodes[node]
+            if cleared:
+                self._clear(st)
+            if keys:
+                self._set_chain(st, keys, first_depth, parent, int(mask))
+            st.seq = seq
+        self._counts[result] += 1
+        return result
+
+    def _admit(self, node: str, epoch: int, seq: int, cleared: bool) -> ApplyResult:
+        """Decide what a batch means for its node's state; may reset that state."""
+        refused = self.admission.refuses(node, epoch)
+        if refused is not None:
+            return refused
+        st = self._nodes.get(node)
+        if st is None:
+            st = self._add_node(node, epoch)
+        if epoch < st.epoch:
+            return ApplyResult.STALE_EPOCH
+        if epoch > st.epoch:              # the node restarted: what it published before is gone
+            self._clear(st)
+            st.epoch, st.seq = epoch, None
+        if st.seq is not None and seq <= st.seq:
+            return ApplyResult.DUPLICATE
+        # A cleared batch states the node's whole contents, so it is safe after any gap.
+        if cleared or seq == (0 if st.seq is None else st.seq + 1):
+            return ApplyResult.APPLIED
+        return ApplyResult.NEED_SNAPSHOT
+
+    def _check_layout(self, fingerprint: bytes) -> None:
+        if self.fingerprint is not None and fingerprint != self.fingerprint:
+            raise EventError("events from a node of another model layout (fingerprint differs)")
+
+    def load_snapshot(self, snap: Snapshot) -> ApplyResult:
+        """Replace the node's whole state. A snapshot older than what the index already
+        applied (older epoch, or earlier seq of the same epoch) is ignored and says so."""
+        self._check_layout(snap.fingerprint)
+        check_header(snap.node, snap.epoch, snap.seq)
+        check_pages(snap.pages, allow_zero=False)
+        refused = self.admission.refuses(snap.node, snap.epoch)
+        if refused is not None:
+            return refused
+        st = self._nodes.get(snap.node)
+        epoch, seq = (st.epoch, st.seq) if st else (-1, None)
+        if snap.epoch < epoch:
+            return ApplyResult.STALE_EPOCH
+        if snap.epoch == epoch and seq is not None and snap.seq < seq:
+            return ApplyResult.DUPLICATE
+        if st is None:
+            st = self._add_node(snap.node, snap.epoch)
+        self._clear(st)
+        for p in snap.pages:
+            self._set(st, p.key, p.parent, p.depth, p.mask)
+        st.epoch, st.seq = snap.epoch, snap.seq
+        self._snapshots += 1
+        return ApplyResult.APPLIED
+
+    def drop_node(self, node: str) -> None:
+        """Forget the node and refuse its events, late ones included, until `admit`."""
+        self.admission.drop(node)
+        st = self._nodes.pop(node, None)
+        if st is None:
+            return
+        self._clear(st)
+        self._slots[st.slot] = None
+        self._ones &= ~(1 << 4 * st.slot)
+
+    def admit(self, node: str, epoch: int) -> None:
+        """The directory's word that `node` belongs, publishing from `epoch` on: a dropped
+        node is accepted again, and what an older epoch of it published is gone."""
+        check_header(node, epoch, 0)
+        floor = self.admission.admit(node, epoch)
+        st = self._nodes.get(node)
+        if st is not None and st.epoch < floor:
+            self._clear(st)
+            st.epoch, st.seq = floor, None
+
+    def _add_node(self, node: str, epoch: int) -> _NodeState:
+        if None not in self._slots:       # reuse a dropped node's slot: ints stay short
+            self._slots.append(None)
+        slot = self._slots.index(None)
+        self._slots[slot] = node
+        self._ones |= 1 << 4 * slot
+        st = self._nodes[node] = _NodeState(slot, epoch, None)
+        return st
+
+    def _set(self, st: _NodeState, key: bytes, parent: bytes, depth: int, mask: int) -> None:
+        shift = 4 * st.slot
+        bits = (self._bits.get(key, 0) & ~(0xF << shift)) | (_CODES[mask] << shift)
+        if mask:
+            st.pages[key] = self._meta[key] = ((key,), depth, parent, mask)
+            self._bits[key] = bits
+        else:
+            st.pages.pop(key, None)
+            self._store(key, bits)
+
+    def _set_chain(self, st: _NodeState, keys: list[bytes], first_depth: int, parent: bytes,
+                   mask: int) -> None:
+        """`_set` for every page of a chain, as C-level passes over the keys."""
+        if not mask:
+            for d, (key, par) in enumerate(zip(keys, _chain((parent,), keys)), first_depth):
+                self._set(st, key, par, d, 0)
+            return
+        shift = 4 * st.slot
+        b = self._bits
+        new = list(map(or_, map(and_, map(b.get, keys, repeat(0)), repeat(~(0xF << shift))),
+                       repeat(_CODES[mask] << shift)))
+        b.update(zip(keys, new))
+        rec = (tuple(keys), first_depth, parent, mask)
+        st.pages.update(zip(keys, repeat(rec)))
+        self._meta.update(zip(keys, repeat(rec)))
+
+    def _clear(self, st: _NodeState) -> None:
+        if not st.pages:
+            return
+        keys, b = list(st.pages), self._bits
+        left = list(map(and_, map(b.__getitem__, keys), repeat(~(0xF << 4 * st.slot))))
+        if all(left):                     # every page still held by some other node
+            b.update(zip(keys, left))
+        else:
+            for key, bits in zip(keys, left):
+                self._store(key, bits)
+        st.pages = {}
+
+    def _store(self, key: bytes, bits: int) -> None:
+        if bits:
+            self._bits[key] = bits
+        elif self._bits.pop(key, None) is not None:
+            del self._meta[key]
+
+    # ---- queries ----
+
+    def lookup(self, keys: Sequence[bytes]) -> list[NodeMatch]:
+        """Each node's usable match length for these chained page keys, best first."""
+        if not keys:
+            return []
+        if set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN:
+            raise ValueError(f"lookup keys must be {KEY_BYTES}-byte bytes")
+        if not self.window_pages:
+            return self._lookup_full(keys)
+        chain, prefix = self._walk(keys)
+        if not chain:
+            return []
+        out: list[NodeMatch] = []
+        pending = 0 if self.has_full else self._ones   # without FULL runs, all scan from the end
+        for n, group in self._full_runs(prefix) if self.has_full else ():
+            pending |= self._match_group(chain, prefix, n, group, out)
+        if pending:
+            self._fall_back(chain, prefix, pending, out)
+        if len(out) > 1:
+            out.sort(key=_rank)
+        return out
+
+    def _lookup_full(self, keys: Sequence[bytes]) -> list[NodeMatch]:
+        """`lookup` without SWA layers: a node's match is its FULL run from page 0, so the
+        runs are the answer. One C pipeline, no per-page list: holders of each page, their
+        running AND, stopping where it is 0 (a missing key, or no node holding every page
+        so far: no run goes further), and each distinct running value -> where it ends."""
+        ends = dict(zip(takewhile(bool, accumulate(map(self._bits.get, keys, repeat(0)), and_)), count(1)))
+        ones, slots, out, inner = self._ones, self._slots, [], 0
+        for v in reversed(ends):               # longest run first; the AND only loses bits
+            held = v & ones
+            nodes = held & ~inner
+            if nodes:
+                n = ends[v]
+                while nodes:
+                    low = nodes & -nodes
+                    nodes ^= low
+                    out.append(NodeMatch(slots[(low.bit_length() - 1) >> 2], n, bool(v & (low << 1))))
+            inner = held
+        if len(out) > 1:
+            out.sort(key=_rank)
+        return out
+
+    def _walk(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        """The packed holders of each page a match may reach, and their running AND from
+        page 0; C-level iterators, as this is most of a lookup's work."""
+        if self.has_full:     # stop at the first key no node holds (held keys have bits != 0)
+            chain = list(takewhile(bool, map(self._bits.get, keys)))
+        else:                 # without full layers only a window must be held: no stopping early
+            chain = list(map(self._bits.get, keys, repeat(0)))
+        return chain, list(accumulate(chain, and_))
+
+    def _full_runs(self, prefix: list[int]) -> list[tuple[int, int]]:
+        """(F, nodes whose FULL run from page 0 is exactly F pages). The running AND only
+        loses bits, so each distinct value is one run: the work is per run, not per page."""
+        ends = dict(zip(prefix, count(1)))         # each run's value -> its end, in one C pass
+        ones, runs, inner = self._ones, [], 0
+        for v in reversed(ends):
+            held = v & ones
+            if held & ~inner:
+                runs.append((ends[v], held & ~inner))
+            inner = held
+        return runs
+
+    def _match_group(self, chain: list[int], prefix: list[int], n: int, group: int,
+                     out: list[NodeMatch]) -> int:
+        """Nodes that may match up to n pages: those holding the SWA window there match n;
+        the others are returned, for `_fall_back`."""
+        w, win = self.window_pages, -1
+        if w:
+            win = prefix[n - 1] if n <= w else reduce(and_, chain[n - w:n])
+        ok = group & (win >> 2)
+        self._emit(ok, n, (prefix[n - 1] >> 1 if self.has_full else -1) & (win >> 3), out)
+        return group & ~ok
+
+    def _fall_back(self, chain: list[int], prefix: list[int], pending: int, out: list[NodeMatch]) -> None:
+        """Nodes whose SWA window fails where their match could end (a tombstoned prefix the
+        request leaves early, say): try shorter lengths, all such nodes in one downward scan."""
+        wins, full = self._windows(chain, prefix), self.has_full
+        for m in range(len(chain), 0, -1):
+            hits = pending & (wins[m - 1] >> 2) & (prefix[m - 1] if full else -1)
+            if hits:
+                self._emit(hits, m, (prefix[m - 1] >> 1 if full else -1) & (wins[m - 1] >> 3), out)
+                pending ^= hits
+                if not pending:
+                    return
+
+    def _windows(self, chain: list[int], prefix: list[int]) -> list[int]:
+        """wins[m - 1] = AND of chain over the window [max(0, m - W), m), for every m: ANDs
+        over runs of 1, 2, 4.. pages by doubling, then two overlapping runs per window."""
+        w, n = self.window_pages, len(chain)
+        if w >= n:
+            return prefix
+        runs, k = chain, 1
+        while 2 * k <= w:
+            runs, k = list(map(and_, runs, runs[k:])), 2 * k
+        return prefix[:w - 1] + list(map(and_, runs, runs[w - k:]))
+
+    def _emit(self, nodes: int, n: int, device: int, out: list[NodeMatch]) -> None:
+        slots = self._slots
+        while nodes:
+            low = nodes & -nodes
+            nodes ^= low
+            out.append(NodeMatch(slots[(low.bit_length() - 1) >> 2], n, bool(device & low)))
+
+    def node_pages(self, node: str) -> dict[bytes, PageState]:
+        st = self._nodes.get(node)
+        if st is None:
+            return {}
+        pages, found = st.pages, {}
+        for rec in {id(r): r for r in pages.values()}.values():     # each record once: O(pages)
+            keys, depth, parent, mask = rec
+            for i, k in enumerate(keys):
+                if pages.get(k) is rec:
+                    found[k] = PageState(k, keys[i - 1] if i else parent, depth + i, mask)
+        return {k: found[k] for k in pages}
+
+    def held_keys(self) -> list[bytes]:
+        """Every key some node holds."""
+        return list(self._bits)
+
+    def page_meta(self, key: bytes) -> tuple[bytes, int] | None:
+        """(parent, depth) of a key some node holds, as last published."""
+        rec = self._meta.get(key)
+        return None if rec is None else _resolve(key, rec)[:2]
+
+    def sync_point(self, node: str) -> tuple[int, int | None] | None:
+        """(epoch, last applied seq) of a tracked node; seq None while it needs a snapshot."""
+        st = self._nodes.get(node)
+        return None if st is None else (st.epoch, st.seq)
+
+    def nodes(self) -> list[str]:
+        return sorted(self._nodes)
+
+    def __len__(self) -> int:
+        return len(self._bits)
+
+    def stats(self) -> dict:
+        return {"keys": len(self._bits), "nodes": len(self._nodes),
+                "node_pages": sum(len(st.pages) for st in self._nodes.values()),
+                "out_of_sync": sorted(n for n, st in self._nodes.items() if st.seq is None),
+                "dropped_nodes": self.admission.dropped(),
+                "snapshots_loaded": self._snapshots,
+                **{r.value: c for r, c in self._counts.items()}}

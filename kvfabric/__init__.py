@@ -1,0 +1,47 @@
+"""ray-kv-fabric: a cluster-wide, SWA-aware KV-cache fabric for LLM serving on Ray.
+
+The repository's layers install as subpackages of this one: `kvfabric.fabric` (the
+single-node core, no Ray), `kvfabric.transport` (page transfers), `kvfabric.actors`
+(the Ray actors) and `kvfabric.deploy` (Serve apps, engines, the CLI). The names below
+are the public API; each is imported on first use, so `import kvfabric` costs nothing
+and importing the core never imports Ray.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+# In a source tree on sys.path without an install (a Ray runtime_env working_dir, or
+# PYTHONPATH=checkout), the layers are this folder's siblings: look for subpackages there
+# too. An installed wheel has them inside this folder; an editable install maps them.
+_HERE = Path(__file__).resolve().parent
+if not (_HERE / "fabric").is_dir() and (_HERE.parent / "fabric" / "__init__.py").is_file():
+    __path__.append(str(_HERE.parent))
+
+_PUBLIC = {
+    "kvfabric.fabric": ("NodeCache", "KVLayout", "LayerKind", "PoolName", "Tier", "PoolCapacity",
+                        "TierConfig", "WritePolicy", "CachedKV", "Match", "PrefixIndex",
+                        "ShardedIndex", "RouteTable", "EventPublisher", "EventBatch",
+                        "FetchOutcome", "ExportGrant", "export_prefix", "import_prefix",
+                        "InvariantError"),
+    "kvfabric.transport": ("LocalTransport", "NixlTransport", "Transport", "TransportReader"),
+    "kvfabric.actors": ("Fabric", "FabricClient", "NodeCacheActor", "NodeConfig", "start", "stop",
+                        "join"),
+}
+_WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvfabric' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value          # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,147 @@
+"""The Serve app on a 3-node cluster: the real `openai` client, cached answers
+equal to uncached ones bit for bit, the router sending a conversation back to
+the node that holds it, one tenant for every caller without keys (with keys:
+tests/deploy/test_serve_tenants.py), and clear 4xx answers for bad requests."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from ray import serve
+
+from kvfabric.deploy.serve.app import AppArgs, AppArgsError
+from kvfabric.deploy.cli.cluster import free_port, local_cluster, up
+from kvfabric.deploy.cli.http_replay import Client
+
+MODEL = "kvfabric-tiny"
+ARGS = {"device_pages": 256, "host_pages": 256, "max_positions": 1024}
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    with local_cluster(3, cpus_per_node=2):
+        ep = up(ARGS, port=free_port())
+        yield ep
+        serve.shutdown()
+
+
+def prompt(seed: int, pages: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 500 + 2 for i in range(pages * 16)]
+
+
+def test_the_openai_client_completes_and_lists_models(endpoint):
+    client = openai.OpenAI(base_url=endpoint.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    out = client.completions.create(model=MODEL, prompt="The fabric remembers " * 8, max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens == 4 and out.usage.prompt_tokens == len("The fabric remembers " * 8)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-nothing", prompt="hi", max_tokens=1)
+
+
+def test_cached_answers_equal_uncached_ones_and_follow_ups_return_to_the_holder(endpoint):
+    client = Client(endpoint, None)
+    try:
+        first = prompt(1, 6)
+        base = client.complete(MODEL, first, 3, cache=False, namespace="t1")
+        warm = client.complete(MODEL, first, 3, cache=True, namespace="t1")
+        again = client.complete(MODEL, first, 3, cache=True, namespace="t1")
+        assert (base.token_ids, base.logits_digest) == (warm.token_ids, warm.logits_digest)
+        assert (base.token_ids, base.logits_digest) == (again.token_ids, again.logits_digest)
+        assert base.cached_tokens == 0 and again.cached_tokens == 6 * 16
+        assert again.node == warm.node                 # the router sent it where the prefix is
+        turn = first + prompt(2, 3)
+        for _ in range(3):                             # a conversation goes on
+            nocache = client.complete(MODEL, turn, 2, cache=False, namespace="t1")
+            hit = client.complete(MODEL, turn, 2, cache=True, namespace="t1")
+            assert (hit.token_ids, hit.logits_digest) == (nocache.token_ids, nocache.logits_digest)
+            assert hit.cached_tokens >= len(turn) - 16 * 3 and hit.node == warm.node
+            turn = turn + prompt(len(turn), 2)
+        # Another tenant's identical prompt matches nothing of it.
+        other = client.complete(MODEL, first, 3, cache=True, namespace="t2")
+        assert other.cached_tokens == 0 and other.token_ids == base.token_ids
+    finally:
+        client.close()
+
+
+def test_without_keys_every_caller_is_one_tenant(endpoint):
+    """No tenant table: anonymous callers, callers with any key and any `user` share the
+    namespace "default" (issue 11: `user` picked the namespace), and the docs are open."""
+    def served(body: dict, headers: dict) -> dict:
+        req = urllib.request.Request(endpoint.base_url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"} | headers)
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["kvfabric"]
+
+    p = prompt(30, 4)
+    body = {"model": MODEL, "prompt": p, "max_tokens": 2}
+    deadline = time.monotonic() + 60          # the index learns of new pages asynchronously
+    while (anon := served(body, {}))["cached_tokens"] < len(p) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert anon["cached_tokens"] == len(p)
+    other = served(body | {"user": "tenant-a"}, {"Authorization": "Bearer sk-anything-0123456789"})
+    assert other["cached_tokens"] == len(p) and other["token_ids"] == anon["token_ids"]
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        with urllib.request.urlopen(endpoint.base_url + path, timeout=60) as r:
+            assert r.status == 200
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"model": MODEL, "prompt": "", "max_tokens": 2}, 400),
+    ({"model": MODEL, "prompt": [], "max_tokens": 2}, 400),
+    ({"model": MODEL, "prompt": [1] * 1100, "max_tokens": 2}, 400),      # longer than the model
+    ({"model": MODEL, "prompt": [100000], "max_tokens": 2}, 400),        # not a token id
+    ({"model": "other", "prompt": "hi", "max_tokens": 2}, 404),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}, 400),
+])
+def test_bad_requests_get_clear_4xx_answers(endpoint, body, status):
+    req = urllib.request.Request(endpoint.base_url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == status
+    assert json.loads(e.value.read())["error"]["message"]
+
+
+@pytest.mark.parametrize("args", [{"bogus": 1}, {"shards": 0}, {"model_name": ""}, {"nodes": -1},
+                                  {"api_key": "sk-0123456789abcdef"}, {"tenants_file": "t.yaml"},
+                                  {"tenants_file": ""}, {"device_pages": True}, {"chaos": 1},
+                                  {"device_pages": 8, "max_positions": 1024}])   # pools < one prompt
+def test_app_args_are_validated(args):
+    with pytest.raises((AppArgsError, TypeError)):
+        AppArgs.from_dict(args)
+
+
+def test_serving_metrics_record_every_kind_of_answer(endpoint):
+    """The Ray metrics a replica exports accept what the engine reports (Ray checks
+    metric names and tags when they are used)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def record() -> int:
+        from kvfabric.deploy.reference.engine import Generation
+        from kvfabric.deploy.serve.protocol import PrefixFetch
+        from kvfabric.deploy.serve.serving import ServingMetrics
+        m = ServingMetrics("kvf-node-test")
+        for fetch in PrefixFetch:
+            g = Generation([1], 64, 48, 16, 16, 16, 16, fetch, 4, 0.01, 0.02)
+            m.record(g, fetched_bytes=4096 if fetch is PrefixFetch.FETCHED else 0, fetch_s=0.005, ttft_s=0.01)
+        return len(PrefixFetch)
+
+    assert ray.get(record.remote(), timeout=120) == 4      # every kind recorded, none refused
+
+
+def test_down_removes_the_app_and_the_fabric(endpoint):
+    """Last in this module: it takes everything down."""
+    import ray
+    from kvfabric.deploy.cli.cluster import down
+    killed = down()
+    assert "kvf-directory" in killed and any(n.startswith("kvf-node-") for n in killed)
+    assert any(n.startswith("kvf-index-") for n in killed)
+    with pytest.raises(ValueError):
+        ray.get_actor("kvf-directory", namespace="kvfabric")
+    with pytest.raises(OSError):
+        urllib.request.urlopen(endpoint.base_url + "/v1/models", timeout=10)

@@ -1,0 +1,332 @@
+"""The FabricConnector's scheduler and worker sides without an engine: real KV tensors in
+vLLM's CPU layout, real staging files, a real NodeCache. Only the Ray hop to the node
+actor is replaced (by direct calls of the same functions the actor runs).
+
+Checks: block -> fabric -> block round trips are exact (full pages all, SWA the window);
+a load vLLM asks for that the fabric cannot complete is reported failed; any exception
+at any step becomes a failed load or a skipped save, never an escaped error, and no
+staging slot leaks."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+pytest.importorskip("vllm")
+
+from kvfabric.deploy.vllm.block_format import BlockFormat  # noqa: E402
+from kvfabric.deploy.vllm.jobs import FabricSettings  # noqa: E402
+from kvfabric.deploy.vllm.plan import EnginePlan, LayerSlot  # noqa: E402
+from kvfabric.deploy.vllm.scheduler_side import SchedulerSide  # noqa: E402
+from kvfabric.deploy.vllm.worker_side import WorkerSide  # noqa: E402
+from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity, PoolName  # noqa: E402
+from kvfabric.transport.staging import SharedPages, StagingSpec, load_to_staging, save_from_staging  # noqa: E402
+
+PS, H, D, NB = 4, 2, 8, 64
+LAYOUT = KVLayout(layers=("swa", "full", "swa", "full"), kv_heads=H, head_dim=D, page_size=PS,
+                  window=8, tag="vllm:test")
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+# Group 0: the SWA layers, group 1: the full ones (vLLM's hybrid allocator).
+PLAN = EnginePlan(LAYOUT, (LayerSlot(NAMES[0], 0, PoolName.SWA, 0), LayerSlot(NAMES[1], 1, PoolName.FULL, 0),
+                           LayerSlot(NAMES[2], 0, PoolName.SWA, 1), LayerSlot(NAMES[3], 1, PoolName.FULL, 1)),
+                  (PoolName.SWA, PoolName.FULL))
+EXCEPTIONS = ["ValueError", "KeyError", "RuntimeError", "MemoryError", "OSError", "InjectedFault"]
+
+
+class LocalNode:
+    """What NodeLink reaches over Ray, called in process."""
+
+    def __init__(self, spec: StagingSpec) -> None:
+        self.cache = NodeCache(LAYOUT, {p: PoolCapacity(device=64, host=64) for p in LAYOUT.pools},
+                               device="cpu")
+        self.shared = SharedPages(spec, LAYOUT)
+        self.disabled = ""
+        self.name = "local"
+        self.reports: dict[str, dict] = {}      # the connector's counters, as the node keeps them
+
+    def report(self, engine: str, stats) -> None:
+        self.reports[engine] = dataclasses.asdict(stats)
+
+    def ready(self) -> bool:
+        return True
+
+    def index_ready(self) -> bool:
+        return False          # no fabric index: hits come from this node only
+
+    def attach(self, sched: SchedulerSide) -> None:
+        sched.node = sched.remote.link = self
+
+    def call(self, method: str, *args):
+        if method == "match":                   # (tokens, namespace)
+            return self.cache.match(*args).pages
+        fn = {"load_staged": load_to_staging, "save_staged": save_from_staging}[method]
+        return fn(self.cache, self.shared, *args[1:])     # args[0]: the staging spec
+
+    def submit(self, method: str, *args) -> "Answer":
+        """A call that has answered by the time anyone asks."""
+        try:
+            return Answer(self.call(method, *args), None)
+        except Exception as e:
+            return Answer(None, e)
+
+    def finished(self, calls: list) -> list:
+        return list(calls)
+
+    def result(self, call: "Answer"):
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+
+@dataclass(eq=False)
+class Answer:
+    value: object
+    error: BaseException | None
+
+
+@dataclass
+class Req:
+    request_id: str
+    prompt_token_ids: list[int]
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    cache_salt: str | None = None
+
+
+@dataclass
+class Blocks:
+    ids: tuple[list[int], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return self.ids
+
+
+@dataclass
+class Rig:
+    sched: SchedulerSide
+    worker: WorkerSide
+    kv: dict[str, torch.Tensor]
+    fault_file: str
+    node: LocalNode
+    log: list = field(default_factory=list)
+
+    def step(self):
+        meta = self.sched.build_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                                                     total_num_scheduled_tokens=0,
+                                                     scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
+        self.worker.start_load(meta)
+        self.worker.save(meta)
+        sending, recving, failed = self.worker.transfer_results()
+        out = SimpleNamespace(finished_sending=sending, finished_recving=recving, failed_recving=failed,
+                              kv_connector_worker_meta=self.worker.worker_meta())
+        self.sched.on_output(out)
+        self.sched._collect_stores()     # what the next step's build_meta does first
+        return out
+
+    def arm(self, point: str, exception: str) -> None:
+        with open(self.fault_file, "w") as f:
+            json.dump({point: exception}, f)
+
+
+@pytest.fixture
+def rig(tmp_path):
+    spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", 64)
+    fault_file = str(tmp_path / "faults.json")
+    settings_ = FabricSettings(node_actor="local", fault_file=fault_file)
+    sched = SchedulerSide(PLAN, settings_, spec)
+    node = LocalNode(spec)
+    node.attach(sched)
+    worker = WorkerSide(PLAN, settings_, spec)
+    g = torch.Generator().manual_seed(0)
+    kv = {n: torch.randn(NB, H, PS, 2 * D, generator=g) for n in NAMES}
+    worker.register(kv, BlockFormat.KV_ROWS)
+    yield Rig(sched, worker, kv, fault_file, node)
+    node.shared.unlink()
+
+
+PROMPT = list(range(100, 141))          # 41 tokens: 10 whole pages + 1
+FULL_BLOCKS = list(range(1, 12))
+SWA_BLOCKS = [0] * 8 + [20, 21, 22]     # vLLM's null block 0 before the window
+
+
+def finish_first(rig: Rig) -> None:
+    req = Req("r1", PROMPT, PROMPT + [7, 8, 9], len(PROMPT) + 2)
+    delay, _ = rig.sched.finished(req, (SWA_BLOCKS, FULL_BLOCKS))
+    assert delay
+    out = rig.step()
+    assert out.finished_sending == {"r1"}
+
+
+def admit(rig: Rig, rid: str, swa_blocks: list[int]) -> tuple[int, object]:
+    req = Req(rid, PROMPT, PROMPT, 0)
+    n, is_async = rig.sched.num_new_matched_tokens(req, 0)
+    if n:
+        assert is_async
+        rig.sched.after_alloc(req, Blocks((swa_blocks, list(range(30, 41)))), n)
+    return n, rig.step()
+
+
+def layer_blocks(rig: Rig, name: str, blocks: list[int]) -> torch.Tensor:
+    return rig.kv[name][blocks]
+
+
+def test_blocks_round_trip_through_the_fabric(rig):
+    finish_first(rig)
+    n, out = admit(rig, "r2", [0] * 8 + [40, 41, 42])
+    assert n == 40 and out.finished_recving == {"r2"} and not out.failed_recving
+    for name in NAMES[1::2]:      # full layers: every page
+        assert torch.equal(layer_blocks(rig, name, list(range(30, 40))), layer_blocks(rig, name, FULL_BLOCKS[:10]))
+    for name in NAMES[0::2]:      # SWA layers: the window before the hit's end
+        assert torch.equal(layer_blocks(rig, name, [40, 41]), layer_blocks(rig, name, [20, 21]))
+    assert all(a.free_count == a.capacity for a in rig.sched.allocators.values())
+    # The node keeps what the connector counted, as of the last finished request.
+    rig.sched.finished(Req("r2", PROMPT, PROMPT + [7], len(PROMPT)), (SWA_BLOCKS, FULL_BLOCKS))
+    (report,) = rig.node.reports.values()
+    assert report["finished_requests"] == 2 and report["loaded_tokens"] == 40
+    assert report["host_loaded_tokens"] + report["remote_loaded_tokens"] <= 40
+
+
+def test_load_vllm_wants_beyond_the_window_is_reported_failed(rig):
+    finish_first(rig)
+    n, out = admit(rig, "r2", [0] * 5 + [43, 44, 45, 40, 41, 42])
+    assert n == 40 and out.failed_recving == {"r2"}
+    stats = rig.sched.stats       # a failed load is a failure, not a hit
+    assert stats.load_failures == 1 and stats.loaded_tokens == stats.host_loaded_tokens == 0
+    # vLLM recomputes it; the connector does not offer it again.
+    assert rig.sched.num_new_matched_tokens(Req("r2", PROMPT, PROMPT, 0), 0) == (0, False)
+
+
+
+def test_asked_again_while_waiting_the_staged_answer_stands(rig):
+    """vLLM asks again at each step a request waits for room: the same own hit gets the
+    same answer with no call to the node (a call would block the engine's loop); a
+    different own hit is planned anew, and a request whose node held nothing more is
+    not asked about again."""
+    finish_first(rig)
+    calls = []
+    node_call = rig.node.call
+    rig.node.call = lambda method, *args: calls.append(method) or node_call(method, *args)
+    req = Req("r2", PROMPT, PROMPT, 0)
+    assert rig.sched.num_new_matched_tokens(req, 0) == (40, True)
+    assert rig.sched.num_new_matched_tokens(req, 0) == (40, True)
+    assert calls == ["load_staged"]
+    held = sum(a.capacity - a.free_count for a in rig.sched.allocators.values())
+    assert rig.sched.num_new_matched_tokens(req, 8) == (32, True)          # vLLM's own hit grew
+    assert calls == ["load_staged"] * 2
+    assert sum(a.capacity - a.free_count for a in rig.sched.allocators.values()) <= held
+    rig.sched.after_alloc(req, Blocks(([0] * 8 + [40, 41, 42], list(range(30, 41)))), 32)
+    out = rig.step()
+    assert out.finished_recving == {"r2"} and not out.failed_recving
+    assert all(a.free_count == a.capacity for a in rig.sched.allocators.values())
+    # Another prompt the node holds none of: asked once, then answered from memory.
+    other = Req("r3", list(range(500, 541)), list(range(500, 541)), 0)
+    assert rig.sched.num_new_matched_tokens(other, 0) == (0, False)
+    assert rig.sched.num_new_matched_tokens(other, 0) == (0, False)
+    assert calls == ["load_staged"] * 3
+
+
+def test_a_next_turn_saves_only_its_new_full_pages(rig):
+    """A conversation's next turn copies the full KV the node does not hold yet (plus the
+    SWA window), not the whole conversation again; what the node then holds loads back
+    equal to the engine's blocks."""
+    finish_first(rig)                                       # the node holds PROMPT's 10 pages
+    n, out = admit(rig, "r2", [0] * 8 + [40, 41, 42])       # loaded into full blocks 30..39
+    assert n == 40 and out.finished_recving == {"r2"}
+    turn = PROMPT + [7, 8, 9, 10, 11, 12, 13]               # 48 tokens: 12 pages
+    delay, _ = rig.sched.finished(Req("r2", PROMPT, turn, len(turn)),
+                                  ([0] * 10 + [44, 45], list(range(30, 42))))
+    (job,) = rig.sched.meta.saves
+    moved = {m.pool: len(m.slots) for m in job.moves}
+    assert delay and moved == {PoolName.FULL: 2, PoolName.SWA: 2}
+    rig.step()
+    assert rig.sched.stats.stored_pages == 10 + 2
+    # The whole turn loads back: its new full pages from blocks 40 and 41.
+    req = Req("r3", turn + [99], turn + [99], 0)
+    n, _ = rig.sched.num_new_matched_tokens(req, 0)
+    assert n == 48
+    rig.sched.after_alloc(req, Blocks(([0] * 10 + [50, 51], list(range(50, 62)))), n)
+    out = rig.step()
+    assert out.finished_recving == {"r3"} and not out.failed_recving
+    for name in NAMES[1::2]:
+        assert torch.equal(layer_blocks(rig, name, list(range(50, 62))), layer_blocks(rig, name, list(range(30, 42))))
+    for name in NAMES[0::2]:
+        assert torch.equal(layer_blocks(rig, name, [50, 51]), layer_blocks(rig, name, [44, 45]))
+    assert all(a.free_count == a.capacity for a in rig.sched.allocators.values())
+
+def test_tenants_do_not_share(rig):
+    finish_first(rig)
+    req = Req("r2", PROMPT, PROMPT, 0, cache_salt="other")
+    assert rig.sched.num_new_matched_tokens(req, 0) == (0, False)
+
+
+@settings(max_examples=30, deadline=None)
+@given(point=st.sampled_from(["node_load", "worker_load", "worker_save", "node_save"]),
+       exception=st.sampled_from(EXCEPTIONS))
+def test_any_failure_becomes_recomputation(tmp_path_factory, point, exception):
+    spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", 64)
+    settings_ = FabricSettings(node_actor="local", fault_file=str(tmp_path_factory.mktemp("f") / "faults.json"))
+    node = LocalNode(spec)
+    try:
+        sched, worker = SchedulerSide(PLAN, settings_, spec), WorkerSide(PLAN, settings_, spec)
+        node.attach(sched)
+        worker.register({n: torch.randn(NB, H, PS, 2 * D) for n in NAMES}, BlockFormat.KV_ROWS)
+        rig = Rig(sched, worker, worker.views, settings_.fault_file, node)
+        if point.endswith("save"):
+            rig.arm(point, exception)
+        finish_first(rig)
+        if point.endswith("load"):
+            rig.arm(point, exception)
+        n, out = admit(rig, "r2", [0] * 8 + [40, 41, 42])
+        if point.endswith("save"):
+            assert n == 0                            # nothing was stored
+        elif point == "node_load":
+            assert n == 0 and sched.stats.node_errors == 1
+        else:
+            assert n == 40 and out.failed_recving == {"r2"}
+        with open(settings_.fault_file) as f:
+            assert point not in json.load(f)         # the fault fired
+        held = sum(len(s) for _, q in sched.quarantined for s in q.values())
+        assert sum(a.capacity - a.free_count for a in sched.allocators.values()) == held
+        node.cache.check()
+    finally:
+        node.shared.unlink()
+
+
+def test_a_node_that_never_answers_a_store_costs_slots_only_for_a_while(rig):
+    """A store past its deadline is given up: its slots stay quarantined (the node may
+    still read them), the engine never waits, and nothing is counted as stored."""
+    rig.node.finished = lambda calls: []          # the node never answers
+    rig.sched.settings = FabricSettings(node_actor="local", fault_file=rig.fault_file, timeout_s=0.0)
+    finish_first(rig)
+    rig.sched._collect_stores()
+    assert rig.sched.stats.save_failures == 1 and rig.sched.stats.saved_requests == 0
+    assert not rig.sched.storing
+    held = sum(len(s) for _, q in rig.sched.quarantined for s in q.values())
+    assert held and sum(a.capacity - a.free_count for a in rig.sched.allocators.values()) == held
+
+
+SETTING_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 1 << 21), st.floats(allow_nan=True),
+                           st.text(max_size=5), st.lists(st.integers(), max_size=2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from(sorted(FabricSettings.__dataclass_fields__) + ["bogus"]), value=SETTING_VALUES)
+def test_connector_settings_of_a_wrong_type_or_range_are_refused(name, value):
+    """kv_connector_extra_config comes from a deployment's config: each setting has its type
+    and range, and anything else is a ValueError naming it."""
+    kind = FabricSettings.__dataclass_fields__[name].type if name != "bogus" else None
+    want_ok = {"bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+               "int": lambda v: type(v) is int and 1 <= v <= 1 << 20,
+               "float": lambda v: type(v) in (int, float) and 0 <= v <= 3600}.get(kind, lambda v: False)(value)
+    try:
+        got = FabricSettings.from_extra({name: value})
+    except ValueError as e:
+        assert not want_ok and name in str(e)
+        return
+    assert want_ok and getattr(got, name) == value

@@ -1,0 +1,345 @@
+"""The global prefix index core: event ordering per node, and lookups against a brute force."""
+
+import pytest
+from hypothesis import given, strategies as st
+
+from kvfabric.fabric.index.events import EventBatch, EventError, PageMask as M, PageState, Snapshot, decode
+from kvfabric.fabric.index.prefix_index import ApplyResult as R, NodeMatch, PrefixIndex
+from kvfabric.fabric.cache.keys import PageKeyer
+
+KEYER = PageKeyer("tenant", b"f" * 16, 2)
+FULL_ALL = int(M.FULL | M.SWA)                  # every pool on both tiers: 15
+
+
+def chain(tokens, mask=FULL_ALL):
+    """PageStates for a token sequence, every page with `mask`."""
+    keys = KEYER.keys(tokens)
+    parents = [KEYER.root] + keys[:-1]
+    return keys, tuple(PageState(k, p, d, mask) for d, (k, p) in enumerate(zip(keys, parents)))
+
+
+KEYS, PAGES = chain(list(range(12)))            # 6 pages
+
+
+def batch(node, epoch, seq, pages=(), cleared=False):
+    return EventBatch(node, epoch, seq, tuple(pages), cleared)
+
+
+def test_in_order_duplicate_and_gap():
+    ix = PrefixIndex(window_pages=2)
+    assert ix.apply(batch("a", 1, 0, PAGES[:3])) is R.APPLIED
+    assert ix.apply(batch("a", 1, 1, PAGES[3:])) is R.APPLIED
+    assert ix.apply(batch("a", 1, 1, [])) is R.DUPLICATE
+    assert ix.apply(batch("a", 1, 0, [PageState(KEYS[0], KEYER.root, 0, 0)])) is R.DUPLICATE
+    assert ix.lookup(KEYS) == [NodeMatch("a", 6, True)]
+    gap = batch("a", 1, 3, [PageState(k, KEYER.root, 0, 0) for k in KEYS])
+    assert ix.apply(gap) is R.NEED_SNAPSHOT                  # nothing of it applied
+    assert ix.lookup(KEYS) == [NodeMatch("a", 6, True)] and ix.sync_point("a") == (1, 1)
+    assert ix.apply(batch("a", 1, 2, [])) is R.APPLIED and ix.apply(gap) is R.APPLIED
+    assert ix.lookup(KEYS) == [] and len(ix) == 0
+    s = ix.stats()
+    assert (s["applied"], s["duplicate"], s["need_snapshot"]) == (4, 2, 1)
+
+
+def test_first_batch_needs_seq0_or_cleared():
+    ix = PrefixIndex(window_pages=1)
+    assert ix.apply(batch("a", 1, 5, PAGES)) is R.NEED_SNAPSHOT
+    assert ix.lookup(KEYS) == [] and ix.stats()["out_of_sync"] == ["a"]
+    assert ix.apply(batch("a", 1, 6, PAGES[:2], cleared=True)) is R.APPLIED
+    assert ix.lookup(KEYS) == [NodeMatch("a", 2, True)] and ix.sync_point("a") == (1, 6)
+
+
+def test_epochs_replace_and_stale():
+    ix = PrefixIndex(window_pages=1)
+    ix.apply(batch("a", 2, 0, PAGES))
+    assert ix.apply(batch("a", 1, 7, PAGES[:1])) is R.STALE_EPOCH
+    assert ix.apply(batch("a", 3, 0, PAGES[:2])) is R.APPLIED           # restart: old pages gone
+    assert set(ix.node_pages("a")) == set(KEYS[:2]) and ix.lookup(KEYS)[0].pages == 2
+    assert ix.apply(batch("a", 4, 3, PAGES)) is R.NEED_SNAPSHOT          # old state dropped anyway
+    assert ix.node_pages("a") == {} and len(ix) == 0
+    assert ix.apply(batch("a", 4, 4, PAGES)) is R.NEED_SNAPSHOT          # still out of sync
+    assert ix.apply(batch("a", 5, 2, PAGES[:1], cleared=True)) is R.APPLIED
+    assert ix.apply(batch("a", 4, 9, PAGES)) is R.STALE_EPOCH
+
+
+def test_cleared_drops_before_applying():
+    ix = PrefixIndex(window_pages=0)
+    ix.apply(batch("a", 1, 0, PAGES))
+    ix.apply(batch("b", 1, 0, PAGES[:2]))
+    assert ix.apply(batch("a", 1, 1, PAGES[:1], cleared=True)) is R.APPLIED
+    assert ix.lookup(KEYS) == [NodeMatch("b", 2, True), NodeMatch("a", 1, True)]
+    assert len(ix) == 2 and ix.page_meta(KEYS[1]) == (KEYS[0], 1) and ix.page_meta(KEYS[4]) is None
+
+
+def test_snapshot_load_and_order():
+    ix = PrefixIndex(window_pages=2)
+    ix.apply(batch("a", 1, 0, PAGES[:1]))
+    assert ix.apply(batch("a", 1, 4, PAGES)) is R.NEED_SNAPSHOT
+    assert ix.load_snapshot(Snapshot("a", 1, 4, PAGES[:4])) is R.APPLIED
+    assert set(ix.node_pages("a")) == set(KEYS[:4]) and ix.sync_point("a") == (1, 4)
+    assert ix.apply(batch("a", 1, 4, PAGES)) is R.DUPLICATE
+    assert ix.apply(batch("a", 1, 5, PAGES[4:])) is R.APPLIED
+    assert ix.lookup(KEYS) == [NodeMatch("a", 6, True)]
+    assert ix.load_snapshot(Snapshot("a", 1, 3, ())) is R.DUPLICATE      # older than applied
+    assert ix.load_snapshot(Snapshot("a", 0, 9, ())) is R.STALE_EPOCH
+    assert ix.load_snapshot(Snapshot("a", 2, 0, PAGES[:1])) is R.APPLIED  # newer epoch replaces
+    assert ix.lookup(KEYS) == [NodeMatch("a", 1, True)] and ix.stats()["snapshots_loaded"] == 2
+    # a snapshot names a node the index has never seen: tracked from then on
+    assert ix.load_snapshot(Snapshot("b", 7, 3, PAGES)) is R.APPLIED and ix.nodes() == ["a", "b"]
+
+
+def test_drop_node_and_late_batches():
+    ix = PrefixIndex(window_pages=1)
+    ix.apply(batch("a", 1, 0, PAGES))
+    ix.apply(batch("b", 1, 0, PAGES[:3]))
+    ix.drop_node("a")
+    ix.drop_node("nobody")
+    assert ix.nodes() == ["b"] and ix.node_pages("a") == {} and len(ix) == 3
+    assert ix.lookup(KEYS) == [NodeMatch("b", 3, True)]
+    assert ix.apply(batch("a", 1, 0, PAGES)) is R.DROPPED        # a late batch cannot resurrect it
+    assert ix.apply(batch("a", 0, 5, PAGES)) is R.DROPPED
+    assert ix.apply(batch("c", 1, 0, PAGES[:2])) is R.APPLIED     # reuses a's slot
+    assert ix.apply(batch("a", 2, 0, PAGES[:1])) is R.DROPPED     # not even a new epoch, until admitted
+    ix.admit("a", 2)                                               # the directory rejoined it
+    assert ix.apply(batch("a", 1, 1, PAGES)) is R.STALE_EPOCH
+    assert ix.apply(batch("a", 2, 0, PAGES[:1])) is R.APPLIED     # a restarted node is welcome
+    assert [m.node for m in ix.lookup(KEYS)] == ["b", "c", "a"]
+
+
+def test_lookup_rules_swa_window_and_tiers():
+    ix = PrefixIndex(window_pages=2)
+    tomb = [p if i >= 3 else PageState(p.key, p.parent, p.depth, int(M.FULL_DEVICE)) for i, p in enumerate(PAGES)]
+    ix.apply(batch("tomb", 1, 0, tomb))                       # SWA freed on pages 0..2
+    hostfull = [PageState(p.key, p.parent, p.depth, int(M.FULL_HOST | M.SWA_DEVICE)) for p in PAGES[:4]]
+    ix.apply(batch("host", 1, 0, hostfull))
+    ix.apply(batch("hole", 1, 0, PAGES[:2] + (PageState(KEYS[2], KEYS[1], 2, int(M.FULL_DEVICE)),) + PAGES[3:]))
+    assert ix.lookup(KEYS) == [NodeMatch("hole", 6, True), NodeMatch("tomb", 6, True),
+                               NodeMatch("host", 4, False)]
+    assert ix.lookup(KEYS[:4]) == [NodeMatch("host", 4, False), NodeMatch("hole", 2, True)]
+    assert ix.lookup(KEYS[:3]) == [NodeMatch("host", 3, False), NodeMatch("hole", 2, True)]
+    assert ix.lookup([b"?" * 16] + KEYS[1:]) == [] and ix.lookup([]) == []
+    # SWA gone on pages 3 and 5: lengths 6, 5 and 4 fail their window, 3 is the best
+    gappy = PrefixIndex(window_pages=2)
+    tomb_at = {3, 5}
+    gappy.apply(batch("g", 1, 0, [PageState(p.key, p.parent, p.depth, int(M.FULL_DEVICE) if i in tomb_at
+                                            else int(M.FULL_DEVICE | M.SWA_HOST)) for i, p in enumerate(PAGES)]))
+    assert gappy.lookup(KEYS) == [NodeMatch("g", 3, False)]
+    # falling back never passes the FULL run: page 2 has SWA but no FULL
+    masks = [int(M.FULL_DEVICE | M.SWA_DEVICE), int(M.FULL_DEVICE), int(M.SWA_DEVICE)]
+    short = PrefixIndex(window_pages=1)
+    short.apply(batch("s", 1, 0, [PageState(p.key, p.parent, p.depth, m) for p, m in zip(PAGES, masks)]))
+    assert short.lookup(KEYS) == [NodeMatch("s", 1, True)]
+    swa_only = PrefixIndex(window_pages=2, has_full=False)
+    swa_only.apply(batch("tomb", 1, 0, tomb))
+    assert swa_only.lookup(KEYS) == [NodeMatch("tomb", 6, True)]
+    assert swa_only.lookup(KEYS[:3]) == []
+
+
+@pytest.mark.parametrize("bad", [["x" * 16], [b"short"], [bytearray(16)], b"k" * 16])
+def test_lookup_rejects_bad_keys(bad):
+    with pytest.raises(ValueError):
+        PrefixIndex(window_pages=1).lookup(bad)
+
+
+def test_rejects_bad_config_and_events_unchanged():
+    for w, full in ((-1, True), (1.5, True), (True, True), (0, False)):
+        with pytest.raises(ValueError):
+            PrefixIndex(window_pages=w, has_full=full)
+    ix = PrefixIndex(window_pages=1)
+    bad = PAGES[:2] + (PageState(b"k" * 15, KEYER.root, 0, 1),)
+    for b in (batch("a", 1, 0, bad), batch("a", 1, 0, [PageState(KEYS[0], KEYER.root, 0, 16)]),
+              batch("", 1, 0, PAGES), batch("a", -1, 0, PAGES), batch("a", 1, True, PAGES)):
+        with pytest.raises(EventError):
+            ix.apply(b)
+    with pytest.raises(EventError):
+        ix.load_snapshot(Snapshot("a", 1, 0, (PageState(KEYS[0], KEYER.root, 0, 0),)))
+    assert len(ix) == 0 and ix.nodes() == []
+    # what crosses the wire decodes into what the index takes
+    assert ix.apply(decode(batch("a", 1, 0, PAGES).encode())) is R.APPLIED
+
+
+def test_apply_chain_equals_batch():
+    """A chain is the EventBatch of its PageStates: results, lookups, pages, metas, stats."""
+    ix, cx = PrefixIndex(window_pages=2), PrefixIndex(window_pages=2)
+    steps = [("a", 1, 0, 0, 3, int(M.FULL_DEVICE | M.SWA_DEVICE), False),     # a put of pages 0..2
+             ("a", 1, 1, 3, 6, FULL_ALL, False),                               # the rest of the request
+             ("b", 1, 0, 0, 4, int(M.FULL_HOST | M.SWA_HOST), True),
+             ("a", 1, 2, 4, 6, 0, False),                                      # an eviction of a suffix
+             ("b", 1, 1, 1, 3, int(M.FULL_DEVICE), False),                     # a tombstoned window
+             ("a", 1, 2, 0, 6, FULL_ALL, False),                               # duplicate
+             ("a", 1, 4, 0, 6, FULL_ALL, False),                               # gap
+             ("b", 1, 2, 0, 0, FULL_ALL, False),                               # an empty chain
+             ("b", 0, 3, 0, 2, FULL_ALL, False),                               # stale epoch
+             ("a", 2, 0, 2, 5, int(M.FULL_DEVICE | M.SWA_HOST), False),        # restart
+             ("b", 1, 7, 5, 6, FULL_ALL, True)]                                # cleared after a gap
+    for node, epoch, seq, lo, hi, mask, cleared in steps:
+        parent = KEYS[lo - 1] if lo else KEYER.root
+        b = batch(node, epoch, seq, [PageState(p.key, p.parent, p.depth, mask) for p in PAGES[lo:hi]], cleared)
+        assert cx.apply_chain(node, epoch, seq, KEYS[lo:hi], lo, parent, mask, cleared) is ix.apply(b)
+        assert [cx.lookup(KEYS[:n]) for n in range(1, 7)] == [ix.lookup(KEYS[:n]) for n in range(1, 7)]
+        assert {n: cx.node_pages(n) for n in "ab"} == {n: ix.node_pages(n) for n in "ab"}
+        assert [cx.page_meta(k) for k in KEYS] == [ix.page_meta(k) for k in KEYS]
+        assert [cx.sync_point(n) for n in "ab"] == [ix.sync_point(n) for n in "ab"] and len(cx) == len(ix)
+    assert cx.stats() == ix.stats()
+    s = cx.stats()
+    assert (s["applied"], s["duplicate"], s["need_snapshot"], s["stale_epoch"]) == (8, 1, 1, 1)
+    assert set(cx.node_pages("a")) == set(KEYS[2:5]) and set(cx.node_pages("b")) == {KEYS[5]}
+    assert cx.lookup(KEYS) == [] and cx.page_meta(KEYS[3]) == (KEYS[2], 3)
+    # tuples and PageMask flags are fine too
+    assert cx.apply_chain("c", 1, 0, tuple(KEYS), 0, KEYER.root, M.FULL_DEVICE) is R.APPLIED
+    assert cx.node_pages("c") == {p.key: PageState(p.key, p.parent, p.depth, 1) for p in PAGES}
+
+
+def test_apply_chain_records_repeats_and_overwrites():
+    """A chain's pages are stored as one record: metas follow each key's last position,
+    and later publications (chains or single pages) override parts of it."""
+    ix, cx = PrefixIndex(window_pages=0), PrefixIndex(window_pages=0)
+    odd = [KEYS[0], KEYS[1], KEYS[0], KEYS[2]]          # a key twice: its last place wins
+    ix.apply(batch("a", 1, 0, [PageState(k, ([KEYER.root] + odd)[i], 7 + i, 1) for i, k in enumerate(odd)]))
+    cx.apply_chain("a", 1, 0, odd, 7, KEYER.root, 1)
+    assert cx.node_pages("a") == ix.node_pages("a") and cx.page_meta(KEYS[0]) == (KEYS[1], 9)
+    for x in (ix, cx):
+        x.apply(batch("a", 1, 1, [PageState(KEYS[1], KEYS[0], 1, 3), PageState(KEYS[2], KEYS[1], 2, 0)]))
+        x.apply(batch("b", 1, 0, PAGES[:2]))
+    cx.apply_chain("a", 1, 2, KEYS[3:5], 3, KEYS[2], 2)
+    ix.apply(batch("a", 1, 2, [PageState(p.key, p.parent, p.depth, 2) for p in PAGES[3:5]]))
+    assert cx.node_pages("a") == ix.node_pages("a") and cx.node_pages("b") == ix.node_pages("b")
+    assert [cx.page_meta(k) for k in KEYS] == [ix.page_meta(k) for k in KEYS]
+    assert cx.page_meta(KEYS[1]) == (KEYS[0], 1) and cx.page_meta(KEYS[2]) is None
+    assert cx.lookup(KEYS) == ix.lookup(KEYS) == [NodeMatch("a", 2, True), NodeMatch("b", 2, True)]
+
+
+@pytest.mark.parametrize("args", [
+    dict(keys=KEYS[:2] + [b"k" * 15]), dict(keys=["x" * 16]), dict(keys=[bytearray(16)]), dict(keys=b"k" * 16),
+    dict(keys=KEYS[0]), dict(keys=7), dict(parent=b"p" * 15), dict(parent="p" * 16), dict(first_depth=-1),
+    dict(first_depth=1.0), dict(first_depth=True), dict(mask=16), dict(mask=-1), dict(mask=True),
+    dict(mask=1.0), dict(cleared=1), dict(node=""), dict(node=None), dict(epoch=-1), dict(seq=True)])
+def test_apply_chain_rejects_bad_input(args):
+    ix = PrefixIndex(window_pages=1)
+    ok = dict(node="a", epoch=1, seq=0, keys=KEYS, first_depth=0, parent=KEYER.root, mask=FULL_ALL)
+    with pytest.raises(EventError):
+        ix.apply_chain(**{**ok, **args})
+    assert len(ix) == 0 and ix.nodes() == [] and ix.stats()["applied"] == 0
+    assert ix.apply_chain(**ok) is R.APPLIED and ix.lookup(KEYS) == [NodeMatch("a", 6, True)]
+
+
+# ---- property test against a brute force ----
+
+def brute_lookup(model, keys, window, has_full):
+    """The usable-match rule read literally, O(n^2) per node."""
+    out = []
+    for node, pages in model.items():
+        masks = [pages.get(k, 0) for k in keys]
+        for n in range(len(keys), 0, -1):
+            win = range(max(0, n - window), n)
+            need_full = range(n) if has_full else range(0)
+            if all(masks[i] & M.FULL for i in need_full) and all(masks[i] & M.SWA for i in win):
+                dev = all(masks[i] & M.FULL_DEVICE for i in need_full) and \
+                    all(masks[i] & M.SWA_DEVICE for i in win)
+                out.append(NodeMatch(node, n, dev))
+                break
+    return sorted(out, key=lambda m: (-m.pages, not m.device, m.node))
+
+
+# What a node's tree really holds per page (both tiers, tombstones, host-only...), and 0.
+PATTERNS = [FULL_ALL, int(M.FULL_DEVICE | M.SWA_DEVICE), int(M.FULL_HOST | M.SWA_HOST), int(M.FULL_DEVICE),
+            int(M.FULL_HOST), int(M.FULL_DEVICE | M.SWA_HOST), int(M.FULL_HOST | M.SWA_DEVICE), int(M.SWA_DEVICE)]
+MASKS = st.one_of(st.sampled_from(PATTERNS), st.integers(0, 15))
+
+
+@st.composite
+def scenarios(draw):
+    """A few sequences sharing prefixes; each node publishes prefixes of some of them (mostly
+    realistic masks), then random changes and removals, in randomly cut batches."""
+    seqs = [draw(st.lists(st.integers(0, 3), min_size=2, max_size=24))]
+    for _ in range(draw(st.integers(0, 3))):
+        base = draw(st.sampled_from(seqs))
+        cut = draw(st.integers(0, len(base)))
+        seqs.append(base[:cut] + draw(st.lists(st.integers(0, 3), max_size=12)))
+    seq_keys = [KEYER.keys(s) for s in seqs]
+    pages = {}
+    for keys in seq_keys:
+        for d, (k, parent) in enumerate(zip(keys, [KEYER.root] + keys[:-1])):
+            pages[k] = (parent, d)
+    page_keys = sorted(pages)
+    batches = []                                      # (node, cleared, [(key, mask)])
+    for node in draw(st.lists(st.sampled_from("abcde"), min_size=1, max_size=4, unique=True)):
+        evs = []
+        for keys in draw(st.lists(st.sampled_from(seq_keys), max_size=2)):
+            held = keys[:draw(st.integers(0, len(keys)))]
+            evs += zip(held, draw(st.lists(MASKS, min_size=len(held), max_size=len(held))))
+        evs += draw(st.lists(st.tuples(st.sampled_from(page_keys), st.sampled_from([0, *PATTERNS])), max_size=4))
+        cuts = sorted(draw(st.sets(st.integers(0, len(evs)), max_size=3)) | {len(evs)})
+        for lo, hi in zip([0] + cuts, cuts):
+            batches.append((node, draw(st.integers(0, 5)) == 0, evs[lo:hi], False))
+        for keys in draw(st.lists(st.sampled_from(seq_keys), max_size=2)):   # chains, as after a put
+            hi = draw(st.integers(0, len(keys)))
+            lo = draw(st.integers(0, hi))
+            mask = draw(st.sampled_from([0, *PATTERNS]))
+            batches.append((node, draw(st.integers(0, 5)) == 0, [(k, mask) for k in keys[lo:hi]], True))
+    draw(st.randoms(use_true_random=False)).shuffle(batches)   # nodes interleave; per node, seq order
+    window = draw(st.integers(0, 4))
+    has_full = draw(st.booleans()) or window == 0
+    return seq_keys, pages, batches, window, has_full
+
+
+def build(pages, batches):
+    """EventBatches with per-node seq numbers, and the model of what each node holds."""
+    seq, model, out = {}, {}, []
+    for node, cleared, evs, _ in batches:
+        held = model.setdefault(node, {})
+        if cleared:
+            held.clear()
+        for k, m in evs:
+            held[k] = m
+            if not m:
+                del held[k]
+        states = tuple(PageState(k, *pages[k], m) for k, m in evs)
+        out.append(EventBatch(node, 3, seq.setdefault(node, 0), states, cleared))
+        seq[node] += 1
+    return out, model, seq
+
+
+def chain_args(b, pages):
+    """apply_chain's arguments for an EventBatch of one chain of pages, all with one mask."""
+    keys = [p.key for p in b.pages]
+    parent, depth = pages[keys[0]] if keys else (KEYER.root, 0)
+    return b.node, b.epoch, b.seq, keys, depth, parent, b.pages[0].mask if keys else 1, b.cleared
+
+
+def answers(ix, seq_keys):
+    return [ix.lookup(keys[:n]) for keys in seq_keys for n in range(1, len(keys) + 1)]
+
+
+@given(scenarios(), st.randoms(use_true_random=False))
+def test_lookup_equals_brute_force(scenario, rnd):
+    seq_keys, pages, raw, window, has_full = scenario
+    events, model, next_seq = build(pages, raw)
+    ix = PrefixIndex(window, has_full)
+    assert all(ix.apply(b) is R.APPLIED for b in events)
+    expected = [brute_lookup(model, keys[:n], window, has_full)
+                for keys in seq_keys for n in range(1, len(keys) + 1)]
+    assert answers(ix, seq_keys) == expected
+    assert {n: {k: p.mask for k, p in ix.node_pages(n).items()} for n in ix.nodes()} == model
+    assert len(ix) == len(set().union(*model.values()))
+    # duplicates, in any order, change nothing
+    rnd.shuffle(events)
+    assert all(ix.apply(b) is R.DUPLICATE for b in events)
+    assert answers(ix, seq_keys) == expected
+    # a gap changes nothing either; the snapshot the caller then fetches restores the truth
+    node = rnd.choice(sorted(model))
+    wipe = tuple(PageState(k, *pages[k], 0) for k in pages)
+    assert ix.apply(EventBatch(node, 3, next_seq[node] + 1, wipe)) is R.NEED_SNAPSHOT
+    assert answers(ix, seq_keys) == expected
+    snap = tuple(PageState(k, *pages[k], m) for k, m in model[node].items())
+    assert ix.load_snapshot(Snapshot(node, 3, next_seq[node] + 1, snap)) is R.APPLIED
+    assert answers(ix, seq_keys) == expected
+    # the chains applied with apply_chain instead of their EventBatches: the same index
+    events, _, _ = build(pages, raw)
+    cx = PrefixIndex(window, has_full)
+    for b, (*_, is_chain) in zip(events, raw):
+        assert (cx.apply_chain(*chain_args(b, pages)) if is_chain else cx.apply(b)) is R.APPLIED
+    assert answers(cx, seq_keys) == expected
+    assert {n: cx.node_pages(n) for n in cx.nodes()} == {n: ix.node_pages(n) for n in ix.nodes()}
+    assert all(cx.page_meta(k) == ix.page_meta(k) for k in pages) and len(cx) == len(ix)
+    assert all(cx.apply_chain(*chain_args(b, pages)) is R.DUPLICATE for b, r in zip(events, raw) if r[3])

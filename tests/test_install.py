@@ -1,0 +1,121 @@
+"""The distribution installs one top-level package, `kvfabric`, whose subpackages are the
+repository's layer folders; a user's environment that already has `fabric` (the SSH
+library) keeps it, and gets ours beside it."""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ("fabric", "transport", "actors", "deploy")
+SOURCES = ("kvfabric", *LAYERS, "pyproject.toml", "README.md")
+
+
+def _pyproject() -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def _folders() -> set[str]:
+    found = {"kvfabric"}
+    for layer in LAYERS:
+        for init in (ROOT / layer).rglob("__init__.py"):
+            found.add("kvfabric." + ".".join(init.parent.relative_to(ROOT).parts))
+    return found
+
+
+def test_every_package_folder_is_listed_and_mapped():
+    setuptools = _pyproject()["tool"]["setuptools"]
+    assert set(setuptools["packages"]) == _folders()
+    assert setuptools["package-dir"] == {"kvfabric": "kvfabric",
+                                         **{f"kvfabric.{layer}": layer for layer in LAYERS}}
+
+
+def _run(cmd: list, cwd: Path, timeout: float = 300,
+         pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """Our wheel, built from a copy of the sources (the checkout gets no build folders)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            src.mkdir(exist_ok=True)
+            shutil.copy2(path, src / name)
+    out = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                "-w", tmp / "dist", src], cwd=tmp)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (built,) = (tmp / "dist").glob("*.whl")
+    return built
+
+
+def test_the_wheel_holds_kvfabric_only(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        entry_points = next(z.read(n).decode() for n in names if n.endswith("entry_points.txt"))
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"kvfabric"}
+    assert "kvfabric/fabric/cache/node_cache.py" in names
+    assert "kvfabric/deploy/sim/traces/conversation_trace.jsonl" in names
+    assert not any(n.startswith(("benchmarks/", "tests/", "kvfabric/benchmarks/")) for n in names)
+    assert "kvfabric = kvfabric.deploy.cli.main:main" in entry_points
+    assert "kvfabric = kvfabric.deploy.chaos.pytest_plugin" in entry_points
+
+
+CHECK = """
+import fabric, kvfabric, kvfabric.fabric
+from kvfabric import NodeCache, KVLayout, PoolName, PoolCapacity
+from kvfabric.deploy.sim.trace import load_trace
+assert fabric.Connection.__module__.startswith("fabric."), "fabric is the SSH library"
+assert "site-packages" in kvfabric.fabric.__file__, kvfabric.fabric.__file__
+layout = KVLayout(layers=("full",), kv_heads=1, head_dim=4, page_size=2)
+cache = NodeCache(layout, {PoolName.FULL: PoolCapacity(device=4, host=0)}, store_bytes=False)
+cache.put([1, 2, 3, 4], None, "ns")
+assert cache.match([1, 2, 3, 4], "ns").pages == 2
+assert len(load_trace()) > 0
+print("ok")
+"""
+
+
+def test_installs_beside_the_fabric_ssh_library(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    made = _run([sys.executable, "-m", "venv", venv], cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    py = venv / "bin" / "python"
+    ssh = _run([py, "-m", "pip", "install", "-q", "fabric==3.2.3"], cwd=tmp_path)
+    if ssh.returncode != 0:
+        pytest.skip(f"the package index is out of reach: {ssh.stderr.strip()[-300:]}")
+    # Our dependencies (torch, ray, ...) come from the test's environment, after the
+    # fresh venv's own packages, so `fabric` there stays the SSH library.
+    site = Path(_run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                     cwd=tmp_path).stdout.strip())
+    (site / "zz_test_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    # Not installed, the source tree on sys.path (as a Ray runtime_env working_dir puts it).
+    from_tree = _run([py, "-c", "import kvfabric.deploy.serve.app as m; print(m.__file__)"],
+                     cwd=tmp_path, pythonpath=ROOT)
+    assert from_tree.returncode == 0, from_tree.stderr[-3000:]
+    assert from_tree.stdout.strip() == str(ROOT / "deploy" / "serve" / "app.py")
+    ours = _run([py, "-m", "pip", "install", "-q", "--no-deps", wheel], cwd=tmp_path)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    checked = _run([py, "-c", CHECK], cwd=tmp_path)
+    assert checked.returncode == 0 and checked.stdout.strip() == "ok", checked.stderr[-3000:]
+    helped = _run([venv / "bin" / "kvfabric", "--help"], cwd=tmp_path)
+    assert helped.returncode == 0 and "demo" in helped.stdout, helped.stderr[-2000:]
+    bench = _run([venv / "bin" / "kvfabric", "bench", "radix"], cwd=tmp_path)
+    assert bench.returncode == 2 and "source checkout" in bench.stderr, bench.stderr[-2000:]
