@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/kvfabric demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)

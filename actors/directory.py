@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvfabric.fabric import LoadTracker, RouteTable
 from kvfabric.fabric.index.balance import chance_target

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--engine", choices=("reference", "vllm"), default="reference",
                     help="reference: the bit-exact reference model; vllm: vLLM under Ray Serve LLM")
-    up.add_argument("--args", default="{}", help="app args as JSON, or @FILE of JSON (kvfabric.deploy.serve.app.AppArgs; "
+    up.add_argument("--args", default="{}",
+                    help="app args as JSON, or @FILE of JSON (kvfabric.deploy.serve.app.AppArgs; "
                     "with --engine vllm, kvfabric.deploy.vllm.serve_llm.LLMAppArgs)")
     up.add_argument("--tenants", metavar="FILE", help="the tenant table: API keys and the namespaces "
                     "each may use (JSON or YAML; deploy/serve/tenants.py); the same path on every node")

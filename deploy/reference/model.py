@@ -63,7 +63,8 @@ class ModelConfig:
             raise ModelConfigError(f"n_heads {self.n_heads} must be a multiple of kv_heads {self.kv_heads}")
         if self.head_dim % 2:
             raise ModelConfigError(f"rotary positions need an even head_dim, got {self.head_dim}")
-        if not isinstance(self.layers, (tuple, list)) or not all(isinstance(k, str) and k in _KINDS for k in self.layers):
+        ok = isinstance(self.layers, (tuple, list)) and all(isinstance(k, str) and k in _KINDS for k in self.layers)
+        if not ok:
             raise ModelConfigError(f"layers must be a sequence of {_KINDS}, got {self.layers!r}")
         object.__setattr__(self, "layers", tuple(self.layers))      # hashable, like the default
         if not is_int(self.window) or self.window < 0:

@@ -98,7 +98,8 @@ def check_invariants(cache: "NodeCache") -> None:
                 leaked, unallocated = sorted(used - held)[:8], sorted(held - used)[:8]
                 _fail(f"{name}: pages used but owned by nobody {leaked}, owned but not allocated {unallocated}")
             if tree.owned[tier][entry.name] != owned[tier][entry.name]:
-                _fail(f"{name}: tree counts {tree.owned[tier][entry.name]} owned pages, found {owned[tier][entry.name]}")
+                _fail(f"{name}: tree counts {tree.owned[tier][entry.name]} owned pages, "
+                      f"found {owned[tier][entry.name]}")
             if tree.protected[tier][entry.name] != protected[tier][entry.name]:
                 _fail(f"{name}: tree counts {tree.protected[tier][entry.name]} protected pages, "
                       f"found {protected[tier][entry.name]}")

@@ -17,7 +17,8 @@ from operator import and_, or_
 from typing import Sequence
 
 from kvfabric.fabric.index.admission import Admission, ApplyResult
-from kvfabric.fabric.index.events import (KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot, check_header,
+from kvfabric.fabric.index.events import (KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot,
+                                          check_header,
                            check_pages)
 
 # Bits of a node's nibble: FULL on either tier, FULL on device, SWA on either, SWA on device.

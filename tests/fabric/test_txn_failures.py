@@ -8,7 +8,7 @@ outcome, with the pages an unknown reader error may still write quarantined."""
 import torch
 from hypothesis import given, strategies as st
 
-from kvfabric.fabric import (FetchOutcome, LeaseTable, NodeCache, PageAudit, PoolCapacity, PoolName, ReadFailed,
+from kvfabric.fabric import (FetchOutcome, LeaseTable, NodeCache, PageAudit, PoolCapacity, ReadFailed,
                     Tier, TierConfig, WritePolicy, export_prefix, import_prefix)
 from tests.inject import CAN_RAISE_AFTER, EXCEPTIONS, Plan, Step, injecting
 from tests.kvgen import prefix_kv
