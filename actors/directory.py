@@ -379,11 +379,8 @@ class FabricDirectory:
             for report in ray.get([s.load_report.remote() for s in shards], timeout=timeout_s):
                 load.merge(report)
             lookups = chance_target(target, load.lookups, sigmas) or target
-            fullest = load.fullest_if_uneven(lookups, target)
-            if fullest is not None:
-                regions = ray.get(shards[fullest].entry_regions.remote(current.encode()), timeout=timeout_s)
-                load.record_entries(fullest, load.entries[fullest], regions)
-            planned = load.plan(current, lookups, target)
+            planned = load.plan(current, lookups, target, regions_of=lambda i: ray.get(
+                shards[i].entry_regions.remote(current.encode()), timeout=timeout_s))
             if planned is None:
                 return False
             # Shards first: no client can hold a table newer than every shard knows, so a

@@ -23,7 +23,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .routes import RouteTable
 from .splits import Split, plan_split
@@ -170,13 +170,20 @@ class LoadTracker:
     def entries_max_over_mean(self) -> float:
         return _max_over_mean(self.entries)
 
-    def plan(self, routes: RouteTable, target: float,
-             entries_target: float | None = None) -> tuple[RouteTable, Split] | None:
+    def plan(self, routes: RouteTable, target: float, entries_target: float | None = None,
+             regions_of: Callable[[int], Regions] | None = None) -> tuple[RouteTable, Split] | None:
         """The routes after one split, if lookups are more uneven than `target`, or
-        else entries more uneven than `entries_target` (default: `target`)."""
+        else entries more uneven than `entries_target` (default: `target`).
+
+        `regions_of(shard)`: that shard's entries per region, asked of the fullest shard
+        only when an entries split is what the plan needs (it costs a pass over its keys).
+        The one rebalance decision, in process (ShardedIndex) or over actors (the directory)."""
         if self.shards == 1:
             return None
         entries_target = target if entries_target is None else entries_target
+        fullest = self.fullest_if_uneven(target, entries_target)
+        if fullest is not None and regions_of is not None:
+            self.record_entries(fullest, self.entries[fullest], regions_of(fullest))
         for counts, regions, bound in ((self.lookups, self.regions, target),
                                        (self.entries, self.entry_regions, entries_target)):
             if _max_over_mean(counts) > bound:

@@ -61,11 +61,8 @@ class ShardedIndex:
         Returns the split (the routes already changed: resend snapshots), or None."""
         for i, shard in enumerate(self.shards):
             self.load.entries[i] = len(shard)
-        fullest = self.load.fullest_if_uneven(target, entries_target)
-        if fullest is not None:
-            regions = entries_by_region(self.shards[fullest], self.routes)
-            self.load.record_entries(fullest, len(self.shards[fullest]), regions)
-        planned = self.load.plan(self.routes, target, entries_target)
+        planned = self.load.plan(self.routes, target, entries_target,
+                                 regions_of=lambda i: entries_by_region(self.shards[i], self.routes))
         if planned is None:
             return None
         self.routes, split = planned
