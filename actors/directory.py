@@ -244,14 +244,20 @@ class FabricDirectory:
         if self.get_routes() != routes:      # a split landed in between: catch up
             ray.get(actor.reroute.remote(self.get_routes()), timeout=timeout_s)
 
+    def join(self, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        """Bring node actor `name` in, in the one join order: attach it to the index
+        first (once registered, a node is taken to be in the index), then register it
+        and connect it with its peers both ways."""
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+        self.attach(name, timeout_s)
+        meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
+        connect_peers(name, actor, meta, self.register(name, meta), timeout_s)
+
     def _rejoin(self, name: str, timeout_s: float) -> bool:
         """Attach a restarted node actor to the index and reconnect it with its peers."""
         try:
-            actor = ray.get_actor(name, namespace=NAMESPACE)
             self._forget(name, timeout_s)      # its old process is dead: what it held drops
-            self.attach(name, timeout_s)
-            meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
-            connect_peers(name, actor, meta, self.register(name, meta), timeout_s)
+            self.join(name, timeout_s)
             return True
         except (RayError, ValueError) as e:
             log.warning("rejoining %s failed (next pass retries): %s", name, e)
@@ -295,13 +301,9 @@ class FabricDirectory:
             with self._lock:
                 self._joining.add(name)
             try:
-                actor = existing(name)        # one an earlier pass started but did not finish
-                if actor is None:
-                    _, actor = place_node_actor(node["NodeID"], self.config, self.cpus_per_actor)
-                # Publishing first: once registered, a node is taken to be in the index.
-                self.attach(name, timeout_s)
-                meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
-                connect_peers(name, actor, meta, self.register(name, meta), timeout_s)
+                if existing(name) is None:     # else one an earlier pass started but did not finish
+                    place_node_actor(node["NodeID"], self.config, self.cpus_per_actor)
+                self.join(name, timeout_s)
                 added.append(name)
             except (RayError, ValueError) as e:
                 log.warning("adding a node actor on %s failed (next pass retries): %s", node["NodeID"], e)

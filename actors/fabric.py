@@ -49,9 +49,8 @@ def start(config: NodeConfig, shards: int = 4, cpus_per_actor: float = 0.25,
                     .remote(i, shards, window, has_full, fingerprint) for i in range(shards)]
     nodes = dict(place_node_actor(n["NodeID"], config, cpus_per_actor) for n in ray.nodes() if n["Alive"])
     ray.get([s.noop.remote() for s in shard_actors], timeout=timeout_s)
-    for name, actor in nodes.items():
-        join(directory, name, actor, timeout_s)
-        ray.get(directory.attach.remote(name), timeout=timeout_s)
+    for name in nodes:
+        join(directory, name, timeout_s)
     if watch_s > 0:
         ray.get(directory.watch.remote(watch_s), timeout=timeout_s)
     return Fabric(directory, nodes, shard_actors)

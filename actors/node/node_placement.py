@@ -23,11 +23,11 @@ def place_node_actor(ray_node_id: str, config: NodeConfig, cpus: float):
                                         num_cpus=cpus, scheduling_strategy=strategy).remote(name, config)
 
 
-def join(directory, name: str, actor, timeout_s: float = CALL_TIMEOUT_S) -> None:
-    """Register a node and connect it and its peers both ways."""
-    meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
-    others = ray.get(directory.register.remote(name, meta), timeout=timeout_s)
-    connect_peers(name, actor, meta, others, timeout_s)
+def join(directory, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    """Have the directory bring node actor `name` in (FabricDirectory.join: the one join
+    order). Each of its steps is bounded by `timeout_s`; so is the whole, by their count."""
+    peers = len(ray.get(directory.node_names.remote(), timeout=timeout_s))
+    ray.get(directory.join.remote(name, timeout_s), timeout=timeout_s * (4 + peers))
 
 
 def connect_peers(name: str, actor, meta: bytes, others: dict[str, bytes], timeout_s: float) -> None:

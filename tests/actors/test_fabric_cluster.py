@@ -99,7 +99,7 @@ def test_source_killed_mid_fetch_leaves_the_destination_clean(fabric):
     hanging = dataclasses.replace(CONFIG, faults=FaultPlan([Fault(FaultKind.HANG)]))
     dest = NodeCacheActor.options(name="kvf-node-chaos", namespace="kvfabric", num_cpus=0.1).remote(
         "kvf-node-chaos", hanging)
-    join(fabric.directory, "kvf-node-chaos", dest, timeout_s=T)
+    join(fabric.directory, "kvf-node-chaos", timeout_s=T)
     # The drop below happens when the test says (the watcher would race the checks before it).
     assert ray.get(fabric.directory.stop_watching.remote(wait_s=T / 2), timeout=T)
     source = fabric.nodes.pop(source_name)
@@ -442,7 +442,7 @@ def test_a_restarted_node_whose_clock_stepped_back_is_still_accepted(fabric):
     actor = ray.remote(ClockSteppedBack).options(name=name, namespace="kvfabric", num_cpus=0.1,
                                                  max_restarts=-1).remote(name, CONFIG)
     try:
-        join(fabric.directory, name, actor, timeout_s=T)
+        join(fabric.directory, name, timeout_s=T)
         client = FabricClient.connect(timeout_s=10.0)
         first = list(range(95_000, 95_000 + 2 * 16))
         ray.get(actor.put.remote(first, prefix_kv(LAYOUT, first), NS), timeout=T)
@@ -450,7 +450,7 @@ def test_a_restarted_node_whose_clock_stepped_back_is_still_accepted(fabric):
         def found(tokens):
             ray.get(actor.flush.remote(), timeout=T)
             return [m.node for m in client.lookup(tokens, NS)] == [name]
-        eventually(lambda: found(first))                 # the watcher attached it
+        eventually(lambda: found(first))                 # join attached it
         ray.kill(actor, no_restart=False)
         eventually(lambda: client.lookup(first, NS) == [])
         second = list(range(96_000, 96_000 + 2 * 16))
