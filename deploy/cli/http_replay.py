@@ -91,7 +91,8 @@ class Client:
     def complete(self, model: str, tokens: list[int], max_tokens: int, cache: bool,
                  namespace: str | None) -> Served:
         """One completion; `namespace` None: the default of this client's API key."""
-        ext = {"cache": cache} | ({"namespace": namespace} if namespace is not None else {})
+        # Outputs are compared bit for bit: every step's logits, hashed by the server.
+        ext = {"cache": cache, "logits_digest": True} | ({"namespace": namespace} if namespace is not None else {})
         body = json.dumps({"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
                            "kvfabric": ext})
         self.conn.request("POST", "/v1/completions", body, self.headers)

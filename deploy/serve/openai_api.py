@@ -54,6 +54,9 @@ class KVFabricOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     namespace: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
     cache: bool = True           # the namespace must be one the caller's API key grants
+    # Answer a hash of every step's logits, to check outputs bit for bit (the demo and
+    # the chaos harness ask): it keeps and copies every step's logits, so only on request.
+    logits_digest: bool = False
 
 
 class CompletionRequest(BaseModel):
@@ -122,7 +125,7 @@ class KVFabricInfo(BaseModel):
     fetch: PrefixFetch
     ttft_ms: float
     node: str
-    logits_digest: str
+    logits_digest: str              # "" unless the request asked for it
     token_ids: list[int]
     retries: int = 0                # replicas that died under it; the ingress retried elsewhere
 
@@ -307,7 +310,8 @@ def build_fastapi(backend: Backend, model_name: str, model_config: ModelConfig,
         opts = req.kvfabric or KVFabricOptions()
         gen = GenerateRequest(tokens=tuple(ids), max_tokens=max_tokens,
                               namespace=auth.namespace(tenant, opts.namespace),
-                              use_cache=opts.cache, arrival_s=arrival)
+                              use_cache=opts.cache, arrival_s=arrival,
+                              logits_digest=opts.logits_digest)
         try:
             result = await backend.generate(gen)
             body = _completion(result, model_name, tokenizer)

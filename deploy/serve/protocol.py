@@ -17,6 +17,7 @@ class GenerateRequest:
     namespace: str               # tenant: caches never match across namespaces
     use_cache: bool = True       # False: neither read nor fill any cache (the baseline)
     arrival_s: float = 0.0       # time.time() when the ingress received it (for TTFT)
+    logits_digest: bool = False  # answer GenerateResult.logits_digest (costs every step's logits)
 
 
 class PrefixFetch(str, Enum):
@@ -38,6 +39,6 @@ class GenerateResult:
     fetch: PrefixFetch
     ttft_s: float                # arrival at the ingress to the first token
     node: str                    # the node actor whose cache served it
-    logits_digest: str = ""      # hash of every step's logits: equal outputs, bit for bit
+    logits_digest: str = ""      # hash of every step's logits, when asked: equal outputs, bit for bit
     retries: int = 0             # replicas that died under it before this one answered
     extra: dict = field(default_factory=dict)

@@ -146,16 +146,17 @@ class ModelServer:
         waited = max(0.0, time.time() - req.arrival_s) if req.arrival_s else 0.0
         fetched_before = engine.stats.fetched_bytes
         try:
-            g = engine.generate(req.tokens, req.max_tokens, req.namespace, return_logits=True)
+            g = engine.generate(req.tokens, req.max_tokens, req.namespace, return_logits=req.logits_digest)
         except (RayError, GetTimeoutError):
             # The node's cache actor failed mid-request: serve it uncached, never fail it.
-            g = self.uncached.generate(req.tokens, req.max_tokens, req.namespace, return_logits=True)
+            g = self.uncached.generate(req.tokens, req.max_tokens, req.namespace, return_logits=req.logits_digest)
         if g.fetch in (PrefixFetch.FETCHED, PrefixFetch.FAILED):
             self._learn_fetch_cost(self.remote.last_fetch_s)
         ttft = waited + g.ttft_s
         self.metrics.record(g, engine.stats.fetched_bytes - fetched_before, self.remote.last_fetch_s, ttft)
         return GenerateResult(g.tokens, g.prompt_tokens, g.cached_tokens, g.device_tokens, g.host_tokens,
-                              g.remote_tokens, g.fetch, ttft, self.node, _digest(g.logits or []))
+                              g.remote_tokens, g.fetch, ttft, self.node,
+                              _digest(g.logits) if g.logits is not None else "")
 
     def _learn_fetch_cost(self, seconds: float) -> None:
         """Move the cost model's fixed fetch overhead toward what fetches really take."""

@@ -43,8 +43,9 @@ class EngineBackend:
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         self.calls.append(req)
-        g = self.engine.generate(req.tokens, req.max_tokens, req.namespace, return_logits=True)
-        digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in g.logits)).hexdigest()[:16]
+        g = self.engine.generate(req.tokens, req.max_tokens, req.namespace, return_logits=req.logits_digest)
+        digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in g.logits)).hexdigest()[:16] \
+            if req.logits_digest else ""
         return GenerateResult(g.tokens, g.prompt_tokens, g.cached_tokens, g.cached_tokens, 0, 0,
                               g.fetch, g.ttft_s, "node-0", digest)
 
@@ -122,7 +123,7 @@ def test_string_prompt_matches_the_engine():
     prompt = TOK.encode("Hello, fabric")
     want = Engine(MODEL).generate(prompt, 5).tokens
     ext = body["kvfabric"]
-    assert ext["token_ids"] == want and ext["node"] == "node-0" and ext["logits_digest"]
+    assert ext["token_ids"] == want and ext["node"] == "node-0" and ext["logits_digest"] == ""
     assert ext["cached_tokens"] == 0 and ext["fetch"] == "none" and ext["ttft_ms"] >= 0
     choice = body["choices"][0]
     assert choice == {"index": 0, "text": TOK.decode(want), "finish_reason": "length", "logprobs": None}
@@ -131,6 +132,11 @@ def test_string_prompt_matches_the_engine():
     [req] = backend.calls
     assert req.tokens == tuple(prompt) and req.max_tokens == 5
     assert req.namespace == "default" and req.use_cache and abs(req.arrival_s - time.time()) < 60
+    assert not req.logits_digest
+    r = post(client_for(backend), {"model": NAME, "prompt": "Hello, fabric", "max_tokens": 5,
+                                   "kvfabric": {"logits_digest": True}})
+    assert r.status_code == 200 and backend.calls[-1].logits_digest
+    assert len(r.json()["kvfabric"]["logits_digest"]) == 16
 
 
 def test_token_list_prompt_and_namespaces():
@@ -210,6 +216,7 @@ BAD = [
     (ok(user="u" * 300), 400, "invalid_body", "user"),
     (ok(kvfabric={"namespace": ""}), 400, "invalid_body", "kvfabric.namespace"),
     (ok(kvfabric={"cache": "yes"}), 400, "invalid_body", "kvfabric.cache"),
+    (ok(kvfabric={"logits_digest": 1}), 400, "invalid_body", "kvfabric.logits_digest"),
     (ok(kvfabric={"tier": "device"}), 400, "invalid_body", "kvfabric.tier"),
     (ok(kvfabric=[]), 400, "invalid_body", "kvfabric"),
     ({"prompt": "hi"}, 400, "invalid_body", "model"),

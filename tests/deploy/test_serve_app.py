@@ -82,6 +82,7 @@ def test_without_keys_every_caller_is_one_tenant(endpoint):
     while (anon := served(body, {}))["cached_tokens"] < len(p) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert anon["cached_tokens"] == len(p)
+    assert anon["logits_digest"] == ""        # not asked for: the server kept no logits
     other = served(body | {"user": "tenant-a"}, {"Authorization": "Bearer sk-anything-0123456789"})
     assert other["cached_tokens"] == len(p) and other["token_ids"] == anon["token_ids"]
     for path in ("/openapi.json", "/docs", "/redoc"):
