@@ -13,7 +13,6 @@ from typing import Callable, Iterator
 from unittest import mock
 
 from kvfabric.fabric import AllocationFaults, LeaseTable, NodeCache, Transaction
-import kvfabric.fabric.exchange.fetch
 
 
 class Injected(Exception):
@@ -128,8 +127,7 @@ def injecting(plan: Plan, cache: NodeCache, leases: LeaseTable | None = None) ->
             name = plan.step.value
             stack.enter_context(mock.patch.object(Transaction, name, inj.wrap(getattr(Transaction, name))))
         elif plan.step == Step.CHECKSUM:
-            stack.enter_context(mock.patch.object(kvfabric.fabric.exchange.fetch, "page_checksums",
-                                                  inj.wrap(kvfabric.fabric.exchange.fetch.page_checksums)))
+            stack.enter_context(mock.patch.object(cache, "checksums", inj.wrap(cache.checksums)))
         elif plan.step == Step.LEASE and leases is not None:
             stack.enter_context(mock.patch.object(leases, "grant", inj.wrap(leases.grant)))
         yield inj

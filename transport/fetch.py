@@ -16,10 +16,10 @@ def pool_name(pool: PoolName) -> str:
 
 def register_device_pools(transport: Transport, cache: NodeCache) -> None:
     """Register every device pool of `cache` (peers read device pages only)."""
-    for entry in cache.registry:
-        if entry.device.data is None or entry.device.capacity == 0:
-            raise ValueError(f"pool {entry.name.name} holds no bytes to register")
-        transport.register_pool(pool_name(entry.name), entry.device.data)
+    for pool, data in cache.device_pools().items():
+        if data is None or data.shape[0] == 0:
+            raise ValueError(f"pool {pool.name} holds no bytes to register")
+        transport.register_pool(pool_name(pool), data)
 
 
 class TransportReader:

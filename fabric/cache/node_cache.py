@@ -9,6 +9,8 @@ import torch
 
 from .check import PageAudit, check_invariants, page_audit, snapshot as cache_snapshot
 from .eviction import Evictor, prune_unlocked
+from .exports import DEVICE_ONLY, Exports
+from .page_views import PageViews
 from .faults import AllocationFaults
 from .insert import Inserts
 from .keys import KeyerCache, PageKeyer, encode_tokens
@@ -26,7 +28,6 @@ from .txn import ReservationFailed, Transaction
 
 # Enum members read once: each `Tier.DEVICE` on a hot path is a Python-level lookup.
 DEVICE = Tier.DEVICE
-DEVICE_ONLY = (Tier.DEVICE,)
 # Evicting for a reservation also frees 1/EVICTION_BATCH of the pool, so that the walk over
 # the tree that finds candidates is paid once per that many pages, not once per insert.
 EVICTION_BATCH = 64
@@ -45,7 +46,7 @@ class CacheStats:
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-class NodeCache(Inserts):
+class NodeCache(Inserts, Exports, PageViews):
     def __init__(self, layout: KVLayout, capacities: Mapping[PoolName, PoolCapacity], *,
                  tier: TierConfig = TierConfig(), device: torch.device | str | None = None,
                  store_bytes: bool = True, copier: PageCopier | None = None,
@@ -274,13 +275,10 @@ class NodeCache(Inserts):
         guard, _ = self._guard_match(match, n)
         path = [x for x in match.path if x.start < n]
         try:
-            needs = {p: groups(path, pol.needed(n)) for p, pol in self.policies.items()}
-            host_only = {(p, x.start + j) for p, groups in needs.items() for x, offs in groups
-                         for j in offs if not x.page_has(j, p, (Tier.DEVICE,))}
-            if not self.tiers.load_back(needs):
+            loaded = self.load_to_device(match, n)
+            if loaded.pages < n:
                 self._stats.load_back_failures += 1
-                n, host_only = self.usable(path, n, (Tier.DEVICE,)), set()
-            host_pages = len({pos for _, pos in host_only})
+            n, host_pages = loaded.pages, loaded.from_host
             self._stats.hit_pages_host += host_pages
             self._stats.hit_pages_device += n - host_pages
             out = self._gather(path, n)

@@ -29,6 +29,11 @@ class AttentionPolicy(ABC):
         """Longest L <= limit such that every page in needed(L) is on one of `tiers`."""
 
     @abstractmethod
+    def exported(self, length: int, skip: int) -> range:
+        """Page positions a peer's fetch of `length` pages reads from this pool, when it
+        holds full KV for the first `skip` pages already."""
+
+    @abstractmethod
     def store_positions(self, length: int, branch: int, first_row: int = 0) -> range | list[int]:
         """Positions to store when inserting `length` pages that branch off at `branch`
         (0: none), of those the caller has rows for (page `first_row` on): a put
@@ -62,6 +67,9 @@ class FullAttentionPolicy(AttentionPolicy):
 
     def needed(self, length: int) -> range:
         return range(length)
+
+    def exported(self, length: int, skip: int) -> range:
+        return range(skip, length)
 
     def usable(self, path: list[TreeNode], limit: int, tiers: tuple[Tier, ...] = TIERS) -> int:
         if len(tiers) == len(TIERS):
@@ -105,6 +113,9 @@ class SlidingWindowPolicy(AttentionPolicy):
 
     def needed(self, length: int) -> range:
         return range(max(0, length - self.window_pages), length)
+
+    def exported(self, length: int, skip: int) -> range:
+        return self.needed(length)      # the window before `length`, whatever is held below it
 
     def usable(self, path: list[TreeNode], limit: int, tiers: tuple[Tier, ...] = TIERS) -> int:
         length = limit

@@ -14,7 +14,6 @@ from typing import Callable, Sequence
 from .grant import ExportGrant
 from kvfabric.fabric.cache.layout import PoolName, Tier
 from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.pages import page_checksums
 from kvfabric.fabric.cache.txn import ReservationFailed
 
 # read(pool, [(source tier, source page)], [destination device page]); raises ReadFailed.
@@ -95,7 +94,7 @@ def _read_and_verify(cache, grant, need, got, read, hold: Callable[[], None]) ->
             hold()
             raise
         try:
-            sums = page_checksums(cache.registry.pool(pool, Tier.DEVICE), dst)
+            sums = cache.checksums(pool, [(Tier.DEVICE, i) for i in dst])
         except Exception:
             return FetchOutcome.TRANSFER_FAILED     # bytes that cannot be checked are never used
         if sums != [s for _, _, s in refs]:

@@ -1,0 +1,71 @@
+"""What a node cache shows the exchange: a matched prefix made device-resident, where
+each of its pages lies, page checksums, and the device pools a transport registers.
+The exchange and the transport use these and never reach the tree, the pools or the
+policies themselves."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from .layout import PoolName, Tier
+from .pages import page_checksums
+from .paths import groups
+from .radix import TIERS
+from .records import Match
+
+if TYPE_CHECKING:
+    from .node_cache import NodeCache
+
+DEVICE_ONLY = (Tier.DEVICE,)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A prefix made device-resident: `pages` usable on the device now (fewer than asked
+    when the device had no room), `from_host` of their positions copied up to get there."""
+    pages: int
+    from_host: int
+
+
+class Exports:
+    """NodeCache's methods for the exchange (a mixin: `self` is the NodeCache)."""
+
+    def load_to_device(self: NodeCache, match: Match, n: int) -> Loaded:
+        """Give what a match of `n` pages needs a device copy (the caller holds it locked)."""
+        path = [x for x in match.path if x.start < n]
+        needs = {p: groups(path, pol.needed(n)) for p, pol in self.policies.items()}
+        from_host = {x.start + j for p, found in needs.items() for x, offs in found for j in offs
+                     if not x.page_has(j, p, DEVICE_ONLY)}
+        if not self.tiers.load_back(needs):
+            return Loaded(self.usable(path, n, DEVICE_ONLY), 0)
+        return Loaded(n, len(from_host))
+
+    def export_spans(self: NodeCache, n: int, skip: int) -> dict[PoolName, range]:
+        """Per pool, the positions a peer's fetch of `n` pages reads (it holds `skip`)."""
+        return {pool: policy.exported(n, skip) for pool, policy in self.policies.items()}
+
+    def locate(self: NodeCache, match: Match, pool: PoolName, span: range) -> list[tuple[Tier, int]]:
+        """Where each page of `span` of `pool` lies: its device copy if any, else the host's."""
+        out = []
+        for node, offsets in groups(match.path, span):
+            for j in offsets:
+                tier = Tier.DEVICE if node.page_has(j, pool, DEVICE_ONLY) else Tier.HOST
+                out.append((tier, node.slots[tier][pool][j]))
+        return out
+
+    def checksums(self: NodeCache, pool: PoolName, pages: Sequence[tuple[Tier, int]]) -> list[int]:
+        """The checksum of each (tier, page index) of `pool`, in order."""
+        out = [0] * len(pages)
+        for tier in TIERS:
+            at = [i for i, (t, _) in enumerate(pages) if t == tier]
+            if at:
+                sums = page_checksums(self.registry.pool(pool, tier), [pages[i][1] for i in at])
+                for i, s in zip(at, sums):
+                    out[i] = s
+        return out
+
+    def device_pools(self: NodeCache) -> dict[PoolName, torch.Tensor | None]:
+        """Each pool's device tensor (None when this cache stores no bytes)."""
+        return {entry.name: entry.device.data for entry in self.registry}

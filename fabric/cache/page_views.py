@@ -1,0 +1,94 @@
+"""Page by page, what a node cache holds and what changed since last asked: the view
+its event publisher (fabric/index/publisher.py) turns into KV events, so that the
+publisher never walks the tree itself."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+from .changes import ChangeLog
+from .layout import PoolName, Tier
+from .radix import ABSENT, TIERS, TreeNode
+
+if TYPE_CHECKING:
+    from .node_cache import NodeCache
+
+# A page and the keys of its path from depth 0 (itself last): what routing needs.
+PageWithPath = tuple["PageView", list[bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class PageView:
+    key: bytes
+    parent: bytes                               # the key before it (a namespace root's for page 0)
+    position: int
+    held: tuple[tuple[PoolName, Tier], ...]     # where its KV is; () for a page that left
+
+
+class PageViews:
+    """NodeCache's methods for its event publisher (a mixin: `self` is the NodeCache)."""
+
+    def track_changes(self: NodeCache, pending_floor: int) -> None:
+        """List changed pages from now on, at most `pending_floor` plus twice the keys
+        held; past that, `take_changes` says to restate everything instead."""
+        tree = self.tree
+        tree.changes = ChangeLog(lambda: pending_floor + 2 * len(tree.by_key))
+
+    def has_changes(self: NodeCache) -> bool:
+        return bool(self.tree.changes)
+
+    def take_changes(self: NodeCache) -> tuple[list[PageWithPath], bool]:
+        """(pages changed since the last call, each once; whether to restate everything
+        instead: then the list is empty). Starts afresh."""
+        tree = self.tree
+        if tree.changes is None:
+            raise RuntimeError("track_changes first")
+        keys, removed, restate = tree.changes.take()
+        paths = _Paths()
+        out = []
+        for key in dict.fromkeys(keys):
+            node = tree.by_key.get(key)
+            node, j = (node, node.keys.index(key)) if node is not None else removed[key]
+            view = _view(node, j) if tree.by_key.get(node.keys[j]) is node else _gone(node, j)
+            out.append((view, paths.of(node, j)))
+        return out, restate
+
+    def held_pages(self: NodeCache) -> Iterator[PageWithPath]:
+        """Every page in the tree, with where its KV is (possibly nowhere)."""
+        paths = _Paths()
+        return ((_view(node, j), paths.of(node, j)) for node in self.tree.nodes() for j in range(node.n))
+
+
+class _Paths:
+    """Page-key paths from depth 0, memoized per node for one call."""
+
+    def __init__(self) -> None:
+        self._memo: dict[int, list[bytes]] = {}
+
+    def of(self, node: TreeNode, offset: int) -> list[bytes]:
+        return self._upto(node.parent) + node.keys[: offset + 1]
+
+    def _upto(self, node: TreeNode | None) -> list[bytes]:
+        if node is None or node.is_root:
+            return []
+        path = self._memo.get(id(node))
+        if path is None:
+            path = self._memo[id(node)] = self._upto(node.parent) + node.keys
+        return path
+
+
+def _parent(node: TreeNode, offset: int) -> bytes:
+    if offset:
+        return node.keys[offset - 1]
+    assert node.parent is not None, "a root holds no pages"
+    return node.parent.keys[-1]
+
+
+def _gone(node: TreeNode, offset: int) -> PageView:
+    return PageView(node.keys[offset], _parent(node, offset), node.start + offset, ())
+
+
+def _view(node: TreeNode, offset: int) -> PageView:
+    held = tuple((pool, tier) for tier in TIERS for pool in PoolName
+                 if (pages := node.slots[tier][pool]) is not None and pages[offset] != ABSENT)
+    return PageView(node.keys[offset], _parent(node, offset), node.start + offset, held)
