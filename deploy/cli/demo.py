@@ -106,7 +106,6 @@ def dataclass_args(app) -> dict:
 
 
 def run(args: argparse.Namespace, app, trace, endpoint):
-    from kvfabric.fabric import PoolName
     from .http_replay import multi_turn_slice, replay, summarize
     from kvfabric.deploy.sim.trace import request_tokens
     requests = multi_turn_slice(trace, args.requests)
@@ -117,10 +116,7 @@ def run(args: argparse.Namespace, app, trace, endpoint):
           f"({sum(map(len, prompts))} prompt tokens), each with caching off and through the fabric",
           file=sys.stderr)
     pairs = replay(endpoint, app.model_name, prompts, args.max_tokens, args.concurrency)   # no keys: one tenant
-    layout = cfg.layout()
-    full = layout.page_bytes(PoolName.FULL) / layout.page_size if PoolName.FULL in layout.pools else 0
-    swa = layout.page_bytes(PoolName.SWA) * layout.window_pages if PoolName.SWA in layout.pools else 0
-    return summarize(pairs, full, swa), pairs
+    return summarize(pairs), pairs
 
 
 def _plot(pairs, where: str) -> Path | None:

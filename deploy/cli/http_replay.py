@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import statistics
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from .cluster import Endpoint
 from kvfabric.deploy.serve.openai_api import KVFabricInfo
 from kvfabric.deploy.serve.protocol import PrefixFetch
 from kvfabric.deploy.sim.trace import TraceRequest
+from kvfabric.deploy.stats import percentile
 
 
 class Served(KVFabricInfo):
@@ -215,9 +215,9 @@ class Report:
         return hits / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def summarize(pairs: list[Pair], full_bytes_per_token: float, swa_bytes_per_fetch: float) -> Report:
-    """Totals and percentiles; bytes moved are estimated from the layout: FULL K/V of
-    every fetched token, plus one SWA window per fetch."""
+def summarize(pairs: list[Pair]) -> Report:
+    """Totals and percentiles; bytes moved as the model servers counted them (one
+    definition: the engine's, PageBytes.fetch of the pages it fetched)."""
     ok = [p for p in pairs if p.baseline and p.fabric]
     fab = [p.fabric for p in ok]
     base = [p.baseline for p in ok]
@@ -230,16 +230,9 @@ def summarize(pairs: list[Pair], full_bytes_per_token: float, swa_bytes_per_fetc
         device_hit_tokens=sum(f.device_tokens for f in fab), host_hit_tokens=sum(f.host_tokens for f in fab),
         remote_hit_tokens=remote, remote_fetches=fetches,
         remote_fetch_failures=sum(f.fetch == PrefixFetch.FAILED for f in fab),
-        remote_bytes=int(remote * full_bytes_per_token + fetches * swa_bytes_per_fetch),
-        ttft_p50_ms_fabric=_pct([f.ttft_ms for f in fab], 50), ttft_p99_ms_fabric=_pct([f.ttft_ms for f in fab], 99),
-        ttft_p50_ms_nocache=_pct([b.ttft_ms for b in base], 50),
-        ttft_p99_ms_nocache=_pct([b.ttft_ms for b in base], 99),
+        remote_bytes=sum(f.fetched_bytes for f in fab),
+        ttft_p50_ms_fabric=percentile([f.ttft_ms for f in fab], 0.5),
+        ttft_p99_ms_fabric=percentile([f.ttft_ms for f in fab], 0.99),
+        ttft_p50_ms_nocache=percentile([b.ttft_ms for b in base], 0.5),
+        ttft_p99_ms_nocache=percentile([b.ttft_ms for b in base], 0.99),
         nodes_used=len({f.node for f in fab}))
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if q < 100 else max(values)

@@ -128,6 +128,7 @@ class KVFabricInfo(BaseModel):
     logits_digest: str              # "" unless the request asked for it
     token_ids: list[int]
     retries: int = 0                # replicas that died under it; the ingress retried elsewhere
+    fetched_bytes: int = 0          # KV bytes its remote fetch moved, as the model server counts them
 
 
 class CompletionResponse(BaseModel):
@@ -341,7 +342,7 @@ def _completion(result: GenerateResult, model_name: str, tokenizer: ByteTokenize
             cached_tokens=result.cached_tokens, device_tokens=result.device_tokens,
             host_tokens=result.host_tokens, remote_tokens=result.remote_tokens, fetch=result.fetch,
             ttft_ms=result.ttft_s * 1e3, node=result.node, logits_digest=result.logits_digest,
-            token_ids=ids, retries=result.retries))
+            token_ids=ids, retries=result.retries, fetched_bytes=result.fetched_bytes))
 
 
 # --- Ray Serve --------------------------------------------------------------------------

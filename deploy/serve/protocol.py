@@ -41,4 +41,5 @@ class GenerateResult:
     node: str                    # the node actor whose cache served it
     logits_digest: str = ""      # hash of every step's logits, when asked: equal outputs, bit for bit
     retries: int = 0             # replicas that died under it before this one answered
+    fetched_bytes: int = 0       # KV bytes its remote fetch moved (the engine's count: PageBytes.fetch)
     extra: dict = field(default_factory=dict)

@@ -153,10 +153,11 @@ class ModelServer:
         if g.fetch in (PrefixFetch.FETCHED, PrefixFetch.FAILED):
             self._learn_fetch_cost(self.remote.last_fetch_s)
         ttft = waited + g.ttft_s
-        self.metrics.record(g, engine.stats.fetched_bytes - fetched_before, self.remote.last_fetch_s, ttft)
+        fetched = engine.stats.fetched_bytes - fetched_before
+        self.metrics.record(g, fetched, self.remote.last_fetch_s, ttft)
         return GenerateResult(g.tokens, g.prompt_tokens, g.cached_tokens, g.device_tokens, g.host_tokens,
                               g.remote_tokens, g.fetch, ttft, self.node,
-                              _digest(g.logits) if g.logits is not None else "")
+                              _digest(g.logits) if g.logits is not None else "", fetched_bytes=fetched)
 
     def _learn_fetch_cost(self, seconds: float) -> None:
         """Move the cost model's fixed fetch overhead toward what fetches really take."""

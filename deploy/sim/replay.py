@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
 from .cluster import Cluster, Mode, SimConfig, SimRequest, make_cluster, prepare
+from kvfabric.deploy.stats import percentile
 
 INDEX_CHECK_SAMPLES = 200
 
@@ -51,10 +52,10 @@ class ModeResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def ttft_ms(self, q: float) -> float:
-        return _percentile(self.ttft_s, q) * 1e3
+        return percentile(self.ttft_s, q) * 1e3
 
     def e2e_ms(self, q: float) -> float:
-        return _percentile(self.e2e_s, q) * 1e3
+        return percentile(self.e2e_s, q) * 1e3
 
     def to_json(self) -> dict:
         out = {"hit_rate": round(self.hit_rate, 4), "prefill_tokens": self.prefill_tokens,
@@ -66,14 +67,6 @@ class ModeResult:
                        shard_load_max_over_mean=_round(self.shard_balance),
                        index_checked=self.index_checked, index_disagreements=self.index_disagreements)
         return out
-
-
-def _percentile(values: list[float], q: float) -> float:
-    """Nearest rank."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def _round(x: float | None, digits: int = 3) -> float | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Callable, Iterator, Sequence
 from kvfabric.deploy.cli.cluster import Endpoint
 from kvfabric.deploy.cli.http_replay import Progress, each_in_threads
 from kvfabric.deploy.sim.trace import TraceRequest, request_tokens
+from kvfabric.deploy.stats import percentile
 
 # Printable ASCII without the characters a tokenizer or JSON might treat specially.
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:-"
@@ -70,12 +70,7 @@ class PassResult:
         return sum(t.cached_tokens for t in self.done)
 
     def ttft_ms(self, q: float) -> float:
-        values = sorted(t.ttft_ms for t in self.done)
-        if not values:
-            return float("nan")
-        if q == 0.5:
-            return statistics.median(values)
-        return values[min(len(values) - 1, int(q * len(values)))]
+        return percentile([t.ttft_ms for t in self.done], q)
 
     def outputs(self) -> dict[tuple[int, int], list[int]]:
         return {(t.conversation, t.turn): t.token_ids for t in self.done}
