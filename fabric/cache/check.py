@@ -56,20 +56,15 @@ def check_invariants(cache: "NodeCache") -> None:
                     continue
                 if len(pages) != node.n or all(p == ABSENT for p in pages):
                     _fail(f"{who} {pool.name}/{tier.name} page list is malformed: {pages}")
-                if pool == PoolName.FULL and ABSENT in pages:
-                    _fail(f"{who} holds full KV on {tier.name} for only part of its run")
                 for j, index in enumerate(pages):
                     if index != ABSENT:
                         claim(pool, tier, index, f"{who} page {j}")
                         owned[tier][pool] += 1
                         protected[tier][pool] += bool(node.locks[pool])
-        if PoolName.FULL in registry:
-            if not node.has(PoolName.FULL):
-                _fail(f"{who} has no full KV on any tier (prefix closure)")
-            parent = node.parent
-            if not parent.is_root and parent.locks[PoolName.FULL] < node.locks[PoolName.FULL]:
-                _fail(f"{who} holds more full locks than its parent")
-        elif not node.children and not any(node.has(p) for p in registry.names):
+        for policy in cache.policies.values():
+            if (fault := policy.node_fault(node)) is not None:
+                _fail(f"{who} {fault}")
+        if not node.children and not any(node.has(p) for p in registry.names):
             _fail(f"{who} is a leaf with no pages")
     if count != tree.node_count:
         _fail(f"tree counts {tree.node_count} nodes, walked {count}")

@@ -73,10 +73,9 @@ class Evictor:
 
 
 def is_dead(pools: tuple[PoolName, ...], node: TreeNode) -> bool:
-    """A node is dead once it lacks full KV (if the layout has full layers) or any KV."""
-    if PoolName.FULL in pools:
-        return not node.has(PoolName.FULL)
-    return not any(node.has(p) for p in pools)
+    """A node is dead once it holds no KV of the pool that keeps nodes alive: the first
+    of the layout's `pools` (full attention's, which sorts first, when there is one)."""
+    return not node.has(pools[0])
 
 
 def prune(tree: RadixTree, pools: tuple[PoolName, ...], node: TreeNode, txn: "Transaction | None",

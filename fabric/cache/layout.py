@@ -79,6 +79,8 @@ class KVLayout:
 
     @property
     def pools(self) -> tuple[PoolName, ...]:
+        """The pools of this layout, FULL first: the first is the one whose pages keep a
+        tree node alive (NodeCache.primary_pool)."""
         present = {_POOL_OF_KIND[k] for k in self.layers}
         return tuple(sorted(present))
 

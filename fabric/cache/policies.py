@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from .layout import KVLayout, PoolName, Tier
-from .radix import TIERS, TreeNode, RadixTree
+from .radix import ABSENT, TIERS, RadixTree, TreeNode
 
 FULL = PoolName.FULL   # read once: enum member lookups are Python-level
 
@@ -27,6 +27,11 @@ class AttentionPolicy(ABC):
     @abstractmethod
     def usable(self, path: list[TreeNode], limit: int, tiers: tuple[Tier, ...] = TIERS) -> int:
         """Longest L <= limit such that every page in needed(L) is on one of `tiers`."""
+
+    def node_fault(self, node: TreeNode) -> str | None:
+        """What is wrong with `node` by this pool's own rules (the invariant checker's
+        question), or None."""
+        return None
 
     @abstractmethod
     def exported(self, length: int, skip: int) -> range:
@@ -89,13 +94,24 @@ class FullAttentionPolicy(AttentionPolicy):
         # Prefix closure: a page without full KV cannot be stored, nor any after it.
         return length if first_row <= matched else matched
 
+    def node_fault(self, node: TreeNode) -> str | None:
+        if any(pages is not None and ABSENT in pages for pages in (node.slots[t][FULL] for t in TIERS)):
+            return "holds full KV on a tier for only part of its run"
+        if not node.has(FULL):
+            return "has no full KV on any tier (prefix closure)"
+        parent = node.parent
+        if parent is not None and not parent.is_root and parent.locks[FULL] < node.locks[FULL]:
+            return "holds more full locks than its parent"
+        return None
+
     def is_evictable(self, node: TreeNode, tier: Tier, keep_copy: bool = False) -> bool:
         s = node.slots
-        if s[tier][PoolName.FULL] is None or node.locks[PoolName.FULL]:
+        if s[tier][FULL] is None or node.locks[FULL]:
             return False
-        if keep_copy or s[1 - tier][PoolName.FULL] is not None:
+        if keep_copy or s[1 - tier][FULL] is not None:
             return True  # demotion: another copy keeps the chain closed
-        return not node.children and not node.locks[PoolName.SWA]
+        # The last copy of a leaf's full KV takes the whole node: no lock of any pool may be on it.
+        return not node.children and not any(node.locks)
 
     def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[Group]:
         return [self.group(n, tier) for n in tree.nodes() if self.is_evictable(n, tier, keep_copy)]

@@ -3,6 +3,7 @@ import torch
 
 from kvfabric.fabric import (AllocationFaults, InvariantError, KVLayout, NodeCache, PoolCapacity, PoolName,
                     Tier, TierConfig, WritePolicy)
+from kvfabric.fabric.cache.radix import ABSENT
 from tests.kvgen import prefix_kv
 
 MIXED = KVLayout(layers=("full", "swa", "full", "swa"), kv_heads=2, head_dim=4, page_size=4, window=8)
@@ -203,6 +204,32 @@ def test_checker_names_violations():
     cache.match(seq(3), NS).path[0].locks[PoolName.FULL] = -1
     with pytest.raises(InvariantError, match="negative"):
         cache.check()
+
+
+def test_checker_names_the_full_attention_rules():
+    """The rules only full attention has (the policy's node_fault), each named."""
+    def broken(corrupt) -> InvariantError:
+        cache = make()
+        put(cache, seq(2))
+        put(cache, seq(4))                      # a child run under the first
+        parent, child = cache.match(seq(4), NS).path
+        corrupt(parent, child)
+        with pytest.raises(InvariantError) as e:
+            cache.check()
+        return e.value
+
+    def tombstone(parent, child):
+        child.slots[Tier.DEVICE][PoolName.FULL][0] = ABSENT
+
+    def no_full(parent, child):
+        child.slots[Tier.DEVICE][PoolName.FULL] = child.slots[Tier.HOST][PoolName.FULL] = None
+
+    def locks(parent, child):
+        child.locks[PoolName.FULL] += 1
+
+    assert "only part of its run" in str(broken(tombstone))
+    assert "prefix closure" in str(broken(no_full))
+    assert "more full locks than its parent" in str(broken(locks))
 
 
 def test_metadata_only_mode():
