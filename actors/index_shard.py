@@ -4,7 +4,7 @@ from __future__ import annotations
 import ray
 
 from kvfabric.fabric import (ApplyResult, EventBatch, EventError, LoadTracker, PrefixIndex, RouteTable, Snapshot,
-                    decode_events)
+                             decode_events)
 from kvfabric.fabric.index.regions import entries_by_region
 from kvfabric.fabric.cache.keys import KEY_BYTES
 from kvfabric.fabric.wire import is_int

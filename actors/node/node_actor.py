@@ -18,8 +18,8 @@ import ray
 import torch
 
 from kvfabric.fabric import (AllocationFaults, CachedKV, CacheStats, EventPublisher, ExportGrant, FetchOutcome,
-                             GrantError, KVLayout,
-                    NodeCache, PoolCapacity, PoolName, RouteTable, Tier, TierConfig, export_prefix, import_prefix)
+                             GrantError, KVLayout, NodeCache, PoolCapacity, PoolName, RouteTable, Tier, TierConfig,
+                             export_prefix, import_prefix)
 from kvfabric.transport import FaultPlan, FaultyTransport, LocalTransport, NixlTransport
 from kvfabric.transport.fetch import TransportReader, probe, register_device_pools
 

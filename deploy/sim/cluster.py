@@ -31,7 +31,7 @@ from typing import Sequence
 from kvfabric.fabric import KVLayout, NodeCache, PageKeyer, PoolCapacity, PoolName
 
 from kvfabric.deploy.placement import (CostModel, FabricScore, NodeView, PageBytes, PowerOfTwo, PrefixAffinity, Prompt,
-                        Request, Router)
+                                       Request, Router)
 from .trace import BLOCK_TOKENS, TraceRequest, request_tokens
 
 NAMESPACE = "trace"

@@ -18,8 +18,7 @@ from typing import Sequence
 
 from kvfabric.fabric.index.admission import Admission, ApplyResult
 from kvfabric.fabric.index.events import (KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot,
-                                          check_header,
-                           check_pages)
+                                          check_header, check_pages)
 
 # Bits of a node's nibble: FULL on either tier, FULL on device, SWA on either, SWA on device.
 _F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8

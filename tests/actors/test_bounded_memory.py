@@ -18,7 +18,7 @@ import pytest
 
 from kvfabric.actors.index_shard import IndexShardActor
 from kvfabric.fabric import (EventPublisher, KeyerCache, KVLayout, LoadTracker, NodeCache, PoolCapacity, PoolName,
-                    RouteTable, ShardedIndex)
+                             RouteTable, ShardedIndex)
 from kvfabric.fabric.index.balance import MAX_CHILDREN, MAX_REGIONS
 
 N = 100_000

@@ -24,9 +24,9 @@ from hypothesis import event, given, strategies as st
 
 from kvfabric.actors.index_shard import IndexShardActor
 from kvfabric.fabric import (ApplyResult, EventBatch, EventError, ExportGrant, FetchOutcome, GrantError, KVLayout,
-                    LeaseTable, NodeCache, PageState, PoolCapacity, PoolName, PoolPages, PrefixIndex,
-                    ReadFailed, Route, RouteError, RouteTable, Snapshot, Tier, TierConfig, decode_events,
-                    export_prefix, import_prefix)
+                             LeaseTable, NodeCache, PageState, PoolCapacity, PoolName, PoolPages, PrefixIndex,
+                             ReadFailed, Route, RouteError, RouteTable, Snapshot, Tier, TierConfig, decode_events,
+                             export_prefix, import_prefix)
 from kvfabric.fabric.index.routes import MAX_SHARDS
 from tests.kvgen import prefix_kv
 from tests.fuzzing import FP, KEY, NEAR, RANDOM, U64, _uint, flipped, fuzz, mutated, typed

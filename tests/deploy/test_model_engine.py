@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 from kvfabric.deploy.reference.engine import CostModel, Engine, RequestError
 from kvfabric.deploy.reference.model import KVState, ModelConfig, TinyLM
 from kvfabric.fabric import (LeaseTable, NodeCache, PoolCapacity, PoolName, Tier, TierConfig, WritePolicy,
-                    export_prefix, import_prefix)
+                             export_prefix, import_prefix)
 from tests.engine_checks import assert_no_nan, assert_same
 
 CONFIG = ModelConfig()          # 4 layers full/swa/full/swa, page 16, window 32 (2 pages)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvfabric.deploy.placement import (CostModel, FabricScore, NodeView, PageBytes, PowerOfTwo, PrefixAffinity, Prompt,
-                              Request, plan)
+                                       Request, plan)
 from kvfabric.fabric import KVLayout, PoolName
 
 COST = CostModel(prefill_tokens_per_s=10_000.0, transfer_bytes_per_s=10e9, fetch_overhead_s=0.002)

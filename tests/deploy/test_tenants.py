@@ -12,7 +12,7 @@ import yaml
 
 import kvfabric.deploy.serve.tenants as tenants_mod
 from kvfabric.deploy.serve.tenants import (MAX_NAME_CHARS, MAX_TABLE_BYTES, Tenant, TenantsError, load_tenants, loads_tenants,
-                            parse_tenants)
+                                           parse_tenants)
 
 KEY_A, KEY_B = "sk-tenant-a-0123456789", "sk-tenant-b-0123456789"
 TABLE = {KEY_A: {"namespaces": ["a", "a-eval"]}, KEY_B: {"namespaces": ["b", "shared"], "default": "shared"}}

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvfabric.fabric import (AllocationFaults, PageAudit, EventPublisher, KVLayout, NodeCache, PageState, PoolCapacity, PoolName,
-                    Tier, TierConfig, WritePolicy, decode_events)
+                             Tier, TierConfig, WritePolicy, decode_events)
 from kvfabric.fabric.cache.paths import groups
 from tests.kvgen import prefix_kv
 

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from kvfabric.fabric import (AllocationFaults, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable,
-                    NodeCache, PoolCapacity, PoolName, ReadFailed, Tier, TierConfig, export_prefix,
-                    import_prefix)
+                             NodeCache, PoolCapacity, PoolName, ReadFailed, Tier, TierConfig, export_prefix,
+                             import_prefix)
 from tests.kvgen import prefix_kv
 
 LAYOUT = KVLayout(layers=("full", "swa", "full"), kv_heads=2, head_dim=4, page_size=4, window=8)

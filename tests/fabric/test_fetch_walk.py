@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvfabric.fabric import (FetchOutcome, KVLayout, LeaseTable, NodeCache, PageAudit, PoolCapacity,
-                    PoolName, ReadFailed, Tier, TierConfig, WritePolicy, export_prefix, import_prefix)
+                             PoolName, ReadFailed, Tier, TierConfig, WritePolicy, export_prefix, import_prefix)
 from tests.kvgen import prefix_kv
 from tests.fabric.test_cache_stateful import family
 

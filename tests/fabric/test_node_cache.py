@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kvfabric.fabric import (AllocationFaults, InvariantError, KVLayout, NodeCache, PoolCapacity, PoolName,
-                    Tier, TierConfig, WritePolicy)
+                             Tier, TierConfig, WritePolicy)
 from kvfabric.fabric.cache.radix import ABSENT
 from tests.kvgen import prefix_kv
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from kvfabric.fabric import (FetchOutcome, LeaseTable, NodeCache, PageAudit, PoolCapacity, ReadFailed,
-                    Tier, TierConfig, WritePolicy, export_prefix, import_prefix)
+                             Tier, TierConfig, WritePolicy, export_prefix, import_prefix)
 from tests.inject import CAN_RAISE_AFTER, EXCEPTIONS, Plan, Step, injecting
 from tests.kvgen import prefix_kv
 from tests.fabric.test_cache_stateful import LAYOUTS, family

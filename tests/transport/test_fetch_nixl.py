@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvfabric.fabric import (ExportGrant, FetchOutcome, KVLayout, LeaseTable, NodeCache, PoolCapacity, PoolName, Tier,
-                    export_prefix, import_prefix)
+                             export_prefix, import_prefix)
 from tests.kvgen import prefix_kv
 from kvfabric.transport import NixlTransport
 from kvfabric.transport.faulty import Fault, FaultKind, FaultPlan, FaultyTransport

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kvfabric.transport import (LocalTransport, NixlTransport, PeerDisconnected, PeerMetadata,
-                       PeerNotConnected, TransferAborted, TransferState, TransferTimeout,
-                       coalesce_order, copy_pages)
+                                PeerNotConnected, TransferAborted, TransferState, TransferTimeout,
+                                coalesce_order, copy_pages)
 
 DEVICE = os.environ.get("KVF_TEST_DEVICE", "cpu")
 # Two pools with different page sizes and dtypes; bytes are random, so compared as bits.

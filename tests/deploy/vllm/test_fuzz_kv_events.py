@@ -17,7 +17,7 @@ vllm_events = pytest.importorskip("vllm.distributed.kv_events")
 import msgspec  # noqa: E402
 
 from kvfabric.deploy.vllm.event_wire import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventError,  # noqa: E402
-                                    KVEventFrame, decode_frame)
+                                             KVEventFrame, decode_frame)
 from tests.fuzzing import NEAR, RANDOM, flipped, fuzz, mutated  # noqa: E402
 
 pytestmark = pytest.mark.fuzz

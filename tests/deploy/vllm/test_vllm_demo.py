@@ -15,7 +15,7 @@ from kvfabric.deploy.cli.demo import parse
 from kvfabric.deploy.cli.http_replay import conversations
 from kvfabric.deploy.sim.trace import load_trace
 from kvfabric.deploy.vllm.conversation_replay import (ALPHABET, PassResult, StreamingClient, Turn, conversation_texts,
-                                             replay_conversations)
+                                                      replay_conversations)
 from kvfabric.deploy.vllm.demo import Report
 
 

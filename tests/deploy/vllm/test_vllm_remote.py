@@ -25,9 +25,9 @@ from kvfabric.deploy.vllm.remote_fetch import Stage  # noqa: E402
 from kvfabric.deploy.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from kvfabric.deploy.vllm.worker_side import WorkerSide  # noqa: E402
 from kvfabric.fabric import (FetchOutcome, NodeCache, NodeMatch, PoolCapacity, Tier, export_prefix,  # noqa: E402
-                    import_prefix)
+                             import_prefix)
 from tests.deploy.vllm.test_vllm_sides import (D, FULL_BLOCKS, H, LAYOUT, NAMES, NB, PLAN, PROMPT, PS,  # noqa: E402
-                                   SWA_BLOCKS, Blocks, LocalNode, Req, Rig, finish_first)
+                                               SWA_BLOCKS, Blocks, LocalNode, Req, Rig, finish_first)
 from kvfabric.transport.staging import StagingSpec  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
