@@ -42,6 +42,11 @@ class Exports:
             return Loaded(self.usable(path, n, DEVICE_ONLY), 0)
         return Loaded(n, len(from_host))
 
+    def back_up(self: NodeCache, match: Match) -> bool:
+        """Copy the matched runs' device pages that lack a host copy to the host tier,
+        whole or not at all (what write-through does after a put, on demand)."""
+        return self.tiers.backup(match.path)
+
     def export_spans(self: NodeCache, n: int, skip: int) -> dict[PoolName, range]:
         """Per pool, the positions a peer's fetch of `n` pages reads (it holds `skip`)."""
         return {pool: policy.exported(n, skip) for pool, policy in self.policies.items()}

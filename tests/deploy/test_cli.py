@@ -10,9 +10,14 @@ def test_demo_serves_a_trace_slice_on_three_nodes_and_matches_uncached_output(ca
     assert main(["demo", "--engine", "reference", "--requests", "9", "--tokens-per-block", "16", "--json", "--plot", str(plot)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["requests"] == 9 and out["failed_requests"] == 0 and out["output_mismatches"] == 0
-    assert out["device_hit_tokens"] + out["host_hit_tokens"] + out["remote_hit_tokens"] > 0
-    for key in ("remote_hit_tokens", "ttft_p50_ms_fabric", "ttft_p50_ms_nocache", "ttft_ratio"):
-        assert key in out
+    hits = out["device_hit_tokens"] + out["host_hit_tokens"] + out["remote_hit_tokens"]
+    assert 0 < hits <= out["prompt_tokens"] and out["hit_rate"] == pytest.approx(hits / out["prompt_tokens"], abs=1e-4)
+    assert (out["remote_fetches"] > 0) == (out["remote_bytes"] > 0) and out["remote_fetches"] <= 9
+    assert 0 < out["ttft_p50_ms_fabric"] <= out["ttft_p99_ms_fabric"]
+    assert 0 < out["ttft_p50_ms_nocache"] <= out["ttft_p99_ms_nocache"]
+    ratio = out["ttft_p50_ms_fabric"] / out["ttft_p50_ms_nocache"]
+    assert out["ttft_ratio"] == pytest.approx(ratio, abs=2e-3)
+    assert 1 <= out["nodes_used"] <= 3
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

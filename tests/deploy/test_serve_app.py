@@ -117,26 +117,42 @@ def test_app_args_are_validated(args):
 
 
 def test_serving_metrics_record_every_kind_of_answer(endpoint):
-    """The Ray metrics a replica exports accept what the engine reports (Ray checks
-    metric names and tags when they are used)."""
+    """What a replica's Ray metrics get for each kind of answer, through the real Ray
+    metrics (which check names and tags when used) in a Ray worker."""
     import ray
 
     @ray.remote(num_cpus=0)
-    def record() -> int:
+    def record() -> dict:
         from kvfabric.deploy.reference.engine import Generation
         from kvfabric.deploy.serve.protocol import PrefixFetch
         from kvfabric.deploy.serve.serving import ServingMetrics
         m = ServingMetrics("kvf-node-test")
+        seen: list = []
+        for label, metric, method in (("hit", m.hit_tokens, "inc"), ("miss", m.miss_tokens, "inc"),
+                                      ("bytes", m.bytes_moved, "inc"), ("rollback", m.rollbacks, "inc"),
+                                      ("fetch_ms", m.fetch_latency, "observe"), ("ttft_ms", m.ttft, "observe")):
+            real = getattr(metric, method)
+
+            def spy(value, tags=None, label=label, real=real):
+                real(value, tags=tags)          # Ray validates; a bad tag raises here
+                seen.append((fetch.value, label, value, tuple(sorted((tags or {}).items()))))
+            setattr(metric, method, spy)
         for fetch in PrefixFetch:
             g = Generation([1], 64, 48, 16, 16, 16, 16, fetch, 4, 0.01, 0.02)
             m.record(g, fetched_bytes=4096 if fetch is PrefixFetch.FETCHED else 0, fetch_s=0.005, ttft_s=0.01)
-        return len(PrefixFetch)
+        return {f: [s[1:] for s in seen if s[0] == f] for f in {s[0] for s in seen}}
 
-    assert ray.get(record.remote(), timeout=120) == 4      # every kind recorded, none refused
+    seen = ray.get(record.remote(), timeout=120)
+    node = ("node", "kvf-node-test")
+    every = [("hit", 16, (node, ("tier", t))) for t in ("device", "host", "remote")] + [("miss", 16, (node,))]
+    assert seen["none"] == seen["skipped"] == every + [("ttft_ms", 10.0, (node,))]
+    assert seen["fetched"] == every + [("bytes", 4096, (node,)), ("fetch_ms", 5.0, (node,)), ("ttft_ms", 10.0, (node,))]
+    assert seen["failed"] == every + [("rollback", 1, (node,)), ("fetch_ms", 5.0, (node,)), ("ttft_ms", 10.0, (node,))]
 
 
-def test_down_removes_the_app_and_the_fabric(endpoint):
-    """Last in this module: it takes everything down."""
+def test_down_removes_the_app_and_the_fabric_and_up_brings_them_back(endpoint):
+    """Takes everything down, then up again on the same port: the other tests do not
+    depend on running before this one."""
     import ray
     from kvfabric.deploy.cli.cluster import down
     killed = down()
@@ -146,3 +162,6 @@ def test_down_removes_the_app_and_the_fabric(endpoint):
         ray.get_actor("kvf-directory", namespace="kvfabric")
     with pytest.raises(OSError):
         urllib.request.urlopen(endpoint.base_url + "/v1/models", timeout=10)
+    assert up(ARGS, port=endpoint.port) == endpoint
+    with urllib.request.urlopen(endpoint.base_url + "/v1/models", timeout=60) as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == [MODEL]

@@ -9,7 +9,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvfabric.fabric import (AllocationFaults, PageAudit, EventPublisher, KVLayout, NodeCache, PageState, PoolCapacity, PoolName,
                              Tier, TierConfig, WritePolicy, decode_events)
-from kvfabric.fabric.cache.paths import groups
 from tests.kvgen import prefix_kv
 
 LAYOUTS = {
@@ -81,12 +80,12 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(pool=st.sampled_from(list(PoolName)), tier=st.sampled_from(list(Tier)), n=st.integers(1, 6))
     def evict(self, pool, tier, n):
-        if pool in self.cache.registry:
+        if pool in self.layout.pools:
             self.cache.evict(pool, tier, n)
 
     @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES))
     def backup(self, i, ns):
-        self.cache.tiers.backup(self.cache.match(self.tokens(i), ns).path)
+        self.cache.back_up(self.cache.match(self.tokens(i), ns))
 
     @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES), point=st.integers(1, 4))
     def failed_put_changes_nothing(self, i, ns, point):
@@ -106,11 +105,9 @@ class CacheMachine(RuleBasedStateMachine):
             return
         guard = self.cache.lock(m)
         before = self.cache.snapshot()
-        path = [x for x in m.path if x.start < m.pages]
-        needs = {p: groups(path, pol.needed(m.pages)) for p, pol in self.cache.policies.items()}
         injected = self.faults.injected
         self.faults.arm(point)
-        ok = self.cache.tiers.load_back(needs)
+        ok = self.cache.load_to_device(m, m.pages).pages == m.pages
         fired = self.faults.injected > injected
         self.faults.disarm()
         if not ok and fired:
@@ -119,11 +116,11 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES), point=st.integers(1, 3))
     def failed_backup_changes_nothing(self, i, ns, point):
-        path = self.cache.match(self.tokens(i), ns).path
+        match = self.cache.match(self.tokens(i), ns)
         before = self.cache.snapshot()
         injected = self.faults.injected
         self.faults.arm(point)
-        ok = self.cache.tiers.backup(path)
+        ok = self.cache.back_up(match)
         fired = self.faults.injected > injected
         self.faults.disarm()
         if not ok and fired:
@@ -159,7 +156,7 @@ class CacheMachine(RuleBasedStateMachine):
             for lock in self.locks:
                 self.cache.unlock(lock)
             self.cache.check()
-            for pool in self.cache.registry.names:     # with no locks, everything can go
+            for pool in self.layout.pools:             # with no locks, everything can go
                 for tier in (Tier.DEVICE, Tier.HOST):
                     self.cache.evict(pool, tier, 10_000)
             self.cache.check()
