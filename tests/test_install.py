@@ -87,7 +87,7 @@ assert "site-packages" in kvfabric.fabric.__file__, kvfabric.fabric.__file__
 layout = KVLayout(layers=("full",), kv_heads=1, head_dim=4, page_size=2)
 cache = NodeCache(layout, {PoolName.FULL: PoolCapacity(device=4, host=0)}, store_bytes=False)
 cache.put([1, 2, 3, 4], None, "ns")
-assert cache.match([1, 2, 3, 4], "ns").pages == 2
+assert cache.match([1, 2, 3, 4], "ns").usable_pages == 2
 assert len(load_trace()) > 0
 print("ok")
 """

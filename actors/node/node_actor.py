@@ -130,7 +130,7 @@ class NodeCacheActor(EngineHost):
 
     def match(self, tokens: Sequence[int], namespace: str) -> int:
         with self.gate.mutex:
-            return self.cache.match(tokens, namespace).pages
+            return self.cache.match(tokens, namespace).usable_pages
 
     def keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
         with self.gate.mutex:
@@ -177,7 +177,7 @@ class NodeCacheActor(EngineHost):
             if self.cache.quarantines(peer_name):
                 return FetchOutcome.PEER_QUARANTINED      # before a lease is taken for nothing
             keys = self.cache.keys(tokens, namespace)
-            skip = self.cache.match(tokens, namespace).matched
+            skip = self.cache.match(tokens, namespace).present_pages
         deadline = self.config.fetch_deadline_s
         ref = peer.export.remote(keys, skip)
         reply = asyncio.wrap_future(ref.future())

@@ -195,7 +195,7 @@ class SharedCluster(Cluster):
         self.shared = make_cache(config, pages)
 
     def views(self, req: SimRequest, loads: Sequence[int]) -> list[NodeView]:
-        held = self.shared.match(req.tokens, NAMESPACE).pages
+        held = self.shared.match(req.tokens, NAMESPACE).usable_pages
         return [NodeView(q, held, self.names[i]) for i, q in enumerate(loads)]
 
     def cache_of(self, node: int) -> NodeCache:

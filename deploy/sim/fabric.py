@@ -84,7 +84,7 @@ class FabricCluster(Cluster):
             shard = self.index.shards[self.index.routes.owner(req.keys)]
             said = {m.node: m.pages for m in shard.lookup(req.keys)}
             held = {name: p for name, c in zip(self.names, self.caches)
-                    if (p := c.match(req.tokens, NAMESPACE).pages)}
+                    if (p := c.match(req.tokens, NAMESPACE).usable_pages)}
             if said != held:
                 bad.append(req.index)
         return bad

@@ -32,8 +32,8 @@ Fill = Callable[[Reserved, Callable[[], None]], "T | None"]
 class InsertPlan:
     keyer: PageKeyer
     raw: bytes                            # the packed tokens of the stored pages
-    path: list[TreeNode]                      # what the tree has of them, split at `matched`
-    matched: int                          # pages already in the tree
+    path: list[TreeNode]                  # what the tree has of them, split at `present_pages`
+    present_pages: int                    # pages already in the tree
     pages: int                            # pages stored once the insert commits
     keep: dict[PoolName, Sequence[int]]   # positions the insert keeps: locked while it makes room
     todo: dict[PoolName, list[int]]       # of those, the pages to fill
@@ -88,7 +88,7 @@ class Inserts:
         failure with nothing changed. Raises ReservationFailed (nothing changed) when
         eviction cannot make room. `writer`: the peer whose transfer may still write
         pages that fill holds."""
-        tree, path, m, n = self.tree, plan.path, plan.matched, plan.pages
+        tree, path, m, n = self.tree, plan.path, plan.present_pages, plan.pages
         txn = self.transaction()
         # The lock only keeps eviction off the path; when free pages cover the
         # whole reservation nothing is evicted, so the common case skips it.

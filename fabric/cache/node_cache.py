@@ -119,14 +119,14 @@ class NodeCache(Inserts, Exports, PageViews):
 
     def presence(self, match: Match, pool: PoolName, tiers: tuple[Tier, ...] = TIERS) -> list[bool]:
         """Per matched page, whether `pool` KV is held on one of `tiers`."""
-        return [n.page_has(j, pool, tiers) for n in match.path for j in range(n.n)][: match.matched]
+        return [n.page_has(j, pool, tiers) for n in match.path for j in range(n.n)][: match.present_pages]
 
     # --- locks ---------------------------------------------------------------------
     def lock(self, match: Match, pages: int | None = None) -> PrefixLock:
         """Protect what a match of `pages` (default: all usable) needs from eviction."""
-        n = match.pages if pages is None else pages
-        if not 0 <= n <= match.matched:
-            raise ValueError(f"cannot lock {n} pages of a match of {match.matched}")
+        n = match.usable_pages if pages is None else pages
+        if not 0 <= n <= match.present_pages:
+            raise ValueError(f"cannot lock {n} pages of a match of {match.present_pages}")
         guard, spans = self._guard_match(match, n)
         return PrefixLock([k for x in match.path if x.start < n for k in x.keys], spans)
 
@@ -248,7 +248,7 @@ class NodeCache(Inserts, Exports, PageViews):
         except ReservationFailed:
             self._stats.put_failures += 1
             return 0
-        return plan.pages - plan.matched
+        return plan.pages - plan.present_pages
 
     def _write(self, pool: PoolName, pages: list[int], kv, positions: list[int], first: int) -> None:
         if kv is None or not pages:
@@ -269,7 +269,7 @@ class NodeCache(Inserts, Exports, PageViews):
         match = self.match(tokens, namespace)
         self._stats.lookups += 1
         self._stats.lookup_pages += match.request_pages
-        n = match.pages
+        n = match.usable_pages
         if n == 0:
             return self._empty()
         guard, _ = self._guard_match(match, n)

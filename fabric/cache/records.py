@@ -11,16 +11,18 @@ from .radix import TreeNode
 
 @dataclass
 class Match:
-    """A usable cached prefix of `pages` whole pages, along `path` from the root."""
+    """A request's cached prefix along `path` from the root: `present_pages` of it are in
+    the tree, of which the first `usable_pages` can serve the request (every pool holds
+    what a match of that length needs)."""
     path: list[TreeNode]        # nodes holding the request's matched pages (the last may hold more)
-    matched: int            # pages present in the tree, on any tier, in any pool
-    pages: int              # usable length, either tier
-    device_pages: int       # usable length from the device tier alone
-    request_pages: int      # whole pages in the request
+    present_pages: int          # pages present in the tree, on any tier, in any pool
+    usable_pages: int           # usable length, either tier
+    usable_device_pages: int    # usable length from the device tier alone
+    request_pages: int          # whole pages in the request
 
     @property
     def keys(self) -> list[bytes]:
-        return [k for n in self.path for k in n.keys][: self.pages]
+        return [k for n in self.path for k in n.keys][: self.usable_pages]
 
 
 @dataclass

@@ -20,7 +20,7 @@ def export_prefix(cache: NodeCache, leases: LeaseTable, keys: Sequence[bytes], s
     are loaded back first; if there is no device room, the grant ends where the
     device-resident prefix ends."""
     match = cache.match_keys(list(keys))
-    n = match.pages
+    n = match.usable_pages
     if n <= skip:
         return ExportGrant(0, cache.layout.fingerprint, n, tuple(match.keys[:n]))
     lock = cache.lock(match, n)

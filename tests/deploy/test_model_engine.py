@@ -42,18 +42,18 @@ class InProcessRemote:
         self.fetches = 0
 
     def best_remote(self, tokens, namespace):
-        return self.src.match(tokens, namespace).pages
+        return self.src.match(tokens, namespace).usable_pages
 
     def fetch(self, tokens, namespace):
         self.fetches += 1
-        have = self.dst.match(tokens, namespace).matched
+        have = self.dst.match(tokens, namespace).present_pages
         grant = export_prefix(self.src, self.leases, self.dst.keys(tokens, namespace), have, 5.0)
         try:
             import_prefix(self.dst, tokens, namespace, grant, self._read)
         finally:
             if grant.lease_id:
                 self.leases.release(grant.lease_id)
-        return self.dst.match(tokens, namespace).pages
+        return self.dst.match(tokens, namespace).usable_pages
 
     def _read(self, pool, refs, pages):
         dst = self.dst.registry.pool(pool, Tier.DEVICE).data
@@ -116,7 +116,7 @@ def test_host_hit_equals_no_cache():
     engine.generate(prompt[:80], 4, NS)
     c.evict(PoolName.FULL, Tier.DEVICE, 16)
     c.evict(PoolName.SWA, Tier.DEVICE, 8)
-    assert c.match(prompt, NS).device_pages == 0 and c.match(prompt, NS).pages == 5
+    assert c.match(prompt, NS).usable_device_pages == 0 and c.match(prompt, NS).usable_pages == 5
     got = engine.generate(prompt, 6, NS, return_logits=True)
     assert got.cached_tokens == 80 and got.host_tokens == 80 and got.device_tokens == 0
     assert engine.stats.hit_tokens_host == 80
@@ -133,13 +133,13 @@ def test_hit_after_swa_tombstoning_uses_the_shorter_window():
     assert c.evict(PoolName.SWA, Tier.DEVICE, 2) >= 2   # least recent: the first tail's window
     prompt = stem + b_tail + toks(10, 7)
     m = c.match(prompt, NS)
-    assert m.matched == 6 and m.pages == 4          # full KV for 6 pages, usable only 4
+    assert m.present_pages == 6 and m.usable_pages == 4          # full KV for 6 pages, usable only 4
     hit = c.get(prompt, NS)
     assert (hit.tokens, hit.swa_start) == (64, 32)
     got = engine.generate(prompt, 6, NS, return_logits=True)
     assert got.cached_tokens == 64
     assert_same(got, reference(prompt))
-    assert c.match(prompt, NS).pages == 6           # the recomputed window was stored again
+    assert c.match(prompt, NS).usable_pages == 6           # the recomputed window was stored again
     assert_no_nan(c)
     c.check()
 

@@ -86,9 +86,9 @@ def test_eviction_between_get_and_put_stores_no_unknown_rows(hold_expires):
     assert_no_nan(c)
     c.check()
     if hold_expires:      # the tail went: the put branched off at page 4, before its SWA rows
-        assert c.match(stem + x_tail, NS).matched == 8
+        assert c.match(stem + x_tail, NS).present_pages == 8
     else:                 # the hold kept the matched prefix whole
-        assert c.match(stem + x_tail, NS).pages == 8
+        assert c.match(stem + x_tail, NS).usable_pages == 8
     # Later requests on the stem are served from what is stored, and equal the uncached run.
     for later in (stem + toks(30, 5), stem + y_tail + toks(5, 6), prompt):
         assert_same(engine.generate(later, 4, NS, return_logits=True), reference(later, 4))
@@ -136,7 +136,7 @@ def test_swa_rows_from_a_later_start_leave_earlier_pages_tombstoned():
     b = seq(2) + seq(4, 300)
     assert c.put(b, rows(MIXED, b, starts), NS, starts=starts) == 4
     assert c.presence(c.match(b, NS), PoolName.SWA) == [False] * 4 + [True] * 2
-    assert c.match(seq(2) + seq(1, 500), NS).pages == 0
+    assert c.match(seq(2) + seq(1, 500), NS).usable_pages == 0
     hit = c.get(b, NS)
     want = prefix_kv(MIXED, b)
     assert hit.tokens == 24 and torch.equal(hit.layers[1], want[1][:, hit.swa_start:24])
@@ -165,7 +165,7 @@ def test_swa_only_rows_must_cover_the_last_page():
     assert c.tree.node_count == 0                    # never a leaf with no pages
     assert c.put(a, rows(SWA_ONLY, a, {PoolName.SWA: 12}), NS, starts={PoolName.SWA: 12}) == 4
     m = c.match(a, NS)
-    assert m.matched == 4 and m.pages == 0             # page 2 of the window was not given
+    assert m.present_pages == 4 and m.usable_pages == 0             # page 2 of the window was not given
     assert c.presence(m, PoolName.SWA) == [False] * 3 + [True]
     c.check()
 
@@ -182,7 +182,7 @@ def test_bad_starts_are_refused_and_the_hold_released(starts):
     with pytest.raises(ValueError):
         c.put(a + seq(1, 100), prefix_kv(MIXED, a + seq(1, 100)), NS, starts=starts, release=hit.hold)
     assert len(c.leases) == 0 and c.tree.protected == [[0, 0], [0, 0]]
-    assert c.match(a + seq(1, 100), NS).matched == 4           # nothing stored
+    assert c.match(a + seq(1, 100), NS).present_pages == 4           # nothing stored
     c.check()
 
 

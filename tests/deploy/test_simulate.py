@@ -142,7 +142,7 @@ def test_caches_stay_within_capacity_and_index_matches_the_caches(busy_rows):
     assert cluster.index_disagreements(reqs) == []
     for req in reqs[::9]:
         said = {m.node: m.pages for m in cluster.index.lookup(req.keys)}
-        held = {name: c.match(req.tokens, NAMESPACE).pages for name, c in zip(cluster.names, cluster.caches)}
+        held = {name: c.match(req.tokens, NAMESPACE).usable_pages for name, c in zip(cluster.names, cluster.caches)}
         assert said == {k: v for k, v in held.items() if v}
     for cache in cluster.caches:
         pool = cache.stats().pools["FULL/DEVICE"]
@@ -157,7 +157,7 @@ class CheckedFabric(FabricCluster):
 
     def lookup(self, req):
         got = super().lookup(req)
-        truth = {i: p for i, c in enumerate(self.caches) if (p := c.match(req.tokens, NAMESPACE).pages)}
+        truth = {i: p for i, c in enumerate(self.caches) if (p := c.match(req.tokens, NAMESPACE).usable_pages)}
         self.wrong += got != truth
         return got
 
@@ -184,8 +184,8 @@ def test_keys_are_per_block_and_per_tenant():
     assert cache.keys(a.tokens, NAMESPACE) == a.keys
     assert cache.keys(a.tokens, "other-tenant")[0] != a.keys[0]
     cache.put(a.tokens, None, NAMESPACE)
-    assert cache.match(b.tokens, NAMESPACE).pages == 2
-    assert cache.match(a.tokens, "other-tenant").pages == 0
+    assert cache.match(b.tokens, NAMESPACE).usable_pages == 2
+    assert cache.match(a.tokens, "other-tenant").usable_pages == 0
     assert (a.hit_tokens(3), b.hit_tokens(2), b.hit_tokens(3)) == (1500, 1024, 1100)
 
 

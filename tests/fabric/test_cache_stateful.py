@@ -101,13 +101,13 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES), point=st.integers(1, 4))
     def failed_load_back_changes_nothing(self, i, ns, point):
         m = self.cache.match(self.tokens(i), ns)
-        if not m.pages:
+        if not m.usable_pages:
             return
         guard = self.cache.lock(m)
         before = self.cache.snapshot()
         injected = self.faults.injected
         self.faults.arm(point)
-        ok = self.cache.load_to_device(m, m.pages).pages == m.pages
+        ok = self.cache.load_to_device(m, m.usable_pages).pages == m.usable_pages
         fired = self.faults.injected > injected
         self.faults.disarm()
         if not ok and fired:

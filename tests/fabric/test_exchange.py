@@ -69,7 +69,7 @@ def setup_pair(dst_faults=None, dst_prefix=0, src_on_host=False, clock=None):
     if src_on_host:   # push the source's pages to host: the export reads them there
         src.evict(PoolName.FULL, Tier.DEVICE, 16)
         src.evict(PoolName.SWA, Tier.DEVICE, 16)
-        assert src.match(t, NS).device_pages == 0 and src.match(t, NS).pages == 6
+        assert src.match(t, NS).usable_device_pages == 0 and src.match(t, NS).usable_pages == 6
     if dst_prefix:
         dst.put(t[: dst_prefix * 4], prefix_kv(LAYOUT, t[: dst_prefix * 4]), NS)
     return src, dst, t
@@ -80,7 +80,7 @@ def setup_pair(dst_faults=None, dst_prefix=0, src_on_host=False, clock=None):
 def test_fetch_moves_full_and_swa_bytes(dst_prefix, src_on_host, device_only):
     src, dst, t = setup_pair(dst_prefix=dst_prefix, src_on_host=src_on_host)
     leases = LeaseTable(src)
-    skip = dst.match(t, NS).matched
+    skip = dst.match(t, NS).present_pages
     grant = export_prefix(src, leases, dst.keys(t, NS), skip, 5.0, device_only=device_only)
     tiers = {t for pp in grant.pools.values() for t in pp.tiers}
     assert tiers == ({Tier.HOST} if src_on_host and not device_only else {Tier.DEVICE})
@@ -140,7 +140,7 @@ def test_every_fault_rolls_back_whole_and_a_retry_succeeds(name):
     assert outcome == expected
     assert dst.snapshot() == before           # nothing inserted, nothing leaked
     dst.check()
-    assert dst.match(t, NS).pages == 2
+    assert dst.match(t, NS).usable_pages == 2
     clock.now += 11.0          # the requester never released: the lease expires
     assert leases.expire() == 1 and leases.overdue() == 0
     held = list(dst.quarantined)
@@ -166,7 +166,7 @@ def test_export_without_device_room_ends_at_the_device_prefix():
     src.lock(src.match(blocker, NS))                          # device room is pinned elsewhere
     src.put(tokens(12, 700), prefix_kv(LAYOUT, tokens(12, 700)), NS)
     src.lock(src.match(tokens(12, 700), NS))
-    assert src.match(t, NS).device_pages == 0
+    assert src.match(t, NS).usable_device_pages == 0
     leases = LeaseTable(src)
     grant = export_prefix(src, leases, dst.keys(t, NS), 0, 5.0)
     assert grant.pages == 0 and grant.lease_id == 0 and len(leases) == 0
@@ -201,7 +201,7 @@ def test_a_fetch_is_stored_as_a_put_is():
     assert dst.snapshot() == put_twin.snapshot()
     assert dst.stats().inserted_pages == put_twin.stats().inserted_pages == 6
     assert dst.stats().pools["FULL/HOST"] == put_twin.stats().pools["FULL/HOST"]
-    assert dst.match(t, NS).pages == 6
+    assert dst.match(t, NS).usable_pages == 6
 
 @given(st.dictionaries(st.sampled_from(["v", "lease", "fp", "pages", "keys", "pools", "x"]),
                        st.one_of(st.integers(-3, 3), st.binary(max_size=20), st.none(), st.booleans(),

@@ -57,7 +57,7 @@ def test_failed_fetch_after_evicting_the_only_child_leaves_no_empty_leaf():
     wanted = stored[:6] + [90, 91, 92, 93]     # shares 3 pages (no SWA pages there), then differs
     src.put(wanted, prefix_kv(SWA_ONLY, wanted), NS)
     leases = LeaseTable(src)
-    grant = export_prefix(src, leases, dst.keys(wanted, NS), dst.match(wanted, NS).matched, 5.0)
+    grant = export_prefix(src, leases, dst.keys(wanted, NS), dst.match(wanted, NS).present_pages, 5.0)
     assert grant.pages == 5
     outcome = import_prefix(dst, wanted, NS, grant, failing_reader(ReadFailed("peer died"), True, src, dst))
     assert outcome == FetchOutcome.TRANSFER_FAILED
@@ -128,7 +128,7 @@ class FetchWalk(RuleBasedStateMachine):
     @rule(i=st.integers(0, 7), extra=st.integers(0, 8), how=st.sampled_from(READS))
     def fetch(self, i, extra, how):
         t = self.seq(i, extra)
-        grant = export_prefix(self.src, self.leases, self.dst.keys(t, NS), self.dst.match(t, NS).matched, 5.0)
+        grant = export_prefix(self.src, self.leases, self.dst.keys(t, NS), self.dst.match(t, NS).present_pages, 5.0)
         keys = set(self.dst.tree.by_key)
         refused = self.dst.quarantines("src")
         outcome = import_prefix(self.dst, t, NS, grant, self.reader(how), peer="src")

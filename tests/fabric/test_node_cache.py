@@ -51,10 +51,10 @@ def test_swa_window_must_be_present():
     cache = make()
     tokens = seq(6)                          # window 8 tokens = 2 pages: SWA kept at 4, 5
     put(cache, tokens)
-    assert cache.match(tokens, NS).pages == 6
+    assert cache.match(tokens, NS).usable_pages == 6
     # Every shorter prefix ends where SWA was freed at insert: not usable.
     for k in range(1, 6):
-        assert cache.match(tokens[: k * 4], NS).pages == 0
+        assert cache.match(tokens[: k * 4], NS).usable_pages == 0
     hit = cache.get(tokens, NS)
     assert hit.tokens == 24 and hit.swa_start == 16
     assert_bytes(cache, tokens, hit)
@@ -74,7 +74,7 @@ def test_branch_point_keeps_its_window():
     cache = make()
     shared = seq(3)
     put(cache, shared + seq(3, 100))
-    assert cache.match(shared + seq(2, 200), NS).pages == 0      # branch point was tombstoned
+    assert cache.match(shared + seq(2, 200), NS).usable_pages == 0      # branch point was tombstoned
     put(cache, shared + seq(3, 200))                             # insert at the branch keeps its window
     hit = cache.get(shared + seq(2, 300), NS)
     assert hit.tokens == 12
@@ -89,14 +89,14 @@ def test_lru_eviction_and_locks():
     lock = cache.lock(cache.match(a, NS))
     assert cache.evict(PoolName.FULL, Tier.DEVICE, 6) == 3       # only b is unlocked
     cache.check()
-    assert cache.match(a, NS).pages == 3 and cache.match(b, NS).pages == 0
+    assert cache.match(a, NS).usable_pages == 3 and cache.match(b, NS).usable_pages == 0
     cache.unlock(lock)
     with pytest.raises(RuntimeError):
         cache.unlock(lock)
     put(cache, b)
     cache.get(b, NS)                                             # b is now most recent
     put(cache, seq(3, 200))                                      # evicts a (least recent)
-    assert cache.match(a, NS).pages == 0 and cache.match(b, NS).pages == 3
+    assert cache.match(a, NS).usable_pages == 0 and cache.match(b, NS).usable_pages == 3
 
 
 def test_swa_tombstones_before_anchored_windows():
@@ -105,9 +105,9 @@ def test_swa_tombstones_before_anchored_windows():
     put(cache, seq(6, 100))                  # SWA at its 4, 5: pool full
     put(cache, seq(6) + seq(2, 300))         # extends the first: its old end 4, 5 is interior
     cache.check()
-    assert cache.match(seq(6, 100), NS).pages == 6      # the anchored window survived
-    assert cache.match(seq(6) + seq(2, 300), NS).pages == 8
-    assert cache.match(seq(6), NS).pages < 6             # the unanchored window went first
+    assert cache.match(seq(6, 100), NS).usable_pages == 6      # the anchored window survived
+    assert cache.match(seq(6) + seq(2, 300), NS).usable_pages == 8
+    assert cache.match(seq(6), NS).usable_pages < 6             # the unanchored window went first
 
 
 def test_write_back_then_load_back_bytes():
@@ -116,7 +116,7 @@ def test_write_back_then_load_back_bytes():
     put(cache, a)
     put(cache, b)                            # a's device pages written back to host
     m = cache.match(a, NS)
-    assert m.pages == 6 and m.device_pages < 6
+    assert m.usable_pages == 6 and m.usable_device_pages < 6
     hit = cache.get(a, NS)                   # loads back, evicting (writing back) b
     assert_bytes(cache, a, hit)
     assert cache.stats().hit_pages_host > 0
@@ -236,9 +236,9 @@ def test_metadata_only_mode():
     cache = make(FULL_ONLY, store_bytes=False)
     assert cache.put(seq(5), None, NS) == 5
     keys = cache.keys(seq(5), NS)
-    assert cache.match_keys(keys).pages == 5
-    assert cache.match_keys(keys[:3]).pages == 3
-    assert cache.match_keys(keys[1:]).pages == 0          # a chain must start at the root
+    assert cache.match_keys(keys).usable_pages == 5
+    assert cache.match_keys(keys[:3]).usable_pages == 3
+    assert cache.match_keys(keys[1:]).usable_pages == 0          # a chain must start at the root
     assert cache.match(seq(5), NS).keys == keys
     assert cache.get(seq(5), NS).tokens == 20
     cache.check()
@@ -259,7 +259,7 @@ def test_eviction_under_pressure_walks_the_tree_once_per_batch(monkeypatch):
         assert cache.put([i * 10 + j for j in range(8)], None, NS) == 4
         cache.check()
     assert 0 < len(walks) <= 200 * 4 // (pages // EVICTION_BATCH) // 2
-    assert cache.match([199 * 10 + j for j in range(8)], NS).pages == 4      # the newest stays
+    assert cache.match([199 * 10 + j for j in range(8)], NS).usable_pages == 4      # the newest stays
     small = NodeCache(layout, {PoolName.FULL: PoolCapacity(8, 0)}, store_bytes=False, device="cpu")
     for i in range(3):
         small.put([i * 10 + j for j in range(8)], None, NS)

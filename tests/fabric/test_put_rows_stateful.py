@@ -85,12 +85,12 @@ class PutRowsMachine(RuleBasedStateMachine):
         kv = prefix_kv(self.layout, tokens)
         kv = [t[:, starts[self._pool(kind)]:] for t, kind in zip(kv, self.layout.layers)]
         keys = self.cache.keys(tokens, r.ns)
-        before, matched = self._on_device(keys), self.cache.match(tokens, r.ns).matched
+        before, matched = self._on_device(keys), self.cache.match(tokens, r.ns).present_pages
         stored = self.cache.put(tokens, kv, r.ns, starts=starts, release=r.hit.hold)
         new = self._on_device(keys) - before
         for position, pool in new:
             assert position >= first[pool], f"{pool.name} page {position} stored without rows"
-        assert self.cache.match(tokens, r.ns).matched == matched + stored
+        assert self.cache.match(tokens, r.ns).present_pages == matched + stored
 
     @precondition(lambda self: self.requests)
     @rule(k=st.integers(0, 7))
@@ -160,7 +160,7 @@ class PutRowsMachine(RuleBasedStateMachine):
             return
         for r in self.requests:
             if r.hit.hold and self.clock.now < r.expires:
-                assert self.cache.match(r.tokens, r.ns).pages >= r.hit.tokens // self.ps
+                assert self.cache.match(r.tokens, r.ns).usable_pages >= r.hit.tokens // self.ps
 
     def teardown(self):
         if hasattr(self, "cache"):

@@ -132,7 +132,7 @@ def test_import(plan, layout, policy, seed, i):
     t = seqs[i] + [7, 7, 7, 7]
     src.put(t, prefix_kv(src.layout, t), NS)
     leases = LeaseTable(src)
-    grant = export_prefix(src, leases, cache.keys(t, NS), cache.match(t, NS).matched, 5.0)
+    grant = export_prefix(src, leases, cache.keys(t, NS), cache.match(t, NS).present_pages, 5.0)
     before, keys = cache.snapshot(), set(cache.tree.by_key)
     outcomes = []
     with injecting(plan, cache) as inj:

@@ -109,7 +109,7 @@ def destination(source: Source, script=(), kill=None, clock=time.monotonic):
 
 def fetch(cache, transport, source, deadline_s=2.0):
     keys = cache.keys(TOKENS, NS)
-    skip = cache.match(TOKENS, NS).matched
+    skip = cache.match(TOKENS, NS).present_pages
     grant = ExportGrant.from_wire(msgpack.unpackb(source.ask("export", keys, skip, 5.0)))
     outcome = import_prefix(cache, TOKENS, NS, grant, TransportReader(transport, source.name, deadline_s),
                             peer=source.name)

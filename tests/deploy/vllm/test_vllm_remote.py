@@ -105,7 +105,7 @@ class FabricEdge(LocalNode):
 
     def start_lookup(self, tokens, namespace):
         self.edge.at("start_lookup")
-        found = [NodeMatch(n, c.match(tokens, namespace).pages, True) for n, c in ((PEER, self.peer), (self.name, self.cache))]
+        found = [NodeMatch(n, c.match(tokens, namespace).usable_pages, True) for n, c in ((PEER, self.peer), (self.name, self.cache))]
         return self.edge.answer("lookup", sorted([m for m in found if m.pages], key=lambda m: -m.pages))
 
     def submit(self, method: str, *args):
@@ -125,7 +125,7 @@ class FabricEdge(LocalNode):
     def _fetch(self, tokens, namespace) -> FetchOutcome:
         """The node actor's fetch, in process: the peer exports, this node imports."""
         keys = self.cache.keys(tokens, namespace)
-        grant = export_prefix(self.peer, self.peer.leases, keys, self.cache.match(tokens, namespace).matched, 10.0)
+        grant = export_prefix(self.peer, self.peer.leases, keys, self.cache.match(tokens, namespace).present_pages, 10.0)
 
         def read(pool, refs, pages):
             for (tier, index), page in zip(refs, pages):

@@ -64,7 +64,7 @@ class LocalNode:
 
     def call(self, method: str, *args):
         if method == "match":                   # (tokens, namespace)
-            return self.cache.match(*args).pages
+            return self.cache.match(*args).usable_pages
         fn = {"load_staged": load_to_staging, "save_staged": save_from_staging}[method]
         return fn(self.cache, self.shared, *args[1:])     # args[0]: the staging spec
 
