@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
-from .layout import PoolName
+from .layout import PoolName, Tier
 from .radix import ABSENT, TIERS
 
 if TYPE_CHECKING:
@@ -38,10 +38,10 @@ def check_invariants(cache: "NodeCache") -> None:
         step = tree.page_bytes
         if node.n == 0 or len(node.tokens) != node.n * step:
             _fail(f"{who} holds {len(node.tokens)} token bytes for {node.n} pages")
-        if node.parent.children.get(node.tokens[:step]) is not node:
+        if node.up.children.get(node.tokens[:step]) is not node:
             _fail(f"{who} is not its parent's child under its first page")
-        if node.start != node.parent.end:
-            _fail(f"{who} starts at {node.start}, its parent ends at {node.parent.end}")
+        if node.start != node.up.end:
+            _fail(f"{who} starts at {node.start}, its parent ends at {node.up.end}")
         if node.end != node.start + node.n:
             _fail(f"{who} ends at {node.end}")
         for i, key in enumerate(node.keys):
@@ -77,8 +77,8 @@ def check_invariants(cache: "NodeCache") -> None:
                 claim(pool, tier, index, f"quarantine (peer {q.peer}) since {q.since:.3f}")
 
     for txn in cache.open_txns:
-        for (pool, tier), pages in txn.pages().items():
-            for index in pages:
+        for (pool, tier), taken in txn.pages().items():
+            for index in taken:
                 claim(pool, tier, index, f"open transaction {id(txn):x}")
 
     for entry in registry:
@@ -121,8 +121,8 @@ def page_audit(cache: "NodeCache") -> PageAudit:
         for key, indices in q.pages.items():
             owners[key].update(indices)
     for txn in cache.open_txns:
-        for key, indices in txn.pages().items():
-            owners[key].update(indices)
+        for key, taken in txn.pages().items():
+            owners[key].update(taken)
     leaked = double = unallocated = 0
     for (pool, tier), held in owners.items():
         used = cache.registry.pool(pool, tier).allocator.used_indices()
@@ -139,13 +139,13 @@ def snapshot(cache: "NodeCache") -> tuple:
     pages = []
     for node in cache.tree.nodes():
         for j, key in enumerate(node.keys):
-            parent = node.keys[j - 1] if j else node.parent.keys[-1]
+            parent = node.keys[j - 1] if j else node.up.keys[-1]
             slots = tuple(tuple(_page_index(node, t, p, j) for p in PoolName) for t in TIERS)
             pages.append((key, parent, slots, tuple(node.locks)))
-    held = {(p, t): set() for p in PoolName for t in TIERS}
+    held: dict[tuple[PoolName, Tier], set[int]] = {(p, t): set() for p in PoolName for t in TIERS}
     for q in cache.quarantined:
-        for key, indices in q.pages.items():
-            held[key].update(indices)
+        for where, indices in q.pages.items():
+            held[where].update(indices)
     # Quarantined pages are neither in the tree nor usable: free, for what a failed step left.
     allocs = tuple((e.name, t, frozenset(e.tier(t).allocator.used_indices() - held[(e.name, t)]))
                    for e in cache.registry for t in TIERS)
@@ -157,5 +157,5 @@ def _page_index(node, tier, pool, offset) -> int:
     return ABSENT if pages is None else pages[offset]
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise InvariantError(message)

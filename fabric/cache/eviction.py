@@ -65,7 +65,7 @@ class Evictor:
             got = txn.reserve(pool, Tier.HOST, len(todo))
         except ReservationFailed:
             return False
-        device = node.slots[Tier.DEVICE][pool]
+        device = node.pages_of(Tier.DEVICE, pool)
         txn.defer_copy(pool, Tier.DEVICE, [device[j] for j in todo], Tier.HOST, got)
         txn.place(node, Tier.HOST, pool, todo, got)
         self.written_back += len(todo)
@@ -95,7 +95,7 @@ def prune(tree: RadixTree, pools: tuple[PoolName, ...], node: TreeNode, txn: "Tr
                     freed += len(offsets) if (t, pool) == count else 0
         if node.children:
             break
-        parent = node.parent
+        parent = node.up
         tree.detach(node, txn)
         node = parent
     return freed
@@ -107,5 +107,5 @@ def prune_unlocked(tree: RadixTree, pools: tuple[PoolName, ...], nodes: list[Tre
     step = tree.page_bytes
     for node in reversed(nodes):
         if not node.children and not any(node.locks) and is_dead(pools, node) \
-                and node.parent.children.get(node.tokens[:step]) is node:   # not pruned already
+                and node.up.children.get(node.tokens[:step]) is node:   # not pruned already
             prune(tree, pools, node, None, count=(Tier.DEVICE, pools[0]))

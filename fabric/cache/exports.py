@@ -5,7 +5,7 @@ policies themselves."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -16,7 +16,10 @@ from .radix import TIERS
 from .records import Match
 
 if TYPE_CHECKING:
-    from .node_cache import NodeCache
+    from .policies import AttentionPolicy
+    from .pools import PoolRegistry
+    from .radix import TreeNode
+    from .tiers import TierController
 
 DEVICE_ONLY = (Tier.DEVICE,)
 
@@ -30,9 +33,13 @@ class Loaded:
 
 
 class Exports:
-    """NodeCache's methods for the exchange (a mixin: `self` is the NodeCache)."""
+    """NodeCache's methods for the exchange (a mixin). What they use of the cache:"""
+    registry: PoolRegistry
+    policies: dict[PoolName, AttentionPolicy]
+    tiers: TierController
+    usable: Callable[[list[TreeNode], int, tuple[Tier, ...]], int]
 
-    def load_to_device(self: NodeCache, match: Match, n: int) -> Loaded:
+    def load_to_device(self, match: Match, n: int) -> Loaded:
         """Give what a match of `n` pages needs a device copy (the caller holds it locked)."""
         path = [x for x in match.path if x.start < n]
         needs = {p: groups(path, pol.needed(n)) for p, pol in self.policies.items()}
@@ -42,25 +49,25 @@ class Exports:
             return Loaded(self.usable(path, n, DEVICE_ONLY), 0)
         return Loaded(n, len(from_host))
 
-    def back_up(self: NodeCache, match: Match) -> bool:
+    def back_up(self, match: Match) -> bool:
         """Copy the matched runs' device pages that lack a host copy to the host tier,
         whole or not at all (what write-through does after a put, on demand)."""
         return self.tiers.backup(match.path)
 
-    def export_spans(self: NodeCache, n: int, skip: int) -> dict[PoolName, range]:
+    def export_spans(self, n: int, skip: int) -> dict[PoolName, range]:
         """Per pool, the positions a peer's fetch of `n` pages reads (it holds `skip`)."""
         return {pool: policy.exported(n, skip) for pool, policy in self.policies.items()}
 
-    def locate(self: NodeCache, match: Match, pool: PoolName, span: range) -> list[tuple[Tier, int]]:
+    def locate(self, match: Match, pool: PoolName, span: range) -> list[tuple[Tier, int]]:
         """Where each page of `span` of `pool` lies: its device copy if any, else the host's."""
         out = []
         for node, offsets in groups(match.path, span):
             for j in offsets:
                 tier = Tier.DEVICE if node.page_has(j, pool, DEVICE_ONLY) else Tier.HOST
-                out.append((tier, node.slots[tier][pool][j]))
+                out.append((tier, node.pages_of(tier, pool)[j]))
         return out
 
-    def checksums(self: NodeCache, pool: PoolName, pages: Sequence[tuple[Tier, int]]) -> list[int]:
+    def checksums(self, pool: PoolName, pages: Sequence[tuple[Tier, int]]) -> list[int]:
         """The checksum of each (tier, page index) of `pool`, in order."""
         out = [0] * len(pages)
         for tier in TIERS:
@@ -71,6 +78,6 @@ class Exports:
                     out[i] = s
         return out
 
-    def device_pools(self: NodeCache) -> dict[PoolName, torch.Tensor | None]:
+    def device_pools(self) -> dict[PoolName, torch.Tensor | None]:
         """Each pool's device tensor (None when this cache stores no bytes)."""
         return {entry.name: entry.device.data for entry in self.registry}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
 from .keys import PageKeyer, encode_tokens
 from .layout import PoolName, Tier
@@ -18,7 +18,12 @@ from .radix import TIERS, TreeNode
 from .records import NodeGuard
 
 if TYPE_CHECKING:
-    from .node_cache import NodeCache
+    from .node_cache import CacheStats
+    from .policies import AttentionPolicy
+    from .pools import PoolRegistry
+    from .radix import RadixTree
+    from .tiers import TierController
+    from .txn import Transaction
 
 T = TypeVar("T")
 Reserved = dict[tuple[PoolName, Tier], list[int]]
@@ -35,7 +40,7 @@ class InsertPlan:
     path: list[TreeNode]                  # what the tree has of them, split at `present_pages`
     present_pages: int                    # pages already in the tree
     pages: int                            # pages stored once the insert commits
-    keep: dict[PoolName, Sequence[int]]   # positions the insert keeps: locked while it makes room
+    keep: Mapping[PoolName, Sequence[int]]   # positions the insert keeps: locked while it makes room
     todo: dict[PoolName, list[int]]       # of those, the pages to fill
 
     @property
@@ -44,9 +49,20 @@ class InsertPlan:
 
 
 class Inserts:
-    """NodeCache's insert path (a mixin: it uses the cache's tree, pools and policies)."""
+    """NodeCache's insert path (a mixin). What it uses of the cache:"""
+    tree: RadixTree
+    registry: PoolRegistry
+    policies: dict[PoolName, AttentionPolicy]
+    primary_pool: PoolName
+    tiers: TierController
+    _stats: CacheStats
+    keyer: Callable[[str], PageKeyer]
+    transaction: Callable[[], Transaction]
+    lock_nodes: Callable[[dict[PoolName, list[TreeNode]]], NodeGuard]
+    unlock_nodes: Callable[[NodeGuard], None]
+    quarantine: Callable[[Reserved, str | None], None]
 
-    def plan_store(self: "NodeCache", tokens: Sequence[int], namespace: str,
+    def plan_store(self, tokens: Sequence[int], namespace: str,
                    first: dict[PoolName, int]) -> InsertPlan:
         """A put's plan: the pages each policy keeps of `tokens` (rows from `first[pool]`
         on) that lack a device copy."""
@@ -60,14 +76,14 @@ class Inserts:
         keep = {p: pol.store_positions(n, branch, first[p]) for p, pol in self.policies.items()}
         return self._plan(keyer, raw, path, m, n, keep, (Tier.DEVICE,))
 
-    def plan_fetch(self: "NodeCache", tokens: Sequence[int], namespace: str, pages: int) -> InsertPlan:
+    def plan_fetch(self, tokens: Sequence[int], namespace: str, pages: int) -> InsertPlan:
         """A fetch's plan: the pages a usable match of `pages` pages needs that no tier holds."""
         keyer, raw = self.keyer(namespace), encode_tokens(tokens)
         path, m = self._walk(keyer, raw, pages, ())
         keep = {p: pol.needed(pages) for p, pol in self.policies.items()}
         return self._plan(keyer, raw, path, m, pages, keep, TIERS)
 
-    def _walk(self: "NodeCache", keyer: PageKeyer, raw: bytes, n: int,
+    def _walk(self, keyer: PageKeyer, raw: bytes, n: int,
               splits) -> tuple[list[TreeNode], int]:
         tree = self.tree
         path, m = tree.walk(keyer.root, raw[: n * tree.page_bytes])
@@ -78,12 +94,12 @@ class Inserts:
             tree.split_at(path, f)
         return path, m
 
-    def _plan(self: "NodeCache", keyer: PageKeyer, raw: bytes, path: list[TreeNode], m: int, n: int,
-              keep: dict[PoolName, Sequence[int]], present: tuple[Tier, ...]) -> InsertPlan:
+    def _plan(self, keyer: PageKeyer, raw: bytes, path: list[TreeNode], m: int, n: int,
+              keep: Mapping[PoolName, Sequence[int]], present: tuple[Tier, ...]) -> InsertPlan:
         todo = {p: missing(path, pos, p, present) for p, pos in keep.items()}
         return InsertPlan(keyer, raw[: n * self.tree.page_bytes], path, m, n, keep, todo)
 
-    def insert(self: "NodeCache", plan: InsertPlan, fill: Fill, writer: str | None = None) -> "T | None":
+    def insert(self, plan: InsertPlan, fill: Fill, writer: str | None = None) -> "T | None":
         """Commit `plan`, its pages written by `fill`: None once committed, or fill's
         failure with nothing changed. Raises ReservationFailed (nothing changed) when
         eviction cannot make room. `writer`: the peer whose transfer may still write
@@ -117,12 +133,12 @@ class Inserts:
         self.tiers.after_insert(nodes[len(path):])
         return None
 
-    def _fits(self: "NodeCache", todo: dict[PoolName, list[int]]) -> bool:
+    def _fits(self, todo: dict[PoolName, list[int]]) -> bool:
         """Whether every pool has the free device pages `todo` asks for (no eviction needed)."""
         registry = self.registry
         return all(registry[p].device.allocator.free_count >= len(pos) for p, pos in todo.items())
 
-    def _guard(self: "NodeCache", path: list[TreeNode], keep: dict[PoolName, Sequence[int]]) -> NodeGuard:
+    def _guard(self, path: list[TreeNode], keep: Mapping[PoolName, Sequence[int]]) -> NodeGuard:
         """Lock what an insert keeps of the existing path while it makes room."""
         held = {pool: [x for x in path if bisect_left(positions, x.start) < bisect_left(positions, x.end)]
                 for pool, positions in keep.items()}

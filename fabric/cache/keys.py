@@ -54,7 +54,7 @@ class PageKeyer:
         step = self.page_bytes
         prev = self.root if prev is None else prev
         copy, view = self._hasher.copy, memoryview(raw)
-        out = []
+        out: list[bytes] = []
         append = out.append
         for off in range(first_page * step, len(raw) - step + 1, step):
             h = copy()

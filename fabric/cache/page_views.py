@@ -11,7 +11,7 @@ from .layout import PoolName, Tier
 from .radix import ABSENT, TIERS, TreeNode
 
 if TYPE_CHECKING:
-    from .node_cache import NodeCache
+    from .radix import RadixTree
 
 # A page and the keys of its path from depth 0 (itself last): what routing needs.
 PageWithPath = tuple["PageView", list[bytes]]
@@ -26,18 +26,19 @@ class PageView:
 
 
 class PageViews:
-    """NodeCache's methods for its event publisher (a mixin: `self` is the NodeCache)."""
+    """NodeCache's methods for its event publisher (a mixin). What they use of the cache:"""
+    tree: RadixTree
 
-    def track_changes(self: NodeCache, pending_floor: int) -> None:
+    def track_changes(self, pending_floor: int) -> None:
         """List changed pages from now on, at most `pending_floor` plus twice the keys
         held; past that, `take_changes` says to restate everything instead."""
         tree = self.tree
         tree.changes = ChangeLog(lambda: pending_floor + 2 * len(tree.by_key))
 
-    def has_changes(self: NodeCache) -> bool:
+    def has_changes(self) -> bool:
         return bool(self.tree.changes)
 
-    def take_changes(self: NodeCache) -> tuple[list[PageWithPath], bool]:
+    def take_changes(self) -> tuple[list[PageWithPath], bool]:
         """(pages changed since the last call, each once; whether to restate everything
         instead: then the list is empty). Starts afresh."""
         tree = self.tree
@@ -53,7 +54,7 @@ class PageViews:
             out.append((view, paths.of(node, j)))
         return out, restate
 
-    def held_pages(self: NodeCache) -> Iterator[PageWithPath]:
+    def held_pages(self) -> Iterator[PageWithPath]:
         """Every page in the tree, with where its KV is (possibly nowhere)."""
         paths = _Paths()
         return ((_view(node, j), paths.of(node, j)) for node in self.tree.nodes() for j in range(node.n))

@@ -28,11 +28,11 @@ def keep_bytes(pool: PagePool, indices: list[int]) -> Callable[[], None]:
     """Save the bytes of pages `indices`; the returned call writes them back."""
     if pool.data is None:
         return lambda: None
-    index = pool.index_tensor(indices)
-    saved = pool.data.index_select(0, index)
+    data, index = pool.data, pool.index_tensor(indices)
+    saved = data.index_select(0, index)
 
     def restore() -> None:
-        pool.data.index_copy_(0, index, saved)
+        data.index_copy_(0, index, saved)
     return restore
 
 

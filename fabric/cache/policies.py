@@ -60,8 +60,7 @@ class AttentionPolicy(ABC):
 
     def group(self, node: TreeNode, tier: Tier) -> Group:
         """The group a node becomes once its children are gone (FULL cascades)."""
-        pages = node.slots[tier][self.pool]
-        return (node.last_access, -node.start, node.keys[0], node, list(range(len(pages))))
+        return (node.last_access, -node.start, node.keys[0], node, list(range(len(node.pages_of(tier, self.pool)))))
 
 
 class FullAttentionPolicy(AttentionPolicy):
@@ -158,7 +157,7 @@ class SlidingWindowPolicy(AttentionPolicy):
         return node.slots[tier][PoolName.SWA] is not None and not node.locks[PoolName.SWA]
 
     def group(self, node: TreeNode, tier: Tier) -> Group:
-        pages = node.slots[tier][PoolName.SWA]
+        pages = node.pages_of(tier, PoolName.SWA)
         return (True, node.last_access, node.keys[0], node, [j for j, p in enumerate(pages) if p >= 0])
 
     def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[Group]:
@@ -167,7 +166,7 @@ class SlidingWindowPolicy(AttentionPolicy):
         for node in tree.nodes():
             if not self.is_evictable(node, tier):
                 continue
-            pages = node.slots[tier][PoolName.SWA]
+            pages = node.pages_of(tier, PoolName.SWA)
             # Page j is (n-1-j) + below pages above the nearest anchor: within a
             # window of it, the page serves a likely continuation.
             cut = node.n - max(0, self.window_pages - below[id(node)])

@@ -7,7 +7,7 @@ without SWA layers simply has no SWA entry.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 import torch
 
@@ -47,8 +47,11 @@ class PagePool:
         return torch.tensor(indices, dtype=torch.long, device=device)
 
 
+if TYPE_CHECKING:
+    from .txn import Transaction
+
 # evict(tier, n_pages, txn) -> pages freed; set by the cache that owns the tree.
-EvictFn = Callable[[Tier, int, object], int]
+EvictFn = Callable[[Tier, int, "Transaction"], int]
 
 
 @dataclass
@@ -94,7 +97,7 @@ class PoolRegistry:
             cap = capacities[name]
             pools = [_make_pool(layout, name, tier, cap.of(tier), device, store_bytes)
                      for tier in (Tier.DEVICE, Tier.HOST)]
-            entries[name] = PoolEntry(name, *pools)
+            entries[name] = PoolEntry(name, pools[0], pools[1])
         return cls(entries)
 
     def __getitem__(self, name: PoolName) -> PoolEntry:

@@ -14,7 +14,7 @@ and, when a journal is given, record how to undo themselves.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol, Sequence
 
 from .changes import ChangeLog
 from .layout import PoolName, Tier
@@ -52,6 +52,19 @@ class TreeNode:
     @property
     def is_root(self) -> bool:
         return self.parent is None
+
+    @property
+    def up(self) -> "TreeNode":
+        """The parent of a node that is not a namespace root."""
+        parent = self.parent
+        assert parent is not None, "a namespace root has no parent"
+        return parent
+
+    def pages_of(self, tier: Tier, pool: PoolName) -> list[int]:
+        """The run's page list of (tier, pool), where the caller knows the run holds some."""
+        pages = self.slots[tier][pool]
+        assert pages is not None, (self, tier, pool)
+        return pages
 
     def has(self, pool: PoolName, tiers: tuple[Tier, ...] = TIERS) -> bool:
         """Whether any page of the run holds `pool` KV on one of `tiers`."""
@@ -119,7 +132,7 @@ class RadixTree:
             if not 0 <= offset < node.n or node.keys[offset] != k:
                 break
             if offset == 0:
-                if (node.parent is not path[-1]) if path else not node.parent.is_root:
+                if (node.parent is not path[-1]) if path else not node.up.is_root:
                     break
                 path.append(node)
             elif not path or path[-1] is not node:
@@ -167,7 +180,7 @@ class RadixTree:
 
     def detach(self, node: TreeNode, journal: Journal | None) -> None:
         assert not node.children and not any(node.slots[t][p] for t in TIERS for p in PoolName), node
-        parent = node.parent
+        parent = node.up
         del parent.children[node.tokens[:self.page_bytes]]
         for k in node.keys:
             del self.by_key[k]
@@ -182,7 +195,7 @@ class RadixTree:
     def _reattach(self, node: TreeNode) -> None:
         if self.changes is not None:
             self.changes.touched(node.keys)
-        parent = node.parent
+        parent = node.up
         if parent.is_root:
             self.roots.setdefault(parent.keys[0], parent)
         parent.children[node.tokens[:self.page_bytes]] = node
@@ -196,7 +209,8 @@ class RadixTree:
         splits need no undo."""
         assert 0 < k < node.n, (node, k)
         step = self.page_bytes
-        head = TreeNode(node.keys[:k], node.tokens[:k * step], node.parent, node.start)
+        parent = node.up
+        head = TreeNode(node.keys[:k], node.tokens[:k * step], parent, node.start)
         head.locks = list(node.locks)
         head.last_access, head.hits = node.last_access, node.hits
         for head_slots, slots in zip(head.slots, node.slots):   # per tier, then per pool
@@ -204,7 +218,7 @@ class RadixTree:
                 if pages is not None:
                     head_slots[p] = _none_if_empty(pages[:k])
                     slots[p] = _none_if_empty(pages[k:])
-        node.parent.children[node.tokens[:step]] = head
+        parent.children[node.tokens[:step]] = head
         node.keys, node.tokens, node.start, node.parent = node.keys[k:], node.tokens[k * step:], node.start + k, head
         head.children[node.tokens[:step]] = node
         self.by_key.update(dict.fromkeys(head.keys, head))
@@ -220,7 +234,7 @@ class RadixTree:
 
     # --- pages -----------------------------------------------------------------------
     def set_pages(self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int],
-                  pages: list[int], journal: Journal | None) -> None:
+                  pages: Sequence[int], journal: Journal | None) -> None:
         """Give already-allocated pages to `node` at `offsets` (the tree now owns them)."""
         current = node.slots[tier][pool]
         if current is None and len(offsets) == node.n:   # a whole run, in order
@@ -236,7 +250,9 @@ class RadixTree:
             keys = node.keys
             self.changes.touched([keys[o] for o in offsets])
         if journal is not None:
-            journal.record(lambda: self.clear_pages(node, tier, pool, offsets))
+            def undo() -> None:
+                self.clear_pages(node, tier, pool, offsets)
+            journal.record(undo)
 
     def drop_pages(self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int],
                    journal: Journal | None) -> list[int]:
@@ -253,7 +269,7 @@ class RadixTree:
 
     def clear_pages(self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int]) -> list[int]:
         """Empty `node`'s slots at `offsets`; returns their pages, which stay taken."""
-        current = node.slots[tier][pool]
+        current = node.pages_of(tier, pool)
         pages = [current[off] for off in offsets]
         assert ABSENT not in pages, (node, tier, pool, offsets)
         for off in offsets:
@@ -276,20 +292,20 @@ class RadixTree:
         """Add `delta` (+1 or -1) to each node's lock on `pool`."""
         # Runs per node of every locked path (gets, evicting puts): index lists by a
         # plain int (an IntEnum index is slower) and count pages inline.
-        pool = int(pool)
+        at = int(pool)
         protected = self.protected
         for node in nodes:
-            before = node.locks[pool]
+            before = node.locks[at]
             after = before + delta
             if after < 0:
                 raise RuntimeError(f"unlock of an unlocked node: {node}")
-            node.locks[pool] = after
+            node.locks[at] = after
             if (before == 0) != (after == 0):
                 sign = 1 if after else -1
                 for t, slots in enumerate(node.slots):
-                    pages = slots[pool]
+                    pages = slots[at]
                     if pages is not None:
-                        protected[t][pool] += sign * (len(pages) - pages.count(ABSENT))
+                        protected[t][at] += sign * (len(pages) - pages.count(ABSENT))
 
 
 def _none_if_empty(pages: list[int]) -> list[int] | None:

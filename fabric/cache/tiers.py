@@ -91,7 +91,7 @@ class TierController:
                     source = node.slots[src][pool]
                     offsets = [j for j in offsets if source is not None and source[j] != ABSENT]
                     mine = [next(pages) for _ in offsets]
-                    if offsets:
+                    if source is not None and offsets:
                         txn.defer_copy(pool, src, [source[j] for j in offsets], dst, mine)
                         txn.place(node, dst, pool, offsets, mine)
             txn.commit()    # runs the copies: a failing one is undone with the rest

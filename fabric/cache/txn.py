@@ -15,7 +15,7 @@ them and frees reserved pages that were never placed.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from .faults import AllocationFaults
 from .layout import PoolName, Tier
@@ -123,7 +123,7 @@ class Transaction:
         self._journal.clear()
         self.sealed = True
 
-    def place(self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int], pages: list[int]) -> None:
+    def place(self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int], pages: Sequence[int]) -> None:
         """Move reserved pages into `node` at `offsets` of its run."""
         owned = self._owned(pool, tier)
         if not owned.issuperset(pages):

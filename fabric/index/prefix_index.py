@@ -320,7 +320,7 @@ class PrefixIndex:
         """The packed holders of each page a match may reach, and their running AND from
         page 0; C-level iterators, as this is most of a lookup's work."""
         if self.has_full:     # stop at the first key no node holds (held keys have bits != 0)
-            chain = list(takewhile(bool, map(self._bits.get, keys)))
+            chain = list(takewhile(bool, map(self._bits.get, keys, repeat(0))))
         else:                 # without full layers only a window must be held: no stopping early
             chain = list(map(self._bits.get, keys, repeat(0)))
         return chain, list(accumulate(chain, and_))
@@ -376,7 +376,9 @@ class PrefixIndex:
         while nodes:
             low = nodes & -nodes
             nodes ^= low
-            out.append(NodeMatch(slots[(low.bit_length() - 1) >> 2], n, bool(device & low)))
+            node = slots[(low.bit_length() - 1) >> 2]
+            assert node is not None, "a packed bit names a freed slot"
+            out.append(NodeMatch(node, n, bool(device & low)))
 
     def node_pages(self, node: str) -> dict[bytes, PageState]:
         st = self._nodes.get(node)

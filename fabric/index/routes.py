@@ -66,7 +66,7 @@ class RouteTable:
                 above[k] = self._all
             elif held is None:
                 above[k] = {route.shard}
-            elif held is not self._all:
+            elif isinstance(held, set):         # not the shared frozenset of every shard
                 held.add(route.shard)
 
     @property

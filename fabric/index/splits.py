@@ -45,13 +45,13 @@ def plan_split(routes: RouteTable, counts: Sequence[int], regions: "Regions") ->
     spread_at = {r.key for r in routes.routes if r.spread}
     on_hot = sorted((r for r in regions.values() if r.total and routes.locate(r.path)[0] == hot),
                     key=lambda r: r.total, reverse=True)[:CANDIDATES]
-    now = sorted(counts, reverse=True)
+    now: list[float] = sorted(counts, reverse=True)
     best: tuple[list[float], int, RegionHits, tuple[bytes, ...] | None] | None = None
     for n, region in enumerate(on_hot):
         r = region.total
         if r * (1 - 1 / k) <= math.sqrt(mean):
             break                                  # this and the rest move less than chance does
-        options = []
+        options: list[tuple[list[float], tuple[bytes, ...] | None]] = []
         at = _spread_point(region)
         if at is not None and at[-1] not in spread_at:
             options.append(([c + r / k - (r if i == hot else 0) for i, c in enumerate(counts)], at))
