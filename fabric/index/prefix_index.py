@@ -7,7 +7,7 @@ the ints along a request's keys says, for all nodes at once, which hold every pa
 so far, in which pool and tier. A lookup does its per-page work in C iterators;
 Python-level work is per distinct match length, not per page or node. `apply_chain` takes
 what a node publishes after a put, a run of consecutive pages with one mask, as a few C-level
-passes over its keys, with no object per page (see `_Chain`)."""
+passes over its keys, with no object per page (see `Chain`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,9 +16,9 @@ from itertools import accumulate, chain as _chain, count, repeat, takewhile
 from operator import and_, or_
 from typing import Sequence
 
-from kvfabric.fabric.index.admission import Admission, ApplyResult
-from kvfabric.fabric.index.events import (KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot,
-                                          check_header, check_pages)
+from .admission import Admission, ApplyResult
+from .answers import Chain, NodeMatch, rank_key, resolve
+from .events import KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot, check_header, check_pages
 
 # Bits of a node's nibble: FULL on either tier, FULL on device, SWA on either, SWA on device.
 _F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8
@@ -36,41 +36,13 @@ def _code(mask: int) -> int:
 _CODES = tuple(_code(m) for m in range(_MAX_MASK + 1))     # mask -> nibble, without enum arithmetic
 
 
-@dataclass(frozen=True)
-class NodeMatch:
-    node: str
-    pages: int          # usable match length in pages on that node
-    device: bool        # True if every page that match needs is on the node's DEVICE tier
-
-
-def _rank(m: NodeMatch) -> tuple[int, bool, str]:
-    return -m.pages, not m.device, m.node
-
-
-# What one publication said of a run of consecutive pages: (keys, first depth, parent of
-# keys[0], mask). Every key of the run maps to the one record, so that storing a chain is a
-# C-level dict update with no object per page; a page's parent and depth follow from its
-# position. A record lives while any of its keys still maps to it.
-_Chain = tuple[tuple[bytes, ...], int, bytes, int]
-
-
-def _resolve(key: bytes, rec: _Chain) -> tuple[bytes, int, int]:
-    """(parent, depth, mask) of a key in its record: the last place it has there, as
-    applying the pages in order would leave it."""
-    keys, depth, parent, mask = rec
-    if len(keys) == 1:
-        return parent, depth, mask
-    i = len(keys) - 1 - keys[::-1].index(key)
-    return keys[i - 1] if i else parent, depth + i, mask
-
-
 @dataclass
 class _NodeState:
     slot: int
     epoch: int
     seq: int | None     # last applied batch; None: not in sync (needs seq 0, cleared or a snapshot)
-    # key -> the _Chain this node last published it in (`node_pages` makes PageStates)
-    pages: dict[bytes, _Chain] = field(default_factory=dict)
+    # key -> the Chain this node last published it in (`node_pages` makes PageStates)
+    pages: dict[bytes, Chain] = field(default_factory=dict)
 
 
 class PrefixIndex:
@@ -85,7 +57,7 @@ class PrefixIndex:
         # Key -> packed holders (never 0: a key no node holds is deleted), kept apart from
         # key -> (parent, depth) so that a lookup reads plain ints at C speed.
         self._bits: dict[bytes, int] = {}
-        self._meta: dict[bytes, _Chain] = {}      # key -> the record it was last published in
+        self._meta: dict[bytes, Chain] = {}      # key -> the record it was last published in
         self._nodes: dict[str, _NodeState] = {}
         self._slots: list[str | None] = []        # slot -> node name; None: free
         self._ones = 0                            # bit 0 of every slot's nibble
@@ -292,7 +264,7 @@ class PrefixIndex:
         if pending:
             self._fall_back(chain, prefix, pending, out)
         if len(out) > 1:
-            out.sort(key=_rank)
+            out.sort(key=rank_key)
         return out
 
     def _lookup_full(self, keys: Sequence[bytes]) -> list[NodeMatch]:
@@ -313,7 +285,7 @@ class PrefixIndex:
                     out.append(NodeMatch(slots[(low.bit_length() - 1) >> 2], n, bool(v & (low << 1))))
             inner = held
         if len(out) > 1:
-            out.sort(key=_rank)
+            out.sort(key=rank_key)
         return out
 
     def _walk(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
@@ -399,7 +371,7 @@ class PrefixIndex:
     def page_meta(self, key: bytes) -> tuple[bytes, int] | None:
         """(parent, depth) of a key some node holds, as last published."""
         rec = self._meta.get(key)
-        return None if rec is None else _resolve(key, rec)[:2]
+        return None if rec is None else resolve(key, rec)[:2]
 
     def sync_point(self, node: str) -> tuple[int, int | None] | None:
         """(epoch, last applied seq) of a tracked node; seq None while it needs a snapshot."""
