@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayError
@@ -118,7 +119,7 @@ class FabricDirectory:
             except RayError as e:
                 log.warning("a shard did not take route version %d (next pass retries): %s", version, e)
             for name, beat in beats.items():
-                if beat is None or not beat.attached or beat.route_version >= version:
+                if beat is None or beat.route_version is None or beat.route_version >= version:   # not attached
                     continue
                 try:
                     ray.get(ray.get_actor(name, namespace=NAMESPACE).reroute.remote(routes), timeout=timeout_s)
@@ -209,7 +210,8 @@ class FabricDirectory:
 
     def _beats(self, names: list[str], timeout_s: float) -> dict[str, Beat | None]:
         """Each answering node's Beat; None for the dead. Slow or restarting ones are left out."""
-        refs, beats = {}, {}
+        refs: dict[str, ray.ObjectRef] = {}
+        beats: dict[str, Beat | None] = {}
         # A node actor dies with its Ray node (hard affinity), whatever state Ray shows
         # the actor in while it notices: a dead host is a dead node, asked or not.
         gone = dead_hosts()
@@ -234,7 +236,7 @@ class FabricDirectory:
         """Admit node `name`'s epoch to every shard, then attach it to the index: a node
         dropped before (or restarted) is accepted again, and nothing older of it is."""
         actor = ray.get_actor(name, namespace=NAMESPACE)
-        epoch = ray.get(actor.heartbeat.remote(), timeout=timeout_s).epoch
+        epoch = cast(Beat, ray.get(actor.heartbeat.remote(), timeout=timeout_s)).epoch
         shards = self._shards()
         ray.get([s.admit.remote(name, epoch) for s in shards], timeout=timeout_s)
         with self._lock:
@@ -250,7 +252,7 @@ class FabricDirectory:
         and connect it with its peers both ways."""
         actor = ray.get_actor(name, namespace=NAMESPACE)
         self.attach(name, timeout_s)
-        meta = ray.get(actor.metadata.remote(), timeout=timeout_s)
+        meta = cast(bytes, ray.get(actor.metadata.remote(), timeout=timeout_s))
         connect_peers(name, actor, meta, self.register(name, meta), timeout_s)
 
     def _rejoin(self, name: str, timeout_s: float) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Generator, Sequence
+from typing import Any, Generator, Sequence, cast
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -38,14 +38,16 @@ def start(config: NodeConfig, shards: int = 4, cpus_per_actor: float = 0.25,
     opts = dict(namespace=NAMESPACE, lifetime="detached", num_cpus=cpus_per_actor)
     # The watcher starts after the first nodes have joined, so it does not race them.
     # The directory restarts if killed and rebuilds its state from the node actors.
-    directory = FabricDirectory.options(name=DIRECTORY, max_concurrency=8, max_restarts=-1, **opts).remote(
+    # The ignores: @ray.remote made these classes ActorClasses, which mypy does not see.
+    directory = FabricDirectory.options(  # type: ignore[attr-defined]
+        name=DIRECTORY, max_concurrency=8, max_restarts=-1, **opts).remote(
         config, shards, cpus_per_actor=cpus_per_actor, watch_s=watch_s)
     window = config.layout.window_pages
     has_full = PoolName.FULL in config.layout.pools
     fingerprint = config.layout.fingerprint
     # Shard state is soft: a restarted shard starts empty, answers partially, and nodes
     # refill it (their next batch shows a gap; they answer with a snapshot).
-    shard_actors = [IndexShardActor.options(name=shard_name(i), max_restarts=-1, **opts)
+    shard_actors = [IndexShardActor.options(name=shard_name(i), max_restarts=-1, **opts)  # type: ignore[attr-defined]
                     .remote(i, shards, window, has_full, fingerprint) for i in range(shards)]
     nodes = dict(place_node_actor(n["NodeID"], config, cpus_per_actor) for n in ray.nodes() if n["Alive"])
     ray.get([s.noop.remote() for s in shard_actors], timeout=timeout_s)
@@ -124,7 +126,7 @@ class FabricClient:
         answer at each step."""
         return PendingLookup(self._lookup_steps(tokens, namespace))
 
-    def _lookup_steps(self, tokens: Sequence[int], namespace: str) -> Generator[_Call, object, list[NodeMatch]]:
+    def _lookup_steps(self, tokens: Sequence[int], namespace: str) -> Generator[_Call, Any, list[NodeMatch]]:
         """The lookup, as the calls it waits on (each answer is sent back in): `lookup`
         and `lookup_async` only differ in how they wait. A stale route table is
         refreshed once; any failure (the caller catches it) is a miss."""
@@ -148,12 +150,12 @@ class FabricClient:
             target = ray.get_actor(into, namespace=NAMESPACE)
             best = source
             if best is None:
-                local = ray.get(target.match.remote(tokens, namespace), timeout=self.timeout_s)
+                local = cast(int, ray.get(target.match.remote(tokens, namespace), timeout=self.timeout_s))
                 best = next((m for m in self.lookup(tokens, namespace) if m.node != into), None)
                 if best is None or best.pages <= local:
                     return local
-            source = ray.get_actor(best.node, namespace=NAMESPACE)
-            ray.get(target.fetch.remote(source, best.node, tokens, namespace), timeout=self.timeout_s * 4)
+            holder = ray.get_actor(best.node, namespace=NAMESPACE)
+            ray.get(target.fetch.remote(holder, best.node, tokens, namespace), timeout=self.timeout_s * 4)
             return ray.get(target.match.remote(tokens, namespace), timeout=self.timeout_s)
         except (RayError, GetTimeoutError, ValueError):
             return 0
@@ -176,7 +178,7 @@ class PendingLookup:
     then the matches. A failed call raises (the caller takes it as a miss); the
     caller bounds the whole by its own deadline."""
 
-    def __init__(self, steps: Generator[_Call, object, list[NodeMatch]]) -> None:
+    def __init__(self, steps: Generator[_Call, Any, list[NodeMatch]]) -> None:
         self._steps = steps
         self._found: list[NodeMatch] | None = None
         self._call: _Call | None = None
@@ -192,11 +194,13 @@ class PendingLookup:
 
     def poll(self) -> list[NodeMatch] | None:
         while self._found is None:
-            ready, _ = ray.wait([self._call.ref], timeout=0)
+            call = self._call
+            assert call is not None, "a lookup not answered waits on a call"
+            ready, _ = ray.wait([call.ref], timeout=0)
             if not ready:
                 return None
             try:
-                self._call = self._steps.send(ray.get(self._call.ref, timeout=0))
+                self._call = self._steps.send(ray.get(call.ref, timeout=0))
             except StopIteration as done:
                 self._found = done.value
         return self._found

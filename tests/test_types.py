@@ -1,5 +1,5 @@
-"""mypy over the core's public modules (`kvfabric.fabric`), as the installed package
-names them. mypy does not follow setuptools' editable finder, so the check runs over a
+"""mypy over the layers below deploy (`kvfabric.fabric`, `kvfabric.transport`,
+`kvfabric.actors`), as the installed package names them. mypy does not follow setuptools' editable finder, so the check runs over a
 tree of links that lays the folders out as the wheel does."""
 import os
 import shutil
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ("kvfabric.fabric",)
+CHECKED = ("kvfabric.fabric", "kvfabric.transport", "kvfabric.actors")
 
 
 def test_the_core_type_checks(tmp_path):

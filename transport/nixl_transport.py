@@ -26,7 +26,7 @@ from .base import (BackendError, MemKind, PeerDisconnected, PeerMetadata, PeerNo
 try:  # the `nixl` meta package picks the wheel matching the local CUDA ...
     from nixl import _bindings as _nb
 except ImportError:  # ... but only nixl-cu12 may be installed (it runs on CPU hosts too).
-    from nixl_cu12 import _bindings as _nb
+    from nixl_cu12 import _bindings as _nb  # type: ignore[attr-defined]  # compiled: mypy sees no such name
 
 # NIXL's exceptions share no base class besides Exception; catch exactly these.
 _NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(

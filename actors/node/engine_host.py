@@ -7,12 +7,19 @@ A mixin of NodeCacheActor: it uses the actor's `cache`, `gate`, `link`, `config`
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvfabric.fabric import PoolName
 from kvfabric.transport.staging import SharedPages, StagedHit, StagingSpec, load_to_staging, save_from_staging
 
 from .engine_process import MAX_NAME, EngineProcess, EngineProcessError
+
+if TYPE_CHECKING:
+    from kvfabric.fabric import NodeCache
+
+    from .cache_gate import CacheGate
+    from .index_link import IndexLink
+    from .node_actor import NodeConfig
 
 MAX_ENGINES = 64                # reports kept, newest first: engines restart under new names
 
@@ -42,6 +49,14 @@ def check_report(engine: str, counters: dict) -> dict[str, int | dict[str, int]]
 
 
 class EngineHost:
+    """The node actor's side for engines on its host (a mixin). What it uses of the actor:"""
+    name: str
+    config: NodeConfig
+    cache: NodeCache
+    gate: CacheGate
+    link: IndexLink
+    _family: Callable[[Sequence[int], str], bytes | None]
+
     def init_engine_host(self) -> None:
         self._shared: dict[str, SharedPages] = {}       # engines' staging pages, by file prefix
         self._reports: OrderedDict[str, dict] = OrderedDict()

@@ -53,7 +53,7 @@ class IndexLink:
         # Only the latest unanswered sends are kept (a hung shard answers none): a gap an
         # older one would have shown, a later batch to that shard shows too.
         self._sent = pending[-MAX_UNANSWERED:]
-        if behind:
+        if behind and self.routes is not None:
             snaps = self.publisher.snapshots(self.routes)
             for shard in behind:
                 self._send(shard, self.shards[shard].load_snapshot.remote(snaps[shard].encode()))

@@ -10,7 +10,7 @@ each other both get served. The cache is touched under `CacheGate` rules."""
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -185,7 +185,9 @@ class NodeCacheActor(EngineHost):
         if not done:
             # Given up: the grant may still come, and its lease must not wait out its TTL
             # (the callback keeps the ref, and so the reply, alive until then).
-            reply.add_done_callback(lambda late, ref=ref: self._release_late(peer, late))
+            def release(late: asyncio.Future, ref: object = ref) -> None:   # holds `ref` until the reply lands
+                self._release_late(peer, late)
+            reply.add_done_callback(release)
             return FetchOutcome.TRANSFER_FAILED
         if reply.exception() is not None:
             return FetchOutcome.TRANSFER_FAILED       # the peer died or its export failed
@@ -207,7 +209,7 @@ class NodeCacheActor(EngineHost):
         """In the import thread, holding the cache mutex (given up while reading)."""
         return import_prefix(self.cache, tokens, namespace, grant, read, peer=peer_name)
 
-    def _release_late(self, peer, late: Future) -> None:
+    def _release_late(self, peer, late: asyncio.Future) -> None:
         if late.cancelled() or late.exception() is not None:
             return
         try:
@@ -284,7 +286,7 @@ class NodeCacheActor(EngineHost):
         with self.gate.mutex:
             if action.transport is not None:
                 self._replace_plan(FaultPlan([action.transport]))
-            if action.alloc_point:
+            if action.alloc_point and self.cache.faults is not None:     # a chaos node has them
                 self.cache.faults.arm(action.alloc_point)
             if action.events is not None:
                 self.mangle.arm(action.events)
@@ -295,7 +297,8 @@ class NodeCacheActor(EngineHost):
         if self.config.chaos:
             with self.gate.mutex:
                 self._replace_plan(FaultPlan())
-                self.cache.faults.disarm()
+                if self.cache.faults is not None:
+                    self.cache.faults.disarm()
                 self.mangle.armed = None
                 self._evict_after_get = False
 
@@ -343,7 +346,7 @@ class NodeCacheActor(EngineHost):
         Returns the peers released."""
         with self.gate.mutex:
             peers = sorted(self.cache.quarantined_peers() & self.peers)
-        return [p for p in peers if await self.gate.run_wire(lambda p=p: self._probe(p))]
+        return [p for p in peers if await self.gate.run_wire(functools.partial(self._probe, p))]
 
     def _probe(self, peer: str) -> bool:
         """In the import thread: the page is picked there, so no release (a forget or

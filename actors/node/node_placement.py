@@ -19,7 +19,8 @@ def place_node_actor(ray_node_id: str, config: NodeConfig, cpus: float):
     strategy = NodeAffinitySchedulingStrategy(ray_node_id, soft=False)
     name = node_actor_name(ray_node_id)
     # Ray restarts a killed node actor (a new epoch); the directory's watcher rejoins it.
-    return name, NodeCacheActor.options(name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
+    return name, NodeCacheActor.options(  # type: ignore[attr-defined]  # @ray.remote made it an ActorClass
+name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
                                         num_cpus=cpus, scheduling_strategy=strategy).remote(name, config)
 
 

@@ -165,7 +165,8 @@ class Engine:
             raise RequestError(f"namespace must be a non-empty string, got {namespace!r}")
         return prompt
 
-    def _lookup(self, prompt: list[int], namespace: str, holds: list[int]) -> tuple[KVState, int, int, int, str]:
+    def _lookup(self, prompt: list[int], namespace: str,
+                holds: list[int]) -> tuple[KVState, int, int, int, PrefixFetch]:
         """The usable cached prefix as a model state, and where its tokens came
         from: (state, device tokens, host tokens, remote tokens, fetch outcome).
         Every hit's hold is added to `holds`."""

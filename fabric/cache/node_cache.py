@@ -16,7 +16,7 @@ from .insert import Inserts
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
 from kvfabric.fabric.exchange.leases import LeaseTable
-from .pages import PageCopier, TorchCopier, unpack
+from .pages import LayerKV, PageCopier, TorchCopier, unpack
 from .policies import AttentionPolicy, policies_for
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
 from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
@@ -217,7 +217,7 @@ class NodeCache(Inserts, Exports, PageViews):
         return freed
 
     # --- put -------------------------------------------------------------------------
-    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str, *,
+    def put(self, tokens: Sequence[int], kv: LayerKV | None, namespace: str, *,
             starts: Mapping[PoolName, int] | None = None, release: int = 0) -> int:
         """Store the whole pages of `tokens`; returns pages newly stored (0 if no room).
 
@@ -232,7 +232,7 @@ class NodeCache(Inserts, Exports, PageViews):
             if release:
                 self.release_hold(release)
 
-    def _put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str,
+    def _put(self, tokens: Sequence[int], kv: LayerKV | None, namespace: str,
              first: dict[PoolName, int]) -> int:
         self._check_kv(kv, len(tokens) // self.layout.page_size, first)
         plan = self.plan_store(tokens, namespace, first)
@@ -309,7 +309,7 @@ class NodeCache(Inserts, Exports, PageViews):
     def _empty(self) -> CachedKV:
         return CachedKV(0, 0, [None] * len(self.layout.layers))
 
-    def _check_kv(self, kv: Sequence[torch.Tensor] | None, pages: int, first: dict[PoolName, int]) -> None:
+    def _check_kv(self, kv: LayerKV | None, pages: int, first: dict[PoolName, int]) -> None:
         if kv is None:
             if pages and self.registry.pool(self.primary_pool, DEVICE).data is not None:
                 raise ValueError("this cache stores bytes: put needs kv tensors")

@@ -36,15 +36,21 @@ def keep_bytes(pool: PagePool, indices: list[int]) -> Callable[[], None]:
     return restore
 
 
-def pack(layout: KVLayout, pool: PoolName, kv: Sequence[torch.Tensor],
-         positions: list[int]) -> torch.Tensor:
+# Per-layer K/V, [2, T, kv_heads, head_dim] each; a layer of a pool no step reads may be None.
+LayerKV = Sequence[torch.Tensor | None]
+
+
+def pack(layout: KVLayout, pool: PoolName, kv: LayerKV, positions: list[int]) -> torch.Tensor:
     """Pages at `positions` of per-layer kv [2, T, H, D] -> [n, *page_shape(pool)]."""
     ps = layout.page_size
     layers = layout.layers_of(pool)
-    pos = torch.tensor(positions, dtype=torch.long, device=kv[layers[0]].device)
     out = []
+    pos: torch.Tensor | None = None
     for li in layers:
         t = kv[li]
+        assert t is not None, f"layer {li} of {pool.name} has no K/V"
+        if pos is None:
+            pos = torch.tensor(positions, dtype=torch.long, device=t.device)
         paged = t[:, : (t.shape[1] // ps) * ps].reshape(2, -1, ps, *t.shape[2:])
         out.append(paged.index_select(1, pos))          # [2, n, ps, H, D]
     return torch.stack(out).permute(2, 0, 1, 3, 4, 5)   # [n, L, 2, ps, H, D]

@@ -6,12 +6,12 @@ where each pool's rows start instead of padding the rest, and a put stores
 only the pages it has rows for."""
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import torch
 
 from .layout import KVLayout, PoolName
-from .pages import pack
+from .pages import LayerKV, pack
 
 
 def first_pages(layout: KVLayout, starts: Mapping[PoolName, int] | None) -> dict[PoolName, int]:
@@ -28,7 +28,7 @@ def first_pages(layout: KVLayout, starts: Mapping[PoolName, int] | None) -> dict
     return first
 
 
-def check_kv(layout: KVLayout, kv: Sequence[torch.Tensor], pages: int, first: Mapping[PoolName, int]) -> None:
+def check_kv(layout: KVLayout, kv: LayerKV, pages: int, first: Mapping[PoolName, int]) -> None:
     """Each layer of pool p must hold rows for pages [first[p], pages): a
     [2, >= (pages - first[p]) * page_size, kv_heads, head_dim] tensor."""
     if len(kv) != len(layout.layers):
@@ -45,7 +45,7 @@ def check_kv(layout: KVLayout, kv: Sequence[torch.Tensor], pages: int, first: Ma
                                  f"{layout.kv_heads}, {layout.head_dim}], got {got}")
 
 
-def pack_rows(layout: KVLayout, pool: PoolName, kv: Sequence[torch.Tensor], positions: list[int],
+def pack_rows(layout: KVLayout, pool: PoolName, kv: LayerKV, positions: list[int],
               first: int) -> torch.Tensor:
     """Pages at sequence `positions` (all >= `first`) from rows that start at page `first`."""
     if positions and min(positions) < first:
