@@ -299,7 +299,10 @@ class NodeCache(Inserts, Exports, PageViews):
             src = self.registry.pool(pool, Tier.DEVICE)
             if src.data is None or n == 0:
                 continue
-            indices = [x.pages_of(Tier.DEVICE, pool)[j] for x, offs in groups(path, policy.needed(n)) for j in offs]
+            indices: list[int] = []
+            for x, offs in groups(path, policy.needed(n)):
+                held = x.pages_of(Tier.DEVICE, pool)
+                indices.extend(held[j] for j in offs)
             pages = src.data.index_select(0, src.index_tensor(indices))
             for li, t in zip(self.layout.layers_of(pool), unpack(pages)):
                 layers[li] = t

@@ -60,7 +60,7 @@ class AttentionPolicy(ABC):
 
     def group(self, node: TreeNode, tier: Tier) -> Group:
         """The group a node becomes once its children are gone (FULL cascades)."""
-        return (node.last_access, -node.start, node.keys[0], node, list(range(len(node.pages_of(tier, self.pool)))))
+        return (node.last_access, -node.start, node.keys[0], node, list(range(node.n)))
 
 
 class FullAttentionPolicy(AttentionPolicy):
@@ -157,7 +157,8 @@ class SlidingWindowPolicy(AttentionPolicy):
         return node.slots[tier][PoolName.SWA] is not None and not node.locks[PoolName.SWA]
 
     def group(self, node: TreeNode, tier: Tier) -> Group:
-        pages = node.pages_of(tier, PoolName.SWA)
+        pages = node.slots[tier][PoolName.SWA]
+        assert pages is not None, node
         return (True, node.last_access, node.keys[0], node, [j for j, p in enumerate(pages) if p >= 0])
 
     def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[Group]:
@@ -166,7 +167,8 @@ class SlidingWindowPolicy(AttentionPolicy):
         for node in tree.nodes():
             if not self.is_evictable(node, tier):
                 continue
-            pages = node.pages_of(tier, PoolName.SWA)
+            pages = node.slots[tier][PoolName.SWA]
+            assert pages is not None, node     # is_evictable said so
             # Page j is (n-1-j) + below pages above the nearest anchor: within a
             # window of it, the page serves a likely continuation.
             cut = node.n - max(0, self.window_pages - below[id(node)])
