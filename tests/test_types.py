@@ -1,5 +1,5 @@
-"""mypy over the layers below deploy (`kvfabric.fabric`, `kvfabric.transport`,
-`kvfabric.actors`), as the installed package names them. mypy does not follow setuptools' editable finder, so the check runs over a
+"""mypy over the layers below deploy and deploy's reference engine, placement, replay
+and chaos packages (CHECKED), as the installed package names them. mypy does not follow setuptools' editable finder, so the check runs over a
 tree of links that lays the folders out as the wheel does."""
 import os
 import shutil
@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ("kvfabric.fabric", "kvfabric.transport", "kvfabric.actors")
+CHECKED = ("kvfabric.fabric", "kvfabric.transport", "kvfabric.actors", "kvfabric.deploy.reference",
+           "kvfabric.deploy.placement", "kvfabric.deploy.sim", "kvfabric.deploy.chaos")
 
 
 def test_the_core_type_checks(tmp_path):

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar, cast
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -277,7 +277,7 @@ class ChaosHarness:
     def _kill_directory_mid_rebalance(self, rng: random.Random) -> None:
         """Start a rebalance that splits on any imbalance, kill the directory somewhere
         in its steps, and wait until the restarted one answers."""
-        before = ray.get(self.directory.incarnation.remote(), timeout=CALL_TIMEOUT_S)
+        before = cast(int, ray.get(self.directory.incarnation.remote(), timeout=CALL_TIMEOUT_S))
         self.directory.rebalance.remote(1.0)
         time.sleep(rng.uniform(0.0, 0.05))
         ray.kill(self.directory, no_restart=False)      # asynchronous: wait for the new process
@@ -307,7 +307,7 @@ class ChaosHarness:
     # --- checks ----------------------------------------------------------------------------
     def _nodes(self) -> dict:
         # The directory may be restarting (a fault of ours): wait for it, within bounds.
-        names = _retry(lambda: ray.get(self.directory.node_names.remote(), timeout=CALL_TIMEOUT_S))
+        names: list[str] = _retry(lambda: ray.get(self.directory.node_names.remote(), timeout=CALL_TIMEOUT_S))
         out = {}
         for name in names:
             try:

@@ -46,7 +46,8 @@ _RARE = {ChaosKind.REMOVE_READD_NODE: 25, ChaosKind.KILL_NODE_ACTOR: 6, ChaosKin
 
 def schedule(seed: int, faults: int, kinds: Sequence[ChaosKind]) -> list[ChaosKind]:
     """A seeded fault list; heavy faults (restarts) come at most once per so many faults."""
-    rng, out, last = random.Random(seed), [], {}
+    rng, out = random.Random(seed), []
+    last: dict[ChaosKind, int] = {}
     for i in range(faults):
         allowed = [k for k in kinds if i - last.get(k, -10**9) >= _RARE.get(k, 1)]
         kind = rng.choice(allowed or [k for k in kinds if k not in _RARE] or list(kinds))

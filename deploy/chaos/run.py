@@ -90,7 +90,7 @@ def session(nodes: int = 3, prompts: int = 12, address: str | None = None,
               for r in multi_turn_slice(load_trace(), prompts)]
     embedded = local_cluster(nodes) if not address else contextlib.nullcontext(None)
     with embedded as cluster:
-        if cluster is None:
+        if address:                      # no embedded cluster: the given one
             connect(address)
         endpoint = up(dataclasses.asdict(app), port=free_port())
         try:

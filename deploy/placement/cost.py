@@ -8,17 +8,28 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from kvfabric.fabric import AttentionPolicy, FullAttentionPolicy, KVLayout, PoolName
 from kvfabric.fabric.cache.policies import policies_for
 
 
+class Geometry(Protocol):
+    """What timing a prefill reads of a model's config."""
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def max_positions(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
+
+
 class Prefills(Protocol):
     """A model that can be timed (kvfabric.deploy.reference.model.TinyLM has it)."""
-    config: object
+    @property
+    def config(self) -> Geometry: ...
 
-    def prefill(self, tokens: Sequence[int], past: object = None) -> object: ...
+    def prefill(self, tokens: Sequence[int], past: Any = None) -> object: ...
 
 
 @dataclass(frozen=True)

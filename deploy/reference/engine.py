@@ -116,7 +116,8 @@ class Engine:
             # generated tokens' pages are recomputed from (see _store).
             ps = self.model.config.page_size
             whole = state.truncated(len(prompt) // ps * ps)
-            out, steps = [], []
+            out: list[int] = []
+            steps: list[torch.Tensor] = []
             ttft = 0.0
             for i in range(max_tokens):
                 if i:
@@ -183,6 +184,7 @@ class Engine:
 
     def _get(self, prompt: list[int], namespace: str, holds: list[int]) -> CachedKV:
         """The local cache hit, pinned until this request's put: its hold joins `holds`."""
+        assert self.cache is not None, "only an engine with a cache looks up"
         cached = self.cache.get(prompt, namespace, self.hold_s)
         if cached.hold:
             holds.append(cached.hold)
@@ -191,7 +193,7 @@ class Engine:
     def _release(self, holds: list[int]) -> None:
         """Release what the puts did not (a request that failed or stored nothing).
         A cache that cannot answer now leaves them to expire: never fail for it."""
-        while holds:
+        while holds and self.cache is not None:      # holds come from a cache
             hold = holds.pop()
             try:
                 self.cache.release_hold(hold)
@@ -266,6 +268,7 @@ class Engine:
     def _put(self, tokens: list[int], state: KVState, namespace: str, holds: list[int]) -> int:
         """Store the rows `state` has for `tokens` (never more), releasing a hold of `holds`
         (if the put fails, the hold stays in `holds` for `finally`)."""
+        assert self.cache is not None, "only an engine with a cache stores"
         kv, starts = state.for_put(len(tokens), self.layout)
         stored = self.cache.put(tokens, kv, namespace, starts=starts, release=holds[-1] if holds else 0)
         if holds:

@@ -83,7 +83,7 @@ class ModelConfig:
     def layout(self) -> KVLayout:
         """The KV layout of this model, for NodeCache and the fabric."""
         has_swa = LayerKind.SWA in {LayerKind(k) for k in self.layers}
-        return KVLayout(layers=tuple(self.layers), kv_heads=self.kv_heads, head_dim=self.head_dim,
+        return KVLayout(layers=tuple(LayerKind(k) for k in self.layers), kv_heads=self.kv_heads, head_dim=self.head_dim,
                         page_size=self.page_size, window=self.window if has_swa else 0,
                         dtype="float32")
 
@@ -209,19 +209,23 @@ class TinyLM:
             self._forward(ids[c:c + ps], state, at=c, commit=True, logits=False)
         last = len(tokens) - 1
         logits = self._forward(ids[last:], state, at=last, commit=False, logits=True)
+        assert logits is not None          # asked for
         return logits[-1], state
 
     @torch.inference_mode()
     def decode_step(self, token: int, state: KVState) -> torch.Tensor:
         """Append `token` at position state.length; returns the logits after it."""
         ids = torch.tensor([token], dtype=torch.long, device=self.device)
-        return self._forward(ids, state, at=state.length, commit=True, logits=True)[-1]
+        logits = self._forward(ids, state, at=state.length, commit=True, logits=True)
+        assert logits is not None          # asked for
+        return logits[-1]
 
     def generate(self, tokens: Sequence[int], max_tokens: int,
                  past: KVState | None = None) -> tuple[list[int], list[torch.Tensor]]:
         """Greedy decoding without any cache object: the reference output."""
         logits, state = self.prefill(tokens, past)
-        out, steps = [], []
+        out: list[int] = []
+        steps: list[torch.Tensor] = []
         for i in range(max_tokens):
             if i:
                 logits = self.decode_step(out[-1], state)

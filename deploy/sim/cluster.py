@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
 
-from kvfabric.fabric import KVLayout, NodeCache, PageKeyer, PoolCapacity, PoolName
+from kvfabric.fabric import KVLayout, LayerKind, NodeCache, PageKeyer, PoolCapacity, PoolName
 
 from kvfabric.deploy.placement import (CostModel, FabricScore, NodeView, PageBytes, PowerOfTwo, PrefixAffinity, Prompt,
                                        Request, Router)
@@ -85,7 +85,7 @@ class SimConfig:
 
     @property
     def layout(self) -> KVLayout:
-        return KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=self.page_tokens)
+        return KVLayout(layers=(LayerKind.FULL,), kv_heads=1, head_dim=1, page_size=self.page_tokens)
 
     @property
     def page_bytes(self) -> PageBytes:

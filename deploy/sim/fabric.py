@@ -48,7 +48,7 @@ class FabricCluster(Cluster):
         src = max(remote, key=lambda i: (remote[i], -i), default=None)
         assert isinstance(self.router, FabricScore)
         plan = self.router.plan(req.request, local, remote[src] if src is not None else 0)
-        if plan.fetched_pages:
+        if plan.fetched_pages and src is not None:
             # The source serves the export: its pages count as used, as a real export's do.
             self.caches[src].get(req.tokens[: plan.cached_pages * c.page_tokens], NAMESPACE)
             self.fetches += 1

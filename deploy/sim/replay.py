@@ -58,7 +58,7 @@ class ModeResult:
         return percentile(self.e2e_s, q) * 1e3
 
     def to_json(self) -> dict:
-        out = {"hit_rate": round(self.hit_rate, 4), "prefill_tokens": self.prefill_tokens,
+        out: dict[str, object] = {"hit_rate": round(self.hit_rate, 4), "prefill_tokens": self.prefill_tokens,
                "ttft_p50_ms": round(self.ttft_ms(0.5), 1), "ttft_p99_ms": round(self.ttft_ms(0.99), 1),
                "e2e_p50_ms": round(self.e2e_ms(0.5), 1), "hit_tokens": self.hit_tokens,
                "bytes_moved": self.bytes_moved}
@@ -179,7 +179,8 @@ class Replay:
         """The first capacity's figures at the top, every capacity's in `sweep`;
         `shard_load_max_over_mean` is the worst global run's."""
         first = self.points[0].to_json()
-        balances = [p.modes[Mode.GLOBAL].shard_balance for p in self.points if Mode.GLOBAL in p.modes]
+        balances = [b for p in self.points if Mode.GLOBAL in p.modes
+                    and (b := p.modes[Mode.GLOBAL].shard_balance) is not None]
         return {"requests": self.requests, "nodes": self.config.nodes, "shards": self.config.shards,
                 **first, "shard_load_max_over_mean": _round(max(balances)) if balances else None,
                 "sweep": [p.to_json() for p in self.points], "elapsed_s": round(self.elapsed_s, 1)}
@@ -193,7 +194,7 @@ def replay(config: SimConfig, requests: Sequence[SimRequest], capacities: Sequen
     points, infinite = [], None
     for cap in capacities or (config.capacity_tokens,):
         cfg = dataclasses.replace(config, capacity_tokens=cap)
-        results = {}
+        results: dict[Mode, ModeResult] = {}
         for mode in modes:
             if mode is Mode.INFINITE and infinite is not None:
                 results[mode] = dataclasses.replace(infinite, capacity_tokens=cap)
