@@ -49,13 +49,21 @@ class PageViews:
         out = []
         for key in dict.fromkeys(keys):
             node = tree.by_key.get(key)
-            node, j = (node, node.keys.index(key)) if node is not None else removed[key]
-            view = _view(node, j) if tree.by_key.get(node.keys[j]) is node else _gone(node, j)
+            if node is not None:
+                j = node.keys.index(key)
+                view = _view(node, j)
+            else:                           # it left the tree: its detached node names it
+                node, j = removed[key]
+                view = _gone(node, j)
             out.append((view, paths.of(node, j)))
         return out, restate
 
-    def held_pages(self) -> Iterator[PageWithPath]:
+    def held_pages(self) -> Iterator[PageView]:
         """Every page in the tree, with where its KV is (possibly nowhere)."""
+        return (_view(node, j) for node in self.tree.nodes() for j in range(node.n))
+
+    def held_pages_with_paths(self) -> Iterator[PageWithPath]:
+        """The same, each with its key path (what routing the pages to shards needs)."""
         paths = _Paths()
         return ((_view(node, j), paths.of(node, j)) for node in self.tree.nodes() for j in range(node.n))
 

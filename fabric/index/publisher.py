@@ -58,10 +58,10 @@ class EventPublisher:
         return Snapshot(self.node, self.epoch, self.next_seq - 1, self._all_held(), self.fingerprint)
 
     def _held_paths(self):
-        return ((_state(view), path) for view, path in self.cache.held_pages())
+        return ((_state(view), path) for view, path in self.cache.held_pages_with_paths())
 
     def _all_held(self) -> tuple[PageState, ...]:
-        return tuple(p for view, _ in self.cache.held_pages() if (p := _state(view)).mask)
+        return tuple(p for view in self.cache.held_pages() if (p := _state(view)).mask)
 
 
 def _state(view: PageView) -> PageState:
