@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from kvfabric.fabric import KVLayout, NodeCache, PoolName
 from kvfabric.fabric.cache.pages import pack, unpack
+from kvfabric.fabric.wire import is_int
 
 SHM_DIR = Path("/dev/shm")
 
@@ -69,11 +70,12 @@ def _ensure_file(path: Path, size: int) -> None:
 
 @dataclass
 class StagedHit:
-    """What `load_to_staging` put in the staging pages: full KV for pages
-    [first_page, pages), SWA KV for pages [swa_first_page, pages)."""
+    """What `load_to_staging` put in the staging pages: each pool's KV for pages
+    [firsts[pool], pages). The load starts at `first_page`; a pool whose policy needs
+    less (a window) starts later."""
     pages: int = 0
     first_page: int = 0
-    swa_first_page: int = 0
+    firsts: dict[PoolName, int] = field(default_factory=dict)
     host_pages: int = 0          # of those pages, how many the cache loaded back from host
     slots: dict[PoolName, list[int]] = field(default_factory=dict)
 
@@ -86,18 +88,15 @@ def load_to_staging(cache: NodeCache, shared: SharedPages, tokens: Sequence[int]
     ps = layout.page_size
     hit = cache.get(tokens, namespace)
     n = hit.tokens // ps
-    swa_first = hit.swa_start // ps
-    out = StagedHit(pages=n, first_page=skip_pages, swa_first_page=max(skip_pages, swa_first),
+    held = {pool: start // ps for pool, start in hit.starts.items()}     # the hit's rows start there
+    out = StagedHit(pages=n, first_page=skip_pages, firsts={p: max(skip_pages, held[p]) for p in layout.pools},
                     host_pages=hit.host_tokens // ps)
     # A shorter load than the hit would need the SWA window before its own end, which
     # the hit does not carry: too few slots load nothing.
     if n <= skip_pages or len(slots.get(layout.pools[0], ())) < n - skip_pages:
         return StagedHit()
     for pool in layout.pools:
-        start = out.first_page if pool == PoolName.FULL else out.swa_first_page
-        # SWA layers of a hit start at swa_start, full ones at 0.
-        offset = 0 if pool == PoolName.FULL else swa_first
-        positions = list(range(start - offset, n - offset))
+        positions = list(range(out.firsts[pool] - held[pool], n - held[pool]))
         dst = slots.get(pool, [])[: len(positions)]
         if len(dst) < len(positions):
             raise ValueError(f"{len(positions)} {pool.name} pages to stage, {len(dst)} slots")
@@ -110,18 +109,20 @@ def load_to_staging(cache: NodeCache, shared: SharedPages, tokens: Sequence[int]
 
 
 def save_from_staging(cache: NodeCache, shared: SharedPages, tokens: Sequence[int], namespace: str,
-                      slots: dict[PoolName, list[int]], swa_first_page: int, first_page: int = 0) -> int:
-    """Store the whole pages of `tokens` from staging: full KV of page first_page + i in
-    slots[FULL][i], SWA KV of page swa_first_page + j in slots[SWA][j]. Full KV from
-    first_page on grows the cache only where it holds every page before (NodeCache.put).
-    Returns pages newly stored."""
+                      slots: dict[PoolName, list[int]], firsts: Mapping[PoolName, int]) -> int:
+    """Store the whole pages of `tokens` from staging: a pool's KV of page firsts[pool] + i
+    in slots[pool][i] (pools not in `firsts` from page 0). Full KV from a later page grows
+    the cache only where it holds every page before (NodeCache.put). Returns pages newly
+    stored."""
     layout = cache.layout
     ps = layout.page_size
     n = len(tokens) // ps
+    if set(firsts) - set(layout.pools) or not all(is_int(f) and f >= 0 for f in firsts.values()):
+        raise ValueError(f"first pages must be ints >= 0 for pools of the layout, got {dict(firsts)!r}")
     kv: list[torch.Tensor | None] = [None] * len(layout.layers)
     starts: dict[PoolName, int] = {}
     for pool in layout.pools:
-        first = first_page if pool == PoolName.FULL else swa_first_page
+        first = firsts.get(pool, 0)
         idx = slots.get(pool, [])
         if len(idx) != n - first:
             raise ValueError(f"{pool.name}: {len(idx)} staged pages for positions [{first}, {n})")

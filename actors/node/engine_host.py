@@ -105,13 +105,12 @@ class EngineHost:
         return hit
 
     async def save_staged(self, spec: StagingSpec, tokens: Sequence[int], namespace: str,
-                          slots: dict[PoolName, list[int]], swa_first_page: int, first_page: int = 0) -> int:
+                          slots: dict[PoolName, list[int]], firsts: dict[PoolName, int]) -> int:
         """Store the whole pages of `tokens` that the engine wrote to its staging pages
-        (full KV from `first_page` on: see save_from_staging)."""
+        (each pool's from page `firsts[pool]` on: see save_from_staging)."""
         async with self.gate.family(self._family(tokens, namespace)):
             with self.gate.mutex:
-                stored = save_from_staging(self.cache, self._staging(spec), tokens, namespace, slots,
-                                           swa_first_page, first_page)
+                stored = save_from_staging(self.cache, self._staging(spec), tokens, namespace, slots, firsts)
                 self.link.publish()
         return stored
 

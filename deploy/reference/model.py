@@ -170,7 +170,7 @@ class TinyLM:
         """A state from a cache hit; raises ValueError if the hit cannot serve as a
         prefix (wrong shapes, not page-aligned, too little SWA history)."""
         c = self.config
-        n, s = cached.tokens, cached.swa_start
+        n, s = cached.tokens, cached.starts.get(PoolName.SWA, 0)
         if not isinstance(n, int) or n < 0 or n % c.page_size or n > c.max_positions:
             raise ValueError(f"cached prefix of {n!r} tokens is not a whole number of pages")
         if n == 0:

@@ -55,8 +55,9 @@ class _Save:
     tokens: list[int]
     namespace: str
     slots: dict[PoolName, list[int]]
-    swa_first_page: int
-    first_page: int = 0           # full KV before it is the node's already (or queued to it)
+    # Each pool's first staged page: full KV before it is the node's already (or queued
+    # to it); SWA KV before it is outside the window vLLM still holds.
+    firsts: dict[PoolName, int]
 
 
 @dataclass
@@ -157,13 +158,13 @@ class SchedulerSide:
         block_ids = blocks.get_block_ids()
         job = CopyJob(rid, [])
         for pool, slots in load.slots.items():
-            first = hit.first_page if pool == PoolName.FULL else hit.swa_first_page
+            first = hit.firsts[pool]
             per_group = {}
             for g in self.plan.groups_of(pool):
                 ids = list(block_ids[g][first:first + len(slots)])
                 per_group[g] = [-1 if b == NULL_BLOCK else b for b in ids]
-                if pool == PoolName.SWA and any(b != NULL_BLOCK for b in block_ids[g][hit.first_page:first]):
-                    job.doomed = "vLLM wants SWA KV before the window the fabric holds"
+                if any(b != NULL_BLOCK for b in block_ids[g][hit.first_page:first]):
+                    job.doomed = f"vLLM wants {pool.name} KV before the pages the fabric holds"
             job.moves.append(PoolMove(pool, slots, per_group))
         if hit.pages * self.plan.page_size != num_external_tokens + hit.first_page * self.plan.page_size:
             job.doomed = job.doomed or "vLLM admitted a different number of tokens than offered"
@@ -248,7 +249,7 @@ class SchedulerSide:
         try:
             maybe_fail(self.settings, "node_save")
             call = self.node.submit("save_staged", self.spec, save.tokens, save.namespace,
-                                    save.slots, save.swa_first_page, save.first_page)
+                                    save.slots, save.firsts)
         except Exception as e:
             self._store_failed(key, save, e)
             return
@@ -313,9 +314,8 @@ class SchedulerSide:
         n = min([n] + [len(block_ids[g]) for g in range(len(self.plan.group_pools))])
         if n == 0:
             return False
-        swa_first = self._surviving_window(block_ids, n)
-        full_first = min(has, n)
-        first_of = {PoolName.FULL: full_first, PoolName.SWA: swa_first}
+        start = {PoolName.FULL: min(has, n), PoolName.SWA: self._surviving_window(block_ids, n)}
+        first_of = {p: start[p] for p in self.plan.layout.pools}
         want = {p: n - first_of[p] for p in self.plan.layout.pools}
         slots = self._alloc(want)
         if slots is None:
@@ -325,7 +325,7 @@ class SchedulerSide:
             first = first_of[pool]
             job.moves.append(PoolMove(pool, pool_slots, {g: list(block_ids[g][first:n])
                                                          for g in self.plan.groups_of(pool)}))
-        self.saving[key] = _Save(tokens[: n * self.plan.page_size], namespace, slots, swa_first, full_first)
+        self.saving[key] = _Save(tokens[: n * self.plan.page_size], namespace, slots, first_of)
         self.meta.saves.append(job)
         return True
 

@@ -306,11 +306,10 @@ class NodeCache(Inserts, Exports, PageViews):
             pages = src.data.index_select(0, src.index_tensor(indices))
             for li, t in zip(self.layout.layers_of(pool), unpack(pages)):
                 layers[li] = t
-        swa = self.policies.get(PoolName.SWA)
-        return CachedKV(n * ps, swa.needed(n).start * ps if swa else 0, layers)
+        return CachedKV(n * ps, {p: pol.needed(n).start * ps for p, pol in self.policies.items()}, layers)
 
     def _empty(self) -> CachedKV:
-        return CachedKV(0, 0, [None] * len(self.layout.layers))
+        return CachedKV(0, dict.fromkeys(self.policies, 0), [None] * len(self.layout.layers))
 
     def _check_kv(self, kv: LayerKV | None, pages: int, first: dict[PoolName, int]) -> None:
         if kv is None:

@@ -43,13 +43,15 @@ class NodeGuard:
 
 @dataclass
 class CachedKV:
-    """K/V of a cached prefix. Full layers cover tokens [0, tokens); SWA layers
-    cover [swa_start, tokens). `layers[i]` is [2, n_tokens, kv_heads, head_dim].
+    """K/V of a cached prefix. A pool's layers cover tokens [starts[pool], tokens): what
+    its policy needs (full layers from 0, SWA layers the window before the end).
+    `layers[i]` is [2, n_tokens, kv_heads, head_dim]; a put of rows that start there
+    passes `starts` on.
     `host_tokens`: how many of the tokens were loaded back from the host tier.
     `hold`: the id of the hold pinning this prefix until the caller's put
     (NodeCache.get with `hold_s`), 0 for none."""
     tokens: int
-    swa_start: int
+    starts: dict[PoolName, int]
     layers: list[torch.Tensor | None]
     host_tokens: int = 0
     hold: int = 0

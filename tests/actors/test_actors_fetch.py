@@ -50,7 +50,7 @@ def test_fetch_between_actors_on_two_nodes(cluster):
         hit = ray.get(b.get.remote(tokens, NS), timeout=T)
         want = prefix_kv(LAYOUT, tokens)
         assert hit.tokens == len(tokens)
-        assert torch.equal(hit.layers[0], want[0]) and torch.equal(hit.layers[1], want[1][:, hit.swa_start:])
+        assert torch.equal(hit.layers[0], want[0]) and torch.equal(hit.layers[1], want[1][:, hit.starts[PoolName.SWA]:])
         ray.get([a.check.remote(), b.check.remote()], timeout=T)
         batch = decode_events(ray.get(b.drain_events.remote(), timeout=T))
         assert batch.seq == 0 and batch.cleared and {p.depth for p in batch.pages} == set(range(6))

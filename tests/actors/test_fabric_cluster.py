@@ -78,7 +78,7 @@ def test_index_finds_a_prefix_and_fetch_moves_it(fabric):
     assert client.fetch(tokens, NS, into=b) == 5
     hit = ray.get(fabric.nodes[b].get.remote(tokens, NS), timeout=T)
     want = prefix_kv(LAYOUT, tokens)
-    assert torch.equal(hit.layers[0], want[0]) and torch.equal(hit.layers[1], want[1][:, hit.swa_start:])
+    assert torch.equal(hit.layers[0], want[0]) and torch.equal(hit.layers[1], want[1][:, hit.starts[PoolName.SWA]:])
     flush(fabric)
     assert {m.node for m in client.lookup(tokens, NS)} == {a, b}
     ray.get([n.check.remote() for n in fabric.nodes.values()], timeout=T)

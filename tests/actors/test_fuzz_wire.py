@@ -24,7 +24,7 @@ from hypothesis import event, given, strategies as st
 
 from kvfabric.actors.index_shard import IndexShardActor
 from kvfabric.fabric import (ApplyResult, EventBatch, EventError, ExportGrant, FetchOutcome, GrantError, KVLayout,
-                             LeaseTable, NodeCache, PageState, PoolCapacity, PoolName, PoolPages, PrefixIndex,
+                             LeaseTable, MatchRule, NodeCache, PageState, PoolCapacity, PoolName, PoolPages, PrefixIndex,
                              ReadFailed, Route, RouteError, RouteTable, Snapshot, Tier, TierConfig, decode_events,
                              export_prefix, import_prefix)
 from kvfabric.fabric.index.routes import MAX_SHARDS
@@ -110,7 +110,7 @@ def _chain(keys: list[bytes], mask: int) -> tuple[PageState, ...]:
 
 
 def loaded_shard() -> Any:
-    shard = IndexShardActor.__ray_actor_class__(0, 1, 2, True, FP)
+    shard = IndexShardActor.__ray_actor_class__(0, 1, MatchRule(2), FP)
     assert shard.apply(EventBatch("a", 1, 0, _chain(A_KEYS, 1), fingerprint=FP).encode()) == "applied"
     assert shard.apply(EventBatch("b", 1, 0, _chain(B_KEYS[:3], 5), fingerprint=FP).encode()) == "applied"
     return shard
@@ -324,7 +324,7 @@ def test_import_with_a_mutated_grant_commits_the_right_pages_or_changes_nothing(
     want = prefix_kv(LAYOUT, TOKENS[:hit.tokens])
     assert hit.tokens == grant.pages * LAYOUT.page_size
     for i, kind in enumerate(LAYOUT.layers):
-        start = 0 if kind.value == "full" else hit.swa_start
+        start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
         assert torch.equal(hit.layers[i], want[i][:, start:hit.tokens])
 
 

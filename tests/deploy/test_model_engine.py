@@ -135,7 +135,7 @@ def test_hit_after_swa_tombstoning_uses_the_shorter_window():
     m = c.match(prompt, NS)
     assert m.present_pages == 6 and m.usable_pages == 4          # full KV for 6 pages, usable only 4
     hit = c.get(prompt, NS)
-    assert (hit.tokens, hit.swa_start) == (64, 32)
+    assert (hit.tokens, hit.starts[PoolName.SWA]) == (64, 32)
     got = engine.generate(prompt, 6, NS, return_logits=True)
     assert got.cached_tokens == 64
     assert_same(got, reference(prompt))

@@ -139,7 +139,7 @@ def test_swa_rows_from_a_later_start_leave_earlier_pages_tombstoned():
     assert c.match(seq(2) + seq(1, 500), NS).usable_pages == 0
     hit = c.get(b, NS)
     want = prefix_kv(MIXED, b)
-    assert hit.tokens == 24 and torch.equal(hit.layers[1], want[1][:, hit.swa_start:24])
+    assert hit.tokens == 24 and torch.equal(hit.layers[1], want[1][:, hit.starts[PoolName.SWA]:24])
     c.check()
 
 

@@ -65,7 +65,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         want = prefix_kv(self.layout, t)
         for li, kind in enumerate(self.layout.layers):
-            start = 0 if kind.value == "full" else hit.swa_start
+            start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
             assert torch.equal(hit.layers[li], want[li][:, start:hit.tokens])
 
     @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES))

@@ -56,7 +56,7 @@ def assert_kv(c, toks, pages):
     assert hit.tokens == pages * LAYOUT.page_size
     want = prefix_kv(LAYOUT, toks)
     for i, kind in enumerate(LAYOUT.layers):
-        start = 0 if kind.value == "full" else hit.swa_start
+        start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
         assert torch.equal(hit.layers[i], want[i][:, start:hit.tokens])
 
 

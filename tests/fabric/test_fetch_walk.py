@@ -122,7 +122,7 @@ class FetchWalk(RuleBasedStateMachine):
         want = prefix_kv(self.layout, t)
         for li, kind in enumerate(self.layout.layers):
             if hit.tokens:
-                start = 0 if kind.value == "full" else hit.swa_start
+                start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
                 assert torch.equal(hit.layers[li], want[li][:, start:hit.tokens])
 
     @rule(i=st.integers(0, 7), extra=st.integers(0, 8), how=st.sampled_from(READS))

@@ -27,7 +27,7 @@ def put(cache, tokens, ns=NS):
 def assert_bytes(cache, tokens, hit):
     want = prefix_kv(cache.layout, tokens)
     for i, kind in enumerate(cache.layout.layers):
-        start = 0 if kind.value == "full" else hit.swa_start
+        start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
         assert torch.equal(hit.layers[i], want[i][:, start:hit.tokens]), f"layer {i}"
 
 
@@ -56,7 +56,7 @@ def test_swa_window_must_be_present():
     for k in range(1, 6):
         assert cache.match(tokens[: k * 4], NS).usable_pages == 0
     hit = cache.get(tokens, NS)
-    assert hit.tokens == 24 and hit.swa_start == 16
+    assert hit.tokens == 24 and hit.starts[PoolName.SWA] == 16
     assert_bytes(cache, tokens, hit)
 
 

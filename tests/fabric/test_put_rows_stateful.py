@@ -64,7 +64,7 @@ class PutRowsMachine(RuleBasedStateMachine):
         assert bool(hit.hold) == (hit.tokens > 0)
         want = prefix_kv(self.layout, tokens)
         for li, kind in enumerate(self.layout.layers):
-            start = 0 if kind.value == "full" else hit.swa_start
+            start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
             assert hit.tokens == 0 or torch.equal(hit.layers[li], want[li][:, start:hit.tokens])
         self.requests.append(Request(tokens, ns, hit, self.clock.now + TTL))
 
@@ -79,7 +79,7 @@ class PutRowsMachine(RuleBasedStateMachine):
         n = len(tokens) // self.ps
         hit_pages = r.hit.tokens // self.ps
         full = {"zero": 0, "hit": hit_pages, "past-hit": hit_pages + 1}[full_from]
-        first = {PoolName.FULL: min(n, full), PoolName.SWA: min(n, r.hit.swa_start // self.ps + swa_later)}
+        first = {PoolName.FULL: min(n, full), PoolName.SWA: min(n, r.hit.starts[PoolName.SWA] // self.ps + swa_later)}
         first = {p: first[p] for p in self.layout.pools}
         starts = {p: f * self.ps for p, f in first.items()}
         kv = prefix_kv(self.layout, tokens)

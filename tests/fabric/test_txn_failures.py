@@ -8,7 +8,7 @@ outcome, with the pages an unknown reader error may still write quarantined."""
 import torch
 from hypothesis import given, strategies as st
 
-from kvfabric.fabric import (FetchOutcome, LeaseTable, NodeCache, PageAudit, PoolCapacity, ReadFailed,
+from kvfabric.fabric import (FetchOutcome, LeaseTable, NodeCache, PageAudit, PoolCapacity, PoolName, ReadFailed,
                              Tier, TierConfig, WritePolicy, export_prefix, import_prefix)
 from tests.inject import CAN_RAISE_AFTER, EXCEPTIONS, Plan, Step, injecting
 from tests.kvgen import prefix_kv
@@ -65,7 +65,7 @@ def assert_settled(cache: NodeCache, inj, before: tuple, keys_before: set, seqs)
         hit = cache.get(s, NS)
         want = prefix_kv(cache.layout, s)
         for li, kind in enumerate(cache.layout.layers):
-            start = 0 if kind.value == "full" else hit.swa_start
+            start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
             if hit.tokens:
                 assert torch.equal(hit.layers[li], want[li][:, start:hit.tokens])
     assert_whole(cache)

@@ -123,7 +123,7 @@ def assert_fetched(cache):
     assert hit.tokens == len(TOKENS)
     want = prefix_kv(LAYOUT, TOKENS)
     for i, kind in enumerate(LAYOUT.layers):
-        start = 0 if kind.value == "full" else hit.swa_start
+        start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
         assert torch.equal(hit.layers[i], want[i][:, start:hit.tokens])
 
 

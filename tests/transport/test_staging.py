@@ -54,12 +54,12 @@ def test_staged_pages_come_back_equal(shared):
     cache = new_cache()
     tokens = list(range(100, 100 + 10 * LAYOUT.page_size))
     n = len(tokens) // LAYOUT.page_size
-    assert save_from_staging(cache, shared, tokens, "t", stage(shared, tokens, n - W), n - W) == n
+    assert save_from_staging(cache, shared, tokens, "t", stage(shared, tokens, n - W), {PoolName.SWA: n - W}) == n
     shared.pools[PoolName.FULL].zero_()
     shared.pools[PoolName.SWA].zero_()
     slots = {PoolName.FULL: list(range(20, 40)), PoolName.SWA: list(range(40, 40 + W))}
     hit = load_to_staging(cache, shared, tokens + [1], "t", 3, slots)
-    assert (hit.pages, hit.first_page, hit.swa_first_page) == (n, 3, n - W)
+    assert (hit.pages, hit.first_page, hit.firsts) == (n, 3, {PoolName.FULL: 3, PoolName.SWA: n - W})
     kv = prefix_kv(LAYOUT, tokens)
     assert torch.equal(loaded(shared, hit, PoolName.FULL), pack(LAYOUT, PoolName.FULL, kv, list(range(3, n))))
     assert torch.equal(loaded(shared, hit, PoolName.SWA), pack(LAYOUT, PoolName.SWA, kv, list(range(n - W, n))))
@@ -70,7 +70,7 @@ def test_staged_pages_come_back_equal(shared):
 def test_too_few_slots_load_nothing(shared):
     cache = new_cache()
     tokens = list(range(8 * LAYOUT.page_size))
-    save_from_staging(cache, shared, tokens, "t", stage(shared, tokens, 8 - W), 8 - W)
+    save_from_staging(cache, shared, tokens, "t", stage(shared, tokens, 8 - W), {PoolName.SWA: 8 - W})
     hit = load_to_staging(cache, shared, tokens, "t", 0, {PoolName.FULL: [0, 1], PoolName.SWA: [2, 3]})
     assert hit.pages == 0 and not hit.slots
 
@@ -90,7 +90,7 @@ def test_loads_only_return_bytes_an_engine_staged(shared, convs):
         if n > SLOTS // 2:
             continue
         swa_first = max(0, n - W)
-        save_from_staging(cache, shared, tokens, "t", stage(shared, tokens, swa_first), swa_first)
+        save_from_staging(cache, shared, tokens, "t", stage(shared, tokens, swa_first), {PoolName.SWA: swa_first})
         seqs.append(tokens)
         cache.check()
     for tokens in seqs:
@@ -104,7 +104,7 @@ def test_loads_only_return_bytes_an_engine_staged(shared, convs):
             assert torch.equal(loaded(shared, hit, PoolName.FULL),
                                pack(LAYOUT, PoolName.FULL, kv, list(range(hit.pages))))
             assert torch.equal(loaded(shared, hit, PoolName.SWA),
-                               pack(LAYOUT, PoolName.SWA, kv, list(range(hit.swa_first_page, hit.pages))))
+                               pack(LAYOUT, PoolName.SWA, kv, list(range(hit.firsts[PoolName.SWA], hit.pages))))
 
 
 def test_files_live_in_shared_memory(shared):
