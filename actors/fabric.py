@@ -15,7 +15,7 @@ from typing import Any, Generator, Sequence, cast
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from kvfabric.fabric import KeyerCache, NodeMatch, PoolName, RouteTable
+from kvfabric.fabric import KeyerCache, MatchRule, NodeMatch, RouteTable
 
 from .directory import (CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, FabricDirectory, Membership, join,
                         place_node_actor, shard_name)
@@ -42,13 +42,11 @@ def start(config: NodeConfig, shards: int = 4, cpus_per_actor: float = 0.25,
     directory = FabricDirectory.options(  # type: ignore[attr-defined]
         name=DIRECTORY, max_concurrency=8, max_restarts=-1, **opts).remote(
         config, shards, cpus_per_actor=cpus_per_actor, watch_s=watch_s)
-    window = config.layout.window_pages
-    has_full = PoolName.FULL in config.layout.pools
-    fingerprint = config.layout.fingerprint
+    rule, fingerprint = MatchRule.of(config.layout), config.layout.fingerprint
     # Shard state is soft: a restarted shard starts empty, answers partially, and nodes
     # refill it (their next batch shows a gap; they answer with a snapshot).
     shard_actors = [IndexShardActor.options(name=shard_name(i), max_restarts=-1, **opts)  # type: ignore[attr-defined]
-                    .remote(i, shards, window, has_full, fingerprint) for i in range(shards)]
+                    .remote(i, shards, rule, fingerprint) for i in range(shards)]
     nodes = dict(place_node_actor(n["NodeID"], config, cpus_per_actor) for n in ray.nodes() if n["Alive"])
     ray.get([s.noop.remote() for s in shard_actors], timeout=timeout_s)
     for name in nodes:

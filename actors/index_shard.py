@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import ray
 
-from kvfabric.fabric import (ApplyResult, EventBatch, EventError, LoadTracker, PrefixIndex, RouteTable, Snapshot,
-                             decode_events)
+from kvfabric.fabric import (ApplyResult, EventBatch, EventError, LoadTracker, MatchRule, PrefixIndex, RouteTable,
+                             Snapshot, decode_events)
 from kvfabric.fabric.index.regions import entries_by_region
 from kvfabric.fabric.cache.keys import KEY_BYTES
 from kvfabric.fabric.wire import is_int
@@ -12,10 +12,9 @@ from kvfabric.fabric.wire import is_int
 
 @ray.remote
 class IndexShardActor:
-    def __init__(self, shard: int, shards: int, window_pages: int, has_full: bool,
-                 fingerprint: bytes | None = None) -> None:
+    def __init__(self, shard: int, shards: int, rule: MatchRule, fingerprint: bytes | None = None) -> None:
         self.shard, self.shard_count = shard, shards
-        self.index = PrefixIndex(window_pages, has_full, fingerprint)
+        self.index = PrefixIndex(rule, fingerprint)
         self.load = LoadTracker(shards)
         self.route_version = 0
         self.rejected = 0

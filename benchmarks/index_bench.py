@@ -23,7 +23,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 from kvfabric.deploy.sim.trace import load_trace, request_tokens  # noqa: E402
-from kvfabric.fabric import EventBatch, PageKeyer, PageMask, PageState
+from kvfabric.fabric import EventBatch, MatchRule, PageKeyer, PageMask, PageState
 from kvfabric.fabric.index.prefix_index import PrefixIndex
 from kvfabric.fabric.index.sharded_index import ShardedIndex
 
@@ -41,7 +41,7 @@ def ours_rounds(all_keys: list[list[bytes]], tokens: list[list[int]] | None = No
 
     The routed node already holds the request's first `have` pages (its match length; 0 when
     nothing matched) and publishes the rest as one chain, as a node does after a put."""
-    index = PrefixIndex(window_pages=0)
+    index = PrefixIndex(MatchRule(window_pages=0))
     seqs = [0] * NODES
     names = [f"n{i}" for i in range(NODES)]
     slot = {name: i for i, name in enumerate(names)}
@@ -83,7 +83,7 @@ def peer_rounds(tokens: list[list[int]]) -> float:
 
 def shard_balance(all_keys: list[list[bytes]], shards: int = 8, every: int = 100) -> float:
     """Lookups per shard over the whole trace, max over mean, rebalancing every `every` lookups."""
-    index = ShardedIndex(shards, window_pages=0)
+    index = ShardedIndex(shards, MatchRule(window_pages=0))
     for i, keys in enumerate(all_keys):
         index.lookup(keys)
         if i % every == every - 1:
@@ -101,7 +101,7 @@ def actor_latency(all_keys: list[list[bytes]], calls: int = 400) -> tuple[float,
     from kvfabric.actors.index_shard import IndexShardActor
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        shard = IndexShardActor.remote(0, 1, 0, True)     # shard 0 of 1, window 0, full layers
+        shard = IndexShardActor.remote(0, 1, MatchRule(window_pages=0))     # shard 0 of 1, full layers only
         keyer_root = PageKeyer("bench", b"f" * 16, PAGE).root
         pages = {}
         for keys in all_keys[:500]:

@@ -6,6 +6,7 @@ from .exchange.fetch import FetchOutcome, PageReader, ReadFailed, import_prefix
 from .exchange.grant import ExportGrant, GrantError, PoolPages
 from .index.events import EventBatch, EventError, PageMask, PageState, Snapshot, decode as decode_events
 from .cache.faults import AllocationFaults
+from .index.match_rule import MatchRule
 from .index.prefix_index import ApplyResult, NodeMatch, PrefixIndex
 from .cache.keys import KeyerCache, PageKeyer, encode_tokens, namespace_key
 from .cache.layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
@@ -32,6 +33,6 @@ __all__ = [
     "SlidingWindowPolicy", "PagePool", "PoolCapacity", "PoolEntry", "PoolRegistry", "TreeNode",
     "RadixTree", "TierConfig", "TierController", "WritePolicy", "ReservationFailed",
     "Transaction", "TransactionClosed", "EventBatch", "EventError", "PageMask", "PageState",
-    "Snapshot", "decode_events", "EventPublisher", "ApplyResult", "NodeMatch", "PrefixIndex",
+    "Snapshot", "decode_events", "EventPublisher", "ApplyResult", "NodeMatch", "PrefixIndex", "MatchRule",
     "Route", "RouteError", "RouteTable", "ShardedIndex", "Split", "LoadTracker",
 ]

@@ -21,7 +21,7 @@ if not (_HERE / "fabric").is_dir() and (_HERE.parent / "fabric" / "__init__.py")
 
 _PUBLIC = {
     "kvfabric.fabric": ("NodeCache", "KVLayout", "LayerKind", "PoolName", "Tier", "PoolCapacity",
-                        "TierConfig", "WritePolicy", "CachedKV", "Match", "PrefixIndex",
+                        "TierConfig", "WritePolicy", "CachedKV", "Match", "PrefixIndex", "MatchRule",
                         "ShardedIndex", "RouteTable", "EventPublisher", "EventBatch",
                         "FetchOutcome", "ExportGrant", "export_prefix", "import_prefix",
                         "InvariantError"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvfabric.fabric import EventPublisher
+from kvfabric.fabric import EventPublisher, MatchRule
 from kvfabric.fabric.index.sharded_index import ShardedIndex
 
 from kvfabric.deploy.placement import FabricScore, NodeView
@@ -21,7 +21,7 @@ class FabricCluster(Cluster):
     def __init__(self, config: SimConfig, router: FabricScore) -> None:
         super().__init__(config, router)
         self.slot = {name: i for i, name in enumerate(self.names)}
-        self.index = ShardedIndex(config.shards, window_pages=0, has_full=True)
+        self.index = ShardedIndex(config.shards, MatchRule.of(config.layout))
         self.publishers = [EventPublisher(c, name, epoch=1) for c, name in zip(self.caches, self.names)]
         self.lookups = 0
         self.splits = 0

@@ -38,14 +38,14 @@ class Evictor:
         heapq.heapify(heap)
         freed, want = 0, n + max(0, extra)
         while freed < want and heap:
-            *_, node, offsets = heapq.heappop(heap)
+            _, _, node, offsets = heapq.heappop(heap)
             pages = node.slots[tier][pool]
             offsets = [j for j in offsets if pages is not None and pages[j] != ABSENT]
             if not offsets or not policy.is_evictable(node, tier, demote):
                 continue
             if demote and not self._write_back(node, offsets, txn) and not policy.is_evictable(node, tier):
                 continue  # no host room, and dropping would break prefix closure
-            parent = node.parent
+            parent = node.up          # a node with pages is never a namespace root
             self.tree.drop_pages(node, tier, pool, offsets, txn)
             self.evicted += len(offsets)
             freed += len(offsets) + prune(self.tree, self.pools, node, txn, count=(tier, pool))

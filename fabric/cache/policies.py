@@ -7,18 +7,28 @@ the node with start <= p < end."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 from .layout import KVLayout, PoolName, Tier
 from .radix import ABSENT, TIERS, RadixTree, TreeNode
 
 FULL = PoolName.FULL   # read once: enum member lookups are Python-level
 
-# An eviction group: (*priority, tiebreak, node, offsets in the node's run).
-Group = tuple
+
+class EvictionGroup(NamedTuple):
+    """Pages of one node that eviction takes together; groups compare (as tuples) by
+    `rank` (the policy's: lowest goes first), then by the node's first key."""
+    rank: tuple[float, float]
+    key: bytes
+    node: TreeNode
+    offsets: list[int]      # in the node's run
 
 
 class AttentionPolicy(ABC):
     pool: PoolName
+    # How far back from a match's end `needed` reaches: None for every page before it
+    # (full attention), w for the last w pages (a window). The index packs this rule.
+    window_pages: int | None
 
     @abstractmethod
     def needed(self, length: int) -> range:
@@ -55,12 +65,12 @@ class AttentionPolicy(ABC):
         """May `node`'s pages on `tier` go? `keep_copy`: a copy will be kept on the other tier."""
 
     @abstractmethod
-    def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[Group]:
+    def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[EvictionGroup]:
         """Eviction groups, lowest priority evicted first."""
 
-    def group(self, node: TreeNode, tier: Tier) -> Group:
+    def group(self, node: TreeNode, tier: Tier) -> EvictionGroup:
         """The group a node becomes once its children are gone (FULL cascades)."""
-        return (node.last_access, -node.start, node.keys[0], node, list(range(node.n)))
+        return EvictionGroup((node.last_access, -node.start), node.keys[0], node, list(range(node.n)))
 
 
 class FullAttentionPolicy(AttentionPolicy):
@@ -68,6 +78,7 @@ class FullAttentionPolicy(AttentionPolicy):
     whole node at a time, so only leaves (or nodes keeping a copy on the other
     tier) may drop it."""
     pool = PoolName.FULL
+    window_pages = None
 
     def needed(self, length: int) -> range:
         return range(length)
@@ -112,7 +123,7 @@ class FullAttentionPolicy(AttentionPolicy):
         # The last copy of a leaf's full KV takes the whole node: no lock of any pool may be on it.
         return not node.children and not any(node.locks)
 
-    def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[Group]:
+    def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[EvictionGroup]:
         return [self.group(n, tier) for n in tree.nodes() if self.is_evictable(n, tier, keep_copy)]
 
 
@@ -122,6 +133,8 @@ class SlidingWindowPolicy(AttentionPolicy):
     SWA pages away from every likely continuation point (a sequence end or a
     branch point, the "anchors") are tombstoned first; full KV stays."""
     pool = PoolName.SWA
+
+    window_pages: int
 
     def __init__(self, layout: KVLayout) -> None:
         self.window_pages = layout.window_pages
@@ -156,12 +169,12 @@ class SlidingWindowPolicy(AttentionPolicy):
     def is_evictable(self, node: TreeNode, tier: Tier, keep_copy: bool = False) -> bool:
         return node.slots[tier][PoolName.SWA] is not None and not node.locks[PoolName.SWA]
 
-    def group(self, node: TreeNode, tier: Tier) -> Group:
+    def group(self, node: TreeNode, tier: Tier) -> EvictionGroup:
         pages = node.slots[tier][PoolName.SWA]
         assert pages is not None, node
-        return (True, node.last_access, node.keys[0], node, [j for j, p in enumerate(pages) if p >= 0])
+        return EvictionGroup((True, node.last_access), node.keys[0], node, [j for j, p in enumerate(pages) if p >= 0])
 
-    def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[Group]:
+    def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[EvictionGroup]:
         below = _pages_to_anchor(tree)
         out = []
         for node in tree.nodes():
@@ -177,7 +190,7 @@ class SlidingWindowPolicy(AttentionPolicy):
             near = [j for j in present if j >= cut]
             for anchored, offsets in ((False, far), (True, near)):
                 if offsets:
-                    out.append((anchored, node.last_access, node.keys[0], node, offsets))
+                    out.append(EvictionGroup((anchored, node.last_access), node.keys[0], node, offsets))
         return out
 
 

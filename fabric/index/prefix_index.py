@@ -1,7 +1,8 @@
 """The global prefix index: which node holds which page, from the nodes' KV events.
 
 Plain Python, one process: an index shard wraps one, and the unsharded reference
-of the differential tests is one. Per page key it keeps every holder's mask packed
+of the differential tests is one. What counts as a node's match is the layout's
+MatchRule, read from its attention policies. Per page key it keeps every holder's mask packed
 in one int, a 4-bit nibble per node slot (see `_code`), so that the running AND of
 the ints along a request's keys says, for all nodes at once, which hold every page
 so far, in which pool and tier. A lookup does its per-page work in C iterators;
@@ -19,6 +20,7 @@ from typing import Sequence
 from .admission import Admission, ApplyResult
 from .answers import Chain, NodeMatch, rank_key, resolve
 from .events import KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot, check_header, check_pages
+from .match_rule import MatchRule
 
 # Bits of a node's nibble: FULL on either tier, FULL on device, SWA on either, SWA on device.
 _F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8
@@ -46,13 +48,11 @@ class _NodeState:
 
 
 class PrefixIndex:
-    def __init__(self, window_pages: int, has_full: bool = True, fingerprint: bytes | None = None) -> None:
-        if not isinstance(window_pages, int) or isinstance(window_pages, bool) or window_pages < 0:
-            raise ValueError(f"window_pages must be an int >= 0, got {window_pages!r}")
-        if not has_full and window_pages == 0:
-            raise ValueError("a layout with neither full nor SWA layers has nothing to match")
-        self.window_pages = window_pages
-        self.has_full = bool(has_full)
+    def __init__(self, rule: MatchRule, fingerprint: bytes | None = None) -> None:
+        if not isinstance(rule, MatchRule):
+            raise ValueError(f"rule must be a MatchRule, got {rule!r}")
+        self.rule = rule
+        self.window_pages, self.has_full = rule.window_pages, rule.has_full     # read per lookup
         self.fingerprint = fingerprint      # if set, batches of another layout are refused
         # Key -> packed holders (never 0: a key no node holds is deleted), kept apart from
         # key -> (parent, depth) so that a lookup reads plain ints at C speed.

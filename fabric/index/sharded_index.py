@@ -13,15 +13,16 @@ from typing import Sequence
 
 from .balance import LoadTracker, Split, chance_target
 from .events import EventBatch, Snapshot
+from .match_rule import MatchRule
 from .prefix_index import ApplyResult, NodeMatch, PrefixIndex
 from .regions import entries_by_region
 from .routes import RouteTable
 
 
 class ShardedIndex:
-    def __init__(self, shards: int, window_pages: int, has_full: bool = True) -> None:
+    def __init__(self, shards: int, rule: MatchRule) -> None:
         self.routes = RouteTable(shards)
-        self.shards = [PrefixIndex(window_pages, has_full) for _ in range(shards)]
+        self.shards = [PrefixIndex(rule) for _ in range(shards)]
         self.load = LoadTracker(shards)                # since the last rebalance
         self.total_lookups = [0] * shards
 

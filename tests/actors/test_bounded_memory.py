@@ -17,7 +17,7 @@ from typing import Callable
 import pytest
 
 from kvfabric.actors.index_shard import IndexShardActor
-from kvfabric.fabric import (EventPublisher, KeyerCache, KVLayout, LoadTracker, NodeCache, PoolCapacity, PoolName,
+from kvfabric.fabric import (EventPublisher, KeyerCache, KVLayout, LoadTracker, MatchRule, NodeCache, PoolCapacity, PoolName,
                              RouteTable, ShardedIndex)
 from kvfabric.fabric.index.balance import MAX_CHILDREN, MAX_REGIONS
 
@@ -60,7 +60,7 @@ SHAPES: dict[str, Callable[[int], tuple[bytes, int]]] = {
 def test_index_shard_lookups_keep_bounded_load(shape):
     """The shard records each lookup's region for rebalancing: bounded however many
     distinct prompts it answers, and the report still names the hot region."""
-    shard = IndexShardActor.__ray_actor_class__(0, 4, LAYOUT.window_pages, True, LAYOUT.fingerprint)
+    shard = IndexShardActor.__ray_actor_class__(0, 4, MatchRule.of(LAYOUT), LAYOUT.fingerprint)
     make = SHAPES[shape]
 
     def look(i: int) -> None:
@@ -97,7 +97,7 @@ def test_hot_region_survives_pruning():
 def test_sharded_index_lookups_stay_bounded():
     """The in-process sharded index (replay, simulation) counts load until a split,
     which even load never brings."""
-    index = ShardedIndex(4, LAYOUT.window_pages)
+    index = ShardedIndex(4, MatchRule.of(LAYOUT))
     assert grown(lambda i: index.lookup([key(1, i), key(2, i)])) < BOUND
     assert sum(index.load.lookups) == N and len(index.load.regions) <= 2 * MAX_REGIONS
 

@@ -14,6 +14,7 @@ from kvfabric.deploy.sim.workloads import Shape, generate
 from kvfabric.fabric.index.balance import LoadTracker, RegionHits, shared_path
 from kvfabric.fabric.index.routes import Route, RouteTable
 from kvfabric.fabric.index.sharded_index import ShardedIndex
+from kvfabric.fabric.index.match_rule import MatchRule
 
 CHECK_EVERY = SimConfig().rebalance_every
 
@@ -26,7 +27,7 @@ def lookups_of(shape: Shape, n: int, seed: int) -> list[list[bytes]]:
 
 def replay_lookups(prompts: list[list[bytes]], shards: int, rebalance: bool) -> ShardedIndex:
     """Each request looked up twice (the router, then the engine), as the replay does."""
-    index, done = ShardedIndex(shards, window_pages=0), 0
+    index, done = ShardedIndex(shards, MatchRule(0)), 0
     for keys in prompts:
         for _ in range(2):
             index.lookup(keys)

@@ -57,7 +57,8 @@ def test_fuzzed_messages_decode_or_fail_cleanly(msg):
 
 def test_an_index_refuses_another_layouts_events():
     from kvfabric.fabric.index.prefix_index import PrefixIndex
-    index = PrefixIndex(window_pages=0, fingerprint=b"f" * 16)
+    from kvfabric.fabric.index.match_rule import MatchRule
+    index = PrefixIndex(MatchRule(0), fingerprint=b"f" * 16)
     foreign = EventBatch("node-a", 1, 0, (PageState(K, P, 0, 1),), cleared=True, fingerprint=b"g" * 16)
     with pytest.raises(EventError, match="layout"):
         index.apply(foreign)

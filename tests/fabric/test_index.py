@@ -4,8 +4,11 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kvfabric.fabric.index.events import EventBatch, EventError, PageMask as M, PageState, Snapshot, decode
+from kvfabric.fabric.index.match_rule import MatchRule
 from kvfabric.fabric.index.prefix_index import ApplyResult as R, NodeMatch, PrefixIndex
 from kvfabric.fabric.cache.keys import PageKeyer
+from kvfabric.fabric.cache.layout import KVLayout, LayerKind, PoolName
+from kvfabric.fabric.cache.policies import policies_for
 
 KEYER = PageKeyer("tenant", b"f" * 16, 2)
 FULL_ALL = int(M.FULL | M.SWA)                  # every pool on both tiers: 15
@@ -26,7 +29,7 @@ def batch(node, epoch, seq, pages=(), cleared=False):
 
 
 def test_in_order_duplicate_and_gap():
-    ix = PrefixIndex(window_pages=2)
+    ix = PrefixIndex(MatchRule(2))
     assert ix.apply(batch("a", 1, 0, PAGES[:3])) is R.APPLIED
     assert ix.apply(batch("a", 1, 1, PAGES[3:])) is R.APPLIED
     assert ix.apply(batch("a", 1, 1, [])) is R.DUPLICATE
@@ -42,7 +45,7 @@ def test_in_order_duplicate_and_gap():
 
 
 def test_first_batch_needs_seq0_or_cleared():
-    ix = PrefixIndex(window_pages=1)
+    ix = PrefixIndex(MatchRule(1))
     assert ix.apply(batch("a", 1, 5, PAGES)) is R.NEED_SNAPSHOT
     assert ix.lookup(KEYS) == [] and ix.stats()["out_of_sync"] == ["a"]
     assert ix.apply(batch("a", 1, 6, PAGES[:2], cleared=True)) is R.APPLIED
@@ -50,7 +53,7 @@ def test_first_batch_needs_seq0_or_cleared():
 
 
 def test_epochs_replace_and_stale():
-    ix = PrefixIndex(window_pages=1)
+    ix = PrefixIndex(MatchRule(1))
     ix.apply(batch("a", 2, 0, PAGES))
     assert ix.apply(batch("a", 1, 7, PAGES[:1])) is R.STALE_EPOCH
     assert ix.apply(batch("a", 3, 0, PAGES[:2])) is R.APPLIED           # restart: old pages gone
@@ -63,7 +66,7 @@ def test_epochs_replace_and_stale():
 
 
 def test_cleared_drops_before_applying():
-    ix = PrefixIndex(window_pages=0)
+    ix = PrefixIndex(MatchRule(0))
     ix.apply(batch("a", 1, 0, PAGES))
     ix.apply(batch("b", 1, 0, PAGES[:2]))
     assert ix.apply(batch("a", 1, 1, PAGES[:1], cleared=True)) is R.APPLIED
@@ -72,7 +75,7 @@ def test_cleared_drops_before_applying():
 
 
 def test_snapshot_load_and_order():
-    ix = PrefixIndex(window_pages=2)
+    ix = PrefixIndex(MatchRule(2))
     ix.apply(batch("a", 1, 0, PAGES[:1]))
     assert ix.apply(batch("a", 1, 4, PAGES)) is R.NEED_SNAPSHOT
     assert ix.load_snapshot(Snapshot("a", 1, 4, PAGES[:4])) is R.APPLIED
@@ -89,7 +92,7 @@ def test_snapshot_load_and_order():
 
 
 def test_drop_node_and_late_batches():
-    ix = PrefixIndex(window_pages=1)
+    ix = PrefixIndex(MatchRule(1))
     ix.apply(batch("a", 1, 0, PAGES))
     ix.apply(batch("b", 1, 0, PAGES[:3]))
     ix.drop_node("a")
@@ -107,7 +110,7 @@ def test_drop_node_and_late_batches():
 
 
 def test_lookup_rules_swa_window_and_tiers():
-    ix = PrefixIndex(window_pages=2)
+    ix = PrefixIndex(MatchRule(2))
     tomb = [p if i >= 3 else PageState(p.key, p.parent, p.depth, int(M.FULL_DEVICE)) for i, p in enumerate(PAGES)]
     ix.apply(batch("tomb", 1, 0, tomb))                       # SWA freed on pages 0..2
     hostfull = [PageState(p.key, p.parent, p.depth, int(M.FULL_HOST | M.SWA_DEVICE)) for p in PAGES[:4]]
@@ -119,17 +122,17 @@ def test_lookup_rules_swa_window_and_tiers():
     assert ix.lookup(KEYS[:3]) == [NodeMatch("host", 3, False), NodeMatch("hole", 2, True)]
     assert ix.lookup([b"?" * 16] + KEYS[1:]) == [] and ix.lookup([]) == []
     # SWA gone on pages 3 and 5: lengths 6, 5 and 4 fail their window, 3 is the best
-    gappy = PrefixIndex(window_pages=2)
+    gappy = PrefixIndex(MatchRule(2))
     tomb_at = {3, 5}
     gappy.apply(batch("g", 1, 0, [PageState(p.key, p.parent, p.depth, int(M.FULL_DEVICE) if i in tomb_at
                                             else int(M.FULL_DEVICE | M.SWA_HOST)) for i, p in enumerate(PAGES)]))
     assert gappy.lookup(KEYS) == [NodeMatch("g", 3, False)]
     # falling back never passes the FULL run: page 2 has SWA but no FULL
     masks = [int(M.FULL_DEVICE | M.SWA_DEVICE), int(M.FULL_DEVICE), int(M.SWA_DEVICE)]
-    short = PrefixIndex(window_pages=1)
+    short = PrefixIndex(MatchRule(1))
     short.apply(batch("s", 1, 0, [PageState(p.key, p.parent, p.depth, m) for p, m in zip(PAGES, masks)]))
     assert short.lookup(KEYS) == [NodeMatch("s", 1, True)]
-    swa_only = PrefixIndex(window_pages=2, has_full=False)
+    swa_only = PrefixIndex(MatchRule(2, False))
     swa_only.apply(batch("tomb", 1, 0, tomb))
     assert swa_only.lookup(KEYS) == [NodeMatch("tomb", 6, True)]
     assert swa_only.lookup(KEYS[:3]) == []
@@ -138,14 +141,14 @@ def test_lookup_rules_swa_window_and_tiers():
 @pytest.mark.parametrize("bad", [["x" * 16], [b"short"], [bytearray(16)], b"k" * 16])
 def test_lookup_rejects_bad_keys(bad):
     with pytest.raises(ValueError):
-        PrefixIndex(window_pages=1).lookup(bad)
+        PrefixIndex(MatchRule(1)).lookup(bad)
 
 
 def test_rejects_bad_config_and_events_unchanged():
     for w, full in ((-1, True), (1.5, True), (True, True), (0, False)):
         with pytest.raises(ValueError):
-            PrefixIndex(window_pages=w, has_full=full)
-    ix = PrefixIndex(window_pages=1)
+            PrefixIndex(MatchRule(w, full))
+    ix = PrefixIndex(MatchRule(1))
     bad = PAGES[:2] + (PageState(b"k" * 15, KEYER.root, 0, 1),)
     for b in (batch("a", 1, 0, bad), batch("a", 1, 0, [PageState(KEYS[0], KEYER.root, 0, 16)]),
               batch("", 1, 0, PAGES), batch("a", -1, 0, PAGES), batch("a", 1, True, PAGES)):
@@ -160,7 +163,7 @@ def test_rejects_bad_config_and_events_unchanged():
 
 def test_apply_chain_equals_batch():
     """A chain is the EventBatch of its PageStates: results, lookups, pages, metas, stats."""
-    ix, cx = PrefixIndex(window_pages=2), PrefixIndex(window_pages=2)
+    ix, cx = PrefixIndex(MatchRule(2)), PrefixIndex(MatchRule(2))
     steps = [("a", 1, 0, 0, 3, int(M.FULL_DEVICE | M.SWA_DEVICE), False),     # a put of pages 0..2
              ("a", 1, 1, 3, 6, FULL_ALL, False),                               # the rest of the request
              ("b", 1, 0, 0, 4, int(M.FULL_HOST | M.SWA_HOST), True),
@@ -193,7 +196,7 @@ def test_apply_chain_equals_batch():
 def test_apply_chain_records_repeats_and_overwrites():
     """A chain's pages are stored as one record: metas follow each key's last position,
     and later publications (chains or single pages) override parts of it."""
-    ix, cx = PrefixIndex(window_pages=0), PrefixIndex(window_pages=0)
+    ix, cx = PrefixIndex(MatchRule(0)), PrefixIndex(MatchRule(0))
     odd = [KEYS[0], KEYS[1], KEYS[0], KEYS[2]]          # a key twice: its last place wins
     ix.apply(batch("a", 1, 0, [PageState(k, ([KEYER.root] + odd)[i], 7 + i, 1) for i, k in enumerate(odd)]))
     cx.apply_chain("a", 1, 0, odd, 7, KEYER.root, 1)
@@ -215,7 +218,7 @@ def test_apply_chain_records_repeats_and_overwrites():
     dict(first_depth=1.0), dict(first_depth=True), dict(mask=16), dict(mask=-1), dict(mask=True),
     dict(mask=1.0), dict(cleared=1), dict(node=""), dict(node=None), dict(epoch=-1), dict(seq=True)])
 def test_apply_chain_rejects_bad_input(args):
-    ix = PrefixIndex(window_pages=1)
+    ix = PrefixIndex(MatchRule(1))
     ok = dict(node="a", epoch=1, seq=0, keys=KEYS, first_depth=0, parent=KEYER.root, mask=FULL_ALL)
     with pytest.raises(EventError):
         ix.apply_chain(**{**ok, **args})
@@ -225,20 +228,38 @@ def test_apply_chain_rejects_bad_input(args):
 
 # ---- property test against a brute force ----
 
-def brute_lookup(model, keys, window, has_full):
-    """The usable-match rule read literally, O(n^2) per node."""
+def layout_of(window, has_full, page_size=2):
+    """A layout whose policies need what (window, has_full) says."""
+    layers = (LayerKind.FULL,) * has_full + (LayerKind.SWA,) * bool(window)
+    return KVLayout(layers, kv_heads=1, head_dim=1, page_size=page_size, window=window * page_size)
+
+
+# What a pool's pages carry in a node's published mask: on some tier, and on the device.
+HELD = {PoolName.FULL: (M.FULL, M.FULL_DEVICE), PoolName.SWA: (M.SWA, M.SWA_DEVICE)}
+
+
+def brute_lookup(model, keys, layout):
+    """The usable-match rule read literally from the layout's policies (every pool holds
+    the pages its policy `needed`), O(n^2) per node."""
+    policies = policies_for(layout).values()
     out = []
     for node, pages in model.items():
         masks = [pages.get(k, 0) for k in keys]
         for n in range(len(keys), 0, -1):
-            win = range(max(0, n - window), n)
-            need_full = range(n) if has_full else range(0)
-            if all(masks[i] & M.FULL for i in need_full) and all(masks[i] & M.SWA for i in win):
-                dev = all(masks[i] & M.FULL_DEVICE for i in need_full) and \
-                    all(masks[i] & M.SWA_DEVICE for i in win)
+            need = [(HELD[p.pool], p.needed(n)) for p in policies]
+            if all(masks[i] & bits[0] for bits, span in need for i in span):
+                dev = all(masks[i] & bits[1] for bits, span in need for i in span)
                 out.append(NodeMatch(node, n, dev))
                 break
     return sorted(out, key=lambda m: (-m.pages, not m.device, m.node))
+
+
+def test_the_rule_is_the_policies():
+    for window, has_full in ((0, True), (1, True), (3, True), (2, False)):
+        assert MatchRule.of(layout_of(window, has_full)) == MatchRule(window, has_full)
+    # a window of 5 tokens at page size 2 needs 3 pages before a page boundary
+    swa = KVLayout((LayerKind.FULL, LayerKind.SWA), kv_heads=1, head_dim=1, page_size=2, window=5)
+    assert MatchRule.of(swa) == MatchRule(3, True)
 
 
 # What a node's tree really holds per page (both tiers, tombstones, host-only...), and 0.
@@ -315,9 +336,9 @@ def answers(ix, seq_keys):
 def test_lookup_equals_brute_force(scenario, rnd):
     seq_keys, pages, raw, window, has_full = scenario
     events, model, next_seq = build(pages, raw)
-    ix = PrefixIndex(window, has_full)
+    ix = PrefixIndex(MatchRule.of(layout_of(window, has_full)))
     assert all(ix.apply(b) is R.APPLIED for b in events)
-    expected = [brute_lookup(model, keys[:n], window, has_full)
+    expected = [brute_lookup(model, keys[:n], layout_of(window, has_full))
                 for keys in seq_keys for n in range(1, len(keys) + 1)]
     assert answers(ix, seq_keys) == expected
     assert {n: {k: p.mask for k, p in ix.node_pages(n).items()} for n in ix.nodes()} == model
@@ -336,7 +357,7 @@ def test_lookup_equals_brute_force(scenario, rnd):
     assert answers(ix, seq_keys) == expected
     # the chains applied with apply_chain instead of their EventBatches: the same index
     events, _, _ = build(pages, raw)
-    cx = PrefixIndex(window, has_full)
+    cx = PrefixIndex(MatchRule(window, has_full))
     for b, (*_, is_chain) in zip(events, raw):
         assert (cx.apply_chain(*chain_args(b, pages)) if is_chain else cx.apply(b)) is R.APPLIED
     assert answers(cx, seq_keys) == expected

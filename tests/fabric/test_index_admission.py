@@ -10,13 +10,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvfabric.fabric.index.events import EventBatch, PageState, Snapshot
 from kvfabric.fabric.index.prefix_index import ApplyResult as R, PrefixIndex
+from kvfabric.fabric.index.match_rule import MatchRule
 from tests.fabric.test_index import KEYS, PAGES, batch
 
 NODES = ("a", "b", "c")
 
 
 def test_a_dropped_node_stays_dropped_whatever_arrives_late():
-    ix = PrefixIndex(window_pages=1)
+    ix = PrefixIndex(MatchRule(1))
     assert ix.apply(batch("a", 5, 0, PAGES[:2], cleared=True)) is R.APPLIED
     assert ix.apply(batch("a", 5, 1, PAGES[2:4])) is R.APPLIED
     ix.drop_node("a")
@@ -34,7 +35,7 @@ def test_a_dropped_node_stays_dropped_whatever_arrives_late():
 
 
 def test_admitting_a_newer_epoch_forgets_the_old_one_at_once():
-    ix = PrefixIndex(window_pages=1)
+    ix = PrefixIndex(MatchRule(1))
     ix.apply(batch("b", 1, 0, PAGES, cleared=True))
     ix.admit("b", 2)                          # Ray restarted it; nothing of epoch 1 survives
     assert ix.node_pages("b") == {} and ix.sync_point("b") == (2, None) and ix.lookup(KEYS) == []
@@ -63,7 +64,7 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ix = PrefixIndex(window_pages=2)
+        self.ix = PrefixIndex(MatchRule(2))
         self.epochs = 0                   # the epoch source: strictly increasing, no clock
         self.life = {n: Incarnation(self._epoch()) for n in NODES}
         self.alive = {n: True for n in NODES}

@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from kvfabric.deploy.sim.trace import load_trace, request_tokens
 from kvfabric.fabric import EventBatch, EventPublisher, KVLayout, NodeCache, PoolCapacity, PoolName, Tier
 from kvfabric.fabric.index.prefix_index import PrefixIndex
+from kvfabric.fabric.index.match_rule import MatchRule
 from kvfabric.fabric.index.routes import RouteError, RouteTable
 from kvfabric.fabric.index.sharded_index import ShardedIndex
 
@@ -24,8 +25,8 @@ class World:
         caps = {p: PoolCapacity(pages if p == PoolName.FULL else pages // 2, pages) for p in layout.pools}
         self.caches = [NodeCache(layout, caps, store_bytes=False, device="cpu") for _ in range(nodes)]
         self.pubs = [EventPublisher(c, f"node-{i}", epoch=1) for i, c in enumerate(self.caches)]
-        self.sharded = ShardedIndex(shards, layout.window_pages, PoolName.FULL in layout.pools)
-        self.reference = PrefixIndex(layout.window_pages, PoolName.FULL in layout.pools)
+        self.sharded = ShardedIndex(shards, MatchRule.of(layout))
+        self.reference = PrefixIndex(MatchRule.of(layout))
         self.ref_seq = [0] * nodes
         self.splits = 0
 

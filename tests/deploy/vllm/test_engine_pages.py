@@ -17,7 +17,8 @@ from hypothesis import given, strategies as st
 from kvfabric.deploy.vllm.engine_pages import EnginePages, Skip
 from kvfabric.deploy.vllm.event_wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvfabric.deploy.vllm.namespaces import fabric_namespace
-from kvfabric.fabric import KVLayout, LayerKind, PageKeyer, PageMask, PageState, PoolName, PrefixIndex, RouteTable
+from kvfabric.fabric import (KVLayout, LayerKind, MatchRule, PageKeyer, PageMask, PageState, PoolName, PrefixIndex,
+                             RouteTable)
 
 PS = 4
 LAYOUT = KVLayout(layers=(LayerKind.SWA, LayerKind.FULL, LayerKind.SWA), kv_heads=1, head_dim=4, page_size=PS,
@@ -89,7 +90,7 @@ def drain_into(pages: EnginePages, index: PrefixIndex, routes: RouteTable) -> No
 @given(OPS, st.integers(1, 3))
 def test_translated_index_equals_what_the_engine_holds(ops: list[tuple], publish_every: int) -> None:
     engine, pages = Engine(), EnginePages(NODE, 1, LAYOUT, GROUPS)
-    index, routes = PrefixIndex(LAYOUT.window_pages, True, LAYOUT.fingerprint), RouteTable(1)
+    index, routes = PrefixIndex(MatchRule.of(LAYOUT), LAYOUT.fingerprint), RouteTable(1)
     computed: dict[tuple[str | None, int], int] = {}       # blocks a request may build on
     for step, op in enumerate(ops):
         if op[0] == "compute":
@@ -151,7 +152,7 @@ def test_memory_stays_bounded_with_many_distinct_blocks(shards: int) -> None:
     cap = 64
     pages, engine = EnginePages(NODE, 1, LAYOUT, GROUPS, max_entries=cap, max_depth=8), Engine()
     routes = RouteTable(shards)
-    indexes = [PrefixIndex(LAYOUT.window_pages, True, LAYOUT.fingerprint) for _ in range(shards)]
+    indexes = [PrefixIndex(MatchRule.of(LAYOUT), LAYOUT.fingerprint) for _ in range(shards)]
     for i in range(2000):
         tokens = tuple(range(i * 100, i * 100 + 3 * PS))
         pages.apply(engine.compute(f"t{i % 7}", tokens, 0, 3, [1, 0, 2]))

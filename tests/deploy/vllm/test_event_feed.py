@@ -14,7 +14,7 @@ import msgspec  # noqa: E402
 
 from kvfabric.deploy.vllm.engine_pages import EnginePages  # noqa: E402
 from kvfabric.deploy.vllm.event_feed import EngineEventFeed  # noqa: E402
-from kvfabric.fabric import PrefixIndex, RouteTable  # noqa: E402
+from kvfabric.fabric import MatchRule, PrefixIndex, RouteTable  # noqa: E402
 from tests.deploy.vllm.test_engine_pages import GROUPS, LAYOUT, NODE, PS, vllm_hash  # noqa: E402
 
 DEADLINE_S = 30.0
@@ -25,7 +25,7 @@ class IndexSink:
 
     def __init__(self, pages: EnginePages) -> None:
         self.pages, self.routes = pages, RouteTable(1)
-        self.index = PrefixIndex(LAYOUT.window_pages, True, LAYOUT.fingerprint)
+        self.index = PrefixIndex(MatchRule.of(LAYOUT), LAYOUT.fingerprint)
 
     def publish(self, every_shard: bool = False) -> int:
         batches = self.pages.drain_routed(self.routes, every_shard)
