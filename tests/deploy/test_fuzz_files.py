@@ -1,5 +1,5 @@
 """Fuzzing the decoders of files and configs (issue #6): trace files, KV layouts, app
-args, model configs; the same rules as tests/actors/test_fuzz_wire.py (see there)."""
+args, model configs; the same rules as tests/actors/test_fuzz_events.py (see there)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,5 @@
 """The decoder of vLLM's KV-event frames (deploy/vllm/event_wire.py), fuzzed as the
-other decoders are (tests/actors/test_fuzz_wire.py): valid frames are built by vLLM's own
+other decoders are (tests/actors/test_fuzz_events.py): valid frames are built by vLLM's own
 msgspec classes and encoder, so the decoder is checked against the real format; random
 bytes, bit-flipped frames and structures with one field replaced, deleted or added
 must decode to exactly what an oracle written from the format says, or raise
