@@ -7,7 +7,8 @@ from .exchange.grant import ExportGrant, GrantError, PoolPages
 from .index.events import EventBatch, EventError, PageMask, PageState, Snapshot, decode as decode_events
 from .cache.faults import AllocationFaults
 from .index.match_rule import MatchRule
-from .index.prefix_index import ApplyResult, NodeMatch, PrefixIndex
+from .index.answers import NodeMatch
+from .index.prefix_index import ApplyResult, PrefixIndex
 from .cache.keys import KeyerCache, PageKeyer, encode_tokens, namespace_key
 from .cache.layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
 from .exchange.leases import Lease, LeaseTable

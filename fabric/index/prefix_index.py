@@ -1,31 +1,28 @@
 """The global prefix index: which node holds which page, from the nodes' KV events.
 
 Plain Python, one process: an index shard wraps one, and the unsharded reference
-of the differential tests is one. What counts as a node's match is the layout's
-MatchRule, read from its attention policies. Per page key it keeps every holder's mask packed
-in one int, a 4-bit nibble per node slot (see `_code`), so that the running AND of
-the ints along a request's keys says, for all nodes at once, which hold every page
-so far, in which pool and tier. A lookup does its per-page work in C iterators;
-Python-level work is per distinct match length, not per page or node. `apply_chain` takes
-what a node publishes after a put, a run of consecutive pages with one mask, as a few C-level
-passes over its keys, with no object per page (see `Chain`)."""
+of the differential tests is one. Per page key it keeps every holder's mask packed
+in one int, a 4-bit nibble per node slot (see `_code`), which its lookups AND along
+a request's keys (see `Lookups`; what counts as a match is the layout's MatchRule,
+read from its attention policies). `apply_chain` takes what a node publishes after
+a put, a run of consecutive pages with one mask, as a few C-level passes over its
+keys, with no object per page (see `Chain`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import reduce
-from itertools import accumulate, chain as _chain, count, repeat, takewhile
+from itertools import chain as _chain, repeat
 from operator import and_, or_
 from typing import Sequence
 
 from .admission import Admission, ApplyResult
-from .answers import Chain, NodeMatch, rank_key, resolve
-from .events import KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot, check_header, check_pages
+from .answers import Chain, resolve
+from .events import (_MAX_MASK, KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot, check_header,
+                     check_pages)
+from .lookups import _BYTES, _KEY_LEN, Lookups     # one definition of a well-formed key list
 from .match_rule import MatchRule
 
 # Bits of a node's nibble: FULL on either tier, FULL on device, SWA on either, SWA on device.
 _F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8
-_MAX_MASK = int(PageMask.FULL | PageMask.SWA)
-_BYTES, _KEY_LEN = {bytes}, {KEY_BYTES}
 
 
 def _code(mask: int) -> int:
@@ -47,7 +44,7 @@ class _NodeState:
     pages: dict[bytes, Chain] = field(default_factory=dict)
 
 
-class PrefixIndex:
+class PrefixIndex(Lookups):
     def __init__(self, rule: MatchRule, fingerprint: bytes | None = None) -> None:
         if not isinstance(rule, MatchRule):
             raise ValueError(f"rule must be a MatchRule, got {rule!r}")
@@ -243,114 +240,6 @@ class PrefixIndex:
             self._bits[key] = bits
         elif self._bits.pop(key, None) is not None:
             del self._meta[key]
-
-    # ---- queries ----
-
-    def lookup(self, keys: Sequence[bytes]) -> list[NodeMatch]:
-        """Each node's usable match length for these chained page keys, best first."""
-        if not keys:
-            return []
-        if set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN:
-            raise ValueError(f"lookup keys must be {KEY_BYTES}-byte bytes")
-        if not self.window_pages:
-            return self._lookup_full(keys)
-        chain, prefix = self._walk(keys)
-        if not chain:
-            return []
-        out: list[NodeMatch] = []
-        pending = 0 if self.has_full else self._ones   # without FULL runs, all scan from the end
-        for n, group in self._full_runs(prefix) if self.has_full else ():
-            pending |= self._match_group(chain, prefix, n, group, out)
-        if pending:
-            self._fall_back(chain, prefix, pending, out)
-        if len(out) > 1:
-            out.sort(key=rank_key)
-        return out
-
-    def _lookup_full(self, keys: Sequence[bytes]) -> list[NodeMatch]:
-        """`lookup` without SWA layers: a node's match is its FULL run from page 0, so the
-        runs are the answer. One C pipeline, no per-page list: holders of each page, their
-        running AND, stopping where it is 0 (a missing key, or no node holding every page
-        so far: no run goes further), and each distinct running value -> where it ends."""
-        ends = dict(zip(takewhile(bool, accumulate(map(self._bits.get, keys, repeat(0)), and_)), count(1)))
-        ones, slots, out, inner = self._ones, self._slots, [], 0
-        for v in reversed(ends):               # longest run first; the AND only loses bits
-            held = v & ones
-            nodes = held & ~inner
-            if nodes:
-                n = ends[v]
-                while nodes:
-                    low = nodes & -nodes
-                    nodes ^= low
-                    out.append(NodeMatch(slots[(low.bit_length() - 1) >> 2], n, bool(v & (low << 1))))
-            inner = held
-        if len(out) > 1:
-            out.sort(key=rank_key)
-        return out
-
-    def _walk(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
-        """The packed holders of each page a match may reach, and their running AND from
-        page 0; C-level iterators, as this is most of a lookup's work."""
-        if self.has_full:     # stop at the first key no node holds (held keys have bits != 0)
-            chain = list(takewhile(bool, map(self._bits.get, keys, repeat(0))))
-        else:                 # without full layers only a window must be held: no stopping early
-            chain = list(map(self._bits.get, keys, repeat(0)))
-        return chain, list(accumulate(chain, and_))
-
-    def _full_runs(self, prefix: list[int]) -> list[tuple[int, int]]:
-        """(F, nodes whose FULL run from page 0 is exactly F pages). The running AND only
-        loses bits, so each distinct value is one run: the work is per run, not per page."""
-        ends = dict(zip(prefix, count(1)))         # each run's value -> its end, in one C pass
-        ones, runs, inner = self._ones, [], 0
-        for v in reversed(ends):
-            held = v & ones
-            if held & ~inner:
-                runs.append((ends[v], held & ~inner))
-            inner = held
-        return runs
-
-    def _match_group(self, chain: list[int], prefix: list[int], n: int, group: int,
-                     out: list[NodeMatch]) -> int:
-        """Nodes that may match up to n pages: those holding the SWA window there match n;
-        the others are returned, for `_fall_back`."""
-        w, win = self.window_pages, -1
-        if w:
-            win = prefix[n - 1] if n <= w else reduce(and_, chain[n - w:n])
-        ok = group & (win >> 2)
-        self._emit(ok, n, (prefix[n - 1] >> 1 if self.has_full else -1) & (win >> 3), out)
-        return group & ~ok
-
-    def _fall_back(self, chain: list[int], prefix: list[int], pending: int, out: list[NodeMatch]) -> None:
-        """Nodes whose SWA window fails where their match could end (a tombstoned prefix the
-        request leaves early, say): try shorter lengths, all such nodes in one downward scan."""
-        wins, full = self._windows(chain, prefix), self.has_full
-        for m in range(len(chain), 0, -1):
-            hits = pending & (wins[m - 1] >> 2) & (prefix[m - 1] if full else -1)
-            if hits:
-                self._emit(hits, m, (prefix[m - 1] >> 1 if full else -1) & (wins[m - 1] >> 3), out)
-                pending ^= hits
-                if not pending:
-                    return
-
-    def _windows(self, chain: list[int], prefix: list[int]) -> list[int]:
-        """wins[m - 1] = AND of chain over the window [max(0, m - W), m), for every m: ANDs
-        over runs of 1, 2, 4.. pages by doubling, then two overlapping runs per window."""
-        w, n = self.window_pages, len(chain)
-        if w >= n:
-            return prefix
-        runs, k = chain, 1
-        while 2 * k <= w:
-            runs, k = list(map(and_, runs, runs[k:])), 2 * k
-        return prefix[:w - 1] + list(map(and_, runs, runs[w - k:]))
-
-    def _emit(self, nodes: int, n: int, device: int, out: list[NodeMatch]) -> None:
-        slots = self._slots
-        while nodes:
-            low = nodes & -nodes
-            nodes ^= low
-            node = slots[(low.bit_length() - 1) >> 2]
-            assert node is not None, "a packed bit names a freed slot"
-            out.append(NodeMatch(node, n, bool(device & low)))
 
     def node_pages(self, node: str) -> dict[bytes, PageState]:
         st = self._nodes.get(node)

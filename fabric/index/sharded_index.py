@@ -14,7 +14,8 @@ from typing import Sequence
 from .balance import LoadTracker, Split, chance_target
 from .events import EventBatch, Snapshot
 from .match_rule import MatchRule
-from .prefix_index import ApplyResult, NodeMatch, PrefixIndex
+from .answers import NodeMatch
+from .prefix_index import ApplyResult, PrefixIndex
 from .regions import entries_by_region
 from .routes import RouteTable
 
