@@ -14,7 +14,7 @@ from .cache.layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
 from .exchange.leases import Lease, LeaseTable
 from .cache.node_cache import CachedKV, CacheStats, Match, NodeCache, PrefixLock
 from .cache.pages import PageCopier, TorchCopier, page_checksums
-from .index.publisher import EventPublisher
+from .index.publisher import EventPublisher, ShardPublisher
 from .cache.policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
 from .cache.pools import PagePool, PoolCapacity, PoolEntry, PoolRegistry
 from .cache.radix import TreeNode, RadixTree
@@ -34,6 +34,7 @@ __all__ = [
     "SlidingWindowPolicy", "PagePool", "PoolCapacity", "PoolEntry", "PoolRegistry", "TreeNode",
     "RadixTree", "TierConfig", "TierController", "WritePolicy", "ReservationFailed",
     "Transaction", "TransactionClosed", "EventBatch", "EventError", "PageMask", "PageState",
-    "Snapshot", "decode_events", "EventPublisher", "ApplyResult", "NodeMatch", "PrefixIndex", "MatchRule",
+    "Snapshot", "decode_events", "EventPublisher", "ShardPublisher", "ApplyResult", "NodeMatch", "PrefixIndex",
+    "MatchRule",
     "Route", "RouteError", "RouteTable", "ShardedIndex", "Split", "LoadTracker",
 ]

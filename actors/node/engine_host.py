@@ -15,7 +15,7 @@ from kvfabric.transport.staging import SharedPages, StagedHit, StagingSpec, load
 from .engine_process import MAX_NAME, EngineProcess, EngineProcessError
 
 if TYPE_CHECKING:
-    from kvfabric.fabric import NodeCache
+    from kvfabric.fabric import EventPublisher, NodeCache
 
     from .cache_gate import CacheGate
     from .index_link import IndexLink
@@ -54,7 +54,7 @@ class EngineHost:
     config: NodeConfig
     cache: NodeCache
     gate: CacheGate
-    link: IndexLink
+    link: IndexLink[EventPublisher]
     _family: Callable[[Sequence[int], str], bytes | None]
 
     def init_engine_host(self) -> None:

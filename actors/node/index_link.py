@@ -7,16 +7,22 @@ read from their futures once they are done: nothing here waits on a shard."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import Generic, TypeVar
 
-from kvfabric.fabric import ApplyResult, EventPublisher, RouteTable
+from kvfabric.fabric import ApplyResult, RouteTable, ShardPublisher
 
 from .chaos_hooks import EventMangler
 
 MAX_UNANSWERED = 4096      # event sends a node remembers until their shard answers
 
+P = TypeVar("P", bound=ShardPublisher)
 
-class IndexLink:
-    def __init__(self, publisher: EventPublisher, mangle: EventMangler) -> None:
+
+class IndexLink(Generic[P]):
+    """Generic in its publisher, so that its owner reads back what it gave (a node
+    actor drains its EventPublisher directly when no index is attached)."""
+
+    def __init__(self, publisher: P, mangle: EventMangler) -> None:
         self.publisher = publisher
         self.mangle = mangle
         self.shards: list = []

@@ -53,7 +53,7 @@ def local_cluster(nodes: int = 3, cpus_per_node: int = 2, object_store_bytes: in
     cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
     try:
         for _ in range(nodes - 1):
-            cluster.add_node(**node_args)
+            cluster.add_node(wait=True, **node_args)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         yield cluster

@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     # Device pools of 512 pages (8k tokens) a node: conversations outgrow them, so the
     # host tier serves too (write-back on eviction, load-back on a hit).
     app = AppArgs(max_positions=4096, device_pages=512, host_pages=8192)
-    cm = local_cluster(args.nodes) if not args.address else contextlib.nullcontext(connect(args.address))
+    if args.address:
+        connect(args.address)
+    cm = local_cluster(args.nodes) if not args.address else contextlib.nullcontext()
     with cm:
         print(f"starting the fabric and the Serve app on "
               f"{args.address or f'an embedded cluster of {args.nodes} nodes'} ...", file=sys.stderr)

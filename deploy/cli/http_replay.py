@@ -218,14 +218,14 @@ class Report:
 def summarize(pairs: list[Pair]) -> Report:
     """Totals and percentiles; bytes moved as the model servers counted them (one
     definition: the engine's, PageBytes.fetch of the pages it fetched)."""
-    ok = [p for p in pairs if p.baseline and p.fabric]
-    fab = [p.fabric for p in ok]
-    base = [p.baseline for p in ok]
+    ok = [(p, p.fabric, p.baseline) for p in pairs if p.fabric is not None and p.baseline is not None]
+    fab = [f for _, f, _ in ok]
+    base = [b for _, _, b in ok]
     remote = sum(f.remote_tokens for f in fab)
     fetches = sum(f.fetch == PrefixFetch.FETCHED for f in fab)
     return Report(
         requests=len(pairs), failed_requests=len(pairs) - len(ok),
-        output_mismatches=sum(p.mismatch for p in ok),
+        output_mismatches=sum(p.mismatch for p, _, _ in ok),
         prompt_tokens=sum(f.prompt_tokens for f in fab),
         device_hit_tokens=sum(f.device_tokens for f in fab), host_hit_tokens=sum(f.host_tokens for f in fab),
         remote_hit_tokens=remote, remote_fetches=fetches,

@@ -30,9 +30,10 @@ class RequestError(ValueError):
 
 class KVCache(Protocol):
     """What the engine needs of a node's cache (fabric.NodeCache has it). A get
-    with `hold_s` pins the hit until a put with `release` or `release_hold`."""
+    with `hold_s` pins the hit until a put with `release` or `release_hold`. The
+    engine always puts tensors (NodeCache also takes None: a cache of bytes only)."""
     def get(self, tokens: Sequence[int], namespace: str, hold_s: float | None = None) -> CachedKV: ...
-    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str, *,
+    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor], namespace: str, *,
             starts: Mapping[PoolName, int] | None = None, release: int = 0) -> int: ...
     def release_hold(self, hold_id: int) -> bool: ...
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import ray
 from ray import serve
@@ -126,7 +126,7 @@ def ensure_fabric_for(config: NodeConfig, shards: int, timeout_s: float = 180.0)
     except ValueError:
         start(config, shards=shards, timeout_s=timeout_s)
         return True
-    running: NodeConfig = ray.get(directory.get_config.remote(), timeout=CALL_TIMEOUT_S)
+    running = cast(NodeConfig, ray.get(directory.get_config.remote(), timeout=CALL_TIMEOUT_S))
     if running.layout != config.layout:
         raise AppArgsError(f"the running fabric caches layout {running.layout.to_dict()}, "
                            f"not this model's {config.layout.to_dict()}")
@@ -138,15 +138,18 @@ def build_app(args: AppArgs) -> serve.Application:
     replica starts; each ingress replica reads the file again on its own node."""
     args.tenants()
     replicas = args.nodes or sum(1 for n in ray.nodes() if n["Alive"])
-    router = RequestRouterConfig(request_router_class=FabricRequestRouter,
+    # The field is Union[str, Callable]: mypy reads the __init__ of Ray's pydantic shim instead.
+    router = RequestRouterConfig(request_router_class=FabricRequestRouter,  # type: ignore[arg-type]
                                  request_router_kwargs={"layout": args.model_config.layout().to_dict()})
-    server = ModelServer.options(num_replicas=replicas, max_replicas_per_node=1, request_router_config=router,
-                                 ray_actor_options={"num_cpus": 0.25, "num_gpus": args.gpus_per_replica}
-                                 ).bind(args.model_config)
+    # @serve.deployment made these Deployments: mypy sees the classes.
+    server = ModelServer.options(  # type: ignore[attr-defined]
+        num_replicas=replicas, max_replicas_per_node=1, request_router_config=router,
+        ray_actor_options={"num_cpus": 0.25, "num_gpus": args.gpus_per_replica}).bind(args.model_config)
     # The ingress sits beside the HTTP proxy on the head node: a worker node that goes
     # away then costs its model server's requests a retry (HandleBackend), never the
     # ingress replica and every request it was holding.
-    ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": 0.25, "resources": {HEAD_RESOURCE: 0.001}})
+    ingress = OpenAIIngress.options(  # type: ignore[attr-defined]
+        ray_actor_options={"num_cpus": 0.25, "resources": {HEAD_RESOURCE: 0.001}})
     return ingress.bind(server, args.model_name, args.model_config, args.tenants_file, args.max_tokens_limit)
 
 

@@ -109,6 +109,7 @@ class GenerateRequestPrompts:
 
 
 class FabricRequestRouter(GenerateRequestPrompts, FIFOMixin, FabricRanking):
-    def initialize_state(self, layout: dict, **cost: float) -> None:
+    # Ray declares the hook as **kwargs and calls it with the deployment's request_router_kwargs.
+    def initialize_state(self, layout: dict, **cost: float) -> None:  # type: ignore[override]
         """`layout`: the model's KVLayout as a dict; `cost`: see `FabricRanking.init_ranking`."""
         self.init_ranking(KVLayout.from_dict(layout), **cost)

@@ -45,7 +45,7 @@ class ActorCache:
     def get(self, tokens: Sequence[int], namespace: str, hold_s: float | None = None) -> CachedKV:
         return ray.get(self.actor.get.remote(list(tokens), namespace, hold_s), timeout=self.timeout_s)
 
-    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor] | None, namespace: str, *,
+    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor], namespace: str, *,
             starts: Mapping[PoolName, int] | None = None, release: int = 0) -> int:
         host = [t.detach().cpu() for t in kv]        # the actor moves them to its pools' device
         return ray.get(self.actor.put.remote(list(tokens), host, namespace, starts, release),

@@ -58,17 +58,27 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False          # a best-effort cache: a dropped save is a later miss
 
+    def _worker(self) -> WorkerSide:
+        if self.worker is None:
+            raise RuntimeError("FabricConnector: a worker call on the scheduler's connector")
+        return self.worker
+
+    def _scheduler(self) -> SchedulerSide:
+        if self.scheduler is None:
+            raise RuntimeError("FabricConnector: a scheduler call on a worker's connector")
+        return self.scheduler
+
     # --- worker side -----------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
         # Asked here, once the model's layers exist: their backends say how K and V sit.
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
         backends = get_current_attn_backends(self._vllm_config, list(kv_caches))
-        self.worker.register(kv_caches, BlockFormat.of_backends(b.get_name() for b in backends))
+        self._worker().register(kv_caches, BlockFormat.of_backends(b.get_name() for b in backends))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, FabricMeta)
-        self.worker.start_load(meta)
+        self._worker().start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return        # loads are whole before the step (the requests wait outside it)
@@ -79,14 +89,14 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, FabricMeta)
-        self.worker.save(meta)
+        self._worker().save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving, _ = self.worker.transfer_results()
+        sending, recving, _ = self._worker().transfer_results()
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self.worker.transfer_results()
+        sending, recving, failed = self._worker().transfer_results()
         return KVConnectorTransferResults(sending, recving, failed)
 
     def build_connector_worker_meta(self):
@@ -102,29 +112,29 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
     # --- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         # None: another node's prefix is still being fetched; vLLM asks again next step.
-        return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler().num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self.scheduler.after_alloc(request, blocks, num_external_tokens)
+        self._scheduler().after_alloc(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        return self.scheduler.hit_sources_of(request, num_external_tokens)
+        return self._scheduler().hit_sources_of(request, num_external_tokens)
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self.scheduler.kv_cache_manager = kv_cache_manager
+        self._scheduler().kv_cache_manager = kv_cache_manager
 
     def on_new_request(self, request) -> None:
-        self.scheduler.on_new_request(request)
+        self._scheduler().on_new_request(request)
 
     def build_connector_meta(self, scheduler_output) -> FabricMeta:
-        return self.scheduler.build_meta(scheduler_output)
+        return self._scheduler().build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self.scheduler.on_output(connector_output)
+        self._scheduler().on_output(connector_output)
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
-        return self.scheduler.finished(request, block_ids)
+        return self._scheduler().finished(request, block_ids)
 
     def request_finished(self, request, block_ids: list[int]):
-        return self.scheduler.finished(request, (block_ids,))
+        return self._scheduler().finished(request, (block_ids,))

@@ -27,6 +27,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 BASELINE = "ray.serve.llm PrefixCacheAffinityRouter"
 CPUS_PER_NODE = 3        # an engine's bundle takes 2: one engine per node; the fabric's actors fit beside
@@ -38,10 +39,10 @@ def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False):
     from .model import DEMO_SPEC, ensure_tiny_model
     from .serve_llm import LLMAppArgs
     model = ensure_tiny_model(DEMO_SPEC, say=lambda m: print(m, file=sys.stderr))
-    gpus = {"gpus_per_replica": 1.0, "gpu_memory_utilization": round(0.8 / nodes, 3)} if gpu else {}
-    return LLMAppArgs(model_dir=str(model), model_id="kvfabric-demo-vllm", replicas=nodes, max_model_len=2048,
-                      kv_cache_bytes=kv_cache_bytes, device_pages=256, host_pages=4096, cpus_per_replica=2.0,
-                      **gpus)
+    app = LLMAppArgs(model_dir=str(model), model_id="kvfabric-demo-vllm", replicas=nodes, max_model_len=2048,
+                     kv_cache_bytes=kv_cache_bytes, device_pages=256, host_pages=4096, cpus_per_replica=2.0)
+    return dataclasses.replace(app, gpus_per_replica=1.0, gpu_memory_utilization=round(0.8 / nodes, 3)) if gpu \
+        else app
 
 
 def main(args: argparse.Namespace) -> int:
@@ -61,8 +62,10 @@ def main(args: argparse.Namespace) -> int:
         convs.append(turns[: args.requests - n])
         n += len(convs[-1])
     texts = conversation_texts(convs, args.tokens_per_block, 2048 - args.max_tokens - 1)
+    if args.address:
+        connect(args.address)
     cm = local_cluster(args.nodes, cpus_per_node=CPUS_PER_NODE, gpus_per_node=int(args.gpu)) if not args.address \
-        else contextlib.nullcontext(connect(args.address))
+        else contextlib.nullcontext()
     with cm:
         import ray
         nodes = sum(1 for node in ray.nodes() if node["Alive"])
@@ -115,7 +118,7 @@ def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[d
     passes["fabric"] = go("fabric", endpoint)
     after = fabric_counters(warmups + len(passes["fabric"].turns))
     store_after = object_store_created_bytes()
-    counts = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    counts: dict[str, int | None] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     print("  the engines' connectors: " + ", ".join(f"{k} {v}" for k, v in counts.items()), file=sys.stderr)
     counts["object_store_bytes"] = None if store_before is None or store_after is None else store_after - store_before
     return passes, counts
@@ -143,7 +146,7 @@ def fabric_counters(finished: int) -> dict[str, int]:
     directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
     deadline = time.monotonic() + REPORT_WAIT_S
     while True:
-        names = ray.get(directory.node_names.remote(), timeout=CALL_TIMEOUT_S)
+        names = cast(list[str], ray.get(directory.node_names.remote(), timeout=CALL_TIMEOUT_S))
         actors = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
         reports = [r for a in actors for r in ray.get(a.engine_reports.remote(), timeout=CALL_TIMEOUT_S).values()]
         total: dict[str, int] = {}

@@ -57,7 +57,7 @@ class EngineEventFeed:
         self.stats = FeedStats()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
 
     def start(self) -> None:
         if self._thread is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, TypeGuard
 
 from kvfabric.fabric.wire import unpack
 
@@ -218,5 +218,5 @@ def _opt_uint(x: object, i: int, name: str) -> int | None:
     raise KVEventError(f"event {i}: {name} must be an int >= 0 or nil, got {x!r}")
 
 
-def _uint(x: object) -> bool:
+def _uint(x: object) -> TypeGuard[int]:
     return type(x) is int and x >= 0

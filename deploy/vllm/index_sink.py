@@ -55,7 +55,7 @@ def _subscriber(endpoint: str) -> str:
 class ShardSink:
     def __init__(self, directory, timeout_s: float = CALL_TIMEOUT_S, refresh_s: float = 2.0) -> None:
         self.directory, self.timeout_s, self.refresh_s = directory, timeout_s, refresh_s
-        self.link: IndexLink | None = None
+        self.link: IndexLink[EnginePages] | None = None
         self._refreshed = 0.0
 
     def attach(self, pages: EnginePages) -> None:
@@ -68,7 +68,7 @@ class ShardSink:
 
     def publish(self, every_shard: bool = False) -> int:
         """Send what changed (with `every_shard`, a heartbeat to every shard); batches sent."""
-        if self.link is None:
+        if self.link is None or self.link.routes is None:
             raise RuntimeError("attach first")
         if time.monotonic() - self._refreshed >= self.refresh_s:
             self._refreshed = time.monotonic()

@@ -51,8 +51,9 @@ class OpenAIPrompts:
         if _is_token_ids(prompt):
             return list(prompt)
         if isinstance(messages, list) and getattr(self.tokenizer, "chat_template", None):
-            plain = [_plain_message(m) for m in messages]
-            if any(m is None for m in plain) or sum(len(m["content"]) for m in plain) > MAX_PROMPT_CHARS:
+            read = [_plain_message(m) for m in messages]
+            plain = [m for m in read if m is not None]
+            if len(plain) < len(read) or sum(len(m["content"]) for m in plain) > MAX_PROMPT_CHARS:
                 return None
             return list(self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True))
         return None
@@ -62,7 +63,7 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
 
 
-def _plain_message(message: Any) -> dict | None:
+def _plain_message(message: Any) -> dict[str, str] | None:
     """A chat message with text content as {"role", "content"}; None for anything else."""
     get = message.get if isinstance(message, dict) else lambda k: getattr(message, k, None)
     role, content = get("role"), get("content")
@@ -72,7 +73,9 @@ def _plain_message(message: Any) -> dict | None:
 
 
 class FabricLLMRouter(OpenAIPrompts, FIFOMixin, FabricRanking):
-    def initialize_state(self, model_dir: str, block_size: int, device: str = "cpu", **cost: float) -> None:
+    # Ray declares the hook as **kwargs and calls it with the deployment's request_router_kwargs.
+    def initialize_state(  # type: ignore[override]
+            self, model_dir: str, block_size: int, device: str = "cpu", **cost: float) -> None:
         """`model_dir`: the model's local folder (its config gives the KV layout, its
         tokenizer the token ids); `block_size`: the engines' KV block size; `device`:
         where they compute; `cost`: see `FabricRanking.init_ranking`."""

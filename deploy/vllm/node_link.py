@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 from kvfabric.actors.node.engine_process import EngineProcess
 from kvfabric.fabric import KVLayout
@@ -13,8 +13,11 @@ from kvfabric.transport.staging import StagingSpec
 from .jobs import FabricSettings
 
 if TYPE_CHECKING:
-    from kvfabric.actors.fabric import PendingLookup
+    from ray.actor import ActorHandle
 
+    from kvfabric.actors.fabric import FabricClient, PendingLookup
+
+    from .event_feed import EngineEventFeed
     from .index_sink import FeedSpec
 
 log = logging.getLogger(__name__)
@@ -31,11 +34,11 @@ class NodeLink:
         self.layout = layout
         self.staging = staging      # the engine's staging pages, announced to the node
         self.feed_spec = feed       # the engine's KV events, fed to the index once connected
-        self.feed = None
-        self.actor = None
+        self.feed: EngineEventFeed | None = None
+        self.actor: ActorHandle | None = None
         self.disabled = "" if settings.node_actor else "no node_actor configured"
         self.name = settings.node_actor
-        self.index = None            # the fabric's client for index lookups, at first use
+        self.index: FabricClient | None = None      # the fabric's client for index lookups, at first use
         self.index_off = "" if settings.remote else "remote hits not asked for"
         self._peers: dict[str, Any] = {}
 
@@ -59,14 +62,14 @@ class NodeLink:
             ray.init(address=self.settings.ray_address or None, namespace=self.settings.ray_namespace,
                      log_to_driver=False, logging_level=logging.WARNING)
         actor = ray.get_actor(self.settings.node_actor, namespace=self.settings.ray_namespace)
-        theirs = ray.get(actor.layout.remote(), timeout=self.settings.timeout_s)
+        theirs = cast(KVLayout, ray.get(actor.layout.remote(), timeout=self.settings.timeout_s))
         if theirs.fingerprint != self.layout.fingerprint:
             self.disabled = (f"{self.settings.node_actor} holds layout {theirs.to_dict()}, "
                              f"this engine needs {self.layout.to_dict()}")
             return
         self.actor = actor
         if self.feed_spec is not None:
-            self._start_feed()
+            self._start_feed(self.feed_spec)
         if self.staging is not None:
             # The node watches this process: if it ends without a word, the node drops its
             # staging pages and the index its entries (actors/node/engine_process.py).
@@ -74,13 +77,13 @@ class NodeLink:
             self.tell("engine_started", EngineProcess.this_process(
                 self.staging, pages.node if pages else "", pages.epoch if pages else 0))
 
-    def _start_feed(self) -> None:
+    def _start_feed(self, spec: FeedSpec) -> None:
         from kvfabric.actors.directory import DIRECTORY
 
         import ray
         try:
             directory = ray.get_actor(DIRECTORY, namespace=self.settings.ray_namespace)
-            self.feed = self.feed_spec.start(directory, self.name, self.layout)
+            self.feed = spec.start(directory, self.name, self.layout)
         except Exception as e:       # no feed: the index does not know this engine's own cache
             log.warning("FabricConnector: the engine's KV events do not reach the index: %r", e)
 
@@ -141,6 +144,8 @@ class NodeLink:
         self.index = client
 
     def start_lookup(self, tokens: Sequence[int], namespace: str) -> PendingLookup:
+        if self.index is None:
+            raise RuntimeError("the fabric's index is not connected (index_ready first)")
         return self.index.start_lookup(tokens, namespace)
 
     def start_fetch(self, peer: str, tokens: Sequence[int], namespace: str) -> Any:
@@ -149,6 +154,8 @@ class NodeLink:
         import ray
         from kvfabric.actors.directory import NAMESPACE
 
+        if self.actor is None:
+            raise RuntimeError("not connected to the node (ready first)")
         handle = self._peers.get(peer)
         if handle is None:
             handle = self._peers[peer] = ray.get_actor(peer, namespace=NAMESPACE)

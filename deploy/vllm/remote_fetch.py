@@ -37,7 +37,8 @@ class Stage(str, Enum):
 
 
 class PendingLookup(Protocol):
-    pending: Any
+    @property
+    def pending(self) -> Any: ...          # the call it waits on now (None once answered)
 
     def poll(self) -> list[NodeMatch] | None: ...
 
@@ -173,6 +174,7 @@ class RemoteFetches:
             if rec.local_pages is None and self.link.finished([rec.local_call]):
                 rec.local_pages = int(self.link.result(rec.local_call))
             if rec.matches is None:
+                assert rec.lookup is not None, "a request looking has its lookup started"
                 rec.matches = rec.lookup.poll()
             if rec.local_pages is None or rec.matches is None:
                 return

@@ -1,6 +1,8 @@
 """EventPublisher: turns a NodeCache's page changes into numbered event batches."""
 from __future__ import annotations
 
+from typing import Protocol
+
 from kvfabric.fabric.cache.layout import PoolName, Tier
 from kvfabric.fabric.cache.node_cache import NodeCache
 from kvfabric.fabric.cache.page_views import PageView
@@ -11,6 +13,13 @@ from .shard_batches import ShardBatches
 
 _BITS = {(PoolName.FULL, Tier.DEVICE): PageMask.FULL_DEVICE, (PoolName.FULL, Tier.HOST): PageMask.FULL_HOST,
          (PoolName.SWA, Tier.DEVICE): PageMask.SWA_DEVICE, (PoolName.SWA, Tier.HOST): PageMask.SWA_HOST}
+
+
+class ShardPublisher(Protocol):
+    """What sends a node's pages to index shards needs of their source: batches per shard
+    and snapshots per shard (EventPublisher for a NodeCache; an engine's own pages too)."""
+    def drain_routed(self, routes: RouteTable, every_shard: bool = False) -> dict[int, EventBatch]: ...
+    def snapshots(self, routes: RouteTable) -> dict[int, Snapshot]: ...
 
 
 class EventPublisher:

@@ -4,6 +4,7 @@ report's arithmetic. (The demo end to end is `kvfabric demo`; its figures are in
 README.)"""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -118,3 +119,13 @@ def test_the_demo_defaults_follow_the_engine():
     assert (vllm.engine, vllm.nodes, vllm.requests, vllm.concurrency) == ("vllm", 2, 60, 6)
     assert (ref.nodes, ref.requests, ref.concurrency) == (3, 120, 3)
     assert parse(["--requests", "7"]).requests == 7
+
+
+def test_the_gpu_demo_shares_the_one_gpu_among_its_engines():
+    from kvfabric.deploy.vllm.demo import app_args
+    cpu, gpu = app_args(2, 8 << 20), app_args(3, 8 << 20, gpu=True)
+    assert (cpu.gpus_per_replica, cpu.gpu_memory_utilization, cpu.device()) == (0.0, 0.9, "cpu")
+    assert (gpu.gpus_per_replica, gpu.gpu_memory_utilization, gpu.device()) == (1.0, 0.267, "cuda")
+    # Nothing else differs.
+    assert dataclasses.replace(gpu, gpus_per_replica=0.0, gpu_memory_utilization=0.9) == \
+        dataclasses.replace(cpu, replicas=3)

@@ -341,3 +341,12 @@ def test_any_failure_at_any_step_becomes_recomputation_or_an_exact_hit(
         assert not rig.sched.remote.requests and not rig.sched.hit_sources
     finally:
         rig.node.shared.unlink()
+
+
+def test_a_link_not_connected_refuses_lookups_and_fetches():
+    from kvfabric.deploy.vllm.node_link import NodeLink
+    link = NodeLink(FabricSettings(node_actor="node-a"), LAYOUT)
+    with pytest.raises(RuntimeError, match="index_ready first"):
+        link.start_lookup([1, 2, 3], "ns")
+    with pytest.raises(RuntimeError, match="ready first"):
+        link.start_fetch("node-b", [1, 2, 3], "ns")
