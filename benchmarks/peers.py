@@ -2,9 +2,10 @@
 
 SGLang 0.5.23's radix cache (``RadixCache.create_simulated``) is the peer of the radix benchmark.
 It is installed with ``pip install --target <cache>/sglang-0.5.23 --no-deps`` together with the
-packages it needs at import time (never the GPU stack), and runs in a subprocess that puts the
-folder *after* our own site-packages on ``sys.path``, so our torch and numpy are the ones used
-and none of SGLang's import-time patches leak into the caller.
+packages it needs at import time (never the GPU stack), and runs in a subprocess
+(``benchmarks/sglang_worker.py``) that puts the folder *after* our own site-packages on
+``sys.path``, so our torch and numpy are the ones used and none of SGLang's import-time
+patches leak into the caller.
 
 The cache root is ``$KVF_PEER_CACHE`` if set, else ``$XDG_CACHE_HOME/ray-kv-fabric/peers``
 (``~/.cache/ray-kv-fabric/peers``).
@@ -23,10 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.sglang_worker import pack_sequences, write_sequences
 
 __all__ = [
     "SGLANG_PACKAGES",
@@ -204,43 +206,9 @@ class RadixRun:
         return self.requests / self.elapsed_s if self.elapsed_s > 0 else float("inf")
 
 
-def _pack(sequences: Sequence[Sequence[int]]) -> tuple[array, array]:
-    """(lengths, concatenated ids) as int64 arrays; ValueError names a bad sequence."""
-    lengths = array("q", [len(s) for s in sequences])
-    flat = array("q")
-    for i, seq in enumerate(sequences):
-        try:
-            flat.extend(seq)
-        except (TypeError, OverflowError) as e:
-            raise ValueError(f"sequence {i} must hold int64 token ids: {e}") from None
-    return lengths, flat
-
-
-def _write_sequences(path: Path, lengths: array, flat: array) -> None:
-    with path.open("wb") as f:
-        array("q", [len(lengths)]).tofile(f)
-        lengths.tofile(f)
-        flat.tofile(f)
-
-
-def _read_sequences(path: Path) -> list[array]:
-    with path.open("rb") as f:
-        header = array("q")
-        header.fromfile(f, 1)
-        lengths = array("q")
-        lengths.fromfile(f, header[0])
-        flat = array("q")
-        flat.fromfile(f, sum(lengths))
-    sequences, offset = [], 0
-    for n in lengths:
-        sequences.append(flat[offset:offset + n])
-        offset += n
-    return sequences
-
-
 def _run_worker(args: list[str]) -> None:
     # -I: don't put benchmarks/ (or $PYTHONPATH) ahead of our site-packages in the worker.
-    cmd = [sys.executable, "-I", str(Path(__file__).resolve()), "_worker", *args]
+    cmd = [sys.executable, "-I", str(Path(__file__).resolve().parent / "sglang_worker.py"), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise PeerError(f"the SGLang peer failed (exit {proc.returncode}):\n{_tail(proc.stderr)}")
@@ -261,11 +229,11 @@ def run_sglang_radix(
         raise ValueError(f"gc_mode must be one of {GC_MODES}, got {gc_mode!r}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    lengths, flat = _pack(sequences)
+    lengths, flat = pack_sequences(sequences)
     folder = ensure_sglang()
     with tempfile.TemporaryDirectory(prefix="kvf-peer-") as tmp:
         data, result = Path(tmp) / "sequences.bin", Path(tmp) / "result.json"
-        _write_sequences(data, lengths, flat)
+        write_sequences(data, lengths, flat)
         _run_worker(["radix", str(folder), str(data), str(page_size), str(result), gc_mode])
         out = json.loads(result.read_text())
     return RadixRun(page_size=page_size, match_lengths=tuple(out["match_lengths"]),
@@ -277,78 +245,6 @@ def sglang_radix_ops_per_s(
 ) -> float:
     """Requests per second of SGLang 0.5.23's radix cache (match_prefix + insert per request)."""
     return run_sglang_radix(sequences, page_size, gc_mode=gc_mode).ops_per_s
-
-
-# ----------------------------------------------------------------------------- worker side
-
-
-def _tolerate_cpu_torchvision(folder: Path) -> None:
-    """PyPI's torchvision wheels link CUDA torch, so beside a CPU torch their C ops don't load
-    and ``import torchvision`` dies registering fake kernels for them ("operator
-    torchvision::nms does not exist"). SGLang only needs torchvision's Python transforms at
-    import time, so when the ops can't load, skip those registrations (worker process only)."""
-    import types
-
-    import torch
-
-    libs = sorted((folder / "torchvision").glob("_C*.so"))
-    try:
-        for lib in libs:
-            torch.ops.load_library(str(lib))
-        if libs:
-            return
-    except OSError:
-        pass            # the ops cannot load beside a CPU torch: skip their registrations below
-    name = "torchvision._meta_registrations"
-    sys.modules[name] = types.ModuleType(name)
-
-
-def _import_sglang(folder: Path):
-    sys.path.append(str(folder))  # after our site-packages: our torch/numpy win
-    _tolerate_cpu_torchvision(folder)
-    import torch
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
-
-    return torch, RadixCache, RadixKey, MatchPrefixParams, InsertParams
-
-
-def _worker(argv: list[str]) -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    mode, folder = argv[0], Path(argv[1])
-    torch, RadixCache, RadixKey, MatchPrefixParams, InsertParams = _import_sglang(folder)
-    if mode == "check":
-        tree = RadixCache.create_simulated(page_size=2)
-        ids = array("q", [1, 2, 3, 4, 5])
-        tree.insert(InsertParams(key=RadixKey(token_ids=ids), value=torch.empty(5, dtype=torch.bool)))
-        got = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=ids))).device_prefix_len
-        if got != 4:
-            raise SystemExit(f"radix cache self-check: matched {got} tokens, expected 4")
-        return
-    if mode != "radix":
-        raise SystemExit(f"unknown worker mode {mode!r}")
-    data, page_size, result, gc_mode = Path(argv[2]), int(argv[3]), Path(argv[4]), argv[5]
-    sequences = _read_sequences(data)
-    if gc_mode in ("collect", "freeze"):
-        import gc
-
-        gc.collect()
-        if gc_mode == "freeze":
-            gc.freeze()
-    tree = RadixCache.create_simulated(page_size=page_size)
-    empty, boolean = torch.empty, torch.bool
-    matched: list[int] = []
-    # As SGLang's scheduler drives its simulated tree (schedule_policy._compute_prefix_matches):
-    # match the request's ids, then insert them with a dummy value of the same length.
-    start = time.perf_counter()
-    for ids in sequences:
-        m = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=ids)))
-        tree.insert(InsertParams(key=RadixKey(token_ids=ids), value=empty(len(ids), dtype=boolean)))
-        matched.append(m.device_prefix_len)
-    elapsed = time.perf_counter() - start
-    result.write_text(json.dumps({"elapsed_s": elapsed, "match_lengths": matched}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -379,7 +275,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "_worker":
-        _worker(sys.argv[2:])
-    else:
-        main()
+    main()

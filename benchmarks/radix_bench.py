@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import peers
+from benchmarks.sglang_worker import pack_sequences, read_sequences, write_sequences
 from kvfabric.deploy.sim.trace import load_trace, request_tokens
 
 
@@ -43,7 +44,7 @@ def sequences(trace: str | None, requests: int, tokens_per_block: int) -> list[l
 
 def ours_worker(data: Path, page_size: int, gc_mode: str) -> dict:
     from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity, PoolName
-    seqs = [list(s) for s in peers._read_sequences(data)]
+    seqs = [list(s) for s in read_sequences(data)]
     pages = sum(len(s) for s in seqs) // page_size + 1
     layout = KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=page_size)
     if gc_mode in ("collect", "freeze"):
@@ -64,7 +65,7 @@ def ours_worker(data: Path, page_size: int, gc_mode: str) -> dict:
 def run_ours(seqs: list[list[int]], page_size: int, gc_mode: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvf-radix-") as tmp:
         data, out = Path(tmp) / "seqs.bin", Path(tmp) / "out.json"
-        peers._write_sequences(data, *peers._pack(seqs))
+        write_sequences(data, *pack_sequences(seqs))
         code = ("import json, sys; from benchmarks.radix_bench import ours_worker; "
                 "json.dump(ours_worker(__import__('pathlib').Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]), "
                 "open(sys.argv[4], 'w'))")

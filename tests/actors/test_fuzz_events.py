@@ -1,6 +1,6 @@
 """Fuzzing the decoders of wire messages (issue #6), part one: KV events and snapshots,
 and the index shard fed them. Export replies and route tables: tests/fabric/test_fuzz_exchange.py.
-Trace files and configs: tests/deploy/test_fuzz_files.py. (HTTP bodies: tests/deploy/test_openai_api.py.)
+Trace files and configs: tests/deploy/test_fuzz_files.py. (HTTP bodies: tests/deploy/test_openai_refusals.py.)
 
 Each decoder gets random bytes or structures, and valid encodings with one part of them
 replaced, deleted or added (bit flips and truncation for bytes). It must either return

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kvfabric.deploy.serve.tenants import parse_tenants
-from tests.deploy.test_openai_api import KEY, FakeBackend, assert_error, client_for, ok, post
+from tests.deploy.ingress_backends import KEY, FakeBackend, assert_error, client_for, ok, post
 
 KEY_A, KEY_B, KEY_AB = "sk-tenant-a-0123456789", "sk-tenant-b-0123456789", "sk-tenant-ab-012345678"
 TABLE = parse_tenants({KEY_A: {"namespaces": ["a", "a-eval"]},

@@ -1,10 +1,9 @@
-"""The OpenAI-compatible ingress: happy paths against a real TinyLM engine, every
-4xx case with the backend untouched, backend failures as 503, fuzzed bodies (never
-a 5xx, never a backend call for an invalid one), the Serve deployment's late-bound
-app, and the real `openai` client over uvicorn. API keys: tests/deploy/test_ingress_auth.py."""
+"""The OpenAI-compatible ingress: happy paths against a real TinyLM engine, backend failures
+as 503, the Serve deployment's late-bound app, and the real `openai` client over uvicorn.
+Every 4xx case and fuzzed bodies: tests/deploy/test_openai_refusals.py. API keys:
+tests/deploy/test_ingress_auth.py."""
 import asyncio
 import gc
-import hashlib
 import json
 import socket
 import threading
@@ -15,99 +14,11 @@ import openai
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
-from hypothesis import given, strategies as st
 
 from kvfabric.deploy.reference.engine import Engine, RequestError
-from kvfabric.deploy.reference.model import ModelConfig, TinyLM
-from kvfabric.deploy.serve.openai_api import (MAX_BODY_BYTES, CompletionResponse, OpenAIIngress, build_fastapi)
-from kvfabric.deploy.serve.protocol import GenerateRequest, GenerateResult
-from kvfabric.deploy.serve.tenants import parse_tenants
-from kvfabric.deploy.reference.tokenizer import OFFSET, ByteTokenizer
-
-CONFIG = ModelConfig(max_positions=128)
-MODEL = TinyLM(CONFIG)
-NAME = "tiny-lm"
-KEY = "sk-test-key-0123456789"
-TENANTS = parse_tenants({KEY: {"namespaces": ["default"]}})    # more of them: tests/deploy/test_tenants.py
-LIMIT = 32                       # max_tokens_limit
-TOK = ByteTokenizer(CONFIG.vocab)
-URL = "/v1/completions"
-
-
-class EngineBackend:
-    """A real model server in process: Engine without cache, GenerateRequest -> GenerateResult."""
-
-    def __init__(self) -> None:
-        self.engine = Engine(MODEL)
-        self.calls: list[GenerateRequest] = []
-
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        self.calls.append(req)
-        g = self.engine.generate(req.tokens, req.max_tokens, req.namespace, return_logits=req.logits_digest)
-        digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in g.logits)).hexdigest()[:16] \
-            if req.logits_digest else ""
-        return GenerateResult(g.tokens, g.prompt_tokens, g.cached_tokens, g.cached_tokens, 0, 0,
-                              g.fetch, g.ttft_s, "node-0", digest)
-
-
-class FakeBackend:
-    """Fast, and checks that every request it gets is one the model can take."""
-
-    def __init__(self, fail: BaseException | None = None, result: object = None) -> None:
-        self.calls: list[GenerateRequest] = []
-        self.fail, self.result = fail, result
-
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        assert isinstance(req, GenerateRequest) and req.tokens
-        assert all(isinstance(t, int) and 0 <= t < CONFIG.vocab for t in req.tokens)
-        assert 0 <= req.max_tokens <= LIMIT and len(req.tokens) + req.max_tokens <= CONFIG.max_positions
-        assert isinstance(req.namespace, str) and req.namespace
-        self.calls.append(req)
-        if self.fail is not None:
-            raise self.fail
-        if self.result is not None:
-            return self.result
-        out = [OFFSET + ord("a")] * req.max_tokens
-        return GenerateResult(out, len(req.tokens), 0, 0, 0, 0, "none", 0.001, "node-0", "d")
-
-
-def client_for(backend, tenants=None) -> TestClient:
-    return TestClient(build_fastapi(backend, NAME, CONFIG, tenants, max_tokens_limit=LIMIT),
-                      raise_server_exceptions=False)
-
-
-def post(client, body, **kw):
-    return client.post(URL, content=body if isinstance(body, bytes) else json.dumps(body), **kw)
-
-
-def assert_error(r, status, code=None, contains=None):
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) >= {"message", "type", "code"} and err["message"]
-    if code is not None:
-        assert err["code"] == code, err
-    if contains is not None:
-        assert contains in err["message"], err
-
-
-# --- tokenizer ---------------------------------------------------------------------------
-@given(st.text())
-def test_tokenizer_round_trips_text(text):
-    ids = TOK.encode(text)
-    assert all(OFFSET <= i < OFFSET + 256 for i in ids)
-    assert TOK.decode(ids) == text
-
-
-def test_tokenizer_edges():
-    for vocab, error in ((257, ValueError), (True, TypeError), (300.0, TypeError)):
-        with pytest.raises(error):
-            ByteTokenizer(vocab)
-    assert TOK.decode([0, 1, OFFSET + 104, 300, 511, -5, OFFSET + 105]) == "hi"
-    assert TOK.decode([OFFSET + 0xFF, OFFSET + 104]) == "\ufffdh"
-    with pytest.raises(ValueError, match="not valid Unicode"):
-        TOK.encode("a\ud800")
-    with pytest.raises(TypeError):
-        TOK.decode([1.5])
+from kvfabric.deploy.serve.openai_api import CompletionResponse, OpenAIIngress, build_fastapi
+from tests.deploy.ingress_backends import (CONFIG, KEY, LIMIT, MODEL, NAME, TENANTS, TOK, URL, EngineBackend,
+                                           FakeBackend, assert_error, client_for, ok, post)
 
 
 # --- happy paths ---------------------------------------------------------------------------
@@ -175,83 +86,6 @@ def test_models_health_and_unknown_routes():
     assert r.headers["allow"] == "POST"
 
 
-# --- every refusal leaves the backend untouched ------------------------------------------
-def ok(**kw):
-    return {"model": NAME, "prompt": "hi", "max_tokens": 2, **kw}
-
-
-ROOM = CONFIG.max_positions - 2
-BAD = [
-    (ok(model="gpt-4"), 404, "model_not_found", "gpt-4"),
-    (ok(prompt=""), 400, None, "empty"),
-    (ok(prompt=[]), 400, None, "empty"),
-    (ok(prompt="a" * (ROOM + 1)), 400, "context_length_exceeded", str(ROOM)),
-    (ok(prompt=[1] * (ROOM + 1)), 400, "context_length_exceeded", None),
-    (ok(prompt="\u00e9" * (ROOM // 2 + 1)), 400, "context_length_exceeded", None),  # 2 bytes each
-    (ok(prompt=[1, CONFIG.vocab]), 400, "invalid_token", "512"),
-    (ok(prompt=[-1]), 400, "invalid_token", None),
-    (ok(prompt=[1, True]), 400, "invalid_body", "integers"),
-    (ok(prompt=[1.0]), 400, "invalid_body", "integers"),
-    (ok(prompt=["a", "b"]), 400, "invalid_body", "batched"),
-    (ok(prompt=[[1, 2]]), 400, "invalid_body", "batched"),
-    (ok(prompt=7), 400, "invalid_body", "string or a list"),
-    (ok(prompt="a\ud800"), 400, None, "Unicode"),
-    (ok(temperature=0.7), 400, "unsupported_parameter", "greedy"),
-    (ok(temperature="0"), 400, "invalid_body", "temperature"),
-    (ok(stream=True), 400, "unsupported_parameter", "streaming is not supported"),
-    (ok(stream="no"), 400, "invalid_body", "stream"),
-    (ok(max_tokens=-1), 400, "invalid_body", "max_tokens"),
-    (ok(max_tokens=LIMIT + 1), 400, None, "limit"),
-    (ok(max_tokens="2"), 400, "invalid_body", "max_tokens"),
-    (ok(max_tokens=2.0), 400, "invalid_body", "max_tokens"),
-    (ok(max_tokens=True), 400, "invalid_body", "max_tokens"),
-    (ok(n=2), 400, "unsupported_parameter", "n=2"),
-    (ok(stop=["x" * 5000]), 400, "unsupported_parameter", "stop=[\"xxx"),
-    (ok(top_p=0.5), 400, "unsupported_parameter", "top_p"),
-    (ok(stop=["\n"]), 400, "unsupported_parameter", "stop"),
-    (ok(logprobs=1), 400, "unsupported_parameter", "logprobs"),
-    (ok(echo=True), 400, "unsupported_parameter", "echo"),
-    (ok(unknown_field=1), 400, "invalid_body", "unknown_field"),
-    (ok(user=5), 400, "invalid_body", "user"),
-    (ok(user="u" * 300), 400, "invalid_body", "user"),
-    (ok(kvfabric={"namespace": ""}), 400, "invalid_body", "kvfabric.namespace"),
-    (ok(kvfabric={"cache": "yes"}), 400, "invalid_body", "kvfabric.cache"),
-    (ok(kvfabric={"logits_digest": 1}), 400, "invalid_body", "kvfabric.logits_digest"),
-    (ok(kvfabric={"tier": "device"}), 400, "invalid_body", "kvfabric.tier"),
-    (ok(kvfabric=[]), 400, "invalid_body", "kvfabric"),
-    ({"prompt": "hi"}, 400, "invalid_body", "model"),
-    ({"model": NAME}, 400, "invalid_body", "prompt"),
-    ([ok()], 400, "invalid_body", "JSON object"),
-    (None, 400, "invalid_body", None),
-    (b"{not json", 400, "invalid_json", None),
-    (b"", 400, "invalid_json", None),
-    (b'{"model": "tiny-lm", "prompt": "hi", "temperature": NaN}', 400, "invalid_json", "NaN"),
-    (b'{"model": "tiny-lm", "prompt": [' + b"9" * 5000 + b"]}", 400, "invalid_json", None),
-    (b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json", None),
-    (b"\xff\xfe\x00garbage", 400, "invalid_json", None),
-    (b" " * (MAX_BODY_BYTES + 1), 413, "body_too_large", None),
-]
-
-
-@pytest.mark.parametrize("body,status,code,contains", BAD, ids=range(len(BAD)))
-def test_refusals_leave_the_backend_untouched(body, status, code, contains):
-    backend = FakeBackend()
-    r = post(client_for(backend), body)
-    assert_error(r, status, code, contains)
-    assert backend.calls == []
-
-
-def test_config_is_validated():
-    base = {"backend": FakeBackend(), "model_name": NAME, "model_config": CONFIG, "tenants": None}
-    for kw in ({"model_name": ""}, {"max_tokens_limit": 0},
-               {"max_tokens_limit": CONFIG.max_positions}, {"model_config": ModelConfig(vocab=100)}):
-        with pytest.raises(ValueError):
-            build_fastapi(**{**base, **kw})
-    for args in ((object(), NAME, CONFIG, None, LIMIT), (FakeBackend(), NAME, CONFIG, KEY, LIMIT)):
-        with pytest.raises(TypeError):          # a key string is no tenant table
-            build_fastapi(*args)
-
-
 # --- failures behind the ingress ---------------------------------------------------------
 @pytest.mark.parametrize("backend,status,code", [
     (FakeBackend(fail=RuntimeError("replica died")), 503, "backend_unavailable"),
@@ -265,53 +99,6 @@ def test_backend_failures_become_clean_errors(backend, status, code):
     assert "Traceback" not in r.text and len(backend.calls) == 1
     if status == 503:
         assert r.json()["error"]["type"] == "server_error"
-
-
-# --- fuzzing -----------------------------------------------------------------------------
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12)
-FIELDS = ["model", "prompt", "max_tokens", "temperature", "stream", "user", "kvfabric", "n",
-          "top_p", "stop", "seed", "echo"]
-FIELD_VALUES = st.one_of(
-    JSON, st.sampled_from([NAME, "hi", 0, 1, 2, None, True, False, [], {}]),
-    st.lists(st.integers(-2, CONFIG.vocab + 1), max_size=6),
-    st.fixed_dictionaries({}, optional={"namespace": st.text(max_size=4), "cache": JSON}))
-
-
-@pytest.mark.fuzz
-def test_fuzzed_bodies_never_5xx():
-    backend = FakeBackend()
-    client = client_for(backend)
-
-    @given(st.one_of(JSON, st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), JSON,
-                                           max_size=6)))
-    def garbage(body):
-        # Never a valid request: no model named NAME can come out of these.
-        r = post(client, body)
-        assert 400 <= r.status_code < 500, r.text
-        assert "error" in r.json()
-        assert backend.calls == []
-
-    @given(st.dictionaries(st.sampled_from(FIELDS), FIELD_VALUES, max_size=4),
-           st.lists(st.sampled_from(FIELDS), max_size=2), st.binary(max_size=8))
-    def near_valid(changes, drop, raw):
-        body = {k: v for k, v in {**ok(), **changes}.items() if k not in drop}
-        before = len(backend.calls)
-        r = post(client, body)
-        assert r.status_code in (200, 400, 404), r.text
-        assert len(backend.calls) == before + (r.status_code == 200)
-        if r.status_code == 200:
-            CompletionResponse.model_validate(r.json())
-        else:
-            assert set(r.json()["error"]) >= {"message", "type", "code"}
-        # Raw bytes are almost never JSON; whatever they are, no 5xx.
-        assert post(client, raw).status_code < 500
-
-    garbage()
-    near_valid()
 
 
 # --- the Serve deployment ----------------------------------------------------------------

@@ -1,0 +1,213 @@
+"""The directory's membership passes: which node actors belong, kept true without anyone
+asking (the watcher, actors/watcher.py, runs a pass every `watch_s` seconds).
+
+A node actor Ray reports dead (its name gone, or its Ray node dead) is dropped from the
+directory and from every index shard; an alive Ray node without a node actor gets one,
+joined to its peers and the index, so a node added to the cluster (or re-added after a
+removal) joins the fabric by itself. A node actor that is merely slow is left alone: only
+Ray's word counts. One the index names but the directory does not list (it died while the
+directory was down) is purged from the shards; if it is alive after all, it is added again."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, cast
+
+import ray
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayError
+
+from .names import CALL_TIMEOUT_S, NAMESPACE, is_node_actor_name, node_actor_name, owner_node
+from .node.node_actor import Beat, NodeConfig
+from .node.node_placement import connect_peers, dead_hosts, existing, place_node_actor
+
+START_TIMEOUT_S = 180.0      # a new node actor imports torch and NIXL
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Membership:
+    """What one reconcile pass changed."""
+    dropped: list[str] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)
+    rejoined: list[str] = field(default_factory=list)
+    retired_engines: list[str] = field(default_factory=list)
+
+
+class MembershipPasses:
+    """FabricDirectory's membership methods (a mixin). What they use of the directory:"""
+    config: NodeConfig
+    nodes: dict[str, bytes]
+    cpus_per_actor: float
+    _lock: threading.RLock
+    _adding: threading.Lock
+    _undropped: set[str]
+    _joining: set[str]
+    node_names: Callable[[], list[str]]
+    register: Callable[[str, bytes], dict[str, bytes]]
+    unregister: Callable[[str], bool]
+    get_routes: Callable[[], bytes]
+    _shards: Callable[[], list]
+    _converge: Callable[[float, dict[str, Beat | None] | None], None]
+
+    def reconcile(self, add: bool = True, timeout_s: float = CALL_TIMEOUT_S,
+                  start_timeout_s: float = START_TIMEOUT_S) -> Membership:
+        """Heartbeat every node; drop those Ray reports dead, rejoin those Ray
+        restarted (a new actor: new transport agent, not attached to the index);
+        with `add`, give every alive Ray node lacking a node actor one (a new actor
+        imports torch and NIXL: `start_timeout_s`). Waits on other actors without
+        `_lock` held."""
+        beats = self._beats(self.node_names(), timeout_s)
+        dead = sorted(name for name, beat in beats.items() if beat is None)
+        restarted = sorted(name for name, beat in beats.items() if beat is not None and not beat.attached)
+        done = Membership(dropped=dead)
+        for name in dead:
+            self._drop(name, timeout_s)
+        done.retired_engines = self._retire_engines(beats, timeout_s)
+        for name in sorted((self._undropped | self._strays(timeout_s)) - set(dead)):
+            self._drop(name, timeout_s)
+        for name in restarted:
+            if self._rejoin(name, timeout_s):
+                done.rejoined.append(name)
+        self._converge(timeout_s, beats)
+        if add:
+            with self._adding:
+                done.added = self._add_missing(start_timeout_s)
+        return done
+
+    def _retire_engines(self, beats: dict[str, Beat | None], timeout_s: float) -> list[str]:
+        """Clear the index entries of engines whose node saw their process end, each life
+        by its epoch: admitted from the next epoch on, that life and its late events are
+        gone, a later life of the name keeps its own. Then tell the node."""
+        retired: list[str] = []
+        for name, beat in ((n, b) for n, b in beats.items() if b is not None and b.gone_engines):
+            try:
+                ray.get([s.admit.remote(engine, epoch + 1) for s in self._shards()
+                         for engine, epoch in beat.gone_engines.items()], timeout=timeout_s)
+                ray.get_actor(name, namespace=NAMESPACE).engines_retired.remote(beat.gone_engines)
+                retired += sorted(beat.gone_engines)
+            except (RayError, ValueError) as e:
+                log.warning("retiring %s's ended engines failed (next pass retries): %s", name, e)
+        return retired
+
+    def _strays(self, timeout_s: float) -> set[str]:
+        """Node actors (and their engines) the index names that are neither members nor
+        joining: one that died while the directory was down (a restarted directory
+        recovers only the nodes that answer) or whose join failed half-way. Holders
+        first, then members: a node registers before it stops joining."""
+        held: set[str] = set()
+        try:
+            for names in ray.get([s.holders.remote() for s in self._shards()], timeout=timeout_s):
+                held.update(names)
+        except RayError as e:
+            log.warning("listing the index's holders failed (next pass retries): %s", e)
+        with self._lock:
+            members = set(self.nodes) | self._joining
+        return {n for n in held if (owner := owner_node(n)) is not None and owner not in members}
+
+    def _beats(self, names: list[str], timeout_s: float) -> dict[str, Beat | None]:
+        """Each answering node's Beat; None for the dead. Slow or restarting ones are left out."""
+        refs: dict[str, ray.ObjectRef] = {}
+        beats: dict[str, Beat | None] = {}
+        # A node actor dies with its Ray node (hard affinity), whatever state Ray shows
+        # the actor in while it notices: a dead host is a dead node, asked or not.
+        gone = dead_hosts()
+        for name in names:
+            if name in gone:
+                beats[name] = None
+                continue
+            try:
+                refs[name] = ray.get_actor(name, namespace=NAMESPACE).heartbeat.remote()
+            except ValueError:         # the name is gone: the actor died for good
+                beats[name] = None
+        for name, ref in refs.items():
+            try:
+                beats[name] = ray.get(ref, timeout=timeout_s)
+            except ActorDiedError:
+                beats[name] = None
+            except (GetTimeoutError, RayError):
+                continue               # slow or restarting is not dead
+        return beats
+
+    def attach(self, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        """Admit node `name`'s epoch to every shard, then attach it to the index: a node
+        dropped before (or restarted) is accepted again, and nothing older of it is."""
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+        epoch = cast(Beat, ray.get(actor.heartbeat.remote(), timeout=timeout_s)).epoch
+        shards = self._shards()
+        ray.get([s.admit.remote(name, epoch) for s in shards], timeout=timeout_s)
+        with self._lock:
+            self._undropped.discard(name)
+        routes = self.get_routes()
+        ray.get(actor.attach_index.remote(shards, routes), timeout=timeout_s)
+        if self.get_routes() != routes:      # a split landed in between: catch up
+            ray.get(actor.reroute.remote(self.get_routes()), timeout=timeout_s)
+
+    def join(self, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        """Bring node actor `name` in, in the one join order: attach it to the index
+        first (once registered, a node is taken to be in the index), then register it
+        and connect it with its peers both ways."""
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+        self.attach(name, timeout_s)
+        meta = cast(bytes, ray.get(actor.metadata.remote(), timeout=timeout_s))
+        connect_peers(name, actor, meta, self.register(name, meta), timeout_s)
+
+    def _rejoin(self, name: str, timeout_s: float) -> bool:
+        """Attach a restarted node actor to the index and reconnect it with its peers."""
+        try:
+            self._forget(name, timeout_s)      # its old process is dead: what it held drops
+            self.join(name, timeout_s)
+            return True
+        except (RayError, ValueError) as e:
+            log.warning("rejoining %s failed (next pass retries): %s", name, e)
+            return False
+
+    def _forget(self, name: str, timeout_s: float) -> None:
+        """Tell every other node that `name`'s process is gone: disconnect it and free
+        the pages its abandoned reads held. A node that does not answer is left out (it
+        keeps them quarantined and refuses fetches from `name` until the next rejoin)."""
+        for peer in self.node_names():
+            if peer == name:
+                continue
+            try:
+                ray.get(ray.get_actor(peer, namespace=NAMESPACE).forget_peer.remote(name), timeout=timeout_s)
+            except (RayError, ValueError) as e:
+                log.warning("telling %s to forget %s failed: %s", peer, name, e)
+
+    def _drop(self, name: str, timeout_s: float) -> None:
+        """Purge `name` from the shards, then from the members: once it is no longer
+        listed, the index no longer names it (unless a shard did not answer)."""
+        try:
+            ray.get([s.drop_node.remote(name) for s in self._shards()], timeout=timeout_s)
+            with self._lock:
+                self._undropped.discard(name)
+        except RayError as e:
+            # Its late batches could still reach that shard: the next pass drops it again.
+            log.warning("dropping %s: a shard did not answer: %s", name, e)
+            with self._lock:
+                self._undropped.add(name)
+        finally:
+            self.unregister(name)
+        if is_node_actor_name(name):       # an engine is no transport peer
+            self._forget(name, timeout_s)
+
+    def _add_missing(self, timeout_s: float) -> list[str]:
+        added, known = [], set(self.node_names())
+        for node in ray.nodes():
+            name = node_actor_name(node["NodeID"])
+            if not node["Alive"] or name in known:
+                continue
+            with self._lock:
+                self._joining.add(name)
+            try:
+                if existing(name) is None:     # else one an earlier pass started but did not finish
+                    place_node_actor(node["NodeID"], self.config, self.cpus_per_actor)
+                self.join(name, timeout_s)
+                added.append(name)
+            except (RayError, ValueError) as e:
+                log.warning("adding a node actor on %s failed (next pass retries): %s", node["NodeID"], e)
+                self.unregister(name)
+            finally:
+                with self._lock:
+                    self._joining.discard(name)
+        return added
