@@ -121,9 +121,6 @@ class EngineHost:
             shared.unlink()
         return shared is not None
 
-    def staging_engines(self) -> list[str]:
-        return sorted(self._shared)
-
     def _staging(self, spec: StagingSpec) -> SharedPages:
         shared = self._shared.get(spec.prefix)
         if shared is None:

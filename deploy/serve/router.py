@@ -52,7 +52,6 @@ class FabricRanking(RequestRouter):
         self._placement = FabricScore(CostModel(prefill_tokens_per_s, transfer_bytes_per_s, fetch_overhead_s),
                                       PageBytes.of(layout), overhead_s)
         self._client: FabricClient | None = None
-        self.routed_by_prefix = 0
 
     @abstractmethod
     async def prompt_of(self, pending: PendingRequest) -> RoutedPrompt | None:
@@ -77,7 +76,6 @@ class FabricRanking(RequestRouter):
                  for r in candidate_replicas]
         order = self._placement.rank(Request(Prompt(len(prompt.tokens), self._page_size),
                                              at_s=time.monotonic()), views)
-        self.routed_by_prefix += any(v.cached_pages for v in views)
         return [[candidate_replicas[i]] for i in order]
 
     async def _cached_pages(self, prompt: RoutedPrompt) -> dict[str, int] | None:
