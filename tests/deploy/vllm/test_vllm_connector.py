@@ -26,15 +26,14 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from kvfabric.actors import FabricClient, start, stop  # noqa: E402
-from kvfabric.actors.node.chaos_hooks import ChaosAction  # noqa: E402
 from kvfabric.actors.directory import NAMESPACE as FABRIC_NS, node_actor_name  # noqa: E402
 from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig  # noqa: E402
+from kvfabric.deploy.chaos.faults import ChaosAction, Fault, FaultKind, NodeChaos  # noqa: E402
 from kvfabric.deploy.vllm.connector import kv_transfer_config  # noqa: E402
 from kvfabric.deploy.vllm.model import ensure_tiny_model  # noqa: E402
 from kvfabric.deploy.vllm.plan import layout_for_model  # noqa: E402
 from kvfabric.deploy.vllm.namespaces import fabric_namespace  # noqa: E402
 from kvfabric.fabric import NodeMatch, PoolCapacity, PoolName  # noqa: E402
-from kvfabric.transport import Fault, FaultKind  # noqa: E402
 from tests.waiting import eventually as wait_for
 
 NAMESPACE = "kvf-vllm-test"
@@ -153,7 +152,7 @@ def engine(tmp_path_factory):
         # can be armed on a node's next read from its peer.
         caps = {PoolName.FULL: PoolCapacity(device=48, host=2048),
                 PoolName.SWA: PoolCapacity(device=16, host=512)}
-        fab = start(NodeConfig(layout, caps, device="cpu", chaos=True), shards=1, cpus_per_actor=0.25,
+        fab = start(NodeConfig(layout, caps, device="cpu", hooks=NodeChaos), shards=1, cpus_per_actor=0.25,
                     timeout_s=CALL_TIMEOUT_S, watch_s=1.0)
         here = node_actor_name(ray.get_runtime_context().get_node_id())
         (there,) = set(fab.nodes) - {here}
