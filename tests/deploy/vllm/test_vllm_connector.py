@@ -28,7 +28,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from kvfabric.actors import FabricClient, start, stop  # noqa: E402
 from kvfabric.actors.directory import NAMESPACE as FABRIC_NS, node_actor_name  # noqa: E402
 from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig  # noqa: E402
-from kvfabric.deploy.chaos.faults import ChaosAction, Fault, FaultKind, NodeChaos  # noqa: E402
+from kvfabric.deploy.chaos.faults import ChaosAction, Fault, FaultKind, NodeChaos, StepFaultFile  # noqa: E402
 from kvfabric.deploy.vllm.connector import kv_transfer_config  # noqa: E402
 from kvfabric.deploy.vllm.model import ensure_tiny_model  # noqa: E402
 from kvfabric.deploy.vllm.plan import layout_for_model  # noqa: E402
@@ -163,7 +163,7 @@ def engine(tmp_path_factory):
         llm = LLM(model=str(path), enforce_eager=True, dtype="float32", seed=0, max_model_len=2048,
                   block_size=BLOCK, kv_cache_memory_bytes=12 << 20, disable_log_stats=False,
                   kv_transfer_config=kv_transfer_config(here, cluster.address, ray_namespace=FABRIC_NS,
-                                                        fault_file=fault_file),
+                                                        **StepFaultFile.settings(fault_file)),
                   kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events,
                                                   replay_endpoint=events + "-replay"))
         print(f"\ncluster, fabric and engine up in {time.monotonic() - started:.1f} s")
