@@ -5,7 +5,6 @@ from .exchange.export import export_prefix
 from .exchange.fetch import FetchOutcome, PageReader, ReadFailed, import_prefix
 from .exchange.grant import ExportGrant, GrantError, PoolPages
 from .index.events import EventBatch, EventError, PageMask, PageState, Snapshot, decode as decode_events
-from .cache.faults import AllocationFaults
 from .index.match_rule import MatchRule
 from .index.answers import NodeMatch
 from .index.prefix_index import ApplyResult, PrefixIndex
@@ -22,17 +21,17 @@ from .index.routes import Route, RouteError, RouteTable
 from .index.balance import LoadTracker, Split
 from .index.sharded_index import ShardedIndex
 from .cache.tiers import TierConfig, TierController, WritePolicy
-from .cache.txn import ReservationFailed, Transaction, TransactionClosed
+from .cache.txn import ReservationFailed, ReservationHook, Transaction, TransactionClosed
 
 __all__ = [
     "AllocatorError", "OutOfPages", "PageAllocator", "InvariantError", "PageAudit", "ExportGrant",
     "FetchOutcome", "GrantError", "PageReader", "PoolPages", "ReadFailed", "export_prefix",
-    "import_prefix", "AllocationFaults", "KeyerCache", "PageKeyer", "encode_tokens",
+    "import_prefix", "KeyerCache", "PageKeyer", "encode_tokens",
     "namespace_key", "KVLayout", "LayerKind", "LayoutError", "PoolName", "Tier", "Lease",
     "LeaseTable", "CachedKV", "CacheStats", "Match", "NodeCache", "PrefixLock", "PageCopier",
     "TorchCopier", "page_checksums", "AttentionPolicy", "FullAttentionPolicy",
     "SlidingWindowPolicy", "PagePool", "PoolCapacity", "PoolEntry", "PoolRegistry", "TreeNode",
-    "RadixTree", "TierConfig", "TierController", "WritePolicy", "ReservationFailed",
+    "RadixTree", "TierConfig", "TierController", "WritePolicy", "ReservationFailed", "ReservationHook",
     "Transaction", "TransactionClosed", "EventBatch", "EventError", "PageMask", "PageState",
     "Snapshot", "decode_events", "EventPublisher", "ShardPublisher", "ApplyResult", "NodeMatch", "PrefixIndex",
     "MatchRule",

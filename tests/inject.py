@@ -1,5 +1,5 @@
 """Raise any exception at any step of a cache operation, by wrapping the
-collaborators at the edge of the unit: the allocation-fault hook, the pools'
+collaborators at the edge of the unit: the reservation hook, the pools'
 eviction callbacks, the page copier, the transaction's steps, the page reader,
 the checksum function and the lease table. Nothing in fabric/ knows about it."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Callable, Iterator
 from unittest import mock
 
-from kvfabric.fabric import AllocationFaults, LeaseTable, NodeCache, Transaction
+from kvfabric.fabric import LeaseTable, NodeCache, Transaction
 
 
 class Injected(Exception):
@@ -25,7 +25,7 @@ EXCEPTIONS = (ValueError, KeyError, RuntimeError, MemoryError, OSError, IndexErr
 
 
 class Step(str, Enum):
-    RESERVE = "reserve"          # a reservation point (the AllocationFaults hook)
+    RESERVE = "reserve"          # a reservation point (the cache's reservation hook)
     EVICT = "evict"              # a pool's eviction callback
     COPY = "copy"                # the page copier (write-back, load-back)
     DEFER_COPY = "defer_copy"
@@ -92,16 +92,6 @@ class Injector:
         return self.commits == 0 and not (self.final and self.evicted() > self.evicted_at_start)
 
 
-class _RaisingFaults(AllocationFaults):
-    def __init__(self, injector: Injector) -> None:
-        super().__init__()
-        self._check = injector.wrap(lambda: None)
-
-    def should_fail(self, pool, tier) -> bool:
-        self._check()
-        return False
-
-
 @contextlib.contextmanager
 def injecting(plan: Plan, cache: NodeCache, leases: LeaseTable | None = None) -> Iterator[Injector]:
     """Install the plan's wrapper on `cache` (and `leases`) for the block."""
@@ -116,7 +106,7 @@ def injecting(plan: Plan, cache: NodeCache, leases: LeaseTable | None = None) ->
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(Transaction, "commit", commit))
         if plan.step == Step.RESERVE:
-            stack.enter_context(mock.patch.object(cache, "faults", _RaisingFaults(inj)))
+            stack.enter_context(mock.patch.object(cache, "reserve_hook", inj.wrap(lambda pool, tier: None)))
         elif plan.step == Step.EVICT:
             for entry in cache.registry:
                 stack.enter_context(mock.patch.object(entry, "evict", inj.wrap(entry.evict)))

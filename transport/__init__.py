@@ -10,13 +10,12 @@ from typing import Any
 from .base import (BackendError, MemKind, PeerDisconnected, PeerMetadata, PeerNotConnected,
                    PoolLayout, ReadSpec, Transport, TransferAborted, TransferError,
                    TransferHandle, TransferState, TransferTimeout, coalesce_order)
-from .faulty import Fault, FaultKind, FaultPlan, FaultyTransport
 from .fetch import TransportReader, pool_name, register_device_pools
 from .local import LocalTransport, copy_pages
 
 __all__ = [
-    "Fault", "FaultKind", "FaultPlan", "FaultyTransport", "TransportReader", "pool_name",
-    "register_device_pools", "BackendError", "LocalTransport", "MemKind", "NixlTransport", "PeerDisconnected",
+    "TransportReader", "pool_name", "register_device_pools", "BackendError", "LocalTransport",
+    "MemKind", "NixlTransport", "PeerDisconnected",
     "PeerMetadata", "PeerNotConnected", "PoolLayout", "ReadSpec", "Transport",
     "TransferAborted", "TransferError", "TransferHandle", "TransferState",
     "TransferTimeout", "coalesce_order", "copy_pages", "map_nixl_error",

@@ -7,24 +7,27 @@ read from their futures once they are done: nothing here waits on a shard."""
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
-from kvfabric.fabric import ApplyResult, RouteTable, ShardPublisher
-
-from .chaos_hooks import EventMangler
+from kvfabric.fabric import ApplyResult, EventBatch, RouteTable, ShardPublisher
 
 MAX_UNANSWERED = 4096      # event sends a node remembers until their shard answers
 
 P = TypeVar("P", bound=ShardPublisher)
+
+# What one publish sends: (shard, batch) pairs, in order.
+Sends = list[tuple[int, EventBatch]]
+# The pairs to really send, given those a publish would send (tests, chaos: NodeHooks.send).
+SendFilter = Callable[[Sends], Sends]
 
 
 class IndexLink(Generic[P]):
     """Generic in its publisher, so that its owner reads back what it gave (a node
     actor drains its EventPublisher directly when no index is attached)."""
 
-    def __init__(self, publisher: P, mangle: EventMangler) -> None:
+    def __init__(self, publisher: P, send_filter: SendFilter | None = None) -> None:
         self.publisher = publisher
-        self.mangle = mangle
+        self.send_filter = send_filter
         self.shards: list = []
         self.routes: RouteTable | None = None
         self._sent: list[tuple[int, object, Future]] = []    # (shard, ref kept alive, its future)
@@ -44,7 +47,8 @@ class IndexLink(Generic[P]):
             return 0
         self.resync_behind()
         batches = list(self.publisher.drain_routed(self.routes, every_shard).items())
-        for shard, batch in self.mangle(batches):
+        sends = batches if self.send_filter is None else self.send_filter(batches)
+        for shard, batch in sends:
             self._send(shard, self.shards[shard].apply.remote(batch.encode()))
         return len(batches)
 

@@ -12,21 +12,21 @@ from __future__ import annotations
 import asyncio
 import functools
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 import torch
 
-from kvfabric.fabric import (AllocationFaults, CachedKV, CacheStats, EventPublisher, ExportGrant, FetchOutcome,
-                             GrantError, KVLayout, NodeCache, PoolCapacity, PoolName, RouteTable, Tier, TierConfig,
+from kvfabric.fabric import (CachedKV, CacheStats, EventPublisher, ExportGrant, FetchOutcome,
+                             GrantError, KVLayout, NodeCache, PoolCapacity, PoolName, RouteTable, TierConfig,
                              export_prefix, import_prefix)
-from kvfabric.transport import FaultPlan, FaultyTransport, LocalTransport, NixlTransport
+from kvfabric.transport import LocalTransport, NixlTransport
 from kvfabric.transport.fetch import TransportReader, probe, register_device_pools
 
 from .cache_gate import CacheGate
-from .chaos_hooks import ChaosAction, EventMangler
 from .engine_host import EngineHost
 from kvfabric.actors.epochs import EpochSource, GcsEpochs
+from .hooks import NodeHooks
 from .index_link import IndexLink
 
 
@@ -38,8 +38,9 @@ class NodeConfig:
     device: str | None = None          # default: cuda when present, else cpu
     lease_ttl_s: float = 10.0
     fetch_deadline_s: float = 2.0
-    faults: FaultPlan | None = None    # scripted transport faults from the start (tests)
-    chaos: bool = False                # accept injected faults at run time (`inject`)
+    # Tests and chaos runs: builds the node's hooks in its process (a class or other
+    # picklable callable, as kvfabric.deploy.chaos has); None in production.
+    hooks: Callable[[NodeConfig], NodeHooks] | None = None
     epochs: EpochSource = field(default_factory=GcsEpochs)
 
 
@@ -58,12 +59,12 @@ class NodeCacheActor(EngineHost):
     def __init__(self, name: str, config: NodeConfig) -> None:
         self.name = name
         self.config = config
+        self.hooks = hooks = None if config.hooks is None else config.hooks(config)
         self.cache = NodeCache(config.layout, config.capacities, tier=config.tier, device=config.device,
-                               copier=LocalTransport(), faults=AllocationFaults() if config.chaos else None)
+                               copier=LocalTransport(), reserve_hook=None if hooks is None else hooks.reserve)
         self.leases = self.cache.leases     # exports' leases and requests' holds
         nixl = NixlTransport(name)
-        faults = config.faults or (FaultPlan() if config.chaos else None)
-        self.transport = nixl if faults is None else FaultyTransport(nixl, faults)
+        self.transport = nixl if hooks is None else hooks.transport(nixl)
         register_device_pools(self.transport, self.cache)
         self._metadata = self.transport.metadata()     # fixed once the pools are registered
         self.gate = CacheGate()
@@ -75,11 +76,8 @@ class NodeCacheActor(EngineHost):
         # A restarted actor starts a new epoch, above every earlier one of this name:
         # the index drops what the old one said (see actors/epochs.py: no clock).
         self.epoch = config.epochs.claim(name)
-        self.mangle = EventMangler()
-        self.link = IndexLink(EventPublisher(self.cache, name, epoch=self.epoch), self.mangle)
-        self._evict_after_get = False           # chaos: armed by inject
-        self._evictions_injected = 0
-        self._transport_faults_done = 0         # faults of transport plans since replaced
+        self.link = IndexLink(EventPublisher(self.cache, name, epoch=self.epoch),
+                              None if hooks is None else hooks.send)
         self.init_engine_host()
 
     # --- identity and peers -----------------------------------------------------------
@@ -117,8 +115,8 @@ class NodeCacheActor(EngineHost):
         async with self.gate.family(self._family(tokens, namespace)):
             with self.gate.mutex:
                 hit = self.cache.get(tokens, namespace, hold_s)
-                if self._evict_after_get:
-                    self._evict_all()
+                if self.hooks is not None:
+                    self.hooks.after_get(self.cache)
                 self.link.publish()      # load-backs and evictions change what the index should know
                 hit.layers = [None if t is None else t.cpu() for t in hit.layers]
         return hit
@@ -278,52 +276,25 @@ class NodeCacheActor(EngineHost):
     def ping(self) -> str:
         return self.name
 
-    # --- chaos -----------------------------------------------------------------------------
-    def inject(self, action: ChaosAction) -> None:
-        """Suffer `action` (only a node started with chaos=True)."""
-        if not self.config.chaos:
-            raise RuntimeError(f"{self.name} was not started with chaos=True")
+    # --- hooks (tests, chaos) ----------------------------------------------------------------
+    def inject(self, action: Any) -> None:
+        """Arm `action` in the node's hooks (what it means is theirs: a ChaosAction for
+        kvfabric.deploy.chaos's). Only a node started with NodeConfig(hooks=...)."""
+        if self.hooks is None:
+            raise RuntimeError(f"{self.name} has no hooks to inject into: start it with NodeConfig(hooks=...)")
         with self.gate.mutex:
-            if action.transport is not None:
-                self._replace_plan(FaultPlan([action.transport]))
-            if action.alloc_point and self.cache.faults is not None:     # a chaos node has them
-                self.cache.faults.arm(action.alloc_point)
-            if action.events is not None:
-                self.mangle.arm(action.events)
-            self._evict_after_get = action.evict_after_get
+            self.hooks.arm(action)
 
     def calm(self) -> None:
-        """Disarm every injected fault (held-back events go out with the next send)."""
-        if self.config.chaos:
+        """Disarm whatever the hooks hold armed (a node without hooks has nothing armed)."""
+        if self.hooks is not None:
             with self.gate.mutex:
-                self._replace_plan(FaultPlan())
-                if self.cache.faults is not None:
-                    self.cache.faults.disarm()
-                self.mangle.armed = None
-                self._evict_after_get = False
+                self.hooks.calm()
 
     def fired(self) -> int:
-        """How many injected faults have acted so far (armed ones count once they hit)."""
+        """How many armed actions have acted so far (0 without hooks)."""
         with self.gate.mutex:
-            transport = self._transport_faults_done
-            if isinstance(self.transport, FaultyTransport):
-                transport += len(self.transport.plan.injected)
-            allocation = self.cache.faults.injected if self.cache.faults is not None else 0
-            return transport + allocation + self.mangle.applied + self._evictions_injected
-
-    def _replace_plan(self, plan: FaultPlan) -> None:
-        self._transport_faults_done += len(self.transport.plan.injected)
-        self.transport.plan = plan
-
-    def _evict_all(self) -> None:
-        """Evict every unlocked page: what happens to a request's match when other
-        requests and peers' exports crowd the pools between its get and its put."""
-        self._evict_after_get = False
-        self._evictions_injected += 1
-        for pool, capacity in self.config.capacities.items():
-            for tier, pages in ((Tier.DEVICE, capacity.device), (Tier.HOST, capacity.host)):
-                if pages:
-                    self.cache.evict(pool, tier, pages)
+            return 0 if self.hooks is None else self.hooks.fired()
 
     def audit(self) -> dict:
         """Page ownership counts and overdue leases, without expiring any first."""

@@ -21,11 +21,10 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from kvfabric.actors import FabricClient
-from kvfabric.actors.node.chaos_hooks import ChaosAction, EventFault
 from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, node_actor_name, shard_name
 from kvfabric.fabric import RouteTable
-from kvfabric.transport import Fault, FaultKind
 
+from .faults import ChaosAction, EventFault, Fault, FaultKind
 from .plan import ChaosKind, schedule
 from kvfabric.deploy.cli.cluster import Endpoint
 from kvfabric.deploy.cli.http_replay import Client, Served
@@ -142,7 +141,8 @@ class Workload:
 
 
 class ChaosHarness:
-    """Faults over a running fabric (`kvfabric up`-style, nodes started with chaos=True).
+    """Faults over a running fabric (`kvfabric up`-style, nodes started with NodeChaos hooks:
+    the Serve app's `chaos` arg).
 
     `cluster`: a `ray.cluster_utils.Cluster` for node removal, or None (that fault
     is then skipped)."""

@@ -22,6 +22,7 @@ from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE
 from kvfabric.fabric import PoolCapacity, PoolName, TierConfig, WritePolicy
 from kvfabric.fabric.index.routes import MAX_SHARDS
 
+from kvfabric.deploy.chaos.faults import NodeChaos
 from kvfabric.deploy.reference.model import ModelConfig
 from .openai_api import OpenAIIngress
 from .router import FabricRequestRouter
@@ -63,7 +64,7 @@ class AppArgs:
     host_pages: int = 8192
     max_positions: int = 4096
     max_tokens_limit: int = 256
-    chaos: bool = False              # nodes accept injected faults (`kvfabric chaos`)
+    chaos: bool = False              # nodes run with chaos hooks, to inject faults into (`kvfabric chaos`)
     gpus_per_replica: float = 0.0    # GPUs each model server asks Ray for (0: it runs on CPU)
 
     def __post_init__(self) -> None:
@@ -110,7 +111,8 @@ class AppArgs:
         caps = {PoolName.FULL: PoolCapacity(self.device_pages, self.host_pages)}
         if PoolName.SWA in layout.pools:
             caps[PoolName.SWA] = PoolCapacity(max(1, self.device_pages // 4), self.host_pages // 4)
-        return NodeConfig(layout, caps, tier=TierConfig(policy=WritePolicy.WRITE_BACK), chaos=self.chaos)
+        return NodeConfig(layout, caps, tier=TierConfig(policy=WritePolicy.WRITE_BACK),
+                          hooks=NodeChaos if self.chaos else None)
 
 
 def ensure_fabric(args: AppArgs, timeout_s: float = 180.0) -> bool:

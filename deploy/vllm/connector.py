@@ -30,7 +30,7 @@ MODULE = __name__
 def kv_transfer_config(node_actor: str, ray_address: str = "", **settings: Any) -> dict:
     """The `kv_transfer_config` that loads this connector for the node's actor."""
     extra = {"node_actor": node_actor, "ray_address": ray_address, **settings}
-    FabricSettings.from_extra(extra)          # fail here, not in the engine process
+    FabricSettings.from_extra(extra).make_step_hook()     # fail here, not in the engine process
     return {"kv_connector": "FabricConnector", "kv_connector_module_path": MODULE,
             "kv_role": "kv_both", "kv_connector_extra_config": extra,
             # A failed load becomes recomputation, never a failed request.

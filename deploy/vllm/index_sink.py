@@ -13,7 +13,6 @@ from typing import Any
 
 import ray
 
-from kvfabric.actors.node.chaos_hooks import EventMangler
 from kvfabric.actors.directory import CALL_TIMEOUT_S, NAMESPACE, shard_name
 from kvfabric.actors.epochs import GcsEpochs
 from kvfabric.actors.node.index_link import IndexLink
@@ -62,7 +61,7 @@ class ShardSink:
         routes = self._routes()
         shards = [ray.get_actor(shard_name(i), namespace=NAMESPACE) for i in range(routes.shards)]
         ray.get([s.admit.remote(pages.node, pages.epoch) for s in shards], timeout=self.timeout_s)
-        self.link = IndexLink(pages, EventMangler())
+        self.link = IndexLink(pages)
         self.link.attach(shards, routes)
         self._refreshed = time.monotonic()
 

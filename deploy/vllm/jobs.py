@@ -6,10 +6,11 @@ copies between its KV tensors and the shared staging pages.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
+import importlib
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum
+from typing import Any, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
                                                                KVConnectorWorkerMetadata)
@@ -58,6 +59,24 @@ class FabricWorkerMeta(KVConnectorWorkerMetadata):
         return FabricWorkerMeta((self.saved | other.saved) - failed, failed)
 
 
+class ConnectorStep(str, Enum):
+    """The connector's steps where a load or a save can fail (see StepHook)."""
+    NODE_LOAD = "node_load"        # the scheduler side asks the node actor to stage a prefix
+    WORKER_LOAD = "worker_load"    # the worker copies staged pages into vLLM's blocks
+    WORKER_SAVE = "worker_save"    # the worker copies vLLM's blocks to staging
+    NODE_SAVE = "node_save"        # the scheduler side asks the node actor to store them
+
+
+class StepHook(Protocol):
+    """Called as each step starts; raising (any exception) fails that load or save, as a
+    real failure there would. Tests and chaos runs give one; production gives none."""
+
+    def __call__(self, step: ConnectorStep) -> None: ...
+
+
+_HOOK_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
 @dataclass(frozen=True)
 class FabricSettings:
     """`kv_connector_extra_config` of the FabricConnector."""
@@ -69,7 +88,9 @@ class FabricSettings:
     remote: bool = True            # fetch longer prefixes from other nodes (needs the fabric's index)
     fetch_timeout_s: float = 10.0  # a fetch from another node, before the request computes instead
     lookup_wait_s: float = 0.05    # admission waits this long for the index (later: at a next step)
-    fault_file: str = ""           # tests: a JSON file of injected faults, read at each step
+    # Tests, chaos: "module:factory" of a StepHook, built with step_hook_arg in each process.
+    step_hook: str = ""
+    step_hook_arg: str = ""
     # Feed the fabric's index from this engine's KV events (its kv_events_config) as
     # `<node_actor>/engine/<engine_slot>`; empty: no feed.
     engine_slot: str = ""
@@ -88,6 +109,8 @@ class FabricSettings:
                 ok = type(v) in (int, float) and 0 <= v <= 3600
             if not ok:
                 raise ValueError(f"FabricConnector setting {f.name} must be a {f.type} in range, got {v!r:.80}")
+        if self.step_hook and not _HOOK_SPEC.fullmatch(self.step_hook):
+            raise ValueError(f"FabricConnector setting step_hook must be 'module:name', got {self.step_hook!r:.80}")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "FabricSettings":
@@ -98,34 +121,14 @@ class FabricSettings:
             raise ValueError(f"unknown FabricConnector settings {sorted(unknown)}; known: {sorted(known)}")
         return cls(**extra)
 
-
-class InjectedFault(Exception):
-    """Raised where a test armed a fault of no built-in kind."""
-
-
-_EXCEPTIONS = {"ValueError": ValueError, "KeyError": KeyError, "RuntimeError": RuntimeError,
-               "MemoryError": MemoryError, "OSError": OSError, "TimeoutError": TimeoutError,
-               "IndexError": IndexError, "InjectedFault": InjectedFault}
-
-
-def maybe_fail(settings: FabricSettings, point: str) -> None:
-    """Raise, once, the exception a test armed at `point` in the fault file, if any.
-    The file maps a point ("node_load", "worker_load", "worker_save", "node_save") to
-    an exception class name; a fault that fired is taken out of the file, so the test
-    sees that it did."""
-    path = settings.fault_file
-    if not path or not os.path.exists(path):
-        return
-    try:
-        with open(path) as f:
-            armed = json.load(f)
-    except (OSError, ValueError):
-        return     # being rewritten by the test: read it at the next step
-    name = armed.pop(point, None)
-    if not name:
-        return
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(armed, f)
-    os.replace(tmp, path)
-    raise _EXCEPTIONS.get(name, InjectedFault)(f"injected at {point}")
+    def make_step_hook(self) -> StepHook | None:
+        """The hook `step_hook` names, built with `step_hook_arg` (None when unset)."""
+        if not self.step_hook:
+            return None
+        module, _, name = self.step_hook.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"FabricConnector setting step_hook {self.step_hook!r}: {e}") from None
+        hook: StepHook = factory(self.step_hook_arg)
+        return hook

@@ -22,7 +22,7 @@ from kvfabric.fabric import OutOfPages, PageAllocator, PoolName
 from kvfabric.transport.staging import StagedHit, StagingSpec
 
 from .index_sink import FeedSpec
-from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove, maybe_fail
+from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove, ConnectorStep
 from .namespaces import fabric_namespace
 from .node_link import NodeLink
 from .plan import EnginePlan
@@ -76,6 +76,7 @@ class SchedulerSide:
                  feed: FeedSpec | None = None) -> None:
         self.plan = plan
         self.settings = settings
+        self.step_hook = settings.make_step_hook()      # tests, chaos: fail a load or save here
         self.spec = spec
         self.node = NodeLink(settings, plan.layout, feed, spec)
         self.allocators = {p: PageAllocator(spec.pages) for p in plan.layout.pools}
@@ -131,7 +132,8 @@ class SchedulerSide:
         if slots is None:
             return 0, False
         try:
-            maybe_fail(self.settings, "node_load")
+            if self.step_hook is not None:
+                self.step_hook(ConnectorStep.NODE_LOAD)
             hit = self.node.call("load_staged", self.spec, tokens, _namespace(request), skip, slots)
         except Exception as e:       # any failure: this request computes its prefix itself
             self.stats.node_errors += 1
@@ -247,7 +249,8 @@ class SchedulerSide:
         """Ask the node to store staged pages without waiting: the engine keeps stepping,
         and the slots come back when the node answers (collected each step)."""
         try:
-            maybe_fail(self.settings, "node_save")
+            if self.step_hook is not None:
+                self.step_hook(ConnectorStep.NODE_SAVE)
             call = self.node.submit("save_staged", self.spec, save.tokens, save.namespace,
                                     save.slots, save.firsts)
         except Exception as e:

@@ -18,7 +18,7 @@ from kvfabric.fabric import PoolName
 from kvfabric.transport.staging import SharedPages, StagingSpec
 
 from .block_format import BlockFormat
-from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, maybe_fail
+from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, ConnectorStep
 from .plan import EnginePlan, LayerSlot
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ class WorkerSide:
     def __init__(self, plan: EnginePlan, settings: FabricSettings, spec: StagingSpec) -> None:
         self.plan = plan
         self.settings = settings
+        self.step_hook = settings.make_step_hook()      # tests, chaos: fail a load or save here
         self.spec = spec
         self.shared: SharedPages | None = None
         self.views: dict[str, torch.Tensor] = {}       # layer -> [blocks, H, 2, page, D]
@@ -55,7 +56,8 @@ class WorkerSide:
             try:
                 if job.doomed:
                     raise RuntimeError(job.doomed)
-                maybe_fail(self.settings, "worker_load")
+                if self.step_hook is not None:
+                    self.step_hook(ConnectorStep.WORKER_LOAD)
                 self._copy(job, to_blocks=True)
             except Exception as e:       # reported as a failed receive: vLLM recomputes
                 log.warning("fabric load failed for %s: %r", job.req_id, e)
@@ -66,7 +68,8 @@ class WorkerSide:
     def save(self, meta: FabricMeta) -> None:
         for job in meta.saves:
             try:
-                maybe_fail(self.settings, "worker_save")
+                if self.step_hook is not None:
+                    self.step_hook(ConnectorStep.WORKER_SAVE)
                 self._copy(job, to_blocks=False)
                 self.saved.add(job.key)
             except Exception as e:       # nothing stored; the blocks are freed all the same

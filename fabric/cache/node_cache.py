@@ -11,7 +11,6 @@ from .check import PageAudit, check_invariants, page_audit, snapshot as cache_sn
 from .eviction import Evictor, prune_unlocked
 from .exports import DEVICE_ONLY, Exports
 from .page_views import PageViews
-from .faults import AllocationFaults
 from .insert import Inserts
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
@@ -24,7 +23,7 @@ from .paths import groups, within
 from .radix import TIERS, TreeNode, RadixTree
 from .rows import check_kv, first_pages, pack_rows
 from .tiers import TierConfig, TierController
-from .txn import ReservationFailed, Transaction
+from .txn import ReservationFailed, ReservationHook, Transaction
 
 # Enum members read once: each `Tier.DEVICE` on a hot path is a Python-level lookup.
 DEVICE = Tier.DEVICE
@@ -50,7 +49,7 @@ class NodeCache(Inserts, Exports, PageViews):
     def __init__(self, layout: KVLayout, capacities: Mapping[PoolName, PoolCapacity], *,
                  tier: TierConfig = TierConfig(), device: torch.device | str | None = None,
                  store_bytes: bool = True, copier: PageCopier | None = None,
-                 faults: AllocationFaults | None = None,
+                 reserve_hook: ReservationHook | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.layout = layout
         # The pool whose pages keep a node alive (layout.pools builds a new tuple per call).
@@ -62,7 +61,7 @@ class NodeCache(Inserts, Exports, PageViews):
                               take_page=lambda p, t, pages: reg.pool(p, t).allocator.take(pages))
         self.policies: dict[PoolName, AttentionPolicy] = policies_for(layout)
         self.copier = copier or TorchCopier()
-        self.faults = faults
+        self.reserve_hook = reserve_hook      # tests and chaos fail reservations through it
         self.open_txns: set[Transaction] = set()
         self.tiers = TierController(self.registry, tier, self.transaction)
         self.evictors = {p: Evictor(self.tree, pol, layout.pools, self.tiers.write_back)
@@ -172,7 +171,7 @@ class NodeCache(Inserts, Exports, PageViews):
 
     # --- transactions --------------------------------------------------------------
     def transaction(self) -> Transaction:
-        txn = Transaction(self.tree, self.registry, self.copier, self.faults, self._txn_closed)
+        txn = Transaction(self.tree, self.registry, self.copier, self.reserve_hook, self._txn_closed)
         self.open_txns.add(txn)
         return txn
 

@@ -15,9 +15,8 @@ them and frees reserved pages that were never placed.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
-from .faults import AllocationFaults
 from .layout import PoolName, Tier
 from .pages import PageCopier, keep_bytes
 from .pools import PoolRegistry
@@ -32,17 +31,25 @@ class TransactionClosed(RuntimeError):
     pass
 
 
+class ReservationHook(Protocol):
+    """Called at each reservation point before it takes pages; raising (any exception)
+    fails that reservation, and the transaction rolls back whole. Tests and chaos runs
+    give one to reach every failure path; production gives none."""
+
+    def __call__(self, pool: PoolName, tier: Tier) -> None: ...
+
+
 class Transaction:
     # One is made per put: slots, and lazily made page sets, keep that cheap.
-    __slots__ = ("tree", "registry", "copier", "faults", "owned", "sealed", "closed",
+    __slots__ = ("tree", "registry", "copier", "reserve_hook", "owned", "sealed", "closed",
                  "_journal", "_copies", "_on_close", "_dropped")
 
     def __init__(self, tree: RadixTree, registry: PoolRegistry, copier: PageCopier,
-                 faults: AllocationFaults | None, on_close: Callable[["Transaction"], None]) -> None:
+                 reserve_hook: ReservationHook | None, on_close: Callable[["Transaction"], None]) -> None:
         self.tree = tree
         self.registry = registry
         self.copier = copier
-        self.faults = faults
+        self.reserve_hook = reserve_hook
         # Reserved pages not yet placed, per (pool, tier) reserved in.
         self.owned: dict[tuple[PoolName, Tier], set[int]] = {}
         self.sealed = False
@@ -69,8 +76,8 @@ class Transaction:
             raise TransactionClosed("reserve after seal: evictions could no longer be undone")
         if n <= 0:
             return []
-        if self.faults is not None and self.faults.should_fail(pool, tier):
-            raise ReservationFailed(f"injected allocation failure: {pool.name}/{tier.name}")
+        if self.reserve_hook is not None:
+            self.reserve_hook(pool, tier)
         entry = self.registry[pool]
         allocator = entry.tier(tier).allocator
         free = allocator.free_count

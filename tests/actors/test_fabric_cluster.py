@@ -92,11 +92,11 @@ def test_source_killed_mid_fetch_leaves_the_destination_clean(fabric):
     import time
 
     from kvfabric.actors import NodeCacheActor, join
-    from kvfabric.transport import Fault, FaultKind, FaultPlan
+    from kvfabric.deploy.chaos.faults import Fault, FaultKind, NodeChaos
     source_name = sorted(fabric.nodes)[0]
     tokens = list(range(300, 300 + 4 * 16))
     ray.get(fabric.nodes[source_name].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
-    hanging = dataclasses.replace(CONFIG, faults=FaultPlan([Fault(FaultKind.HANG)]))
+    hanging = dataclasses.replace(CONFIG, hooks=partial(NodeChaos, script=[Fault(FaultKind.HANG)]))
     dest = NodeCacheActor.options(name="kvf-node-chaos", namespace="kvfabric", num_cpus=0.1).remote(
         "kvf-node-chaos", hanging)
     join(fabric.directory, "kvf-node-chaos", timeout_s=T)

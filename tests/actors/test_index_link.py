@@ -3,7 +3,6 @@ before the directory attaches it (a rebalance racing a restart) must not attach 
 shards, or every later publish fails."""
 from __future__ import annotations
 
-from kvfabric.actors.node.chaos_hooks import EventMangler
 from kvfabric.actors.node.index_link import IndexLink
 from kvfabric.fabric import EventPublisher, RouteTable
 from tests.kvgen import prefix_kv
@@ -32,7 +31,7 @@ class Reply:
 
 def test_a_reroute_before_attach_is_ignored_until_attach():
     cache = make()
-    link = IndexLink(EventPublisher(cache, "n", epoch=1), EventMangler())
+    link = IndexLink(EventPublisher(cache, "n", epoch=1))
     link.reroute(RouteTable(3))                    # a rebalance reached the node first
     assert not link.attached
     tokens = seq(3)

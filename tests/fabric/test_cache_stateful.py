@@ -7,7 +7,8 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvfabric.fabric import (AllocationFaults, PageAudit, EventPublisher, KVLayout, NodeCache, PageState, PoolCapacity, PoolName,
+from kvfabric.deploy.chaos.faults import AllocationFaults
+from kvfabric.fabric import (PageAudit, EventPublisher, KVLayout, NodeCache, PageState, PoolCapacity, PoolName,
                              Tier, TierConfig, WritePolicy, decode_events)
 from tests.kvgen import prefix_kv
 
@@ -41,7 +42,7 @@ class CacheMachine(RuleBasedStateMachine):
                 for p in self.layout.pools}
         self.faults = AllocationFaults()
         self.cache = NodeCache(self.layout, caps, tier=TierConfig(policy=policy, selective_hits=2),
-                               device="cpu", faults=self.faults)
+                               device="cpu", reserve_hook=self.faults)
         self.seqs = family(seed)
         self.locks = []
         # pending=0: the change list overflows often and batches restate everything

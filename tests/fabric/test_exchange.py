@@ -5,7 +5,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from kvfabric.fabric import (AllocationFaults, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable,
+from kvfabric.deploy.chaos.faults import AllocationFaults
+from kvfabric.fabric import (ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable,
                              NodeCache, PoolCapacity, PoolName, ReadFailed, Tier, TierConfig, export_prefix,
                              import_prefix)
 from tests.kvgen import prefix_kv
@@ -24,7 +25,7 @@ class Clock:
 
 def cache(faults=None, full=(16, 16), swa=(8, 8)):
     return NodeCache(LAYOUT, {PoolName.FULL: PoolCapacity(*full), PoolName.SWA: PoolCapacity(*swa)},
-                     tier=TierConfig(policy="write_back"), device="cpu", faults=faults)
+                     tier=TierConfig(policy="write_back"), device="cpu", reserve_hook=faults)
 
 
 def reader(src: NodeCache, dst: NodeCache, fail_on=None, corrupt_on=None, hang_on=None):

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from kvfabric.fabric import (AllocationFaults, InvariantError, KVLayout, NodeCache, PoolCapacity, PoolName,
+from kvfabric.deploy.chaos.faults import AllocationFaults
+from kvfabric.fabric import (InvariantError, KVLayout, NodeCache, PoolCapacity, PoolName,
                              Tier, TierConfig, WritePolicy)
 from kvfabric.fabric.cache.radix import ABSENT
 from tests.kvgen import prefix_kv
@@ -156,7 +157,7 @@ def test_failure_at_every_reservation_point_of_a_put():
     leaving everything as before, or is absorbed (a write-back becomes a drop)."""
     def run(point):
         faults = AllocationFaults()
-        cache = make(full=(6, 8), swa=(2, 4), faults=faults)
+        cache = make(full=(6, 8), swa=(2, 4), reserve_hook=faults)
         put(cache, seq(5))
         before = cache.snapshot()
         faults.arm(*([point] if point else []))

@@ -17,7 +17,7 @@ from kvfabric.fabric import (ExportGrant, FetchOutcome, KVLayout, LeaseTable, No
                              export_prefix, import_prefix)
 from tests.kvgen import prefix_kv
 from kvfabric.transport import NixlTransport
-from kvfabric.transport.faulty import Fault, FaultKind, FaultPlan, FaultyTransport
+from kvfabric.deploy.chaos.faults import Fault, FaultKind, FaultPlan, FaultyTransport
 from kvfabric.transport.fetch import TransportReader, probe, register_device_pools
 
 LAYOUT = KVLayout(layers=("full", "swa", "full"), kv_heads=2, head_dim=64, page_size=16, window=32)

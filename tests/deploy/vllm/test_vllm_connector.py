@@ -26,15 +26,14 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from kvfabric.actors import FabricClient, start, stop  # noqa: E402
-from kvfabric.actors.node.chaos_hooks import ChaosAction  # noqa: E402
 from kvfabric.actors.directory import NAMESPACE as FABRIC_NS, node_actor_name  # noqa: E402
 from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig  # noqa: E402
+from kvfabric.deploy.chaos.faults import ChaosAction, Fault, FaultKind, NodeChaos, StepFaultFile  # noqa: E402
 from kvfabric.deploy.vllm.connector import kv_transfer_config  # noqa: E402
 from kvfabric.deploy.vllm.model import ensure_tiny_model  # noqa: E402
 from kvfabric.deploy.vllm.plan import layout_for_model  # noqa: E402
 from kvfabric.deploy.vllm.namespaces import fabric_namespace  # noqa: E402
 from kvfabric.fabric import NodeMatch, PoolCapacity, PoolName  # noqa: E402
-from kvfabric.transport import Fault, FaultKind  # noqa: E402
 from tests.waiting import eventually as wait_for
 
 NAMESPACE = "kvf-vllm-test"
@@ -153,7 +152,7 @@ def engine(tmp_path_factory):
         # can be armed on a node's next read from its peer.
         caps = {PoolName.FULL: PoolCapacity(device=48, host=2048),
                 PoolName.SWA: PoolCapacity(device=16, host=512)}
-        fab = start(NodeConfig(layout, caps, device="cpu", chaos=True), shards=1, cpus_per_actor=0.25,
+        fab = start(NodeConfig(layout, caps, device="cpu", hooks=NodeChaos), shards=1, cpus_per_actor=0.25,
                     timeout_s=CALL_TIMEOUT_S, watch_s=1.0)
         here = node_actor_name(ray.get_runtime_context().get_node_id())
         (there,) = set(fab.nodes) - {here}
@@ -164,7 +163,7 @@ def engine(tmp_path_factory):
         llm = LLM(model=str(path), enforce_eager=True, dtype="float32", seed=0, max_model_len=2048,
                   block_size=BLOCK, kv_cache_memory_bytes=12 << 20, disable_log_stats=False,
                   kv_transfer_config=kv_transfer_config(here, cluster.address, ray_namespace=FABRIC_NS,
-                                                        fault_file=fault_file),
+                                                        **StepFaultFile.settings(fault_file)),
                   kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events,
                                                   replay_endpoint=events + "-replay"))
         print(f"\ncluster, fabric and engine up in {time.monotonic() - started:.1f} s")

@@ -19,6 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("vllm")
 
+from kvfabric.deploy.chaos.faults import StepFaultFile  # noqa: E402
 from kvfabric.deploy.vllm.block_format import BlockFormat  # noqa: E402
 from kvfabric.deploy.vllm.jobs import FabricSettings  # noqa: E402
 from kvfabric.deploy.vllm.remote_fetch import Stage  # noqa: E402
@@ -157,7 +158,7 @@ def fresh_cache() -> NodeCache:
 def make_rig(tmp_path_factory, edge: Edge, **settings_) -> Rig:
     spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", 64)
     fault_file = str(tmp_path_factory.mktemp("f") / "faults.json")
-    settings_ = FabricSettings(node_actor="local", fault_file=fault_file, **settings_)
+    settings_ = FabricSettings(node_actor="local", **StepFaultFile.settings(fault_file), **settings_)
     sched, worker = SchedulerSide(PLAN, settings_, spec), WorkerSide(PLAN, settings_, spec)
     node = FabricEdge(spec, edge)
     node.attach(sched)

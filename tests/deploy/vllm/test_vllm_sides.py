@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -20,6 +21,7 @@ from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("vllm")
 
+from kvfabric.deploy.chaos.faults import StepFaultFile  # noqa: E402
 from kvfabric.deploy.vllm.block_format import BlockFormat  # noqa: E402
 from kvfabric.deploy.vllm.jobs import FabricSettings  # noqa: E402
 from kvfabric.deploy.vllm.plan import EnginePlan, LayerSlot  # noqa: E402
@@ -138,7 +140,7 @@ class Rig:
 def rig(tmp_path):
     spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", 64)
     fault_file = str(tmp_path / "faults.json")
-    settings_ = FabricSettings(node_actor="local", fault_file=fault_file)
+    settings_ = FabricSettings(node_actor="local", **StepFaultFile.settings(fault_file))
     sched = SchedulerSide(PLAN, settings_, spec)
     node = LocalNode(spec)
     node.attach(sched)
@@ -270,13 +272,14 @@ def test_tenants_do_not_share(rig):
        exception=st.sampled_from(EXCEPTIONS))
 def test_any_failure_becomes_recomputation(tmp_path_factory, point, exception):
     spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", 64)
-    settings_ = FabricSettings(node_actor="local", fault_file=str(tmp_path_factory.mktemp("f") / "faults.json"))
+    settings_ = FabricSettings(node_actor="local",
+                               **StepFaultFile.settings(str(tmp_path_factory.mktemp("f") / "faults.json")))
     node = LocalNode(spec)
     try:
         sched, worker = SchedulerSide(PLAN, settings_, spec), WorkerSide(PLAN, settings_, spec)
         node.attach(sched)
         worker.register({n: torch.randn(NB, H, PS, 2 * D) for n in NAMES}, BlockFormat.KV_ROWS)
-        rig = Rig(sched, worker, worker.views, settings_.fault_file, node)
+        rig = Rig(sched, worker, worker.views, settings_.step_hook_arg, node)
         if point.endswith("save"):
             rig.arm(point, exception)
         finish_first(rig)
@@ -289,7 +292,7 @@ def test_any_failure_becomes_recomputation(tmp_path_factory, point, exception):
             assert n == 0 and sched.stats.node_errors == 1
         else:
             assert n == 40 and out.failed_recving == {"r2"}
-        with open(settings_.fault_file) as f:
+        with open(settings_.step_hook_arg) as f:
             assert point not in json.load(f)         # the fault fired
         held = sum(len(s) for _, q in sched.quarantined for s in q.values())
         assert sum(a.capacity - a.free_count for a in sched.allocators.values()) == held
@@ -302,7 +305,7 @@ def test_a_node_that_never_answers_a_store_costs_slots_only_for_a_while(rig):
     """A store past its deadline is given up: its slots stay quarantined (the node may
     still read them), the engine never waits, and nothing is counted as stored."""
     rig.node.finished = lambda calls: []          # the node never answers
-    rig.sched.settings = FabricSettings(node_actor="local", fault_file=rig.fault_file, timeout_s=0.0)
+    rig.sched.settings = FabricSettings(node_actor="local", **StepFaultFile.settings(rig.fault_file), timeout_s=0.0)
     finish_first(rig)
     rig.sched._collect_stores()
     assert rig.sched.stats.save_failures == 1 and rig.sched.stats.saved_requests == 0
@@ -324,9 +327,21 @@ def test_connector_settings_of_a_wrong_type_or_range_are_refused(name, value):
     want_ok = {"bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
                "int": lambda v: type(v) is int and 1 <= v <= 1 << 20,
                "float": lambda v: type(v) in (int, float) and 0 <= v <= 3600}.get(kind, lambda v: False)(value)
+    if name == "step_hook" and want_ok:          # "module:name", or unset
+        want_ok = value == "" or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value) is not None
     try:
         got = FabricSettings.from_extra({name: value})
     except ValueError as e:
         assert not want_ok and name in str(e)
         return
     assert want_ok and getattr(got, name) == value
+
+
+@pytest.mark.parametrize("spec", ["kvfabric.no_such_module:Hook", "kvfabric.deploy.chaos.faults:NoSuchHook"])
+def test_a_step_hook_that_does_not_load_is_refused_naming_the_setting(spec):
+    from kvfabric.deploy.vllm.connector import kv_transfer_config
+    with pytest.raises(ValueError, match="step_hook"):
+        FabricSettings(step_hook=spec).make_step_hook()
+    with pytest.raises(ValueError, match="step_hook"):
+        kv_transfer_config("node", step_hook=spec)             # refused before any engine starts
+    assert FabricSettings().make_step_hook() is None           # production: no hook at all

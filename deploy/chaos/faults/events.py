@@ -1,16 +1,9 @@
-"""Faults a node actor can be told to suffer, for chaos runs (ours and users').
-
-Only a node started with `NodeConfig(chaos=True)` accepts them: its transport
-is a FaultyTransport and its cache counts reservation points, both idle until
-told otherwise. Event faults act on what the node sends the index next.
-"""
+"""Event faults: what happens to the next KV event batches a node sends the index."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
 
 from kvfabric.fabric import EventBatch
-from kvfabric.transport import Fault
 
 
 class EventFault(str, Enum):
@@ -19,16 +12,8 @@ class EventFault(str, Enum):
     REORDER = "reorder"        # held back and sent after the following ones
 
 
-@dataclass(frozen=True)
-class ChaosAction:
-    transport: Fault | None = None     # the node's next read from a peer
-    alloc_point: int = 0               # fail the k-th reservation point from now (0: none)
-    events: EventFault | None = None   # what happens to the next batches it sends
-    evict_after_get: bool = False      # evict all it can right after answering its next get
-
-
 class EventMangler:
-    """Applies one armed EventFault to the next send of batches."""
+    """Applies one armed EventFault to the next send of batches (a node's batch filter)."""
 
     def __init__(self) -> None:
         self.armed: EventFault | None = None

@@ -1,10 +1,10 @@
-"""Injected allocation failures, so tests and chaos runs reach every
-reservation point's failure path."""
+"""AllocationFaults: a reservation hook (fabric/cache/txn.py) that fails chosen
+reservation points, so tests and chaos runs reach every reservation's failure path."""
 from __future__ import annotations
 
 import random
 
-from .layout import PoolName, Tier
+from kvfabric.fabric import PoolName, ReservationFailed, Tier
 
 
 class AllocationFaults:
@@ -32,8 +32,9 @@ class AllocationFaults:
         self._fail_at.clear()
         self.rate = 0.0
 
-    def should_fail(self, pool: PoolName, tier: Tier) -> bool:
+    def __call__(self, pool: PoolName, tier: Tier) -> None:
+        """The hook: count this reservation point, and fail it if chosen."""
         self.points += 1
-        hit = self.points in self._fail_at or (self.rate > 0 and self._rng.random() < self.rate)
-        self.injected += hit
-        return hit
+        if self.points in self._fail_at or (self.rate > 0 and self._rng.random() < self.rate):
+            self.injected += 1
+            raise ReservationFailed(f"injected allocation failure: {pool.name}/{tier.name}")

@@ -2,58 +2,16 @@
 so that chaos tests (ours and users') reach every failure path of a fetch."""
 from __future__ import annotations
 
-import random
 import time
-from dataclasses import dataclass
-from enum import Enum
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
-from .base import (BackendError, PeerDisconnected, ReadSpec, Transport, TransferHandle,
-                   TransferState, TransferTimeout, as_index_array)
+from kvfabric.transport import (BackendError, PeerDisconnected, ReadSpec, Transport, TransferHandle,
+                                TransferState, TransferTimeout)
+from kvfabric.transport.base import as_index_array
 
-
-class FaultKind(str, Enum):
-    FAIL_AFTER = "fail_after"    # copy the first `after` pages, then fail
-    DELAY = "delay"              # complete, but only after `delay_s`
-    HANG = "hang"                # never complete: the caller's deadline must abort it
-    CORRUPT = "corrupt"          # complete with one byte flipped in every pool read
-    PEER_DEATH = "peer_death"    # the peer dies as the read starts
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: FaultKind
-    after: int = 0
-    delay_s: float = 0.0
-
-
-class FaultPlan:
-    """Which fault hits each read: the scripted ones first, in order (None for
-    a clean read), then each read with probability `rate`, from `seed`."""
-
-    def __init__(self, script: Sequence[Fault | None] = (), seed: int = 0, rate: float = 0.0,
-                 kinds: Sequence[FaultKind] = tuple(FaultKind), max_delay_s: float = 0.05) -> None:
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"rate must be in [0, 1], got {rate}")
-        self._script = list(script)
-        self._rng = random.Random(seed)
-        self.rate, self.kinds, self.max_delay_s = rate, tuple(FaultKind(k) for k in kinds), max_delay_s
-        self.injected: list[Fault] = []
-
-    def next(self, pages: int) -> Fault | None:
-        if self._script:
-            fault = self._script.pop(0)
-        elif self.rate and self._rng.random() < self.rate:
-            kind = self._rng.choice(self.kinds)
-            fault = Fault(kind, after=self._rng.randrange(max(1, pages)),
-                          delay_s=self._rng.uniform(0, self.max_delay_s))
-        else:
-            fault = None
-        if fault is not None:
-            self.injected.append(fault)
-        return fault
+from .transfer import Fault, FaultKind, FaultPlan
 
 
 class FaultyTransport(Transport):

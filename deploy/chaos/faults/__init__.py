@@ -1,0 +1,13 @@
+"""The fault injectors, for tests and chaos runs: production code only offers the hooks
+they plug into (a cache's reservation hook, the Transport interface, a node's NodeHooks,
+the vLLM connector's step hook). No Ray here."""
+from .action import ChaosAction
+from .allocation import AllocationFaults
+from .events import EventFault, EventMangler
+from .faulty_transport import FaultyTransport
+from .node import NodeChaos
+from .step_file import InjectedFault, StepFaultFile
+from .transfer import Fault, FaultKind, FaultPlan
+
+__all__ = ["AllocationFaults", "ChaosAction", "EventFault", "EventMangler", "Fault", "FaultKind", "FaultPlan",
+           "FaultyTransport", "InjectedFault", "NodeChaos", "StepFaultFile"]

@@ -1,0 +1,87 @@
+"""NodeChaos: the node actor's hooks (actors/node/hooks.py) for chaos runs, ours and users'.
+
+A node started with `NodeConfig(hooks=NodeChaos)` (the Serve app's `chaos` arg) reads
+through a FaultyTransport and counts its cache's reservation points, both idle until an
+action arms them; event faults act on what it sends the index next. `ChaosAction`s come
+through the actor's `inject`. A scripted start (tests): `functools.partial(NodeChaos,
+script=[Fault(...)])`, picklable like the class itself."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from kvfabric.fabric import EventBatch, NodeCache, PoolName, Tier
+from kvfabric.transport import Transport
+
+from .action import ChaosAction
+from .allocation import AllocationFaults
+from .events import EventMangler
+from .faulty_transport import FaultyTransport
+from .transfer import Fault, FaultPlan
+
+if TYPE_CHECKING:       # the actors layer imports Ray: only its types are needed here
+    from kvfabric.actors import NodeConfig
+
+
+class NodeChaos:
+    def __init__(self, config: NodeConfig, script: Sequence[Fault | None] = ()) -> None:
+        self.capacities = config.capacities
+        self.allocation = AllocationFaults()
+        self.events = EventMangler()
+        self.faulty: FaultyTransport | None = None
+        self._plan = FaultPlan(script)
+        self._evict_after_get = False
+        self._evictions = 0
+        self._transport_done = 0         # faults of transport plans since replaced
+
+    # --- the hooks ----------------------------------------------------------------------
+    def transport(self, inner: Transport) -> Transport:
+        self.faulty = FaultyTransport(inner, self._plan)
+        return self.faulty
+
+    def reserve(self, pool: PoolName, tier: Tier) -> None:
+        self.allocation(pool, tier)
+
+    def send(self, batches: list[tuple[int, EventBatch]]) -> list[tuple[int, EventBatch]]:
+        return self.events(batches)
+
+    def after_get(self, cache: NodeCache) -> None:
+        """Evict every unlocked page when armed: what happens to a request's match when
+        other requests and peers' exports crowd the pools between its get and its put."""
+        if not self._evict_after_get:
+            return
+        self._evict_after_get = False
+        self._evictions += 1
+        for pool, capacity in self.capacities.items():
+            for tier, pages in ((Tier.DEVICE, capacity.device), (Tier.HOST, capacity.host)):
+                if pages:
+                    cache.evict(pool, tier, pages)
+
+    # --- arming ---------------------------------------------------------------------------
+    def arm(self, action: ChaosAction) -> None:
+        if not isinstance(action, ChaosAction):
+            raise TypeError(f"a chaos node takes a ChaosAction, got {type(action).__name__}")
+        if action.transport is not None:
+            self._replace_plan(FaultPlan([action.transport]))
+        if action.alloc_point:
+            self.allocation.arm(action.alloc_point)
+        if action.events is not None:
+            self.events.arm(action.events)
+        self._evict_after_get = action.evict_after_get
+
+    def calm(self) -> None:
+        """Disarm every fault (held-back events go out with the next send)."""
+        self._replace_plan(FaultPlan())
+        self.allocation.disarm()
+        self.events.armed = None
+        self._evict_after_get = False
+
+    def fired(self) -> int:
+        """How many injected faults have acted so far (armed ones count once they hit)."""
+        transport = self._transport_done + len(self._plan.injected)
+        return transport + self.allocation.injected + self.events.applied + self._evictions
+
+    def _replace_plan(self, plan: FaultPlan) -> None:
+        self._transport_done += len(self._plan.injected)
+        self._plan = plan
+        if self.faulty is not None:
+            self.faulty.plan = plan
