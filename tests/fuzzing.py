@@ -1,7 +1,17 @@
 """Shared pieces of the decoder fuzz tests (tests/actors/test_fuzz_events.py,
 tests/fabric/test_fuzz_exchange.py, tests/deploy/test_fuzz_files.py): value strategies
 near the valid ones, structure mutations, bit flips, and the `fuzz` settings (the
-profile's count, or 10,000 cases with KVF_HYPOTHESIS=full)."""
+profile's count, or 10,000 cases with KVF_HYPOTHESIS=full).
+
+Each decoder gets random bytes or structures, and valid encodings with one part of them
+replaced, deleted or added (bit flips and truncation for bytes). It must either return
+exactly what was encoded or raise its own error type, never KeyError, TypeError or a
+msgpack exception, and a rejection must leave the consumer (an index shard, a cache)
+as it was. Whether a structure is valid is decided here by an oracle written from the
+format's spec (in each test module), so a decoder that lets a bad field through fails too.
+
+Marked `fuzz`: the profile's example count by default (40 under CI), 10,000 per test with
+`KVF_HYPOTHESIS=full .venv/bin/pytest -m fuzz tests`."""
 from __future__ import annotations
 
 import copy

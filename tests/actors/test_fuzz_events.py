@@ -2,15 +2,7 @@
 and the index shard fed them. Export replies and route tables: tests/fabric/test_fuzz_exchange.py.
 Trace files and configs: tests/deploy/test_fuzz_files.py. (HTTP bodies: tests/deploy/test_openai_refusals.py.)
 
-Each decoder gets random bytes or structures, and valid encodings with one part of them
-replaced, deleted or added (bit flips and truncation for bytes). It must either return
-exactly what was encoded or raise its own error type, never KeyError, TypeError or a
-msgpack exception, and a rejection must leave the consumer (an index shard, a cache)
-as it was. Whether a structure is valid is decided here by an oracle written from the
-format's spec, so a decoder that lets a bad field through fails too.
-
-Marked `fuzz`: the profile's example count by default (40 under CI), 10,000 per test with
-`KVF_HYPOTHESIS=full .venv/bin/pytest -m fuzz tests`."""
+How the decoders are fuzzed, and the `fuzz` mark: tests/fuzzing.py."""
 from __future__ import annotations
 
 import dataclasses

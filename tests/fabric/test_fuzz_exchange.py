@@ -1,15 +1,7 @@
 """Fuzzing the decoders of wire messages (issue #6), part two: export replies (grants) and
 route tables. KV events and the index shard: tests/actors/test_fuzz_events.py.
 
-Each decoder gets random bytes or structures, and valid encodings with one part of them
-replaced, deleted or added (bit flips and truncation for bytes). It must either return
-exactly what was encoded or raise its own error type, never KeyError, TypeError or a
-msgpack exception, and a rejection must leave the consumer (an index shard, a cache)
-as it was. Whether a structure is valid is decided here by an oracle written from the
-format's spec, so a decoder that lets a bad field through fails too.
-
-Marked `fuzz`: the profile's example count by default (40 under CI), 10,000 per test with
-`KVF_HYPOTHESIS=full .venv/bin/pytest -m fuzz tests`."""
+How the decoders are fuzzed, and the `fuzz` mark: tests/fuzzing.py."""
 from __future__ import annotations
 
 from functools import cache
