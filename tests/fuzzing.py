@@ -7,7 +7,7 @@ Each decoder gets random bytes or structures, and valid encodings with one part 
 replaced, deleted or added (bit flips and truncation for bytes). It must either return
 exactly what was encoded or raise its own error type, never KeyError, TypeError or a
 msgpack exception, and a rejection must leave the consumer (an index shard, a cache)
-as it was. Whether a structure is valid is decided here by an oracle written from the
+as it was. Whether a structure is valid is decided by an oracle written from the
 format's spec (in each test module), so a decoder that lets a bad field through fails too.
 
 Marked `fuzz`: the profile's example count by default (40 under CI), 10,000 per test with
