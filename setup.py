@@ -1,0 +1,12 @@
+"""The one thing pyproject.toml cannot declare without setuptools' experimental table: the
+C extension behind fabric/cache/keys.py (built by `pip install`, `make` and CI alike)."""
+from setuptools import Extension, setup
+
+NATIVE = "fabric/cache/native"
+
+setup(ext_modules=[
+    Extension("kvfabric.fabric.cache._pagekeys",
+              sources=[f"{NATIVE}/pagekeys.c", f"{NATIVE}/blake2b.c"],
+              depends=[f"{NATIVE}/blake2b.h"],
+              extra_compile_args=["-O3", "-std=c11", "-Wall", "-Werror=implicit-function-declaration"]),
+])
