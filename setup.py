@@ -2,11 +2,11 @@
 C extension behind fabric/cache/keys.py (built by `pip install`, `make` and CI alike)."""
 from setuptools import Extension, setup
 
-NATIVE = "fabric/cache/native"
+SRC = "fabric/cache/csrc"
 
 setup(ext_modules=[
     Extension("kvfabric.fabric.cache._pagekeys",
-              sources=[f"{NATIVE}/pagekeys.c", f"{NATIVE}/blake2b.c"],
-              depends=[f"{NATIVE}/blake2b.h"],
+              sources=[f"{SRC}/pagekeys.c", f"{SRC}/blake2b.c"],
+              depends=[f"{SRC}/blake2b.h"],
               extra_compile_args=["-O3", "-std=c11", "-Wall", "-Werror=implicit-function-declaration"]),
 ])

@@ -4,7 +4,7 @@ H is BLAKE2b keyed by a digest of the namespace, so a key names a whole prefix,
 two tenants never share keys, and one tenant cannot probe for another's prompts.
 
 Two implementations give the same bytes and the same errors: the C extension
-(fabric/cache/native/, one call per request) and the pure-Python reference below;
+(fabric/cache/csrc/, one call per request) and the pure-Python reference below;
 KVF_NATIVE picks one per process (native.py).
 """
 from __future__ import annotations
