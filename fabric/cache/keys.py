@@ -85,7 +85,7 @@ class PageKeyer:
 
     def __init__(self, namespace: str, fingerprint: bytes, page_size: int, *,
                  native: bool | None = None) -> None:
-        if not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
+        if type(page_size) is not int or not 1 <= page_size <= MAX_PAGE_SIZE:
             raise KeyError_(f"page_size must be an int from 1 to {MAX_PAGE_SIZE}, got {page_size!r}")
         if not isinstance(fingerprint, bytes):
             raise KeyError_(f"fingerprint must be bytes, got {type(fingerprint).__name__}")

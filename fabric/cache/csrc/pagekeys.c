@@ -245,13 +245,13 @@ static int parse_chain(PyObject *const *args, Chain *c) {
     }
     int overflow = 0;
     c->first_page = PyLong_Check(first) ? PyLong_AsLongLongAndOverflow(first, &overflow) : -1;
-    if (c->first_page < 0 || overflow < 0) {
+    if (overflow > 0)
+        c->first_page = LLONG_MAX;      /* past any page: no keys */
+    else if (c->first_page < 0 || overflow < 0) {
         PyErr_Format(Invalid, "first_page must be an int >= 0, got %R", first);
         return -1;
     }
-    if (overflow > 0)
-        c->first_page = LLONG_MAX;      /* past any page: no keys */
-    long long size = PyLong_Check(page) ? PyLong_AsLongLongAndOverflow(page, &overflow) : -1;
+    long long size = PyLong_Check(page) && !PyBool_Check(page) ? PyLong_AsLongLongAndOverflow(page, &overflow) : -1;
     if (size < 1 || size > MAX_PAGE_SIZE || overflow) {
         PyErr_Format(Invalid, "page_size must be an int from 1 to %d, got %R", MAX_PAGE_SIZE, page);
         return -1;
