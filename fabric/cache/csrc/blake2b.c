@@ -43,6 +43,19 @@ static inline uint64_t load64(const uint8_t *p) {
         v[b] = rotr(v[b] ^ v[c], 63);        \
     } while (0)
 
+#define ROUND(r)                                             \
+    do {                                                     \
+        const uint8_t *z = SIGMA[r];                         \
+        G(0, 4, 8, 12, m[z[0]], m[z[1]]);                    \
+        G(1, 5, 9, 13, m[z[2]], m[z[3]]);                    \
+        G(2, 6, 10, 14, m[z[4]], m[z[5]]);                   \
+        G(3, 7, 11, 15, m[z[6]], m[z[7]]);                   \
+        G(0, 5, 10, 15, m[z[8]], m[z[9]]);                   \
+        G(1, 6, 11, 12, m[z[10]], m[z[11]]);                 \
+        G(2, 7, 8, 13, m[z[12]], m[z[13]]);                  \
+        G(3, 4, 9, 14, m[z[14]], m[z[15]]);                  \
+    } while (0)
+
 static void compress(kvf_blake2b *s, const uint8_t *block, int last) {
     uint64_t m[16], v[16];
     for (int i = 0; i < 16; i++)
@@ -55,17 +68,10 @@ static void compress(kvf_blake2b *s, const uint8_t *block, int last) {
     v[13] ^= s->t[1];
     if (last)
         v[14] = ~v[14];
-    for (int r = 0; r < 12; r++) {
-        const uint8_t *z = SIGMA[r % 10];
-        G(0, 4, 8, 12, m[z[0]], m[z[1]]);
-        G(1, 5, 9, 13, m[z[2]], m[z[3]]);
-        G(2, 6, 10, 14, m[z[4]], m[z[5]]);
-        G(3, 7, 11, 15, m[z[6]], m[z[7]]);
-        G(0, 5, 10, 15, m[z[8]], m[z[9]]);
-        G(1, 6, 11, 12, m[z[10]], m[z[11]]);
-        G(2, 7, 8, 13, m[z[12]], m[z[13]]);
-        G(3, 4, 9, 14, m[z[14]], m[z[15]]);
-    }
+    /* Rounds spelled out: with a constant round number every message index is a
+     * constant, and the words stay in registers (a page key took 1.5x as long with a loop). */
+    ROUND(0); ROUND(1); ROUND(2); ROUND(3); ROUND(4); ROUND(5);
+    ROUND(6); ROUND(7); ROUND(8); ROUND(9); ROUND(0); ROUND(1);
     for (int i = 0; i < 8; i++)
         s->h[i] ^= v[i] ^ v[i + 8];
 }
