@@ -51,7 +51,7 @@ def load_keys(mode: Mode) -> KeysExtension | None:
     if mode is Mode.OFF:
         return None
     try:
-        from . import _pagekeys  # type: ignore[attr-defined]
+        from . import _pagekeys  # type: ignore[attr-defined]  # built C: mypy sees no source
     except ImportError as e:
         if mode is Mode.ON:
             raise ImportError(f"KVF_NATIVE=1 but the native extension does not load ({e}); "
