@@ -103,9 +103,18 @@ def test_pack_matches_the_reference(values):
 @needs_native
 @pytest.mark.parametrize("tokens", [5, None, (t for t in [1]), "ab", 1.5, np.zeros((2, 2), dtype=np.int64),
                                     np.array(3), np.array([1.0, 2.0]), memoryview(b"ab").cast("c"),
-                                    np.array([True, False]), [[1]], {1: 2}, {3}, array("d", [1.0])])
+                                    np.array([True, False]), [[1]], {1: 2}, {3}, array("d", [1.0]),
+                                    np.broadcast_to(np.int32(7), (3,)), np.array([1, 2], dtype=">i4")])
 def test_pack_matches_the_reference_on_odd_inputs(tokens):
     assert outcome(keys.EXT.pack, tokens) == outcome(pack_py, tokens)
+
+
+@needs_native
+def test_pack_refuses_a_view_too_long_to_pack():
+    """A broadcast view claims 2**62 tokens with no memory behind them: a MemoryError, not
+    an overflowed size (the reference would iterate them all)."""
+    with pytest.raises(MemoryError):
+        keys.EXT.pack(np.broadcast_to(np.int8(1), (2**62,)))
 
 
 prev_keys = st.one_of(st.none(), st.binary(min_size=16, max_size=16), st.binary(max_size=20),

@@ -71,9 +71,17 @@ static int pack_items(PyObject *const *items, Py_ssize_t n, char *out, int index
     return 0;
 }
 
+/* Room for n packed tokens (a buffer's length can be anything: a broadcast view has no
+ * memory behind it). */
+static PyObject *new_raw(Py_ssize_t n) {
+    if (n > PY_SSIZE_T_MAX / 4)
+        return PyErr_NoMemory();
+    return PyBytes_FromStringAndSize(NULL, 4 * n);
+}
+
 static PyObject *pack_tuple(PyObject *tuple) {
     Py_ssize_t n = PyTuple_GET_SIZE(tuple);
-    PyObject *raw = PyBytes_FromStringAndSize(NULL, 4 * n);
+    PyObject *raw = new_raw(n);
     if (raw == NULL)
         return NULL;
     if (pack_items(PySequence_Fast_ITEMS(tuple), n, PyBytes_AS_STRING(raw), 1) != 0) {
@@ -85,7 +93,7 @@ static PyObject *pack_tuple(PyObject *tuple) {
 
 static PyObject *pack_list(PyObject *list) {
     Py_ssize_t n = PyList_GET_SIZE(list);
-    PyObject *raw = PyBytes_FromStringAndSize(NULL, 4 * n);
+    PyObject *raw = new_raw(n);
     if (raw == NULL)
         return NULL;
     int rc = pack_items(PySequence_Fast_ITEMS(list), n, PyBytes_AS_STRING(raw), 0);
@@ -137,7 +145,7 @@ static PyObject *pack_buffer(PyObject *tokens, int *other) {
     }
     *other = 0;
     Py_ssize_t n = view.shape[0], stride = view.strides[0];
-    PyObject *raw = PyBytes_FromStringAndSize(NULL, 4 * n);
+    PyObject *raw = new_raw(n);
     if (raw == NULL) {
         PyBuffer_Release(&view);
         return NULL;
