@@ -6,7 +6,7 @@ SRC = "fabric/cache/csrc"
 
 setup(ext_modules=[
     Extension("kvfabric.fabric.cache._pagekeys",
-              sources=[f"{SRC}/pagekeys.c", f"{SRC}/blake2b.c"],
-              depends=[f"{SRC}/blake2b.h"],
+              sources=[f"{SRC}/pagekeys.c", f"{SRC}/pack.c", f"{SRC}/blake2b.c"],
+              depends=[f"{SRC}/blake2b.h", f"{SRC}/pack.h"],
               extra_compile_args=["-O3", "-std=c11", "-Wall", "-Werror=implicit-function-declaration"]),
 ])
