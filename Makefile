@@ -9,7 +9,11 @@ REQ := requirements
 
 # vLLM (the CPU build) goes in beside torch, Ray and NIXL: its requirements without the
 # torch family, then three wheels with --no-deps (see requirements/*.txt for why).
-$(STAMP): pyproject.toml Makefile $(REQ)/constraints.txt $(REQ)/vllm.txt $(REQ)/vllm-nodeps.txt
+# The install builds the C extension (setup.py, fabric/cache/csrc/) in place: a change to
+# its sources installs again.
+NATIVE_SRC := setup.py $(wildcard fabric/cache/csrc/*.c fabric/cache/csrc/*.h)
+
+$(STAMP): pyproject.toml Makefile $(REQ)/constraints.txt $(REQ)/vllm.txt $(REQ)/vllm-nodeps.txt $(NATIVE_SRC)
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -c $(REQ)/constraints.txt -e '.[test]'
@@ -21,9 +25,12 @@ $(STAMP): pyproject.toml Makefile $(REQ)/constraints.txt $(REQ)/vllm.txt $(REQ)/
 demo: $(STAMP)
 	$(VENV)/bin/kvfabric demo
 
+# The suite runs on the native path (KVF_NATIVE's default); the core's tests run again on
+# the pure-Python reference.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+	KVF_NATIVE=0 $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/fabric
 
 bench: $(STAMP)
 	$(VENV)/bin/kvfabric bench radix

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("fabric", "transport", "actors", "deploy")
-SOURCES = ("kvfabric", *LAYERS, "pyproject.toml", "README.md")
+SOURCES = ("kvfabric", *LAYERS, "pyproject.toml", "setup.py", "README.md")
 
 
 def _pyproject() -> dict:
@@ -39,7 +39,7 @@ def test_every_package_folder_is_listed_and_mapped():
 
 def _run(cmd: list, cwd: Path, timeout: float = 300,
          pythonpath: Path | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "KVF_NATIVE")}
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True,
@@ -48,13 +48,14 @@ def _run(cmd: list, cwd: Path, timeout: float = 300,
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """Our wheel, built from a copy of the sources (the checkout gets no build folders)."""
+    """Our wheel, built from a copy of the sources (the checkout gets no build folders; a
+    module built in place there is left behind: the wheel builds its own)."""
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     for name in SOURCES:
         path = ROOT / name
         if path.is_dir():
-            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
         else:
             src.mkdir(exist_ok=True)
             shutil.copy2(path, src / name)
@@ -73,6 +74,9 @@ def test_the_wheel_holds_kvfabric_only(wheel):
     assert tops == {"kvfabric"}
     assert "kvfabric/fabric/cache/node_cache.py" in names
     assert "kvfabric/deploy/sim/traces/conversation_trace.jsonl" in names
+    native = [n for n in names if n.startswith("kvfabric/fabric/cache/_pagekeys.") and n.endswith(".so")]
+    assert len(native) == 1, "the wheel must hold the built page-key extension"
+    assert not any("/csrc/" in n for n in names), "C sources stay out of the wheel"
     assert not any(n.startswith(("benchmarks/", "tests/", "kvfabric/benchmarks/")) for n in names)
     assert "kvfabric = kvfabric.deploy.cli.main:main" in entry_points
     assert "kvfabric = kvfabric.deploy.chaos.pytest_plugin" in entry_points
@@ -82,6 +86,8 @@ CHECK = """
 import fabric, kvfabric, kvfabric.fabric
 from kvfabric import NodeCache, KVLayout, PoolName, PoolCapacity
 from kvfabric.deploy.sim.trace import load_trace
+from kvfabric.fabric.cache import native
+assert native.ENABLED and "site-packages" in native.KEYS.__file__, "the extension loads from the wheel"
 assert fabric.Connection.__module__.startswith("fabric."), "fabric is the SSH library"
 assert "site-packages" in kvfabric.fabric.__file__, kvfabric.fabric.__file__
 layout = KVLayout(layers=("full",), kv_heads=1, head_dim=4, page_size=2)
