@@ -1,33 +1,33 @@
 """NodeCacheActor: one per node, owning that node's NodeCache and transport agent.
 
 It answers puts, gets and matches, exports prefixes to peers under leases,
-and imports prefixes from peers through fabric's fetch transaction. Every
-failure of a fetch (peer gone, export slow, transfer fault) becomes a
-FetchOutcome, never an exception, so a request can always recompute.
+and imports prefixes from peers through fabric's fetch transaction (its fetches
+are actors/node/peer_fetch.py's, its engines' side actors/node/engine_host.py's:
+mixins of the actor). Every failure of a fetch (peer gone, export slow, transfer
+fault) becomes a FetchOutcome, never an exception, so a request can always recompute.
 
 An asyncio actor: no method blocks on another actor, so two nodes fetching from
 each other both get served. The cache is touched under `CacheGate` rules."""
 from __future__ import annotations
 
 import asyncio
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import ray
 import torch
 
-from kvfabric.fabric import (CachedKV, CacheStats, EventPublisher, ExportGrant, FetchOutcome,
-                             GrantError, KVLayout, NodeCache, PoolCapacity, PoolName, RouteTable, TierConfig,
-                             export_prefix, import_prefix)
+from kvfabric.fabric import (CachedKV, CacheStats, EventPublisher, KVLayout, NodeCache, PoolCapacity, PoolName,
+                             RouteTable, TierConfig, export_prefix)
 from kvfabric.transport import LocalTransport, NixlTransport
-from kvfabric.transport.fetch import TransportReader, probe, register_device_pools
+from kvfabric.transport.fetch import register_device_pools
 
 from .cache_gate import CacheGate
 from .engine_host import EngineHost
 from kvfabric.actors.epochs import EpochSource, GcsEpochs
 from .hooks import NodeHooks
 from .index_link import IndexLink
+from .peer_fetch import PeerFetch
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Beat:
 
 
 @ray.remote
-class NodeCacheActor(EngineHost):
+class NodeCacheActor(PeerFetch, EngineHost):
     def __init__(self, name: str, config: NodeConfig) -> None:
         self.name = name
         self.config = config
@@ -158,66 +158,6 @@ class NodeCacheActor(EngineHost):
         with self.gate.mutex:
             return self.leases.release(lease_id)
 
-    # --- fetching from peers --------------------------------------------------------------
-    async def fetch(self, peer: ray.actor.ActorHandle, peer_name: str, tokens: Sequence[int],
-                    namespace: str) -> str:
-        """Pull the peer's longer prefix of `tokens`; returns the FetchOutcome's value."""
-        outcome = await self._fetch(peer, peer_name, tokens, namespace)
-        with self.gate.mutex:
-            self.fetches[outcome.value] = self.fetches.get(outcome.value, 0) + 1
-            self.link.publish()
-        return outcome.value
-
-    async def _fetch(self, peer, peer_name: str, tokens: Sequence[int], namespace: str) -> FetchOutcome:
-        if peer_name not in self.peers:
-            return FetchOutcome.TRANSFER_FAILED
-        with self.gate.mutex:
-            if self.cache.quarantines(peer_name):
-                return FetchOutcome.PEER_QUARANTINED      # before a lease is taken for nothing
-            keys = self.cache.keys(tokens, namespace)
-            skip = self.cache.match(tokens, namespace).present_pages
-        deadline = self.config.fetch_deadline_s
-        ref = peer.export.remote(keys, skip)
-        reply = asyncio.wrap_future(ref.future())
-        done, _ = await asyncio.wait({reply}, timeout=deadline)
-        if not done:
-            # Given up: the grant may still come, and its lease must not wait out its TTL
-            # (the callback keeps the ref, and so the reply, alive until then).
-            def release(late: asyncio.Future, ref: object = ref) -> None:   # holds `ref` until the reply lands
-                self._release_late(peer, late)
-            reply.add_done_callback(release)
-            return FetchOutcome.TRANSFER_FAILED
-        if reply.exception() is not None:
-            return FetchOutcome.TRANSFER_FAILED       # the peer died or its export failed
-        try:
-            grant = ExportGrant.decode(reply.result())
-        except GrantError:
-            return FetchOutcome.BAD_GRANT
-        reader = TransportReader(self.transport, peer_name, deadline)
-        try:
-            read = self.gate.released(reader)
-            return await self.gate.run_import(keys[0] if keys else None, lambda: self._import(
-                tokens, namespace, grant, read, peer_name))
-        finally:
-            self.fetched_bytes += reader.bytes_read
-            if grant.lease_id:
-                peer.release.remote(grant.lease_id)   # if lost, the lease expires
-
-    def _import(self, tokens, namespace: str, grant: ExportGrant, read, peer_name: str) -> FetchOutcome:
-        """In the import thread, holding the cache mutex (given up while reading)."""
-        return import_prefix(self.cache, tokens, namespace, grant, read, peer=peer_name)
-
-    def _release_late(self, peer, late: asyncio.Future) -> None:
-        if late.cancelled() or late.exception() is not None:
-            return
-        try:
-            lease_id = ExportGrant.decode(late.result()).lease_id
-        except GrantError:
-            return
-        if lease_id:
-            peer.release.remote(lease_id)
-            self.late_releases += 1
-
     # --- events for the global index ---------------------------------------------------
     def attach_index(self, shards: list, routes: bytes) -> None:
         """Publish to these index shards under this route table (from now on). The
@@ -308,27 +248,6 @@ class NodeCacheActor(EngineHost):
         directory rebuilds itself from."""
         routes = self.link.routes
         return self._metadata, None if routes is None else routes.encode()
-
-    async def probe_quarantine(self) -> list[str]:
-        """For each connected peer with quarantined pages, read one page from it into
-        one of those pages, under the fetch deadline: if it completes, the abandoned
-        reads posted before it drained, and that peer's quarantine is freed. A peer
-        still stopped fails the probe and stays quarantined (until it resumes or dies).
-        Returns the peers released."""
-        with self.gate.mutex:
-            peers = sorted(self.cache.quarantined_peers() & self.peers)
-        return [p for p in peers if await self.gate.run_wire(functools.partial(self._probe, p))]
-
-    def _probe(self, peer: str) -> bool:
-        """In the import thread: the page is picked there, so no release (a forget or
-        another probe, both behind this in that thread) frees it while the read runs."""
-        with self.gate.mutex:
-            target = self.cache.quarantined_page(peer)
-        if target is None or not probe(self.transport, peer, *target, self.config.fetch_deadline_s):
-            return False
-        with self.gate.mutex:
-            self.cache.release_quarantine(peer)
-        return True
 
     # --- health --------------------------------------------------------------------------
     def check(self) -> None:

@@ -4,9 +4,10 @@ requests flow through the Serve app, then checks that nothing was lost.
 Each fault is injected where it bites: a transfer fault is armed on a node and
 a fetch into that node follows at once; an allocation fault fails one of the
 node's next reservation points; event faults mangle its next batches to the
-index. After the last fault and a quiet period it checks every request
-completed with the uncached output, no page leaked or is owned twice, no lease
-outlived its TTL, and how long the index took to agree with the nodes.
+index. Requests flow meanwhile (workload.py). After the last fault and a quiet
+period it checks every request completed with the uncached output, no page
+leaked or is owned twice, no lease outlived its TTL, and how long the index
+took to agree with the nodes (report.py).
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Sequence, TypeVar, cast
 
 import ray
@@ -26,118 +26,12 @@ from kvfabric.fabric import RouteTable
 
 from .faults import ChaosAction, EventFault, Fault, FaultKind
 from .plan import ChaosKind, schedule
+from .report import ChaosReport
 from kvfabric.deploy.cli.cluster import Endpoint
-from kvfabric.deploy.cli.http_replay import Client, Served
+from .workload import Workload
 
 
 T = TypeVar("T")
-
-
-@dataclass
-class ChaosReport:
-    seed: int
-    faults_injected: int
-    fault_attempts: int             # injections tried; the extra ones found nothing to act on
-    requests: int
-    failed_requests: int
-    retried_requests: int           # by the client: the app failed a request it should have served
-    app_retried_requests: int       # by the app, on another replica (a replica's node died)
-    wrong_outputs: int
-    leaked_pages: int
-    double_owned_pages: int
-    expired_leases_unreleased: int
-    index_converged_s: float        # from the last fault until the index agreed with every node
-    wall_s: float
-    by_kind: dict = field(default_factory=dict)
-
-    def ok(self, faults: int | None = None, converge_limit_s: float = 5.0) -> bool:
-        """Every count zero, the index converged in time, and (given `faults`) all injected."""
-        return not (self.failed_requests or self.retried_requests or self.wrong_outputs or self.leaked_pages
-                    or self.double_owned_pages or self.expired_leases_unreleased) \
-            and self.index_converged_s <= converge_limit_s \
-            and (faults is None or self.faults_injected == faults)
-
-
-class Workload:
-    """Threads sending each prompt with caching off and through the fabric, over and
-    over, until stopped; a failed request is retried (a client's retry) and counted."""
-
-    def __init__(self, endpoint: Endpoint, model: str, prompts: list[list[int]], threads: int = 2,
-                 retries: int = 4) -> None:
-        self.endpoint, self.model, self.prompts, self.retries = endpoint, model, prompts, retries
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self.requests = self.failed = self.retried = self.app_retried = self.wrong = 0
-        # prompt index -> the node that served its latest answer, and that answer's tokens
-        # (their last page is new each time: a fetch of them reads something)
-        self.served: dict[int, tuple[str, list[int]]] = {}
-        self.recent: deque[str] = deque(maxlen=16)      # nodes of the latest answers
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
-
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=600)
-
-    def served_elsewhere(self, node: str) -> list[list[int]]:
-        """The tokens of latest answers that came from a node other than `node`."""
-        with self._lock:
-            return [t for n, t in self.served.values() if n != node]
-
-    def busy_nodes(self) -> list[str]:
-        """Nodes that served one of the latest answers: where an armed fault fires soon."""
-        with self._lock:
-            return sorted(set(self.recent))
-
-    def served_by(self, node: str) -> list[list[int]]:
-        """The tokens of latest answers that came from `node`."""
-        with self._lock:
-            return [t for n, t in self.served.values() if n == node]
-
-    def _run(self, offset: int) -> None:
-        client, i = Client(self.endpoint, None, timeout_s=120), offset
-        try:
-            while not self._stop.is_set():
-                k = i % len(self.prompts)
-                tokens = self.prompts[k] + self._tail(i)
-                base = self._call(client, tokens, cache=False)
-                fab = self._call(client, tokens, cache=True)
-                with self._lock:
-                    self.requests += 1
-                    self.app_retried += sum(s.retries for s in (base, fab) if s is not None)
-                    if base is None or fab is None:
-                        self.failed += 1
-                    elif (base.token_ids, base.logits_digest) != (fab.token_ids, fab.logits_digest):
-                        self.wrong += 1
-                    else:
-                        self.served[k] = (fab.node, tokens)
-                        self.recent.append(fab.node)
-                i += len(self._threads)
-        finally:
-            client.close()
-
-    def _tail(self, i: int, page: int = 16) -> list[int]:
-        """A last page that changes from request to request, taken from the prompts'
-        own tokens: every request stores something new, so puts keep reserving (and
-        evicting) while the shared prefixes keep hitting."""
-        source = self.prompts[(i * 7 + 3) % len(self.prompts)]
-        start = (i * page) % max(1, len(source) - page)
-        return list(source[start:start + page])
-
-    def _call(self, client: Client, tokens: list[int], cache: bool) -> Served | None:
-        for attempt in range(self.retries + 1):
-            try:
-                return client.complete(self.model, tokens, 2, cache, "chaos")
-            except (OSError, RuntimeError, KeyError, ValueError):
-                client.reconnect()
-                with self._lock:
-                    self.retried += attempt == 0
-                time.sleep(0.5 * (attempt + 1))
-        return None
 
 
 class ChaosHarness:

@@ -15,7 +15,7 @@ from typing import Callable, ContextManager, Iterator, Sequence
 from pydantic import ValidationError
 
 from .cluster import Endpoint
-from kvfabric.deploy.serve.openai_api import KVFabricInfo
+from kvfabric.deploy.serve.openai_bodies import KVFabricInfo
 from kvfabric.deploy.serve.protocol import PrefixFetch
 from kvfabric.deploy.sim.trace import TraceRequest
 from kvfabric.deploy.stats import percentile

@@ -19,6 +19,7 @@ import torch
 from kvfabric.fabric import KVLayout, LayerKind, PoolName
 
 DEVICE_KINDS = ("cpu", "cuda")
+NULL_BLOCK = 0          # vLLM's null block (SWA blocks outside the window point at it)
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 

@@ -5,7 +5,8 @@ the usable cached prefix beyond vLLM's own hit and has it copied into staging sl
 (then the worker copies slots into the request's blocks, asynchronously for vLLM:
 the request waits in WAITING_FOR_REMOTE_KVS, and a failed copy is reported as a
 failed receive, which vLLM recomputes). When a request finishes, its whole pages are
-copied by the worker into staging, and the node actor stores them.
+copied by the worker into staging, and the node actor stores them (scheduler_saves.py,
+a mixin of SchedulerSide).
 
 Before that load, a prefix another node holds longer is first fetched into the node
 (remote_fetch.py): the request waits unscheduled meanwhile, the engine keeps stepping.
@@ -22,14 +23,14 @@ from kvfabric.fabric import OutOfPages, PageAllocator, PoolName
 from kvfabric.transport.staging import StagedHit, StagingSpec
 
 from .index_sink import FeedSpec
-from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove, ConnectorStep
+from .jobs import ConnectorStep, CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove
 from .namespaces import fabric_namespace
 from .node_link import NodeLink
-from .plan import EnginePlan
+from .plan import NULL_BLOCK, EnginePlan
 from .remote_fetch import RemoteFetches, RemoteStats
+from .scheduler_saves import SchedulerSaves, StagedSave
 
 log = logging.getLogger(__name__)
-NULL_BLOCK = 0          # vLLM's null block (SWA blocks outside the window point at it)
 # Slots of a call that timed out may still be written by the node actor: kept out of use.
 QUARANTINE_S = 60.0
 
@@ -51,16 +52,6 @@ class ConnectorStats:
 
 
 @dataclass
-class _Save:
-    tokens: list[int]
-    namespace: str
-    slots: dict[PoolName, list[int]]
-    # Each pool's first staged page: full KV before it is the node's already (or queued
-    # to it); SWA KV before it is outside the window vLLM still holds.
-    firsts: dict[PoolName, int]
-
-
-@dataclass
 class _Load:
     hit: StagedHit
     skip: int                     # vLLM's own hit (pages) it was planned for
@@ -71,7 +62,7 @@ class _Load:
     host_tokens: int = 0
 
 
-class SchedulerSide:
+class SchedulerSide(SchedulerSaves):
     def __init__(self, plan: EnginePlan, settings: FabricSettings, spec: StagingSpec,
                  feed: FeedSpec | None = None) -> None:
         self.plan = plan
@@ -83,7 +74,7 @@ class SchedulerSide:
         self.window_pages = plan.layout.window_pages
         self.planned: dict[str, _Load] = {}      # admitted lookups, before block allocation
         self.loading: dict[str, _Load] = {}      # copies the worker has not reported yet
-        self.saving: dict[str, _Save] = {}      # by save job key
+        self.saving: dict[str, StagedSave] = {}      # by save job key
         self.storing: list = []                 # (call, key, save, deadline): node stores in flight
         self.prompts: dict[str, tuple[list[int], str]] = {}   # requests whose prompt is unsaved
         # Usable pages the node said it holds for a request at admission: a save of no
@@ -197,28 +188,6 @@ class SchedulerSide:
         self._release_quarantine()
         return meta
 
-    def _save_finished_prompts(self, out) -> None:
-        """Save each prompt in the step that computes its last token: the worker copies
-        after the forward, when the sliding-window blocks of the prompt's last window
-        are all still there (decoding moves the window on and vLLM frees them)."""
-        if not self.prompts or self.kv_cache_manager is None:
-            return
-        computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
-        cached = out.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        for rid, done in computed.items():
-            prompt = self.prompts.get(rid)
-            if prompt is None or done + out.num_scheduled_tokens.get(rid, 0) < len(prompt[0]):
-                continue
-            del self.prompts[rid]
-            if not self.node.ready() or len(prompt[0]) // self.plan.page_size <= self.fabric_has.get(rid, 0):
-                continue
-            block_ids = self.kv_cache_manager.get_blocks(rid).get_block_ids()
-            pages = len(prompt[0]) // self.plan.page_size
-            if self._save(rid, f"{rid}/prompt", prompt[0], prompt[1], block_ids, pages,
-                          ends_request=False, has=self.fabric_has.get(rid, 0)):
-                self.fabric_has[rid] = pages      # the end's save copies only what follows
-
     def on_output(self, output) -> None:
         failed_loads = set(getattr(output, "failed_recving", None) or ())
         for rid in output.finished_recving or ():
@@ -233,58 +202,8 @@ class SchedulerSide:
                 self.stats.remote_loaded_tokens += load.remote_tokens
                 self.stats.host_loaded_tokens += load.host_tokens
         report = output.kv_connector_worker_meta
-        if not isinstance(report, FabricWorkerMeta):
-            return
-        for key in report.failed:
-            save = self.saving.pop(key, None)
-            if save is not None:
-                self.stats.save_failures += 1
-                self._free(save.slots)
-        for key in report.saved:
-            save = self.saving.pop(key, None)
-            if save is not None:
-                self._store(key, save)
-
-    def _store(self, key: str, save: _Save) -> None:
-        """Ask the node to store staged pages without waiting: the engine keeps stepping,
-        and the slots come back when the node answers (collected each step)."""
-        try:
-            if self.step_hook is not None:
-                self.step_hook(ConnectorStep.NODE_SAVE)
-            call = self.node.submit("save_staged", self.spec, save.tokens, save.namespace,
-                                    save.slots, save.firsts)
-        except Exception as e:
-            self._store_failed(key, save, e)
-            return
-        self.storing.append((call, key, save, time.monotonic() + self.settings.timeout_s))
-
-    def _collect_stores(self) -> None:
-        if not self.storing:
-            return
-        done = set(self.node.finished([c for c, *_ in self.storing]))
-        now, waiting = time.monotonic(), []
-        for call, key, save, deadline in self.storing:
-            if call in done:
-                try:
-                    stored = self.node.result(call)
-                except Exception as e:
-                    self._store_failed(key, save, e)
-                    continue
-                self._free(save.slots)
-                self.stats.saved_requests += 1
-                self.stats.stored_pages += stored
-            elif now >= deadline:
-                self._store_failed(key, save, TimeoutError(f"no answer in {self.settings.timeout_s} s"))
-            else:
-                waiting.append((call, key, save, deadline))
-        self.storing = waiting
-
-    def _store_failed(self, key: str, save: _Save, error: BaseException) -> None:
-        # The node may still read the slots (a late call): they stay out of use a while.
-        self.stats.save_failures += 1
-        self.stats.node_errors += 1
-        log.warning("fabric save failed for %s: %r", key, error)
-        self._quarantine(save.slots)
+        if isinstance(report, FabricWorkerMeta):
+            self._saves_reported(report)
 
     # --- finish ------------------------------------------------------------------------
     def finished(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
@@ -307,41 +226,6 @@ class SchedulerSide:
             return False, None
         return self._save(rid, f"{rid}/end", tokens, _namespace(request), block_ids, n,
                           ends_request=True, has=has), None
-
-    def _save(self, rid: str, key: str, tokens: list[int], namespace: str,
-              block_ids: tuple[list[int], ...], n: int, ends_request: bool, has: int = 0) -> bool:
-        """Queue the copy of a request's pages to staging, up to page n: full KV from
-        page `has` on (the node holds or is storing those before it: a conversation's
-        next turn copies its new pages, not the whole conversation again), SWA where
-        vLLM still holds it. The node stores them when the worker reports the copy done."""
-        n = min([n] + [len(block_ids[g]) for g in range(len(self.plan.group_pools))])
-        if n == 0:
-            return False
-        start = {PoolName.FULL: min(has, n), PoolName.SWA: self._surviving_window(block_ids, n)}
-        first_of = {p: start[p] for p in self.plan.layout.pools}
-        want = {p: n - first_of[p] for p in self.plan.layout.pools}
-        slots = self._alloc(want)
-        if slots is None:
-            return False
-        job = CopyJob(rid, [], key=key, ends_request=ends_request)
-        for pool, pool_slots in slots.items():
-            first = first_of[pool]
-            job.moves.append(PoolMove(pool, pool_slots, {g: list(block_ids[g][first:n])
-                                                         for g in self.plan.groups_of(pool)}))
-        self.saving[key] = _Save(tokens[: n * self.plan.page_size], namespace, slots, first_of)
-        self.meta.saves.append(job)
-        return True
-
-    def _surviving_window(self, block_ids: tuple[list[int], ...], n: int) -> int:
-        """The first page from which every SWA group still holds its blocks up to n."""
-        first = 0
-        for g in self.plan.groups_of(PoolName.SWA):
-            ids = block_ids[g][:n]
-            for p in range(n - 1, -1, -1):
-                if ids[p] == NULL_BLOCK:
-                    first = max(first, p + 1)
-                    break
-        return first
 
     def shutdown(self) -> None:
         """The engine is going: its node unmaps the staging pages (the worker unlinks them)."""

@@ -6,7 +6,7 @@ must stay under a bound that does not depend on how many requests went through.
 (Puts are 10k: each evicts from full pools, at a millisecond apiece here.) The workloads are the shapes a region tracker sees (distinct first pages, one
 shared first page with distinct continuations, regions below a split) and the
 ones a tenant map sees (a new namespace per request). The FabricClient's keyers
-are checked on a real fabric in tests/actors/test_fabric_cluster.py."""
+are checked on a real fabric in tests/actors/fabric_cluster/ (test_fabric_index.py)."""
 from __future__ import annotations
 
 import gc

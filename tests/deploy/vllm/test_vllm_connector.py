@@ -7,14 +7,10 @@ The engine's own KV cache is sized below the workload (3k tokens), so filler pro
 evict a conversation from it and the next turn is served from the node's host tier.
 Reference outputs come from the same engine with a fresh cache_salt per run: no cache,
 vLLM's or the fabric's, can match a salt never seen before, so every token is computed.
+The engine and what the tests do with it: tests/deploy/vllm/connector_engine.py.
 """
 from __future__ import annotations
 
-from functools import partial
-import glob
-import json
-import os
-import random
 import time
 import uuid
 
@@ -23,162 +19,23 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
-from kvfabric.actors import FabricClient, start, stop  # noqa: E402
-from kvfabric.actors.directory import NAMESPACE as FABRIC_NS, node_actor_name  # noqa: E402
+from kvfabric.actors import FabricClient  # noqa: E402
+from kvfabric.actors.directory import NAMESPACE as FABRIC_NS  # noqa: E402
 from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig  # noqa: E402
-from kvfabric.deploy.chaos.faults import ChaosAction, Fault, FaultKind, NodeChaos, StepFaultFile  # noqa: E402
-from kvfabric.deploy.vllm.connector import kv_transfer_config  # noqa: E402
+from kvfabric.deploy.chaos.faults import ChaosAction, Fault, FaultKind  # noqa: E402
 from kvfabric.deploy.vllm.model import ensure_tiny_model  # noqa: E402
-from kvfabric.deploy.vllm.plan import layout_for_model  # noqa: E402
 from kvfabric.deploy.vllm.namespaces import fabric_namespace  # noqa: E402
-from kvfabric.fabric import NodeMatch, PoolCapacity, PoolName  # noqa: E402
-from tests.waiting import eventually as wait_for
-
-NAMESPACE = "kvf-vllm-test"
-TENANT = "default"           # the fabric namespace of requests without a cache_salt
-BLOCK = 32
-PROMPT_CHARS = 1200          # one token per byte: 1,200 tokens, longer than the 256-token window
-MAX_TOKENS = 12
-CALL_TIMEOUT_S = 120
-
-
-eventually = partial(wait_for, deadline_s=CALL_TIMEOUT_S, every_s=0.2)
-
-
-class Engine:
-    def __init__(self, llm, fabric, here: str, there: str, fault_file: str, layout=None,
-                 events: str = "") -> None:
-        self.llm = llm
-        self.fabric = fabric
-        self.here, self.there = here, there      # the engine's node actor, the remote one
-        self.node, self.peer = fabric.nodes[here], fabric.nodes[there]
-        self.fault_file = fault_file
-        self.layout = layout
-        self.events = events          # the engine's KV-event endpoint (its replay endpoint: + "-replay")
-        self.rng = random.Random(1234)
-
-    def text(self, n: int = PROMPT_CHARS) -> str:
-        return "".join(self.rng.choice("abcdefghijklmnop qrstuvwxyz.,") for _ in range(n))
-
-    def generate(self, prompt: str, salt: str | None = None) -> tuple[list[int], int]:
-        from vllm import SamplingParams
-        item = {"prompt": prompt} if salt is None else {"prompt": prompt, "cache_salt": salt}
-        out = self.llm.generate([item], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
-                                use_tqdm=False)[0]
-        return list(out.outputs[0].token_ids), out.num_cached_tokens
-
-    def reference(self, prompt: str) -> list[int]:
-        return self.generate(prompt, salt=f"ref-{uuid.uuid4().hex}")[0]
-
-    def evict(self) -> None:
-        """Fill the engine's own cache with other prompts (its LRU drops the older ones)."""
-        for _ in range(3):
-            self.generate(self.text(), salt=f"filler-{uuid.uuid4().hex}")
-
-    def external_hits(self) -> int:
-        return int(sum(m.value for m in self.llm.get_metrics()
-                       if m.name == "vllm:external_prefix_cache_hits"))
-
-    def remote_hits(self) -> int:
-        """Tokens the connector loaded after fetching them from another node (vLLM's
-        cached-tokens-by-source counter, source p2p)."""
-        return int(sum(m.value for m in self.llm.get_metrics()
-                       if m.name == "vllm:prompt_tokens_cached_by_source" and m.labels.get("source") == "p2p"))
-
-    def pages(self, node, ids: list[int]) -> int:
-        return ray.get(node.match.remote(ids, TENANT), timeout=CALL_TIMEOUT_S)
-
-    def move_to_peer(self, prompt: str) -> int:
-        """Leave the prompt's KV on the other node only: computed by this engine (and
-        saved to its node), fetched into the peer, then dropped from this node and from
-        vLLM's own cache. Returns the pages the peer holds."""
-        ids = self.llm.get_tokenizer().encode(prompt)
-        want = (len(ids) - 1) // BLOCK
-        self.generate(prompt)
-        have = eventually(lambda: (n := self.pages(self.node, ids)) >= want and n, "the prompt saved here")
-        client = FabricClient.connect(timeout_s=CALL_TIMEOUT_S)
-        assert client.fetch(ids, TENANT, into=self.there, source=NodeMatch(self.here, have, True)) >= want
-        self.evict()
-        ray.get(self.node.inject.remote(ChaosAction(evict_after_get=True)), timeout=CALL_TIMEOUT_S)
-        ray.get(self.node.get.remote(ids, TENANT), timeout=CALL_TIMEOUT_S)      # then evicts all it can
-        assert self.pages(self.node, ids) == 0
-        ray.get([self.node.flush.remote(), self.peer.flush.remote()], timeout=CALL_TIMEOUT_S)
-        found = eventually(lambda: [(m.node, m.pages) for m in client.lookup(ids, TENANT)] == [(self.there, have)],
-                           "the index to say only the peer holds it")
-        assert found
-        return have
-
-    def quiet(self) -> None:
-        """No fault armed and no quarantined page left on this node (a hung or dead
-        peer's read quarantines pages until a probe read from it completes)."""
-        ray.get(self.node.calm.remote(), timeout=CALL_TIMEOUT_S)
-
-        def released() -> bool:
-            ray.get(self.node.probe_quarantine.remote(), timeout=CALL_TIMEOUT_S)
-            return ray.get(self.node.stats.remote(), timeout=CALL_TIMEOUT_S)["quarantined"] == 0
-        eventually(released, "the quarantine released")
-
-    def node_host_hits(self) -> int:
-        return ray.get(self.node.cache_stats.remote(), timeout=CALL_TIMEOUT_S).hit_pages_host
-
-    def arm(self, point: str, exception: str) -> None:
-        with open(self.fault_file, "w") as f:
-            json.dump({point: exception}, f)
-
-    def armed(self) -> dict:
-        with open(self.fault_file) as f:
-            return json.load(f)
+from kvfabric.deploy.vllm.plan import layout_for_model  # noqa: E402
+from kvfabric.fabric import PoolCapacity  # noqa: E402
+from tests.deploy.vllm.connector_engine import (BLOCK, CALL_TIMEOUT_S, MAX_TOKENS, NAMESPACE,  # noqa: E402
+                                                PROMPT_CHARS, running_engine)
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    started = time.monotonic()
-    path = ensure_tiny_model()
-    # On a loaded machine a raylet may wait past Ray's default for its agents to start
-    # (and abort): give them longer.
-    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)          # the remote node
-    ray.init(address=cluster.address, namespace=NAMESPACE)
-    cluster.wait_for_nodes()
-    llm = fab = None
-    try:
-        layout = layout_for_model(path, BLOCK)
-        # The node's device tier holds about one prompt: the others move to its host
-        # tier (write-back) and are loaded back from there. chaos: transport faults
-        # can be armed on a node's next read from its peer.
-        caps = {PoolName.FULL: PoolCapacity(device=48, host=2048),
-                PoolName.SWA: PoolCapacity(device=16, host=512)}
-        fab = start(NodeConfig(layout, caps, device="cpu", hooks=NodeChaos), shards=1, cpus_per_actor=0.25,
-                    timeout_s=CALL_TIMEOUT_S, watch_s=1.0)
-        here = node_actor_name(ray.get_runtime_context().get_node_id())
-        (there,) = set(fab.nodes) - {here}
-        fault_file = str(tmp_path_factory.mktemp("faults") / "faults.json")
-        from vllm import LLM
-        from vllm.config import KVEventsConfig
-        events = f"ipc:///tmp/kvf-events-{uuid.uuid4().hex[:12]}"
-        llm = LLM(model=str(path), enforce_eager=True, dtype="float32", seed=0, max_model_len=2048,
-                  block_size=BLOCK, kv_cache_memory_bytes=12 << 20, disable_log_stats=False,
-                  kv_transfer_config=kv_transfer_config(here, cluster.address, ray_namespace=FABRIC_NS,
-                                                        **StepFaultFile.settings(fault_file)),
-                  kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events,
-                                                  replay_endpoint=events + "-replay"))
-        print(f"\ncluster, fabric and engine up in {time.monotonic() - started:.1f} s")
-        yield Engine(llm, fab, here, there, fault_file, layout, events)
-    finally:
-        engine_id = None
-        if llm is not None:
-            engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
-            llm.llm_engine.engine_core.shutdown()
-        if fab is not None:
-            stop(fab)
-        ray.shutdown()
-        cluster.shutdown()
-        for f in glob.glob(f"/dev/shm/kvf-vllm-{engine_id}-*") if engine_id else []:
-            os.unlink(f)
+    with running_engine(str(tmp_path_factory.mktemp("faults") / "faults.json")) as running:
+        yield running
 
 
 def test_greedy_outputs_are_deterministic(engine):

@@ -1,0 +1,169 @@
+"""The FabricConnector scheduler side's saves: a request's whole pages go from vLLM's
+blocks to staging (the worker copies them), then the node actor stores them.
+
+A prompt is saved in the step that computes its last token, a request's pages when it
+finishes, each only from the pages the node does not hold yet. The node's store is not
+waited for: the engine keeps stepping and the slots come back when the node answers
+(or, past the deadline, after a quarantine).
+
+A mixin of SchedulerSide: it uses the side's plan, settings, node link, staging slots,
+bookkeeping and stats.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from kvfabric.fabric import PoolName
+from kvfabric.transport.staging import StagingSpec
+
+from .jobs import ConnectorStep, CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove, StepHook
+from .node_link import NodeLink
+from .plan import NULL_BLOCK, EnginePlan
+
+if TYPE_CHECKING:
+    from .scheduler_side import ConnectorStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StagedSave:
+    """A save the worker is copying to staging, or the node is storing."""
+    tokens: list[int]
+    namespace: str
+    slots: dict[PoolName, list[int]]
+    # Each pool's first staged page: full KV before it is the node's already (or queued
+    # to it); SWA KV before it is outside the window vLLM still holds.
+    firsts: dict[PoolName, int]
+
+
+class SchedulerSaves:
+    """SchedulerSide's saves (a mixin). What they use of the side:"""
+    plan: EnginePlan
+    settings: FabricSettings
+    step_hook: StepHook | None
+    spec: StagingSpec
+    node: NodeLink
+    saving: dict[str, StagedSave]
+    storing: list
+    prompts: dict[str, tuple[list[int], str]]
+    fabric_has: dict[str, int]
+    kv_cache_manager: Any
+    meta: FabricMeta
+    stats: ConnectorStats
+    _alloc: Callable[[dict[PoolName, int]], dict[PoolName, list[int]] | None]
+    _free: Callable[[dict[PoolName, list[int]]], None]
+    _quarantine: Callable[[dict[PoolName, list[int]]], None]
+
+    def _save_finished_prompts(self, out) -> None:
+        """Save each prompt in the step that computes its last token: the worker copies
+        after the forward, when the sliding-window blocks of the prompt's last window
+        are all still there (decoding moves the window on and vLLM frees them)."""
+        if not self.prompts or self.kv_cache_manager is None:
+            return
+        computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, done in computed.items():
+            prompt = self.prompts.get(rid)
+            if prompt is None or done + out.num_scheduled_tokens.get(rid, 0) < len(prompt[0]):
+                continue
+            del self.prompts[rid]
+            if not self.node.ready() or len(prompt[0]) // self.plan.page_size <= self.fabric_has.get(rid, 0):
+                continue
+            block_ids = self.kv_cache_manager.get_blocks(rid).get_block_ids()
+            pages = len(prompt[0]) // self.plan.page_size
+            if self._save(rid, f"{rid}/prompt", prompt[0], prompt[1], block_ids, pages,
+                          ends_request=False, has=self.fabric_has.get(rid, 0)):
+                self.fabric_has[rid] = pages      # the end's save copies only what follows
+
+    def _saves_reported(self, report: FabricWorkerMeta) -> None:
+        """The worker copied these saves to staging (or failed to): the node stores them."""
+        for key in report.failed:
+            save = self.saving.pop(key, None)
+            if save is not None:
+                self.stats.save_failures += 1
+                self._free(save.slots)
+        for key in report.saved:
+            save = self.saving.pop(key, None)
+            if save is not None:
+                self._store(key, save)
+
+    def _store(self, key: str, save: StagedSave) -> None:
+        """Ask the node to store staged pages without waiting: the engine keeps stepping,
+        and the slots come back when the node answers (collected each step)."""
+        try:
+            if self.step_hook is not None:
+                self.step_hook(ConnectorStep.NODE_SAVE)
+            call = self.node.submit("save_staged", self.spec, save.tokens, save.namespace,
+                                    save.slots, save.firsts)
+        except Exception as e:
+            self._store_failed(key, save, e)
+            return
+        self.storing.append((call, key, save, time.monotonic() + self.settings.timeout_s))
+
+    def _collect_stores(self) -> None:
+        if not self.storing:
+            return
+        done = set(self.node.finished([c for c, *_ in self.storing]))
+        now, waiting = time.monotonic(), []
+        for call, key, save, deadline in self.storing:
+            if call in done:
+                try:
+                    stored = self.node.result(call)
+                except Exception as e:
+                    self._store_failed(key, save, e)
+                    continue
+                self._free(save.slots)
+                self.stats.saved_requests += 1
+                self.stats.stored_pages += stored
+            elif now >= deadline:
+                self._store_failed(key, save, TimeoutError(f"no answer in {self.settings.timeout_s} s"))
+            else:
+                waiting.append((call, key, save, deadline))
+        self.storing = waiting
+
+    def _store_failed(self, key: str, save: StagedSave, error: BaseException) -> None:
+        # The node may still read the slots (a late call): they stay out of use a while.
+        self.stats.save_failures += 1
+        self.stats.node_errors += 1
+        log.warning("fabric save failed for %s: %r", key, error)
+        self._quarantine(save.slots)
+
+    def _save(self, rid: str, key: str, tokens: list[int], namespace: str,
+              block_ids: tuple[list[int], ...], n: int, ends_request: bool, has: int = 0) -> bool:
+        """Queue the copy of a request's pages to staging, up to page n: full KV from
+        page `has` on (the node holds or is storing those before it: a conversation's
+        next turn copies its new pages, not the whole conversation again), SWA where
+        vLLM still holds it. The node stores them when the worker reports the copy done."""
+        n = min([n] + [len(block_ids[g]) for g in range(len(self.plan.group_pools))])
+        if n == 0:
+            return False
+        start = {PoolName.FULL: min(has, n), PoolName.SWA: self._surviving_window(block_ids, n)}
+        first_of = {p: start[p] for p in self.plan.layout.pools}
+        want = {p: n - first_of[p] for p in self.plan.layout.pools}
+        slots = self._alloc(want)
+        if slots is None:
+            return False
+        job = CopyJob(rid, [], key=key, ends_request=ends_request)
+        for pool, pool_slots in slots.items():
+            first = first_of[pool]
+            job.moves.append(PoolMove(pool, pool_slots, {g: list(block_ids[g][first:n])
+                                                         for g in self.plan.groups_of(pool)}))
+        self.saving[key] = StagedSave(tokens[: n * self.plan.page_size], namespace, slots, first_of)
+        self.meta.saves.append(job)
+        return True
+
+    def _surviving_window(self, block_ids: tuple[list[int], ...], n: int) -> int:
+        """The first page from which every SWA group still holds its blocks up to n."""
+        first = 0
+        for g in self.plan.groups_of(PoolName.SWA):
+            ids = block_ids[g][:n]
+            for p in range(n - 1, -1, -1):
+                if ids[p] == NULL_BLOCK:
+                    first = max(first, p + 1)
+                    break
+        return first

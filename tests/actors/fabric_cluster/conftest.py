@@ -1,0 +1,31 @@
+"""One Ray cluster of four nodes with the fabric on it, shared by this folder's test
+modules (package scope: starting it is most of their time). The index tests run first
+(file order): the node tests add and kill node actors, which the index tests' checks of
+the directory's node list would race."""
+from __future__ import annotations
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from kvfabric.actors import start, stop
+from tests.actors.fabric_cluster.cluster_kit import CONFIG
+
+
+@pytest.fixture(scope="package")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    for _ in range(3):
+        c.add_node(num_cpus=1)
+    ray.init(address=c.address)
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="package")
+def fabric(cluster):
+    f = start(CONFIG, shards=3, cpus_per_actor=0.25, watch_s=0.5)
+    yield f
+    stop(f)
