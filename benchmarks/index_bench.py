@@ -5,7 +5,9 @@ A round is a lookup then an insert, as a router does: the request goes to the
 node with the longest match (else round-robin) and that node's new pages are
 inserted. Ours works from page keys (and, for `ratio_with_hashing`, computes
 them from tokens too); the peer gets the prompt as text, one character per
-token, one tenant per node, inserts as routed.
+token, one tenant per node, inserts as routed. Ours runs twice, each in a fresh
+process: with the native extensions (KVF_NATIVE's default) and on the pure-Python
+reference (KVF_NATIVE=0); each run also measures the index's bytes per cached page.
 """
 from __future__ import annotations
 
@@ -14,8 +16,12 @@ import gc
 import json
 import os
 import secrets
+import subprocess
 import sys
+import tempfile
 import time
+import tracemalloc
+from pathlib import Path
 
 # Ray 2.60 turns token auth on; keep it on with a throw-away token, set before ray is
 # imported (Ray reads the mode once per process), so nothing is written to ~/.ray.
@@ -36,7 +42,7 @@ def keyed(requests: list[list[int]]) -> list[list[bytes]]:
     return [keyer.keys(t) for t in requests]
 
 
-def ours_rounds(all_keys: list[list[bytes]], tokens: list[list[int]] | None = None) -> float:
+def ours_rounds(all_keys: list[list[bytes]], tokens: list[list[int]] | None = None) -> tuple[float, PrefixIndex]:
     """Rounds per second of PrefixIndex; with `tokens`, page keys are computed inside the loop.
 
     The routed node already holds the request's first `have` pages (its match length; 0 when
@@ -63,7 +69,59 @@ def ours_rounds(all_keys: list[list[bytes]], tokens: list[list[int]] | None = No
             index.apply_chain(names[node], 1, seqs[node], keys[have:], have, parent, full_device,
                               cleared=seqs[node] == 0)
             seqs[node] += 1
-    return len(all_keys) / (time.perf_counter() - start)
+    return len(all_keys) / (time.perf_counter() - start), index
+
+
+def index_bytes(all_keys: list[list[bytes]]) -> tuple[float, float]:
+    """Bytes the index allocates per cached page (a page on two nodes counts twice), and
+    its presence table's bytes per key, as tracemalloc sees them (the C core allocates
+    through PyMem, which it traces). The keys' own bytes objects are the caller's."""
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    _, index = ours_rounds(all_keys)
+    gc.collect()
+    total = tracemalloc.get_traced_memory()[0] - before
+    stats = index.stats()
+    tracemalloc.stop()
+    table_index = PrefixIndex(MatchRule(window_pages=0))
+    node_keys = {n: list(index.node_pages(n)) for n in index.nodes()}
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    table = table_index._presence            # the table alone: each node's keys, as the index set them
+    for slot, keys in enumerate(node_keys.values()):
+        table.open(slot)
+        table.set(slot, keys, 3)
+    table_total = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return total / stats["node_pages"], table_total / len(table)
+
+
+def ours_worker(trace: str | None, requests: int, tokens_per_block: int) -> dict:
+    """The timed rounds and the memory figures, in this process's mode (KVF_NATIVE)."""
+    from kvfabric.fabric.cache import native
+    from kvfabric.fabric.index import presence
+    tokens = [request_tokens(r, tokens_per_block=tokens_per_block) for r in load_trace(trace, limit=requests)]
+    all_keys = keyed(tokens)
+    rate, _ = ours_rounds(all_keys)
+    hashing, _ = ours_rounds(all_keys, tokens)
+    per_page, per_key = index_bytes(all_keys)
+    return {"native": native.ENABLED and presence.ENABLED, "rounds_per_s": rate, "hashing_rounds_per_s": hashing,
+            "bytes_per_page": per_page, "table_bytes_per_key": per_key}
+
+
+def run_ours(trace: str | None, requests: int, tokens_per_block: int, python: bool = False) -> dict:
+    """One run in a fresh process: the native path (KVF_NATIVE's default), or the
+    pure-Python reference (`python`)."""
+    env = dict(os.environ, KVF_NATIVE="0") if python else {k: v for k, v in os.environ.items() if k != "KVF_NATIVE"}
+    with tempfile.TemporaryDirectory(prefix="kvf-index-") as tmp:
+        out = Path(tmp) / "out.json"
+        code = ("import json, sys; from benchmarks.index_bench import ours_worker; "
+                "json.dump(ours_worker(sys.argv[1] or None, int(sys.argv[2]), int(sys.argv[3])), "
+                "open(sys.argv[4], 'w'))")
+        subprocess.run([sys.executable, "-c", code, trace or "", str(requests), str(tokens_per_block), str(out)],
+                       check=True, cwd=Path(__file__).resolve().parent.parent, env=env)
+        return json.loads(out.read_text())
 
 
 def peer_rounds(tokens: list[list[int]]) -> float:
@@ -137,21 +195,35 @@ def main(argv: list[str] | None = None) -> int:
     reqs = load_trace(args.trace, limit=args.requests)
     tokens = [request_tokens(r, tokens_per_block=args.tokens_per_block) for r in reqs]
     all_keys = keyed(tokens)
-    ours = ours_rounds(all_keys)
-    ours_hashing = ours_rounds(all_keys, tokens)
+    fast = run_ours(args.trace, args.requests, args.tokens_per_block)
+    slow = run_ours(args.trace, args.requests, args.tokens_per_block, python=True)
+    ours, ours_hashing = fast["rounds_per_s"], fast["hashing_rounds_per_s"]
     peer = peer_rounds(tokens)
     full = [request_tokens(r, tokens_per_block=args.tokens_per_block) for r in load_trace(args.trace)]
     full_keys = keyed(full)
     balance = shard_balance(full_keys)
     lookup_ms, noop_ms = actor_latency(all_keys)
     print(f"{len(tokens)} requests, {args.tokens_per_block} tokens/block, page {PAGE}, {NODES} nodes")
-    print(f"ours {ours:.0f} rounds/s, with hashing {ours_hashing:.0f}, PrefixTree {peer:.0f}")
-    print(f"ratio {ours / peer:.2f} (target >= 10), with hashing {ours_hashing / peer:.2f} (target >= 2)")
+    kind = "native" if fast["native"] else "no extension!"
+    print(f"ours ({kind}) {ours:.0f} rounds/s, with hashing {ours_hashing:.0f}; pure Python "
+          f"{slow['rounds_per_s']:.0f}, with hashing {slow['hashing_rounds_per_s']:.0f}; PrefixTree {peer:.0f}")
+    print(f"ratio {ours / peer:.2f} (target >= 10), with hashing {ours_hashing / peer:.2f} (target >= 3); "
+          f"pure Python {slow['rounds_per_s'] / peer:.2f}, with hashing {slow['hashing_rounds_per_s'] / peer:.2f}")
+    print(f"index bytes per cached page {fast['bytes_per_page']:.0f} (pure Python {slow['bytes_per_page']:.0f}); "
+          f"presence table per key {fast['table_bytes_per_key']:.0f} (pure Python {slow['table_bytes_per_key']:.0f})")
     print(f"8 shards over {len(full)} requests: lookups max/mean {balance:.3f} (target <= 1.25)")
     print(f"actor lookup p50 {lookup_ms:.3f} ms, no-op call p50 {noop_ms:.3f} ms "
           f"({lookup_ms / noop_ms:.2f}x, target <= 1.3x)")
     if args.json:
-        print(json.dumps({"name": "index", "ours_lookups_per_s": round(ours, 1), "peer": "ray.serve PrefixTree",
+        print(json.dumps({"name": "index", "native": fast["native"], "ours_lookups_per_s": round(ours, 1),
+                          "ours_python_lookups_per_s": round(slow["rounds_per_s"], 1),
+                          "ratio_python": round(slow["rounds_per_s"] / peer, 3),
+                          "ratio_with_hashing_python": round(slow["hashing_rounds_per_s"] / peer, 3),
+                          "bytes_per_page": round(fast["bytes_per_page"], 1),
+                          "bytes_per_page_python": round(slow["bytes_per_page"], 1),
+                          "table_bytes_per_key": round(fast["table_bytes_per_key"], 1),
+                          "table_bytes_per_key_python": round(slow["table_bytes_per_key"], 1),
+                          "peer": "ray.serve PrefixTree",
                           "peer_lookups_per_s": round(peer, 1), "ratio": round(ours / peer, 3),
                           "ratio_with_hashing": round(ours_hashing / peer, 3),
                           "actor_lookup_p50_ms": round(lookup_ms, 3), "noop_actor_call_p50_ms": round(noop_ms, 3),

@@ -76,6 +76,8 @@ def test_the_wheel_holds_kvfabric_only(wheel):
     assert "kvfabric/deploy/sim/traces/conversation_trace.jsonl" in names
     native = [n for n in names if n.startswith("kvfabric/fabric/cache/_pagekeys.") and n.endswith(".so")]
     assert len(native) == 1, "the wheel must hold the built page-key extension"
+    index = [n for n in names if n.startswith("kvfabric/fabric/index/_presence.") and n.endswith(".so")]
+    assert len(index) == 1, "the wheel must hold the built index-core extension"
     assert not any("/csrc/" in n for n in names), "C sources stay out of the wheel"
     assert not any(n.startswith(("benchmarks/", "tests/", "kvfabric/benchmarks/")) for n in names)
     assert "kvfabric = kvfabric.deploy.cli.main:main" in entry_points
@@ -88,6 +90,11 @@ from kvfabric import NodeCache, KVLayout, PoolName, PoolCapacity
 from kvfabric.deploy.sim.trace import load_trace
 from kvfabric.fabric.cache import native
 assert native.ENABLED and "site-packages" in native.KEYS.__file__, "the extension loads from the wheel"
+from kvfabric.fabric.index import presence
+from kvfabric.fabric.index.prefix_index import PrefixIndex
+from kvfabric.fabric import MatchRule
+assert presence.ENABLED and "site-packages" in presence.EXT.__file__, "the index core loads from the wheel"
+assert type(PrefixIndex(MatchRule(0))._presence) is presence.EXT.Presence
 assert fabric.Connection.__module__.startswith("fabric."), "fabric is the SSH library"
 assert "site-packages" in kvfabric.fabric.__file__, kvfabric.fabric.__file__
 layout = KVLayout(layers=("full",), kv_heads=1, head_dim=4, page_size=2)

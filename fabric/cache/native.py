@@ -9,7 +9,8 @@ from __future__ import annotations
 import enum
 import os
 import warnings
-from typing import Protocol
+from types import ModuleType
+from typing import Callable, Protocol
 
 
 class Mode(enum.Enum):
@@ -46,21 +47,30 @@ def mode_from(value: str | None) -> Mode:
         raise ValueError(f"KVF_NATIVE must be one of 0, 1, auto, got {value!r}") from None
 
 
-def load_keys(mode: Mode) -> KeysExtension | None:
-    """The keys extension under `mode`, or None for pure Python."""
+def load(mode: Mode, importer: Callable[[], ModuleType]) -> ModuleType | None:
+    """The extension `importer` imports, under `mode`; None for pure Python."""
     if mode is Mode.OFF:
         return None
     try:
-        from . import _pagekeys  # type: ignore[attr-defined]  # built C: mypy sees no source
+        return importer()
     except ImportError as e:
         if mode is Mode.ON:
             raise ImportError(f"KVF_NATIVE=1 but the native extension does not load ({e}); "
                               "build it with `pip install -e .` or set KVF_NATIVE=0") from e
         warnings.warn(f"kvfabric: the native extension does not load ({e}); using pure Python "
                       "(`pip install -e .` builds it; KVF_NATIVE=0 silences this)", RuntimeWarning,
-                      stacklevel=2)
+                      stacklevel=3)
         return None
-    ext: KeysExtension = _pagekeys
+
+
+def _import_keys() -> ModuleType:
+    from . import _pagekeys  # type: ignore[attr-defined]  # built C: mypy sees no source
+    return _pagekeys
+
+
+def load_keys(mode: Mode) -> KeysExtension | None:
+    """The keys extension under `mode`, or None for pure Python."""
+    ext: KeysExtension | None = load(mode, _import_keys)    # type: ignore[assignment]
     return ext
 
 

@@ -1,4 +1,6 @@
-"""The prefix index's lookups: each node's usable match for a request's page keys.
+"""The prefix index's lookups on the pure-Python presence table: each node slot's usable
+match for a request's page keys, as (slot, pages, device); PrefixIndex names and ranks
+them. The reference for the native core's lookup (csrc/lookup.c).
 
 A node's masks along the keys are packed in one int per key, a 4-bit nibble per node
 slot (see prefix_index._code), so the running AND of the ints says, for all nodes at
@@ -13,22 +15,22 @@ from itertools import accumulate, count, repeat, takewhile
 from operator import and_
 from typing import Sequence
 
-from .answers import NodeMatch, rank_key
 from .events import KEY_BYTES
 
 _BYTES, _KEY_LEN = {bytes}, {KEY_BYTES}
 
+Match = tuple[int, int, bool]       # (node slot, pages, device)
+
 
 class Lookups:
-    """PrefixIndex's queries; it owns the state they read."""
+    """The presence table's queries; it owns the state they read."""
     _bits: dict[bytes, int]        # key -> packed holders' nibbles (never 0)
-    _slots: list[str | None]       # slot -> node name
-    _ones: int                     # bit 0 of every slot's nibble
+    _ones: int                     # bit 0 of every open slot's nibble
     window_pages: int
     has_full: bool
 
-    def lookup(self, keys: Sequence[bytes]) -> list[NodeMatch]:
-        """Each node's usable match length for these chained page keys, best first."""
+    def lookup(self, keys: Sequence[bytes]) -> list[Match]:
+        """Each node slot's usable match length for these chained page keys, unordered."""
         if not keys:
             return []
         if set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN:
@@ -38,23 +40,21 @@ class Lookups:
         chain, prefix = self._walk(keys)
         if not chain:
             return []
-        out: list[NodeMatch] = []
+        out: list[Match] = []
         pending = 0 if self.has_full else self._ones   # without FULL runs, all scan from the end
         for n, group in self._full_runs(prefix) if self.has_full else ():
             pending |= self._match_group(chain, prefix, n, group, out)
         if pending:
             self._fall_back(chain, prefix, pending, out)
-        if len(out) > 1:
-            out.sort(key=rank_key)
         return out
 
-    def _lookup_full(self, keys: Sequence[bytes]) -> list[NodeMatch]:
+    def _lookup_full(self, keys: Sequence[bytes]) -> list[Match]:
         """`lookup` without SWA layers: a node's match is its FULL run from page 0, so the
         runs are the answer. One C pipeline, no per-page list: holders of each page, their
         running AND, stopping where it is 0 (a missing key, or no node holding every page
         so far: no run goes further), and each distinct running value -> where it ends."""
         ends = dict(zip(takewhile(bool, accumulate(map(self._bits.get, keys, repeat(0)), and_)), count(1)))
-        ones, slots, out, inner = self._ones, self._slots, [], 0
+        ones, out, inner = self._ones, [], 0
         for v in reversed(ends):               # longest run first; the AND only loses bits
             held = v & ones
             nodes = held & ~inner
@@ -63,10 +63,8 @@ class Lookups:
                 while nodes:
                     low = nodes & -nodes
                     nodes ^= low
-                    out.append(NodeMatch(slots[(low.bit_length() - 1) >> 2], n, bool(v & (low << 1))))
+                    out.append(((low.bit_length() - 1) >> 2, n, bool(v & (low << 1))))
             inner = held
-        if len(out) > 1:
-            out.sort(key=rank_key)
         return out
 
     def _walk(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
@@ -91,7 +89,7 @@ class Lookups:
         return runs
 
     def _match_group(self, chain: list[int], prefix: list[int], n: int, group: int,
-                     out: list[NodeMatch]) -> int:
+                     out: list[Match]) -> int:
         """Nodes that may match up to n pages: those holding the SWA window there match n;
         the others are returned, for `_fall_back`."""
         w, win = self.window_pages, -1
@@ -101,7 +99,7 @@ class Lookups:
         self._emit(ok, n, (prefix[n - 1] >> 1 if self.has_full else -1) & (win >> 3), out)
         return group & ~ok
 
-    def _fall_back(self, chain: list[int], prefix: list[int], pending: int, out: list[NodeMatch]) -> None:
+    def _fall_back(self, chain: list[int], prefix: list[int], pending: int, out: list[Match]) -> None:
         """Nodes whose SWA window fails where their match could end (a tombstoned prefix the
         request leaves early, say): try shorter lengths, all such nodes in one downward scan."""
         wins, full = self._windows(chain, prefix), self.has_full
@@ -124,11 +122,9 @@ class Lookups:
             runs, k = list(map(and_, runs, runs[k:])), 2 * k
         return prefix[:w - 1] + list(map(and_, runs, runs[w - k:]))
 
-    def _emit(self, nodes: int, n: int, device: int, out: list[NodeMatch]) -> None:
-        slots = self._slots
+    @staticmethod
+    def _emit(nodes: int, n: int, device: int, out: list[Match]) -> None:
         while nodes:
             low = nodes & -nodes
             nodes ^= low
-            node = slots[(low.bit_length() - 1) >> 2]
-            assert node is not None, "a packed bit names a freed slot"
-            out.append(NodeMatch(node, n, bool(device & low)))
+            out.append(((low.bit_length() - 1) >> 2, n, bool(device & low)))

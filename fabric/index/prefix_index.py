@@ -1,25 +1,26 @@
 """The global prefix index: which node holds which page, from the nodes' KV events.
 
-Plain Python, one process: an index shard wraps one, and the unsharded reference
-of the differential tests is one. Per page key it keeps every holder's mask packed
-in one int, a 4-bit nibble per node slot (see `_code`), which its lookups AND along
-a request's keys (see `Lookups`; what counts as a match is the layout's MatchRule,
-read from its attention policies). `apply_chain` takes what a node publishes after
-a put, a run of consecutive pages with one mask, as a few C-level passes over its
-keys, with no object per page (see `Chain`)."""
+One process: an index shard wraps one, and the unsharded reference of the
+differential tests is one. Per page key its presence table keeps every holder's mask
+as a 4-bit nibble per node slot (see `_code`), which lookups AND along a request's
+keys (see presence.py; what counts as a match is the layout's MatchRule, read from its
+attention policies); the table is C or pure Python (KVF_NATIVE). Admission (epochs,
+sequence numbers), validation, what each node published and page metadata stay here.
+`apply_chain` takes what a node publishes after a put, a run of consecutive pages with
+one mask, as one table call and dict updates, with no object per page (see `Chain`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain as _chain, repeat
-from operator import and_, or_
+from itertools import repeat
 from typing import Sequence
 
 from .admission import Admission, ApplyResult
-from .answers import Chain, resolve
+from .answers import Chain, NodeMatch, rank_key, resolve
 from .events import (_MAX_MASK, KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot, check_header,
                      check_pages)
-from .lookups import _BYTES, _KEY_LEN, Lookups     # one definition of a well-formed key list
+from .lookups import _BYTES, _KEY_LEN     # one definition of a well-formed key list
 from .match_rule import MatchRule
+from .presence import new_presence
 
 # Bits of a node's nibble: FULL on either tier, FULL on device, SWA on either, SWA on device.
 _F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8
@@ -44,20 +45,20 @@ class _NodeState:
     pages: dict[bytes, Chain] = field(default_factory=dict)
 
 
-class PrefixIndex(Lookups):
-    def __init__(self, rule: MatchRule, fingerprint: bytes | None = None) -> None:
+class PrefixIndex:
+    def __init__(self, rule: MatchRule, fingerprint: bytes | None = None, *, native: bool | None = None) -> None:
+        """`native`: the C presence table or the reference (default: KVF_NATIVE's pick)."""
         if not isinstance(rule, MatchRule):
             raise ValueError(f"rule must be a MatchRule, got {rule!r}")
         self.rule = rule
-        self.window_pages, self.has_full = rule.window_pages, rule.has_full     # read per lookup
+        self.window_pages, self.has_full = rule.window_pages, rule.has_full
         self.fingerprint = fingerprint      # if set, batches of another layout are refused
-        # Key -> packed holders (never 0: a key no node holds is deleted), kept apart from
-        # key -> (parent, depth) so that a lookup reads plain ints at C speed.
-        self._bits: dict[bytes, int] = {}
+        # Key -> packed holders, kept apart from key -> (parent, depth) so that a lookup
+        # reads only the packed nibbles.
+        self._presence = new_presence(rule, native)
         self._meta: dict[bytes, Chain] = {}      # key -> the record it was last published in
         self._nodes: dict[str, _NodeState] = {}
         self._slots: list[str | None] = []        # slot -> node name; None: free
-        self._ones = 0                            # bit 0 of every slot's nibble
         # Dropped nodes and epoch floors, so that late events cannot resurrect a node.
         self.admission = Admission()
         self._counts = {r: 0 for r in ApplyResult}
@@ -176,7 +177,7 @@ class PrefixIndex(Lookups):
             return
         self._clear(st)
         self._slots[st.slot] = None
-        self._ones &= ~(1 << 4 * st.slot)
+        self._presence.close(st.slot)
 
     def admit(self, node: str, epoch: int) -> None:
         """The directory's word that `node` belongs, publishing from `epoch` on: a dropped
@@ -193,32 +194,27 @@ class PrefixIndex(Lookups):
             self._slots.append(None)
         slot = self._slots.index(None)
         self._slots[slot] = node
-        self._ones |= 1 << 4 * slot
+        self._presence.open(slot)
         st = self._nodes[node] = _NodeState(slot, epoch, None)
         return st
 
     def _set(self, st: _NodeState, key: bytes, parent: bytes, depth: int, mask: int) -> None:
-        shift = 4 * st.slot
-        bits = (self._bits.get(key, 0) & ~(0xF << shift)) | (_CODES[mask] << shift)
         if mask:
             st.pages[key] = self._meta[key] = ((key,), depth, parent, mask)
-            self._bits[key] = bits
+            self._presence.set(st.slot, (key,), _CODES[mask])
         else:
             st.pages.pop(key, None)
-            self._store(key, bits)
+            self._forget(self._presence.set(st.slot, (key,), 0))
 
     def _set_chain(self, st: _NodeState, keys: list[bytes], first_depth: int, parent: bytes,
                    mask: int) -> None:
-        """`_set` for every page of a chain, as C-level passes over the keys."""
+        """`_set` for every page of a chain: one table call and C-level dict updates."""
         if not mask:
-            for d, (key, par) in enumerate(zip(keys, _chain((parent,), keys)), first_depth):
-                self._set(st, key, par, d, 0)
+            for key in keys:
+                st.pages.pop(key, None)
+            self._forget(self._presence.set(st.slot, keys, 0))
             return
-        shift = 4 * st.slot
-        b = self._bits
-        new = list(map(or_, map(and_, map(b.get, keys, repeat(0)), repeat(~(0xF << shift))),
-                       repeat(_CODES[mask] << shift)))
-        b.update(zip(keys, new))
+        self._presence.set(st.slot, keys, _CODES[mask])
         rec = (tuple(keys), first_depth, parent, mask)
         st.pages.update(zip(keys, repeat(rec)))
         self._meta.update(zip(keys, repeat(rec)))
@@ -226,20 +222,23 @@ class PrefixIndex(Lookups):
     def _clear(self, st: _NodeState) -> None:
         if not st.pages:
             return
-        keys, b = list(st.pages), self._bits
-        left = list(map(and_, map(b.__getitem__, keys), repeat(~(0xF << 4 * st.slot))))
-        if all(left):                     # every page still held by some other node
-            b.update(zip(keys, left))
-        else:
-            for key, bits in zip(keys, left):
-                self._store(key, bits)
+        self._forget(self._presence.set(st.slot, list(st.pages), 0))
         st.pages = {}
 
-    def _store(self, key: bytes, bits: int) -> None:
-        if bits:
-            self._bits[key] = bits
-        elif self._bits.pop(key, None) is not None:
+    def _forget(self, removed: list[bytes] | None) -> None:
+        """Drop the records of keys no node holds any more."""
+        for key in removed or ():
             del self._meta[key]
+
+    def lookup(self, keys: Sequence[bytes]) -> list[NodeMatch]:
+        """Each node's usable match length for these chained page keys, best first."""
+        if not keys:
+            return []
+        slots = self._slots
+        out = [NodeMatch(slots[s], n, d) for s, n, d in self._presence.lookup(keys)]    # type: ignore[arg-type]
+        if len(out) > 1:
+            out.sort(key=rank_key)
+        return out
 
     def node_pages(self, node: str) -> dict[bytes, PageState]:
         st = self._nodes.get(node)
@@ -255,7 +254,7 @@ class PrefixIndex(Lookups):
 
     def held_keys(self) -> list[bytes]:
         """Every key some node holds."""
-        return list(self._bits)
+        return self._presence.keys()
 
     def page_meta(self, key: bytes) -> tuple[bytes, int] | None:
         """(parent, depth) of a key some node holds, as last published."""
@@ -271,10 +270,10 @@ class PrefixIndex(Lookups):
         return sorted(self._nodes)
 
     def __len__(self) -> int:
-        return len(self._bits)
+        return len(self._presence)
 
     def stats(self) -> dict:
-        return {"keys": len(self._bits), "nodes": len(self._nodes),
+        return {"keys": len(self._presence), "nodes": len(self._nodes),
                 "node_pages": sum(len(st.pages) for st in self._nodes.values()),
                 "out_of_sync": sorted(n for n, st in self._nodes.items() if st.seq is None),
                 "dropped_nodes": self.admission.dropped(),
