@@ -28,6 +28,7 @@ demo: $(STAMP)
 # The suite runs on the native path (KVF_NATIVE's default); the core's tests run again on
 # the pure-Python reference.
 test: $(STAMP)
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 	KVF_NATIVE=0 $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/fabric

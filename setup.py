@@ -1,16 +1,25 @@
 """The one thing pyproject.toml cannot declare without setuptools' experimental table: the
 C extensions behind fabric/cache/keys.py and fabric/index/presence.py (built by
 `pip install`, `make` and CI alike)."""
+
 from setuptools import Extension, setup
 
 KEYS, INDEX = "fabric/cache/csrc", "fabric/index/csrc"
 FLAGS = ["-O3", "-std=c11", "-Wall", "-Werror=implicit-function-declaration"]
 
-setup(ext_modules=[
-    Extension("kvfabric.fabric.cache._pagekeys",
-              sources=[f"{KEYS}/pagekeys.c", f"{KEYS}/pack.c", f"{KEYS}/blake2b.c"],
-              depends=[f"{KEYS}/blake2b.h", f"{KEYS}/pack.h"], extra_compile_args=FLAGS),
-    Extension("kvfabric.fabric.index._presence",
-              sources=[f"{INDEX}/presence.c", f"{INDEX}/lookup.c"],
-              depends=[f"{INDEX}/presence.h"], extra_compile_args=FLAGS),
-])
+setup(
+    ext_modules=[
+        Extension(
+            "kvfabric.fabric.cache._pagekeys",
+            sources=[f"{KEYS}/pagekeys.c", f"{KEYS}/pack.c", f"{KEYS}/blake2b.c"],
+            depends=[f"{KEYS}/blake2b.h", f"{KEYS}/pack.h"],
+            extra_compile_args=FLAGS,
+        ),
+        Extension(
+            "kvfabric.fabric.index._presence",
+            sources=[f"{INDEX}/presence.c", f"{INDEX}/lookup.c"],
+            depends=[f"{INDEX}/presence.h"],
+            extra_compile_args=FLAGS,
+        ),
+    ]
+)

@@ -4,6 +4,7 @@ The directory actor is composed of its membership passes (actors/membership.py: 
 dead, rejoin the restarted, add node actors to new Ray nodes) and its watcher
 (actors/watcher.py: runs those passes and rebalances by itself); this module holds its
 state, registration, recovery after a restart, and route changes."""
+
 from __future__ import annotations
 
 import logging
@@ -11,10 +12,9 @@ import os
 import threading
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
-
 from kvfabric.fabric import LoadTracker, RouteTable
 from kvfabric.fabric.index.balance import chance_target
+from ray.exceptions import GetTimeoutError, RayError
 
 from .membership import Membership, MembershipPasses
 from .names import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, NODE_PREFIX, node_actor_name, shard_name
@@ -22,8 +22,19 @@ from .node.node_actor import Beat, NodeConfig
 from .node.node_placement import connect_peers, existing, join, place_node_actor
 from .watcher import Watcher
 
-__all__ = ["CALL_TIMEOUT_S", "DIRECTORY", "NAMESPACE", "NODE_PREFIX", "FabricDirectory", "Membership",
-           "connect_peers", "join", "node_actor_name", "place_node_actor", "shard_name"]
+__all__ = [
+    "CALL_TIMEOUT_S",
+    "DIRECTORY",
+    "NAMESPACE",
+    "NODE_PREFIX",
+    "FabricDirectory",
+    "Membership",
+    "connect_peers",
+    "join",
+    "node_actor_name",
+    "place_node_actor",
+    "shard_name",
+]
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +43,18 @@ log = logging.getLogger(__name__)
 # a node actor that registers while a reconcile waits on it cannot deadlock the directory.
 @ray.remote
 class FabricDirectory(MembershipPasses, Watcher):
-    def __init__(self, config: NodeConfig, shards: int, cpus_per_actor: float = 0.25,
-                 watch_s: float = 0.0) -> None:
+    def __init__(
+        self, config: NodeConfig, shards: int, cpus_per_actor: float = 0.25, watch_s: float = 0.0
+    ) -> None:
         self.config = config
         self.routes = RouteTable(shards)
-        self.nodes: dict[str, bytes] = {}          # node actor name -> NIXL metadata
+        self.nodes: dict[str, bytes] = {}  # node actor name -> NIXL metadata
         self.cpus_per_actor = cpus_per_actor
-        self._lock = threading.RLock()             # guards nodes and routes; never held across a call
-        self._rebalancing = threading.Lock()       # one rebalance at a time
-        self._undropped: set[str] = set()          # dropped nodes some shard has not heard of yet
-        self._joining: set[str] = set()            # attached to the index, not yet registered
-        self._adding = threading.Lock()            # one pass adding node actors at a time
+        self._lock = threading.RLock()  # guards nodes and routes; never held across a call
+        self._rebalancing = threading.Lock()  # one rebalance at a time
+        self._undropped: set[str] = set()  # dropped nodes some shard has not heard of yet
+        self._joining: set[str] = set()  # attached to the index, not yet registered
+        self._adding = threading.Lock()  # one pass adding node actors at a time
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         # Restarted by Ray (the same arguments again): the node actors hold what this
@@ -53,8 +65,11 @@ class FabricDirectory(MembershipPasses, Watcher):
                 self.watch(watch_s)
 
     def _recover(self, timeout_s: float = CALL_TIMEOUT_S) -> None:
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"] == NAMESPACE and a["name"].startswith(NODE_PREFIX)]
+        names = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith(NODE_PREFIX)
+        ]
         answers = {}
         for name in names:
             actor = existing(name)
@@ -64,14 +79,17 @@ class FabricDirectory(MembershipPasses, Watcher):
             try:
                 meta, routes = ray.get(ref, timeout=timeout_s)
             except (RayError, GetTimeoutError):
-                continue                    # dead or stuck: the watcher decides later
+                continue  # dead or stuck: the watcher decides later
             self.nodes[name] = meta
             if routes is not None:
                 table = RouteTable.decode(routes)
                 if table.version > self.routes.version:
                     self.routes = table
-        log.info("directory restarted: recovered %d nodes, routes version %d", len(self.nodes),
-                 self.routes.version)
+        log.info(
+            "directory restarted: recovered %d nodes, routes version %d",
+            len(self.nodes),
+            self.routes.version,
+        )
         self._converge(timeout_s)
 
     def _converge(self, timeout_s: float, beats: dict[str, Beat | None] | None = None) -> None:
@@ -89,22 +107,37 @@ class FabricDirectory(MembershipPasses, Watcher):
                 try:
                     versions[i] = ray.get(shard.get_route_version.remote(), timeout=timeout_s)
                 except RayError:
-                    pass                    # restarting: it starts at 0, and hears next pass
+                    pass  # restarting: it starts at 0, and hears next pass
             with self._lock:
                 if max(versions.values(), default=0) > self.routes.version:
-                    self.routes = RouteTable(self.routes.shards, self.routes.routes, max(versions.values()) + 1)
+                    self.routes = RouteTable(
+                        self.routes.shards, self.routes.routes, max(versions.values()) + 1
+                    )
                 routes = self.routes.encode()
                 version = self.routes.version
             try:
-                ray.get([shards[i].set_route_version.remote(version) for i, v in versions.items() if v < version],
-                        timeout=timeout_s)
+                ray.get(
+                    [
+                        shards[i].set_route_version.remote(version)
+                        for i, v in versions.items()
+                        if v < version
+                    ],
+                    timeout=timeout_s,
+                )
             except RayError as e:
-                log.warning("a shard did not take route version %d (next pass retries): %s", version, e)
+                log.warning(
+                    "a shard did not take route version %d (next pass retries): %s", version, e
+                )
             for name, beat in beats.items():
-                if beat is None or beat.route_version is None or beat.route_version >= version:   # not attached
+                if (
+                    beat is None or beat.route_version is None or beat.route_version >= version
+                ):  # not attached
                     continue
                 try:
-                    ray.get(ray.get_actor(name, namespace=NAMESPACE).reroute.remote(routes), timeout=timeout_s)
+                    ray.get(
+                        ray.get_actor(name, namespace=NAMESPACE).reroute.remote(routes),
+                        timeout=timeout_s,
+                    )
                 except (RayError, ValueError) as e:
                     log.warning("rerouting %s failed (next pass retries): %s", name, e)
 
@@ -135,10 +168,14 @@ class FabricDirectory(MembershipPasses, Watcher):
             return sorted(self.nodes)
 
     def _shards(self) -> list:
-        return [ray.get_actor(shard_name(i), namespace=NAMESPACE) for i in range(self.routes.shards)]
+        return [
+            ray.get_actor(shard_name(i), namespace=NAMESPACE) for i in range(self.routes.shards)
+        ]
 
     # --- routes --------------------------------------------------------------------------
-    def rebalance(self, target: float = 1.25, timeout_s: float = CALL_TIMEOUT_S, sigmas: float = 0.0) -> bool:
+    def rebalance(
+        self, target: float = 1.25, timeout_s: float = CALL_TIMEOUT_S, sigmas: float = 0.0
+    ) -> bool:
         """Split the hottest subtree if shard lookups are uneven (else the largest if
         entries are); nodes then resend snapshots under the new routes. Returns
         whether routes changed. With `sigmas`, lookups must be uneven beyond chance
@@ -150,13 +187,21 @@ class FabricDirectory(MembershipPasses, Watcher):
             for report in ray.get([s.load_report.remote() for s in shards], timeout=timeout_s):
                 load.merge(report)
             lookups = chance_target(target, load.lookups, sigmas) or target
-            planned = load.plan(current, lookups, target, regions_of=lambda i: ray.get(
-                shards[i].entry_regions.remote(current.encode()), timeout=timeout_s))
+            planned = load.plan(
+                current,
+                lookups,
+                target,
+                regions_of=lambda i: ray.get(
+                    shards[i].entry_regions.remote(current.encode()), timeout=timeout_s
+                ),
+            )
             if planned is None:
                 return False
             # Shards first: no client can hold a table newer than every shard knows, so a
             # restart cut in here re-issues above it (see _recover). Then the table, then nodes.
-            ray.get([s.set_route_version.remote(planned[0].version) for s in shards], timeout=timeout_s)
+            ray.get(
+                [s.set_route_version.remote(planned[0].version) for s in shards], timeout=timeout_s
+            )
             with self._lock:
                 self.routes = planned[0]
             routes = planned[0].encode()

@@ -8,6 +8,7 @@ and the index shards included (with GCS fault tolerance it survives the GCS too)
 so it remembers every epoch anything else can remember. A claim takes the next
 number by put-if-absent: no two claims get one epoch, and a later claim always
 gets a higher one."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,10 +52,12 @@ class GcsKV:
 
     def get(self, key: bytes) -> bytes | None:
         from ray.experimental import internal_kv
+
         return internal_kv._internal_kv_get(key, namespace=NAMESPACE)
 
     def put(self, key: bytes, value: bytes, overwrite: bool) -> bool:
         from ray.experimental import internal_kv
+
         return internal_kv._internal_kv_put(key, value, overwrite, namespace=NAMESPACE)
 
 

@@ -6,6 +6,7 @@ node list; all are named and detached in one Ray namespace, so any job or
 Serve replica can `connect`. `FabricClient` is plain Python: lookups route
 locally and go to one shard; a fetch pulls the best remote prefix into a
 node; every failure degrades to a shorter or empty prefix."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,12 +14,19 @@ from dataclasses import dataclass
 from typing import Any, Generator, Sequence, cast
 
 import ray
+from kvfabric.fabric import KeyerCache, MatchRule, NodeMatch, RouteTable
 from ray.exceptions import GetTimeoutError, RayError
 
-from kvfabric.fabric import KeyerCache, MatchRule, NodeMatch, RouteTable
-
-from .directory import (CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, FabricDirectory, Membership, join,
-                        place_node_actor, shard_name)
+from .directory import (
+    CALL_TIMEOUT_S,
+    DIRECTORY,
+    NAMESPACE,
+    FabricDirectory,
+    Membership,
+    join,
+    place_node_actor,
+    shard_name,
+)
 from .index_shard import IndexShardActor
 from .node.node_actor import NodeConfig
 
@@ -30,8 +38,13 @@ class Fabric:
     shards: list["ray.actor.ActorHandle"]
 
 
-def start(config: NodeConfig, shards: int = 4, cpus_per_actor: float = 0.25,
-          timeout_s: float = 180.0, watch_s: float = 2.0) -> Fabric:
+def start(
+    config: NodeConfig,
+    shards: int = 4,
+    cpus_per_actor: float = 0.25,
+    timeout_s: float = 180.0,
+    watch_s: float = 2.0,
+) -> Fabric:
     """Start the fabric on the connected cluster: one node actor per alive node.
     `timeout_s` bounds each step (actors import torch and NIXL as they start);
     every `watch_s` seconds the directory reconciles membership (0: never)."""
@@ -40,14 +53,20 @@ def start(config: NodeConfig, shards: int = 4, cpus_per_actor: float = 0.25,
     # The directory restarts if killed and rebuilds its state from the node actors.
     # The ignores: @ray.remote made these classes ActorClasses, which mypy does not see.
     directory = FabricDirectory.options(  # type: ignore[attr-defined]
-        name=DIRECTORY, max_concurrency=8, max_restarts=-1, **opts).remote(
-        config, shards, cpus_per_actor=cpus_per_actor, watch_s=watch_s)
+        name=DIRECTORY, max_concurrency=8, max_restarts=-1, **opts
+    ).remote(config, shards, cpus_per_actor=cpus_per_actor, watch_s=watch_s)
     rule, fingerprint = MatchRule.of(config.layout), config.layout.fingerprint
     # Shard state is soft: a restarted shard starts empty, answers partially, and nodes
     # refill it (their next batch shows a gap; they answer with a snapshot).
-    shard_actors = [IndexShardActor.options(name=shard_name(i), max_restarts=-1, **opts)  # type: ignore[attr-defined]
-                    .remote(i, shards, rule, fingerprint) for i in range(shards)]
-    nodes = dict(place_node_actor(n["NodeID"], config, cpus_per_actor) for n in ray.nodes() if n["Alive"])
+    shard_actors = [
+        IndexShardActor.options(name=shard_name(i), max_restarts=-1, **opts).remote(  # type: ignore[attr-defined]
+            i, shards, rule, fingerprint
+        )
+        for i in range(shards)
+    ]
+    nodes = dict(
+        place_node_actor(n["NodeID"], config, cpus_per_actor) for n in ray.nodes() if n["Alive"]
+    )
     ray.get([s.noop.remote() for s in shard_actors], timeout=timeout_s)
     for name in nodes:
         join(directory, name, timeout_s)
@@ -63,18 +82,18 @@ def stop(fabric: Fabric, timeout_s: float = CALL_TIMEOUT_S) -> None:
         ray.get(fabric.directory.stop_watching.remote(), timeout=timeout_s)
         names = ray.get(fabric.directory.node_names.remote(), timeout=timeout_s)
     except (RayError, GetTimeoutError):
-        pass            # the directory is gone already: kill what we hold
+        pass  # the directory is gone already: kill what we hold
     added = []
     for name in set(names) - set(fabric.nodes):
         try:
             added.append(ray.get_actor(name, namespace=NAMESPACE))
         except ValueError:
-            pass        # died meanwhile
+            pass  # died meanwhile
     for actor in [fabric.directory, *fabric.nodes.values(), *added, *fabric.shards]:
         try:
             ray.kill(actor)
         except RayError:
-            pass            # already gone: stopping is idempotent
+            pass  # already gone: stopping is idempotent
 
 
 class FabricClient:
@@ -83,7 +102,9 @@ class FabricClient:
         self.timeout_s = timeout_s
         config: NodeConfig = ray.get(directory.get_config.remote(), timeout=CALL_TIMEOUT_S)
         self.layout = config.layout
-        self.routes = RouteTable.decode(ray.get(directory.get_routes.remote(), timeout=CALL_TIMEOUT_S))
+        self.routes = RouteTable.decode(
+            ray.get(directory.get_routes.remote(), timeout=CALL_TIMEOUT_S)
+        )
         self._shards: dict[int, object] = {}
         # Bounded: a router or model server sees every tenant over its life.
         self._keyers = KeyerCache(self.layout.fingerprint, self.layout.page_size)
@@ -105,7 +126,7 @@ class FabricClient:
         except StopIteration as done:
             return done.value
         except (RayError, GetTimeoutError, ValueError):
-            return []            # a miss costs recomputation, never an error
+            return []  # a miss costs recomputation, never an error
 
     async def lookup_async(self, tokens: Sequence[int], namespace: str) -> list[NodeMatch]:
         """`lookup` for an event loop (a request router): awaits instead of blocking."""
@@ -124,7 +145,9 @@ class FabricClient:
         answer at each step."""
         return PendingLookup(self._lookup_steps(tokens, namespace))
 
-    def _lookup_steps(self, tokens: Sequence[int], namespace: str) -> Generator[_Call, Any, list[NodeMatch]]:
+    def _lookup_steps(
+        self, tokens: Sequence[int], namespace: str
+    ) -> Generator[_Call, Any, list[NodeMatch]]:
         """The lookup, as the calls it waits on (each answer is sent back in): `lookup`
         and `lookup_async` only differ in how they wait. A stale route table is
         refreshed once; any failure (the caller catches it) is a miss."""
@@ -133,14 +156,20 @@ class FabricClient:
             return []
         for _ in range(2):
             shard, depth = self.routes.locate(keys)
-            found = yield _Call(self._shard(shard).lookup.remote(b"".join(keys), self.routes.version, depth),
-                                self.timeout_s)
+            found = yield _Call(
+                self._shard(shard).lookup.remote(b"".join(keys), self.routes.version, depth),
+                self.timeout_s,
+            )
             if found is not None:
                 return _matches(found)
-            self.routes = RouteTable.decode((yield _Call(self.directory.get_routes.remote(), CALL_TIMEOUT_S)))
+            self.routes = RouteTable.decode(
+                (yield _Call(self.directory.get_routes.remote(), CALL_TIMEOUT_S))
+            )
         return []
 
-    def fetch(self, tokens: Sequence[int], namespace: str, into: str, source: NodeMatch | None = None) -> int:
+    def fetch(
+        self, tokens: Sequence[int], namespace: str, into: str, source: NodeMatch | None = None
+    ) -> int:
         """Pull the best remote prefix of `tokens` into node `into` (from `source`, when
         the caller has just looked it up); returns the pages usable there afterwards
         (0 when anything fails)."""
@@ -148,12 +177,17 @@ class FabricClient:
             target = ray.get_actor(into, namespace=NAMESPACE)
             best = source
             if best is None:
-                local = cast(int, ray.get(target.match.remote(tokens, namespace), timeout=self.timeout_s))
+                local = cast(
+                    int, ray.get(target.match.remote(tokens, namespace), timeout=self.timeout_s)
+                )
                 best = next((m for m in self.lookup(tokens, namespace) if m.node != into), None)
                 if best is None or best.pages <= local:
                     return local
             holder = ray.get_actor(best.node, namespace=NAMESPACE)
-            ray.get(target.fetch.remote(holder, best.node, tokens, namespace), timeout=self.timeout_s * 4)
+            ray.get(
+                target.fetch.remote(holder, best.node, tokens, namespace),
+                timeout=self.timeout_s * 4,
+            )
             return ray.get(target.match.remote(tokens, namespace), timeout=self.timeout_s)
         except (RayError, GetTimeoutError, ValueError):
             return 0
@@ -161,7 +195,9 @@ class FabricClient:
     def purge_dead_nodes(self) -> list[str]:
         """Drop nodes whose actor Ray reports dead, now (the directory's watcher also
         does this every few seconds)."""
-        done: Membership = ray.get(self.directory.reconcile.remote(add=False), timeout=CALL_TIMEOUT_S * 3)
+        done: Membership = ray.get(
+            self.directory.reconcile.remote(add=False), timeout=CALL_TIMEOUT_S * 3
+        )
         return done.dropped
 
     def _shard(self, i: int):

@@ -1,18 +1,29 @@
 """IndexShardActor: one shard of the global prefix index, fed by node actors' events."""
+
 from __future__ import annotations
 
 import ray
-
-from kvfabric.fabric import (ApplyResult, EventBatch, EventError, LoadTracker, MatchRule, PrefixIndex, RouteTable,
-                             Snapshot, decode_events)
-from kvfabric.fabric.index.regions import entries_by_region
+from kvfabric.fabric import (
+    ApplyResult,
+    EventBatch,
+    EventError,
+    LoadTracker,
+    MatchRule,
+    PrefixIndex,
+    RouteTable,
+    Snapshot,
+    decode_events,
+)
 from kvfabric.fabric.cache.keys import KEY_BYTES
+from kvfabric.fabric.index.regions import entries_by_region
 from kvfabric.fabric.wire import is_int
 
 
 @ray.remote
 class IndexShardActor:
-    def __init__(self, shard: int, shards: int, rule: MatchRule, fingerprint: bytes | None = None) -> None:
+    def __init__(
+        self, shard: int, shards: int, rule: MatchRule, fingerprint: bytes | None = None
+    ) -> None:
         self.shard, self.shard_count = shard, shards
         self.index = PrefixIndex(rule, fingerprint)
         self.load = LoadTracker(shards)
@@ -27,12 +38,14 @@ class IndexShardActor:
 
     def load_snapshot(self, data: bytes) -> ApplyResult:
         snap = self._decode(data, Snapshot)
-        return ApplyResult.REJECTED if snap is None else self._checked(self.index.load_snapshot, snap)
+        return (
+            ApplyResult.REJECTED if snap is None else self._checked(self.index.load_snapshot, snap)
+        )
 
     def _checked(self, apply, msg) -> ApplyResult:
         try:
             return apply(msg)
-        except EventError:          # e.g. another model's layout: refused, nothing applied
+        except EventError:  # e.g. another model's layout: refused, nothing applied
             self.rejected += 1
             return ApplyResult.REJECTED
 
@@ -47,19 +60,23 @@ class IndexShardActor:
             return None
         return msg
 
-    def lookup(self, keys: bytes, route_version: int, depth: int = -1) -> list[tuple[str, int, bool]] | None:
+    def lookup(
+        self, keys: bytes, route_version: int, depth: int = -1
+    ) -> list[tuple[str, int, bool]] | None:
         """Each node's usable match for the concatenated 16-byte page keys, best
         first; None: the caller's routes are stale. (One bytes object pickles
         much faster than a list of keys.)"""
         if not is_int(route_version) or not is_int(depth):
-            raise ValueError(f"route_version and depth must be ints, got {route_version!r}, {depth!r}")
+            raise ValueError(
+                f"route_version and depth must be ints, got {route_version!r}, {depth!r}"
+            )
         if route_version < self.route_version:
             return None
         if not isinstance(keys, bytes) or len(keys) % KEY_BYTES:
             raise ValueError(f"keys must be bytes, a multiple of {KEY_BYTES} long")
         self.lookups += 1
-        split = [keys[i:i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)]
-        if 0 <= depth < len(split):      # the caller says where its region starts: count it
+        split = [keys[i : i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)]
+        if 0 <= depth < len(split):  # the caller says where its region starts: count it
             self.load.record(split, self.shard, depth)
         return [(m.node, m.pages, m.device) for m in self.index.lookup(split)]
 
@@ -97,4 +114,9 @@ class IndexShardActor:
 
     def stats(self) -> dict:
         # The shard counts what it refused before the index saw it (the index never rejects).
-        return {**self.index.stats(), "shard": self.shard, "lookups": self.lookups, "rejected": self.rejected}
+        return {
+            **self.index.stats(),
+            "shard": self.shard,
+            "lookups": self.lookups,
+            "rejected": self.rejected,
+        }

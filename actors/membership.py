@@ -7,6 +7,7 @@ joined to its peers and the index, so a node added to the cluster (or re-added a
 removal) joins the fabric by itself. A node actor that is merely slow is left alone: only
 Ray's word counts. One the index names but the directory does not list (it died while the
 directory was down) is purged from the shards; if it is alive after all, it is added again."""
+
 from __future__ import annotations
 
 import logging
@@ -21,13 +22,14 @@ from .names import CALL_TIMEOUT_S, NAMESPACE, is_node_actor_name, node_actor_nam
 from .node.node_actor import Beat, NodeConfig
 from .node.node_placement import connect_peers, dead_hosts, existing, place_node_actor
 
-START_TIMEOUT_S = 180.0      # a new node actor imports torch and NIXL
+START_TIMEOUT_S = 180.0  # a new node actor imports torch and NIXL
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Membership:
     """What one reconcile pass changed."""
+
     dropped: list[str] = field(default_factory=list)
     added: list[str] = field(default_factory=list)
     rejoined: list[str] = field(default_factory=list)
@@ -36,6 +38,7 @@ class Membership:
 
 class MembershipPasses:
     """FabricDirectory's membership methods (a mixin). What they use of the directory:"""
+
     config: NodeConfig
     nodes: dict[str, bytes]
     cpus_per_actor: float
@@ -50,8 +53,12 @@ class MembershipPasses:
     _shards: Callable[[], list]
     _converge: Callable[[float, dict[str, Beat | None] | None], None]
 
-    def reconcile(self, add: bool = True, timeout_s: float = CALL_TIMEOUT_S,
-                  start_timeout_s: float = START_TIMEOUT_S) -> Membership:
+    def reconcile(
+        self,
+        add: bool = True,
+        timeout_s: float = CALL_TIMEOUT_S,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> Membership:
         """Heartbeat every node; drop those Ray reports dead, rejoin those Ray
         restarted (a new actor: new transport agent, not attached to the index);
         with `add`, give every alive Ray node lacking a node actor one (a new actor
@@ -59,7 +66,9 @@ class MembershipPasses:
         `_lock` held."""
         beats = self._beats(self.node_names(), timeout_s)
         dead = sorted(name for name, beat in beats.items() if beat is None)
-        restarted = sorted(name for name, beat in beats.items() if beat is not None and not beat.attached)
+        restarted = sorted(
+            name for name, beat in beats.items() if beat is not None and not beat.attached
+        )
         done = Membership(dropped=dead)
         for name in dead:
             self._drop(name, timeout_s)
@@ -82,8 +91,14 @@ class MembershipPasses:
         retired: list[str] = []
         for name, beat in ((n, b) for n, b in beats.items() if b is not None and b.gone_engines):
             try:
-                ray.get([s.admit.remote(engine, epoch + 1) for s in self._shards()
-                         for engine, epoch in beat.gone_engines.items()], timeout=timeout_s)
+                ray.get(
+                    [
+                        s.admit.remote(engine, epoch + 1)
+                        for s in self._shards()
+                        for engine, epoch in beat.gone_engines.items()
+                    ],
+                    timeout=timeout_s,
+                )
                 ray.get_actor(name, namespace=NAMESPACE).engines_retired.remote(beat.gone_engines)
                 retired += sorted(beat.gone_engines)
             except (RayError, ValueError) as e:
@@ -118,7 +133,7 @@ class MembershipPasses:
                 continue
             try:
                 refs[name] = ray.get_actor(name, namespace=NAMESPACE).heartbeat.remote()
-            except ValueError:         # the name is gone: the actor died for good
+            except ValueError:  # the name is gone: the actor died for good
                 beats[name] = None
         for name, ref in refs.items():
             try:
@@ -126,7 +141,7 @@ class MembershipPasses:
             except ActorDiedError:
                 beats[name] = None
             except (GetTimeoutError, RayError):
-                continue               # slow or restarting is not dead
+                continue  # slow or restarting is not dead
         return beats
 
     def attach(self, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
@@ -140,7 +155,7 @@ class MembershipPasses:
             self._undropped.discard(name)
         routes = self.get_routes()
         ray.get(actor.attach_index.remote(shards, routes), timeout=timeout_s)
-        if self.get_routes() != routes:      # a split landed in between: catch up
+        if self.get_routes() != routes:  # a split landed in between: catch up
             ray.get(actor.reroute.remote(self.get_routes()), timeout=timeout_s)
 
     def join(self, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
@@ -155,7 +170,7 @@ class MembershipPasses:
     def _rejoin(self, name: str, timeout_s: float) -> bool:
         """Attach a restarted node actor to the index and reconnect it with its peers."""
         try:
-            self._forget(name, timeout_s)      # its old process is dead: what it held drops
+            self._forget(name, timeout_s)  # its old process is dead: what it held drops
             self.join(name, timeout_s)
             return True
         except (RayError, ValueError) as e:
@@ -170,7 +185,10 @@ class MembershipPasses:
             if peer == name:
                 continue
             try:
-                ray.get(ray.get_actor(peer, namespace=NAMESPACE).forget_peer.remote(name), timeout=timeout_s)
+                ray.get(
+                    ray.get_actor(peer, namespace=NAMESPACE).forget_peer.remote(name),
+                    timeout=timeout_s,
+                )
             except (RayError, ValueError) as e:
                 log.warning("telling %s to forget %s failed: %s", peer, name, e)
 
@@ -188,7 +206,7 @@ class MembershipPasses:
                 self._undropped.add(name)
         finally:
             self.unregister(name)
-        if is_node_actor_name(name):       # an engine is no transport peer
+        if is_node_actor_name(name):  # an engine is no transport peer
             self._forget(name, timeout_s)
 
     def _add_missing(self, timeout_s: float) -> list[str]:
@@ -200,12 +218,14 @@ class MembershipPasses:
             with self._lock:
                 self._joining.add(name)
             try:
-                if existing(name) is None:     # else one an earlier pass started but did not finish
+                if existing(name) is None:  # else one an earlier pass started but did not finish
                     place_node_actor(node["NodeID"], self.config, self.cpus_per_actor)
                 self.join(name, timeout_s)
                 added.append(name)
             except (RayError, ValueError) as e:
-                log.warning("adding a node actor on %s failed (next pass retries): %s", node["NodeID"], e)
+                log.warning(
+                    "adding a node actor on %s failed (next pass retries): %s", node["NodeID"], e
+                )
                 self.unregister(name)
             finally:
                 with self._lock:

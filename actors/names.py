@@ -1,10 +1,11 @@
 """The fabric's Ray names: its namespace, and the names of its directory, index shards
 and node actors (a node actor is named after the Ray node it is pinned to)."""
+
 from __future__ import annotations
 
 NAMESPACE = "kvfabric"
 DIRECTORY = "kvf-directory"
-CALL_TIMEOUT_S = 10.0        # the bound on a control call to a fabric actor
+CALL_TIMEOUT_S = 10.0  # the bound on a control call to a fabric actor
 NODE_PREFIX = "kvf-node-"
 
 
@@ -19,7 +20,7 @@ def node_actor_name(ray_node_id: str) -> str:
 def is_node_actor_name(name: str) -> bool:
     """Whether `name` is one `node_actor_name` gives (an engine's identity, which starts
     the same and goes on with "/engine/...", is not)."""
-    rest = name[len(NODE_PREFIX):] if name.startswith(NODE_PREFIX) else ""
+    rest = name[len(NODE_PREFIX) :] if name.startswith(NODE_PREFIX) else ""
     return len(rest) == 12 and all(c in "0123456789abcdef" for c in rest)
 
 

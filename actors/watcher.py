@@ -1,6 +1,7 @@
 """The directory's watcher: a thread of the directory actor that runs a membership pass
 every `watch_s` seconds, starts node actors for new Ray nodes on the side (that takes a
 while, and drops must not wait for it), and rebalances the index every REBALANCE_EVERY_S."""
+
 from __future__ import annotations
 
 import logging
@@ -12,13 +13,16 @@ from kvfabric.fabric import RouteTable
 
 from .membership import START_TIMEOUT_S, Membership
 
-REBALANCE_EVERY_S = 10.0     # the watcher's rebalance period
-REBALANCE_SIGMAS = 3.0       # its bar for uneven lookups (see kvfabric.fabric.index.balance.chance_target)
+REBALANCE_EVERY_S = 10.0  # the watcher's rebalance period
+REBALANCE_SIGMAS = (
+    3.0  # its bar for uneven lookups (see kvfabric.fabric.index.balance.chance_target)
+)
 log = logging.getLogger(__name__)
 
 
 class Watcher:
     """FabricDirectory's watcher methods (a mixin). What they use of the directory:"""
+
     routes: RouteTable
     _adding: threading.Lock
     _stop: threading.Event
@@ -32,11 +36,12 @@ class Watcher:
         if not every_s > 0:
             raise ValueError(f"every_s must be > 0, got {every_s!r}")
         if self._watcher is not None and not self._watcher.is_alive():
-            self._watcher = None                 # stopped: start again
+            self._watcher = None  # stopped: start again
         if self._watcher is None:
             self._stop.clear()
-            self._watcher = threading.Thread(target=self._watch, args=(every_s,), daemon=True,
-                                             name="kvf-membership")
+            self._watcher = threading.Thread(
+                target=self._watch, args=(every_s,), daemon=True, name="kvf-membership"
+            )
             self._watcher.start()
 
     def _watch(self, every_s: float) -> None:
@@ -46,8 +51,10 @@ class Watcher:
             try:
                 changed = self.reconcile(add=False)
                 if changed.dropped or changed.rejoined:
-                    log.info("membership: dropped %s, rejoined %s", changed.dropped, changed.rejoined)
-            except Exception as e:      # the watcher must outlive any one bad pass
+                    log.info(
+                        "membership: dropped %s, rejoined %s", changed.dropped, changed.rejoined
+                    )
+            except Exception as e:  # the watcher must outlive any one bad pass
                 log.warning("membership pass failed: %s", e)
             # Starting a node actor takes a while (torch, NIXL): drops must not wait for it.
             if adding is None or not adding.is_alive():
@@ -68,7 +75,7 @@ class Watcher:
                 added = self._add_missing(START_TIMEOUT_S)
             if added:
                 log.info("membership: added %s", added)
-        except Exception as e:          # the next pass tries again
+        except Exception as e:  # the next pass tries again
             log.warning("adding node actors failed: %s", e)
 
     def stop_watching(self, wait_s: float = 0.0) -> bool:

@@ -9,6 +9,7 @@ token, one tenant per node, inserts as routed. Ours runs twice, each in a fresh
 process: with the native extensions (KVF_NATIVE's default) and on the pure-Python
 reference (KVF_NATIVE=0); each run also measures the index's bytes per cached page.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,9 @@ def keyed(requests: list[list[int]]) -> list[list[bytes]]:
     return [keyer.keys(t) for t in requests]
 
 
-def ours_rounds(all_keys: list[list[bytes]], tokens: list[list[int]] | None = None) -> tuple[float, PrefixIndex]:
+def ours_rounds(
+    all_keys: list[list[bytes]], tokens: list[list[int]] | None = None
+) -> tuple[float, PrefixIndex]:
     """Rounds per second of PrefixIndex; with `tokens`, page keys are computed inside the loop.
 
     The routed node already holds the request's first `have` pages (its match length; 0 when
@@ -66,8 +69,16 @@ def ours_rounds(all_keys: list[list[bytes]], tokens: list[list[int]] | None = No
             node, have = i % NODES, 0
         if have < len(keys):
             parent = keys[have - 1] if have else root
-            index.apply_chain(names[node], 1, seqs[node], keys[have:], have, parent, full_device,
-                              cleared=seqs[node] == 0)
+            index.apply_chain(
+                names[node],
+                1,
+                seqs[node],
+                keys[have:],
+                have,
+                parent,
+                full_device,
+                cleared=seqs[node] == 0,
+            )
             seqs[node] += 1
     return len(all_keys) / (time.perf_counter() - start), index
 
@@ -88,7 +99,7 @@ def index_bytes(all_keys: list[list[bytes]]) -> tuple[float, float]:
     node_keys = {n: list(index.node_pages(n)) for n in index.nodes()}
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    table = table_index._presence            # the table alone: each node's keys, as the index set them
+    table = table_index._presence  # the table alone: each node's keys, as the index set them
     for slot, keys in enumerate(node_keys.values()):
         table.open(slot)
         table.set(slot, keys, 3)
@@ -101,31 +112,59 @@ def ours_worker(trace: str | None, requests: int, tokens_per_block: int) -> dict
     """The timed rounds and the memory figures, in this process's mode (KVF_NATIVE)."""
     from kvfabric.fabric.cache import native
     from kvfabric.fabric.index import presence
-    tokens = [request_tokens(r, tokens_per_block=tokens_per_block) for r in load_trace(trace, limit=requests)]
+
+    tokens = [
+        request_tokens(r, tokens_per_block=tokens_per_block)
+        for r in load_trace(trace, limit=requests)
+    ]
     all_keys = keyed(tokens)
     rate, _ = ours_rounds(all_keys)
     hashing, _ = ours_rounds(all_keys, tokens)
     per_page, per_key = index_bytes(all_keys)
-    return {"native": native.ENABLED and presence.ENABLED, "rounds_per_s": rate, "hashing_rounds_per_s": hashing,
-            "bytes_per_page": per_page, "table_bytes_per_key": per_key}
+    return {
+        "native": native.ENABLED and presence.ENABLED,
+        "rounds_per_s": rate,
+        "hashing_rounds_per_s": hashing,
+        "bytes_per_page": per_page,
+        "table_bytes_per_key": per_key,
+    }
 
 
 def run_ours(trace: str | None, requests: int, tokens_per_block: int, python: bool = False) -> dict:
     """One run in a fresh process: the native path (KVF_NATIVE's default), or the
     pure-Python reference (`python`)."""
-    env = dict(os.environ, KVF_NATIVE="0") if python else {k: v for k, v in os.environ.items() if k != "KVF_NATIVE"}
+    env = (
+        dict(os.environ, KVF_NATIVE="0")
+        if python
+        else {k: v for k, v in os.environ.items() if k != "KVF_NATIVE"}
+    )
     with tempfile.TemporaryDirectory(prefix="kvf-index-") as tmp:
         out = Path(tmp) / "out.json"
-        code = ("import json, sys; from benchmarks.index_bench import ours_worker; "
-                "json.dump(ours_worker(sys.argv[1] or None, int(sys.argv[2]), int(sys.argv[3])), "
-                "open(sys.argv[4], 'w'))")
-        subprocess.run([sys.executable, "-c", code, trace or "", str(requests), str(tokens_per_block), str(out)],
-                       check=True, cwd=Path(__file__).resolve().parent.parent, env=env)
+        code = (
+            "import json, sys; from benchmarks.index_bench import ours_worker; "
+            "json.dump(ours_worker(sys.argv[1] or None, int(sys.argv[2]), int(sys.argv[3])), "
+            "open(sys.argv[4], 'w'))"
+        )
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                code,
+                trace or "",
+                str(requests),
+                str(tokens_per_block),
+                str(out),
+            ],
+            check=True,
+            cwd=Path(__file__).resolve().parent.parent,
+            env=env,
+        )
         return json.loads(out.read_text())
 
 
 def peer_rounds(tokens: list[list[int]]) -> float:
     from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+
     texts = ["".join(map(chr, (t % 50000 + 256 for t in toks))) for toks in tokens]
     tree = PrefixTree()
     tenants = [f"n{i}" for i in range(NODES)]
@@ -155,17 +194,24 @@ def actor_latency(all_keys: list[list[bytes]], calls: int = 400) -> tuple[float,
     import statistics
 
     import ray
-
     from kvfabric.actors.index_shard import IndexShardActor
+
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        shard = IndexShardActor.remote(0, 1, MatchRule(window_pages=0))     # shard 0 of 1, full layers only
+        shard = IndexShardActor.remote(
+            0, 1, MatchRule(window_pages=0)
+        )  # shard 0 of 1, full layers only
         keyer_root = PageKeyer("bench", b"f" * 16, PAGE).root
         pages = {}
         for keys in all_keys[:500]:
             for d, k in enumerate(keys):
                 pages[k] = PageState(k, keys[d - 1] if d else keyer_root, d, PageMask.FULL_DEVICE)
-        ray.get(shard.apply.remote(EventBatch("n0", 1, 0, tuple(pages.values()), cleared=True).encode()), timeout=60)
+        ray.get(
+            shard.apply.remote(
+                EventBatch("n0", 1, 0, tuple(pages.values()), cleared=True).encode()
+            ),
+            timeout=60,
+        )
 
         def p50(call) -> float:
             times = []
@@ -173,7 +219,8 @@ def actor_latency(all_keys: list[list[bytes]], calls: int = 400) -> tuple[float,
                 t = time.perf_counter()
                 ray.get(call(i), timeout=30)
                 times.append(time.perf_counter() - t)
-            return statistics.median(times[calls // 10:]) * 1e3
+            return statistics.median(times[calls // 10 :]) * 1e3
+
         blobs = [b"".join(k) for k in all_keys[:500]]
         lookup = p50(lambda i: shard.lookup.remote(blobs[i % 500], 0))
         # The same call shape (same arguments) doing nothing: what remains is the lookup.
@@ -187,7 +234,9 @@ def actor_latency(all_keys: list[list[bytes]], calls: int = 400) -> tuple[float,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvfabric bench index", description=__doc__)
-    ap.add_argument("--trace", default=None, help="a Mooncake-format trace (default: the packaged one)")
+    ap.add_argument(
+        "--trace", default=None, help="a Mooncake-format trace (default: the packaged one)"
+    )
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--tokens-per-block", type=int, default=32)
     ap.add_argument("--json", action="store_true")
@@ -199,36 +248,63 @@ def main(argv: list[str] | None = None) -> int:
     slow = run_ours(args.trace, args.requests, args.tokens_per_block, python=True)
     ours, ours_hashing = fast["rounds_per_s"], fast["hashing_rounds_per_s"]
     peer = peer_rounds(tokens)
-    full = [request_tokens(r, tokens_per_block=args.tokens_per_block) for r in load_trace(args.trace)]
+    full = [
+        request_tokens(r, tokens_per_block=args.tokens_per_block) for r in load_trace(args.trace)
+    ]
     full_keys = keyed(full)
     balance = shard_balance(full_keys)
     lookup_ms, noop_ms = actor_latency(all_keys)
-    print(f"{len(tokens)} requests, {args.tokens_per_block} tokens/block, page {PAGE}, {NODES} nodes")
+    print(
+        f"{len(tokens)} requests, {args.tokens_per_block} tokens/block, page {PAGE}, {NODES} nodes"
+    )
     kind = "native" if fast["native"] else "no extension!"
-    print(f"ours ({kind}) {ours:.0f} rounds/s, with hashing {ours_hashing:.0f}; pure Python "
-          f"{slow['rounds_per_s']:.0f}, with hashing {slow['hashing_rounds_per_s']:.0f}; PrefixTree {peer:.0f}")
-    print(f"ratio {ours / peer:.2f} (target >= 10), with hashing {ours_hashing / peer:.2f} (target >= 3); "
-          f"pure Python {slow['rounds_per_s'] / peer:.2f}, with hashing {slow['hashing_rounds_per_s'] / peer:.2f}")
-    print(f"index bytes per cached page {fast['bytes_per_page']:.0f} (pure Python {slow['bytes_per_page']:.0f}); "
-          f"presence table per key {fast['table_bytes_per_key']:.0f} (pure Python {slow['table_bytes_per_key']:.0f})")
+    print(
+        f"ours ({kind}) {ours:.0f} rounds/s, with hashing {ours_hashing:.0f}; pure Python "
+        f"{slow['rounds_per_s']:.0f}, with hashing {slow['hashing_rounds_per_s']:.0f}; PrefixTree "
+        f"{peer:.0f}"
+    )
+    print(
+        f"ratio {ours / peer:.2f} (target >= 10), with hashing {ours_hashing / peer:.2f} (target "
+        ">= 3); "
+        f"pure Python {slow['rounds_per_s'] / peer:.2f}, with hashing "
+        f"{slow['hashing_rounds_per_s'] / peer:.2f}"
+    )
+    print(
+        f"index bytes per cached page {fast['bytes_per_page']:.0f} (pure Python "
+        f"{slow['bytes_per_page']:.0f}); "
+        f"presence table per key {fast['table_bytes_per_key']:.0f} (pure Python "
+        f"{slow['table_bytes_per_key']:.0f})"
+    )
     print(f"8 shards over {len(full)} requests: lookups max/mean {balance:.3f} (target <= 1.25)")
-    print(f"actor lookup p50 {lookup_ms:.3f} ms, no-op call p50 {noop_ms:.3f} ms "
-          f"({lookup_ms / noop_ms:.2f}x, target <= 1.3x)")
+    print(
+        f"actor lookup p50 {lookup_ms:.3f} ms, no-op call p50 {noop_ms:.3f} ms "
+        f"({lookup_ms / noop_ms:.2f}x, target <= 1.3x)"
+    )
     if args.json:
-        print(json.dumps({"name": "index", "native": fast["native"], "ours_lookups_per_s": round(ours, 1),
-                          "ours_python_lookups_per_s": round(slow["rounds_per_s"], 1),
-                          "ratio_python": round(slow["rounds_per_s"] / peer, 3),
-                          "ratio_with_hashing_python": round(slow["hashing_rounds_per_s"] / peer, 3),
-                          "bytes_per_page": round(fast["bytes_per_page"], 1),
-                          "bytes_per_page_python": round(slow["bytes_per_page"], 1),
-                          "table_bytes_per_key": round(fast["table_bytes_per_key"], 1),
-                          "table_bytes_per_key_python": round(slow["table_bytes_per_key"], 1),
-                          "peer": "ray.serve PrefixTree",
-                          "peer_lookups_per_s": round(peer, 1), "ratio": round(ours / peer, 3),
-                          "ratio_with_hashing": round(ours_hashing / peer, 3),
-                          "actor_lookup_p50_ms": round(lookup_ms, 3), "noop_actor_call_p50_ms": round(noop_ms, 3),
-                          "shards": 8,
-                          "shard_load_max_over_mean": round(balance, 3)}))
+        print(
+            json.dumps(
+                {
+                    "name": "index",
+                    "native": fast["native"],
+                    "ours_lookups_per_s": round(ours, 1),
+                    "ours_python_lookups_per_s": round(slow["rounds_per_s"], 1),
+                    "ratio_python": round(slow["rounds_per_s"] / peer, 3),
+                    "ratio_with_hashing_python": round(slow["hashing_rounds_per_s"] / peer, 3),
+                    "bytes_per_page": round(fast["bytes_per_page"], 1),
+                    "bytes_per_page_python": round(slow["bytes_per_page"], 1),
+                    "table_bytes_per_key": round(fast["table_bytes_per_key"], 1),
+                    "table_bytes_per_key_python": round(slow["table_bytes_per_key"], 1),
+                    "peer": "ray.serve PrefixTree",
+                    "peer_lookups_per_s": round(peer, 1),
+                    "ratio": round(ours / peer, 3),
+                    "ratio_with_hashing": round(ours_hashing / peer, 3),
+                    "actor_lookup_p50_ms": round(lookup_ms, 3),
+                    "noop_actor_call_p50_ms": round(noop_ms, 3),
+                    "shards": 8,
+                    "shard_load_max_over_mean": round(balance, 3),
+                }
+            )
+        )
     return 0
 
 

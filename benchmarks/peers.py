@@ -132,8 +132,18 @@ def _tail(text: str, lines: int = 25) -> str:
 
 
 def _pip_install(target: Path, packages: Sequence[str]) -> None:
-    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
-           "--no-input", "--target", str(target), "--no-deps", *packages]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--target",
+        str(target),
+        "--no-deps",
+        *packages,
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
@@ -148,7 +158,9 @@ def _pip_install(target: Path, packages: Sequence[str]) -> None:
             f"cannot install SGLang {SGLANG_VERSION}: the package registry is unavailable "
             f"(pip exited {proc.returncode}):\n{_tail(output, 8)}"
         )
-    raise PeerError(f"pip install of the SGLang peer failed (exit {proc.returncode}):\n{_tail(output)}")
+    raise PeerError(
+        f"pip install of the SGLang peer failed (exit {proc.returncode}):\n{_tail(output)}"
+    )
 
 
 def ensure_sglang(log: Callable[[str], None] = _log) -> Path:
@@ -168,8 +180,10 @@ def ensure_sglang(log: Callable[[str], None] = _log) -> Path:
             return folder
         staging = folder.parent / f".{folder.name}.staging-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
-        log(f"installing the SGLang {SGLANG_VERSION} peer into {folder} "
-            f"(once; {len(SGLANG_PACKAGES)} packages, about 1.5 GB) ...")
+        log(
+            f"installing the SGLang {SGLANG_VERSION} peer into {folder} "
+            f"(once; {len(SGLANG_PACKAGES)} packages, about 1.5 GB) ..."
+        )
         start = time.perf_counter()
         try:
             _pip_install(staging, SGLANG_PACKAGES)
@@ -194,8 +208,8 @@ class RadixRun:
 
     page_size: int
     match_lengths: tuple[int, ...]  # cached prefix length SGLang reported for each request
-    elapsed_s: float                # the match+insert loop only
-    gc_mode: str = "default"        # collector state before the loop: see GC_MODES
+    elapsed_s: float  # the match+insert loop only
+    gc_mode: str = "default"  # collector state before the loop: see GC_MODES
 
     @property
     def requests(self) -> int:
@@ -236,8 +250,12 @@ def run_sglang_radix(
         write_sequences(data, lengths, flat)
         _run_worker(["radix", str(folder), str(data), str(page_size), str(result), gc_mode])
         out = json.loads(result.read_text())
-    return RadixRun(page_size=page_size, match_lengths=tuple(out["match_lengths"]),
-                    elapsed_s=out["elapsed_s"], gc_mode=gc_mode)
+    return RadixRun(
+        page_size=page_size,
+        match_lengths=tuple(out["match_lengths"]),
+        elapsed_s=out["elapsed_s"],
+        gc_mode=gc_mode,
+    )
 
 
 def sglang_radix_ops_per_s(
@@ -252,8 +270,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--gc", choices=GC_MODES, default="default",
-                        help="collector state before the timed loop (see run_sglang_radix)")
+    parser.add_argument(
+        "--gc",
+        choices=GC_MODES,
+        default="default",
+        help="collector state before the timed loop (see run_sglang_radix)",
+    )
     args = parser.parse_args(argv)
 
     from kvfabric.deploy.sim.trace import load_trace, request_tokens
@@ -262,16 +284,20 @@ def main(argv: list[str] | None = None) -> None:
     sequences = [request_tokens(r, args.tokens_per_block) for r in trace]
     run = run_sglang_radix(sequences, args.page_size, gc_mode=args.gc)
     total = sum(map(len, sequences))
-    print(json.dumps({
-        "peer": f"sglang-{SGLANG_VERSION}",
-        "requests": run.requests,
-        "page_size": run.page_size,
-        "gc_mode": run.gc_mode,
-        "tokens": total,
-        "matched_tokens": sum(run.match_lengths),
-        "elapsed_s": round(run.elapsed_s, 4),
-        "ops_per_s": round(run.ops_per_s, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "peer": f"sglang-{SGLANG_VERSION}",
+                "requests": run.requests,
+                "page_size": run.page_size,
+                "gc_mode": run.gc_mode,
+                "tokens": total,
+                "matched_tokens": sum(run.match_lengths),
+                "elapsed_s": round(run.elapsed_s, 4),
+                "ops_per_s": round(run.ops_per_s, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ page it inserts; that hashing is inside the timed loop. Ours runs twice, with th
 native extension (KVF_NATIVE's default) and with the pure-Python reference
 (KVF_NATIVE=0); each run also times packing and keying the trace's requests alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvfabric.deploy.sim.trace import load_trace, request_tokens
+
 from benchmarks import peers
 from benchmarks.sglang_worker import pack_sequences, read_sequences, write_sequences
-from kvfabric.deploy.sim.trace import load_trace, request_tokens
 
 
 @dataclass
@@ -31,14 +33,14 @@ class RadixFigures:
     tokens_per_block: int
     page_size: int
     gc_mode: str
-    native: bool                    # whether the first run had the extension (else both are Python)
+    native: bool  # whether the first run had the extension (else both are Python)
     ours_ops_per_s: float
     ours_python_ops_per_s: float
     peer_ops_per_s: float
     ours_matched_tokens: int
     peer_matched_tokens: int
-    pack_us: float                  # per request: encode_tokens alone
-    keys_us: float                  # per request: packing and every page's key (PageKeyer.pack)
+    pack_us: float  # per request: encode_tokens alone
+    keys_us: float  # per request: packing and every page's key (PageKeyer.pack)
     pack_python_us: float
     keys_python_us: float
 
@@ -52,12 +54,23 @@ class RadixFigures:
 
 
 def sequences(trace: str | None, requests: int, tokens_per_block: int) -> list[list[int]]:
-    return [request_tokens(r, tokens_per_block=tokens_per_block) for r in load_trace(trace, limit=requests)]
+    return [
+        request_tokens(r, tokens_per_block=tokens_per_block)
+        for r in load_trace(trace, limit=requests)
+    ]
 
 
 def ours_worker(data: Path, page_size: int, gc_mode: str) -> dict:
-    from kvfabric.fabric import KVLayout, NodeCache, PageKeyer, PoolCapacity, PoolName, encode_tokens
+    from kvfabric.fabric import (
+        KVLayout,
+        NodeCache,
+        PageKeyer,
+        PoolCapacity,
+        PoolName,
+        encode_tokens,
+    )
     from kvfabric.fabric.cache import native
+
     seqs = [list(s) for s in read_sequences(data)]
     pages = sum(len(s) for s in seqs) // page_size + 1
     layout = KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=page_size)
@@ -65,7 +78,9 @@ def ours_worker(data: Path, page_size: int, gc_mode: str) -> dict:
         gc.collect()
         if gc_mode == "freeze":
             gc.freeze()
-    cache = NodeCache(layout, {PoolName.FULL: PoolCapacity(pages, 0)}, store_bytes=False, device="cpu")
+    cache = NodeCache(
+        layout, {PoolName.FULL: PoolCapacity(pages, 0)}, store_bytes=False, device="cpu"
+    )
     matched = 0
     start = time.perf_counter()
     for s in seqs:
@@ -82,40 +97,75 @@ def ours_worker(data: Path, page_size: int, gc_mode: str) -> dict:
     for s in seqs:
         keyer.pack(s)
     keyed = time.perf_counter() - start
-    return {"elapsed_s": elapsed, "matched_tokens": matched * page_size, "native": native.ENABLED,
-            "pack_us": packed / len(seqs) * 1e6, "keys_us": keyed / len(seqs) * 1e6}
+    return {
+        "elapsed_s": elapsed,
+        "matched_tokens": matched * page_size,
+        "native": native.ENABLED,
+        "pack_us": packed / len(seqs) * 1e6,
+        "keys_us": keyed / len(seqs) * 1e6,
+    }
 
 
 def run_ours(seqs: list[list[int]], page_size: int, gc_mode: str, python: bool = False) -> dict:
     """One run in a fresh process: the native path (KVF_NATIVE's default), or the
     pure-Python reference (`python`)."""
-    env = dict(os.environ, KVF_NATIVE="0") if python else {k: v for k, v in os.environ.items() if k != "KVF_NATIVE"}
+    env = (
+        dict(os.environ, KVF_NATIVE="0")
+        if python
+        else {k: v for k, v in os.environ.items() if k != "KVF_NATIVE"}
+    )
     with tempfile.TemporaryDirectory(prefix="kvf-radix-") as tmp:
         data, out = Path(tmp) / "seqs.bin", Path(tmp) / "out.json"
         write_sequences(data, *pack_sequences(seqs))
-        code = ("import json, sys; from benchmarks.radix_bench import ours_worker; "
-                "json.dump(ours_worker(__import__('pathlib').Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]), "
-                "open(sys.argv[4], 'w'))")
-        subprocess.run([sys.executable, "-c", code, str(data), str(page_size), gc_mode, str(out)],
-                       check=True, cwd=Path(__file__).resolve().parent.parent, env=env)
+        code = (
+            "import json, sys; from benchmarks.radix_bench import ours_worker; "
+            "json.dump(ours_worker(__import__('pathlib').Path(sys.argv[1]), int(sys.argv[2]), "
+            "sys.argv[3]), "
+            "open(sys.argv[4], 'w'))"
+        )
+        subprocess.run(
+            [sys.executable, "-c", code, str(data), str(page_size), gc_mode, str(out)],
+            check=True,
+            cwd=Path(__file__).resolve().parent.parent,
+            env=env,
+        )
         return json.loads(out.read_text())
 
 
-def run(requests: int = 3000, tokens_per_block: int = 32, page_size: int = 16,
-        trace: str | None = None, gc_mode: str = "default") -> RadixFigures:
+def run(
+    requests: int = 3000,
+    tokens_per_block: int = 32,
+    page_size: int = 16,
+    trace: str | None = None,
+    gc_mode: str = "default",
+) -> RadixFigures:
     if gc_mode not in peers.GC_MODES:
         raise ValueError(f"gc_mode must be one of {peers.GC_MODES}, got {gc_mode!r}")
     seqs = sequences(trace, requests, tokens_per_block)
     ours = run_ours(seqs, page_size, gc_mode)
     python = run_ours(seqs, page_size, gc_mode, python=True)
     if python["matched_tokens"] != ours["matched_tokens"]:
-        raise RuntimeError(f"the native and Python runs matched {ours['matched_tokens']} and "
-                           f"{python['matched_tokens']} tokens: they must agree")
+        raise RuntimeError(
+            f"the native and Python runs matched {ours['matched_tokens']} and "
+            f"{python['matched_tokens']} tokens: they must agree"
+        )
     peer = peers.run_sglang_radix(seqs, page_size, gc_mode=gc_mode)
-    return RadixFigures(len(seqs), tokens_per_block, page_size, gc_mode, ours["native"],
-                        len(seqs) / ours["elapsed_s"], len(seqs) / python["elapsed_s"], peer.ops_per_s,
-                        ours["matched_tokens"], sum(peer.match_lengths), ours["pack_us"], ours["keys_us"],
-                        python["pack_us"], python["keys_us"])
+    return RadixFigures(
+        len(seqs),
+        tokens_per_block,
+        page_size,
+        gc_mode,
+        ours["native"],
+        len(seqs) / ours["elapsed_s"],
+        len(seqs) / python["elapsed_s"],
+        peer.ops_per_s,
+        ours["matched_tokens"],
+        sum(peer.match_lengths),
+        ours["pack_us"],
+        ours["keys_us"],
+        python["pack_us"],
+        python["keys_us"],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,28 +173,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--tokens-per-block", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--trace", default=None, help="a Mooncake-format trace (default: the packaged one)")
-    ap.add_argument("--gc", choices=peers.GC_MODES, default="default",
-                    help="garbage-collector mode for both sides: default leaves the full collection "
-                         "that imports owe to land inside the timed loop; collect runs it first "
-                         "(steady state); freeze also moves the heap out of the collector's reach")
+    ap.add_argument(
+        "--trace", default=None, help="a Mooncake-format trace (default: the packaged one)"
+    )
+    ap.add_argument(
+        "--gc",
+        choices=peers.GC_MODES,
+        default="default",
+        help="garbage-collector mode for both sides: default leaves the full collection "
+        "that imports owe to land inside the timed loop; collect runs it first "
+        "(steady state); freeze also moves the heap out of the collector's reach",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
     args = ap.parse_args(argv)
     f = run(args.requests, args.tokens_per_block, args.page_size, args.trace, args.gc)
-    print(f"requests {f.requests}, {f.tokens_per_block} tokens/block, page {f.page_size}, gc {f.gc_mode}")
+    print(
+        f"requests {f.requests}, {f.tokens_per_block} tokens/block, page {f.page_size}, gc "
+        f"{f.gc_mode}"
+    )
     print(f"{'':24}{'req/s':>12}{'matched tokens':>16}")
     ours = "ours (NodeCache, C keys)" if f.native else "ours (no extension!)"
     print(f"{ours:24}{f.ours_ops_per_s:>12.0f}{f.ours_matched_tokens:>16}")
     print(f"{'ours (pure Python)':24}{f.ours_python_ops_per_s:>12.0f}{f.ours_matched_tokens:>16}")
     print(f"{'sglang.RadixCache':24}{f.peer_ops_per_s:>12.0f}{f.peer_matched_tokens:>16}")
     print(f"ratio {f.ratio:.2f} (target >= 2), pure Python {f.ratio_python:.2f}")
-    print(f"per request: packing {f.pack_us:.1f} us (Python {f.pack_python_us:.1f}), packing and every "
-          f"page's key {f.keys_us:.1f} us (Python {f.keys_python_us:.1f})")
+    print(
+        f"per request: packing {f.pack_us:.1f} us (Python {f.pack_python_us:.1f}), packing and "
+        "every "
+        f"page's key {f.keys_us:.1f} us (Python {f.keys_python_us:.1f})"
+    )
     if args.json:
-        rounded = {k: round(v, 3 if k.endswith("_us") else 1) if isinstance(v, float) else v
-                   for k, v in asdict(f).items()}
-        print(json.dumps({"name": "radix", "peer": "sglang.RadixCache", "ratio": round(f.ratio, 3),
-                          "ratio_python": round(f.ratio_python, 3), **rounded}))
+        rounded = {
+            k: round(v, 3 if k.endswith("_us") else 1) if isinstance(v, float) else v
+            for k, v in asdict(f).items()
+        }
+        print(
+            json.dumps(
+                {
+                    "name": "radix",
+                    "peer": "sglang.RadixCache",
+                    "ratio": round(f.ratio, 3),
+                    "ratio_python": round(f.ratio_python, 3),
+                    **rounded,
+                }
+            )
+        )
     return 0
 
 

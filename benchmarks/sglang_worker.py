@@ -49,7 +49,7 @@ def read_sequences(path: Path) -> list[array]:
         flat.fromfile(f, sum(lengths))
     sequences, offset = [], 0
     for n in lengths:
-        sequences.append(flat[offset:offset + n])
+        sequences.append(flat[offset : offset + n])
         offset += n
     return sequences
 
@@ -70,7 +70,7 @@ def _tolerate_cpu_torchvision(folder: Path) -> None:
         if libs:
             return
     except OSError:
-        pass            # the ops cannot load beside a CPU torch: skip their registrations below
+        pass  # the ops cannot load beside a CPU torch: skip their registrations below
     name = "torchvision._meta_registrations"
     sys.modules[name] = types.ModuleType(name)
 
@@ -94,7 +94,9 @@ def main(argv: list[str]) -> None:
     if mode == "check":
         tree = RadixCache.create_simulated(page_size=2)
         ids = array("q", [1, 2, 3, 4, 5])
-        tree.insert(InsertParams(key=RadixKey(token_ids=ids), value=torch.empty(5, dtype=torch.bool)))
+        tree.insert(
+            InsertParams(key=RadixKey(token_ids=ids), value=torch.empty(5, dtype=torch.bool))
+        )
         got = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=ids))).device_prefix_len
         if got != 4:
             raise SystemExit(f"radix cache self-check: matched {got} tokens, expected 4")

@@ -14,6 +14,7 @@ KVF_TEST_DEVICE=cuda puts the NIXL and memcpy pools on the GPU; Ray's stay in ho
 memory (its actors here get no GPU). UCX_TLS=tcp makes the NIXL path mimic two hosts.
 Run: .venv/bin/python -m benchmarks.transport_bench
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,8 @@ PAGE_SIZES = (16 << 10, 64 << 10, 256 << 10)
 BATCHES = (64, 256)
 CAPACITY = 1024
 ROWS = [(p, n) for p in PAGE_SIZES for n in BATCHES]
-INDEX_SETS = 8           # distinct scattered (remote, local) index sets, cycled
-ROUNDS = 3               # best of rounds: the host is shared, load comes and goes
+INDEX_SETS = 8  # distinct scattered (remote, local) index sets, cycled
+ROUNDS = 3  # best of rounds: the host is shared, load comes and goes
 PEER = "bench-peer"
 DEVICE = os.environ.get("KVF_TEST_DEVICE", "cpu")
 
@@ -47,7 +48,7 @@ class Row:
     pages: int
     nixl_gbps: float
     memcpy_gbps: float
-    ray_object_store_gbps: float | None      # None: not measured (--no-object-store)
+    ray_object_store_gbps: float | None  # None: not measured (--no-object-store)
 
 
 def pool_name(page_bytes: int) -> str:
@@ -56,29 +57,36 @@ def pool_name(page_bytes: int) -> str:
 
 def make_pools(device: str, fill: bool) -> dict[str, torch.Tensor]:
     make = torch.ones if fill else torch.zeros
-    return {pool_name(p): make((CAPACITY, p), dtype=torch.uint8, device=device)
-            for p in PAGE_SIZES}
+    return {pool_name(p): make((CAPACITY, p), dtype=torch.uint8, device=device) for p in PAGE_SIZES}
 
 
 def index_sets(pages: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(seed)
-    return [(rng.choice(CAPACITY, pages, replace=False), rng.choice(CAPACITY, pages, replace=False))
-            for _ in range(INDEX_SETS)]
+    return [
+        (rng.choice(CAPACITY, pages, replace=False), rng.choice(CAPACITY, pages, replace=False))
+        for _ in range(INDEX_SETS)
+    ]
 
 
 def median_gbps(nbytes: int, times: list[float]) -> float:
     return round(nbytes / statistics.median(times) / 1e9, 3)
 
 
-def time_reps(fn: Callable[[int], None], warmup: int = 3, min_reps: int = 15,
-              max_reps: int = 400, budget_s: float = 0.25) -> list[float]:
+def time_reps(
+    fn: Callable[[int], None],
+    warmup: int = 3,
+    min_reps: int = 15,
+    max_reps: int = 400,
+    budget_s: float = 0.25,
+) -> list[float]:
     """Durations of fn(i) after a warm-up; as many reps as `budget_s` allows."""
     for i in range(warmup):
         fn(i)
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < max_reps and (len(times) < min_reps
-                                     or time.perf_counter() - start < budget_s):
+    while len(times) < max_reps and (
+        len(times) < min_reps or time.perf_counter() - start < budget_s
+    ):
         t0 = time.perf_counter()
         fn(len(times))
         times.append(time.perf_counter() - t0)
@@ -87,9 +95,11 @@ def time_reps(fn: Callable[[int], None], warmup: int = 3, min_reps: int = 15,
 
 # -- NIXL ------------------------------------------------------------------------------
 
+
 def serve_peer(conn, device: str) -> None:
     """Peer process: register filled pools, hand out metadata, idle until told to quit."""
     from kvfabric.transport import NixlTransport
+
     transport = NixlTransport(PEER)
     pools = make_pools(device, fill=True)
     for name, tensor in pools.items():
@@ -97,7 +107,7 @@ def serve_peer(conn, device: str) -> None:
     conn.send(transport.metadata())
     parent = os.getppid()
     while os.getppid() == parent and not (conn.poll(0.2) and conn.recv() == "quit"):
-        pass            # serve reads until told to quit or orphaned (poll waits 0.2 s)
+        pass  # serve reads until told to quit or orphaned (poll waits 0.2 s)
     transport.close()
 
 
@@ -107,7 +117,7 @@ def nixl_peer(device: str) -> Iterator[bytes]:
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=serve_peer, args=(child, device), daemon=True)
     proc.start()
-    child.close()    # so that a peer dying during start-up reads as EOF, not a long wait
+    child.close()  # so that a peer dying during start-up reads as EOF, not a long wait
     try:
         if not conn.poll(120):
             raise TimeoutError("NIXL peer process did not start within 120 s")
@@ -125,26 +135,31 @@ def nixl_peer(device: str) -> Iterator[bytes]:
             proc.join(10)
 
 
-def nixl_reader(transport, pools: dict[str, torch.Tensor], page_bytes: int,
-                pages: int) -> Callable[[int], None]:
+def nixl_reader(
+    transport, pools: dict[str, torch.Tensor], page_bytes: int, pages: int
+) -> Callable[[int], None]:
     sets = index_sets(pages, seed=pages)
     name = pool_name(page_bytes)
 
     def read(i: int) -> None:
         r, l_ = sets[i % INDEX_SETS]
         transport.wait(transport.read(PEER, {name: (r, l_)}), 10.0)
+
     return read
 
 
-def memcpy_copiers(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
-                   page_bytes: int, pages: int) -> list[Callable[[int], None]]:
+def memcpy_copiers(
+    src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], page_bytes: int, pages: int
+) -> list[Callable[[int], None]]:
     """Two ways to copy scattered pages in-process: a gather + scatter (two passes over
     the bytes, through a temporary) and a per-page copy_ loop (one pass, a call per
     page). The baseline is whichever is faster here."""
     name = pool_name(page_bytes)
     device = dst[name].device
-    sets = [(torch.from_numpy(r).to(device), torch.from_numpy(l_).to(device))
-            for r, l_ in index_sets(pages, seed=pages)]
+    sets = [
+        (torch.from_numpy(r).to(device), torch.from_numpy(l_).to(device))
+        for r, l_ in index_sets(pages, seed=pages)
+    ]
     lists = [(r.tolist(), l_.tolist()) for r, l_ in sets]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -158,12 +173,14 @@ def memcpy_copiers(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
         for a, b in zip(r, l_):
             dst[name][b].copy_(src[name][a])
         sync()
+
     return [gather_scatter, per_page]
 
 
 def bench_nixl_and_memcpy(metadata: bytes, device: str) -> tuple[dict, dict]:
     """Best-of-ROUNDS medians; the two alternate so that both see the same host load."""
     from kvfabric.transport import NixlTransport
+
     nixl: dict[tuple[int, int], float] = {}
     memcpy: dict[tuple[int, int], float] = {}
     src, dst = make_pools(device, fill=True), make_pools(device, fill=False)
@@ -187,6 +204,7 @@ def bench_nixl_and_memcpy(metadata: bytes, device: str) -> tuple[dict, dict]:
 
 # -- Ray object store ----------------------------------------------------------------------
 
+
 @contextmanager
 def local_ray() -> Iterator[None]:
     """A private, short-lived local cluster. Ray 2.60 turns token auth on by default and
@@ -197,8 +215,10 @@ def local_ray() -> Iterator[None]:
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     already_imported = "ray" in sys.modules
     import ray
-    if already_imported:   # Ray caches its config at import; refresh it as Ray itself does
+
+    if already_imported:  # Ray caches its config at import; refresh it as Ray itself does
         from ray._raylet import Config
+
         Config.initialize("")
     try:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -231,29 +251,37 @@ def bench_ray() -> dict[tuple[int, int], float]:
                 r, l_ = sets[i % len(sets)]
                 [ref] = ray.get(holder.gather.remote(name, r))
                 self.pools[name].index_copy_(0, torch.from_numpy(l_), ray.get(ref))
+
             return time_reps(one)
 
     holder, fetcher = Holder.remote(), Fetcher.remote()
     results: dict[tuple[int, int], float] = {}
     for _ in range(ROUNDS):
         for key in ROWS:
-            times = ray.get(fetcher.fetch.remote(holder, pool_name(key[0]),
-                                                 index_sets(key[1], seed=key[1])), timeout=300)
+            times = ray.get(
+                fetcher.fetch.remote(holder, pool_name(key[0]), index_sets(key[1], seed=key[1])),
+                timeout=300,
+            )
             results[key] = max(results.get(key, 0.0), median_gbps(key[0] * key[1], times))
     return results
 
 
 # -- report ---------------------------------------------------------------------------------
 
+
 def print_table(rows: list[Row]) -> None:
-    print(f"{'page':>6} {'pages':>5} {'nixl GB/s':>10} {'memcpy GB/s':>12} "
-          f"{'ray GB/s':>9} {'nixl/ray':>9} {'nixl/memcpy':>12}")
+    print(
+        f"{'page':>6} {'pages':>5} {'nixl GB/s':>10} {'memcpy GB/s':>12} "
+        f"{'ray GB/s':>9} {'nixl/ray':>9} {'nixl/memcpy':>12}"
+    )
     for r in rows:
         ray_os = r.ray_object_store_gbps
-        print(f"{r.page_bytes >> 10:>5}K {r.pages:>5} {r.nixl_gbps:>10.2f} "
-              f"{r.memcpy_gbps:>12.2f} {'-' if ray_os is None else f'{ray_os:.2f}':>9} "
-              f"{'-' if ray_os is None else f'{r.nixl_gbps / ray_os:.2f}':>9} "
-              f"{r.nixl_gbps / r.memcpy_gbps:>12.2f}")
+        print(
+            f"{r.page_bytes >> 10:>5}K {r.pages:>5} {r.nixl_gbps:>10.2f} "
+            f"{r.memcpy_gbps:>12.2f} {'-' if ray_os is None else f'{ray_os:.2f}':>9} "
+            f"{'-' if ray_os is None else f'{r.nixl_gbps / ray_os:.2f}':>9} "
+            f"{r.nixl_gbps / r.memcpy_gbps:>12.2f}"
+        )
 
 
 def ratio_at(rows: list[Row], page_bytes: int, field: str) -> float:
@@ -274,10 +302,15 @@ def run(json_out: bool, object_store: bool = True) -> dict:
         with local_ray():
             ray_os = bench_ray()
     rows = [Row(p, n, nixl[(p, n)], memcpy[(p, n)], ray_os.get((p, n))) for p, n in ROWS]
-    result = {"name": "transport", "device": DEVICE, "rows": [asdict(r) for r in rows],
-              "ratio_vs_object_store_64k":
-                  ratio_at(rows, 64 << 10, "ray_object_store_gbps") if object_store else None,
-              "ratio_vs_memcpy_64k": ratio_at(rows, 64 << 10, "memcpy_gbps")}
+    result = {
+        "name": "transport",
+        "device": DEVICE,
+        "rows": [asdict(r) for r in rows],
+        "ratio_vs_object_store_64k": ratio_at(rows, 64 << 10, "ray_object_store_gbps")
+        if object_store
+        else None,
+        "ratio_vs_memcpy_64k": ratio_at(rows, 64 << 10, "memcpy_gbps"),
+    }
     print_table(rows)
     if json_out:
         print(json.dumps(result), flush=True)
@@ -285,11 +318,16 @@ def run(json_out: bool, object_store: bool = True) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvfabric bench transport",
-                                 description="NIXL page reads against memcpy and the Ray object store.")
+    ap = argparse.ArgumentParser(
+        prog="kvfabric bench transport",
+        description="NIXL page reads against memcpy and the Ray object store.",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
-    ap.add_argument("--no-object-store", action="store_true",
-                    help="leave out the Ray object store (a host without Ray, e.g. a bare GPU machine)")
+    ap.add_argument(
+        "--no-object-store",
+        action="store_true",
+        help="leave out the Ray object store (a host without Ray, e.g. a bare GPU machine)",
+    )
     args = ap.parse_args(argv)
     run(json_out=args.json, object_store=not args.no_object_store)
     return 0

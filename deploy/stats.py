@@ -1,4 +1,5 @@
 """The one percentile definition every report of this project uses."""
+
 from __future__ import annotations
 
 import math

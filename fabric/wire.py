@@ -1,5 +1,6 @@
 """Checking input from outside: msgpack decoding whose failures become the caller's own
 error type, and the type tests every decoder shares."""
+
 from __future__ import annotations
 
 import msgpack
@@ -10,8 +11,14 @@ def unpack(data: bytes, error: type[Exception], what: str) -> object:
     saying it is not a `what`."""
     try:
         return msgpack.unpackb(data, use_list=True, strict_map_key=True)
-    except (msgpack.UnpackException, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
-            ValueError, TypeError) as e:
+    except (
+        msgpack.UnpackException,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+        ValueError,
+        TypeError,
+    ) as e:
         raise error(f"not a msgpack {what}: {e}") from None
 
 

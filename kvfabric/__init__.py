@@ -6,6 +6,7 @@ single-node core, no Ray), `kvfabric.transport` (page transfers), `kvfabric.acto
 are the public API; each is imported on first use, so `import kvfabric` costs nothing
 and importing the core never imports Ray.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,14 +21,39 @@ if not (_HERE / "fabric").is_dir() and (_HERE.parent / "fabric" / "__init__.py")
     __path__.append(str(_HERE.parent))
 
 _PUBLIC = {
-    "kvfabric.fabric": ("NodeCache", "KVLayout", "LayerKind", "PoolName", "Tier", "PoolCapacity",
-                        "TierConfig", "WritePolicy", "CachedKV", "Match", "PrefixIndex", "MatchRule",
-                        "ShardedIndex", "RouteTable", "EventPublisher", "EventBatch",
-                        "FetchOutcome", "ExportGrant", "export_prefix", "import_prefix",
-                        "InvariantError"),
+    "kvfabric.fabric": (
+        "NodeCache",
+        "KVLayout",
+        "LayerKind",
+        "PoolName",
+        "Tier",
+        "PoolCapacity",
+        "TierConfig",
+        "WritePolicy",
+        "CachedKV",
+        "Match",
+        "PrefixIndex",
+        "MatchRule",
+        "ShardedIndex",
+        "RouteTable",
+        "EventPublisher",
+        "EventBatch",
+        "FetchOutcome",
+        "ExportGrant",
+        "export_prefix",
+        "import_prefix",
+        "InvariantError",
+    ),
     "kvfabric.transport": ("LocalTransport", "NixlTransport", "Transport", "TransportReader"),
-    "kvfabric.actors": ("Fabric", "FabricClient", "NodeCacheActor", "NodeConfig", "start", "stop",
-                        "join"),
+    "kvfabric.actors": (
+        "Fabric",
+        "FabricClient",
+        "NodeCacheActor",
+        "NodeConfig",
+        "start",
+        "stop",
+        "join",
+    ),
 }
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 
@@ -39,7 +65,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'kvfabric' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
-    globals()[name] = value          # later lookups skip this function
+    globals()[name] = value  # later lookups skip this function
     return value
 
 

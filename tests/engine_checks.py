@@ -1,8 +1,8 @@
 """Checks the engine tests share: equal outputs bit for bit, and no poisoned page."""
+
 from __future__ import annotations
 
 import torch
-
 from kvfabric.fabric import NodeCache, Tier
 
 

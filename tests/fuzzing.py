@@ -12,13 +12,15 @@ format's spec (in each test module), so a decoder that lets a bad field through 
 
 Marked `fuzz`: the profile's example count by default (40 under CI), 10,000 per test with
 `KVF_HYPOTHESIS=full .venv/bin/pytest -m fuzz tests`."""
+
 from __future__ import annotations
 
 import copy
 import os
 from typing import Any, Callable
 
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 FUZZ_FULL = 10_000
 
@@ -26,22 +28,33 @@ FUZZ_FULL = 10_000
 def fuzz(test: Callable) -> Callable:
     """FUZZ_FULL cases under KVF_HYPOTHESIS=full, else the active profile's count."""
     full = os.environ.get("KVF_HYPOTHESIS") == "full"
-    return settings(max_examples=FUZZ_FULL if full else settings.default.max_examples,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])(test)
+    return settings(
+        max_examples=FUZZ_FULL if full else settings.default.max_examples,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )(test)
 
 
 # --- values and mutations ------------------------------------------------------------------
 U64 = st.integers(0, 2**64 - 1)
 KEY = st.binary(min_size=16, max_size=16)
-FP = b"F" * 16              # the layout fingerprint of the index and caches below
+FP = b"F" * 16  # the layout fingerprint of the index and caches below
 # Values near the valid ones of every field: edge ints, bools, floats, short and 15..17-byte
 # bytes, the format's own words, small containers.
 NEAR = st.one_of(
-    st.none(), st.booleans(), st.integers(-2, 20), st.sampled_from([-(2**63), 2**63 - 1, 2**64 - 1, 1024, 1025]),
-    st.floats(), st.text(max_size=4), st.sampled_from(["batch", "snapshot", "full", "swa", "float32", "x" * 257]),
-    st.binary(max_size=3), st.binary(min_size=15, max_size=17), st.just(FP),
-    st.lists(st.integers(-1, 2), max_size=3), st.lists(st.sampled_from(["full", "swa", "moe"]), max_size=3),
-    st.dictionaries(st.text(max_size=3), st.integers(0, 2), max_size=2))
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 20),
+    st.sampled_from([-(2**63), 2**63 - 1, 2**64 - 1, 1024, 1025]),
+    st.floats(),
+    st.text(max_size=4),
+    st.sampled_from(["batch", "snapshot", "full", "swa", "float32", "x" * 257]),
+    st.binary(max_size=3),
+    st.binary(min_size=15, max_size=17),
+    st.just(FP),
+    st.lists(st.integers(-1, 2), max_size=3),
+    st.lists(st.sampled_from(["full", "swa", "moe"]), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(0, 2), max_size=2),
+)
 
 
 def typed(old: Any) -> st.SearchStrategy:
@@ -57,14 +70,32 @@ def typed(old: Any) -> st.SearchStrategy:
 
 # What JSON can carry (trace lines): no bytes; floats may be NaN or infinite.
 NEAR_JSON = st.one_of(
-    st.none(), st.booleans(), st.integers(-2, 2000), st.just(2**70), st.floats(), st.text(max_size=4),
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 2000),
+    st.just(2**70),
+    st.floats(),
+    st.text(max_size=4),
     st.lists(st.integers(-1, 3) | st.booleans() | st.floats(), max_size=5),
-    st.dictionaries(st.text(max_size=3), st.integers(0, 2), max_size=2))
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
-                    st.text(max_size=8), st.binary(max_size=20), KEY)
-RANDOM = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=8)
-                      | st.dictionaries(st.text(max_size=6) | st.binary(max_size=4), inner, max_size=6),
-                      max_leaves=24)
+    st.dictionaries(st.text(max_size=3), st.integers(0, 2), max_size=2),
+)
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=8),
+    st.binary(max_size=20),
+    KEY,
+)
+RANDOM = st.recursive(
+    SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=8)
+        | st.dictionaries(st.text(max_size=6) | st.binary(max_size=4), inner, max_size=6)
+    ),
+    max_leaves=24,
+)
 
 
 def _paths(x: Any, at: tuple = ()) -> list[tuple]:
@@ -79,14 +110,19 @@ def _paths(x: Any, at: tuple = ()) -> list[tuple]:
 
 
 @st.composite
-def mutated(draw: st.DrawFn, x: Any, values: st.SearchStrategy | Callable[[Any], st.SearchStrategy] = NEAR,
-            new_keys: st.SearchStrategy = st.text(max_size=4), root: bool = True,
-            ops: tuple[str, ...] = ("replace", "delete", "insert")) -> Any:
+def mutated(
+    draw: st.DrawFn,
+    x: Any,
+    values: st.SearchStrategy | Callable[[Any], st.SearchStrategy] = NEAR,
+    new_keys: st.SearchStrategy = st.text(max_size=4),
+    root: bool = True,
+    ops: tuple[str, ...] = ("replace", "delete", "insert"),
+) -> Any:
     """`x` (nested lists and dicts) with one node replaced, deleted, or a sibling inserted;
     the whole of it replaced too, with `root`. `values` may be a function of the value replaced."""
     x = copy.deepcopy(x)
     pick = (lambda _: values) if isinstance(values, st.SearchStrategy) else values
-    path = draw(st.sampled_from(_paths(x)[0 if root else 1:]))
+    path = draw(st.sampled_from(_paths(x)[0 if root else 1 :]))
     if not path:
         return draw(pick(x))
     parent = x
@@ -118,7 +154,7 @@ def flipped(draw: st.DrawFn, data: bytes) -> bytes:
         elif op == "insert":
             out[i:i] = draw(st.binary(min_size=1, max_size=4))
         else:
-            del out[i:i + draw(st.integers(1, 4))]
+            del out[i : i + draw(st.integers(1, 4))]
     return bytes(out)
 
 

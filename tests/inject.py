@@ -2,13 +2,14 @@
 collaborators at the edge of the unit: the reservation hook, the pools'
 eviction callbacks, the page copier, the transaction's steps, the page reader,
 the checksum function and the lease table. Nothing in fabric/ knows about it."""
+
 from __future__ import annotations
 
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from enum import Enum
+from types import SimpleNamespace
 from typing import Callable, Iterator
 from unittest import mock
 
@@ -20,34 +21,50 @@ class Injected(Exception):
 
 
 # Builtins that code on these paths could plausibly raise, and one of our own.
-EXCEPTIONS = (ValueError, KeyError, RuntimeError, MemoryError, OSError, IndexError,
-              AssertionError, ZeroDivisionError, Injected)
+EXCEPTIONS = (
+    ValueError,
+    KeyError,
+    RuntimeError,
+    MemoryError,
+    OSError,
+    IndexError,
+    AssertionError,
+    ZeroDivisionError,
+    Injected,
+)
 
 
 class Step(str, Enum):
-    RESERVE = "reserve"          # a reservation point (the cache's reservation hook)
-    EVICT = "evict"              # a pool's eviction callback
-    COPY = "copy"                # the page copier (write-back, load-back)
+    RESERVE = "reserve"  # a reservation point (the cache's reservation hook)
+    EVICT = "evict"  # a pool's eviction callback
+    COPY = "copy"  # the page copier (write-back, load-back)
     DEFER_COPY = "defer_copy"
     ATTACH = "attach"
     PLACE = "place"
     COMMIT = "commit"
-    READ = "read"                # the remote-fetch page reader
-    CHECKSUM = "checksum"        # page checksums (export and import)
-    LEASE = "lease"              # the lease grant of an export
+    READ = "read"  # the remote-fetch page reader
+    CHECKSUM = "checksum"  # page checksums (export and import)
+    LEASE = "lease"  # the lease grant of an export
 
 
 # Steps whose real work can run before the injected exception (the wrapper raises
 # after calling through): a commit that finished, or a lease granted, are done.
-CAN_RAISE_AFTER = {Step.EVICT, Step.COPY, Step.DEFER_COPY, Step.ATTACH, Step.PLACE, Step.READ,
-                   Step.CHECKSUM}
+CAN_RAISE_AFTER = {
+    Step.EVICT,
+    Step.COPY,
+    Step.DEFER_COPY,
+    Step.ATTACH,
+    Step.PLACE,
+    Step.READ,
+    Step.CHECKSUM,
+}
 
 
 @dataclass
 class Plan:
     step: Step
-    at: int                       # the at-th call of the step raises (1-based)
-    after: bool                   # raise after the real call did its work
+    at: int  # the at-th call of the step raises (1-based)
+    after: bool  # raise after the real call did its work
     exc: type[BaseException]
 
     def make(self) -> BaseException:
@@ -58,6 +75,7 @@ class Plan:
 class Injector:
     """Counts calls of one step and raises at the planned one. `final`: whether a
     sealed transaction was open when it raised (its evictions could not be undone)."""
+
     plan: Plan
     cache: NodeCache
     calls: int = 0
@@ -76,6 +94,7 @@ class Injector:
             if self.calls == self.plan.at and self.fired is None and self.plan.after:
                 self._raise()
             return out
+
         return call
 
     def _raise(self) -> None:
@@ -102,11 +121,14 @@ def injecting(plan: Plan, cache: NodeCache, leases: LeaseTable | None = None) ->
     def counted_commit(txn: Transaction) -> None:
         real_commit(txn)
         inj.commits += 1
+
     commit = inj.wrap(counted_commit) if plan.step == Step.COMMIT else counted_commit
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(Transaction, "commit", commit))
         if plan.step == Step.RESERVE:
-            stack.enter_context(mock.patch.object(cache, "reserve_hook", inj.wrap(lambda pool, tier: None)))
+            stack.enter_context(
+                mock.patch.object(cache, "reserve_hook", inj.wrap(lambda pool, tier: None))
+            )
         elif plan.step == Step.EVICT:
             for entry in cache.registry:
                 stack.enter_context(mock.patch.object(entry, "evict", inj.wrap(entry.evict)))
@@ -115,7 +137,9 @@ def injecting(plan: Plan, cache: NodeCache, leases: LeaseTable | None = None) ->
             stack.enter_context(mock.patch.object(cache, "copier", copier))
         elif plan.step in (Step.DEFER_COPY, Step.ATTACH, Step.PLACE):
             name = plan.step.value
-            stack.enter_context(mock.patch.object(Transaction, name, inj.wrap(getattr(Transaction, name))))
+            stack.enter_context(
+                mock.patch.object(Transaction, name, inj.wrap(getattr(Transaction, name)))
+            )
         elif plan.step == Step.CHECKSUM:
             stack.enter_context(mock.patch.object(cache, "checksums", inj.wrap(cache.checksums)))
         elif plan.step == Step.LEASE and leases is not None:

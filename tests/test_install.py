@@ -1,6 +1,7 @@
 """The distribution installs one top-level package, `kvfabric`, whose subpackages are the
 repository's layer folders; a user's environment that already has `fabric` (the SSH
 library) keeps it, and gets ours beside it."""
+
 import os
 import shutil
 import subprocess
@@ -33,17 +34,23 @@ def _folders() -> set[str]:
 def test_every_package_folder_is_listed_and_mapped():
     setuptools = _pyproject()["tool"]["setuptools"]
     assert set(setuptools["packages"]) == _folders()
-    assert setuptools["package-dir"] == {"kvfabric": "kvfabric",
-                                         **{f"kvfabric.{layer}": layer for layer in LAYERS}}
+    assert setuptools["package-dir"] == {
+        "kvfabric": "kvfabric",
+        **{f"kvfabric.{layer}": layer for layer in LAYERS},
+    }
 
 
-def _run(cmd: list, cwd: Path, timeout: float = 300,
-         pythonpath: Path | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "KVF_NATIVE")}
+def _run(
+    cmd: list, cwd: Path, timeout: float = 300, pythonpath: Path | None = None
+) -> subprocess.CompletedProcess:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "KVF_NATIVE")
+    }
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
-    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +66,21 @@ def wheel(tmp_path_factory) -> Path:
         else:
             src.mkdir(exist_ok=True)
             shutil.copy2(path, src / name)
-    out = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                "-w", tmp / "dist", src], cwd=tmp)
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            tmp / "dist",
+            src,
+        ],
+        cwd=tmp,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     (built,) = (tmp / "dist").glob("*.whl")
     return built
@@ -74,9 +94,13 @@ def test_the_wheel_holds_kvfabric_only(wheel):
     assert tops == {"kvfabric"}
     assert "kvfabric/fabric/cache/node_cache.py" in names
     assert "kvfabric/deploy/sim/traces/conversation_trace.jsonl" in names
-    native = [n for n in names if n.startswith("kvfabric/fabric/cache/_pagekeys.") and n.endswith(".so")]
+    native = [
+        n for n in names if n.startswith("kvfabric/fabric/cache/_pagekeys.") and n.endswith(".so")
+    ]
     assert len(native) == 1, "the wheel must hold the built page-key extension"
-    index = [n for n in names if n.startswith("kvfabric/fabric/index/_presence.") and n.endswith(".so")]
+    index = [
+        n for n in names if n.startswith("kvfabric/fabric/index/_presence.") and n.endswith(".so")
+    ]
     assert len(index) == 1, "the wheel must hold the built index-core extension"
     assert not any("/csrc/" in n for n in names), "C sources stay out of the wheel"
     assert not any(n.startswith(("benchmarks/", "tests/", "kvfabric/benchmarks/")) for n in names)
@@ -89,11 +113,11 @@ import fabric, kvfabric, kvfabric.fabric
 from kvfabric import NodeCache, KVLayout, PoolName, PoolCapacity
 from kvfabric.deploy.sim.trace import load_trace
 from kvfabric.fabric.cache import native
-assert native.ENABLED and "site-packages" in native.KEYS.__file__, "the extension loads from the wheel"
+assert native.ENABLED and "site-packages" in native.KEYS.__file__, "the keys load from the wheel"
 from kvfabric.fabric.index import presence
 from kvfabric.fabric.index.prefix_index import PrefixIndex
 from kvfabric.fabric import MatchRule
-assert presence.ENABLED and "site-packages" in presence.EXT.__file__, "the index core loads from the wheel"
+assert presence.ENABLED and "site-packages" in presence.EXT.__file__, "the index loads from it"
 assert type(PrefixIndex(MatchRule(0))._presence) is presence.EXT.Presence
 assert fabric.Connection.__module__.startswith("fabric."), "fabric is the SSH library"
 assert "site-packages" in kvfabric.fabric.__file__, kvfabric.fabric.__file__
@@ -116,12 +140,18 @@ def test_installs_beside_the_fabric_ssh_library(wheel, tmp_path):
         pytest.skip(f"the package index is out of reach: {ssh.stderr.strip()[-300:]}")
     # Our dependencies (torch, ray, ...) come from the test's environment, after the
     # fresh venv's own packages, so `fabric` there stays the SSH library.
-    site = Path(_run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                     cwd=tmp_path).stdout.strip())
+    site = Path(
+        _run(
+            [py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=tmp_path
+        ).stdout.strip()
+    )
     (site / "zz_test_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     # Not installed, the source tree on sys.path (as a Ray runtime_env working_dir puts it).
-    from_tree = _run([py, "-c", "import kvfabric.deploy.serve.app as m; print(m.__file__)"],
-                     cwd=tmp_path, pythonpath=ROOT)
+    from_tree = _run(
+        [py, "-c", "import kvfabric.deploy.serve.app as m; print(m.__file__)"],
+        cwd=tmp_path,
+        pythonpath=ROOT,
+    )
     assert from_tree.returncode == 0, from_tree.stderr[-3000:]
     assert from_tree.stdout.strip() == str(ROOT / "deploy" / "serve" / "app.py")
     ours = _run([py, "-m", "pip", "install", "-q", "--no-deps", wheel], cwd=tmp_path)

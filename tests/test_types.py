@@ -1,6 +1,7 @@
 """mypy over the whole package (CHECKED), as the installed package names it. mypy does not
 follow setuptools' editable finder, so the check runs over a tree of links that lays the
 folders out as the wheel does."""
+
 import os
 import shutil
 import subprocess
@@ -18,7 +19,20 @@ def test_the_package_type_checks(tmp_path):
     for layer in ("fabric", "transport", "actors", "deploy"):
         os.symlink(ROOT / layer, package / layer)
     args = [arg for name in CHECKED for arg in ("-p", name)]
-    out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-                          "--cache-dir", str(tmp_path / ".mypy_cache"), *args],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--cache-dir",
+            str(tmp_path / ".mypy_cache"),
+            *args,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-2000:]

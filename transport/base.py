@@ -6,6 +6,7 @@ returns; a `read` copies pages of the peer's pools into ours and returns a handl
 polled against a deadline. Failures surface as `TransferError` subclasses only, whatever
 the backend raised, so callers can roll back on one exception type.
 """
+
 from __future__ import annotations
 
 import abc
@@ -76,11 +77,12 @@ class MemKind(enum.Enum):
 @dataclass(frozen=True)
 class PoolLayout:
     """Where a pool's pages live; peers build their descriptors from this."""
-    base: int          # address of page 0
+
+    base: int  # address of page 0
     page_bytes: int
-    capacity: int      # number of pages
+    capacity: int  # number of pages
     mem: MemKind
-    device: int        # CUDA ordinal for VRAM, 0 for DRAM
+    device: int  # CUDA ordinal for VRAM, 0 for DRAM
 
     @staticmethod
     def of(tensor: torch.Tensor) -> "PoolLayout":
@@ -95,11 +97,13 @@ class PoolLayout:
         if not cuda and tensor.device.type != "cpu":
             raise ValueError(f"pools must live on cpu or cuda, not {tensor.device}")
         capacity = tensor.shape[0]
-        return PoolLayout(base=tensor.data_ptr(),
-                          page_bytes=tensor.numel() * tensor.element_size() // capacity,
-                          capacity=capacity,
-                          mem=MemKind.VRAM if cuda else MemKind.DRAM,
-                          device=tensor.device.index or 0)
+        return PoolLayout(
+            base=tensor.data_ptr(),
+            page_bytes=tensor.numel() * tensor.element_size() // capacity,
+            capacity=capacity,
+            mem=MemKind.VRAM if cuda else MemKind.DRAM,
+            device=tensor.device.index or 0,
+        )
 
     def page_addresses(self) -> np.ndarray:
         return self.base + np.arange(self.capacity, dtype=np.uint64) * np.uint64(self.page_bytes)
@@ -109,14 +113,19 @@ class PoolLayout:
 class PeerMetadata:
     """What `Transport.metadata()` serializes: the agent's name, the backend's own
     connection blob and the layout of every pool."""
+
     name: str
     backend_blob: bytes
     pools: dict[str, PoolLayout]
 
     def to_bytes(self) -> bytes:
         pools = {k: {**v.__dict__, "mem": v.mem.value} for k, v in self.pools.items()}
-        doc = {"v": _METADATA_VERSION, "name": self.name, "pools": pools,
-               "blob": base64.b64encode(self.backend_blob).decode("ascii")}
+        doc = {
+            "v": _METADATA_VERSION,
+            "name": self.name,
+            "pools": pools,
+            "blob": base64.b64encode(self.backend_blob).decode("ascii"),
+        }
         return json.dumps(doc, sort_keys=True).encode()
 
     @staticmethod
@@ -125,8 +134,9 @@ class PeerMetadata:
             doc = json.loads(data)
             if doc.get("v") != _METADATA_VERSION:
                 raise ValueError(f"metadata version {doc.get('v')!r} != {_METADATA_VERSION}")
-            pools = {k: PoolLayout(**{**v, "mem": MemKind(v["mem"])})
-                     for k, v in doc["pools"].items()}
+            pools = {
+                k: PoolLayout(**{**v, "mem": MemKind(v["mem"])}) for k, v in doc["pools"].items()
+            }
             return PeerMetadata(doc["name"], base64.b64decode(doc["blob"]), pools)
         except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"malformed transport metadata: {e}") from e
@@ -135,11 +145,12 @@ class PeerMetadata:
 @dataclass
 class TransferHandle:
     """One batched read: a backend request per pool, polled together."""
+
     peer: str
     pages: int
     nbytes: int
-    descriptors: int                      # after coalescing contiguous runs
-    requests: list[Any] = field(default_factory=list)   # backend-private
+    descriptors: int  # after coalescing contiguous runs
+    requests: list[Any] = field(default_factory=list)  # backend-private
     state: TransferState = TransferState.PENDING
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
@@ -153,8 +164,9 @@ class TransferHandle:
 @dataclass(frozen=True)
 class PoolRead:
     """A validated read of one pool, pages already ordered for coalescing."""
+
     pool: str
-    remote: np.ndarray    # int32, what NIXL's prepared-descriptor indices take
+    remote: np.ndarray  # int32, what NIXL's prepared-descriptor indices take
     local: np.ndarray
     runs: int
 
@@ -177,8 +189,10 @@ def as_index_array(idx: Indices, what: str) -> np.ndarray:
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{what}: page indices must be a 1-d sequence of ints, "
-                         f"got dtype {arr.dtype} shape {arr.shape}")
+        raise ValueError(
+            f"{what}: page indices must be a 1-d sequence of ints, "
+            f"got dtype {arr.dtype} shape {arr.shape}"
+        )
     return arr.astype(np.int64, copy=False)
 
 
@@ -188,8 +202,9 @@ def check_range(idx: np.ndarray, capacity: int, what: str) -> None:
         raise ValueError(f"{what}: page index {int(bad)} out of range [0, {capacity})")
 
 
-def plan_pool_read(pool: str, spec: tuple[Indices, Indices], local: PoolLayout,
-                   remote: PoolLayout) -> PoolRead:
+def plan_pool_read(
+    pool: str, spec: tuple[Indices, Indices], local: PoolLayout, remote: PoolLayout
+) -> PoolRead:
     """Validate one pool's index lists against both layouts; order them for coalescing."""
     if not isinstance(spec, (tuple, list)) or len(spec) != 2:
         raise ValueError(f"pool {pool!r}: expected (remote_indices, local_indices)")

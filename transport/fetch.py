@@ -1,12 +1,13 @@
 """The transport half of a remote fetch: NodeCache device pools on a
 transport, and a page reader with a deadline for fabric's import transaction."""
+
 from __future__ import annotations
 
 import time
 
 from kvfabric.fabric import NodeCache, PoolName, ReadFailed, Tier
 
-from .base import PeerNotConnected, Transport, TransferError
+from .base import PeerNotConnected, TransferError, Transport
 
 
 def pool_name(pool: PoolName) -> str:
@@ -30,7 +31,7 @@ class TransportReader:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s!r}")
         self.transport, self.peer = transport, peer
         self.deadline = time.monotonic() + deadline_s
-        self.bytes_read = 0            # of reads that completed
+        self.bytes_read = 0  # of reads that completed
 
     def __call__(self, pool: PoolName, refs: list[tuple[Tier, int]], pages: list[int]) -> None:
         if any(tier != Tier.DEVICE for tier, _ in refs):
@@ -39,17 +40,19 @@ class TransportReader:
         if left <= 0:
             raise ReadFailed("fetch deadline passed before the read started")
         try:
-            handle = self.transport.read(self.peer, {pool_name(pool): ([i for _, i in refs], pages)})
+            handle = self.transport.read(
+                self.peer, {pool_name(pool): ([i for _, i in refs], pages)}
+            )
             self.transport.wait(handle, left)
             self.bytes_read += handle.nbytes
         except PeerNotConnected as e:
-            raise ReadFailed(str(e)) from e           # raised before anything was posted
+            raise ReadFailed(str(e)) from e  # raised before anything was posted
         except TransferError as e:
             # Abandoned, not known finished: NIXL may still land its bytes later. That
             # includes PeerDisconnected: an endpoint error does not prove the peer's
             # process gone (a stopped peer's bytes landed after a disconnect).
             raise ReadFailed(str(e), may_still_write=True) from e
-        except ValueError as e:           # indices the peer's pools cannot hold: a bad grant
+        except ValueError as e:  # indices the peer's pools cannot hold: a bad grant
             raise ReadFailed(f"rejected read: {e}") from e
 
 

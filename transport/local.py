@@ -5,6 +5,7 @@ stream (so it overlaps whatever the compute stream does next) and crosses PCIe t
 pinned host memory (pageable memory cannot be copied asynchronously); the stream is
 synchronized before returning, so callers see a finished copy.
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,8 +34,10 @@ def _index(idx: Indices, capacity: int, device: torch.device, what: str) -> torc
 
 def _check_pair(src: torch.Tensor, dst: torch.Tensor, n_src: int, n_dst: int) -> None:
     if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
-        raise ValueError(f"page mismatch: src {src.dtype}{tuple(src.shape[1:])} vs "
-                         f"dst {dst.dtype}{tuple(dst.shape[1:])}")
+        raise ValueError(
+            f"page mismatch: src {src.dtype}{tuple(src.shape[1:])} vs "
+            f"dst {dst.dtype}{tuple(dst.shape[1:])}"
+        )
     if n_src != n_dst:
         raise ValueError(f"{n_src} source pages but {n_dst} destination pages")
 
@@ -43,7 +46,7 @@ class LocalTransport:
     """Copies pages between pools of one process (matches fabric's PageCopier.copy)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()          # one staging buffer, one copy at a time
+        self._lock = threading.Lock()  # one staging buffer, one copy at a time
         self._staging: torch.Tensor | None = None
         self._streams: dict[int, Any] = {}
 
@@ -63,23 +66,24 @@ class LocalTransport:
         with self._lock:
             self._copy_cuda(s, si, d, di)
 
-    def _copy_cuda(self, s: torch.Tensor, si: torch.Tensor, d: torch.Tensor,
-                   di: torch.Tensor) -> None:
+    def _copy_cuda(
+        self, s: torch.Tensor, si: torch.Tensor, d: torch.Tensor, di: torch.Tensor
+    ) -> None:
         gpu = s.device if s.device.type == "cuda" else d.device
         stream = self._stream(gpu)
         # Pages may have just been written by work queued on the compute stream.
         stream.wait_stream(torch.cuda.current_stream(gpu))
         with torch.cuda.stream(stream):
-            if s.device.type == "cpu":             # host -> device
+            if s.device.type == "cpu":  # host -> device
                 pages = self._stage(s, len(si))
                 torch.index_select(s, 0, si, out=pages)
                 d.index_copy_(0, di, pages.to(gpu, non_blocking=True))
-            elif d.device.type == "cpu":           # device -> host
+            elif d.device.type == "cpu":  # device -> host
                 pages = self._stage(s, len(si))
                 pages.copy_(s.index_select(0, si), non_blocking=True)
-                stream.synchronize()               # before the CPU reads the staging
+                stream.synchronize()  # before the CPU reads the staging
                 d.index_copy_(0, di, pages)
-            else:                                  # device -> device (any two GPUs)
+            else:  # device -> device (any two GPUs)
                 d.index_copy_(0, di, s.index_select(0, si).to(d.device, non_blocking=True))
         stream.synchronize()
 

@@ -10,6 +10,7 @@ NIXL has no timeout: a transfer towards a hung peer stays "in progress" forever,
 `poll` enforces the caller's deadline and aborts (releasing a live request cancels it).
 A peer killed mid-transfer leaves the destination pages partly written.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,9 +20,23 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .base import (BackendError, MemKind, PeerDisconnected, PeerMetadata, PeerNotConnected,
-                   PoolLayout, PoolRead, ReadSpec, Transport, TransferAborted, TransferError,
-                   TransferHandle, TransferState, TransferTimeout, plan_pool_read)
+from .base import (
+    BackendError,
+    MemKind,
+    PeerDisconnected,
+    PeerMetadata,
+    PeerNotConnected,
+    PoolLayout,
+    PoolRead,
+    ReadSpec,
+    TransferAborted,
+    TransferError,
+    TransferHandle,
+    TransferState,
+    TransferTimeout,
+    Transport,
+    plan_pool_read,
+)
 
 try:  # the `nixl` meta package picks the wheel matching the local CUDA ...
     from nixl import _bindings as _nb
@@ -30,8 +45,10 @@ except ImportError:  # ... but only nixl-cu12 may be installed (it runs on CPU h
 
 # NIXL's exceptions share no base class besides Exception; catch exactly these.
 _NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
-    v for k, v in vars(_nb).items()
-    if k.startswith("nixl") and k.endswith("Error") and isinstance(v, type))
+    v
+    for k, v in vars(_nb).items()
+    if k.startswith("nixl") and k.endswith("Error") and isinstance(v, type)
+)
 _ERROR_CLASSES: dict[str, type[TransferError]] = {
     "nixlRemoteDisconnectError": PeerDisconnected,
     "nixlNotFoundError": PeerNotConnected,
@@ -48,16 +65,16 @@ def map_nixl_error(exc: BaseException, what: str) -> TransferError:
 
 @dataclass
 class _Pool:
-    tensor: torch.Tensor        # held so the registered memory outlives the registration
+    tensor: torch.Tensor  # held so the registered memory outlives the registration
     layout: PoolLayout
-    reg: Any                    # nixlRegDList, needed again to deregister
-    dlist: int                  # prepared local descriptor list (one per page)
+    reg: Any  # nixlRegDList, needed again to deregister
+    dlist: int  # prepared local descriptor list (one per page)
 
 
 @dataclass
 class _Peer:
     pools: dict[str, PoolLayout]
-    dlists: dict[str, int] = field(default_factory=dict)   # prepared remote lists
+    dlists: dict[str, int] = field(default_factory=dict)  # prepared remote lists
 
 
 @dataclass
@@ -81,15 +98,22 @@ class NixlTransport(Transport):
     event fds; the Python wrapper hard-codes 0, which spins a core per agent, and the
     thread is needed: without it a peer serves nothing while its owner is busy."""
 
-    def __init__(self, name: str, *, backend: str = "UCX", progress_thread: bool = True,
-                 progress_delay_us: int = 100, telemetry: bool = False,
-                 backend_params: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        backend: str = "UCX",
+        progress_thread: bool = True,
+        progress_delay_us: int = 100,
+        telemetry: bool = False,
+        backend_params: Mapping[str, str] | None = None,
+    ) -> None:
         if not name:
             raise ValueError("a transport needs a non-empty, cluster-unique name")
         cfg = _nb.nixlAgentConfig()
         cfg.useProgThread = progress_thread
-        cfg.useListenThread = False      # metadata travels through our own channel
-        cfg.syncMode = _nb.NIXL_THREAD_SYNC_NONE   # single owner, as the wrapper does
+        cfg.useListenThread = False  # metadata travels through our own channel
+        cfg.syncMode = _nb.NIXL_THREAD_SYNC_NONE  # single owner, as the wrapper does
         cfg.pthrDelay = progress_delay_us
         cfg.captureTelemetry = telemetry
         self.name = name
@@ -97,7 +121,7 @@ class NixlTransport(Transport):
         self._pools: dict[str, _Pool] = {}
         self._peers: dict[str, _Peer] = {}
         self._inflight: dict[int, TransferHandle] = {}
-        self._leaked: list[int] = []     # requests NIXL refused to release yet
+        self._leaked: list[int] = []  # requests NIXL refused to release yet
         self._closed = False
         try:
             self._agent = _nb.nixlAgent(name, cfg)
@@ -115,15 +139,18 @@ class NixlTransport(Transport):
         if name in self._pools:
             raise ValueError(f"pool {name!r} is already registered")
         layout = PoolLayout.of(tensor)
-        reg = _nb.nixlRegDList(_MEM[layout.mem], [(layout.base,
-                               layout.page_bytes * layout.capacity, layout.device, "")])
+        reg = _nb.nixlRegDList(
+            _MEM[layout.mem],
+            [(layout.base, layout.page_bytes * layout.capacity, layout.device, "")],
+        )
         try:
             self._agent.registerMem(reg, self._backends)
         except _NIXL_ERRORS as e:
             raise map_nixl_error(e, f"registering pool {name!r}") from e
         try:
-            dlist = self._agent.prepXferDlist(_nb.NIXL_INIT_AGENT, _xfer_dlist(layout),
-                                              self._backends)
+            dlist = self._agent.prepXferDlist(
+                _nb.NIXL_INIT_AGENT, _xfer_dlist(layout), self._backends
+            )
         except _NIXL_ERRORS as e:
             self._agent.deregisterMem(reg, self._backends)
             raise map_nixl_error(e, f"preparing pool {name!r}") from e
@@ -138,20 +165,22 @@ class NixlTransport(Transport):
         self._require_open()
         meta = PeerMetadata.from_bytes(metadata)
         if meta.name != peer_name or peer_name == self.name:
-            raise ValueError(f"metadata of {meta.name!r} cannot connect peer {peer_name!r} "
-                             f"from {self.name!r}")
+            raise ValueError(
+                f"metadata of {meta.name!r} cannot connect peer {peer_name!r} from {self.name!r}"
+            )
         for pool in meta.pools.keys() & self._pools.keys():
             ours, theirs = self._pools[pool].layout.page_bytes, meta.pools[pool].page_bytes
             if ours != theirs:
                 raise ValueError(f"pool {pool!r}: peer pages are {theirs} B, ours {ours} B")
-        self.disconnect(peer_name)       # a restarted peer comes back under its old name
+        self.disconnect(peer_name)  # a restarted peer comes back under its old name
         peer = _Peer(meta.pools)
         try:
             self._agent.loadRemoteMD(meta.backend_blob)
             self._peers[peer_name] = peer
             for pool in meta.pools.keys() & self._pools.keys():
                 peer.dlists[pool] = self._agent.prepXferDlist(
-                    peer_name, _xfer_dlist(meta.pools[pool]), self._backends)
+                    peer_name, _xfer_dlist(meta.pools[pool]), self._backends
+                )
             # Wire up now so that the first read does not pay for it under a deadline.
             self._agent.makeConnection(peer_name, self._backends)
         except _NIXL_ERRORS as e:
@@ -163,7 +192,7 @@ class NixlTransport(Transport):
         if peer is None:
             return
         for h in [h for h in self._inflight.values() if h.peer == peer_name]:
-            self.abort(h)                # their requests use the dlists released below
+            self.abort(h)  # their requests use the dlists released below
         for dlist in peer.dlists.values():
             self._quietly(self._agent.releasedDlistH, dlist)
         self._quietly(self._agent.invalidateRemoteMD, peer_name)
@@ -176,10 +205,12 @@ class NixlTransport(Transport):
     def read(self, peer: str, spec: ReadSpec) -> TransferHandle:
         self._require_open()
         plans = self._plan(peer, spec)
-        handle = TransferHandle(peer=peer, pages=sum(len(p.local) for p in plans),
-                                nbytes=sum(len(p.local) * self._pools[p.pool].layout.page_bytes
-                                           for p in plans),
-                                descriptors=sum(p.runs for p in plans))
+        handle = TransferHandle(
+            peer=peer,
+            pages=sum(len(p.local) for p in plans),
+            nbytes=sum(len(p.local) * self._pools[p.pool].layout.page_bytes for p in plans),
+            descriptors=sum(p.runs for p in plans),
+        )
         if not plans:
             handle.state, handle.finished = TransferState.DONE, time.monotonic()
             return handle
@@ -214,8 +245,14 @@ class NixlTransport(Transport):
         where = f"reading pool {plan.pool!r} from {handle.peer!r}"
         try:
             xfer = self._agent.makeXferReq(
-                _nb.NIXL_READ, self._pools[plan.pool].dlist, plan.local,
-                self._peers[handle.peer].dlists[plan.pool], plan.remote, "", self._backends)
+                _nb.NIXL_READ,
+                self._pools[plan.pool].dlist,
+                plan.local,
+                self._peers[handle.peer].dlists[plan.pool],
+                plan.remote,
+                "",
+                self._backends,
+            )
             req = _Req(plan.pool, xfer)
             handle.requests.append(req)
             status = self._agent.postXferReq(xfer, "")
@@ -242,8 +279,10 @@ class NixlTransport(Transport):
             return True
         if deadline is not None and time.monotonic() >= deadline:
             self.abort(handle)
-            raise TransferTimeout(f"{handle.pages} pages from {handle.peer!r} not done after "
-                                  f"{time.monotonic() - handle.started:.3f} s; aborted")
+            raise TransferTimeout(
+                f"{handle.pages} pages from {handle.peer!r} not done after "
+                f"{time.monotonic() - handle.started:.3f} s; aborted"
+            )
         return False
 
     def _check(self, req: _Req, peer: str) -> bool:
@@ -260,12 +299,12 @@ class NixlTransport(Transport):
     def _complete(self, handle: TransferHandle) -> None:
         if self._telemetry:
             handle.backend_descriptors = sum(
-                self._agent.getXferTelemetry(r.xfer).descCount for r in handle.requests)
+                self._agent.getXferTelemetry(r.xfer).descCount for r in handle.requests
+            )
         self._release(handle)
         handle.state, handle.finished = TransferState.DONE, time.monotonic()
 
-    def abort(self, handle: TransferHandle,
-              state: TransferState = TransferState.ABORTED) -> None:
+    def abort(self, handle: TransferHandle, state: TransferState = TransferState.ABORTED) -> None:
         if handle.state is TransferState.PENDING:
             handle.state, handle.finished = state, time.monotonic()
         self._release(handle)
@@ -288,14 +327,13 @@ class NixlTransport(Transport):
             self.abort(handle)
         for peer in list(self._peers):
             self.disconnect(peer)
-        self._leaked = [x for x in self._leaked
-                        if not self._quietly(self._agent.releaseXferReq, x)]
+        self._leaked = [x for x in self._leaked if not self._quietly(self._agent.releaseXferReq, x)]
         for pool in self._pools.values():
             self._quietly(self._agent.releasedDlistH, pool.dlist)
             self._quietly(self._agent.deregisterMem, pool.reg, self._backends)
         self._pools.clear()
         self._closed = True
-        del self._agent                  # the agent's destructor tears down UCX
+        del self._agent  # the agent's destructor tears down UCX
 
     def _require_open(self) -> None:
         if self._closed:

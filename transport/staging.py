@@ -6,6 +6,7 @@ dim]). The engine copies its KV blocks in or out; the node actor copies between
 these pages and its cache. Bytes never go through Ray's object store or pickling:
 a Ray call carries only token ids and page numbers.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,6 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
-
 from kvfabric.fabric import KVLayout, NodeCache, PoolName
 from kvfabric.fabric.cache.pages import pack, unpack
 from kvfabric.fabric.wire import is_int
@@ -25,7 +25,8 @@ SHM_DIR = Path("/dev/shm")
 @dataclass(frozen=True)
 class StagingSpec:
     """Where the staging files are and how many pages each holds."""
-    prefix: str           # file name prefix under SHM_DIR
+
+    prefix: str  # file name prefix under SHM_DIR
     pages: int
 
     def path(self, pool: PoolName) -> Path:
@@ -54,7 +55,7 @@ class SharedPages:
             try:
                 self.spec.path(pool).unlink()
             except FileNotFoundError:
-                continue      # already gone: unlinking is idempotent
+                continue  # already gone: unlinking is idempotent
 
 
 def _ensure_file(path: Path, size: int) -> None:
@@ -73,24 +74,35 @@ class StagedHit:
     """What `load_to_staging` put in the staging pages: each pool's KV for pages
     [firsts[pool], pages). The load starts at `first_page`; a pool whose policy needs
     less (a window) starts later."""
+
     pages: int = 0
     first_page: int = 0
     firsts: dict[PoolName, int] = field(default_factory=dict)
-    host_pages: int = 0          # of those pages, how many the cache loaded back from host
+    host_pages: int = 0  # of those pages, how many the cache loaded back from host
     slots: dict[PoolName, list[int]] = field(default_factory=dict)
 
 
-def load_to_staging(cache: NodeCache, shared: SharedPages, tokens: Sequence[int], namespace: str,
-                    skip_pages: int, slots: dict[PoolName, list[int]]) -> StagedHit:
+def load_to_staging(
+    cache: NodeCache,
+    shared: SharedPages,
+    tokens: Sequence[int],
+    namespace: str,
+    skip_pages: int,
+    slots: dict[PoolName, list[int]],
+) -> StagedHit:
     """Copy the usable cached prefix of `tokens` beyond `skip_pages` into staging `slots`
     (the pool's i-th staged page goes to slots[pool][i]); nothing if they are too few."""
     layout = cache.layout
     ps = layout.page_size
     hit = cache.get(tokens, namespace)
     n = hit.tokens // ps
-    held = {pool: start // ps for pool, start in hit.starts.items()}     # the hit's rows start there
-    out = StagedHit(pages=n, first_page=skip_pages, firsts={p: max(skip_pages, held[p]) for p in layout.pools},
-                    host_pages=hit.host_tokens // ps)
+    held = {pool: start // ps for pool, start in hit.starts.items()}  # the hit's rows start there
+    out = StagedHit(
+        pages=n,
+        first_page=skip_pages,
+        firsts={p: max(skip_pages, held[p]) for p in layout.pools},
+        host_pages=hit.host_tokens // ps,
+    )
     # A shorter load than the hit would need the SWA window before its own end, which
     # the hit does not carry: too few slots load nothing.
     if n <= skip_pages or len(slots.get(layout.pools[0], ())) < n - skip_pages:
@@ -108,8 +120,14 @@ def load_to_staging(cache: NodeCache, shared: SharedPages, tokens: Sequence[int]
     return out
 
 
-def save_from_staging(cache: NodeCache, shared: SharedPages, tokens: Sequence[int], namespace: str,
-                      slots: dict[PoolName, list[int]], firsts: Mapping[PoolName, int]) -> int:
+def save_from_staging(
+    cache: NodeCache,
+    shared: SharedPages,
+    tokens: Sequence[int],
+    namespace: str,
+    slots: dict[PoolName, list[int]],
+    firsts: Mapping[PoolName, int],
+) -> int:
     """Store the whole pages of `tokens` from staging: a pool's KV of page firsts[pool] + i
     in slots[pool][i] (pools not in `firsts` from page 0). Full KV from a later page grows
     the cache only where it holds every page before (NodeCache.put). Returns pages newly
@@ -118,7 +136,9 @@ def save_from_staging(cache: NodeCache, shared: SharedPages, tokens: Sequence[in
     ps = layout.page_size
     n = len(tokens) // ps
     if set(firsts) - set(layout.pools) or not all(is_int(f) and f >= 0 for f in firsts.values()):
-        raise ValueError(f"first pages must be ints >= 0 for pools of the layout, got {dict(firsts)!r}")
+        raise ValueError(
+            f"first pages must be ints >= 0 for pools of the layout, got {dict(firsts)!r}"
+        )
     kv: list[torch.Tensor | None] = [None] * len(layout.layers)
     starts: dict[PoolName, int] = {}
     for pool in layout.pools:
@@ -126,8 +146,8 @@ def save_from_staging(cache: NodeCache, shared: SharedPages, tokens: Sequence[in
         idx = slots.get(pool, [])
         if len(idx) != n - first:
             raise ValueError(f"{pool.name}: {len(idx)} staged pages for positions [{first}, {n})")
-        starts[pool] = first * ps                   # rows before it were never staged: not stored
+        starts[pool] = first * ps  # rows before it were never staged: not stored
         staged = shared.pools[pool].index_select(0, torch.tensor(idx, dtype=torch.long))
-        for li, t in zip(layout.layers_of(pool), unpack(staged)):   # [2, (n - first) * ps, H, D]
+        for li, t in zip(layout.layers_of(pool), unpack(staged)):  # [2, (n - first) * ps, H, D]
             kv[li] = t
     return cache.put(tokens[: n * ps], kv, namespace, starts=starts)

@@ -13,6 +13,7 @@ loop keeps serving. Two rules keep the cache (not thread-safe) consistent:
   Calls that change the tree's shape in a family (put, get, export) wait while an
   import of that family is in flight; every other family is served at once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,7 +47,7 @@ class CacheGate:
         finally:
             lock, users = self._families[key]
             if users == 1:
-                del self._families[key]        # bounded by the calls in flight
+                del self._families[key]  # bounded by the calls in flight
             else:
                 self._families[key] = (lock, users - 1)
 
@@ -58,7 +59,7 @@ class CacheGate:
             try:
                 return await asyncio.shield(future)
             except asyncio.CancelledError:
-                await asyncio.wait({future})   # the family stays held until the thread is done
+                await asyncio.wait({future})  # the family stays held until the thread is done
                 raise
 
     async def run_wire(self, work: Callable[[], T]) -> T:
@@ -72,12 +73,14 @@ class CacheGate:
 
     def released(self, read: Callable[..., T]) -> Callable[..., T]:
         """`read`, called with `mutex` given up (by the import thread that holds it)."""
+
         def call(*args, **kwargs) -> T:
             self.mutex.release()
             try:
                 return read(*args, **kwargs)
             finally:
                 self.mutex.acquire()
+
         return call
 
     def close(self) -> None:

@@ -4,13 +4,20 @@ staging pages (no bytes through Ray), and a place for their connectors' counters
 A mixin of NodeCacheActor: it uses the actor's `cache`, `gate`, `link`, `config` and
 `_family`.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvfabric.fabric import PoolName
-from kvfabric.transport.staging import SharedPages, StagedHit, StagingSpec, load_to_staging, save_from_staging
+from kvfabric.transport.staging import (
+    SharedPages,
+    StagedHit,
+    StagingSpec,
+    load_to_staging,
+    save_from_staging,
+)
 
 from .engine_process import MAX_NAME, EngineProcess, EngineProcessError
 
@@ -21,7 +28,7 @@ if TYPE_CHECKING:
     from .index_link import IndexLink
     from .node_actor import NodeConfig
 
-MAX_ENGINES = 64                # reports kept, newest first: engines restart under new names
+MAX_ENGINES = 64  # reports kept, newest first: engines restart under new names
 
 
 class EngineReportError(ValueError):
@@ -31,7 +38,9 @@ class EngineReportError(ValueError):
 def check_report(engine: str, counters: dict) -> dict[str, int | dict[str, int]]:
     """An engine's counters: names to ints, one level of nesting; anything else is refused."""
     if not isinstance(engine, str) or not 0 < len(engine) <= MAX_NAME:
-        raise EngineReportError(f"engine must be a name of 1..{MAX_NAME} characters, got {engine!r:.80}")
+        raise EngineReportError(
+            f"engine must be a name of 1..{MAX_NAME} characters, got {engine!r:.80}"
+        )
     if not isinstance(counters, dict) or len(counters) > 64:
         raise EngineReportError("counters must be a dict of at most 64 entries")
     out: dict[str, int | dict[str, int]] = {}
@@ -50,6 +59,7 @@ def check_report(engine: str, counters: dict) -> dict[str, int | dict[str, int]]
 
 class EngineHost:
     """The node actor's side for engines on its host (a mixin). What it uses of the actor:"""
+
     name: str
     config: NodeConfig
     cache: NodeCache
@@ -58,10 +68,10 @@ class EngineHost:
     _family: Callable[[Sequence[int], str], bytes | None]
 
     def init_engine_host(self) -> None:
-        self._shared: dict[str, SharedPages] = {}       # engines' staging pages, by file prefix
+        self._shared: dict[str, SharedPages] = {}  # engines' staging pages, by file prefix
         self._reports: OrderedDict[str, dict] = OrderedDict()
-        self._engines: dict[int, EngineProcess] = {}     # by pid: the engines to watch
-        self._gone: dict[str, int] = {}       # ended engines' index names -> epoch, until retired
+        self._engines: dict[int, EngineProcess] = {}  # by pid: the engines to watch
+        self._gone: dict[str, int] = {}  # ended engines' index names -> epoch, until retired
 
     def engine_started(self, proc: EngineProcess) -> None:
         """An engine on this host announces itself; what the node keeps for it is dropped
@@ -80,10 +90,12 @@ class EngineHost:
         for proc in [p for p in self._engines.values() if not p.alive()]:
             del self._engines[proc.pid]
             self.drop_staging(proc.staging)
-            for pool in self.config.layout.pools:       # files the node never mapped too
+            for pool in self.config.layout.pools:  # files the node never mapped too
                 proc.staging.path(pool).unlink(missing_ok=True)
             if proc.index_name:
-                self._gone[proc.index_name] = max(proc.index_epoch, self._gone.get(proc.index_name, 0))
+                self._gone[proc.index_name] = max(
+                    proc.index_epoch, self._gone.get(proc.index_name, 0)
+                )
         return dict(self._gone)
 
     def engines_retired(self, retired: dict[str, int]) -> None:
@@ -95,22 +107,38 @@ class EngineHost:
     def watched_engines(self) -> list[int]:
         return sorted(self._engines)
 
-    async def load_staged(self, spec: StagingSpec, tokens: Sequence[int], namespace: str,
-                          skip_pages: int, slots: dict[PoolName, list[int]]) -> StagedHit:
+    async def load_staged(
+        self,
+        spec: StagingSpec,
+        tokens: Sequence[int],
+        namespace: str,
+        skip_pages: int,
+        slots: dict[PoolName, list[int]],
+    ) -> StagedHit:
         """Copy the usable cached prefix beyond `skip_pages` into the engine's staging pages."""
         async with self.gate.family(self._family(tokens, namespace)):
             with self.gate.mutex:
-                hit = load_to_staging(self.cache, self._staging(spec), tokens, namespace, skip_pages, slots)
+                hit = load_to_staging(
+                    self.cache, self._staging(spec), tokens, namespace, skip_pages, slots
+                )
                 self.link.publish()
         return hit
 
-    async def save_staged(self, spec: StagingSpec, tokens: Sequence[int], namespace: str,
-                          slots: dict[PoolName, list[int]], firsts: dict[PoolName, int]) -> int:
+    async def save_staged(
+        self,
+        spec: StagingSpec,
+        tokens: Sequence[int],
+        namespace: str,
+        slots: dict[PoolName, list[int]],
+        firsts: dict[PoolName, int],
+    ) -> int:
         """Store the whole pages of `tokens` that the engine wrote to its staging pages
         (each pool's from page `firsts[pool]` on: see save_from_staging)."""
         async with self.gate.family(self._family(tokens, namespace)):
             with self.gate.mutex:
-                stored = save_from_staging(self.cache, self._staging(spec), tokens, namespace, slots, firsts)
+                stored = save_from_staging(
+                    self.cache, self._staging(spec), tokens, namespace, slots, firsts
+                )
                 self.link.publish()
         return stored
 
@@ -132,7 +160,9 @@ class EngineHost:
         requests than the one kept is late and ignored."""
         counters = check_report(engine, counters)
         kept = self._reports.get(engine)
-        if kept is not None and kept.get("finished_requests", 0) > counters.get("finished_requests", 0):
+        if kept is not None and kept.get("finished_requests", 0) > counters.get(
+            "finished_requests", 0
+        ):
             return
         self._reports[engine] = counters
         self._reports.move_to_end(engine)

@@ -6,6 +6,7 @@ that crashes does not, so its node watches the process itself (same host, same P
 namespace): a process gone, or its PID reused by another (the start time differs),
 means the engine is gone, and the node drops what it kept for it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ def process_start(pid: int) -> int | None:
     except OSError:
         return None
     # Field 22; the command name (field 2) may hold spaces and parentheses.
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return int(fields[19])
 
 
@@ -41,14 +42,17 @@ class EngineProcessError(ValueError):
 @dataclass(frozen=True)
 class EngineProcess:
     pid: int
-    started: int                 # process_start(pid) when it announced itself
+    started: int  # process_start(pid) when it announced itself
     staging: StagingSpec
-    index_name: str = ""         # its device cache's publisher in the index; "": not fed
-    index_epoch: int = 0         # the epoch that publisher claimed (this life of the name)
+    index_name: str = ""  # its device cache's publisher in the index; "": not fed
+    index_epoch: int = 0  # the epoch that publisher claimed (this life of the name)
 
     @classmethod
-    def this_process(cls, staging: StagingSpec, index_name: str = "", index_epoch: int = 0) -> "EngineProcess":
+    def this_process(
+        cls, staging: StagingSpec, index_name: str = "", index_epoch: int = 0
+    ) -> "EngineProcess":
         import os
+
         pid = os.getpid()
         return cls(pid, process_start(pid) or 0, staging, index_name, index_epoch)
 
@@ -60,13 +64,32 @@ class EngineProcess:
     def check(self, node: str) -> None:
         """Refuse what is not an engine of node `node` (an index name under another node
         would let one engine drop another's entries)."""
-        if type(self.pid) is not int or self.pid <= 0 or type(self.started) is not int or self.started < 0:
-            raise EngineProcessError(f"pid and start must be ints > 0 and >= 0, got {self.pid!r}, {self.started!r}")
-        if not isinstance(self.staging, StagingSpec) or not isinstance(self.staging.prefix, str) \
-                or not 0 < len(self.staging.prefix) <= MAX_NAME or "/" in self.staging.prefix:
-            raise EngineProcessError(f"staging must be a StagingSpec with a file-name prefix, got {self.staging!r:.80}")
+        if (
+            type(self.pid) is not int
+            or self.pid <= 0
+            or type(self.started) is not int
+            or self.started < 0
+        ):
+            raise EngineProcessError(
+                f"pid and start must be ints > 0 and >= 0, got {self.pid!r}, {self.started!r}"
+            )
+        if (
+            not isinstance(self.staging, StagingSpec)
+            or not isinstance(self.staging.prefix, str)
+            or not 0 < len(self.staging.prefix) <= MAX_NAME
+            or "/" in self.staging.prefix
+        ):
+            raise EngineProcessError(
+                f"staging must be a StagingSpec with a file-name prefix, got {self.staging!r:.80}"
+            )
         name = self.index_name
-        if not isinstance(name, str) or len(name) > MAX_NAME or (name and not name.startswith(node + "/")):
+        if (
+            not isinstance(name, str)
+            or len(name) > MAX_NAME
+            or (name and not name.startswith(node + "/"))
+        ):
             raise EngineProcessError(f"index name must be empty or under {node}/, got {name!r:.80}")
         if type(self.index_epoch) is not int or not 0 <= self.index_epoch < 1 << 62:
-            raise EngineProcessError(f"index epoch must be an int >= 0, got {self.index_epoch!r:.40}")
+            raise EngineProcessError(
+                f"index epoch must be an int >= 0, got {self.index_epoch!r:.40}"
+            )

@@ -3,6 +3,7 @@
 A node is built with at most one (`NodeConfig.hooks`, a factory called in the actor's
 process); production passes none, and then none of these is called. The injectors
 themselves live in kvfabric.deploy.chaos."""
+
 from __future__ import annotations
 
 from typing import Any, Protocol

@@ -4,6 +4,7 @@ Batches go out under the node's route table without waiting; a shard that saw a
 gap answers need_snapshot (a restarted shard answers nothing: its call failed)
 and gets this node's snapshot of its part with the next publish. Replies are
 read from their futures once they are done: nothing here waits on a shard."""
+
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -11,7 +12,7 @@ from typing import Callable, Generic, TypeVar
 
 from kvfabric.fabric import ApplyResult, EventBatch, RouteTable, ShardPublisher
 
-MAX_UNANSWERED = 4096      # event sends a node remembers until their shard answers
+MAX_UNANSWERED = 4096  # event sends a node remembers until their shard answers
 
 P = TypeVar("P", bound=ShardPublisher)
 
@@ -30,7 +31,7 @@ class IndexLink(Generic[P]):
         self.send_filter = send_filter
         self.shards: list = []
         self.routes: RouteTable | None = None
-        self._sent: list[tuple[int, object, Future]] = []    # (shard, ref kept alive, its future)
+        self._sent: list[tuple[int, object, Future]] = []  # (shard, ref kept alive, its future)
 
     @property
     def attached(self) -> bool:
@@ -59,7 +60,7 @@ class IndexLink(Generic[P]):
             if not reply.done():
                 pending.append((shard, ref, reply))
             elif reply.exception() is not None or reply.result() is ApplyResult.NEED_SNAPSHOT:
-                behind.add(shard)          # a restarted shard has lost our events
+                behind.add(shard)  # a restarted shard has lost our events
         # Only the latest unanswered sends are kept (a hung shard answers none): a gap an
         # older one would have shown, a later batch to that shard shows too.
         self._sent = pending[-MAX_UNANSWERED:]

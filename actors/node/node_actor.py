@@ -8,6 +8,7 @@ fault) becomes a FetchOutcome, never an exception, so a request can always recom
 
 An asyncio actor: no method blocks on another actor, so two nodes fetching from
 each other both get served. The cache is touched under `CacheGate` rules."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,15 +17,24 @@ from typing import Any, Callable, Sequence
 
 import ray
 import torch
-
-from kvfabric.fabric import (CachedKV, CacheStats, EventPublisher, KVLayout, NodeCache, PoolCapacity, PoolName,
-                             RouteTable, TierConfig, export_prefix)
+from kvfabric.actors.epochs import EpochSource, GcsEpochs
+from kvfabric.fabric import (
+    CachedKV,
+    CacheStats,
+    EventPublisher,
+    KVLayout,
+    NodeCache,
+    PoolCapacity,
+    PoolName,
+    RouteTable,
+    TierConfig,
+    export_prefix,
+)
 from kvfabric.transport import LocalTransport, NixlTransport
 from kvfabric.transport.fetch import register_device_pools
 
 from .cache_gate import CacheGate
 from .engine_host import EngineHost
-from kvfabric.actors.epochs import EpochSource, GcsEpochs
 from .hooks import NodeHooks
 from .index_link import IndexLink
 from .peer_fetch import PeerFetch
@@ -35,7 +45,7 @@ class NodeConfig:
     layout: KVLayout
     capacities: dict[PoolName, PoolCapacity]
     tier: TierConfig = field(default_factory=TierConfig)
-    device: str | None = None          # default: cuda when present, else cpu
+    device: str | None = None  # default: cuda when present, else cpu
     lease_ttl_s: float = 10.0
     fetch_deadline_s: float = 2.0
     # Tests and chaos runs: builds the node's hooks in its process (a class or other
@@ -47,9 +57,10 @@ class NodeConfig:
 @dataclass(frozen=True)
 class Beat:
     """A node's answer to the directory's heartbeat."""
+
     epoch: int
-    attached: bool                     # publishing to the index (a restarted actor is not, until rejoined)
-    route_version: int | None          # of the route table it publishes under
+    attached: bool  # publishing to the index (a restarted actor is not, until rejoined)
+    route_version: int | None  # of the route table it publishes under
     # This host's engines whose process ended: index name -> the epoch of that life.
     gone_engines: dict[str, int] = field(default_factory=dict)
 
@@ -60,24 +71,32 @@ class NodeCacheActor(PeerFetch, EngineHost):
         self.name = name
         self.config = config
         self.hooks = hooks = None if config.hooks is None else config.hooks(config)
-        self.cache = NodeCache(config.layout, config.capacities, tier=config.tier, device=config.device,
-                               copier=LocalTransport(), reserve_hook=None if hooks is None else hooks.reserve)
-        self.leases = self.cache.leases     # exports' leases and requests' holds
+        self.cache = NodeCache(
+            config.layout,
+            config.capacities,
+            tier=config.tier,
+            device=config.device,
+            copier=LocalTransport(),
+            reserve_hook=None if hooks is None else hooks.reserve,
+        )
+        self.leases = self.cache.leases  # exports' leases and requests' holds
         nixl = NixlTransport(name)
         self.transport = nixl if hooks is None else hooks.transport(nixl)
         register_device_pools(self.transport, self.cache)
-        self._metadata = self.transport.metadata()     # fixed once the pools are registered
+        self._metadata = self.transport.metadata()  # fixed once the pools are registered
         self.gate = CacheGate()
         self.peers: set[str] = set()
         self.fetches: dict[str, int] = {}
         self.late_releases = 0
-        self.fetched_bytes = 0                  # read from peers over the transport (NIXL)
-        self._probing: asyncio.Task | None = None     # the heartbeat's probe of quarantined peers
+        self.fetched_bytes = 0  # read from peers over the transport (NIXL)
+        self._probing: asyncio.Task | None = None  # the heartbeat's probe of quarantined peers
         # A restarted actor starts a new epoch, above every earlier one of this name:
         # the index drops what the old one said (see actors/epochs.py: no clock).
         self.epoch = config.epochs.claim(name)
-        self.link = IndexLink(EventPublisher(self.cache, name, epoch=self.epoch),
-                              None if hooks is None else hooks.send)
+        self.link = IndexLink(
+            EventPublisher(self.cache, name, epoch=self.epoch),
+            None if hooks is None else hooks.send,
+        )
         self.init_engine_host()
 
     # --- identity and peers -----------------------------------------------------------
@@ -99,8 +118,14 @@ class NodeCacheActor(PeerFetch, EngineHost):
             return self.cache.release_quarantine(peer)
 
     # --- local cache ------------------------------------------------------------------
-    async def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor], namespace: str,
-                  starts: dict[PoolName, int] | None = None, release: int = 0) -> int:
+    async def put(
+        self,
+        tokens: Sequence[int],
+        kv: Sequence[torch.Tensor],
+        namespace: str,
+        starts: dict[PoolName, int] | None = None,
+        release: int = 0,
+    ) -> int:
         """Store what `kv` has rows for (see NodeCache.put); `release`: the caller's hold."""
         async with self.gate.family(self._family(tokens, namespace)):
             with self.gate.mutex:
@@ -108,7 +133,9 @@ class NodeCacheActor(PeerFetch, EngineHost):
                 self.link.publish()
         return stored
 
-    async def get(self, tokens: Sequence[int], namespace: str, hold_s: float | None = None) -> CachedKV:
+    async def get(
+        self, tokens: Sequence[int], namespace: str, hold_s: float | None = None
+    ) -> CachedKV:
         """The usable cached prefix, its K/V in host memory: the caller is another
         process, which may not see this node's GPU (no-op on CPU pools). With
         `hold_s`, the prefix stays pinned until the caller's put (`hit.hold`)."""
@@ -117,7 +144,7 @@ class NodeCacheActor(PeerFetch, EngineHost):
                 hit = self.cache.get(tokens, namespace, hold_s)
                 if self.hooks is not None:
                     self.hooks.after_get(self.cache)
-                self.link.publish()      # load-backs and evictions change what the index should know
+                self.link.publish()  # load-backs and evictions change what the index should know
                 hit.layers = [None if t is None else t.cpu() for t in hit.layers]
         return hit
 
@@ -183,7 +210,9 @@ class NodeCacheActor(PeerFetch, EngineHost):
         if probing and (self._probing is None or self._probing.done()):
             self._probing = asyncio.create_task(self.probe_quarantine())
         gone = self.reap_engines()
-        return Beat(self.epoch, routes is not None, None if routes is None else routes.version, gone)
+        return Beat(
+            self.epoch, routes is not None, None if routes is None else routes.version, gone
+        )
 
     def reroute(self, routes: bytes) -> None:
         with self.gate.mutex:
@@ -221,7 +250,9 @@ class NodeCacheActor(PeerFetch, EngineHost):
         """Arm `action` in the node's hooks (what it means is theirs: a ChaosAction for
         kvfabric.deploy.chaos's). Only a node started with NodeConfig(hooks=...)."""
         if self.hooks is None:
-            raise RuntimeError(f"{self.name} has no hooks to inject into: start it with NodeConfig(hooks=...)")
+            raise RuntimeError(
+                f"{self.name} has no hooks to inject into: start it with NodeConfig(hooks=...)"
+            )
         with self.gate.mutex:
             self.hooks.arm(action)
 
@@ -240,8 +271,13 @@ class NodeCacheActor(PeerFetch, EngineHost):
         """Page ownership counts and overdue leases, without expiring any first."""
         with self.gate.mutex:
             a = self.cache.audit()
-            return {"leaked": a.leaked, "double_owned": a.double_owned, "unallocated": a.unallocated,
-                    "leases_overdue": self.leases.overdue(), "leases": len(self.leases)}
+            return {
+                "leaked": a.leaked,
+                "double_owned": a.double_owned,
+                "unallocated": a.unallocated,
+                "leases_overdue": self.leases.overdue(),
+                "leases": len(self.leases),
+            }
 
     def membership(self) -> tuple[bytes, bytes | None]:
         """(transport metadata, the route table it publishes under): what a restarted
@@ -259,11 +295,18 @@ class NodeCacheActor(PeerFetch, EngineHost):
         with self.gate.mutex:
             self.leases.expire()
             s = self.cache.stats()
-            return {"name": self.name, "nodes": s.nodes, "pools": s.pools, "leases": len(self.leases),
-                    "fetches": dict(self.fetches), "quarantined": len(self.cache.quarantined),
-                    "peers": sorted(self.peers),
-                    "late_releases": self.late_releases, "epoch": self.epoch,
-                    "fetched_bytes": self.fetched_bytes}
+            return {
+                "name": self.name,
+                "nodes": s.nodes,
+                "pools": s.pools,
+                "leases": len(self.leases),
+                "fetches": dict(self.fetches),
+                "quarantined": len(self.cache.quarantined),
+                "peers": sorted(self.peers),
+                "late_releases": self.late_releases,
+                "epoch": self.epoch,
+                "fetched_bytes": self.fetched_bytes,
+            }
 
     async def shutdown(self) -> None:
         await self.gate.run_wire(self.transport.close)

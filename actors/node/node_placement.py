@@ -1,14 +1,15 @@
 """Placing node actors on Ray nodes and connecting them with their peers: what the
 directory does to a node, apart from deciding when."""
+
 from __future__ import annotations
 
 import logging
 
 import ray
+from kvfabric.actors.names import CALL_TIMEOUT_S, NAMESPACE, node_actor_name
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvfabric.actors.names import CALL_TIMEOUT_S, NAMESPACE, node_actor_name
 from .node_actor import NodeCacheActor, NodeConfig
 
 log = logging.getLogger(__name__)
@@ -20,8 +21,13 @@ def place_node_actor(ray_node_id: str, config: NodeConfig, cpus: float):
     name = node_actor_name(ray_node_id)
     # Ray restarts a killed node actor (a new epoch); the directory's watcher rejoins it.
     return name, NodeCacheActor.options(  # type: ignore[attr-defined]  # @ray.remote made it an ActorClass
-name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
-                                        num_cpus=cpus, scheduling_strategy=strategy).remote(name, config)
+        name=name,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        max_restarts=-1,
+        num_cpus=cpus,
+        scheduling_strategy=strategy,
+    ).remote(name, config)
 
 
 def join(directory, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
@@ -31,13 +37,20 @@ def join(directory, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
     ray.get(directory.join.remote(name, timeout_s), timeout=timeout_s * (4 + peers))
 
 
-def connect_peers(name: str, actor, meta: bytes, others: dict[str, bytes], timeout_s: float) -> None:
+def connect_peers(
+    name: str, actor, meta: bytes, others: dict[str, bytes], timeout_s: float
+) -> None:
     """Connect `name` and each of `others` both ways. A peer that cannot be reached (one
     dying as this runs) is skipped: fetches between that pair fail and recompute."""
     for peer, peer_meta in others.items():
         try:
-            ray.get([actor.connect.remote(peer, peer_meta),
-                     ray.get_actor(peer, namespace=NAMESPACE).connect.remote(name, meta)], timeout=timeout_s)
+            ray.get(
+                [
+                    actor.connect.remote(peer, peer_meta),
+                    ray.get_actor(peer, namespace=NAMESPACE).connect.remote(name, meta),
+                ],
+                timeout=timeout_s,
+            )
         except (RayError, ValueError) as e:
             log.warning("connecting %s and %s failed: %s", name, peer, e)
 

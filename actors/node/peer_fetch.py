@@ -6,6 +6,7 @@ pages quarantined. Every failure becomes a FetchOutcome, never an exception.
 A mixin of NodeCacheActor: it uses the actor's `config`, `cache`, `gate`, `transport`,
 `link`, `peers` and fetch counters.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,6 @@ import functools
 from typing import TYPE_CHECKING, Sequence
 
 import ray
-
 from kvfabric.fabric import ExportGrant, FetchOutcome, GrantError, import_prefix
 from kvfabric.transport.fetch import TransportReader, probe
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 class PeerFetch:
     """The node actor's fetches from its peers (a mixin). What it uses of the actor:"""
+
     config: NodeConfig
     cache: NodeCache
     gate: CacheGate
@@ -38,8 +39,9 @@ class PeerFetch:
     late_releases: int
     fetched_bytes: int
 
-    async def fetch(self, peer: ray.actor.ActorHandle, peer_name: str, tokens: Sequence[int],
-                    namespace: str) -> str:
+    async def fetch(
+        self, peer: ray.actor.ActorHandle, peer_name: str, tokens: Sequence[int], namespace: str
+    ) -> str:
         """Pull the peer's longer prefix of `tokens`; returns the FetchOutcome's value."""
         outcome = await self._fetch(peer, peer_name, tokens, namespace)
         with self.gate.mutex:
@@ -47,12 +49,14 @@ class PeerFetch:
             self.link.publish()
         return outcome.value
 
-    async def _fetch(self, peer, peer_name: str, tokens: Sequence[int], namespace: str) -> FetchOutcome:
+    async def _fetch(
+        self, peer, peer_name: str, tokens: Sequence[int], namespace: str
+    ) -> FetchOutcome:
         if peer_name not in self.peers:
             return FetchOutcome.TRANSFER_FAILED
         with self.gate.mutex:
             if self.cache.quarantines(peer_name):
-                return FetchOutcome.PEER_QUARANTINED      # before a lease is taken for nothing
+                return FetchOutcome.PEER_QUARANTINED  # before a lease is taken for nothing
             keys = self.cache.keys(tokens, namespace)
             skip = self.cache.match(tokens, namespace).present_pages
         deadline = self.config.fetch_deadline_s
@@ -62,12 +66,15 @@ class PeerFetch:
         if not done:
             # Given up: the grant may still come, and its lease must not wait out its TTL
             # (the callback keeps the ref, and so the reply, alive until then).
-            def release(late: asyncio.Future, ref: object = ref) -> None:   # holds `ref` until the reply lands
+            def release(
+                late: asyncio.Future, ref: object = ref
+            ) -> None:  # holds `ref` until the reply lands
                 self._release_late(peer, late)
+
             reply.add_done_callback(release)
             return FetchOutcome.TRANSFER_FAILED
         if reply.exception() is not None:
-            return FetchOutcome.TRANSFER_FAILED       # the peer died or its export failed
+            return FetchOutcome.TRANSFER_FAILED  # the peer died or its export failed
         try:
             grant = ExportGrant.decode(reply.result())
         except GrantError:
@@ -75,14 +82,18 @@ class PeerFetch:
         reader = TransportReader(self.transport, peer_name, deadline)
         try:
             read = self.gate.released(reader)
-            return await self.gate.run_import(keys[0] if keys else None, lambda: self._import(
-                tokens, namespace, grant, read, peer_name))
+            return await self.gate.run_import(
+                keys[0] if keys else None,
+                lambda: self._import(tokens, namespace, grant, read, peer_name),
+            )
         finally:
             self.fetched_bytes += reader.bytes_read
             if grant.lease_id:
-                peer.release.remote(grant.lease_id)   # if lost, the lease expires
+                peer.release.remote(grant.lease_id)  # if lost, the lease expires
 
-    def _import(self, tokens, namespace: str, grant: ExportGrant, read, peer_name: str) -> FetchOutcome:
+    def _import(
+        self, tokens, namespace: str, grant: ExportGrant, read, peer_name: str
+    ) -> FetchOutcome:
         """In the import thread, holding the cache mutex (given up while reading)."""
         return import_prefix(self.cache, tokens, namespace, grant, read, peer=peer_name)
 

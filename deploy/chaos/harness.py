@@ -9,6 +9,7 @@ period it checks every request completed with the uncached output, no page
 leaked or is owned twice, no lease outlived its TTL, and how long the index
 took to agree with the nodes (report.py).
 """
+
 from __future__ import annotations
 
 import random
@@ -18,18 +19,22 @@ from collections import deque
 from typing import Callable, Sequence, TypeVar, cast
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
-
 from kvfabric.actors import FabricClient
-from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, node_actor_name, shard_name
+from kvfabric.actors.directory import (
+    CALL_TIMEOUT_S,
+    DIRECTORY,
+    NAMESPACE,
+    node_actor_name,
+    shard_name,
+)
+from kvfabric.deploy.cli.cluster import Endpoint
 from kvfabric.fabric import RouteTable
+from ray.exceptions import GetTimeoutError, RayError
 
 from .faults import ChaosAction, EventFault, Fault, FaultKind
 from .plan import ChaosKind, schedule
 from .report import ChaosReport
-from kvfabric.deploy.cli.cluster import Endpoint
 from .workload import Workload
-
 
 T = TypeVar("T")
 
@@ -41,19 +46,34 @@ class ChaosHarness:
     `cluster`: a `ray.cluster_utils.Cluster` for node removal, or None (that fault
     is then skipped)."""
 
-    def __init__(self, endpoint: Endpoint, model: str, prompts: list[list[int]], *, cluster=None,
-                 node_args: dict | None = None, log: Callable[[str], None] = lambda _: None) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        model: str,
+        prompts: list[list[int]],
+        *,
+        cluster=None,
+        node_args: dict | None = None,
+        log: Callable[[str], None] = lambda _: None,
+    ) -> None:
         self.endpoint, self.model, self.prompts = endpoint, model, prompts
         self.cluster, self.node_args, self.log = cluster, node_args or {}, log
         self.client = FabricClient.connect(timeout_s=5.0)
         self.directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
         self.injected: dict[str, int] = {}
-        self.fire_wait_s = 5.0     # how long an armed fault may wait for the step it hits
+        self.fire_wait_s = 5.0  # how long an armed fault may wait for the step it hits
 
     # --- the run -------------------------------------------------------------------------
-    def run(self, seed: int, faults: int, kinds: Sequence[ChaosKind] = tuple(ChaosKind),
-            interval_s: float = 0.3, quiet_s: float = 3.0, threads: int = 2,
-            attempts_per_fault: int = 4) -> ChaosReport:
+    def run(
+        self,
+        seed: int,
+        faults: int,
+        kinds: Sequence[ChaosKind] = tuple(ChaosKind),
+        interval_s: float = 0.3,
+        quiet_s: float = 3.0,
+        threads: int = 2,
+        attempts_per_fault: int = 4,
+    ) -> ChaosReport:
         """Inject `faults` faults. One that finds nothing to act on (no prompt held
         elsewhere yet, an armed fault that never fired) is disarmed and tried again
         later in the schedule, not counted; at most `attempts_per_fault` tries each."""
@@ -74,18 +94,30 @@ class ChaosHarness:
                     last_fault = time.monotonic()
                     self.log(f"fault {sum(self.injected.values())}/{faults}: {kind.value}")
                 else:
-                    plan.append(kind)          # nothing to act on now: later
+                    plan.append(kind)  # nothing to act on now: later
                 time.sleep(interval_s)
         finally:
             work.stop()
         self._calm()
         converged = self._converged_after(since=last_fault)
-        time.sleep(quiet_s)                    # leases of the last fetches run out or are released
+        time.sleep(quiet_s)  # leases of the last fetches run out or are released
         audit = self._audit()
-        return ChaosReport(seed, sum(self.injected.values()), attempts, work.requests, work.failed,
-                           work.retried, work.app_retried, work.wrong, audit["leaked"],
-                           audit["double_owned"], audit["leases_overdue"], converged,
-                           round(time.monotonic() - started, 1), dict(self.injected))
+        return ChaosReport(
+            seed,
+            sum(self.injected.values()),
+            attempts,
+            work.requests,
+            work.failed,
+            work.retried,
+            work.app_retried,
+            work.wrong,
+            audit["leaked"],
+            audit["double_owned"],
+            audit["leases_overdue"],
+            converged,
+            round(time.monotonic() - started, 1),
+            dict(self.injected),
+        )
 
     # --- faults ----------------------------------------------------------------------------
     def _inject(self, kind: ChaosKind, rng: random.Random, work: Workload) -> bool:
@@ -158,9 +190,15 @@ class ChaosHarness:
         for a, b in ((a, b) for a in names for b in names if a != b):
             into_a, into_b = work.served_by(b), work.served_by(a)
             if into_a and into_b:
-                pulls = [threading.Thread(target=self.client.fetch, daemon=True,
-                                          args=(rng.choice(ks), "chaos"), kwargs={"into": into})
-                         for into, ks in ((a, into_a), (b, into_b))]
+                pulls = [
+                    threading.Thread(
+                        target=self.client.fetch,
+                        daemon=True,
+                        args=(rng.choice(ks), "chaos"),
+                        kwargs={"into": into},
+                    )
+                    for into, ks in ((a, into_a), (b, into_b))
+                ]
                 for t in pulls:
                     t.start()
                 for t in pulls:
@@ -174,9 +212,11 @@ class ChaosHarness:
         before = cast(int, ray.get(self.directory.incarnation.remote(), timeout=CALL_TIMEOUT_S))
         self.directory.rebalance.remote(1.0)
         time.sleep(rng.uniform(0.0, 0.05))
-        ray.kill(self.directory, no_restart=False)      # asynchronous: wait for the new process
-        _retry(lambda: ray.get(self.directory.incarnation.remote(), timeout=CALL_TIMEOUT_S),
-               until=lambda pid: pid != before)
+        ray.kill(self.directory, no_restart=False)  # asynchronous: wait for the new process
+        _retry(
+            lambda: ray.get(self.directory.incarnation.remote(), timeout=CALL_TIMEOUT_S),
+            until=lambda pid: pid != before,
+        )
 
     def _remove_readd(self, rng: random.Random) -> bool:
         if self.cluster is None:
@@ -196,18 +236,20 @@ class ChaosHarness:
             try:
                 ray.get(actor.calm.remote(), timeout=CALL_TIMEOUT_S)
             except (RayError, GetTimeoutError):
-                pass           # restarting: a new actor has nothing armed
+                pass  # restarting: a new actor has nothing armed
 
     # --- checks ----------------------------------------------------------------------------
     def _nodes(self) -> dict:
         # The directory may be restarting (a fault of ours): wait for it, within bounds.
-        names: list[str] = _retry(lambda: ray.get(self.directory.node_names.remote(), timeout=CALL_TIMEOUT_S))
+        names: list[str] = _retry(
+            lambda: ray.get(self.directory.node_names.remote(), timeout=CALL_TIMEOUT_S)
+        )
         out = {}
         for name in names:
             try:
                 out[name] = ray.get_actor(name, namespace=NAMESPACE)
             except ValueError:
-                pass          # died since the directory listed it: nothing to inject into
+                pass  # died since the directory listed it: nothing to inject into
         return out
 
     def _converged_after(self, since: float, limit_s: float = 60.0) -> float:
@@ -228,12 +270,23 @@ class ChaosHarness:
         nodes = self._nodes()
         try:
             for k, tokens in enumerate(self.prompts):
-                truth = {n: p for n, p in zip(nodes, ray.get([a.match.remote(tokens, "chaos") for a in nodes.values()],
-                                                               timeout=CALL_TIMEOUT_S)) if p}
+                truth = {
+                    n: p
+                    for n, p in zip(
+                        nodes,
+                        ray.get(
+                            [a.match.remote(tokens, "chaos") for a in nodes.values()],
+                            timeout=CALL_TIMEOUT_S,
+                        ),
+                    )
+                    if p
+                }
                 index = {m.node: m.pages for m in self.client.lookup(tokens, "chaos")}
                 if index != truth:
-                    return (f"prompt {k}: the index says {index}, the nodes hold {truth} "
-                            f"(the directory lists {sorted(nodes)})")
+                    return (
+                        f"prompt {k}: the index says {index}, the nodes hold {truth} "
+                        f"(the directory lists {sorted(nodes)})"
+                    )
         except (RayError, GetTimeoutError) as e:
             return f"{type(e).__name__}: {e}"
         return ""
@@ -241,16 +294,27 @@ class ChaosHarness:
     def _audit(self) -> dict:
         total = {"leaked": 0, "double_owned": 0, "leases_overdue": 0}
         for actor in self._nodes().values():
-            a = _retry(lambda: ray.get(actor.audit.remote(), timeout=CALL_TIMEOUT_S))   # may be restarting
+            a = _retry(
+                lambda: ray.get(actor.audit.remote(), timeout=CALL_TIMEOUT_S)
+            )  # may be restarting
             for key in total:
                 total[key] += a[key]
         return total
 
 
-_TRANSFER = {ChaosKind.TRANSFER_FAIL_AFTER, ChaosKind.TRANSFER_HANG, ChaosKind.TRANSFER_CORRUPT,
-             ChaosKind.SLOW_PEER}
-_ARMED = {ChaosKind.ALLOC_FAIL, ChaosKind.EVICT_MID_REQUEST, ChaosKind.EVENT_DROP, ChaosKind.EVENT_DUPLICATE,
-          ChaosKind.EVENT_REORDER}
+_TRANSFER = {
+    ChaosKind.TRANSFER_FAIL_AFTER,
+    ChaosKind.TRANSFER_HANG,
+    ChaosKind.TRANSFER_CORRUPT,
+    ChaosKind.SLOW_PEER,
+}
+_ARMED = {
+    ChaosKind.ALLOC_FAIL,
+    ChaosKind.EVICT_MID_REQUEST,
+    ChaosKind.EVENT_DROP,
+    ChaosKind.EVENT_DUPLICATE,
+    ChaosKind.EVENT_REORDER,
+}
 
 
 def _action(kind: ChaosKind, rng: random.Random) -> ChaosAction:
@@ -261,14 +325,19 @@ def _action(kind: ChaosKind, rng: random.Random) -> ChaosAction:
         return ChaosAction(evict_after_get=True)
     if kind in (ChaosKind.EVENT_DROP, ChaosKind.EVENT_DUPLICATE, ChaosKind.EVENT_REORDER):
         return ChaosAction(events=EventFault(kind.value.removeprefix("event_")))
-    return ChaosAction(transport={
-        ChaosKind.TRANSFER_FAIL_AFTER: Fault(FaultKind.FAIL_AFTER, after=rng.randrange(4)),
-        ChaosKind.TRANSFER_HANG: Fault(FaultKind.HANG),
-        ChaosKind.TRANSFER_CORRUPT: Fault(FaultKind.CORRUPT),
-        ChaosKind.SLOW_PEER: Fault(FaultKind.DELAY, delay_s=rng.uniform(0.05, 0.5))}[kind])
+    return ChaosAction(
+        transport={
+            ChaosKind.TRANSFER_FAIL_AFTER: Fault(FaultKind.FAIL_AFTER, after=rng.randrange(4)),
+            ChaosKind.TRANSFER_HANG: Fault(FaultKind.HANG),
+            ChaosKind.TRANSFER_CORRUPT: Fault(FaultKind.CORRUPT),
+            ChaosKind.SLOW_PEER: Fault(FaultKind.DELAY, delay_s=rng.uniform(0.05, 0.5)),
+        }[kind]
+    )
 
 
-def _retry(call: Callable[[], T], until: Callable[[T], bool] = lambda _: True, limit_s: float = 60.0) -> T:
+def _retry(
+    call: Callable[[], T], until: Callable[[T], bool] = lambda _: True, limit_s: float = 60.0
+) -> T:
     """`call()`'s first answer that `until` accepts; Ray errors count as no answer yet.
     Raises TimeoutError after `limit_s`."""
     deadline = time.monotonic() + limit_s
@@ -278,7 +347,7 @@ def _retry(call: Callable[[], T], until: Callable[[T], bool] = lambda _: True, l
             if until(answer):
                 return answer
         except (RayError, GetTimeoutError):
-            pass               # restarting or busy: ask again below, until the deadline
+            pass  # restarting or busy: ask again below, until the deadline
         if time.monotonic() > deadline:
             raise TimeoutError(f"no answer within {limit_s} s")
         time.sleep(0.2)

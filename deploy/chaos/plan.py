@@ -1,5 +1,6 @@
 """What the chaos harness can inject, and a seeded schedule of it (no Ray here,
 so that `kvfabric chaos --list` and argument checks answer at once)."""
+
 from __future__ import annotations
 
 import random
@@ -25,12 +26,18 @@ class ChaosKind(str, Enum):
 
 
 DESCRIPTIONS = {
-    ChaosKind.KILL_NODE_ACTOR: "kill a node cache actor; Ray restarts it (new epoch) and the directory rejoins it",
-    ChaosKind.REMOVE_READD_NODE: "remove a Ray worker node, then add one back (embedded cluster only)",
+    ChaosKind.KILL_NODE_ACTOR: (
+        "kill a node cache actor; Ray restarts it (new epoch) and the directory rejoins it"
+    ),
+    ChaosKind.REMOVE_READD_NODE: (
+        "remove a Ray worker node, then add one back (embedded cluster only)"
+    ),
     ChaosKind.KILL_SHARD: "kill an index shard actor; it restarts empty and the nodes refill it",
     ChaosKind.TRANSFER_FAIL_AFTER: "a fetch's read fails after k pages were written",
     ChaosKind.TRANSFER_HANG: "a fetch's read never completes: the deadline must abort it",
-    ChaosKind.TRANSFER_CORRUPT: "a fetch's read completes with a flipped byte: checksums must catch it",
+    ChaosKind.TRANSFER_CORRUPT: (
+        "a fetch's read completes with a flipped byte: checksums must catch it"
+    ),
     ChaosKind.SLOW_PEER: "a fetch's read completes late (within the deadline)",
     ChaosKind.ALLOC_FAIL: "one of a node's next reservation points fails",
     ChaosKind.EVENT_DROP: "a node's next KV event batches are lost",
@@ -38,10 +45,16 @@ DESCRIPTIONS = {
     ChaosKind.EVENT_REORDER: "a node's next KV event batches arrive after later ones",
     ChaosKind.CROSS_FETCH: "two nodes fetch from each other at the same time",
     ChaosKind.EVICT_MID_REQUEST: "a node evicts all it can between a request's match and its put",
-    ChaosKind.KILL_DIRECTORY_MID_REBALANCE: "the directory is killed while it moves the route table",
+    ChaosKind.KILL_DIRECTORY_MID_REBALANCE: (
+        "the directory is killed while it moves the route table"
+    ),
 }
-_RARE = {ChaosKind.REMOVE_READD_NODE: 25, ChaosKind.KILL_NODE_ACTOR: 6, ChaosKind.KILL_SHARD: 6,
-         ChaosKind.KILL_DIRECTORY_MID_REBALANCE: 10}
+_RARE = {
+    ChaosKind.REMOVE_READD_NODE: 25,
+    ChaosKind.KILL_NODE_ACTOR: 6,
+    ChaosKind.KILL_SHARD: 6,
+    ChaosKind.KILL_DIRECTORY_MID_REBALANCE: 10,
+}
 
 
 def schedule(seed: int, faults: int, kinds: Sequence[ChaosKind]) -> list[ChaosKind]:
@@ -49,7 +62,7 @@ def schedule(seed: int, faults: int, kinds: Sequence[ChaosKind]) -> list[ChaosKi
     rng, out = random.Random(seed), []
     last: dict[ChaosKind, int] = {}
     for i in range(faults):
-        allowed = [k for k in kinds if i - last.get(k, -10**9) >= _RARE.get(k, 1)]
+        allowed = [k for k in kinds if i - last.get(k, -(10**9)) >= _RARE.get(k, 1)]
         kind = rng.choice(allowed or [k for k in kinds if k not in _RARE] or list(kinds))
         last[kind] = i
         out.append(kind)

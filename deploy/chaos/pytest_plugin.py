@@ -11,6 +11,7 @@ Installed with the package (entry point `pytest11`), so any test can ask for
 A module may set `kvfabric_chaos_options = {"nodes": 4, "prompts": 8}`.
 Nothing here imports Ray until the fixture is used.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,10 @@ import pytest
 @pytest.fixture(scope="module")
 def kvfabric_chaos(request):
     from kvfabric.deploy.cli.cluster import keep_auth_on
-    keep_auth_on()           # before Ray loads, unless the suite already chose
+
+    keep_auth_on()  # before Ray loads, unless the suite already chose
     from kvfabric.deploy.chaos.run import session
+
     options = dict(getattr(request.module, "kvfabric_chaos_options", {}))
     # Its log goes to stdout: pytest shows it with a failing test.
     with session(options.get("nodes", 3), options.get("prompts", 12), log=print) as harness:

@@ -2,6 +2,7 @@
 the fabric, over and over, while faults are injected, and count what failed, what the
 client or the app retried, and any output that differs from the uncached one. Which
 node served each prompt last tells the harness where a fault will bite."""
+
 from __future__ import annotations
 
 import threading
@@ -16,8 +17,14 @@ class Workload:
     """Threads sending each prompt with caching off and through the fabric, over and
     over, until stopped; a failed request is retried (a client's retry) and counted."""
 
-    def __init__(self, endpoint: Endpoint, model: str, prompts: list[list[int]], threads: int = 2,
-                 retries: int = 4) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        model: str,
+        prompts: list[list[int]],
+        threads: int = 2,
+        retries: int = 4,
+    ) -> None:
         self.endpoint, self.model, self.prompts, self.retries = endpoint, model, prompts, retries
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -25,8 +32,10 @@ class Workload:
         # prompt index -> the node that served its latest answer, and that answer's tokens
         # (their last page is new each time: a fetch of them reads something)
         self.served: dict[int, tuple[str, list[int]]] = {}
-        self.recent: deque[str] = deque(maxlen=16)      # nodes of the latest answers
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+        self.recent: deque[str] = deque(maxlen=16)  # nodes of the latest answers
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)
+        ]
 
     def start(self) -> None:
         for t in self._threads:
@@ -80,7 +89,7 @@ class Workload:
         evicting) while the shared prefixes keep hitting."""
         source = self.prompts[(i * 7 + 3) % len(self.prompts)]
         start = (i * page) % max(1, len(source) - page)
-        return list(source[start:start + page])
+        return list(source[start : start + page])
 
     def _call(self, client: Client, tokens: list[int], cache: bool) -> Served | None:
         for attempt in range(self.retries + 1):

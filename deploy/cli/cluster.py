@@ -5,6 +5,7 @@ Token authentication (on by default in Ray 2.60) stays on: an embedded
 cluster gets a fresh random token for this process only; against an existing
 cluster the caller's `RAY_AUTH_TOKEN` (or Ray's token file) is used as is.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,17 +41,28 @@ class Endpoint:
 
 
 @contextlib.contextmanager
-def local_cluster(nodes: int = 3, cpus_per_node: int = 2, object_store_bytes: int = 256 * 1024 ** 2,
-                  gpus_per_node: int = 0) -> Iterator["Cluster"]:
+def local_cluster(
+    nodes: int = 3,
+    cpus_per_node: int = 2,
+    object_store_bytes: int = 256 * 1024**2,
+    gpus_per_node: int = 0,
+) -> Iterator["Cluster"]:
     """A head and `nodes - 1` workers on this machine, connected; yields the
     `ray.cluster_utils.Cluster` (nodes can be removed and added), shuts down after.
     `gpus_per_node`: GPUs each node announces; they are this machine's, so nodes share them."""
     import ray
     from ray.cluster_utils import Cluster
+
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
-    node_args = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node, "object_store_memory": object_store_bytes}
-    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
+    node_args = {
+        "num_cpus": cpus_per_node,
+        "num_gpus": gpus_per_node,
+        "object_store_memory": object_store_bytes,
+    }
+    cluster = Cluster(
+        initialize_head=True, head_node_args={**node_args, "include_dashboard": False}
+    )
     try:
         for _ in range(nodes - 1):
             cluster.add_node(wait=True, **node_args)
@@ -64,6 +76,7 @@ def local_cluster(nodes: int = 3, cpus_per_node: int = 2, object_store_bytes: in
 
 def connect(address: str) -> None:
     import ray
+
     ray.init(address=address, log_to_driver=False)
 
 
@@ -76,8 +89,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 ENGINES = ("reference", "vllm")
 
 
-def up(args: dict | None = None, host: str = "127.0.0.1", port: int = 8000,
-       wait_s: float = 300.0, engine: str = "reference") -> Endpoint:
+def up(
+    args: dict | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    wait_s: float = 300.0,
+    engine: str = "reference",
+) -> Endpoint:
     """Deploy the fabric and the Serve app onto the connected cluster and leave them
     running. Binds to localhost unless `host` says otherwise. `engine`: "reference"
     (the bit-exact reference model, deploy/serve/app.py) or "vllm" (vLLM under Ray Serve LLM,
@@ -86,17 +104,22 @@ def up(args: dict | None = None, host: str = "127.0.0.1", port: int = 8000,
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "vllm":
         from kvfabric.deploy.vllm.serve_llm import llm_app_builder as builder
+
         ready = "/v1/models"
     else:
         from kvfabric.deploy.serve.app import app_builder as builder
+
         ready = "/healthz"
     return serve_app(builder(args or {}), ready, host, port, wait_s)
 
 
-def serve_app(app, ready: str, host: str = "127.0.0.1", port: int = 8000, wait_s: float = 300.0) -> Endpoint:
+def serve_app(
+    app, ready: str, host: str = "127.0.0.1", port: int = 8000, wait_s: float = 300.0
+) -> Endpoint:
     """Run a bound Serve app as APP_NAME at `/` on the connected cluster; its endpoint once
     `ready` (a path) answers."""
     from ray import serve
+
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     endpoint = Endpoint("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)
@@ -112,9 +135,11 @@ def wait_healthy(endpoint: Endpoint, wait_s: float, path: str = "/healthz") -> N
                 if r.status == 200:
                     return
         except OSError:
-            pass              # not serving yet: try again until the deadline
+            pass  # not serving yet: try again until the deadline
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the app at {endpoint.base_url} did not become healthy in {wait_s:.0f} s")
+            raise TimeoutError(
+                f"the app at {endpoint.base_url} did not become healthy in {wait_s:.0f} s"
+            )
         time.sleep(0.5)
 
 
@@ -122,10 +147,10 @@ def down(timeout_s: float = 30.0) -> list[str]:
     """Delete the Serve app and kill every fabric actor on the connected cluster;
     returns the actors killed."""
     import ray
+    from kvfabric.actors.directory import DIRECTORY, NAMESPACE, shard_name
     from ray import serve
     from ray.exceptions import RayError
 
-    from kvfabric.actors.directory import DIRECTORY, NAMESPACE, shard_name
     with contextlib.suppress(RayError, RuntimeError):
         serve.delete(APP_NAME)
     names: list[str] = []
@@ -135,6 +160,7 @@ def down(timeout_s: float = 30.0) -> list[str]:
         config_shards = ray.get(directory.get_routes.remote(), timeout=timeout_s)
         names = ray.get(directory.node_names.remote(), timeout=timeout_s) + [DIRECTORY]
         from kvfabric.fabric import RouteTable
+
         names += [shard_name(i) for i in range(RouteTable.decode(config_shards).shards)]
     killed = []
     for name in names:

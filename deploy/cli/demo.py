@@ -10,6 +10,7 @@ machine; with `--address` (or RAY_ADDRESS) it uses that cluster.
   off and through the fabric, outputs compared bit for bit.
 The report gives hit rates by tier, bytes moved, TTFT and output mismatches; a PNG too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,25 +30,55 @@ DEFAULTS = {"reference": (3, 120, 64, 4, 3), "vllm": (2, 60, 32, 8, 6)}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="kvfabric demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", choices=tuple(DEFAULTS), default="vllm",
-                    help="vllm: vLLM under Ray Serve LLM against the stock set-up (default); "
-                         "reference: the bit-exact reference model against caching off")
-    ap.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
-                    help="an existing Ray cluster (default: RAY_ADDRESS, else an embedded one)")
-    ap.add_argument("--nodes", type=int, help="simulated nodes of the embedded cluster (vllm 2, reference 3)")
-    ap.add_argument("--trace", default=None, help="a Mooncake-format JSONL trace (default: the packaged one)")
+    ap = argparse.ArgumentParser(
+        prog="kvfabric demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--engine",
+        choices=tuple(DEFAULTS),
+        default="vllm",
+        help="vllm: vLLM under Ray Serve LLM against the stock set-up (default); "
+        "reference: the bit-exact reference model against caching off",
+    )
+    ap.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS"),
+        help="an existing Ray cluster (default: RAY_ADDRESS, else an embedded one)",
+    )
+    ap.add_argument(
+        "--nodes", type=int, help="simulated nodes of the embedded cluster (vllm 2, reference 3)"
+    )
+    ap.add_argument(
+        "--trace", default=None, help="a Mooncake-format JSONL trace (default: the packaged one)"
+    )
     ap.add_argument("--requests", type=int, help="requests a pass (vllm 60, reference 120)")
-    ap.add_argument("--tokens-per-block", type=int,
-                    help="prompt tokens per trace hash block (the trace's are 512; vllm 32, reference 64)")
-    ap.add_argument("--max-tokens", type=int, help="tokens generated a request (vllm 8, reference 4)")
-    ap.add_argument("--concurrency", type=int, help="requests (vllm: conversations) at once (vllm 6, reference 3)")
-    ap.add_argument("--kv-cache-mib", type=int, default=17,
-                    help="vllm: each engine's own KV cache (17: about 2,000 tokens, one max-length prompt)")
-    ap.add_argument("--gpu", action="store_true",
-                    help="vllm: engines on CUDA, every simulated node given this machine's GPU 0 "
-                         "(they share it; each engine may take 0.8/nodes of its memory)")
+    ap.add_argument(
+        "--tokens-per-block",
+        type=int,
+        help="prompt tokens per trace hash block (the trace's are 512; vllm 32, reference 64)",
+    )
+    ap.add_argument(
+        "--max-tokens", type=int, help="tokens generated a request (vllm 8, reference 4)"
+    )
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        help="requests (vllm: conversations) at once (vllm 6, reference 3)",
+    )
+    ap.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=17,
+        help="vllm: each engine's own KV cache (17: about 2,000 tokens, one max-length prompt)",
+    )
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="vllm: engines on CUDA, every simulated node given this machine's GPU 0 "
+        "(they share it; each engine may take 0.8/nodes of its memory)",
+    )
     ap.add_argument("--plot", default=DEFAULT_PLOT, help="where to write the PNG")
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
     args = ap.parse_args(argv)
@@ -69,11 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         keep_auth_on()
     if args.engine == "vllm":
         from kvfabric.deploy.vllm.demo import main as vllm_demo
+
         return vllm_demo(args)
     # Ray and torch load only now: argument errors answer at once.
     from kvfabric.deploy.serve.app import AppArgs
-    from .cluster import connect, free_port, local_cluster, up
     from kvfabric.deploy.sim.trace import TraceError, load_trace
+
+    from .cluster import connect, free_port, local_cluster, up
+
     try:
         trace = load_trace(args.trace)
     except (TraceError, OSError) as e:
@@ -86,14 +120,18 @@ def main(argv: list[str] | None = None) -> int:
         connect(args.address)
     cm = local_cluster(args.nodes) if not args.address else contextlib.nullcontext()
     with cm:
-        print(f"starting the fabric and the Serve app on "
-              f"{args.address or f'an embedded cluster of {args.nodes} nodes'} ...", file=sys.stderr)
+        print(
+            f"starting the fabric and the Serve app on "
+            f"{args.address or f'an embedded cluster of {args.nodes} nodes'} ...",
+            file=sys.stderr,
+        )
         endpoint = up(dataclass_args(app), port=free_port())
         try:
             report, pairs = run(args, app, trace, endpoint)
         finally:
             if not args.address:
                 from ray import serve
+
                 serve.shutdown()
     plot = _plot(pairs, args.plot)
     print_report(report, plot)
@@ -104,34 +142,52 @@ def main(argv: list[str] | None = None) -> int:
 
 def dataclass_args(app) -> dict:
     import dataclasses
+
     return {f.name: getattr(app, f.name) for f in dataclasses.fields(app)}
 
 
 def run(args: argparse.Namespace, app, trace, endpoint):
-    from .http_replay import multi_turn_slice, replay, summarize
     from kvfabric.deploy.sim.trace import request_tokens
+
+    from .http_replay import multi_turn_slice, replay, summarize
+
     requests = multi_turn_slice(trace, args.requests)
     cfg = app.model_config
     limit = cfg.max_positions - args.max_tokens
-    prompts = [request_tokens(r, args.tokens_per_block, vocab_size=cfg.vocab)[:limit] for r in requests]
-    print(f"replaying {len(prompts)} requests of multi-turn conversations "
-          f"({sum(map(len, prompts))} prompt tokens), each with caching off and through the fabric",
-          file=sys.stderr)
-    pairs = replay(endpoint, app.model_name, prompts, args.max_tokens, args.concurrency)   # no keys: one tenant
+    prompts = [
+        request_tokens(r, args.tokens_per_block, vocab_size=cfg.vocab)[:limit] for r in requests
+    ]
+    print(
+        f"replaying {len(prompts)} requests of multi-turn conversations "
+        f"({sum(map(len, prompts))} prompt tokens), each with caching off and through the fabric",
+        file=sys.stderr,
+    )
+    pairs = replay(
+        endpoint, app.model_name, prompts, args.max_tokens, args.concurrency
+    )  # no keys: one tenant
     return summarize(pairs), pairs
 
 
 def _plot(pairs, where: str) -> Path | None:
     from .plots import cumulative_rate
+
     done = [p for p in pairs if p.baseline and p.fabric]
-    rates = {"fabric": cumulative_rate([p.fabric.cached_tokens for p in done], [p.fabric.prompt_tokens for p in done]),
-             "caching off": [0.0] * len(done)}
-    ttfts = {"fabric": [p.fabric.ttft_ms for p in done], "caching off": [p.baseline.ttft_ms for p in done]}
+    rates = {
+        "fabric": cumulative_rate(
+            [p.fabric.cached_tokens for p in done], [p.fabric.prompt_tokens for p in done]
+        ),
+        "caching off": [0.0] * len(done),
+    }
+    ttfts = {
+        "fabric": [p.fabric.ttft_ms for p in done],
+        "caching off": [p.baseline.ttft_ms for p in done],
+    }
     return write_plot(Path(where), rates, ttfts)
 
 
 def write_plot(where: Path, rates: dict, ttfts: dict) -> Path | None:
     from .plots import write_png
+
     try:
         return write_png(where, rates, ttfts).resolve()
     except OSError as e:
@@ -141,26 +197,46 @@ def write_plot(where: Path, rates: dict, ttfts: dict) -> Path | None:
 
 def print_report(r, plot: Path | None) -> None:
     pct = 100 / r.prompt_tokens if r.prompt_tokens else 0.0
-    print(f"requests {r.requests} ({r.failed_requests} failed) on {r.nodes_used} nodes; "
-          f"output mismatches against caching off: {r.output_mismatches}")
-    print(f"hit rate {r.hit_rate:.1%}: device {r.device_hit_tokens * pct:.1f}%, host {r.host_hit_tokens * pct:.1f}%, "
-          f"remote {r.remote_hit_tokens * pct:.1f}% of {r.prompt_tokens} prompt tokens")
-    print(f"remote fetches {r.remote_fetches} ({r.remote_fetch_failures} rolled back), "
-          f"about {r.remote_bytes / 2 ** 20:.1f} MiB moved")
-    print(f"TTFT p50 {r.ttft_p50_ms_fabric:.1f} ms / p99 {r.ttft_p99_ms_fabric:.1f} ms with the fabric; "
-          f"{r.ttft_p50_ms_nocache:.1f} / {r.ttft_p99_ms_nocache:.1f} ms with caching off "
-          f"(p50 ratio {r.ttft_ratio:.2f}, target <= 0.5)")
+    print(
+        f"requests {r.requests} ({r.failed_requests} failed) on {r.nodes_used} nodes; "
+        f"output mismatches against caching off: {r.output_mismatches}"
+    )
+    print(
+        f"hit rate {r.hit_rate:.1%}: device {r.device_hit_tokens * pct:.1f}%, host "
+        f"{r.host_hit_tokens * pct:.1f}%, "
+        f"remote {r.remote_hit_tokens * pct:.1f}% of {r.prompt_tokens} prompt tokens"
+    )
+    print(
+        f"remote fetches {r.remote_fetches} ({r.remote_fetch_failures} rolled back), "
+        f"about {r.remote_bytes / 2**20:.1f} MiB moved"
+    )
+    print(
+        f"TTFT p50 {r.ttft_p50_ms_fabric:.1f} ms / p99 {r.ttft_p99_ms_fabric:.1f} ms with the "
+        "fabric; "
+        f"{r.ttft_p50_ms_nocache:.1f} / {r.ttft_p99_ms_nocache:.1f} ms with caching off "
+        f"(p50 ratio {r.ttft_ratio:.2f}, target <= 0.5)"
+    )
     if plot:
         print(f"plot: {plot}")
 
 
 def as_json(r) -> dict:
-    return {"name": "demo", "requests": r.requests, "failed_requests": r.failed_requests,
-            "output_mismatches": r.output_mismatches, "prompt_tokens": r.prompt_tokens,
-            "hit_rate": round(r.hit_rate, 4), "device_hit_tokens": r.device_hit_tokens,
-            "host_hit_tokens": r.host_hit_tokens, "remote_hit_tokens": r.remote_hit_tokens,
-            "remote_fetches": r.remote_fetches, "remote_bytes": r.remote_bytes,
-            "ttft_p50_ms_fabric": round(r.ttft_p50_ms_fabric, 2), "ttft_p99_ms_fabric": round(r.ttft_p99_ms_fabric, 2),
-            "ttft_p50_ms_nocache": round(r.ttft_p50_ms_nocache, 2),
-            "ttft_p99_ms_nocache": round(r.ttft_p99_ms_nocache, 2), "ttft_ratio": round(r.ttft_ratio, 3),
-            "nodes_used": r.nodes_used}
+    return {
+        "name": "demo",
+        "requests": r.requests,
+        "failed_requests": r.failed_requests,
+        "output_mismatches": r.output_mismatches,
+        "prompt_tokens": r.prompt_tokens,
+        "hit_rate": round(r.hit_rate, 4),
+        "device_hit_tokens": r.device_hit_tokens,
+        "host_hit_tokens": r.host_hit_tokens,
+        "remote_hit_tokens": r.remote_hit_tokens,
+        "remote_fetches": r.remote_fetches,
+        "remote_bytes": r.remote_bytes,
+        "ttft_p50_ms_fabric": round(r.ttft_p50_ms_fabric, 2),
+        "ttft_p99_ms_fabric": round(r.ttft_p99_ms_fabric, 2),
+        "ttft_p50_ms_nocache": round(r.ttft_p50_ms_nocache, 2),
+        "ttft_p99_ms_nocache": round(r.ttft_p99_ms_nocache, 2),
+        "ttft_ratio": round(r.ttft_ratio, 3),
+        "nodes_used": r.nodes_used,
+    }

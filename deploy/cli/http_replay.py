@@ -2,6 +2,7 @@
 caching off (the baseline: what the model computes alone) and once through
 the fabric; the two outputs must be equal, token for token and logit for logit.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,18 +13,19 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator, Sequence
 
-from pydantic import ValidationError
-
-from .cluster import Endpoint
 from kvfabric.deploy.serve.openai_bodies import KVFabricInfo
 from kvfabric.deploy.serve.protocol import PrefixFetch
 from kvfabric.deploy.sim.trace import TraceRequest
 from kvfabric.deploy.stats import percentile
+from pydantic import ValidationError
+
+from .cluster import Endpoint
 
 
 class Served(KVFabricInfo):
     """One answer: the endpoint's `kvfabric` extension (validated as the ingress
     defines it) and the prompt's length."""
+
     prompt_tokens: int
 
 
@@ -37,7 +39,11 @@ class Pair:
     @property
     def mismatch(self) -> bool:
         b, f = self.baseline, self.fabric
-        return b is None or f is None or (b.token_ids, b.logits_digest) != (f.token_ids, f.logits_digest)
+        return (
+            b is None
+            or f is None
+            or (b.token_ids, b.logits_digest) != (f.token_ids, f.logits_digest)
+        )
 
 
 def conversations(trace: Sequence[TraceRequest], min_turns: int = 3) -> list[list[TraceRequest]]:
@@ -63,7 +69,9 @@ def conversations(trace: Sequence[TraceRequest], min_turns: int = 3) -> list[lis
     return [[trace[i] for i in turns] for turns in members.values() if len(turns) >= min_turns]
 
 
-def multi_turn_slice(trace: Sequence[TraceRequest], n: int, min_turns: int = 3) -> list[TraceRequest]:
+def multi_turn_slice(
+    trace: Sequence[TraceRequest], n: int, min_turns: int = 3
+) -> list[TraceRequest]:
     """About `n` requests of whole conversations (`conversations`), the earliest
     conversations first, in arrival order."""
     picked: list[TraceRequest] = []
@@ -86,22 +94,36 @@ class Client:
     def reconnect(self) -> None:
         """A fresh connection (after a failed request left this one in doubt)."""
         self.conn.close()
-        self.conn = http.client.HTTPConnection(self.conn.host, self.conn.port, timeout=self.conn.timeout)
+        self.conn = http.client.HTTPConnection(
+            self.conn.host, self.conn.port, timeout=self.conn.timeout
+        )
 
-    def complete(self, model: str, tokens: list[int], max_tokens: int, cache: bool,
-                 namespace: str | None) -> Served:
+    def complete(
+        self, model: str, tokens: list[int], max_tokens: int, cache: bool, namespace: str | None
+    ) -> Served:
         """One completion; `namespace` None: the default of this client's API key."""
         # Outputs are compared bit for bit: every step's logits, hashed by the server.
-        ext = {"cache": cache, "logits_digest": True} | ({"namespace": namespace} if namespace is not None else {})
-        body = json.dumps({"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
-                           "kvfabric": ext})
+        ext = {"cache": cache, "logits_digest": True} | (
+            {"namespace": namespace} if namespace is not None else {}
+        )
+        body = json.dumps(
+            {
+                "model": model,
+                "prompt": tokens,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "kvfabric": ext,
+            }
+        )
         self.conn.request("POST", "/v1/completions", body, self.headers)
         resp = self.conn.getresponse()
         data = json.loads(resp.read() or b"{}")
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {data.get('error', data)}")
         try:
-            return Served.model_validate({**data["kvfabric"], "prompt_tokens": data["usage"]["prompt_tokens"]})
+            return Served.model_validate(
+                {**data["kvfabric"], "prompt_tokens": data["usage"]["prompt_tokens"]}
+            )
         except (ValidationError, TypeError) as e:
             raise ValueError(f"malformed answer: {e}") from None
 
@@ -109,9 +131,16 @@ class Client:
         self.conn.close()
 
 
-def replay(endpoint: Endpoint, model: str, prompts: list[list[int]], max_tokens: int,
-           concurrency: int = 3, api_key: str | None = None, namespace: str = "demo",
-           progress: bool = True) -> list[Pair]:
+def replay(
+    endpoint: Endpoint,
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int = 3,
+    api_key: str | None = None,
+    namespace: str = "demo",
+    progress: bool = True,
+) -> list[Pair]:
     """Each prompt baseline-then-fabric, `concurrency` prompts at a time, in order."""
     pairs = [Pair(i) for i in range(len(prompts))]
     bar = Progress(len(prompts), show=progress)
@@ -122,13 +151,16 @@ def replay(endpoint: Endpoint, model: str, prompts: list[list[int]], max_tokens:
 
         def serve(i: int) -> None:
             try:
-                pairs[i].baseline = client[0].complete(model, prompts[i], max_tokens, False, namespace)
+                pairs[i].baseline = client[0].complete(
+                    model, prompts[i], max_tokens, False, namespace
+                )
                 pairs[i].fabric = client[0].complete(model, prompts[i], max_tokens, True, namespace)
             except (OSError, RuntimeError, KeyError, ValueError) as e:
                 pairs[i].error = str(e)
                 client[0].close()
                 client[0] = Client(endpoint, api_key)
             bar.tick()
+
         try:
             yield serve
         finally:
@@ -139,8 +171,9 @@ def replay(endpoint: Endpoint, model: str, prompts: list[list[int]], max_tokens:
     return pairs
 
 
-def each_in_threads(n: int, concurrency: int,
-                    worker: Callable[[], ContextManager[Callable[[int], None]]]) -> None:
+def each_in_threads(
+    n: int, concurrency: int, worker: Callable[[], ContextManager[Callable[[int], None]]]
+) -> None:
     """Items 0..n-1 in order, `concurrency` threads at a time; each thread serves the items
     it takes through a `worker()` of its own (one HTTP connection, say)."""
     lock, next_i = threading.Lock(), [0]
@@ -183,7 +216,12 @@ class Progress:
 
 def progress_bar(done: int, total: int, label: str = "", width: int = 40) -> None:
     filled = width * done // max(1, total)
-    print(f"\r  {label}[{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end="", file=sys.stderr, flush=True)
+    print(
+        f"\r  {label}[{'#' * filled}{'.' * (width - filled)}] {done}/{total}",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 @dataclass
@@ -207,7 +245,11 @@ class Report:
 
     @property
     def ttft_ratio(self) -> float:
-        return self.ttft_p50_ms_fabric / self.ttft_p50_ms_nocache if self.ttft_p50_ms_nocache else float("nan")
+        return (
+            self.ttft_p50_ms_fabric / self.ttft_p50_ms_nocache
+            if self.ttft_p50_ms_nocache
+            else float("nan")
+        )
 
     @property
     def hit_rate(self) -> float:
@@ -218,21 +260,27 @@ class Report:
 def summarize(pairs: list[Pair]) -> Report:
     """Totals and percentiles; bytes moved as the model servers counted them (one
     definition: the engine's, PageBytes.fetch of the pages it fetched)."""
-    ok = [(p, p.fabric, p.baseline) for p in pairs if p.fabric is not None and p.baseline is not None]
+    ok = [
+        (p, p.fabric, p.baseline) for p in pairs if p.fabric is not None and p.baseline is not None
+    ]
     fab = [f for _, f, _ in ok]
     base = [b for _, _, b in ok]
     remote = sum(f.remote_tokens for f in fab)
     fetches = sum(f.fetch == PrefixFetch.FETCHED for f in fab)
     return Report(
-        requests=len(pairs), failed_requests=len(pairs) - len(ok),
+        requests=len(pairs),
+        failed_requests=len(pairs) - len(ok),
         output_mismatches=sum(p.mismatch for p, _, _ in ok),
         prompt_tokens=sum(f.prompt_tokens for f in fab),
-        device_hit_tokens=sum(f.device_tokens for f in fab), host_hit_tokens=sum(f.host_tokens for f in fab),
-        remote_hit_tokens=remote, remote_fetches=fetches,
+        device_hit_tokens=sum(f.device_tokens for f in fab),
+        host_hit_tokens=sum(f.host_tokens for f in fab),
+        remote_hit_tokens=remote,
+        remote_fetches=fetches,
         remote_fetch_failures=sum(f.fetch == PrefixFetch.FAILED for f in fab),
         remote_bytes=sum(f.fetched_bytes for f in fab),
         ttft_p50_ms_fabric=percentile([f.ttft_ms for f in fab], 0.5),
         ttft_p99_ms_fabric=percentile([f.ttft_ms for f in fab], 0.99),
         ttft_p50_ms_nocache=percentile([b.ttft_ms for b in base], 0.5),
         ttft_p99_ms_nocache=percentile([b.ttft_ms for b in base], 0.99),
-        nodes_used=len({f.node for f in fab}))
+        nodes_used=len({f.node for f in fab}),
+    )

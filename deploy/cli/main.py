@@ -1,4 +1,5 @@
 """The `kvfabric` command."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,30 +13,60 @@ from types import ModuleType
 
 import kvfabric
 
-BENCHES = {"radix": "benchmarks.radix_bench", "transport": "benchmarks.transport_bench",
-           "index": "benchmarks.index_bench"}
+BENCHES = {
+    "radix": "benchmarks.radix_bench",
+    "transport": "benchmarks.transport_bench",
+    "index": "benchmarks.index_bench",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="kvfabric", description="Cluster-wide KV-cache fabric on Ray.")
+    ap = argparse.ArgumentParser(
+        prog="kvfabric", description="Cluster-wide KV-cache fabric on Ray."
+    )
     sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="the fabric and its Serve app on a 3-node cluster, fed a real trace",
-                   add_help=False)
-    sub.add_parser("replay", help="cluster-scale trace replay on the real fabric core, in simulated time",
-                   add_help=False)
-    sub.add_parser("chaos", help="seeded faults over a running fabric and workload, then checks", add_help=False)
-    up = sub.add_parser("up", help="deploy the fabric and the Serve app onto a running cluster; leave them up")
+    sub.add_parser(
+        "demo",
+        help="the fabric and its Serve app on a 3-node cluster, fed a real trace",
+        add_help=False,
+    )
+    sub.add_parser(
+        "replay",
+        help="cluster-scale trace replay on the real fabric core, in simulated time",
+        add_help=False,
+    )
+    sub.add_parser(
+        "chaos",
+        help="seeded faults over a running fabric and workload, then checks",
+        add_help=False,
+    )
+    up = sub.add_parser(
+        "up", help="deploy the fabric and the Serve app onto a running cluster; leave them up"
+    )
     up.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
-    up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: localhost only)")
+    up.add_argument(
+        "--host", default="127.0.0.1", help="HTTP bind address (default: localhost only)"
+    )
     up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--engine", choices=("reference", "vllm"), default="reference",
-                    help="reference: the bit-exact reference model; vllm: vLLM under Ray Serve LLM")
-    up.add_argument("--args", default="{}",
-                    help="app args as JSON, or @FILE of JSON (kvfabric.deploy.serve.app.AppArgs; "
-                    "with --engine vllm, kvfabric.deploy.vllm.serve_llm.LLMAppArgs)")
-    up.add_argument("--tenants", metavar="FILE", help="the tenant table: API keys and the namespaces "
-                    "each may use (JSON or YAML; deploy/serve/tenants.py); the same path on every node")
+    up.add_argument(
+        "--engine",
+        choices=("reference", "vllm"),
+        default="reference",
+        help="reference: the bit-exact reference model; vllm: vLLM under Ray Serve LLM",
+    )
+    up.add_argument(
+        "--args",
+        default="{}",
+        help="app args as JSON, or @FILE of JSON (kvfabric.deploy.serve.app.AppArgs; "
+        "with --engine vllm, kvfabric.deploy.vllm.serve_llm.LLMAppArgs)",
+    )
+    up.add_argument(
+        "--tenants",
+        metavar="FILE",
+        help="the tenant table: API keys and the namespaces "
+        "each may use (JSON or YAML; deploy/serve/tenants.py); the same path on every node",
+    )
     down = sub.add_parser("down", help="remove the Serve app and the fabric from a running cluster")
     down.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
     bench = sub.add_parser("bench", help="benchmarks against peers and limits", add_help=False)
@@ -43,12 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(argv)
     if args.command == "demo":
         from kvfabric.deploy.cli.demo import main as demo
+
         return demo(rest)
     if args.command == "replay":
         from kvfabric.deploy.sim.replay import main as replay
+
         return replay(rest)
     if args.command == "chaos":
         from kvfabric.deploy.chaos.run import main as chaos
+
         return chaos(rest)
     if args.command in ("up", "down"):
         if rest:
@@ -71,10 +105,13 @@ def _benchmarks() -> ModuleType:
         return loaded
     init = folder / "__init__.py"
     if not init.is_file():
-        raise FileNotFoundError(f"kvfabric bench runs from a source checkout of ray-kv-fabric "
-                                f"(pip install -e): no {init}")
-    spec = importlib.util.spec_from_file_location("benchmarks", init,
-                                                  submodule_search_locations=[str(folder)])
+        raise FileNotFoundError(
+            f"kvfabric bench runs from a source checkout of ray-kv-fabric "
+            f"(pip install -e): no {init}"
+        )
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks", init, submodule_search_locations=[str(folder)]
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["benchmarks"] = module
@@ -110,12 +147,16 @@ def _up(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ap.error(str(e))
     try:
         _check_app_args(ap, args, app_args)
-    except (ValueError, TypeError) as e:         # bad args fail here, not in a replica
+    except (ValueError, TypeError) as e:  # bad args fail here, not in a replica
         ap.error(str(e))
     from kvfabric.deploy.cli.cluster import connect, up
+
     connect(args.address)
     endpoint = up(app_args, host=args.host, port=args.port, engine=args.engine)
-    print(f"kvfabric is up: {endpoint.base_url}/v1/completions (models: {endpoint.base_url}/v1/models)")
+    print(
+        f"kvfabric is up: {endpoint.base_url}/v1/completions (models: "
+        f"{endpoint.base_url}/v1/models)"
+    )
     return 0
 
 
@@ -128,16 +169,19 @@ def _check_app_args(ap: argparse.ArgumentParser, args: argparse.Namespace, app_a
     if args.engine == "vllm":
         from kvfabric.deploy.serve.tenants import load_tenants
         from kvfabric.deploy.vllm.serve_llm import LLMAppArgs
+
         parsed = LLMAppArgs.from_dict(app_args)
         if parsed.tenants_file:
             load_tenants(parsed.tenants_file)
         return
     from kvfabric.deploy.serve.app import AppArgs
+
     AppArgs.from_dict(app_args).tenants()
 
 
 def _down(args: argparse.Namespace) -> int:
     from kvfabric.deploy.cli.cluster import connect, down
+
     connect(args.address)
     killed = down()
     print(f"kvfabric is down ({len(killed)} actors stopped)")

@@ -13,6 +13,7 @@ on ties). When the queues are uneven beyond the threshold it falls back to power
 choices. Here the tree is over page keys (a key names its whole prefix, so a flat map
 from key to owners is the tree) and sizes are in tokens instead of characters.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,15 +24,19 @@ from .routers import NodeView, PowerOfTwo, Request, Router, least_queued
 
 
 class PrefixAffinity(Router):
-    def __init__(self, rng: random.Random, match_rate_threshold: float = 0.1,
-                 imbalanced_threshold: float = math.inf) -> None:
+    def __init__(
+        self,
+        rng: random.Random,
+        match_rate_threshold: float = 0.1,
+        imbalanced_threshold: float = math.inf,
+    ) -> None:
         if not 0 <= match_rate_threshold <= 1 or not imbalanced_threshold >= 0:
             raise ValueError("match_rate_threshold must be in [0, 1] and imbalanced_threshold >= 0")
         self.match_rate_threshold = match_rate_threshold
         self.imbalanced_threshold = imbalanced_threshold
         self.fallback = PowerOfTwo(rng)
-        self.owners: dict[bytes, set[int]] = {}      # page key -> replicas it was routed to
-        self.sizes: dict[int, int] = {}              # replica -> tokens it owns in the tree
+        self.owners: dict[bytes, set[int]] = {}  # page key -> replicas it was routed to
+        self.sizes: dict[int, int] = {}  # replica -> tokens it owns in the tree
 
     def match(self, keys: Sequence[bytes], candidates: Sequence[int]) -> tuple[int, list[int]]:
         """(pages matched, candidates owning the deepest matched page; all of them when
@@ -51,7 +56,7 @@ class PrefixAffinity(Router):
         return [c for c in candidates if self.sizes.get(c, 0) == least]
 
     def rank(self, req: Request, nodes: Sequence[NodeView]) -> list[int]:
-        fallback = self.fallback.rank(req, nodes)         # Ray computes it first, always
+        fallback = self.fallback.rank(req, nodes)  # Ray computes it first, always
         queued = [v.queued for v in nodes]
         if not req.keys or not nodes or max(queued) - min(queued) > self.imbalanced_threshold:
             return fallback

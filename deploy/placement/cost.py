@@ -4,6 +4,7 @@ One decision, used by the Serve router (scoring a node), the engine (fetching be
 prefill) and `kvfabric replay` (both): fetch the pages another node holds beyond this one's
 when moving them takes less time than computing them.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,6 +17,7 @@ from kvfabric.fabric.cache.policies import policies_for
 
 class Geometry(Protocol):
     """What timing a prefill reads of a model's config."""
+
     @property
     def page_size(self) -> int: ...
     @property
@@ -26,6 +28,7 @@ class Geometry(Protocol):
 
 class Prefills(Protocol):
     """A model that can be timed (kvfabric.deploy.reference.model.TinyLM has it)."""
+
     @property
     def config(self) -> Geometry: ...
 
@@ -35,9 +38,10 @@ class Prefills(Protocol):
 @dataclass(frozen=True)
 class CostModel:
     """Fetch the extra pages when moving them takes less time than computing them."""
+
     prefill_tokens_per_s: float
-    transfer_bytes_per_s: float = 10e9      # about a 100 Gb/s NIC
-    fetch_overhead_s: float = 2e-3          # lookup, export grant, lease, commit
+    transfer_bytes_per_s: float = 10e9  # about a 100 Gb/s NIC
+    fetch_overhead_s: float = 2e-3  # lookup, export grant, lease, commit
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "transfer_bytes_per_s"):
@@ -56,8 +60,14 @@ class CostModel:
         return tokens > 0 and self.transfer_s(nbytes) < self.recompute_s(tokens)
 
     @classmethod
-    def measure(cls, model: Prefills, *, transfer_bytes_per_s: float = 10e9,
-                fetch_overhead_s: float = 2e-3, pages: int = 4) -> "CostModel":
+    def measure(
+        cls,
+        model: Prefills,
+        *,
+        transfer_bytes_per_s: float = 10e9,
+        fetch_overhead_s: float = 2e-3,
+        pages: int = 4,
+    ) -> "CostModel":
         """Time a short prefill on this node's model (after one warm-up run)."""
         cfg = model.config
         n = min(pages * cfg.page_size, cfg.max_positions)
@@ -74,7 +84,9 @@ class PageBytes:
     needs of them (every one for full attention, the last window's for SWA) at that pool's
     page size."""
 
-    def __init__(self, sizes: Mapping[PoolName, int], policies: Mapping[PoolName, AttentionPolicy]) -> None:
+    def __init__(
+        self, sizes: Mapping[PoolName, int], policies: Mapping[PoolName, AttentionPolicy]
+    ) -> None:
         self.sizes, self.policies = dict(sizes), dict(policies)
 
     @classmethod
@@ -94,6 +106,7 @@ class PageBytes:
 class Prompt:
     """A prompt as placement sees it: its length in tokens and its page size. A page
     count converts to tokens capped at the length (the last page may be partial)."""
+
     tokens: int
     page_tokens: int
 
@@ -104,11 +117,12 @@ class Prompt:
 @dataclass(frozen=True)
 class Plan:
     """What a node holding `have` pages does when some node holds `best`."""
-    cached_pages: int            # after the fetch, if any
+
+    cached_pages: int  # after the fetch, if any
     fetched_pages: int
     fetched_bytes: int
     fetch_s: float
-    prefill_s: float             # computing what is still missing
+    prefill_s: float  # computing what is still missing
 
     @property
     def seconds(self) -> float:
@@ -122,6 +136,11 @@ def plan(cost: CostModel, sizes: PageBytes, prompt: Prompt, have: int, best: int
     extra = prompt.hit_tokens(best) - prompt.hit_tokens(have) if extra_pages else 0
     nbytes = sizes.fetch(extra_pages)
     if extra_pages and cost.should_fetch(extra, nbytes):
-        return Plan(best, extra_pages, nbytes, cost.transfer_s(nbytes),
-                    cost.recompute_s(prompt.tokens - prompt.hit_tokens(best)))
+        return Plan(
+            best,
+            extra_pages,
+            nbytes,
+            cost.transfer_s(nbytes),
+            cost.recompute_s(prompt.tokens - prompt.hit_tokens(best)),
+        )
     return Plan(have, 0, 0, 0.0, cost.recompute_s(prompt.tokens - prompt.hit_tokens(have)))

@@ -6,6 +6,7 @@ global index says each node holds of the prompt and what the router itself sent 
 The first node of the ranking is where the request goes when it accepts (Serve tries the
 rest in order).
 """
+
 from __future__ import annotations
 
 import random
@@ -18,16 +19,16 @@ from .cost import CostModel, PageBytes, Plan, Prompt, plan
 
 @dataclass(frozen=True)
 class NodeView:
-    queued: int                  # requests queued or running there: Serve's queue length
-    cached_pages: int = 0        # of this prompt, usable there (the fabric index's answer)
-    name: str = ""               # the node, the same from one request to the next
+    queued: int  # requests queued or running there: Serve's queue length
+    cached_pages: int = 0  # of this prompt, usable there (the fabric index's answer)
+    name: str = ""  # the node, the same from one request to the next
 
 
 @dataclass(frozen=True)
 class Request:
     prompt: Prompt
-    keys: Sequence[bytes] = ()   # the prompt's page keys (a key names its whole prefix)
-    at_s: float = 0.0            # when it is routed, on the router's clock
+    keys: Sequence[bytes] = ()  # the prompt's page keys (a key names its whole prefix)
+    at_s: float = 0.0  # when it is routed, on the router's clock
 
 
 class Router(ABC):
@@ -59,8 +60,8 @@ class PowerOfTwo(Router):
 
 
 class FabricScore(Router):
-    """The fabric's router (kvfabric.deploy.serve.router.FabricRequestRouter): the node where the first
-    token is expected soonest. That is when the prefills this router already sent there
+    """The fabric's router (kvfabric.deploy.serve.router.FabricRequestRouter): the node where
+    the first token is expected soonest. That is when the prefills this router already sent there
     should end (its own estimates, on its own clock: a replica's queue length counts the
     requests decoding there too, which hardly delay a prefill), plus this request's own
     time there: a fixed overhead (scheduling, the first decode step), fetching the rest of
@@ -73,7 +74,7 @@ class FabricScore(Router):
         if not overhead_s >= 0:
             raise ValueError(f"overhead_s must be >= 0, got {overhead_s!r}")
         self.cost, self.sizes, self.overhead_s = cost, sizes, overhead_s
-        self.free_at: dict[str, float] = {}     # node -> when the prefills sent there should end
+        self.free_at: dict[str, float] = {}  # node -> when the prefills sent there should end
         self._turn = 0
 
     def plan(self, req: Request, have: int, best: int) -> Plan:
@@ -90,10 +91,17 @@ class FabricScore(Router):
         own = [self.overhead_s + self.plan(req, v.cached_pages, best).seconds for v in nodes]
         wait = [self.backlog_s(v.name, req.at_s) for v in nodes]
         start, self._turn = self._turn, (self._turn + 1) % n
-        order = sorted(range(n), key=lambda i: (wait[i] + own[i], -nodes[i].cached_pages, nodes[i].queued,
-                                                (i - start) % n))
+        order = sorted(
+            range(n),
+            key=lambda i: (
+                wait[i] + own[i],
+                -nodes[i].cached_pages,
+                nodes[i].queued,
+                (i - start) % n,
+            ),
+        )
         top = order[0]
-        if len(self.free_at) > 2 * n:            # replicas come and go: keep the ones ranked now
+        if len(self.free_at) > 2 * n:  # replicas come and go: keep the ones ranked now
             self.free_at = {v.name: self.free_at[v.name] for v in nodes if v.name in self.free_at}
         self.free_at[nodes[top].name] = req.at_s + wait[top] + own[top]
         return order

@@ -7,6 +7,7 @@ prompt's whole pages -> greedy decode.
 The cache only ever makes a request faster: a fetch that fails, or a hit the
 model cannot use, degrades to recomputation and never fails the request.
 """
+
 from __future__ import annotations
 
 import time
@@ -14,12 +15,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 import torch
-
+from kvfabric.deploy.placement import CostModel, PageBytes, Prompt, plan
+from kvfabric.deploy.serve.protocol import PrefixFetch
 from kvfabric.fabric import CachedKV, PoolName
 
 from .model import KVState, TinyLM
-from kvfabric.deploy.placement import CostModel, PageBytes, Prompt, plan
-from kvfabric.deploy.serve.protocol import PrefixFetch
 
 __all__ = ["CostModel", "Engine", "EngineStats", "Generation", "RequestError"]
 
@@ -32,15 +32,26 @@ class KVCache(Protocol):
     """What the engine needs of a node's cache (fabric.NodeCache has it). A get
     with `hold_s` pins the hit until a put with `release` or `release_hold`. The
     engine always puts tensors (NodeCache also takes None: a cache of bytes only)."""
-    def get(self, tokens: Sequence[int], namespace: str, hold_s: float | None = None) -> CachedKV: ...
-    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor], namespace: str, *,
-            starts: Mapping[PoolName, int] | None = None, release: int = 0) -> int: ...
+
+    def get(
+        self, tokens: Sequence[int], namespace: str, hold_s: float | None = None
+    ) -> CachedKV: ...
+    def put(
+        self,
+        tokens: Sequence[int],
+        kv: Sequence[torch.Tensor],
+        namespace: str,
+        *,
+        starts: Mapping[PoolName, int] | None = None,
+        release: int = 0,
+    ) -> int: ...
     def release_hold(self, hold_id: int) -> bool: ...
 
 
 class RemoteFetcher(Protocol):
     """Other nodes' caches, as the engine sees them (e.g. an actors.FabricClient
     bound to this node). Both answer in whole pages of `tokens`."""
+
     def best_remote(self, tokens: Sequence[int], namespace: str) -> int: ...
     def fetch(self, tokens: Sequence[int], namespace: str) -> int: ...
 
@@ -48,34 +59,34 @@ class RemoteFetcher(Protocol):
 @dataclass
 class EngineStats:
     """Counters since the engine started, in tokens unless named otherwise."""
+
     requests: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     hit_tokens_device: int = 0
     hit_tokens_host: int = 0
     hit_tokens_remote: int = 0
-    miss_tokens: int = 0         # prompt tokens no cache served: prefilled here
+    miss_tokens: int = 0  # prompt tokens no cache served: prefilled here
     fetches: int = 0
-    fetches_skipped: int = 0     # a remote had more, but recomputing was cheaper
+    fetches_skipped: int = 0  # a remote had more, but recomputing was cheaper
     fetch_failures: int = 0
-    fetched_bytes: int = 0       # estimated from the layout's page sizes
-    unusable_hits: int = 0       # cache answers the model could not use
+    fetched_bytes: int = 0  # estimated from the layout's page sizes
+    unusable_hits: int = 0  # cache answers the model could not use
     stored_pages: int = 0
-    hold_release_failures: int = 0   # holds left to expire: the cache did not answer
+    hold_release_failures: int = 0  # holds left to expire: the cache did not answer
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
 
-
 @dataclass
 class Generation:
-    tokens: list[int]            # generated ids
+    tokens: list[int]  # generated ids
     prompt_tokens: int
-    cached_tokens: int           # prompt tokens whose K/V came from a cache
-    device_tokens: int           # ... of which: on the local device tier,
-    host_tokens: int             #     loaded back from the local host tier,
-    remote_tokens: int           #     and fetched from another node
+    cached_tokens: int  # prompt tokens whose K/V came from a cache
+    device_tokens: int  # ... of which: on the local device tier,
+    host_tokens: int  #     loaded back from the local host tier,
+    remote_tokens: int  #     and fetched from another node
     computed_tokens: int
     fetch: PrefixFetch
     stored_pages: int
@@ -88,9 +99,16 @@ class Engine:
     """`hold_s`: how long a request's cache hit stays pinned at most, if the
     request dies before its put releases it."""
 
-    def __init__(self, model: TinyLM, cache: KVCache | None = None, *,
-                 remote: RemoteFetcher | None = None, cost: CostModel | None = None,
-                 store: bool = True, hold_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        model: TinyLM,
+        cache: KVCache | None = None,
+        *,
+        remote: RemoteFetcher | None = None,
+        cost: CostModel | None = None,
+        store: bool = True,
+        hold_s: float = 30.0,
+    ) -> None:
         if not hold_s > 0:
             raise ValueError(f"hold_s must be > 0, got {hold_s!r}")
         self.model = model
@@ -103,8 +121,14 @@ class Engine:
         layout = self.layout = model.config.layout()
         self._sizes = PageBytes.of(layout)
 
-    def generate(self, tokens: Sequence[int], max_tokens: int, namespace: str = "default", *,
-                 return_logits: bool = False) -> Generation:
+    def generate(
+        self,
+        tokens: Sequence[int],
+        max_tokens: int,
+        namespace: str = "default",
+        *,
+        return_logits: bool = False,
+    ) -> Generation:
         prompt = self._validate(tokens, max_tokens, namespace)
         start = time.perf_counter()
         # Holds this request has on its cache: its last put releases the one it
@@ -142,33 +166,55 @@ class Engine:
         s.hit_tokens_remote += remote
         s.miss_tokens += len(prompt) - cached
         s.stored_pages += stored
-        return Generation(out, len(prompt), cached, device, host, remote, len(prompt) - cached,
-                          fetch, stored, ttft if max_tokens else total, total,
-                          steps if return_logits else None)
+        return Generation(
+            out,
+            len(prompt),
+            cached,
+            device,
+            host,
+            remote,
+            len(prompt) - cached,
+            fetch,
+            stored,
+            ttft if max_tokens else total,
+            total,
+            steps if return_logits else None,
+        )
 
     # --- steps -----------------------------------------------------------------------
     def _validate(self, tokens: Sequence[int], max_tokens: int, namespace: str) -> list[int]:
         c = self.model.config
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-            raise RequestError(f"prompt must be a sequence of token ids, got {type(tokens).__name__}")
+            raise RequestError(
+                f"prompt must be a sequence of token ids, got {type(tokens).__name__}"
+            )
         prompt = list(tokens)
         if not prompt:
             raise RequestError("prompt is empty")
-        bad = next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool)
-                    or not 0 <= t < c.vocab), None)
+        bad = next(
+            (
+                t
+                for t in prompt
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < c.vocab
+            ),
+            None,
+        )
         if bad is not None:
             raise RequestError(f"token {bad!r} is not an id in [0, {c.vocab})")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise RequestError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
         if len(prompt) + max_tokens > c.max_positions:
-            raise RequestError(f"prompt of {len(prompt)} tokens plus {max_tokens} new ones exceeds "
-                               f"the model's {c.max_positions} positions")
+            raise RequestError(
+                f"prompt of {len(prompt)} tokens plus {max_tokens} new ones exceeds "
+                f"the model's {c.max_positions} positions"
+            )
         if not isinstance(namespace, str) or not namespace:
             raise RequestError(f"namespace must be a non-empty string, got {namespace!r}")
         return prompt
 
-    def _lookup(self, prompt: list[int], namespace: str,
-                holds: list[int]) -> tuple[KVState, int, int, int, PrefixFetch]:
+    def _lookup(
+        self, prompt: list[int], namespace: str, holds: list[int]
+    ) -> tuple[KVState, int, int, int, PrefixFetch]:
         """The usable cached prefix as a model state, and where its tokens came
         from: (state, device tokens, host tokens, remote tokens, fetch outcome).
         Every hit's hold is added to `holds`."""
@@ -194,15 +240,16 @@ class Engine:
     def _release(self, holds: list[int]) -> None:
         """Release what the puts did not (a request that failed or stored nothing).
         A cache that cannot answer now leaves them to expire: never fail for it."""
-        while holds and self.cache is not None:      # holds come from a cache
+        while holds and self.cache is not None:  # holds come from a cache
             hold = holds.pop()
             try:
                 self.cache.release_hold(hold)
             except Exception:
                 self.stats.hold_release_failures += 1
 
-    def _maybe_fetch(self, prompt: list[int], namespace: str,
-                     local: KVState, holds: list[int]) -> tuple[KVState | None, PrefixFetch]:
+    def _maybe_fetch(
+        self, prompt: list[int], namespace: str, local: KVState, holds: list[int]
+    ) -> tuple[KVState | None, PrefixFetch]:
         if self.remote is None or self.cost is None:
             return None, PrefixFetch.NONE
         ps = self.model.config.page_size
@@ -229,7 +276,7 @@ class Engine:
             return None, PrefixFetch.FAILED
         # Pinned from here: the fetched prefix cannot leave before this request's put.
         state = self._usable(self._get(prompt, namespace, holds))
-        if state.length <= local.length:      # evicted again before we could read it
+        if state.length <= local.length:  # evicted again before we could read it
             self.stats.fetch_failures += 1
             return None, PrefixFetch.FAILED
         self.stats.fetched_bytes += self._sizes.fetch(state.length // ps - have)
@@ -239,11 +286,12 @@ class Engine:
         try:
             return self.model.state_from_cached(cached)
         except ValueError:
-            self.stats.unusable_hits += 1     # a cache bug must not become wrong output
+            self.stats.unusable_hits += 1  # a cache bug must not become wrong output
             return self.model.empty_state()
 
-    def _store(self, prompt: list[int], seq: list[int], whole: KVState, namespace: str,
-               holds: list[int]) -> int:
+    def _store(
+        self, prompt: list[int], seq: list[int], whole: KVState, namespace: str, holds: list[int]
+    ) -> int:
         """Store the whole pages of the prompt, then of prompt and output, after
         decoding (off the TTFT path): a retry repeats the prompt, a conversation's
         next turn repeats both, and the two puts keep an SWA window at each end.
@@ -260,7 +308,9 @@ class Engine:
         n = min(len(seq) // ps * ps, self.model.config.max_positions // ps * ps)
         stored = 0
         if whole.length:
-            stored += self._put(prompt[:whole.length], whole, namespace, holds if n <= whole.length else [])
+            stored += self._put(
+                prompt[: whole.length], whole, namespace, holds if n <= whole.length else []
+            )
         if n > whole.length:
             state = self.model.prefill(seq[:n], whole)[1]
             stored += self._put(seq[:n], state, namespace, holds)
@@ -271,7 +321,9 @@ class Engine:
         (if the put fails, the hold stays in `holds` for `finally`)."""
         assert self.cache is not None, "only an engine with a cache stores"
         kv, starts = state.for_put(len(tokens), self.layout)
-        stored = self.cache.put(tokens, kv, namespace, starts=starts, release=holds[-1] if holds else 0)
+        stored = self.cache.put(
+            tokens, kv, namespace, starts=starts, release=holds[-1] if holds else 0
+        )
         if holds:
             holds.pop()
         return stored

@@ -18,6 +18,7 @@ token positions, never on how much of the prompt came from a cache:
   the K/V of the tokens before it, so a fully cached prompt gives the same
   logits as a computed one.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,13 +26,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-
 from kvfabric.fabric import CachedKV, KVLayout, LayerKind, LayoutError, PoolName
 from kvfabric.fabric.wire import is_int
 
 
 class ModelConfigError(ValueError):
-    """A model config with a field of the wrong type or range, or fields that do not fit together."""
+    """A model config with a field of the wrong type or range, or fields that do not fit
+    together."""
 
 
 _KINDS = tuple(k.value for k in LayerKind)
@@ -46,7 +47,7 @@ class ModelConfig:
     head_dim: int = 16
     ffn: int = 128
     layers: tuple[str, ...] = ("full", "swa", "full", "swa")
-    window: int = 32          # SWA: a token at p attends to (p - window, p]
+    window: int = 32  # SWA: a token at p attends to (p - window, p]
     page_size: int = 16
     max_positions: int = 1024
     rope_base: float = 10_000.0
@@ -54,38 +55,59 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("vocab", "d_model", "n_heads", "kv_heads", "head_dim", "ffn",
-                     "page_size", "max_positions"):
+        for name in (
+            "vocab",
+            "d_model",
+            "n_heads",
+            "kv_heads",
+            "head_dim",
+            "ffn",
+            "page_size",
+            "max_positions",
+        ):
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
                 raise ModelConfigError(f"{name} must be a positive int, got {value!r}")
         if self.n_heads % self.kv_heads:
-            raise ModelConfigError(f"n_heads {self.n_heads} must be a multiple of kv_heads {self.kv_heads}")
+            raise ModelConfigError(
+                f"n_heads {self.n_heads} must be a multiple of kv_heads {self.kv_heads}"
+            )
         if self.head_dim % 2:
             raise ModelConfigError(f"rotary positions need an even head_dim, got {self.head_dim}")
-        ok = isinstance(self.layers, (tuple, list)) and all(isinstance(k, str) and k in _KINDS for k in self.layers)
+        ok = isinstance(self.layers, (tuple, list)) and all(
+            isinstance(k, str) and k in _KINDS for k in self.layers
+        )
         if not ok:
             raise ModelConfigError(f"layers must be a sequence of {_KINDS}, got {self.layers!r}")
-        object.__setattr__(self, "layers", tuple(self.layers))      # hashable, like the default
+        object.__setattr__(self, "layers", tuple(self.layers))  # hashable, like the default
         if not is_int(self.window) or self.window < 0:
             raise ModelConfigError(f"window must be an int >= 0, got {self.window!r}")
         for name in ("rope_base", "eps"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not 0 < value < math.inf
+            ):
                 raise ModelConfigError(f"{name} must be a finite number > 0, got {value!r}")
         if not is_int(self.seed) or not 0 <= self.seed < 1 << 64:
             raise ModelConfigError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
         try:
-            self.layout()    # the layout validates layer kinds and the window
+            self.layout()  # the layout validates layer kinds and the window
         except LayoutError as e:
             raise ModelConfigError(f"bad layout: {e}") from None
 
     def layout(self) -> KVLayout:
         """The KV layout of this model, for NodeCache and the fabric."""
         has_swa = LayerKind.SWA in {LayerKind(k) for k in self.layers}
-        return KVLayout(layers=tuple(LayerKind(k) for k in self.layers), kv_heads=self.kv_heads, head_dim=self.head_dim,
-                        page_size=self.page_size, window=self.window if has_swa else 0,
-                        dtype="float32")
+        return KVLayout(
+            layers=tuple(LayerKind(k) for k in self.layers),
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            window=self.window if has_swa else 0,
+            dtype="float32",
+        )
 
 
 @dataclass
@@ -93,6 +115,7 @@ class KVState:
     """K/V of positions [0, length). Layer i holds [starts[i], length) as a
     [2, length - starts[i], kv_heads, head_dim] tensor: full layers start at 0,
     SWA layers may start later (a cache keeps only their window)."""
+
     layers: list[torch.Tensor]
     starts: list[int]
     length: int
@@ -100,10 +123,18 @@ class KVState:
     def truncated(self, tokens: int) -> "KVState":
         """The state of the first `tokens` positions (views, no copy)."""
         if not 0 <= tokens <= self.length or any(s > tokens for s in self.starts):
-            raise ValueError(f"cannot cut a state of {self.length} tokens (starts {self.starts}) at {tokens}")
-        return KVState([t[:, :tokens - s] for t, s in zip(self.layers, self.starts)], list(self.starts), tokens)
+            raise ValueError(
+                f"cannot cut a state of {self.length} tokens (starts {self.starts}) at {tokens}"
+            )
+        return KVState(
+            [t[:, : tokens - s] for t, s in zip(self.layers, self.starts)],
+            list(self.starts),
+            tokens,
+        )
 
-    def for_put(self, tokens: int, layout: KVLayout) -> tuple[list[torch.Tensor], dict[PoolName, int]]:
+    def for_put(
+        self, tokens: int, layout: KVLayout
+    ) -> tuple[list[torch.Tensor], dict[PoolName, int]]:
         """What NodeCache.put takes for the first `tokens` positions: per layer
         the rows it holds, and per pool the token position they start at.
 
@@ -122,7 +153,7 @@ class KVState:
             starts[pool] = start
             for i in of:
                 s = self.starts[i]
-                layers[i] = self.layers[i][:, start - s:tokens - s].contiguous()
+                layers[i] = self.layers[i][:, start - s : tokens - s].contiguous()
         return layers, starts
 
 
@@ -130,7 +161,9 @@ class TinyLM:
     """Weights are plain tensors drawn from a seeded generator: the same config
     gives the same model in every process, on every node."""
 
-    def __init__(self, config: ModelConfig = ModelConfig(), device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, config: ModelConfig = ModelConfig(), device: torch.device | str = "cpu"
+    ) -> None:
         self.config = config
         self.device = torch.device(device)
         self.kinds = tuple(LayerKind(k) for k in config.layers)
@@ -145,15 +178,22 @@ class TinyLM:
 
         d, hd = c.d_model, c.head_dim
         self.embed = w(c.vocab, d, std=1.0)
-        self.blocks = [{
-            "attn_norm": ones(d), "wq": w(d, c.n_heads * hd, std=d ** -0.5),
-            "wk": w(d, c.kv_heads * hd, std=d ** -0.5), "wv": w(d, c.kv_heads * hd, std=d ** -0.5),
-            "wo": w(c.n_heads * hd, d, std=(c.n_heads * hd) ** -0.5), "mlp_norm": ones(d),
-            "w_gate": w(d, c.ffn, std=d ** -0.5), "w_up": w(d, c.ffn, std=d ** -0.5),
-            "w_down": w(c.ffn, d, std=c.ffn ** -0.5),
-        } for _ in c.layers]
+        self.blocks = [
+            {
+                "attn_norm": ones(d),
+                "wq": w(d, c.n_heads * hd, std=d**-0.5),
+                "wk": w(d, c.kv_heads * hd, std=d**-0.5),
+                "wv": w(d, c.kv_heads * hd, std=d**-0.5),
+                "wo": w(c.n_heads * hd, d, std=(c.n_heads * hd) ** -0.5),
+                "mlp_norm": ones(d),
+                "w_gate": w(d, c.ffn, std=d**-0.5),
+                "w_up": w(d, c.ffn, std=d**-0.5),
+                "w_down": w(c.ffn, d, std=c.ffn**-0.5),
+            }
+            for _ in c.layers
+        ]
         self.final_norm = ones(d)
-        self.lm_head = w(d, c.vocab, std=d ** -0.5)
+        self.lm_head = w(d, c.vocab, std=d**-0.5)
         # Rotary tables for every position, built once in float64 then rounded.
         inv = c.rope_base ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
         angles = torch.arange(c.max_positions, dtype=torch.float64)[:, None] * inv[None, :]
@@ -180,12 +220,18 @@ class TinyLM:
         if not isinstance(s, int) or not 0 <= s <= max(0, n - c.window):
             raise ValueError(f"SWA history from {s!r} cannot serve a prefix of {n} tokens")
         if len(cached.layers) != len(self.kinds):
-            raise ValueError(f"cached KV has {len(cached.layers)} layers, model has {len(self.kinds)}")
+            raise ValueError(
+                f"cached KV has {len(cached.layers)} layers, model has {len(self.kinds)}"
+            )
         layers, starts = [], []
         for i, (t, kind) in enumerate(zip(cached.layers, self.kinds)):
             start = 0 if kind == LayerKind.FULL else s
             want = (2, n - start, c.kv_heads, c.head_dim)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != torch.float32:
+            if (
+                not isinstance(t, torch.Tensor)
+                or tuple(t.shape) != want
+                or t.dtype != torch.float32
+            ):
                 got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
                 raise ValueError(f"cached layer {i} should be float32 {want}, got {got}")
             layers.append(t.to(self.device).contiguous())
@@ -194,22 +240,26 @@ class TinyLM:
 
     # --- public steps ----------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, tokens: Sequence[int], past: KVState | None = None) -> tuple[torch.Tensor, KVState]:
+    def prefill(
+        self, tokens: Sequence[int], past: KVState | None = None
+    ) -> tuple[torch.Tensor, KVState]:
         """K/V of every prompt token, computed from the end of `past` (a
         page-aligned prefix of `tokens`) in page chunks, and the logits after the
         last prompt token. `past` is not modified."""
         ps = self.config.page_size
         state = past if past is not None else self.empty_state()
         if state.length % ps or state.length > len(tokens) or not tokens:
-            raise ValueError(f"past of {state.length} tokens is not a page-aligned prefix "
-                             f"of a {len(tokens)}-token prompt")
+            raise ValueError(
+                f"past of {state.length} tokens is not a page-aligned prefix "
+                f"of a {len(tokens)}-token prompt"
+            )
         state = KVState(list(state.layers), list(state.starts), state.length)
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
         for c in range(state.length, len(tokens), ps):
-            self._forward(ids[c:c + ps], state, at=c, commit=True, logits=False)
+            self._forward(ids[c : c + ps], state, at=c, commit=True, logits=False)
         last = len(tokens) - 1
         logits = self._forward(ids[last:], state, at=last, commit=False, logits=True)
-        assert logits is not None          # asked for
+        assert logits is not None  # asked for
         return logits[-1], state
 
     @torch.inference_mode()
@@ -217,11 +267,12 @@ class TinyLM:
         """Append `token` at position state.length; returns the logits after it."""
         ids = torch.tensor([token], dtype=torch.long, device=self.device)
         logits = self._forward(ids, state, at=state.length, commit=True, logits=True)
-        assert logits is not None          # asked for
+        assert logits is not None  # asked for
         return logits[-1]
 
-    def generate(self, tokens: Sequence[int], max_tokens: int,
-                 past: KVState | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    def generate(
+        self, tokens: Sequence[int], max_tokens: int, past: KVState | None = None
+    ) -> tuple[list[int], list[torch.Tensor]]:
         """Greedy decoding without any cache object: the reference output."""
         logits, state = self.prefill(tokens, past)
         out: list[int] = []
@@ -234,8 +285,9 @@ class TinyLM:
         return out, steps
 
     # --- the forward pass --------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, state: KVState, at: int, commit: bool,
-                 logits: bool) -> torch.Tensor | None:
+    def _forward(
+        self, ids: torch.Tensor, state: KVState, at: int, commit: bool, logits: bool
+    ) -> torch.Tensor | None:
         """Tokens `ids` at positions [at, at + len). Keys come from the state's
         positions before `at` plus these tokens. `commit` appends their K/V to the
         state (then `at` must be state.length). Without `logits`, the last
@@ -243,7 +295,7 @@ class TinyLM:
         c = self.config
         n = ids.shape[0]
         pos = torch.arange(at, at + n, device=self.device)
-        cos, sin = self.cos[at:at + n, None, :], self.sin[at:at + n, None, :]
+        cos, sin = self.cos[at : at + n, None, :], self.sin[at : at + n, None, :]
         x = self.embed[ids]
         last = len(self.blocks) - 1
         for i, (blk, kind) in enumerate(zip(self.blocks, self.kinds)):
@@ -255,8 +307,10 @@ class TinyLM:
             start = state.starts[i]
             lo = 0 if kind == LayerKind.FULL else max(0, at - c.window + 1)
             if lo < start:
-                raise ValueError(f"layer {i} needs keys from {lo}, the state holds them from {start}")
-            keys = torch.cat([state.layers[i][:, lo - start:at - start], new], dim=1)
+                raise ValueError(
+                    f"layer {i} needs keys from {lo}, the state holds them from {start}"
+                )
+            keys = torch.cat([state.layers[i][:, lo - start : at - start], new], dim=1)
             if commit:
                 state.layers[i] = torch.cat([state.layers[i], new], dim=1)
             if i == last and not logits:
@@ -265,7 +319,10 @@ class TinyLM:
             kpos = torch.arange(lo, at + n, device=self.device)
             x = x + _attend(q, keys[0], keys[1], pos, kpos, window) @ blk["wo"]
             h = _rms(x, blk["mlp_norm"], c.eps)
-            x = x + (torch.nn.functional.silu(h @ blk["w_gate"]) * (h @ blk["w_up"])) @ blk["w_down"]
+            x = (
+                x
+                + (torch.nn.functional.silu(h @ blk["w_gate"]) * (h @ blk["w_up"])) @ blk["w_down"]
+            )
         if commit:
             state.length = at + n
         if not logits:
@@ -283,17 +340,23 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor,
-            kpos: torch.Tensor, window: int) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qpos: torch.Tensor,
+    kpos: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
     """q [n, Hq, D], k/v [m, Hkv, D] -> [n, Hq*D]; causal, and within `window` if > 0."""
     n, hq, d = q.shape
     rep = hq // k.shape[1]
-    k = k.repeat_interleave(rep, dim=1).permute(1, 2, 0)     # [Hq, D, m]
-    v = v.repeat_interleave(rep, dim=1).transpose(0, 1)      # [Hq, m, D]
-    scores = (q.transpose(0, 1) @ k) * (d ** -0.5)            # [Hq, n, m]
+    k = k.repeat_interleave(rep, dim=1).permute(1, 2, 0)  # [Hq, D, m]
+    v = v.repeat_interleave(rep, dim=1).transpose(0, 1)  # [Hq, m, D]
+    scores = (q.transpose(0, 1) @ k) * (d**-0.5)  # [Hq, n, m]
     masked = kpos[None, :] > qpos[:, None]
     if window:
         masked |= kpos[None, :] <= qpos[:, None] - window
     scores = scores.masked_fill(masked, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v                   # [Hq, n, D]
+    out = torch.softmax(scores, dim=-1) @ v  # [Hq, n, D]
     return out.transpose(0, 1).reshape(n, hq * d)

@@ -5,6 +5,7 @@ id b + OFFSET. The ids below OFFSET are reserved (padding, end of text) and neve
 produced by `encode`; ids at or above OFFSET + 256 exist in the model's vocab (512
 by default) but stand for no byte, so `decode` skips them. Any text round-trips.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -13,7 +14,7 @@ __all__ = ["ByteTokenizer", "OFFSET", "PAD_ID", "EOS_ID"]
 
 PAD_ID = 0
 EOS_ID = 1
-OFFSET = 2          # reserved ids before the 256 byte ids
+OFFSET = 2  # reserved ids before the 256 byte ids
 
 
 class ByteTokenizer:
@@ -23,8 +24,9 @@ class ByteTokenizer:
         if not isinstance(vocab, int) or isinstance(vocab, bool):
             raise TypeError(f"vocab must be an int, got {type(vocab).__name__}")
         if vocab < OFFSET + 256:
-            raise ValueError(f"a byte tokenizer needs a vocab of at least {OFFSET + 256} ids, "
-                             f"got {vocab}")
+            raise ValueError(
+                f"a byte tokenizer needs a vocab of at least {OFFSET + 256} ids, got {vocab}"
+            )
         self.vocab = vocab
 
     def encode(self, text: str) -> list[int]:
@@ -35,7 +37,9 @@ class ByteTokenizer:
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"text is not valid Unicode: {e.reason} at position {e.start}") from None
+            raise ValueError(
+                f"text is not valid Unicode: {e.reason} at position {e.start}"
+            ) from None
         return [b + OFFSET for b in data]
 
     def decode(self, ids: Iterable[int]) -> str:

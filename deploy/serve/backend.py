@@ -1,5 +1,6 @@
 """The ingress's way to the model servers: a Ray Serve handle, with retries when a
 replica dies under a request."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,7 +31,7 @@ class HandleBackend:
                 return self._counted(await self._handle.generate.remote(req), attempt)
             except RayActorError:
                 log.warning("a model-server replica died under a request; retrying elsewhere")
-                await asyncio.sleep(self._backoff_s * (attempt + 1))   # Serve notices the death
+                await asyncio.sleep(self._backoff_s * (attempt + 1))  # Serve notices the death
         return self._counted(await self._handle.generate.remote(req), self._retries)
 
     @staticmethod

@@ -7,6 +7,7 @@ key's default. Nothing else the client sends (`user` included) picks a namespace
 Without a table every caller is one tenant, `OPEN`, free to use any namespace.
 The API description (/openapi.json, /docs, /redoc) needs a key like the API does.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,11 @@ class Authorizer:
         # Starlette decodes headers as latin-1, so this gives back the bytes sent.
         found = self._table.match(token.strip().encode("latin-1"))
         if scheme.lower() != "bearer" or found is None:
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise APIError(
+                401,
+                "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
         return found
 
     @staticmethod
@@ -49,14 +53,19 @@ class Authorizer:
         if requested is None:
             return tenant.default
         if not tenant.grants(requested):
-            raise APIError(403, f"this API key does not grant the namespace {requested!r}",
-                           type="permission_error", code="namespace_forbidden",
-                           param="kvfabric.namespace")
+            raise APIError(
+                403,
+                f"this API key does not grant the namespace {requested!r}",
+                type="permission_error",
+                code="namespace_forbidden",
+                param="kvfabric.namespace",
+            )
         return requested
 
     def add_docs(self, app: FastAPI) -> None:
         """/openapi.json, /docs and /redoc behind the key. The pages carry the description
         in them: a browser's own fetch of /openapi.json would have no key to send."""
+
         def spec_js() -> str:
             # In a <script>, "</script>" in a string would end it: escape every "<".
             return json.dumps(app.openapi()).replace("<", "\\u003c")
@@ -70,16 +79,21 @@ class Authorizer:
         async def swagger(request: Request) -> HTMLResponse:
             self.tenant(request)
             return HTMLResponse(
-                f'<!doctype html><html><head><title>{app.title}</title>'
-                f'<link rel="stylesheet" href="{SWAGGER}/swagger-ui.css"></head><body><div id="ui"></div>'
+                f"<!doctype html><html><head><title>{app.title}</title>"
+                f'<link rel="stylesheet" href="{SWAGGER}/swagger-ui.css"></head><body><div '
+                'id="ui"></div>'
                 f'<script src="{SWAGGER}/swagger-ui-bundle.js"></script>'
-                f'<script>SwaggerUIBundle({{spec: {spec_js()}, dom_id: "#ui"}})</script></body></html>')
+                f'<script>SwaggerUIBundle({{spec: {spec_js()}, dom_id: "#ui"}})</script>'
+                "</body></html>"
+            )
 
         @app.get("/redoc", include_in_schema=False)
         async def redoc(request: Request) -> HTMLResponse:
             self.tenant(request)
             return HTMLResponse(
-                f'<!doctype html><html><head><title>{app.title}</title></head><body><div id="doc"></div>'
+                f"<!doctype html><html><head><title>{app.title}</title></head><body><div "
+                'id="doc"></div>'
                 f'<script src="{REDOC}"></script>'
                 f'<script>Redoc.init({spec_js()}, {{}}, document.getElementById("doc"))</script>'
-                f'</body></html>')
+                f"</body></html>"
+            )

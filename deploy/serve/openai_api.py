@@ -10,6 +10,7 @@ deploy/serve/openai_bodies.py's, error bodies deploy/serve/openai_errors.py's.
 `build_fastapi` builds the app over any `Backend`; `OpenAIIngress` is the Ray
 Serve deployment that builds it per replica over a handle to the model servers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,38 +19,63 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from kvfabric.deploy.reference.engine import RequestError
+from kvfabric.deploy.reference.model import ModelConfig
+from kvfabric.deploy.reference.tokenizer import ByteTokenizer
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .backend import HandleBackend
-from kvfabric.deploy.reference.engine import RequestError
 from .ingress_auth import Authorizer
-from kvfabric.deploy.reference.model import ModelConfig
-from .openai_bodies import (DEFAULT_MAX_TOKENS, CompletionRequest, CompletionResponse, KVFabricOptions, ModelCard,
-                            ModelList, check_supported, completion_response, parse_completion, read_json)
+from .openai_bodies import (
+    DEFAULT_MAX_TOKENS,
+    CompletionRequest,
+    CompletionResponse,
+    KVFabricOptions,
+    ModelCard,
+    ModelList,
+    check_supported,
+    completion_response,
+    parse_completion,
+    read_json,
+)
 from .openai_errors import APIError, ErrorResponse
 from .openai_errors import bad_request as _bad
 from .protocol import GenerateRequest, GenerateResult
 from .tenants import TenantTable, load_tenants
-from kvfabric.deploy.reference.tokenizer import ByteTokenizer
 
-__all__ = ["APIError", "Backend", "CompletionRequest", "CompletionResponse", "HandleBackend",
-           "KVFabricOptions", "OpenAIIngress", "build_fastapi"]
+__all__ = [
+    "APIError",
+    "Backend",
+    "CompletionRequest",
+    "CompletionResponse",
+    "HandleBackend",
+    "KVFabricOptions",
+    "OpenAIIngress",
+    "build_fastapi",
+]
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 1 << 20         # far above any prompt the model can take; caps parse work
+MAX_BODY_BYTES = 1 << 20  # far above any prompt the model can take; caps parse work
 
 
 class Backend(Protocol):
     """What the ingress needs of the model servers."""
+
     async def generate(self, req: GenerateRequest) -> GenerateResult: ...
 
 
 # --- the app ----------------------------------------------------------------------------
-def build_fastapi(backend: Backend, model_name: str, model_config: ModelConfig,
-                  tenants: TenantTable | None, max_tokens_limit: int = 256, *,
-                  max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def build_fastapi(
+    backend: Backend,
+    model_name: str,
+    model_config: ModelConfig,
+    tenants: TenantTable | None,
+    max_tokens_limit: int = 256,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
     """The OpenAI-compatible app over `backend`, serving one model named `model_name`, to
     the API keys of `tenants` (None: to anyone, as one tenant)."""
     if not callable(getattr(backend, "generate", None)):
@@ -58,18 +84,28 @@ def build_fastapi(backend: Backend, model_name: str, model_config: ModelConfig,
         raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
     if not isinstance(model_config, ModelConfig):
         raise TypeError(f"model_config must be a ModelConfig, got {type(model_config).__name__}")
-    if (not isinstance(max_tokens_limit, int) or isinstance(max_tokens_limit, bool)
-            or not 0 < max_tokens_limit < model_config.max_positions):
-        raise ValueError(f"max_tokens_limit must be an int in [1, {model_config.max_positions}) "
-                         f"(a prompt needs at least one position), got {max_tokens_limit!r}")
+    if (
+        not isinstance(max_tokens_limit, int)
+        or isinstance(max_tokens_limit, bool)
+        or not 0 < max_tokens_limit < model_config.max_positions
+    ):
+        raise ValueError(
+            f"max_tokens_limit must be an int in [1, {model_config.max_positions}) "
+            f"(a prompt needs at least one position), got {max_tokens_limit!r}"
+        )
     if not isinstance(max_body_bytes, int) or max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
     auth = Authorizer(tenants)
     tokenizer = ByteTokenizer(model_config.vocab)
     card = ModelCard(id=model_name, created=int(time.time()))
-    app = FastAPI(title="ray-kv-fabric", description="OpenAI-compatible completions over a "
-                  "cluster-wide KV-cache fabric", version="0.1.0",
-                  openapi_url=None, docs_url=None, redoc_url=None)    # auth.add_docs serves them
+    app = FastAPI(
+        title="ray-kv-fabric",
+        description="OpenAI-compatible completions over a cluster-wide KV-cache fabric",
+        version="0.1.0",
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )  # auth.add_docs serves them
     auth.add_docs(app)
 
     @app.exception_handler(APIError)
@@ -80,14 +116,17 @@ def build_fastapi(backend: Backend, model_name: str, model_config: ModelConfig,
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Unknown routes and methods get the OpenAI body shape too.
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
-        response = APIError(exc.status_code, f"{message}: {request.method} {request.url.path}",
-                            code="not_found" if exc.status_code == 404 else None).response()
-        response.headers.update(exc.headers or {})       # e.g. a 405's Allow
+        response = APIError(
+            exc.status_code,
+            f"{message}: {request.method} {request.url.path}",
+            code="not_found" if exc.status_code == 404 else None,
+        ).response()
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
         return response
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
-        return {"status": "ok"}       # no auth: load balancers and Serve probe it
+        return {"status": "ok"}  # no auth: load balancers and Serve probe it
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models(request: Request) -> ModelList:
@@ -98,8 +137,9 @@ def build_fastapi(backend: Backend, model_name: str, model_config: ModelConfig,
     async def get_model(model_id: str, request: Request) -> ModelCard:
         auth.tenant(request)
         if model_id != model_name:
-            raise APIError(404, f"the model {model_id!r} does not exist", code="model_not_found",
-                           param="model")
+            raise APIError(
+                404, f"the model {model_id!r} does not exist", code="model_not_found", param="model"
+            )
         return card
 
     def prompt_ids(prompt: str | list[int]) -> list[int]:
@@ -111,24 +151,38 @@ def build_fastapi(backend: Backend, model_name: str, model_config: ModelConfig,
         else:
             bad = next((i for i, t in enumerate(prompt) if not 0 <= t < model_config.vocab), None)
             if bad is not None:
-                _bad(f"prompt[{bad}] is {prompt[bad]}, not a token id in [0, {model_config.vocab})",
-                     code="invalid_token", param="prompt")
+                _bad(
+                    f"prompt[{bad}] is {prompt[bad]}, not a token id in [0, {model_config.vocab})",
+                    code="invalid_token",
+                    param="prompt",
+                )
             ids = list(prompt)
         if not ids:
             _bad("prompt is empty", param="prompt")
         return ids
 
-    @app.post("/v1/completions", response_model=CompletionResponse,
-              responses={400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
-                         403: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
-                         503: {"model": ErrorResponse}})
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={
+            400: {"model": ErrorResponse},
+            401: {"model": ErrorResponse},
+            403: {"model": ErrorResponse},
+            404: {"model": ErrorResponse},
+            503: {"model": ErrorResponse},
+        },
+    )
     async def completions(request: Request) -> JSONResponse:
         arrival = time.time()
-        tenant = auth.tenant(request)           # before parsing: a stranger learns nothing
+        tenant = auth.tenant(request)  # before parsing: a stranger learns nothing
         req = parse_completion(await read_json(request, max_body_bytes))
         if req.model != model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
-                           f"{model_name!r}", code="model_not_found", param="model")
+            raise APIError(
+                404,
+                f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                code="model_not_found",
+                param="model",
+            )
         check_supported(req)
         max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         if max_tokens > max_tokens_limit:
@@ -136,24 +190,35 @@ def build_fastapi(backend: Backend, model_name: str, model_config: ModelConfig,
         ids = prompt_ids(req.prompt)
         room = model_config.max_positions - max_tokens
         if len(ids) > room:
-            _bad(f"the prompt has {len(ids)} tokens; with max_tokens={max_tokens} the model's "
-                 f"{model_config.max_positions} positions leave room for {room}",
-                 code="context_length_exceeded", param="prompt")
+            _bad(
+                f"the prompt has {len(ids)} tokens; with max_tokens={max_tokens} the model's "
+                f"{model_config.max_positions} positions leave room for {room}",
+                code="context_length_exceeded",
+                param="prompt",
+            )
         opts = req.kvfabric or KVFabricOptions()
-        gen = GenerateRequest(tokens=tuple(ids), max_tokens=max_tokens,
-                              namespace=auth.namespace(tenant, opts.namespace),
-                              use_cache=opts.cache, arrival_s=arrival,
-                              logits_digest=opts.logits_digest)
+        gen = GenerateRequest(
+            tokens=tuple(ids),
+            max_tokens=max_tokens,
+            namespace=auth.namespace(tenant, opts.namespace),
+            use_cache=opts.cache,
+            arrival_s=arrival,
+            logits_digest=opts.logits_digest,
+        )
         try:
             result = await backend.generate(gen)
             body = completion_response(result, model_name, tokenizer)
-        except Exception as e:        # never a 500: the client gets a retryable 503
-            cause = getattr(e, "cause", e)         # a Ray task error wraps the replica's own
-            if isinstance(cause, RequestError):    # the server refused it: the caller's fault
+        except Exception as e:  # never a 500: the client gets a retryable 503
+            cause = getattr(e, "cause", e)  # a Ray task error wraps the replica's own
+            if isinstance(cause, RequestError):  # the server refused it: the caller's fault
                 _bad(f"the model server refused the request: {cause}", param="prompt")
             log.exception("completion backend failed")
-            raise APIError(503, f"the model backend failed ({type(cause).__name__}); retry later",
-                           type="server_error", code="backend_unavailable") from None
+            raise APIError(
+                503,
+                f"the model backend failed ({type(cause).__name__}); retry later",
+                type="server_error",
+                code="backend_unavailable",
+            ) from None
         return JSONResponse(body.model_dump())
 
     return app
@@ -167,13 +232,20 @@ class OpenAIIngress:
     is built on each replica after the constructor (Serve's late-bound ingress:
     `__serve_build_asgi_app__`), not at import time."""
 
-    def __init__(self, server: Any, model_name: str, model_config: ModelConfig = ModelConfig(),
-                 tenants_file: str | None = None, max_tokens_limit: int = 256) -> None:
+    def __init__(
+        self,
+        server: Any,
+        model_name: str,
+        model_config: ModelConfig = ModelConfig(),
+        tenants_file: str | None = None,
+        max_tokens_limit: int = 256,
+    ) -> None:
         # Built here so that bad config fails the replica's start, loudly. The table is read
         # here, from the file on this node, so that no key digest travels in Serve's config.
         tenants = load_tenants(tenants_file) if tenants_file is not None else None
-        self._app = build_fastapi(HandleBackend(server), model_name, model_config, tenants,
-                                  max_tokens_limit)
+        self._app = build_fastapi(
+            HandleBackend(server), model_name, model_config, tenants, max_tokens_limit
+        )
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app

@@ -1,4 +1,5 @@
 """OpenAI-style error answers: every 4xx and 5xx of the ingress has this body shape."""
+
 from __future__ import annotations
 
 from typing import NoReturn
@@ -23,8 +24,15 @@ class ErrorResponse(BaseModel):
 class APIError(Exception):
     """An error answered to the client as an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.detail = ErrorDetail(message=message, type=type, code=code, param=param)

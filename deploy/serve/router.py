@@ -11,6 +11,7 @@ soonest, its fetch planned as the engine plans it), the same object
 prompt is comes from a mixin: `GenerateRequestPrompts` for the reference
 model server (here), `OpenAIPrompts` for Ray Serve LLM (deploy/vllm/llm_router.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,15 +21,14 @@ from abc import abstractmethod
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
-
 from kvfabric.actors import FabricClient
 from kvfabric.actors.directory import node_actor_name
-from kvfabric.fabric import KVLayout
-
 from kvfabric.deploy.placement import CostModel, FabricScore, NodeView, PageBytes, Prompt, Request
-from .protocol import GenerateRequest
 from kvfabric.deploy.vllm.engine_identity import node_actor_of
+from kvfabric.fabric import KVLayout
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from .protocol import GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RoutedPrompt:
     """What the index is asked about a request: its prompt's tokens, in its tenant's namespace."""
+
     tokens: Sequence[int]
     namespace: str
 
@@ -43,39 +44,56 @@ class RoutedPrompt:
 class FabricRanking(RequestRouter):
     """One `choose_replicas` for every fabric router; `prompt_of` comes from a mixin."""
 
-    def init_ranking(self, layout: KVLayout, prefill_tokens_per_s: float = 10_000.0,
-                     transfer_bytes_per_s: float = 10e9, fetch_overhead_s: float = 2e-3,
-                     overhead_s: float = 5e-3) -> None:
+    def init_ranking(
+        self,
+        layout: KVLayout,
+        prefill_tokens_per_s: float = 10_000.0,
+        transfer_bytes_per_s: float = 10e9,
+        fetch_overhead_s: float = 2e-3,
+        overhead_s: float = 5e-3,
+    ) -> None:
         """The cost model's figures and a request's fixed overhead (a replica measures its
         own; the router ranks by ratios of these, so nominal figures serve)."""
         self._page_size = layout.page_size
-        self._placement = FabricScore(CostModel(prefill_tokens_per_s, transfer_bytes_per_s, fetch_overhead_s),
-                                      PageBytes.of(layout), overhead_s)
+        self._placement = FabricScore(
+            CostModel(prefill_tokens_per_s, transfer_bytes_per_s, fetch_overhead_s),
+            PageBytes.of(layout),
+            overhead_s,
+        )
         self._client: FabricClient | None = None
 
     @abstractmethod
     async def prompt_of(self, pending: PendingRequest) -> RoutedPrompt | None:
         """The request's prompt; None to leave the choice to Serve (no prompt, caching off)."""
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
         if pending_request is None or len(candidate_replicas) < 2:
             return [candidate_replicas]
         try:
             prompt = await self.prompt_of(pending_request)
-        except Exception as e:           # routing must never fail a request
+        except Exception as e:  # routing must never fail a request
             log.warning("reading the request's prompt failed, routing without the index: %s", e)
             prompt = None
         if prompt is None or not prompt.tokens:
             return [candidate_replicas]
         cached = await self._cached_pages(prompt)
         if cached is None:
-            return [candidate_replicas]       # the index cannot say: Serve's own choice
-        views = [NodeView(self._replica_queue_len_cache.get(r.replica_id) or 0,
-                          cached.get(node_actor_name(r.node_id), 0), r.replica_id.unique_id)
-                 for r in candidate_replicas]
-        order = self._placement.rank(Request(Prompt(len(prompt.tokens), self._page_size),
-                                             at_s=time.monotonic()), views)
+            return [candidate_replicas]  # the index cannot say: Serve's own choice
+        views = [
+            NodeView(
+                self._replica_queue_len_cache.get(r.replica_id) or 0,
+                cached.get(node_actor_name(r.node_id), 0),
+                r.replica_id.unique_id,
+            )
+            for r in candidate_replicas
+        ]
+        order = self._placement.rank(
+            Request(Prompt(len(prompt.tokens), self._page_size), at_s=time.monotonic()), views
+        )
         return [[candidate_replicas[i]] for i in order]
 
     async def _cached_pages(self, prompt: RoutedPrompt) -> dict[str, int] | None:
@@ -84,7 +102,7 @@ class FabricRanking(RequestRouter):
             if self._client is None:
                 self._client = await asyncio.to_thread(FabricClient.connect)
             found = await self._client.lookup_async(prompt.tokens, prompt.namespace)
-        except Exception as e:           # routing must never fail a request
+        except Exception as e:  # routing must never fail a request
             log.warning("fabric lookup failed, routing without it: %s", e)
             return None
         # An engine's own device cache is indexed under its node's name plus the engine

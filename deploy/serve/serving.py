@@ -7,6 +7,7 @@ the fabric client, and exports what it sees as Ray metrics (so hit tokens by
 tier, bytes moved, fetch latency and rollbacks show in the Ray dashboard and
 Prometheus). The fetch overhead of the cost model is measured: it follows the
 fetches this replica actually makes."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,16 +17,15 @@ from typing import Mapping, Sequence
 
 import ray
 import torch
+from kvfabric.actors import FabricClient
+from kvfabric.actors.directory import NAMESPACE, node_actor_name
+from kvfabric.deploy.reference.engine import CostModel, Engine, Generation
+from kvfabric.deploy.reference.model import ModelConfig, TinyLM
+from kvfabric.fabric import CachedKV, NodeMatch, PoolName
 from ray import serve
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util import metrics
 
-from kvfabric.actors import FabricClient
-from kvfabric.actors.directory import NAMESPACE, node_actor_name
-from kvfabric.fabric import CachedKV, NodeMatch, PoolName
-
-from kvfabric.deploy.reference.engine import CostModel, Engine, Generation
-from kvfabric.deploy.reference.model import ModelConfig, TinyLM
 from .protocol import GenerateRequest, GenerateResult, PrefixFetch
 
 CALL_TIMEOUT_S = 10.0
@@ -43,13 +43,24 @@ class ActorCache:
         self.actor, self.timeout_s = actor, timeout_s
 
     def get(self, tokens: Sequence[int], namespace: str, hold_s: float | None = None) -> CachedKV:
-        return ray.get(self.actor.get.remote(list(tokens), namespace, hold_s), timeout=self.timeout_s)
+        return ray.get(
+            self.actor.get.remote(list(tokens), namespace, hold_s), timeout=self.timeout_s
+        )
 
-    def put(self, tokens: Sequence[int], kv: Sequence[torch.Tensor], namespace: str, *,
-            starts: Mapping[PoolName, int] | None = None, release: int = 0) -> int:
-        host = [t.detach().cpu() for t in kv]        # the actor moves them to its pools' device
-        return ray.get(self.actor.put.remote(list(tokens), host, namespace, starts, release),
-                       timeout=self.timeout_s)
+    def put(
+        self,
+        tokens: Sequence[int],
+        kv: Sequence[torch.Tensor],
+        namespace: str,
+        *,
+        starts: Mapping[PoolName, int] | None = None,
+        release: int = 0,
+    ) -> int:
+        host = [t.detach().cpu() for t in kv]  # the actor moves them to its pools' device
+        return ray.get(
+            self.actor.put.remote(list(tokens), host, namespace, starts, release),
+            timeout=self.timeout_s,
+        )
 
     def release_hold(self, hold_id: int) -> bool:
         return ray.get(self.actor.release_hold.remote(hold_id), timeout=self.timeout_s)
@@ -61,7 +72,7 @@ class FabricRemote:
     def __init__(self, client: FabricClient, node: str) -> None:
         self.client, self.node = client, node
         self.last_fetch_s = 0.0
-        self._best: tuple[str, tuple[int, ...], NodeMatch] | None = None   # the last lookup's answer
+        self._best: tuple[str, tuple[int, ...], NodeMatch] | None = None  # the last lookup's answer
 
     def best_remote(self, tokens: Sequence[int], namespace: str) -> int:
         best = next((m for m in self.client.lookup(tokens, namespace) if m.node != self.node), None)
@@ -87,21 +98,37 @@ class ServingMetrics:
     def __init__(self, node: str) -> None:
         tags = ("node",)
         self.node = {"node": node}
-        self.hit_tokens = metrics.Counter("kvfabric_hit_tokens", "prompt tokens served from a cache",
-                                          tag_keys=("node", "tier"))
-        self.miss_tokens = metrics.Counter("kvfabric_miss_tokens", "prompt tokens prefilled", tag_keys=tags)
-        self.bytes_moved = metrics.Counter("kvfabric_fetched_bytes", "KV bytes fetched from peers",
-                                           tag_keys=tags)
-        self.rollbacks = metrics.Counter("kvfabric_fetch_rollbacks", "fetches that failed and rolled back",
-                                         tag_keys=tags)
-        self.fetch_latency = metrics.Histogram("kvfabric_fetch_latency_ms", "remote fetch latency",
-                                               boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
-                                               tag_keys=tags)
-        self.ttft = metrics.Histogram("kvfabric_ttft_ms", "time to first token",
-                                      boundaries=[5, 10, 20, 50, 100, 200, 500, 1000, 2000], tag_keys=tags)
+        self.hit_tokens = metrics.Counter(
+            "kvfabric_hit_tokens", "prompt tokens served from a cache", tag_keys=("node", "tier")
+        )
+        self.miss_tokens = metrics.Counter(
+            "kvfabric_miss_tokens", "prompt tokens prefilled", tag_keys=tags
+        )
+        self.bytes_moved = metrics.Counter(
+            "kvfabric_fetched_bytes", "KV bytes fetched from peers", tag_keys=tags
+        )
+        self.rollbacks = metrics.Counter(
+            "kvfabric_fetch_rollbacks", "fetches that failed and rolled back", tag_keys=tags
+        )
+        self.fetch_latency = metrics.Histogram(
+            "kvfabric_fetch_latency_ms",
+            "remote fetch latency",
+            boundaries=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
+            tag_keys=tags,
+        )
+        self.ttft = metrics.Histogram(
+            "kvfabric_ttft_ms",
+            "time to first token",
+            boundaries=[5, 10, 20, 50, 100, 200, 500, 1000, 2000],
+            tag_keys=tags,
+        )
 
     def record(self, g: Generation, fetched_bytes: int, fetch_s: float, ttft_s: float) -> None:
-        for tier, n in (("device", g.device_tokens), ("host", g.host_tokens), ("remote", g.remote_tokens)):
+        for tier, n in (
+            ("device", g.device_tokens),
+            ("host", g.host_tokens),
+            ("remote", g.remote_tokens),
+        ):
             if n:
                 self.hit_tokens.inc(n, tags={**self.node, "tier": tier})
         if g.computed_tokens:
@@ -130,8 +157,10 @@ def find_node_actor(wait_s: float = 120.0):
 
 @serve.deployment(max_ongoing_requests=4, ray_actor_options={"num_cpus": 0.25})
 class ModelServer:
-    def __init__(self, model_config: ModelConfig, torch_threads: int = 1, device: str | None = None) -> None:
-        torch.set_num_threads(torch_threads)     # replicas share the node's cores
+    def __init__(
+        self, model_config: ModelConfig, torch_threads: int = 1, device: str | None = None
+    ) -> None:
+        torch.set_num_threads(torch_threads)  # replicas share the node's cores
         self.node, actor = find_node_actor()
         # A GPU when Ray gave this replica one (AppArgs.gpus_per_replica), else the CPU.
         model = TinyLM(model_config, device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -146,28 +175,48 @@ class ModelServer:
         waited = max(0.0, time.time() - req.arrival_s) if req.arrival_s else 0.0
         fetched_before = engine.stats.fetched_bytes
         try:
-            g = engine.generate(req.tokens, req.max_tokens, req.namespace, return_logits=req.logits_digest)
+            g = engine.generate(
+                req.tokens, req.max_tokens, req.namespace, return_logits=req.logits_digest
+            )
         except (RayError, GetTimeoutError):
             # The node's cache actor failed mid-request: serve it uncached, never fail it.
-            g = self.uncached.generate(req.tokens, req.max_tokens, req.namespace, return_logits=req.logits_digest)
+            g = self.uncached.generate(
+                req.tokens, req.max_tokens, req.namespace, return_logits=req.logits_digest
+            )
         if g.fetch in (PrefixFetch.FETCHED, PrefixFetch.FAILED):
             self._learn_fetch_cost(self.remote.last_fetch_s)
         ttft = waited + g.ttft_s
         fetched = engine.stats.fetched_bytes - fetched_before
         self.metrics.record(g, fetched, self.remote.last_fetch_s, ttft)
-        return GenerateResult(g.tokens, g.prompt_tokens, g.cached_tokens, g.device_tokens, g.host_tokens,
-                              g.remote_tokens, g.fetch, ttft, self.node,
-                              _digest(g.logits) if g.logits is not None else "", fetched_bytes=fetched)
+        return GenerateResult(
+            g.tokens,
+            g.prompt_tokens,
+            g.cached_tokens,
+            g.device_tokens,
+            g.host_tokens,
+            g.remote_tokens,
+            g.fetch,
+            ttft,
+            self.node,
+            _digest(g.logits) if g.logits is not None else "",
+            fetched_bytes=fetched,
+        )
 
     def _learn_fetch_cost(self, seconds: float) -> None:
         """Move the cost model's fixed fetch overhead toward what fetches really take."""
         cost = self.cached.cost
         if cost is not None and seconds > 0:
-            self.cached.cost = dataclasses.replace(cost, fetch_overhead_s=0.5 * cost.fetch_overhead_s + 0.5 * seconds)
+            self.cached.cost = dataclasses.replace(
+                cost, fetch_overhead_s=0.5 * cost.fetch_overhead_s + 0.5 * seconds
+            )
 
     def stats(self) -> dict:
-        return {"node": self.node, "cached": self.cached.stats.as_dict(), "uncached": self.uncached.stats.as_dict(),
-                "fetch_overhead_s": self.cached.cost.fetch_overhead_s if self.cached.cost else None}
+        return {
+            "node": self.node,
+            "cached": self.cached.stats.as_dict(),
+            "uncached": self.uncached.stats.as_dict(),
+            "fetch_overhead_s": self.cached.cost.fetch_overhead_s if self.cached.cost else None,
+        }
 
 
 def _round_trip_s(actor, calls: int = 5) -> float:

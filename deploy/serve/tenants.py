@@ -14,6 +14,7 @@ the entry by its position, never by its key. Keys are kept only as SHA-256 diges
 the digest with every entry in constant time, so neither the match nor the time it
 takes tells which key, if any, was close.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,11 +27,22 @@ from typing import Any
 
 import yaml
 
-__all__ = ["MAX_NAME_CHARS", "MAX_TABLE_BYTES", "MIN_KEY_CHARS", "OPEN", "Tenant", "TenantTable",
-           "TenantsError", "load_tenants", "loads_tenants", "parse_tenants", "valid_namespace"]
+__all__ = [
+    "MAX_NAME_CHARS",
+    "MAX_TABLE_BYTES",
+    "MIN_KEY_CHARS",
+    "OPEN",
+    "Tenant",
+    "TenantTable",
+    "TenantsError",
+    "load_tenants",
+    "loads_tenants",
+    "parse_tenants",
+    "valid_namespace",
+]
 
-MAX_NAME_CHARS = 256          # namespaces become cache keys: keep them bounded
-MIN_KEY_CHARS = 16            # shorter keys can be guessed; the hash cannot help those
+MAX_NAME_CHARS = 256  # namespaces become cache keys: keep them bounded
+MIN_KEY_CHARS = 16  # shorter keys can be guessed; the hash cannot help those
 MAX_KEY_CHARS = 1024
 MAX_TABLE_BYTES = 1 << 20
 ENTRY_FIELDS = frozenset({"namespaces", "default"})
@@ -44,6 +56,7 @@ class TenantsError(ValueError):
 class Tenant:
     """What one API key may use: its namespaces and the one a request gets by default.
     `any_namespace` is only for the single tenant of an app without keys (`OPEN`)."""
+
     namespaces: tuple[str, ...]
     default: str
     any_namespace: bool = False
@@ -66,6 +79,7 @@ class _Entry:
 class TenantTable:
     """Key digests and the tenant each one names. Build it with `parse_tenants` or
     `load_tenants`; its repr says how many keys, nothing of them."""
+
     entries: tuple[_Entry, ...]
 
     def __repr__(self) -> str:
@@ -88,14 +102,19 @@ def valid_namespace(name: object) -> bool:
 
 def _valid_key(key: object) -> bool:
     # Visible ASCII only: a key must come back unchanged through an HTTP header.
-    return (type(key) is str and MIN_KEY_CHARS <= len(key) <= MAX_KEY_CHARS
-            and all("\x21" <= c <= "\x7e" for c in key))
+    return (
+        type(key) is str
+        and MIN_KEY_CHARS <= len(key) <= MAX_KEY_CHARS
+        and all("\x21" <= c <= "\x7e" for c in key)
+    )
 
 
 def _tenant(where: str, value: object) -> Tenant:
     if type(value) is not dict:
-        raise TenantsError(f"{where}: must be a mapping with 'namespaces' (and optionally 'default'), "
-                           f"got {type(value).__name__}")
+        raise TenantsError(
+            f"{where}: must be a mapping with 'namespaces' (and optionally 'default'), "
+            f"got {type(value).__name__}"
+        )
     unknown = [k for k in value if k not in ENTRY_FIELDS]
     if unknown:
         raise TenantsError(f"{where}: unknown fields (only 'namespaces' and 'default' are allowed)")
@@ -104,8 +123,10 @@ def _tenant(where: str, value: object) -> Tenant:
         raise TenantsError(f"{where}: 'namespaces' must be a non-empty list of namespaces")
     for i, name in enumerate(names):
         if not valid_namespace(name):
-            raise TenantsError(f"{where}: namespace {i + 1} must be a string of 1 to {MAX_NAME_CHARS} "
-                               f"characters, got {type(name).__name__}")
+            raise TenantsError(
+                f"{where}: namespace {i + 1} must be a string of 1 to {MAX_NAME_CHARS} "
+                f"characters, got {type(name).__name__}"
+            )
     if len(set(names)) != len(names):
         raise TenantsError(f"{where}: a namespace is listed twice")
     default = value.get("default", names[0])
@@ -117,17 +138,23 @@ def _tenant(where: str, value: object) -> Tenant:
 def parse_tenants(data: Any, source: str = "tenant table") -> TenantTable:
     """The table from decoded JSON/YAML: a mapping of key -> entry."""
     if type(data) is not dict:
-        raise TenantsError(f"{source}: must be a mapping of API key -> entry, got {type(data).__name__}")
+        raise TenantsError(
+            f"{source}: must be a mapping of API key -> entry, got {type(data).__name__}"
+        )
     if not data:
         raise TenantsError(f"{source}: no keys (to run without keys, set no tenant table)")
     entries = []
     for n, (key, value) in enumerate(data.items(), 1):
         where = f"{source}: entry {n}"
         if not _valid_key(key):
-            raise TenantsError(f"{where}: the key must be a string of {MIN_KEY_CHARS} to {MAX_KEY_CHARS} "
-                               f"visible ASCII characters (no spaces)")
+            raise TenantsError(
+                f"{where}: the key must be a string of {MIN_KEY_CHARS} to {MAX_KEY_CHARS} "
+                f"visible ASCII characters (no spaces)"
+            )
         entries.append(_Entry(hashlib.sha256(key.encode("ascii")).digest(), _tenant(where, value)))
-    if len({e.digest for e in entries}) != len(entries):     # e.g. keys that differ only as YAML saw them
+    if len({e.digest for e in entries}) != len(
+        entries
+    ):  # e.g. keys that differ only as YAML saw them
         raise TenantsError(f"{source}: two entries have the same key")
     return TenantTable(tuple(entries))
 
@@ -152,11 +179,15 @@ class _StrictLoader(yaml.SafeLoader):
         seen: list[Any] = []
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
-                raise TenantsError(f"merge keys ('<<') are not allowed (line {key_node.start_mark.line + 1})")
+                raise TenantsError(
+                    f"merge keys ('<<') are not allowed (line {key_node.start_mark.line + 1})"
+                )
             key = self.construct_object(key_node, deep=True)
             if any(type(key) is type(k) and key == k for k in seen):
-                raise TenantsError(f"two entries of one mapping have the same key "
-                                   f"(line {key_node.start_mark.line + 1})")
+                raise TenantsError(
+                    f"two entries of one mapping have the same key "
+                    f"(line {key_node.start_mark.line + 1})"
+                )
             seen.append(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -165,17 +196,19 @@ def _decode(text: str, suffix: str) -> Any:
     if suffix == ".json":
         try:
             return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
-        except json.JSONDecodeError as e:        # its message has positions only, no content
-            raise TenantsError(f"invalid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+        except json.JSONDecodeError as e:  # its message has positions only, no content
+            raise TenantsError(
+                f"invalid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+            ) from None
         except TenantsError:
             raise
-        except ValueError:                       # e.g. an int of more digits than Python converts
+        except ValueError:  # e.g. an int of more digits than Python converts
             raise TenantsError("invalid JSON (a number out of range)") from None
     try:
-        return yaml.load(text, Loader=_StrictLoader)      # noqa: S506 (a SafeLoader)
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
     except TenantsError:
         raise
-    except (ValueError, OverflowError):          # a scalar YAML resolved but Python could not build
+    except (ValueError, OverflowError):  # a scalar YAML resolved but Python could not build
         raise TenantsError("invalid YAML (a number or date out of range)") from None
     except yaml.MarkedYAMLError as e:
         # Its message quotes the line, which may hold a key: say where, not what.
@@ -214,5 +247,7 @@ def load_tenants(path: str | os.PathLike) -> TenantTable:
         with open(p, "rb") as f:
             content = f.read(MAX_TABLE_BYTES + 1)
     except OSError as e:
-        raise TenantsError(f"tenant table {p}: cannot read it ({e.strerror or type(e).__name__})") from None
+        raise TenantsError(
+            f"tenant table {p}: cannot read it ({e.strerror or type(e).__name__})"
+        ) from None
     return loads_tenants(content, p.suffix.lower(), f"tenant table {p}")

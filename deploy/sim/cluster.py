@@ -9,7 +9,8 @@ A mode is a router of `kvfabric.deploy.placement` over a cache arrangement:
   pow2      Ray Serve's default router (PowerOfTwo) over node-local caches;
   affinity  Ray Serve LLM's PrefixCacheAffinityRouter (PrefixAffinity) over node-local caches;
   global    the fabric as deployed: FabricScore over the real sharded index, and the engine's
-            fetch decision (kvfabric.deploy.placement.plan) when a prefill starts (`kvfabric.deploy.sim.fabric`);
+            fetch decision (kvfabric.deploy.placement.plan) when a prefill starts
+            (`kvfabric.deploy.sim.fabric`);
   pooled    one LRU cache of the whole cluster's capacity that every node reads at no cost:
             the limit of any cluster-wide cache of that size;
   infinite  one unbounded cache read at no cost: the ceiling.
@@ -19,6 +20,7 @@ stores when its prefill ends (`complete`: the prompt's pages; never the output, 
 trace's block hashes name prompt prefixes only). A node runs one prefill at a time and only
 its own completions change its cache, so what `serve` matched is still there at `complete`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,10 +30,19 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
 
+from kvfabric.deploy.placement import (
+    CostModel,
+    FabricScore,
+    NodeView,
+    PageBytes,
+    PowerOfTwo,
+    PrefixAffinity,
+    Prompt,
+    Request,
+    Router,
+)
 from kvfabric.fabric import KVLayout, LayerKind, NodeCache, PageKeyer, PoolCapacity, PoolName
 
-from kvfabric.deploy.placement import (CostModel, FabricScore, NodeView, PageBytes, PowerOfTwo, PrefixAffinity, Prompt,
-                                       Request, Router)
 from .trace import BLOCK_TOKENS, TraceRequest, request_tokens
 
 NAMESPACE = "trace"
@@ -48,18 +59,19 @@ class Mode(str, Enum):
 @dataclass(frozen=True)
 class SimConfig:
     nodes: int = 10
-    capacity_tokens: int = 1_000_000       # KV capacity per node, real tokens
+    capacity_tokens: int = 1_000_000  # KV capacity per node, real tokens
     shards: int = 8
-    page_tokens: int = 4                   # token ids per tiny page (one page per trace block)
-    overhead_s: float = 0.005              # per request: scheduling, first decode step
-    kv_bytes_per_token: int = 131_072      # Llama-3-8B: 32 layers x 8 KV heads x 128 x 2 (K, V) x fp16
-    cost: CostModel = CostModel(prefill_tokens_per_s=10_000.0, transfer_bytes_per_s=10e9,
-                                fetch_overhead_s=0.002)
-    decode_s_per_token: float = 0.02       # an output token, batched with the node's other decodes
-    match_rate_threshold: float = 0.1      # affinity: PrefixCacheAffinityRouter's defaults
+    page_tokens: int = 4  # token ids per tiny page (one page per trace block)
+    overhead_s: float = 0.005  # per request: scheduling, first decode step
+    kv_bytes_per_token: int = 131_072  # Llama-3-8B: 32 layers x 8 KV heads x 128 x 2 (K, V) x fp16
+    cost: CostModel = CostModel(
+        prefill_tokens_per_s=10_000.0, transfer_bytes_per_s=10e9, fetch_overhead_s=0.002
+    )
+    decode_s_per_token: float = 0.02  # an output token, batched with the node's other decodes
+    match_rate_threshold: float = 0.1  # affinity: PrefixCacheAffinityRouter's defaults
     imbalanced_threshold: float = math.inf
-    seed: int = 0                          # the random routers' choices
-    rebalance_every: int = 100             # index lookups between rebalance checks
+    seed: int = 0  # the random routers' choices
+    rebalance_every: int = 100  # index lookups between rebalance checks
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_tokens, int) or self.page_tokens < 2:
@@ -70,8 +82,10 @@ class SimConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if not isinstance(self.capacity_tokens, int) or self.capacity_tokens < BLOCK_TOKENS:
-            raise ValueError(f"capacity_tokens must be an int >= {BLOCK_TOKENS} (one block), "
-                             f"got {self.capacity_tokens!r}")
+            raise ValueError(
+                f"capacity_tokens must be an int >= {BLOCK_TOKENS} (one block), "
+                f"got {self.capacity_tokens!r}"
+            )
         for name in ("overhead_s", "decode_s_per_token"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
@@ -85,7 +99,9 @@ class SimConfig:
 
     @property
     def layout(self) -> KVLayout:
-        return KVLayout(layers=(LayerKind.FULL,), kv_heads=1, head_dim=1, page_size=self.page_tokens)
+        return KVLayout(
+            layers=(LayerKind.FULL,), kv_heads=1, head_dim=1, page_size=self.page_tokens
+        )
 
     @property
     def page_bytes(self) -> PageBytes:
@@ -96,11 +112,12 @@ class SimConfig:
 @dataclass(frozen=True)
 class SimRequest:
     """A trace request with its tiny-page tokens and page keys, computed once for every mode."""
+
     index: int
     arrival_s: float
-    input_length: int            # real prompt tokens
+    input_length: int  # real prompt tokens
     output_length: int
-    tokens: list[int]            # page_tokens ids per block, every block a whole page
+    tokens: list[int]  # page_tokens ids per block, every block a whole page
     keys: list[bytes]
 
     @property
@@ -128,16 +145,20 @@ def prepare(trace: Sequence[TraceRequest], config: SimConfig) -> list[SimRequest
         # prorated in real tokens by `hit_tokens`, not dropped.
         whole = dataclasses.replace(r, input_length=len(r.hash_ids) * BLOCK_TOKENS)
         tokens = request_tokens(whole, tokens_per_block=config.page_tokens)
-        out.append(SimRequest(i, r.timestamp_ms / 1e3, r.input_length, r.output_length, tokens,
-                              keyer.keys(tokens)))
+        out.append(
+            SimRequest(
+                i, r.timestamp_ms / 1e3, r.input_length, r.output_length, tokens, keyer.keys(tokens)
+            )
+        )
     return out
 
 
 @dataclass(frozen=True)
 class Service:
     """What a prefill found when it started, and how long it runs (tokens are real tokens)."""
-    local_tokens: int            # found in the node's own cache
-    hit_tokens: int              # local plus fetched
+
+    local_tokens: int  # found in the node's own cache
+    hit_tokens: int  # local plus fetched
     prefill_tokens: int
     fetched_bytes: int
     duration_s: float
@@ -172,11 +193,18 @@ class Cluster:
         local = self.cache_of(node).get(req.tokens, NAMESPACE).tokens // self.config.page_tokens
         return self.service(req, local, local, 0, 0.0)
 
-    def service(self, req: SimRequest, local: int, cached: int, fetched_bytes: int, fetch_s: float) -> Service:
+    def service(
+        self, req: SimRequest, local: int, cached: int, fetched_bytes: int, fetch_s: float
+    ) -> Service:
         c = self.config
         hit = req.hit_tokens(cached)
-        return Service(req.hit_tokens(local), hit, req.input_length - hit, fetched_bytes,
-                       c.overhead_s + fetch_s + c.cost.recompute_s(req.input_length - hit))
+        return Service(
+            req.hit_tokens(local),
+            hit,
+            req.input_length - hit,
+            fetched_bytes,
+            c.overhead_s + fetch_s + c.cost.recompute_s(req.input_length - hit),
+        )
 
     def complete(self, node: int, req: SimRequest) -> None:
         self.cache_of(node).put(req.tokens, None, NAMESPACE)
@@ -191,7 +219,7 @@ class SharedCluster(Cluster):
     def __init__(self, config: SimConfig, router: Router, pages: int) -> None:
         self.config, self.router = config, router
         self.names = [f"node-{i}" for i in range(config.nodes)]
-        self.caches = []                 # nodes here are compute only: the cache is shared
+        self.caches = []  # nodes here are compute only: the cache is shared
         self.shared = make_cache(config, pages)
 
     def views(self, req: SimRequest, loads: Sequence[int]) -> list[NodeView]:
@@ -208,12 +236,19 @@ def fabric_score(config: SimConfig) -> FabricScore:
 
 def make_cluster(mode: Mode, config: SimConfig, requests: Sequence[SimRequest]) -> Cluster:
     from .fabric import FabricCluster
+
     rng = random.Random(config.seed)
     if mode is Mode.POW2:
         return Cluster(config, PowerOfTwo(rng))
     if mode is Mode.AFFINITY:
-        return Cluster(config, PrefixAffinity(rng, config.match_rate_threshold, config.imbalanced_threshold))
+        return Cluster(
+            config, PrefixAffinity(rng, config.match_rate_threshold, config.imbalanced_threshold)
+        )
     if mode is Mode.GLOBAL:
         return FabricCluster(config, fabric_score(config))
-    pages = config.nodes * config.capacity_pages if mode is Mode.POOLED else sum(r.pages for r in requests)
+    pages = (
+        config.nodes * config.capacity_pages
+        if mode is Mode.POOLED
+        else sum(r.pages for r in requests)
+    )
     return SharedCluster(config, fabric_score(config), pages)

@@ -1,19 +1,21 @@
 """The `global` mode of `kvfabric replay`: the fabric as deployed, on the real sharded index.
 
 Every node publishes its page events into the index. The router (FabricScore, as
-kvfabric.deploy.serve.router runs it) asks the index who holds how much of the prompt; when the prefill
-starts, the node does what the engine does: matches locally, asks the index for the best
-remote holder, and fetches from it when `kvfabric.deploy.placement.plan` says moving beats
-recomputing. Mooncake's conductor places requests the same way.
+kvfabric.deploy.serve.router runs it) asks the index who holds how much of the prompt;
+when the prefill starts, the node does what the engine does: matches locally, asks the
+index for the best remote holder, and fetches from it when
+`kvfabric.deploy.placement.plan` says moving beats recomputing. Mooncake's conductor
+places requests the same way.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
 
+from kvfabric.deploy.placement import FabricScore, NodeView
 from kvfabric.fabric import EventPublisher, MatchRule
 from kvfabric.fabric.index.sharded_index import ShardedIndex
 
-from kvfabric.deploy.placement import FabricScore, NodeView
 from .cluster import NAMESPACE, Cluster, Service, SimConfig, SimRequest
 
 
@@ -22,12 +24,14 @@ class FabricCluster(Cluster):
         super().__init__(config, router)
         self.slot = {name: i for i, name in enumerate(self.names)}
         self.index = ShardedIndex(config.shards, MatchRule.of(config.layout))
-        self.publishers = [EventPublisher(c, name, epoch=1) for c, name in zip(self.caches, self.names)]
+        self.publishers = [
+            EventPublisher(c, name, epoch=1) for c, name in zip(self.caches, self.names)
+        ]
         self.lookups = 0
         self.splits = 0
         self.fetches = 0
         for i in range(config.nodes):
-            self._publish(i)        # batch 0 of every shard says `cleared`: snapshots need a seq
+            self._publish(i)  # batch 0 of every shard says `cleared`: snapshots need a seq
 
     def lookup(self, req: SimRequest) -> dict[int, int]:
         """Node -> pages of the prompt it holds, as the index says."""
@@ -67,7 +71,7 @@ class FabricCluster(Cluster):
         if self.index.rebalance_if_uneven() is None:
             return
         self.splits += 1
-        for pub in self.publishers:          # shard state is soft: resend under the new routes
+        for pub in self.publishers:  # shard state is soft: resend under the new routes
             for shard, snap in pub.snapshots(self.index.routes).items():
                 self.index.load_snapshot(shard, snap)
 
@@ -83,8 +87,11 @@ class FabricCluster(Cluster):
                 continue
             shard = self.index.shards[self.index.routes.owner(req.keys)]
             said = {m.node: m.pages for m in shard.lookup(req.keys)}
-            held = {name: p for name, c in zip(self.names, self.caches)
-                    if (p := c.match(req.tokens, NAMESPACE).usable_pages)}
+            held = {
+                name: p
+                for name, c in zip(self.names, self.caches)
+                if (p := c.match(req.tokens, NAMESPACE).usable_pages)
+            }
             if said != held:
                 bad.append(req.index)
         return bad

@@ -9,6 +9,7 @@ node's other work) and leaves the node's queue. Five modes run on the same trace
 capacity: `pow2`, `affinity` (what Ray Serve ships), `global` (the fabric as deployed),
 `pooled` and `infinite` (the limits). See `kvfabric.deploy.sim.cluster`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,12 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
-from .cluster import Cluster, Mode, SimConfig, SimRequest, make_cluster, prepare
 from kvfabric.deploy.stats import percentile
+
+from .cluster import Cluster, Mode, SimConfig, SimRequest, make_cluster, prepare
 
 INDEX_CHECK_SAMPLES = 200
 
-Progress = Callable[[int], None]        # called with requests done so far in the current run
+Progress = Callable[[int], None]  # called with requests done so far in the current run
 
 
 @dataclass
@@ -36,12 +38,12 @@ class ModeResult:
     capacity_tokens: int
     prompt_tokens: int = 0
     hit_tokens: int = 0
-    remote_hit_tokens: int = 0              # of hit_tokens, fetched from another node
+    remote_hit_tokens: int = 0  # of hit_tokens, fetched from another node
     prefill_tokens: int = 0
     bytes_moved: int = 0
     fetches: int = 0
     ttft_s: list[float] = field(default_factory=list)
-    e2e_s: list[float] = field(default_factory=list)      # arrival to the last output token
+    e2e_s: list[float] = field(default_factory=list)  # arrival to the last output token
     shard_balance: float | None = None
     index_checked: int = 0
     index_disagreements: int = 0
@@ -58,14 +60,23 @@ class ModeResult:
         return percentile(self.e2e_s, q) * 1e3
 
     def to_json(self) -> dict:
-        out: dict[str, object] = {"hit_rate": round(self.hit_rate, 4), "prefill_tokens": self.prefill_tokens,
-               "ttft_p50_ms": round(self.ttft_ms(0.5), 1), "ttft_p99_ms": round(self.ttft_ms(0.99), 1),
-               "e2e_p50_ms": round(self.e2e_ms(0.5), 1), "hit_tokens": self.hit_tokens,
-               "bytes_moved": self.bytes_moved}
+        out: dict[str, object] = {
+            "hit_rate": round(self.hit_rate, 4),
+            "prefill_tokens": self.prefill_tokens,
+            "ttft_p50_ms": round(self.ttft_ms(0.5), 1),
+            "ttft_p99_ms": round(self.ttft_ms(0.99), 1),
+            "e2e_p50_ms": round(self.e2e_ms(0.5), 1),
+            "hit_tokens": self.hit_tokens,
+            "bytes_moved": self.bytes_moved,
+        }
         if self.mode is Mode.GLOBAL:
-            out.update(remote_hit_tokens=self.remote_hit_tokens, fetches=self.fetches,
-                       shard_load_max_over_mean=_round(self.shard_balance),
-                       index_checked=self.index_checked, index_disagreements=self.index_disagreements)
+            out.update(
+                remote_hit_tokens=self.remote_hit_tokens,
+                fetches=self.fetches,
+                shard_load_max_over_mean=_round(self.shard_balance),
+                index_checked=self.index_checked,
+                index_disagreements=self.index_disagreements,
+            )
         return out
 
 
@@ -73,13 +84,14 @@ def _round(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits)
 
 
-def simulate(cluster: Cluster, requests: Sequence[SimRequest], mode: Mode,
-             progress: Progress | None = None) -> ModeResult:
+def simulate(
+    cluster: Cluster, requests: Sequence[SimRequest], mode: Mode, progress: Progress | None = None
+) -> ModeResult:
     """Replay `requests` (in arrival order) through `cluster`; discrete events."""
     n, c = cluster.config.nodes, cluster.config
     queues: list[deque[SimRequest]] = [deque() for _ in range(n)]
     busy, loads = [False] * n, [0] * n
-    events: list[tuple] = []                # (time, tie-break, node, request, service or None)
+    events: list[tuple] = []  # (time, tie-break, node, request, service or None)
     order = itertools.count()
     res = ModeResult(mode, c.capacity_tokens)
     t0 = time.perf_counter()
@@ -93,7 +105,7 @@ def simulate(cluster: Cluster, requests: Sequence[SimRequest], mode: Mode,
     def advance(t: float) -> None:
         while events and events[0][0] <= t:
             now, _, i, req, svc = heapq.heappop(events)
-            if svc is None:                 # its decode ended: it leaves the node's queue
+            if svc is None:  # its decode ended: it leaves the node's queue
                 loads[i] -= 1
                 res.e2e_s.append(now - req.arrival_s)
                 continue
@@ -106,7 +118,9 @@ def simulate(cluster: Cluster, requests: Sequence[SimRequest], mode: Mode,
             res.bytes_moved += svc.fetched_bytes
             res.fetches += svc.fetched_bytes > 0
             res.ttft_s.append(now - req.arrival_s)
-            heapq.heappush(events, (now + req.output_length * c.decode_s_per_token, next(order), i, req, None))
+            heapq.heappush(
+                events, (now + req.output_length * c.decode_s_per_token, next(order), i, req, None)
+            )
             if queues[i]:
                 start(i, now)
 
@@ -123,24 +137,26 @@ def simulate(cluster: Cluster, requests: Sequence[SimRequest], mode: Mode,
     res.shard_balance = cluster.shard_balance()
     check = getattr(cluster, "index_disagreements", None)
     if check is not None:
-        sample = requests[::max(1, len(requests) // INDEX_CHECK_SAMPLES)]
+        sample = requests[:: max(1, len(requests) // INDEX_CHECK_SAMPLES)]
         res.index_checked = len(sample)
         res.index_disagreements = len(check(sample))
     res.elapsed_s = time.perf_counter() - t0
     return res
 
 
-def run_mode(mode: Mode, config: SimConfig, requests: Sequence[SimRequest],
-             progress: Progress | None = None) -> ModeResult:
+def run_mode(
+    mode: Mode, config: SimConfig, requests: Sequence[SimRequest], progress: Progress | None = None
+) -> ModeResult:
     return simulate(make_cluster(mode, config, requests), requests, mode, progress)
 
 
-RATIOS = (Mode.POW2, Mode.AFFINITY, Mode.POOLED, Mode.INFINITE)     # global over each
+RATIOS = (Mode.POW2, Mode.AFFINITY, Mode.POOLED, Mode.INFINITE)  # global over each
 
 
 @dataclass
 class Point:
     """Every mode at one capacity per node."""
+
     capacity_tokens: int
     modes: dict[Mode, ModeResult]
 
@@ -157,8 +173,10 @@ class Point:
         return self.modes[a].ttft_ms(0.5) / self.modes[b].ttft_ms(0.5)
 
     def to_json(self) -> dict:
-        out: dict = {"capacity_tokens": self.capacity_tokens,
-                     "modes": {m.value: r.to_json() for m, r in self.modes.items()}}
+        out: dict = {
+            "capacity_tokens": self.capacity_tokens,
+            "modes": {m.value: r.to_json() for m, r in self.modes.items()},
+        }
         for b in RATIOS:
             out[f"global_over_{b.value}_hit_rate"] = _round(self.ratio(Mode.GLOBAL, b))
         for b in (Mode.POW2, Mode.AFFINITY):
@@ -172,22 +190,36 @@ class Point:
 class Replay:
     config: SimConfig
     requests: int
-    points: list[Point]                     # one per capacity, in the order asked
+    points: list[Point]  # one per capacity, in the order asked
     elapsed_s: float
 
     def to_json(self) -> dict:
         """The first capacity's figures at the top, every capacity's in `sweep`;
         `shard_load_max_over_mean` is the worst global run's."""
         first = self.points[0].to_json()
-        balances = [b for p in self.points if Mode.GLOBAL in p.modes
-                    and (b := p.modes[Mode.GLOBAL].shard_balance) is not None]
-        return {"requests": self.requests, "nodes": self.config.nodes, "shards": self.config.shards,
-                **first, "shard_load_max_over_mean": _round(max(balances)) if balances else None,
-                "sweep": [p.to_json() for p in self.points], "elapsed_s": round(self.elapsed_s, 1)}
+        balances = [
+            b
+            for p in self.points
+            if Mode.GLOBAL in p.modes and (b := p.modes[Mode.GLOBAL].shard_balance) is not None
+        ]
+        return {
+            "requests": self.requests,
+            "nodes": self.config.nodes,
+            "shards": self.config.shards,
+            **first,
+            "shard_load_max_over_mean": _round(max(balances)) if balances else None,
+            "sweep": [p.to_json() for p in self.points],
+            "elapsed_s": round(self.elapsed_s, 1),
+        }
 
 
-def replay(config: SimConfig, requests: Sequence[SimRequest], capacities: Sequence[int] = (),
-           modes: Sequence[Mode] = tuple(Mode), bar: "Bar | None" = None) -> Replay:
+def replay(
+    config: SimConfig,
+    requests: Sequence[SimRequest],
+    capacities: Sequence[int] = (),
+    modes: Sequence[Mode] = tuple(Mode),
+    bar: "Bar | None" = None,
+) -> Replay:
     """Every mode at each capacity (default: the config's). The infinite cache does not
     depend on capacity: it runs once."""
     t0 = time.perf_counter()
@@ -224,9 +256,11 @@ class Bar:
                 return
             self._last = now
             filled = self.width * done // self.total
-            self.stream.write(f"\r{label} [{'#' * filled}{'.' * (self.width - filled)}] "
-                              f"{done}/{self.total}\033[K")
+            self.stream.write(
+                f"\r{label} [{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total}\033[K"
+            )
             self.stream.flush()
+
         return update
 
     def close(self) -> None:
@@ -237,6 +271,7 @@ class Bar:
 def main(argv: list[str] | None = None) -> int:
     from .report import parse_args, print_table, write_plot
     from .trace import TraceError, load_trace
+
     args, config = parse_args(argv)
     try:
         trace = load_trace(args.trace, limit=args.requests)
@@ -244,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvfabric replay: error: {e}", file=sys.stderr)
         return 2
     if not trace:
-        print(f"kvfabric replay: error: the trace {args.trace or 'packaged'} has no requests", file=sys.stderr)
+        print(
+            f"kvfabric replay: error: the trace {args.trace or 'packaged'} has no requests",
+            file=sys.stderr,
+        )
         return 2
     requests = prepare(trace, config)
     bar = None if args.no_progress else Bar(len(requests))
@@ -254,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {write_plot(result, Path(args.plot))}")
     if args.json:
         import json
+
         print(json.dumps(result.to_json()))
     return 0
 

@@ -1,4 +1,5 @@
 """`kvfabric replay`'s options, table and plot."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,6 +7,7 @@ import math
 from pathlib import Path
 
 from kvfabric.deploy.placement import CostModel
+
 from .cluster import Mode, SimConfig
 from .trace import BLOCK_TOKENS
 
@@ -20,7 +22,9 @@ def _capacities(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
     if not out or any(c < BLOCK_TOKENS for c in out):
-        raise argparse.ArgumentTypeError(f"each capacity must be at least {BLOCK_TOKENS} (one trace block)")
+        raise argparse.ArgumentTypeError(
+            f"each capacity must be at least {BLOCK_TOKENS} (one trace block)"
+        )
     return out
 
 
@@ -28,53 +32,122 @@ def _modes(text: str) -> list[Mode]:
     try:
         return [Mode(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"modes are {', '.join(m.value for m in Mode)}; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"modes are {', '.join(m.value for m in Mode)}; got {text!r}"
+        ) from None
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimConfig]:
     """Parse and validate; bad options exit 2 with argparse's usage message."""
     from .replay import __doc__ as doc
-    ap = argparse.ArgumentParser(prog="kvfabric replay", description=doc,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    ap = argparse.ArgumentParser(
+        prog="kvfabric replay",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     d = _DEFAULTS
-    ap.add_argument("--trace", default=None, help="a Mooncake-format JSONL trace (default: the packaged one)")
-    ap.add_argument("--modes", type=_modes, nargs="+", default=None,
-                    help=f"modes to run (default all: {', '.join(m.value for m in Mode)})")
-    ap.add_argument("--nodes", type=int, default=d.nodes, help="prefill nodes (default %(default)s)")
-    ap.add_argument("--capacity-tokens", type=_capacities, nargs="+", default=None,
-                    help="KV-cache capacity per node in tokens, one or more: every mode runs at each "
-                         f"(default {' '.join(map(str, DEFAULT_CAPACITIES))}); the first is the headline")
-    ap.add_argument("--shards", type=int, default=d.shards, help="index shards (default %(default)s)")
+    ap.add_argument(
+        "--trace", default=None, help="a Mooncake-format JSONL trace (default: the packaged one)"
+    )
+    ap.add_argument(
+        "--modes",
+        type=_modes,
+        nargs="+",
+        default=None,
+        help=f"modes to run (default all: {', '.join(m.value for m in Mode)})",
+    )
+    ap.add_argument(
+        "--nodes", type=int, default=d.nodes, help="prefill nodes (default %(default)s)"
+    )
+    ap.add_argument(
+        "--capacity-tokens",
+        type=_capacities,
+        nargs="+",
+        default=None,
+        help="KV-cache capacity per node in tokens, one or more: every mode runs at each "
+        f"(default {' '.join(map(str, DEFAULT_CAPACITIES))}); the first is the headline",
+    )
+    ap.add_argument(
+        "--shards", type=int, default=d.shards, help="index shards (default %(default)s)"
+    )
     ap.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
-    ap.add_argument("--prefill-tokens-per-s", type=float, default=d.cost.prefill_tokens_per_s,
-                    help="prefill throughput of one node (default %(default)s: an 8B-class model on one GPU)")
-    ap.add_argument("--transfer-bytes-per-s", type=float, default=d.cost.transfer_bytes_per_s,
-                    help="node-to-node KV bandwidth (default %(default)s: a 100 Gb/s NIC)")
-    ap.add_argument("--kv-bytes-per-token", type=int, default=d.kv_bytes_per_token,
-                    help="KV bytes per token (default %(default)s: Llama-3-8B in fp16)")
-    ap.add_argument("--overhead-ms", type=float, default=d.overhead_s * 1e3,
-                    help="per-request overhead: scheduling, first decode step (default %(default)s)")
-    ap.add_argument("--fetch-overhead-ms", type=float, default=d.cost.fetch_overhead_s * 1e3,
-                    help="per-fetch overhead: lookup, export grant, lease, commit (default %(default)s)")
-    ap.add_argument("--decode-ms-per-token", type=float, default=d.decode_s_per_token * 1e3,
-                    help="time per output token; a request holds its place in the node's queue "
-                         "until its output is decoded (default %(default)s)")
-    ap.add_argument("--affinity-match-rate", type=float, default=d.match_rate_threshold,
-                    help="affinity: PrefixCacheAffinityRouter's match_rate_threshold (default %(default)s)")
-    ap.add_argument("--affinity-imbalance", type=float, default=d.imbalanced_threshold,
-                    help="affinity: its imbalanced_threshold, queue length difference (default %(default)s)")
-    ap.add_argument("--seed", type=int, default=d.seed, help="the random routers' seed (default %(default)s)")
-    ap.add_argument("--page-tokens", type=int, default=d.page_tokens,
-                    help="token ids per simulated page, at least 2 (one page stands for one 512-token "
-                         "block; with 1, different blocks would collide on a token) (default %(default)s)")
-    ap.add_argument("--plot", default=None, metavar="PATH",
-                    help="write a PNG of hit rate and TTFT p50 against capacity, per mode")
+    ap.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=d.cost.prefill_tokens_per_s,
+        help="prefill throughput of one node (default %(default)s: an 8B-class model on one GPU)",
+    )
+    ap.add_argument(
+        "--transfer-bytes-per-s",
+        type=float,
+        default=d.cost.transfer_bytes_per_s,
+        help="node-to-node KV bandwidth (default %(default)s: a 100 Gb/s NIC)",
+    )
+    ap.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=d.kv_bytes_per_token,
+        help="KV bytes per token (default %(default)s: Llama-3-8B in fp16)",
+    )
+    ap.add_argument(
+        "--overhead-ms",
+        type=float,
+        default=d.overhead_s * 1e3,
+        help="per-request overhead: scheduling, first decode step (default %(default)s)",
+    )
+    ap.add_argument(
+        "--fetch-overhead-ms",
+        type=float,
+        default=d.cost.fetch_overhead_s * 1e3,
+        help="per-fetch overhead: lookup, export grant, lease, commit (default %(default)s)",
+    )
+    ap.add_argument(
+        "--decode-ms-per-token",
+        type=float,
+        default=d.decode_s_per_token * 1e3,
+        help="time per output token; a request holds its place in the node's queue "
+        "until its output is decoded (default %(default)s)",
+    )
+    ap.add_argument(
+        "--affinity-match-rate",
+        type=float,
+        default=d.match_rate_threshold,
+        help="affinity: PrefixCacheAffinityRouter's match_rate_threshold (default %(default)s)",
+    )
+    ap.add_argument(
+        "--affinity-imbalance",
+        type=float,
+        default=d.imbalanced_threshold,
+        help="affinity: its imbalanced_threshold, queue length difference (default %(default)s)",
+    )
+    ap.add_argument(
+        "--seed", type=int, default=d.seed, help="the random routers' seed (default %(default)s)"
+    )
+    ap.add_argument(
+        "--page-tokens",
+        type=int,
+        default=d.page_tokens,
+        help="token ids per simulated page, at least 2 (one page stands for one 512-token "
+        "block; with 1, different blocks would collide on a token) (default %(default)s)",
+    )
+    ap.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="write a PNG of hit rate and TTFT p50 against capacity, per mode",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = ap.parse_args(argv)
-    args.capacity_tokens = [c for group in args.capacity_tokens for c in group] \
-        if args.capacity_tokens else list(DEFAULT_CAPACITIES)
-    args.modes = list(dict.fromkeys(m for group in args.modes for m in group)) if args.modes else list(Mode)
+    args.capacity_tokens = (
+        [c for group in args.capacity_tokens for c in group]
+        if args.capacity_tokens
+        else list(DEFAULT_CAPACITIES)
+    )
+    args.modes = (
+        list(dict.fromkeys(m for group in args.modes for m in group)) if args.modes else list(Mode)
+    )
     if args.page_tokens < 2:
         ap.error("--page-tokens must be at least 2")
     for name in ("nodes", "shards", "kv_bytes_per_token"):
@@ -94,13 +167,22 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimConfig]:
         ap.error("--affinity-imbalance must be >= 0 (inf: never)")
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
         ap.error(f"--plot: directory {Path(args.plot).parent} does not exist")
-    cost = CostModel(args.prefill_tokens_per_s, args.transfer_bytes_per_s, args.fetch_overhead_ms / 1e3)
-    config = SimConfig(nodes=args.nodes, capacity_tokens=args.capacity_tokens[0], shards=args.shards,
-                       page_tokens=args.page_tokens, overhead_s=args.overhead_ms / 1e3,
-                       kv_bytes_per_token=args.kv_bytes_per_token, cost=cost,
-                       decode_s_per_token=args.decode_ms_per_token / 1e3,
-                       match_rate_threshold=args.affinity_match_rate,
-                       imbalanced_threshold=args.affinity_imbalance, seed=args.seed)
+    cost = CostModel(
+        args.prefill_tokens_per_s, args.transfer_bytes_per_s, args.fetch_overhead_ms / 1e3
+    )
+    config = SimConfig(
+        nodes=args.nodes,
+        capacity_tokens=args.capacity_tokens[0],
+        shards=args.shards,
+        page_tokens=args.page_tokens,
+        overhead_s=args.overhead_ms / 1e3,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        cost=cost,
+        decode_s_per_token=args.decode_ms_per_token / 1e3,
+        match_rate_threshold=args.affinity_match_rate,
+        imbalanced_threshold=args.affinity_imbalance,
+        seed=args.seed,
+    )
     return args, config
 
 
@@ -119,34 +201,51 @@ def _fmt(x: float | None) -> str:
 def print_table(result, trace: str | None) -> None:
     """The table of `result` (a simulate.Replay) on stdout: one block per capacity."""
     c = result.config
-    print(f"kvfabric replay: {result.requests} requests of {Path(trace).name if trace else 'the packaged trace'}, "
-          f"{c.nodes} nodes, {c.shards} index shards; {result.elapsed_s:.1f} s")
-    head = f"{'mode':<9} {'hit rate':>8} {'prefill tokens':>15} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} " \
-           f"{'E2E p50 ms':>11} {'bytes moved':>12} {'shard max/mean':>15}"
+    print(
+        f"kvfabric replay: {result.requests} requests of "
+        f"{Path(trace).name if trace else 'the packaged trace'}, "
+        f"{c.nodes} nodes, {c.shards} index shards; {result.elapsed_s:.1f} s"
+    )
+    head = (
+        f"{'mode':<9} {'hit rate':>8} {'prefill tokens':>15} {'TTFT p50 ms':>12} "
+        f"{'TTFT p99 ms':>12} "
+        f"{'E2E p50 ms':>11} {'bytes moved':>12} {'shard max/mean':>15}"
+    )
     for point in result.points:
         print(f"\n{point.capacity_tokens:,} tokens per node")
         print(head)
         print("-" * len(head))
         for mode, r in point.modes.items():
             bal = f"{r.shard_balance:.3f}" if r.shard_balance is not None else "-"
-            print(f"{mode.value:<9} {r.hit_rate:>8.3f} {r.prefill_tokens:>15,} {r.ttft_ms(0.5):>12.1f} "
-                  f"{r.ttft_ms(0.99):>12.1f} {r.e2e_ms(0.5):>11.1f} {_bytes(r.bytes_moved):>12} {bal:>15}")
-        print(f"global over pow2 {_fmt(point.ratio(Mode.GLOBAL, Mode.POW2))} (goal >= 1.5), "
-              f"affinity {_fmt(point.ratio(Mode.GLOBAL, Mode.AFFINITY))} (goal >= 1.1), "
-              f"pooled {_fmt(point.ratio(Mode.GLOBAL, Mode.POOLED))}, "
-              f"infinite {_fmt(point.ratio(Mode.GLOBAL, Mode.INFINITE))} (hit rate); TTFT p50 over pow2 "
-              f"{_fmt(point.ttft_ratio(Mode.GLOBAL, Mode.POW2))}, over affinity "
-              f"{_fmt(point.ttft_ratio(Mode.GLOBAL, Mode.AFFINITY))}")
+            print(
+                f"{mode.value:<9} {r.hit_rate:>8.3f} {r.prefill_tokens:>15,} "
+                f"{r.ttft_ms(0.5):>12.1f} "
+                f"{r.ttft_ms(0.99):>12.1f} {r.e2e_ms(0.5):>11.1f} {_bytes(r.bytes_moved):>12} "
+                f"{bal:>15}"
+            )
+        print(
+            f"global over pow2 {_fmt(point.ratio(Mode.GLOBAL, Mode.POW2))} (goal >= 1.5), "
+            f"affinity {_fmt(point.ratio(Mode.GLOBAL, Mode.AFFINITY))} (goal >= 1.1), "
+            f"pooled {_fmt(point.ratio(Mode.GLOBAL, Mode.POOLED))}, "
+            f"infinite {_fmt(point.ratio(Mode.GLOBAL, Mode.INFINITE))} (hit rate); TTFT p50 over "
+            "pow2 "
+            f"{_fmt(point.ttft_ratio(Mode.GLOBAL, Mode.POW2))}, over affinity "
+            f"{_fmt(point.ttft_ratio(Mode.GLOBAL, Mode.AFFINITY))}"
+        )
         g = point.modes.get(Mode.GLOBAL)
         if g is not None:
-            print(f"index check: {g.index_checked} sampled requests, {g.index_disagreements} where the index "
-                  f"disagrees with the caches; {g.fetches} remote fetches")
+            print(
+                f"index check: {g.index_checked} sampled requests, {g.index_disagreements} where "
+                "the index "
+                f"disagrees with the caches; {g.fetches} remote fetches"
+            )
 
 
 def write_plot(result, path: Path) -> Path:
     """Hit rate and TTFT p50 against capacity per node, one line per mode."""
     import matplotlib
-    matplotlib.use("Agg")             # no display: render to a file
+
+    matplotlib.use("Agg")  # no display: render to a file
     import matplotlib.pyplot as plt
 
     fig, (hit, ttft) = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -155,8 +254,15 @@ def write_plot(result, path: Path) -> Path:
         runs = sorted((p.capacity_tokens, p.modes[mode]) for p in result.points if mode in p.modes)
         style = {"linestyle": "--"} if mode in (Mode.POOLED, Mode.INFINITE) else {"marker": "o"}
         hit.plot([x for x, _ in runs], [r.hit_rate for _, r in runs], label=mode.value, **style)
-        ttft.plot([x for x, _ in runs], [r.ttft_ms(0.5) for _, r in runs], label=mode.value, **style)
-    hit.set(xscale="log", xlabel="KV capacity per node (tokens)", ylabel="prompt-token hit rate", ylim=(0, 1))
+        ttft.plot(
+            [x for x, _ in runs], [r.ttft_ms(0.5) for _, r in runs], label=mode.value, **style
+        )
+    hit.set(
+        xscale="log",
+        xlabel="KV capacity per node (tokens)",
+        ylabel="prompt-token hit rate",
+        ylim=(0, 1),
+    )
     ttft.set(xscale="log", xlabel="KV capacity per node (tokens)", ylabel="TTFT p50 (ms)")
     ttft.set_ylim(bottom=0)
     fig.suptitle(f"{result.requests} requests, {result.config.nodes} nodes")

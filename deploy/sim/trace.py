@@ -85,7 +85,7 @@ def _parse_line(obj: object, block_tokens: int) -> TraceRequest:
         if h < 0:
             raise ValueError(f"hash_ids[{i}] must be >= 0, got {h}")
     input_length = obj["input_length"]
-    expected = -(-input_length // block_tokens)     # exact: a float ceil overflows on huge ints
+    expected = -(-input_length // block_tokens)  # exact: a float ceil overflows on huge ints
     if len(hash_ids) != expected:
         raise ValueError(
             f"hash_ids has {len(hash_ids)} block(s) but input_length {input_length} needs "
@@ -129,16 +129,20 @@ def load_trace(
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise TraceError(path, lineno, f"not UTF-8: {e.reason} at byte {e.start + 1}") from None
+                raise TraceError(
+                    path, lineno, f"not UTF-8: {e.reason} at byte {e.start + 1}"
+                ) from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise TraceError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})") from None
+                raise TraceError(
+                    path, lineno, f"invalid JSON: {e.msg} (column {e.colno})"
+                ) from None
             except RecursionError:
                 raise TraceError(path, lineno, "invalid JSON: nested too deeply") from None
-            except ValueError as e:           # e.g. an integer of more digits than int() takes
+            except ValueError as e:  # e.g. an integer of more digits than int() takes
                 raise TraceError(path, lineno, f"invalid JSON: {e}") from None
             try:
                 req = _parse_line(obj, block_tokens)
@@ -148,7 +152,8 @@ def load_trace(
                 raise TraceError(
                     path,
                     lineno,
-                    f"timestamp {req.timestamp_ms} is smaller than the previous one ({previous_ts})",
+                    f"timestamp {req.timestamp_ms} is smaller than the previous one "
+                    f"({previous_ts})",
                 )
             previous_ts = req.timestamp_ms
             requests.append(req)

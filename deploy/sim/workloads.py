@@ -12,6 +12,7 @@ get new ids. Conversations start as a Poisson process.
   sessions  long multi-turn sessions under a few system prompts;
   mixed     all three, a conversation of each kind in turn at random.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -28,13 +29,14 @@ MAX_PROMPT_TOKENS = 128_000
 @dataclass(frozen=True)
 class Kind:
     """One kind of conversation: its prefix pool and its turns."""
-    prefixes: int                          # shared prefixes in the pool
-    prefix_blocks: tuple[int, int]         # a prefix's length in blocks (uniform)
-    zipf: float                            # popularity exponent over the pool
-    p_continue: float                      # chance of another turn
-    user_tokens: tuple[int, int]           # a user message's length (uniform)
+
+    prefixes: int  # shared prefixes in the pool
+    prefix_blocks: tuple[int, int]  # a prefix's length in blocks (uniform)
+    zipf: float  # popularity exponent over the pool
+    p_continue: float  # chance of another turn
+    user_tokens: tuple[int, int]  # a user message's length (uniform)
     think_median_s: float = 60.0
-    heads: int = 0                         # prefixes share one of this many 1-block heads (0: none)
+    heads: int = 0  # prefixes share one of this many 1-block heads (0: none)
 
 
 class Shape(str, Enum):
@@ -45,11 +47,25 @@ class Shape(str, Enum):
 
 
 KINDS = {
-    Shape.APPS: Kind(prefixes=12, prefix_blocks=(1, 16), zipf=1.0, p_continue=0.5, user_tokens=(100, 2000)),
-    Shape.DOCS: Kind(prefixes=300, prefix_blocks=(4, 40), zipf=1.1, p_continue=0.3, user_tokens=(50, 800),
-                     heads=3),
-    Shape.SESSIONS: Kind(prefixes=4, prefix_blocks=(1, 4), zipf=1.0, p_continue=0.92,
-                         user_tokens=(200, 3000), think_median_s=30.0),
+    Shape.APPS: Kind(
+        prefixes=12, prefix_blocks=(1, 16), zipf=1.0, p_continue=0.5, user_tokens=(100, 2000)
+    ),
+    Shape.DOCS: Kind(
+        prefixes=300,
+        prefix_blocks=(4, 40),
+        zipf=1.1,
+        p_continue=0.3,
+        user_tokens=(50, 800),
+        heads=3,
+    ),
+    Shape.SESSIONS: Kind(
+        prefixes=4,
+        prefix_blocks=(1, 4),
+        zipf=1.0,
+        p_continue=0.92,
+        user_tokens=(200, 3000),
+        think_median_s=30.0,
+    ),
 }
 
 
@@ -59,8 +75,13 @@ def generate(shape: Shape, n: int, seed: int = 0, new_per_s: float = 1.0) -> lis
     return conversations(kinds, n, seed, new_per_s)
 
 
-def conversations(kinds: list[Kind], n: int, seed: int = 0, new_per_s: float = 1.0,
-                  output_tokens: tuple[int, int] = (20, 800)) -> list[dict]:
+def conversations(
+    kinds: list[Kind],
+    n: int,
+    seed: int = 0,
+    new_per_s: float = 1.0,
+    output_tokens: tuple[int, int] = (20, 800),
+) -> list[dict]:
     """`n` requests of conversations of `kinds` (each new conversation picks one)."""
     rng = random.Random(seed)
     ids = itertools.count()
@@ -79,18 +100,26 @@ def conversations(kinds: list[Kind], n: int, seed: int = 0, new_per_s: float = 1
                 break
             hashes = hashes + [next(ids) for _ in range(-(-length // BLOCK_TOKENS) - len(hashes))]
             output = rng.randint(*output_tokens)
-            rows.append({"timestamp": int(at * 1e3), "input_length": length, "output_length": output,
-                         "hash_ids": list(hashes)})
+            rows.append(
+                {
+                    "timestamp": int(at * 1e3),
+                    "input_length": length,
+                    "output_length": output,
+                    "hash_ids": list(hashes),
+                }
+            )
             if rng.random() > kind.p_continue:
                 break
-            hashes = hashes[: length // BLOCK_TOKENS]      # the partial last block changes
+            hashes = hashes[: length // BLOCK_TOKENS]  # the partial last block changes
             length += output
             at += rng.lognormvariate(math.log(kind.think_median_s), 1.5)
     rows.sort(key=lambda r: r["timestamp"])
     return rows[:n]
 
 
-def _pool(kind: Kind, rng: random.Random, ids: itertools.count) -> tuple[list[list[int]], list[float]]:
+def _pool(
+    kind: Kind, rng: random.Random, ids: itertools.count
+) -> tuple[list[list[int]], list[float]]:
     heads = [[next(ids)] for _ in range(kind.heads)]
     prefixes = []
     for _ in range(kind.prefixes):
@@ -101,12 +130,17 @@ def _pool(kind: Kind, rng: random.Random, ids: itertools.count) -> tuple[list[li
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvfabric.deploy.sim.workloads SHAPE N [--seed S] [--new-per-s R] [-o PATH]`: write a trace."""
+    """Write a trace: `python -m kvfabric.deploy.sim.workloads SHAPE N [--seed S]
+    [--new-per-s R] [-o PATH]`."""
     import argparse
     import json
     import sys
-    ap = argparse.ArgumentParser(prog="python -m kvfabric.deploy.sim.workloads", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    ap = argparse.ArgumentParser(
+        prog="python -m kvfabric.deploy.sim.workloads",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("shape", choices=[s.value for s in Shape])
     ap.add_argument("requests", type=int)
     ap.add_argument("--seed", type=int, default=0)
@@ -115,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.requests < 1 or not args.new_per_s > 0:
         ap.error("requests must be >= 1 and --new-per-s > 0")
-    text = "".join(json.dumps(r) + "\n" for r in generate(Shape(args.shape), args.requests, args.seed,
-                                                         args.new_per_s))
+    text = "".join(
+        json.dumps(r) + "\n"
+        for r in generate(Shape(args.shape), args.requests, args.seed, args.new_per_s)
+    )
     if args.output is None:
         sys.stdout.write(text)
     else:

@@ -8,6 +8,7 @@ the CUDA backends split each token's row, K = [:head_dim] and V = [head_dim:]. E
 the worker copies through one view, [blocks, kv_heads, 2, block_size, head_dim], so a
 fabric page means the same K and V whichever backend wrote it.
 """
+
 from __future__ import annotations
 
 from enum import Enum
@@ -21,8 +22,8 @@ class BlockFormatError(ValueError):
 
 
 class BlockFormat(Enum):
-    KV_ROWS = "kv-rows"            # per (block, head): K rows, then V rows
-    KV_CHANNELS = "kv-channels"    # per token: K channels, then V channels
+    KV_ROWS = "kv-rows"  # per (block, head): K rows, then V rows
+    KV_CHANNELS = "kv-channels"  # per token: K channels, then V channels
 
     @classmethod
     def of_backends(cls, names: Iterable[str]) -> "BlockFormat":
@@ -30,11 +31,15 @@ class BlockFormat(Enum):
         formats = set()
         for name in set(names):
             if name not in BACKEND_FORMATS:
-                raise BlockFormatError(f"attention backend {name!r}: the fabric converts "
-                                       f"{sorted(BACKEND_FORMATS)} only")
+                raise BlockFormatError(
+                    f"attention backend {name!r}: the fabric converts "
+                    f"{sorted(BACKEND_FORMATS)} only"
+                )
             formats.add(BACKEND_FORMATS[name])
         if len(formats) != 1:
-            raise BlockFormatError(f"the engine's layers need one KV format, got {sorted(f.value for f in formats)}")
+            raise BlockFormatError(
+                f"the engine's layers need one KV format, got {sorted(f.value for f in formats)}"
+            )
         return formats.pop()
 
     def view(self, t: torch.Tensor, kv_heads: int, block_size: int, head_dim: int) -> torch.Tensor:
@@ -42,20 +47,30 @@ class BlockFormat(Enum):
         sharing its storage; a RuntimeError if its shape or strides do not allow it."""
         want = (kv_heads, block_size, 2 * head_dim)
         if t.dim() != 4 or tuple(t.shape[1:]) != want or t.stride(3) != 1:
-            raise RuntimeError(f"KV tensor {tuple(t.shape)} strides {t.stride()} is not "
-                               f"[blocks, {kv_heads}, {block_size}, {2 * head_dim}] with the "
-                               "content dim innermost")
+            raise RuntimeError(
+                f"KV tensor {tuple(t.shape)} strides {t.stride()} is not "
+                f"[blocks, {kv_heads}, {block_size}, {2 * head_dim}] with the "
+                "content dim innermost"
+            )
         blocks, heads, rows, _ = t.shape
         s_block, s_head, s_row, _ = t.stride()
         if self is BlockFormat.KV_ROWS:
             # K rows then V rows only mean something when a slab's rows follow each other.
             if s_row != 2 * head_dim:
-                raise RuntimeError(f"KV tensor strides {t.stride()}: CPU_ATTN's (block, head) "
-                                   "slab must be contiguous")
-            return t.as_strided((blocks, heads, 2, rows, head_dim),
-                                (s_block, s_head, rows * head_dim, head_dim, 1), t.storage_offset())
-        return t.as_strided((blocks, heads, 2, rows, head_dim),
-                            (s_block, s_head, head_dim, s_row, 1), t.storage_offset())
+                raise RuntimeError(
+                    f"KV tensor strides {t.stride()}: CPU_ATTN's (block, head) "
+                    "slab must be contiguous"
+                )
+            return t.as_strided(
+                (blocks, heads, 2, rows, head_dim),
+                (s_block, s_head, rows * head_dim, head_dim, 1),
+                t.storage_offset(),
+            )
+        return t.as_strided(
+            (blocks, heads, 2, rows, head_dim),
+            (s_block, s_head, head_dim, s_row, 1),
+            t.storage_offset(),
+        )
 
 
 # vLLM's backend names (AttentionBackend.get_name()) for unquantized K/V.

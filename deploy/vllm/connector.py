@@ -5,17 +5,19 @@ kv_connector_module_path="kvfabric.deploy.vllm.connector", kv_role="kv_both". It
 hybrid allocator (SupportsHMA), so full and sliding-window layers keep separate KV cache
 groups, and they land in the fabric's FULL and SWA pools.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
-                                                               KVConnectorRole,
-                                                               KVConnectorTransferResults,
-                                                               SupportsHMA)
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
 from kvfabric.transport.staging import StagingSpec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .block_format import BlockFormat
 from .index_sink import FeedSpec
@@ -30,11 +32,15 @@ MODULE = __name__
 def kv_transfer_config(node_actor: str, ray_address: str = "", **settings: Any) -> dict:
     """The `kv_transfer_config` that loads this connector for the node's actor."""
     extra = {"node_actor": node_actor, "ray_address": ray_address, **settings}
-    FabricSettings.from_extra(extra).make_step_hook()     # fail here, not in the engine process
-    return {"kv_connector": "FabricConnector", "kv_connector_module_path": MODULE,
-            "kv_role": "kv_both", "kv_connector_extra_config": extra,
-            # A failed load becomes recomputation, never a failed request.
-            "kv_load_failure_policy": "recompute"}
+    FabricSettings.from_extra(extra).make_step_hook()  # fail here, not in the engine process
+    return {
+        "kv_connector": "FabricConnector",
+        "kv_connector_module_path": MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+        # A failed load becomes recomputation, never a failed request.
+        "kv_load_failure_policy": "recompute",
+    }
 
 
 class FabricConnector(KVConnectorBase_V1, SupportsHMA):
@@ -44,19 +50,26 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
         self.settings = FabricSettings.from_extra(tc.kv_connector_extra_config)
-        self.plan = plan_from_kv_cache_config(kv_cache_config, vllm_config.model_config.model,
-                                              vllm_config.device_config.device_type)
+        self.plan = plan_from_kv_cache_config(
+            kv_cache_config, vllm_config.model_config.model, vllm_config.device_config.device_type
+        )
         # Both sides (two processes) name the same staging files after the engine.
         spec = StagingSpec(f"kvf-vllm-{tc.engine_id}", self.settings.staging_pages)
-        feed = FeedSpec.of(vllm_config.kv_events_config, self.settings.engine_slot, self.plan.group_pools)
-        self.scheduler = SchedulerSide(self.plan, self.settings, spec, feed) \
-            if role == KVConnectorRole.SCHEDULER else None
-        self.worker = WorkerSide(self.plan, self.settings, spec) \
-            if role == KVConnectorRole.WORKER else None
+        feed = FeedSpec.of(
+            vllm_config.kv_events_config, self.settings.engine_slot, self.plan.group_pools
+        )
+        self.scheduler = (
+            SchedulerSide(self.plan, self.settings, spec, feed)
+            if role == KVConnectorRole.SCHEDULER
+            else None
+        )
+        self.worker = (
+            WorkerSide(self.plan, self.settings, spec) if role == KVConnectorRole.WORKER else None
+        )
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return False          # a best-effort cache: a dropped save is a later miss
+        return False  # a best-effort cache: a dropped save is a later miss
 
     def _worker(self) -> WorkerSide:
         if self.worker is None:
@@ -72,6 +85,7 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches) -> None:
         # Asked here, once the model's layers exist: their backends say how K and V sit.
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
         backends = get_current_attn_backends(self._vllm_config, list(kv_caches))
         self._worker().register(kv_caches, BlockFormat.of_backends(b.get_name() for b in backends))
 
@@ -81,10 +95,10 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker().start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return        # loads are whole before the step (the requests wait outside it)
+        return  # loads are whole before the step (the requests wait outside it)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        return        # saves copy finished requests' blocks once, in wait_for_save
+        return  # saves copy finished requests' blocks once, in wait_for_save
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
@@ -110,14 +124,18 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.shutdown()
 
     # --- scheduler side ----------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         # None: another node's prefix is still being fetched; vLLM asks again next step.
         return self._scheduler().num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._scheduler().after_alloc(request, blocks, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(
+        self, request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
         return self._scheduler().hit_sources_of(request, num_external_tokens)
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:

@@ -6,6 +6,7 @@ conversations at once. The text of a trace block depends only on its hash id, so
 of one conversation share their earlier blocks' text, and the byte-level tokenizer of
 the demo's model makes one token of each character.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,9 @@ from kvfabric.deploy.stats import percentile
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:-"
 
 
-def conversation_texts(convs: Sequence[Sequence[TraceRequest]], chars_per_block: int,
-                       max_chars: int) -> list[list[str]]:
+def conversation_texts(
+    convs: Sequence[Sequence[TraceRequest]], chars_per_block: int, max_chars: int
+) -> list[list[str]]:
     """Each turn's prompt: its blocks' text (`chars_per_block` a block), cut to `max_chars`."""
     return [[_text(r, chars_per_block)[:max_chars] for r in turns] for turns in convs]
 
@@ -84,7 +86,9 @@ class StreamingClient:
         self.conn = self._connect()
 
     def _connect(self) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(self.endpoint.host, self.endpoint.port, timeout=self.timeout_s)
+        return http.client.HTTPConnection(
+            self.endpoint.host, self.endpoint.port, timeout=self.timeout_s
+        )
 
     def reconnect(self) -> None:
         self.conn.close()
@@ -92,13 +96,22 @@ class StreamingClient:
 
     def complete(self, prompt: str, max_tokens: int, salt: str | None, into: Turn) -> None:
         """Greedy completion of `prompt`; fills `into` (TTFT: the first chunk with a token)."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
-                "ignore_eos": True}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
         if salt is not None:
             body["cache_salt"] = salt
         start = time.perf_counter()
-        self.conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        self.conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
         resp = self.conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
@@ -111,7 +124,9 @@ class StreamingClient:
             usage = chunk.get("usage")
             if usage:
                 into.prompt_tokens = int(usage["prompt_tokens"])
-                into.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                into.cached_tokens = int(
+                    (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                )
         if not into.token_ids or not into.prompt_tokens:
             raise ValueError("the stream ended without tokens or usage")
 
@@ -127,13 +142,21 @@ def _events(resp: http.client.HTTPResponse):
             continue
         data = line[5:].strip()
         if data == b"[DONE]":
-            resp.read()           # the stream's end, so the connection can take the next request
+            resp.read()  # the stream's end, so the connection can take the next request
             return
         yield json.loads(data)
 
 
-def replay_conversations(name: str, endpoint: Endpoint, model: str, texts: list[list[str]], max_tokens: int,
-                         concurrency: int, uncached: bool = False, progress: bool = True) -> PassResult:
+def replay_conversations(
+    name: str,
+    endpoint: Endpoint,
+    model: str,
+    texts: list[list[str]],
+    max_tokens: int,
+    concurrency: int,
+    uncached: bool = False,
+    progress: bool = True,
+) -> PassResult:
     """Every conversation's turns in order, `concurrency` conversations at a time.
     `uncached`: each request gets a cache_salt of its own, so nothing cached can match."""
     turns = [Turn(c, k) for c, conv in enumerate(texts) for k in range(len(conv))]
@@ -151,10 +174,11 @@ def replay_conversations(name: str, endpoint: Endpoint, model: str, texts: list[
                 salt = f"nocache-{uuid.uuid4().hex}" if uncached else None
                 try:
                     client.complete(texts[c][t.turn], max_tokens, salt, t)
-                except Exception as e:     # any failure is this request's, counted, not the run's
+                except Exception as e:  # any failure is this request's, counted, not the run's
                     t.error = repr(e)[:300]
                     client.reconnect()
                 bar.tick()
+
         try:
             yield serve
         finally:

@@ -18,6 +18,7 @@ measured pass follows warm-up requests (two per engine); the server processes ru
 Python's default GC, and the passes are long enough (a minute or more) that no
 collection decides a median.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import cast
 
 BASELINE = "ray.serve.llm PrefixCacheAffinityRouter"
-CPUS_PER_NODE = 3        # an engine's bundle takes 2: one engine per node; the fabric's actors fit beside
+CPUS_PER_NODE = 3  # an engine's bundle takes 2: one engine per node; the fabric's actors fit beside
 REPORT_WAIT_S = 60.0
 
 
@@ -38,18 +39,32 @@ def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False):
     """The demo's app; with `gpu`, every engine on the one GPU the simulated nodes share."""
     from .model import DEMO_SPEC, ensure_tiny_model
     from .serve_llm import LLMAppArgs
+
     model = ensure_tiny_model(DEMO_SPEC, say=lambda m: print(m, file=sys.stderr))
-    app = LLMAppArgs(model_dir=str(model), model_id="kvfabric-demo-vllm", replicas=nodes, max_model_len=2048,
-                     kv_cache_bytes=kv_cache_bytes, device_pages=256, host_pages=4096, cpus_per_replica=2.0)
-    return dataclasses.replace(app, gpus_per_replica=1.0, gpu_memory_utilization=round(0.8 / nodes, 3)) if gpu \
+    app = LLMAppArgs(
+        model_dir=str(model),
+        model_id="kvfabric-demo-vllm",
+        replicas=nodes,
+        max_model_len=2048,
+        kv_cache_bytes=kv_cache_bytes,
+        device_pages=256,
+        host_pages=4096,
+        cpus_per_replica=2.0,
+    )
+    return (
+        dataclasses.replace(app, gpus_per_replica=1.0, gpu_memory_utilization=round(0.8 / nodes, 3))
+        if gpu
         else app
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     from kvfabric.deploy.cli.cluster import connect, local_cluster
     from kvfabric.deploy.cli.http_replay import conversations
     from kvfabric.deploy.sim.trace import TraceError, load_trace
+
     from .conversation_replay import conversation_texts
+
     try:
         trace = load_trace(args.trace)
     except (TraceError, OSError) as e:
@@ -64,20 +79,30 @@ def main(args: argparse.Namespace) -> int:
     texts = conversation_texts(convs, args.tokens_per_block, 2048 - args.max_tokens - 1)
     if args.address:
         connect(args.address)
-    cm = local_cluster(args.nodes, cpus_per_node=CPUS_PER_NODE, gpus_per_node=int(args.gpu)) if not args.address \
+    cm = (
+        local_cluster(args.nodes, cpus_per_node=CPUS_PER_NODE, gpus_per_node=int(args.gpu))
+        if not args.address
         else contextlib.nullcontext()
+    )
     with cm:
         import ray
+
         nodes = sum(1 for node in ray.nodes() if node["Alive"])
         app = app_args(nodes, args.kv_cache_mib << 20, args.gpu)
-        print(f"{len(texts)} conversations, {n} requests ({sum(map(len, sum(texts, [])))} prompt tokens), "
-              f"{args.concurrency} conversations at a time, on {nodes} nodes with one vLLM engine each "
-              f"(own KV cache {args.kv_cache_mib} MiB, on {app.device()})", file=sys.stderr)
+        print(
+            f"{len(texts)} conversations, {n} requests ({sum(map(len, sum(texts, [])))} prompt "
+            "tokens), "
+            f"{args.concurrency} conversations at a time, on {nodes} nodes with one vLLM engine "
+            "each "
+            f"(own KV cache {args.kv_cache_mib} MiB, on {app.device()})",
+            file=sys.stderr,
+        )
         try:
             passes, fabric_counts = run_passes(app, texts, args)
         finally:
             if not args.address:
                 from ray import serve
+
                 serve.shutdown()
     report = Report.of(passes, fabric_counts, nodes)
     plot = _plot(passes, args.plot)
@@ -88,18 +113,23 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[dict, dict]:
+    from kvfabric.deploy.cli.cluster import APP_NAME, free_port, serve_app, up
     from ray import serve
 
-    from kvfabric.deploy.cli.cluster import APP_NAME, free_port, serve_app, up
     from .conversation_replay import replay_conversations
     from .serve_llm import build_baseline_app
 
     port = free_port()
 
     def go(name: str, endpoint, **kw):
-        return replay_conversations(name, endpoint, app.model_id, texts, args.max_tokens, args.concurrency, **kw)
+        return replay_conversations(
+            name, endpoint, app.model_id, texts, args.max_tokens, args.concurrency, **kw
+        )
 
-    print(f"starting the stock Ray Serve LLM app ({BASELINE}, vLLM's own prefix cache) ...", file=sys.stderr)
+    print(
+        f"starting the stock Ray Serve LLM app ({BASELINE}, vLLM's own prefix cache) ...",
+        file=sys.stderr,
+    )
     started = time.monotonic()
     endpoint = serve_app(build_baseline_app(app), "/v1/models", port=port, wait_s=600.0)
     print(f"  up in {time.monotonic() - started:.0f} s", file=sys.stderr)
@@ -108,7 +138,10 @@ def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[d
     passes["baseline"] = go("baseline", endpoint)
     serve.delete(APP_NAME)
 
-    print("starting the fabric and its Ray Serve LLM app (FabricConnector, FabricLLMRouter) ...", file=sys.stderr)
+    print(
+        "starting the fabric and its Ray Serve LLM app (FabricConnector, FabricLLMRouter) ...",
+        file=sys.stderr,
+    )
     started = time.monotonic()
     endpoint = up(dataclasses.asdict(app), port=port, engine="vllm", wait_s=600.0)
     print(f"  up in {time.monotonic() - started:.0f} s", file=sys.stderr)
@@ -119,8 +152,13 @@ def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[d
     after = fabric_counters(warmups + len(passes["fabric"].turns))
     store_after = object_store_created_bytes()
     counts: dict[str, int | None] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    print("  the engines' connectors: " + ", ".join(f"{k} {v}" for k, v in counts.items()), file=sys.stderr)
-    counts["object_store_bytes"] = None if store_before is None or store_after is None else store_after - store_before
+    print(
+        "  the engines' connectors: " + ", ".join(f"{k} {v}" for k, v in counts.items()),
+        file=sys.stderr,
+    )
+    counts["object_store_bytes"] = (
+        None if store_before is None or store_after is None else store_after - store_before
+    )
     return passes, counts
 
 
@@ -128,11 +166,20 @@ def warm_up(endpoint, app) -> int:
     """Short uncached requests, two an engine at once, so the measured passes find every
     engine's code paths loaded; returns how many were sent."""
     from .conversation_replay import replay_conversations
+
     n = 2 * app.replicas
-    result = replay_conversations("warm-up", endpoint, app.model_id, [["warm up " * 40]] * n, 2, n,
-                                  uncached=True, progress=False)
+    result = replay_conversations(
+        "warm-up",
+        endpoint,
+        app.model_id,
+        [["warm up " * 40]] * n,
+        2,
+        n,
+        uncached=True,
+        progress=False,
+    )
     for t in result.turns:
-        if t.error:               # the measured passes count their own failures
+        if t.error:  # the measured passes count their own failures
             print(f"  warm-up request failed: {t.error}", file=sys.stderr)
     return n
 
@@ -141,20 +188,26 @@ def fabric_counters(finished: int) -> dict[str, int]:
     """The engines' connector counters summed over every node (engine_reports), once they
     account for `finished` requests (reports are sent as requests finish)."""
     import ray
-
     from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE
+
     directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
     deadline = time.monotonic() + REPORT_WAIT_S
     while True:
         names = cast(list[str], ray.get(directory.node_names.remote(), timeout=CALL_TIMEOUT_S))
         actors = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
-        reports = [r for a in actors for r in ray.get(a.engine_reports.remote(), timeout=CALL_TIMEOUT_S).values()]
+        reports = [
+            r
+            for a in actors
+            for r in ray.get(a.engine_reports.remote(), timeout=CALL_TIMEOUT_S).values()
+        ]
         total: dict[str, int] = {}
         for r in reports:
             for k, v in r.items():
                 if isinstance(v, int):
                     total[k] = total.get(k, 0) + v
-        total["nixl_bytes"] = sum(ray.get(a.stats.remote(), timeout=CALL_TIMEOUT_S)["fetched_bytes"] for a in actors)
+        total["nixl_bytes"] = sum(
+            ray.get(a.stats.remote(), timeout=CALL_TIMEOUT_S)["fetched_bytes"] for a in actors
+        )
         if total.get("finished_requests", 0) >= finished or time.monotonic() > deadline:
             return total
         time.sleep(0.2)
@@ -166,9 +219,10 @@ def object_store_created_bytes() -> int | None:
     try:
         import ray
         from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
         reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
         return int(reply.store_stats.cumulative_created_bytes)
-    except Exception as e:        # a private API: its absence costs the figure, not the demo
+    except Exception as e:  # a private API: its absence costs the figure, not the demo
         print(f"  the object store's counters are not readable: {e!r}", file=sys.stderr)
         return None
 
@@ -204,19 +258,33 @@ class Report:
             """Requests whose greedy tokens differ from caching off (a failed one has none)."""
             out = p.outputs()
             return sum(1 for k, v in ref.items() if out.get(k) != v)
-        return cls(requests=len(fabric.turns), nodes=nodes, failed_requests=sum(p.failed for p in passes.values()),
-                   output_mismatches=mismatches(fabric), baseline_output_mismatches=mismatches(base),
-                   prompt_tokens=fabric.prompt_tokens, cached_tokens=fabric.cached_tokens,
-                   host_hit_tokens=counts.get("loaded_tokens", 0) - counts.get("remote_loaded_tokens", 0),
-                   remote_hit_tokens=counts.get("remote_loaded_tokens", 0), nixl_bytes=counts.get("nixl_bytes", 0),
-                   object_store_bytes=counts.get("object_store_bytes"),
-                   ttft_p50_ms=fabric.ttft_ms(0.5), ttft_p99_ms=fabric.ttft_ms(0.99),
-                   baseline_ttft_p50_ms=base.ttft_ms(0.5), baseline_ttft_p99_ms=base.ttft_ms(0.99),
-                   baseline_hit_rate=base.cached_tokens / max(1, base.prompt_tokens),
-                   nocache_ttft_p50_ms=passes["caching off"].ttft_ms(0.5),
-                   wall_s={k: round(p.wall_s, 1) for k, p in passes.items()},
-                   first_errors={k: p.turns[i].error for k, p in passes.items()
-                                 for i in [next((i for i, t in enumerate(p.turns) if t.error), -1)] if i >= 0})
+
+        return cls(
+            requests=len(fabric.turns),
+            nodes=nodes,
+            failed_requests=sum(p.failed for p in passes.values()),
+            output_mismatches=mismatches(fabric),
+            baseline_output_mismatches=mismatches(base),
+            prompt_tokens=fabric.prompt_tokens,
+            cached_tokens=fabric.cached_tokens,
+            host_hit_tokens=counts.get("loaded_tokens", 0) - counts.get("remote_loaded_tokens", 0),
+            remote_hit_tokens=counts.get("remote_loaded_tokens", 0),
+            nixl_bytes=counts.get("nixl_bytes", 0),
+            object_store_bytes=counts.get("object_store_bytes"),
+            ttft_p50_ms=fabric.ttft_ms(0.5),
+            ttft_p99_ms=fabric.ttft_ms(0.99),
+            baseline_ttft_p50_ms=base.ttft_ms(0.5),
+            baseline_ttft_p99_ms=base.ttft_ms(0.99),
+            baseline_hit_rate=base.cached_tokens / max(1, base.prompt_tokens),
+            nocache_ttft_p50_ms=passes["caching off"].ttft_ms(0.5),
+            wall_s={k: round(p.wall_s, 1) for k, p in passes.items()},
+            first_errors={
+                k: p.turns[i].error
+                for k, p in passes.items()
+                for i in [next((i for i, t in enumerate(p.turns) if t.error), -1)]
+                if i >= 0
+            },
+        )
 
     @property
     def hit_rate(self) -> float:
@@ -228,44 +296,82 @@ class Report:
 
     @property
     def ratio(self) -> float:
-        return self.ttft_p50_ms / self.baseline_ttft_p50_ms if self.baseline_ttft_p50_ms else float("nan")
+        return (
+            self.ttft_p50_ms / self.baseline_ttft_p50_ms
+            if self.baseline_ttft_p50_ms
+            else float("nan")
+        )
 
     def print(self, plot: Path | None) -> None:
         pct = 100 / max(1, self.prompt_tokens)
         for name, error in self.first_errors.items():
             print(f"{name}: a request failed: {error}")
-        print(f"requests {self.requests} a pass ({self.failed_requests} failed in all) on {self.nodes} nodes; "
-              f"greedy outputs differing from caching off: fabric {self.output_mismatches}, "
-              f"baseline {self.baseline_output_mismatches}")
-        print(f"fabric hit rate {self.hit_rate:.1%}: engine's own cache {self.device_hit_tokens * pct:.1f}%, "
-              f"node's pools {self.host_hit_tokens * pct:.1f}%, other nodes {self.remote_hit_tokens * pct:.1f}% "
-              f"of {self.prompt_tokens} prompt tokens; baseline hit rate {self.baseline_hit_rate:.1%}")
-        store = "unknown" if self.object_store_bytes is None else f"{self.object_store_bytes / 2 ** 20:.1f} MiB"
-        print(f"NIXL moved {self.nixl_bytes / 2 ** 20:.1f} MiB between nodes; the object store took {store} "
-              f"during the fabric's pass (all objects, K/V or not)")
-        print(f"TTFT p50 {self.ttft_p50_ms:.0f} ms / p99 {self.ttft_p99_ms:.0f} ms with the fabric; "
-              f"{self.baseline_ttft_p50_ms:.0f} / {self.baseline_ttft_p99_ms:.0f} ms with {BASELINE}; "
-              f"{self.nocache_ttft_p50_ms:.0f} ms p50 uncached (ratio to the baseline {self.ratio:.2f}, target <= 0.7)")
+        print(
+            f"requests {self.requests} a pass ({self.failed_requests} failed in all) on "
+            f"{self.nodes} nodes; "
+            f"greedy outputs differing from caching off: fabric {self.output_mismatches}, "
+            f"baseline {self.baseline_output_mismatches}"
+        )
+        print(
+            f"fabric hit rate {self.hit_rate:.1%}: engine's own cache "
+            f"{self.device_hit_tokens * pct:.1f}%, "
+            f"node's pools {self.host_hit_tokens * pct:.1f}%, other nodes "
+            f"{self.remote_hit_tokens * pct:.1f}% "
+            f"of {self.prompt_tokens} prompt tokens; baseline hit rate {self.baseline_hit_rate:.1%}"
+        )
+        store = (
+            "unknown"
+            if self.object_store_bytes is None
+            else f"{self.object_store_bytes / 2**20:.1f} MiB"
+        )
+        print(
+            f"NIXL moved {self.nixl_bytes / 2**20:.1f} MiB between nodes; the object store took "
+            f"{store} "
+            f"during the fabric's pass (all objects, K/V or not)"
+        )
+        print(
+            f"TTFT p50 {self.ttft_p50_ms:.0f} ms / p99 {self.ttft_p99_ms:.0f} ms with the fabric; "
+            f"{self.baseline_ttft_p50_ms:.0f} / {self.baseline_ttft_p99_ms:.0f} ms with "
+            f"{BASELINE}; "
+            f"{self.nocache_ttft_p50_ms:.0f} ms p50 uncached (ratio to the baseline "
+            f"{self.ratio:.2f}, target <= 0.7)"
+        )
         if plot:
             print(f"plot: {plot}")
 
     def as_json(self) -> dict:
-        return {"engine": "vllm", "requests": self.requests, "nodes": self.nodes,
-                "output_mismatches": self.output_mismatches, "hit_rate": round(self.hit_rate, 4),
-                "device_hit_tokens": self.device_hit_tokens, "host_hit_tokens": self.host_hit_tokens,
-                "remote_hit_tokens": self.remote_hit_tokens, "nixl_bytes": self.nixl_bytes,
-                "object_store_kv_bytes": self.object_store_bytes, "ttft_p50_ms": round(self.ttft_p50_ms, 1),
-                "baseline": BASELINE, "baseline_ttft_p50_ms": round(self.baseline_ttft_p50_ms, 1),
-                "ttft_ratio_vs_baseline": round(self.ratio, 3),
-                "baseline_output_mismatches": self.baseline_output_mismatches,
-                "baseline_hit_rate": round(self.baseline_hit_rate, 4), "failed_requests": self.failed_requests,
-                "prompt_tokens": self.prompt_tokens, "nocache_ttft_p50_ms": round(self.nocache_ttft_p50_ms, 1),
-                "wall_s": self.wall_s}
+        return {
+            "engine": "vllm",
+            "requests": self.requests,
+            "nodes": self.nodes,
+            "output_mismatches": self.output_mismatches,
+            "hit_rate": round(self.hit_rate, 4),
+            "device_hit_tokens": self.device_hit_tokens,
+            "host_hit_tokens": self.host_hit_tokens,
+            "remote_hit_tokens": self.remote_hit_tokens,
+            "nixl_bytes": self.nixl_bytes,
+            "object_store_kv_bytes": self.object_store_bytes,
+            "ttft_p50_ms": round(self.ttft_p50_ms, 1),
+            "baseline": BASELINE,
+            "baseline_ttft_p50_ms": round(self.baseline_ttft_p50_ms, 1),
+            "ttft_ratio_vs_baseline": round(self.ratio, 3),
+            "baseline_output_mismatches": self.baseline_output_mismatches,
+            "baseline_hit_rate": round(self.baseline_hit_rate, 4),
+            "failed_requests": self.failed_requests,
+            "prompt_tokens": self.prompt_tokens,
+            "nocache_ttft_p50_ms": round(self.nocache_ttft_p50_ms, 1),
+            "wall_s": self.wall_s,
+        }
 
 
 def _plot(passes: dict, where: str) -> Path | None:
     from kvfabric.deploy.cli.demo import write_plot
     from kvfabric.deploy.cli.plots import cumulative_rate
-    rates = {name: cumulative_rate([t.cached_tokens for t in p.done], [t.prompt_tokens for t in p.done])
-             for name, p in passes.items()}
-    return write_plot(Path(where), rates, {name: [t.ttft_ms for t in p.done] for name, p in passes.items()})
+
+    rates = {
+        name: cumulative_rate([t.cached_tokens for t in p.done], [t.prompt_tokens for t in p.done])
+        for name, p in passes.items()
+    }
+    return write_plot(
+        Path(where), rates, {name: [t.ttft_ms for t in p.done] for name, p in passes.items()}
+    )

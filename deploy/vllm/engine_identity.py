@@ -9,10 +9,11 @@ name from the GCS (actors/epochs.py: no clock), so what a restarted engine publi
 replaces what its previous life said; an engine under a new slot name would leave
 the old name's entries behind until it stopped cleanly (a clean stop publishes
 that the engine holds nothing)."""
+
 from __future__ import annotations
 
 ENGINE_MARK = "/engine/"
-MAX_NAME = 256          # the events format's bound on a node name
+MAX_NAME = 256  # the events format's bound on a node name
 
 
 def engine_index_node(node_actor: str, slot: str) -> str:

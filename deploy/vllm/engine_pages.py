@@ -24,6 +24,7 @@ Bounded: at most `max_entries` vLLM hashes (least recently stored dropped first;
 dropped one that was published is published as gone), pages at most `max_depth` deep
 (a page keeps its parent's page for routing paths: at most max_entries * max_depth
 pages live, about max_entries when blocks are cached with their prefix, as in vLLM)."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -31,14 +32,26 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable
 
-from kvfabric.fabric import EventBatch, KeyerCache, KVLayout, PageMask, PageState, PoolName, RouteTable, Snapshot
+from kvfabric.fabric import (
+    EventBatch,
+    KeyerCache,
+    KVLayout,
+    PageMask,
+    PageState,
+    PoolName,
+    RouteTable,
+    Snapshot,
+)
 from kvfabric.fabric.cache.keys import encode_tokens
 from kvfabric.fabric.index.shard_batches import ShardBatches
 
 from .event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from .namespaces import fabric_namespace
 
-DEVICE_MEDIA = (None, "GPU")       # vLLM's own KV cache (the CPU backend's too); others are offload tiers
+DEVICE_MEDIA = (
+    None,
+    "GPU",
+)  # vLLM's own KV cache (the CPU backend's too); others are offload tiers
 SPEC_KINDS = {PoolName.FULL: "full_attention", PoolName.SWA: "sliding_window"}
 
 
@@ -49,20 +62,22 @@ def group_pools_of(metadata: list[dict]) -> tuple[PoolName, ...]:
     pools = []
     for i, m in enumerate(sorted(metadata, key=lambda m: m["group_idx"])):
         if m["group_idx"] != i or m["kind"] not in kinds:
-            raise ValueError(f"KV cache group {m}: the fabric indexes full and sliding-window groups only")
+            raise ValueError(
+                f"KV cache group {m}: the fabric indexes full and sliding-window groups only"
+            )
         pools.append(kinds[m["kind"]])
     return tuple(pools)
 
 
 class Skip(Enum):
-    MEDIUM = "medium"                 # an offload tier's event, not the device cache
-    GROUP = "group"                   # no such group, or its kind disagrees with the engine's
-    BLOCK_SIZE = "block_size"         # not one fabric page per block (a partial-block entry)
-    EXTRA_KEYS = "extra_keys"         # LoRA, multimodal or prompt-embeds inputs
+    MEDIUM = "medium"  # an offload tier's event, not the device cache
+    GROUP = "group"  # no such group, or its kind disagrees with the engine's
+    BLOCK_SIZE = "block_size"  # not one fabric page per block (a partial-block entry)
+    EXTRA_KEYS = "extra_keys"  # LoRA, multimodal or prompt-embeds inputs
     UNKNOWN_PARENT = "unknown_parent"
-    PARTIAL_RANGE = "partial_range"   # a window's blocks, before a full group's event keyed them
+    PARTIAL_RANGE = "partial_range"  # a window's blocks, before a full group's event keyed them
     TOO_DEEP = "too_deep"
-    KEY_TAKEN = "key_taken"           # another vLLM hash already names this page
+    KEY_TAKEN = "key_taken"  # another vLLM hash already names this page
     UNKNOWN_REMOVED = "unknown_removed"
 
 
@@ -71,29 +86,46 @@ class EngineStats:
     stored_blocks: int = 0
     removed_blocks: int = 0
     clears: int = 0
-    dropped_entries: int = 0          # forgotten to stay within max_entries
+    dropped_entries: int = 0  # forgotten to stay within max_entries
     skipped: dict[Skip, int] = field(default_factory=lambda: {s: 0 for s in Skip})
 
 
 class _Page:
     """A translated block: its key, where it sits, and its parent page (routing paths)."""
+
     __slots__ = ("key", "parent_key", "depth", "up", "namespace")
 
-    def __init__(self, key: bytes, parent_key: bytes, depth: int, up: "_Page | None", namespace: str) -> None:
-        self.key, self.parent_key, self.depth, self.up, self.namespace = key, parent_key, depth, up, namespace
+    def __init__(
+        self, key: bytes, parent_key: bytes, depth: int, up: "_Page | None", namespace: str
+    ) -> None:
+        self.key, self.parent_key, self.depth, self.up, self.namespace = (
+            key,
+            parent_key,
+            depth,
+            up,
+            namespace,
+        )
 
 
 class _Entry:
     __slots__ = ("page", "groups")
 
     def __init__(self) -> None:
-        self.page: _Page | None = None     # None: no key known yet
-        self.groups = 0                    # bit g: group g holds the block
+        self.page: _Page | None = None  # None: no key known yet
+        self.groups = 0  # bit g: group g holds the block
 
 
 class EnginePages:
-    def __init__(self, node: str, epoch: int, layout: KVLayout, group_pools: tuple[PoolName, ...],
-                 max_entries: int = 1 << 17, max_depth: int = 1 << 14, pending_floor: int = 1024) -> None:
+    def __init__(
+        self,
+        node: str,
+        epoch: int,
+        layout: KVLayout,
+        group_pools: tuple[PoolName, ...],
+        max_entries: int = 1 << 17,
+        max_depth: int = 1 << 14,
+        pending_floor: int = 1024,
+    ) -> None:
         if not group_pools or max_entries < 1 or max_depth < 1:
             raise ValueError("an engine needs KV cache groups, max_entries >= 1 and max_depth >= 1")
         self.node, self.epoch, self.layout = node, epoch, layout
@@ -104,7 +136,7 @@ class EnginePages:
         self._swa = sum(1 << g for g, p in enumerate(group_pools) if p == PoolName.SWA)
         self._keyers = KeyerCache(layout.fingerprint, layout.page_size)
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
-        self._owner: dict[bytes, bytes] = {}          # page key -> the vLLM hash naming it
+        self._owner: dict[bytes, bytes] = {}  # page key -> the vLLM hash naming it
         self._changed: dict[bytes, _Page] = {}
         self._pending_limit = pending_floor + 2 * max_entries
         self._restate = True
@@ -156,7 +188,7 @@ class EnginePages:
             else:
                 self._entries.move_to_end(h)
             if entry.page is None and whole:
-                self._translate(entry, h, parent_hash, extra, raw[j * step:(j + 1) * step])
+                self._translate(entry, h, parent_hash, extra, raw[j * step : (j + 1) * step])
             elif entry.page is None:
                 self._skip(Skip.PARTIAL_RANGE)
             # Held even without a key yet: a later event (another group's) may bring it.
@@ -167,8 +199,9 @@ class EnginePages:
             parent_hash = h
         self._bound()
 
-    def _translate(self, entry: _Entry, h: bytes, parent_hash: bytes | None, extra: tuple | None,
-                   tokens: bytes) -> bool:
+    def _translate(
+        self, entry: _Entry, h: bytes, parent_hash: bytes | None, extra: tuple | None, tokens: bytes
+    ) -> bool:
         if parent_hash is None:
             if extra is not None and not (len(extra) == 1 and type(extra[0]) is str):
                 return self._skip(Skip.EXTRA_KEYS)
@@ -212,8 +245,11 @@ class EnginePages:
             return None
         if group is None and len(self.group_pools) == 1:
             group = 0
-        if group is None or group >= len(self.group_pools) or (
-                kind is not None and kind != SPEC_KINDS[self.group_pools[group]]):
+        if (
+            group is None
+            or group >= len(self.group_pools)
+            or (kind is not None and kind != SPEC_KINDS[self.group_pools[group]])
+        ):
             self._skip(Skip.GROUP)
             return None
         return group
@@ -265,7 +301,9 @@ class EnginePages:
         if restate:
             return self.shards.restatement(routes, self._held_paths())
         paths = _Paths()
-        return self.shards.changes(routes, ((self._state(page), paths.of(page)) for page in changed), every_shard)
+        return self.shards.changes(
+            routes, ((self._state(page), paths.of(page)) for page in changed), every_shard
+        )
 
     def snapshots(self, routes: RouteTable) -> dict[int, Snapshot]:
         return self.shards.snapshots(routes, self._held_paths())

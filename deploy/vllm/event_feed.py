@@ -14,6 +14,7 @@ pages) and goes on from the batch at hand: a page it then does not know costs a 
 never a wrong hit. A number below the expected one is a duplicate of a replayed batch
 (dropped), or a restarted publisher (the same: forget, go on). A clean stop publishes
 that the engine holds nothing."""
+
 from __future__ import annotations
 
 import logging
@@ -46,13 +47,21 @@ class FeedStats:
 
 
 class EngineEventFeed:
-    def __init__(self, pages: EnginePages, sink: Sink, endpoint: str, replay_endpoint: str | None = None,
-                 topic: bytes = b"", poll_s: float = 0.05, replay_timeout_s: float = 2.0,
-                 heartbeat_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        pages: EnginePages,
+        sink: Sink,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: bytes = b"",
+        poll_s: float = 0.05,
+        replay_timeout_s: float = 2.0,
+        heartbeat_s: float = 1.0,
+    ) -> None:
         self.pages, self.sink = pages, sink
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
         self.poll_s, self.replay_timeout_s, self.heartbeat_s = poll_s, replay_timeout_s, heartbeat_s
-        self.expected = 0                    # the next vLLM seq the pages are waiting for
+        self.expected = 0  # the next vLLM seq the pages are waiting for
         self.replayed_from: int | None = None
         self.stats = FeedStats()
         self._stop = threading.Event()
@@ -62,12 +71,13 @@ class EngineEventFeed:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("already started")
-        sub = self._ctx.socket(zmq.SUB)     # made here, used only by the thread
+        sub = self._ctx.socket(zmq.SUB)  # made here, used only by the thread
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.setsockopt(zmq.LINGER, 0)
         sub.connect(self.endpoint)
-        self._thread = threading.Thread(target=self._run, args=(sub,), daemon=True,
-                                        name=f"kv-events {self.pages.node}")
+        self._thread = threading.Thread(
+            target=self._run, args=(sub,), daemon=True, name=f"kv-events {self.pages.node}"
+        )
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> bool:
@@ -85,7 +95,7 @@ class EngineEventFeed:
                 changed = False
                 if sub.poll(int(self.poll_s * 1000)):
                     changed = self.receive(sub.recv_multipart(zmq.NOBLOCK))
-                    while sub.poll(0) and not self._stop.is_set():     # drain a burst, publish once
+                    while sub.poll(0) and not self._stop.is_set():  # drain a burst, publish once
                         changed = self.receive(sub.recv_multipart(zmq.NOBLOCK)) or changed
                 heartbeat = time.monotonic() - beat >= self.heartbeat_s
                 if changed or heartbeat:
@@ -99,7 +109,7 @@ class EngineEventFeed:
     def _publish(self, every_shard: bool) -> None:
         try:
             self.sink.publish(every_shard)
-        except Exception as e:      # the index is soft state: the next publish or snapshot catches up
+        except Exception as e:  # the index is soft state: the next publish or snapshot catches up
             self.stats.publish_errors += 1
             log.warning("publishing %s's KV events failed: %r", self.pages.node, e)
 
@@ -114,9 +124,9 @@ class EngineEventFeed:
         self.stats.frames += 1
         if frame.seq < self.expected:
             if self.replayed_from is not None and frame.seq >= self.replayed_from:
-                self.stats.duplicates += 1       # already had it from the replay
+                self.stats.duplicates += 1  # already had it from the replay
                 return False
-            self._reset(frame.seq)               # the publisher restarted
+            self._reset(frame.seq)  # the publisher restarted
         elif frame.seq > self.expected:
             self.stats.gaps += 1
             missed = self._replay(self.expected, frame.seq)
@@ -133,8 +143,11 @@ class EngineEventFeed:
 
     def _reset(self, seq: int) -> None:
         self.stats.resets += 1
-        log.warning("%s: KV events before seq %d are lost: forgetting what the engine held",
-                    self.pages.node, seq)
+        log.warning(
+            "%s: KV events before seq %d are lost: forgetting what the engine held",
+            self.pages.node,
+            seq,
+        )
         self.pages.clear()
         self.replayed_from = None
 

@@ -10,6 +10,7 @@ Everything is checked before anything is returned; any fault raises KVEventError
 nothing else. Unknown fields are refused too: a field this decoder does not know may
 change what a block hash means (a new hash input), and a guess would publish wrong keys.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,13 +22,13 @@ from kvfabric.fabric.wire import unpack
 MAX_BLOCKS_PER_EVENT = 1 << 16
 MAX_EVENTS_PER_BATCH = 1 << 16
 MAX_BLOCK_SIZE = 1 << 16
-MAX_TOKEN_ID = 2**31 - 1            # the fabric's keyer packs token ids as int32
-MAX_TEXT = 1024                     # topic, medium, LoRA name, kind and other short strings
-MAX_EXTRA_KEYS = 64                 # per block
-HASH_BYTES = (16, 32)               # xxh3-128, sha256 (sha256_cbor); int hashes are 64-bit
+MAX_TOKEN_ID = 2**31 - 1  # the fabric's keyer packs token ids as int32
+MAX_TEXT = 1024  # topic, medium, LoRA name, kind and other short strings
+MAX_EXTRA_KEYS = 64  # per block
+HASH_BYTES = (16, 32)  # xxh3-128, sha256 (sha256_cbor); int hashes are 64-bit
 INT_HASH_BYTES = 8
 SEQ_BYTES = 8
-END_SEQ = b"\xff" * SEQ_BYTES       # the replay stream's end marker (seq -1, empty payload)
+END_SEQ = b"\xff" * SEQ_BYTES  # the replay stream's end marker (seq -1, empty payload)
 
 
 class KVEventError(ValueError):
@@ -36,7 +37,7 @@ class KVEventError(ValueError):
 
 @dataclass(frozen=True)
 class BlockStored:
-    block_hashes: tuple[bytes, ...]     # int hashes as 8 bytes big-endian
+    block_hashes: tuple[bytes, ...]  # int hashes as 8 bytes big-endian
     parent_hash: bytes | None
     # The tokens of the block range stored, block_size per block: one block per hash,
     # unless the group skipped blocks of the range (a sliding window's out-of-window ones).
@@ -79,7 +80,11 @@ class KVEventFrame:
 
 def decode_frame(parts: Sequence[bytes]) -> KVEventFrame:
     """One ZMQ multipart message `(topic, seq, payload)`; raises KVEventError."""
-    if not isinstance(parts, (list, tuple)) or len(parts) != 3 or not all(type(p) is bytes for p in parts):
+    if (
+        not isinstance(parts, (list, tuple))
+        or len(parts) != 3
+        or not all(type(p) is bytes for p in parts)
+    ):
         raise KVEventError("a KV-event frame is three byte strings: topic, seq, payload")
     topic, seq, payload = parts
     if len(topic) > MAX_TEXT:
@@ -105,10 +110,24 @@ def _batch(msg: object) -> tuple[float, tuple[KVEvent, ...], int | None]:
 
 
 # Per event type: required fields, then optional ones (vLLM omits those at their default).
-_STORED_REQUIRED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                    "lora_name")
-_STORED_OPTIONAL = ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
-                    "locality", "ownership", "session_id")
+_STORED_REQUIRED = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+)
+_STORED_OPTIONAL = (
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+)
 _REMOVED_REQUIRED = ("block_hashes", "medium")
 _REMOVED_OPTIONAL = ("group_idx", "locality", "ownership")
 
@@ -122,8 +141,11 @@ def _event(e: object, i: int) -> KVEvent:
         return _stored(e, i)
     if kind == "BlockRemoved":
         _fields(e, i, _REMOVED_REQUIRED, _REMOVED_OPTIONAL)
-        return BlockRemoved(_hashes(e["block_hashes"], i), _text(e["medium"], i, "medium"),
-                            _opt_uint(e.get("group_idx"), i, "group_idx"))
+        return BlockRemoved(
+            _hashes(e["block_hashes"], i),
+            _text(e["medium"], i, "medium"),
+            _opt_uint(e.get("group_idx"), i, "group_idx"),
+        )
     if kind == "AllBlocksCleared":
         _fields(e, i, (), ())
         return AllBlocksCleared()
@@ -135,7 +157,10 @@ def _fields(e: dict, i: int, required: tuple[str, ...], optional: tuple[str, ...
     missing = set(required) - names
     unknown = names - set(required) - set(optional)
     if missing or unknown:
-        raise KVEventError(f"event {i} ({e['type']}): missing {sorted(missing)}, unknown {sorted(map(str, unknown))}")
+        raise KVEventError(
+            f"event {i} ({e['type']}): missing {sorted(missing)}, unknown "
+            f"{sorted(map(str, unknown))}"
+        )
     for name in ("locality", "ownership", "session_id"):
         _text(e.get(name), i, name)
 
@@ -146,13 +171,21 @@ def _stored(e: dict, i: int) -> BlockStored:
     parent = None if parent is None else _hash(parent, i)
     size = e["block_size"]
     if not _uint(size) or not 0 < size <= MAX_BLOCK_SIZE:
-        raise KVEventError(f"event {i}: block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {size!r}")
+        raise KVEventError(
+            f"event {i}: block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {size!r}"
+        )
     tokens = e["token_ids"]
     # The tokens of the event's whole block range: a sliding-window group lists the hashes
     # of its in-window blocks only, with the tokens (and parent) of the whole range.
-    if (type(tokens) is not list or len(tokens) % size or len(tokens) < size * len(hashes)
-            or len(tokens) > size * MAX_BLOCKS_PER_EVENT):
-        raise KVEventError(f"event {i}: token_ids must be whole blocks, at least one per block hash")
+    if (
+        type(tokens) is not list
+        or len(tokens) % size
+        or len(tokens) < size * len(hashes)
+        or len(tokens) > size * MAX_BLOCKS_PER_EVENT
+    ):
+        raise KVEventError(
+            f"event {i}: token_ids must be whole blocks, at least one per block hash"
+        )
     if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens):
         raise KVEventError(f"event {i}: token ids must be ints in [0, {MAX_TOKEN_ID}]")
     window = e.get("kv_cache_spec_sliding_window")
@@ -161,17 +194,28 @@ def _stored(e: dict, i: int) -> BlockStored:
     lora_id = e["lora_id"]
     if lora_id is not None and not _uint(lora_id):
         raise KVEventError(f"event {i}: lora_id must be an int >= 0 or nil")
-    return BlockStored(hashes, parent, tuple(tokens), size, _text(e["medium"], i, "medium"),
-                       _opt_uint(e.get("group_idx"), i, "group_idx"),
-                       _text(e.get("kv_cache_spec_kind"), i, "kv_cache_spec_kind"), window, lora_id,
-                       _text(e["lora_name"], i, "lora_name"), _extra_keys(e.get("extra_keys"), len(hashes), i))
+    return BlockStored(
+        hashes,
+        parent,
+        tuple(tokens),
+        size,
+        _text(e["medium"], i, "medium"),
+        _opt_uint(e.get("group_idx"), i, "group_idx"),
+        _text(e.get("kv_cache_spec_kind"), i, "kv_cache_spec_kind"),
+        window,
+        lora_id,
+        _text(e["lora_name"], i, "lora_name"),
+        _extra_keys(e.get("extra_keys"), len(hashes), i),
+    )
 
 
 def _hashes(x: object, i: int) -> tuple[bytes, ...]:
     # May be empty: a sliding-window group whose new blocks all fell out of its window
     # still sends its BlockStored.
     if type(x) is not list or len(x) > MAX_BLOCKS_PER_EVENT:
-        raise KVEventError(f"event {i}: block_hashes must be a list of at most {MAX_BLOCKS_PER_EVENT}")
+        raise KVEventError(
+            f"event {i}: block_hashes must be a list of at most {MAX_BLOCKS_PER_EVENT}"
+        )
     return tuple(_hash(h, i) for h in x)
 
 
@@ -180,7 +224,9 @@ def _hash(h: object, i: int) -> bytes:
         return h
     if type(h) is int and 0 <= h < 1 << 64:
         return h.to_bytes(INT_HASH_BYTES, "big")
-    raise KVEventError(f"event {i}: a block hash is {' or '.join(map(str, HASH_BYTES))} bytes or a 64-bit int")
+    raise KVEventError(
+        f"event {i}: a block hash is {' or '.join(map(str, HASH_BYTES))} bytes or a 64-bit int"
+    )
 
 
 def _extra_keys(x: object, blocks: int, i: int) -> tuple[tuple[object, ...] | None, ...] | None:
@@ -193,16 +239,26 @@ def _extra_keys(x: object, blocks: int, i: int) -> tuple[tuple[object, ...] | No
 
 def _block_keys(k: object, i: int) -> tuple[object, ...]:
     if type(k) is not list or len(k) > MAX_EXTRA_KEYS:
-        raise KVEventError(f"event {i}: a block's extra keys are a list of at most {MAX_EXTRA_KEYS}")
+        raise KVEventError(
+            f"event {i}: a block's extra keys are a list of at most {MAX_EXTRA_KEYS}"
+        )
     out: list[object] = []
     for v in k:
         if type(v) is str and len(v) <= MAX_TEXT or type(v) is bytes and len(v) <= MAX_TEXT:
             out.append(v)
-        elif (type(v) is list and len(v) == 2 and type(v[0]) is str and len(v[0]) <= MAX_TEXT
-              and type(v[1]) is int and v[1] >= 0):
-            out.append((v[0], v[1]))            # a multimodal (identifier, offset) pair
+        elif (
+            type(v) is list
+            and len(v) == 2
+            and type(v[0]) is str
+            and len(v[0]) <= MAX_TEXT
+            and type(v[1]) is int
+            and v[1] >= 0
+        ):
+            out.append((v[0], v[1]))  # a multimodal (identifier, offset) pair
         else:
-            raise KVEventError(f"event {i}: extra key {v!r} is not a name, digest or (identifier, offset)")
+            raise KVEventError(
+                f"event {i}: extra key {v!r} is not a name, digest or (identifier, offset)"
+            )
     return tuple(out)
 
 

@@ -5,6 +5,7 @@ waiting, snapshots to shards that fell behind or restarted). The directory does 
 know engines, so the sink admits the engine's epoch to every shard itself before its
 first batch (older lives of the name are refused from then on), and reads the route
 table again every `refresh_s` (a rebalance sends every shard a snapshot)."""
+
 from __future__ import annotations
 
 import time
@@ -12,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-
 from kvfabric.actors.directory import CALL_TIMEOUT_S, NAMESPACE, shard_name
 from kvfabric.actors.epochs import GcsEpochs
 from kvfabric.actors.node.index_link import IndexLink
@@ -26,24 +26,36 @@ from .event_feed import EngineEventFeed
 @dataclass(frozen=True)
 class FeedSpec:
     """Where an engine's KV events are read, and what the index names the engine."""
+
     slot: str
     group_pools: tuple[PoolName, ...]
     endpoint: str
     replay_endpoint: str | None = None
 
     @classmethod
-    def of(cls, kv_events_config: Any, slot: str, group_pools: tuple[PoolName, ...]) -> "FeedSpec | None":
+    def of(
+        cls, kv_events_config: Any, slot: str, group_pools: tuple[PoolName, ...]
+    ) -> "FeedSpec | None":
         """From vLLM's KVEventsConfig: None unless a slot is named and the engine
         publishes its events over ZMQ."""
         cfg = kv_events_config
         if not slot or cfg is None or not cfg.enable_kv_cache_events or cfg.publisher != "zmq":
             return None
         replay = cfg.replay_endpoint
-        return cls(slot, group_pools, _subscriber(cfg.endpoint), _subscriber(replay) if replay else None)
+        return cls(
+            slot, group_pools, _subscriber(cfg.endpoint), _subscriber(replay) if replay else None
+        )
 
     def start(self, directory, node_actor: str, layout: KVLayout) -> EngineEventFeed:
-        return start_engine_feed(directory, node_actor, self.slot, layout, self.group_pools, self.endpoint,
-                                 self.replay_endpoint)
+        return start_engine_feed(
+            directory,
+            node_actor,
+            self.slot,
+            layout,
+            self.group_pools,
+            self.endpoint,
+            self.replay_endpoint,
+        )
 
 
 def _subscriber(endpoint: str) -> str:
@@ -52,7 +64,9 @@ def _subscriber(endpoint: str) -> str:
 
 
 class ShardSink:
-    def __init__(self, directory, timeout_s: float = CALL_TIMEOUT_S, refresh_s: float = 2.0) -> None:
+    def __init__(
+        self, directory, timeout_s: float = CALL_TIMEOUT_S, refresh_s: float = 2.0
+    ) -> None:
         self.directory, self.timeout_s, self.refresh_s = directory, timeout_s, refresh_s
         self.link: IndexLink[EnginePages] | None = None
         self._refreshed = 0.0
@@ -77,11 +91,21 @@ class ShardSink:
         return self.link.publish(every_shard)
 
     def _routes(self) -> RouteTable:
-        return RouteTable.decode(ray.get(self.directory.get_routes.remote(), timeout=self.timeout_s))
+        return RouteTable.decode(
+            ray.get(self.directory.get_routes.remote(), timeout=self.timeout_s)
+        )
 
 
-def start_engine_feed(directory, node_actor: str, slot: str, layout: KVLayout, group_pools: tuple[PoolName, ...],
-                      endpoint: str, replay_endpoint: str | None = None, **feed_args) -> EngineEventFeed:
+def start_engine_feed(
+    directory,
+    node_actor: str,
+    slot: str,
+    layout: KVLayout,
+    group_pools: tuple[PoolName, ...],
+    endpoint: str,
+    replay_endpoint: str | None = None,
+    **feed_args,
+) -> EngineEventFeed:
     """Feed the index from one engine's KV events, as `<node_actor>/engine/<slot>` under a
     new epoch (engine_identity.py), from a process connected to the Ray cluster."""
     identity = engine_index_node(node_actor, slot)

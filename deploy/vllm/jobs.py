@@ -3,6 +3,7 @@
 Jobs name staging slots and vLLM block ids only: the bytes move by the worker's
 copies between its KV tensors and the shared staging pages.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,16 +13,18 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
-                                                               KVConnectorWorkerMetadata)
-
 from kvfabric.fabric import PoolName
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass
 class PoolMove:
     """Copies of one pool's pages: staging slot i <-> block blocks[g][i] of group g,
     for each of the pool's groups (block -1: nothing to copy for that group)."""
+
     pool: PoolName
     slots: list[int]
     blocks: dict[int, list[int]]
@@ -42,13 +45,14 @@ class CopyJob:
 
 @dataclass
 class FabricMeta(KVConnectorMetadata):
-    loads: list[CopyJob] = field(default_factory=list)     # staging -> vLLM blocks
-    saves: list[CopyJob] = field(default_factory=list)     # vLLM blocks -> staging
+    loads: list[CopyJob] = field(default_factory=list)  # staging -> vLLM blocks
+    saves: list[CopyJob] = field(default_factory=list)  # vLLM blocks -> staging
 
 
 @dataclass
 class FabricWorkerMeta(KVConnectorWorkerMetadata):
     """Save jobs the worker has copied to staging, and those that failed."""
+
     saved: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
 
@@ -61,10 +65,11 @@ class FabricWorkerMeta(KVConnectorWorkerMetadata):
 
 class ConnectorStep(str, Enum):
     """The connector's steps where a load or a save can fail (see StepHook)."""
-    NODE_LOAD = "node_load"        # the scheduler side asks the node actor to stage a prefix
-    WORKER_LOAD = "worker_load"    # the worker copies staged pages into vLLM's blocks
-    WORKER_SAVE = "worker_save"    # the worker copies vLLM's blocks to staging
-    NODE_SAVE = "node_save"        # the scheduler side asks the node actor to store them
+
+    NODE_LOAD = "node_load"  # the scheduler side asks the node actor to stage a prefix
+    WORKER_LOAD = "worker_load"  # the worker copies staged pages into vLLM's blocks
+    WORKER_SAVE = "worker_save"  # the worker copies vLLM's blocks to staging
+    NODE_SAVE = "node_save"  # the scheduler side asks the node actor to store them
 
 
 class StepHook(Protocol):
@@ -80,14 +85,15 @@ _HOOK_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 @dataclass(frozen=True)
 class FabricSettings:
     """`kv_connector_extra_config` of the FabricConnector."""
+
     ray_address: str = ""
     ray_namespace: str = "kvfabric"
-    node_actor: str = ""           # the NodeCacheActor of this engine's node
-    staging_pages: int = 512       # per pool
-    timeout_s: float = 5.0         # every call to the node actor, and an index lookup
-    remote: bool = True            # fetch longer prefixes from other nodes (needs the fabric's index)
+    node_actor: str = ""  # the NodeCacheActor of this engine's node
+    staging_pages: int = 512  # per pool
+    timeout_s: float = 5.0  # every call to the node actor, and an index lookup
+    remote: bool = True  # fetch longer prefixes from other nodes (needs the fabric's index)
     fetch_timeout_s: float = 10.0  # a fetch from another node, before the request computes instead
-    lookup_wait_s: float = 0.05    # admission waits this long for the index (later: at a next step)
+    lookup_wait_s: float = 0.05  # admission waits this long for the index (later: at a next step)
     # Tests, chaos: "module:factory" of a StepHook, built with step_hook_arg in each process.
     step_hook: str = ""
     step_hook_arg: str = ""
@@ -105,12 +111,17 @@ class FabricSettings:
                 ok = isinstance(v, str) and len(v) <= 4096
             elif f.type == "int":
                 ok = type(v) is int and 1 <= v <= 1 << 20
-            else:        # seconds
+            else:  # seconds
                 ok = type(v) in (int, float) and 0 <= v <= 3600
             if not ok:
-                raise ValueError(f"FabricConnector setting {f.name} must be a {f.type} in range, got {v!r:.80}")
+                raise ValueError(
+                    f"FabricConnector setting {f.name} must be a {f.type} in range, got {v!r:.80}"
+                )
         if self.step_hook and not _HOOK_SPEC.fullmatch(self.step_hook):
-            raise ValueError(f"FabricConnector setting step_hook must be 'module:name', got {self.step_hook!r:.80}")
+            raise ValueError(
+                "FabricConnector setting step_hook must be 'module:name', got "
+                f"{self.step_hook!r:.80}"
+            )
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "FabricSettings":
@@ -118,7 +129,9 @@ class FabricSettings:
         known = set(cls.__dataclass_fields__)
         unknown = set(extra) - known
         if unknown:
-            raise ValueError(f"unknown FabricConnector settings {sorted(unknown)}; known: {sorted(known)}")
+            raise ValueError(
+                f"unknown FabricConnector settings {sorted(unknown)}; known: {sorted(known)}"
+            )
         return cls(**extra)
 
     def make_step_hook(self) -> StepHook | None:

@@ -9,22 +9,27 @@ and one it leaves out becomes the key's default. Two keys that share no namespac
 share cached KV: not in vLLM's cache, the node pools or the index. Without a table it is
 Ray's ingress as it is.
 """
+
 from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
-from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
-from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
-
 from kvfabric.deploy.serve.ingress_auth import Authorizer
 from kvfabric.deploy.serve.openai_errors import APIError
 from kvfabric.deploy.serve.tenants import load_tenants
+from ray.llm._internal.serve.core.configs.openai_api_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
 
 class FabricLLMIngress(OpenAiIngress):
-    def __init__(self, llm_deployments: dict, model_cards: dict, *, tenants_file: str = "", **kwargs: Any) -> None:
+    def __init__(
+        self, llm_deployments: dict, model_cards: dict, *, tenants_file: str = "", **kwargs: Any
+    ) -> None:
         super().__init__(llm_deployments, model_cards, **kwargs)
         self._auth = Authorizer(load_tenants(tenants_file)) if tenants_file else None
 
@@ -34,8 +39,9 @@ class FabricLLMIngress(OpenAiIngress):
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         return await self._as_tenant(body, request, super().chat)
 
-    async def _as_tenant(self, body: Any, request: Request,
-                         serve: Callable[[Any, Request], Awaitable[Response]]) -> Response:
+    async def _as_tenant(
+        self, body: Any, request: Request, serve: Callable[[Any, Request], Awaitable[Response]]
+    ) -> Response:
         if self._auth is not None:
             try:
                 body.cache_salt = tenant_salt(self._auth, request, body.cache_salt)
@@ -50,5 +56,5 @@ def tenant_salt(auth: Authorizer, request: Request, asked: str | None) -> str:
         return auth.namespace(auth.tenant(request), asked)
     except APIError as e:
         if e.detail.param is not None:
-            e.detail.param = "cache_salt"      # what a vLLM client names its namespace with
+            e.detail.param = "cache_salt"  # what a vLLM client names its namespace with
         raise

@@ -6,19 +6,21 @@ with the model's own tokenizer (a chat through its chat template), and asks the
 index with the request's tenant: its `cache_salt` (namespaces.py). Anything it
 cannot read is routed by Serve alone: routing never fails a request.
 """
+
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest
-
 from kvfabric.deploy.serve.router import FabricRanking, RoutedPrompt
+from ray.serve.request_router import FIFOMixin, PendingRequest
 
 from .namespaces import fabric_namespace
 from .plan import layout_for_model
 
-MAX_PROMPT_CHARS = 1 << 20       # longer text is not tokenized for routing (the engine refuses it anyway)
+MAX_PROMPT_CHARS = (
+    1 << 20
+)  # longer text is not tokenized for routing (the engine refuses it anyway)
 
 
 class OpenAIPrompts:
@@ -28,6 +30,7 @@ class OpenAIPrompts:
 
     def load_tokenizer(self, model_dir: str) -> None:
         from transformers import AutoTokenizer
+
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     async def prompt_of(self, pending: PendingRequest) -> RoutedPrompt | None:
@@ -55,7 +58,9 @@ class OpenAIPrompts:
             plain = [m for m in read if m is not None]
             if len(plain) < len(read) or sum(len(m["content"]) for m in plain) > MAX_PROMPT_CHARS:
                 return None
-            return list(self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True))
+            return list(
+                self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
+            )
         return None
 
 
@@ -75,10 +80,10 @@ def _plain_message(message: Any) -> dict[str, str] | None:
 class FabricLLMRouter(OpenAIPrompts, FIFOMixin, FabricRanking):
     # Ray declares the hook as **kwargs and calls it with the deployment's request_router_kwargs.
     def initialize_state(  # type: ignore[override]
-            self, model_dir: str, block_size: int, device: str = "cpu", **cost: float) -> None:
+        self, model_dir: str, block_size: int, device: str = "cpu", **cost: float
+    ) -> None:
         """`model_dir`: the model's local folder (its config gives the KV layout, its
         tokenizer the token ids); `block_size`: the engines' KV block size; `device`:
         where they compute; `cost`: see `FabricRanking.init_ranking`."""
         self.init_ranking(layout_for_model(model_dir, block_size, device), **cost)
         self.load_tokenizer(model_dir)
-

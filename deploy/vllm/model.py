@@ -5,6 +5,7 @@ output checks need real (random but seeded) weights. The model is sized so that 
 dominates time to first token and an engine starts fast: 4 layers, hidden 256, fp32,
 sliding-window layers alternating with full-attention ones.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +28,7 @@ class TinyModelSpec:
     heads: int = 4
     kv_heads: int = 2
     intermediate: int = 512
-    window: int = 256               # sliding window in tokens
+    window: int = 256  # sliding window in tokens
     max_positions: int = 4096
     seed: int = 0
 
@@ -43,8 +44,12 @@ class TinyModelSpec:
     @property
     def name(self) -> str:
         # Every field and the format version name the folder: a changed spec is a new model.
-        digest = hashlib.blake2b(json.dumps([asdict(self), FORMAT]).encode(), digest_size=4).hexdigest()
-        return f"kvf-tiny-llama-swa-l{self.layers}-h{self.hidden}-w{self.window}-s{self.seed}-{digest}"
+        digest = hashlib.blake2b(
+            json.dumps([asdict(self), FORMAT]).encode(), digest_size=4
+        ).hexdigest()
+        return (
+            f"kvf-tiny-llama-swa-l{self.layers}-h{self.hidden}-w{self.window}-s{self.seed}-{digest}"
+        )
 
 
 # The demo's model: bigger, so that prefill dominates time to first token on a CPU core
@@ -54,17 +59,22 @@ DEMO_SPEC = TinyModelSpec(layers=8, hidden=512, heads=8, kv_heads=2, intermediat
 
 
 def model_cache_dir() -> Path:
-    return Path(os.environ.get(MODEL_CACHE_ENV) or Path.home() / ".cache" / "ray-kv-fabric" / "models")
+    return Path(
+        os.environ.get(MODEL_CACHE_ENV) or Path.home() / ".cache" / "ray-kv-fabric" / "models"
+    )
 
 
-def ensure_tiny_model(spec: TinyModelSpec = TinyModelSpec(), root: Path | None = None,
-                      say=print) -> Path:
+def ensure_tiny_model(
+    spec: TinyModelSpec = TinyModelSpec(), root: Path | None = None, say=print
+) -> Path:
     """The model's folder, written first if missing (said through `say`)."""
     folder = (root or model_cache_dir()) / spec.name
     if (folder / "done").exists():
         return folder
-    say(f"writing a small full+SWA model (seeded random weights) to {folder} "
-        f"(first use; {MODEL_CACHE_ENV} overrides the folder)")
+    say(
+        f"writing a small full+SWA model (seeded random weights) to {folder} "
+        f"(first use; {MODEL_CACHE_ENV} overrides the folder)"
+    )
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     vocab = _write_tokenizer(tmp)
@@ -74,7 +84,7 @@ def ensure_tiny_model(spec: TinyModelSpec = TinyModelSpec(), root: Path | None =
     (tmp / "done").write_text("ok\n")
     try:
         tmp.rename(folder)
-    except OSError:          # another process wrote it first: theirs is as good
+    except OSError:  # another process wrote it first: theirs is as good
         if not (folder / "done").exists():
             raise
     return folder
@@ -92,29 +102,51 @@ def _write_tokenizer(folder: Path) -> int:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "pad_token": "<pad>", "add_bos_token": False, "model_max_length": 1 << 20}))
-    (folder / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "add_bos_token": False,
+                "model_max_length": 1 << 20,
+            }
+        )
+    )
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
+    )
     return len(vocab)
 
 
 def _write_config(folder: Path, spec: TinyModelSpec, vocab: int) -> None:
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": spec.hidden, "intermediate_size": spec.intermediate,
-        "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
-        "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim,
-        "layer_types": spec.layer_types, "sliding_window": spec.window,
-        "max_position_embeddings": spec.max_positions, "vocab_size": vocab,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-        "tie_word_embeddings": False, "torch_dtype": "float32",
-        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "layer_types": spec.layer_types,
+        "sliding_window": spec.window,
+        "max_position_embeddings": spec.max_positions,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
     }
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}))
+    (folder / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2})
+    )
 
 
 def _write_weights(folder: Path, spec: TinyModelSpec, vocab: int) -> None:
@@ -128,18 +160,20 @@ def _write_weights(folder: Path, spec: TinyModelSpec, vocab: int) -> None:
 
     # Scales keep activations O(1) through the layers, so the logits are spread out
     # and greedy choices are not near-ties (which would make output checks flaky).
-    w = {"model.embed_tokens.weight": rand(vocab, h, scale=1.0),
-         "model.norm.weight": torch.ones(h),
-         "lm_head.weight": rand(vocab, h, scale=h ** -0.5)}
+    w = {
+        "model.embed_tokens.weight": rand(vocab, h, scale=1.0),
+        "model.norm.weight": torch.ones(h),
+        "lm_head.weight": rand(vocab, h, scale=h**-0.5),
+    }
     for i in range(spec.layers):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = torch.ones(h)
         w[p + "post_attention_layernorm.weight"] = torch.ones(h)
-        w[p + "self_attn.q_proj.weight"] = rand(spec.heads * d, h, scale=h ** -0.5)
-        w[p + "self_attn.k_proj.weight"] = rand(kv * d, h, scale=h ** -0.5)
-        w[p + "self_attn.v_proj.weight"] = rand(kv * d, h, scale=h ** -0.5)
+        w[p + "self_attn.q_proj.weight"] = rand(spec.heads * d, h, scale=h**-0.5)
+        w[p + "self_attn.k_proj.weight"] = rand(kv * d, h, scale=h**-0.5)
+        w[p + "self_attn.v_proj.weight"] = rand(kv * d, h, scale=h**-0.5)
         w[p + "self_attn.o_proj.weight"] = rand(h, spec.heads * d, scale=(spec.heads * d) ** -0.5)
-        w[p + "mlp.gate_proj.weight"] = rand(inter, h, scale=h ** -0.5)
-        w[p + "mlp.up_proj.weight"] = rand(inter, h, scale=h ** -0.5)
-        w[p + "mlp.down_proj.weight"] = rand(h, inter, scale=inter ** -0.5)
+        w[p + "mlp.gate_proj.weight"] = rand(inter, h, scale=h**-0.5)
+        w[p + "mlp.up_proj.weight"] = rand(inter, h, scale=h**-0.5)
+        w[p + "mlp.down_proj.weight"] = rand(h, inter, scale=inter**-0.5)
     save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})

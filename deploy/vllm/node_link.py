@@ -1,5 +1,6 @@
 """The scheduler side's handle on its node's NodeCacheActor and on the fabric's index:
 every call bounded, or started without waiting and polled."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,9 +14,8 @@ from kvfabric.transport.staging import StagingSpec
 from .jobs import FabricSettings
 
 if TYPE_CHECKING:
-    from ray.actor import ActorHandle
-
     from kvfabric.actors.fabric import FabricClient, PendingLookup
+    from ray.actor import ActorHandle
 
     from .event_feed import EngineEventFeed
     from .index_sink import FeedSpec
@@ -28,17 +28,24 @@ class NodeLink:
     fingerprint differs from the engine's (another model, dtype or KV tensor layout),
     leaves the connector off: the engine computes everything itself."""
 
-    def __init__(self, settings: FabricSettings, layout: KVLayout, feed: FeedSpec | None = None,
-                 staging: StagingSpec | None = None) -> None:
+    def __init__(
+        self,
+        settings: FabricSettings,
+        layout: KVLayout,
+        feed: FeedSpec | None = None,
+        staging: StagingSpec | None = None,
+    ) -> None:
         self.settings = settings
         self.layout = layout
-        self.staging = staging      # the engine's staging pages, announced to the node
-        self.feed_spec = feed       # the engine's KV events, fed to the index once connected
+        self.staging = staging  # the engine's staging pages, announced to the node
+        self.feed_spec = feed  # the engine's KV events, fed to the index once connected
         self.feed: EngineEventFeed | None = None
         self.actor: ActorHandle | None = None
         self.disabled = "" if settings.node_actor else "no node_actor configured"
         self.name = settings.node_actor
-        self.index: FabricClient | None = None      # the fabric's client for index lookups, at first use
+        self.index: FabricClient | None = (
+            None  # the fabric's client for index lookups, at first use
+        )
         self.index_off = "" if settings.remote else "remote hits not asked for"
         self._peers: dict[str, Any] = {}
 
@@ -49,7 +56,7 @@ class NodeLink:
             return False
         try:
             self._connect()
-        except Exception as e:       # unreachable: serve without the fabric
+        except Exception as e:  # unreachable: serve without the fabric
             self.disabled = f"cannot reach {self.settings.node_actor}: {e!r}"
         if self.disabled:
             log.warning("FabricConnector off: %s", self.disabled)
@@ -59,13 +66,19 @@ class NodeLink:
         import ray
 
         if not ray.is_initialized():
-            ray.init(address=self.settings.ray_address or None, namespace=self.settings.ray_namespace,
-                     log_to_driver=False, logging_level=logging.WARNING)
+            ray.init(
+                address=self.settings.ray_address or None,
+                namespace=self.settings.ray_namespace,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
         actor = ray.get_actor(self.settings.node_actor, namespace=self.settings.ray_namespace)
         theirs = cast(KVLayout, ray.get(actor.layout.remote(), timeout=self.settings.timeout_s))
         if theirs.fingerprint != self.layout.fingerprint:
-            self.disabled = (f"{self.settings.node_actor} holds layout {theirs.to_dict()}, "
-                             f"this engine needs {self.layout.to_dict()}")
+            self.disabled = (
+                f"{self.settings.node_actor} holds layout {theirs.to_dict()}, "
+                f"this engine needs {self.layout.to_dict()}"
+            )
             return
         self.actor = actor
         if self.feed_spec is not None:
@@ -74,17 +87,21 @@ class NodeLink:
             # The node watches this process: if it ends without a word, the node drops its
             # staging pages and the index its entries (actors/node/engine_process.py).
             pages = self.feed.pages if self.feed is not None else None
-            self.tell("engine_started", EngineProcess.this_process(
-                self.staging, pages.node if pages else "", pages.epoch if pages else 0))
+            self.tell(
+                "engine_started",
+                EngineProcess.this_process(
+                    self.staging, pages.node if pages else "", pages.epoch if pages else 0
+                ),
+            )
 
     def _start_feed(self, spec: FeedSpec) -> None:
+        import ray
         from kvfabric.actors.directory import DIRECTORY
 
-        import ray
         try:
             directory = ray.get_actor(DIRECTORY, namespace=self.settings.ray_namespace)
             self.feed = spec.start(directory, self.name, self.layout)
-        except Exception as e:       # no feed: the index does not know this engine's own cache
+        except Exception as e:  # no feed: the index does not know this engine's own cache
             log.warning("FabricConnector: the engine's KV events do not reach the index: %r", e)
 
     def call(self, method: str, *args: Any) -> Any:
@@ -128,7 +145,7 @@ class NodeLink:
             return False
         try:
             self._connect_index()
-        except Exception as e:       # no fabric index: hits come from this node only
+        except Exception as e:  # no fabric index: hits come from this node only
             self.index_off = f"no fabric index: {e!r}"
         if self.index_off:
             log.warning("FabricConnector: remote hits off: %s", self.index_off)

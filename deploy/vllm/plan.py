@@ -7,6 +7,7 @@ GPU's kernels round differently from the CPU's, so their pages would not give th
 outputs an uncached run gives). Pages have one format whatever the attention backend
 (block_format.py converts), so the backend is not in the tag.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from kvfabric.fabric import KVLayout, LayerKind, PoolName
 
 DEVICE_KINDS = ("cpu", "cuda")
-NULL_BLOCK = 0          # vLLM's null block (SWA blocks outside the window point at it)
+NULL_BLOCK = 0  # vLLM's null block (SWA blocks outside the window point at it)
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -30,17 +30,17 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class LayerSlot:
-    name: str           # vLLM's layer name
-    group: int          # its KV cache group
+    name: str  # vLLM's layer name
+    group: int  # its KV cache group
     pool: PoolName
-    index: int          # position among the pool's layers (the fabric page's layer axis)
+    index: int  # position among the pool's layers (the fabric page's layer axis)
 
 
 @dataclass(frozen=True)
 class EnginePlan:
     layout: KVLayout
     layers: tuple[LayerSlot, ...]
-    group_pools: tuple[PoolName, ...]      # per KV cache group
+    group_pools: tuple[PoolName, ...]  # per KV cache group
 
     @property
     def page_size(self) -> int:
@@ -72,20 +72,31 @@ def plan_from_kv_cache_config(kv_cache_config, model: str, device: str) -> Engin
         elif type(spec) is FullAttentionSpec and not spec.sliding_window:
             kind = LayerKind.FULL
         else:
-            raise PlanError(f"KV cache group {g} has a {type(spec).__name__}: "
-                            "the fabric stores full and sliding-window attention only")
+            raise PlanError(
+                f"KV cache group {g} has a {type(spec).__name__}: "
+                "the fabric stores full and sliding-window attention only"
+            )
         geometry.add((spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype))
         group_pools.append(PoolName.FULL if kind == LayerKind.FULL else PoolName.SWA)
         for name in group.layer_names:
             kinds[name] = (g, kind)
     if len(geometry) != 1:
-        raise PlanError(f"KV cache groups differ in block size, heads or dtype: {sorted(map(str, geometry))}")
+        raise PlanError(
+            f"KV cache groups differ in block size, heads or dtype: {sorted(map(str, geometry))}"
+        )
     ((block_size, kv_heads, head_dim, dtype),) = geometry
     if dtype not in _DTYPE_NAMES:
         raise PlanError(f"unsupported KV dtype {dtype}")
     names = sorted(kinds, key=_layer_index)
-    layout = KVLayout(layers=tuple(kinds[n][1] for n in names), kv_heads=kv_heads, head_dim=head_dim,
-                      page_size=block_size, window=window, dtype=_DTYPE_NAMES[dtype], tag=model_tag(model, device))
+    layout = KVLayout(
+        layers=tuple(kinds[n][1] for n in names),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        page_size=block_size,
+        window=window,
+        dtype=_DTYPE_NAMES[dtype],
+        tag=model_tag(model, device),
+    )
     pos = {p: 0 for p in PoolName}
     slots = []
     for name in names:
@@ -103,10 +114,15 @@ def layout_for_model(model_dir: str | Path, block_size: int, device: str = "cpu"
     types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
     layers = tuple(LayerKind.SWA if t == "sliding_attention" else LayerKind.FULL for t in types)
     heads = cfg["num_attention_heads"]
-    return KVLayout(layers=layers, kv_heads=cfg.get("num_key_value_heads", heads),
-                    head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, page_size=block_size,
-                    window=cfg.get("sliding_window") or 0 if LayerKind.SWA in layers else 0,
-                    dtype=cfg.get("torch_dtype", "float32"), tag=model_tag(str(model_dir), device))
+    return KVLayout(
+        layers=layers,
+        kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        page_size=block_size,
+        window=cfg.get("sliding_window") or 0 if LayerKind.SWA in layers else 0,
+        dtype=cfg.get("torch_dtype", "float32"),
+        tag=model_tag(str(model_dir), device),
+    )
 
 
 def _layer_index(name: str) -> tuple[int, str]:

@@ -10,6 +10,7 @@ than the local one is READY at once, never a retry: the local load path then ser
 what the node holds, and vLLM computes the rest. A fetch given up on here may still
 finish in the node; its transaction commits whole or not at all either way.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 # An engine with nothing scheduled waits this long for a fabric answer rather than spin
 # (its scheduler loop would otherwise take the CPU the node and the index need).
 IDLE_WAIT_S = 0.01
-SETTLE_ROUNDS = 8       # a lookup's calls (shards, the node's match) answered within one admission
+SETTLE_ROUNDS = 8  # a lookup's calls (shards, the node's match) answered within one admission
 
 
 class Stage(str, Enum):
@@ -38,13 +39,14 @@ class Stage(str, Enum):
 
 class PendingLookup(Protocol):
     @property
-    def pending(self) -> Any: ...          # the call it waits on now (None once answered)
+    def pending(self) -> Any: ...  # the call it waits on now (None once answered)
 
     def poll(self) -> list[NodeMatch] | None: ...
 
 
 class RemoteLink(Protocol):
     """What RemoteFetches needs of NodeLink (a fake one at the edge of unit tests)."""
+
     name: str
 
     def index_ready(self) -> bool: ...
@@ -58,24 +60,25 @@ class RemoteLink(Protocol):
 
 @dataclass
 class RemoteStats:
-    lookups: int = 0            # requests the index was asked about
-    fetches: int = 0            # fetches started from a peer
-    committed: int = 0          # of those, committed into the node
-    failures: int = 0           # lookups or fetches that failed or ran past their deadline
+    lookups: int = 0  # requests the index was asked about
+    fetches: int = 0  # fetches started from a peer
+    committed: int = 0  # of those, committed into the node
+    failures: int = 0  # lookups or fetches that failed or ran past their deadline
 
 
 @dataclass
 class RemoteFetch:
     """One request's way through the stages."""
+
     stage: Stage
     deadline: float
     lookup: PendingLookup | None = None
     local_call: Any = None
-    local_pages: int | None = None        # the node's own usable match before any fetch
+    local_pages: int | None = None  # the node's own usable match before any fetch
     matches: list[NodeMatch] | None = None
     fetch_call: Any = None
     peer: str = ""
-    outcome: str = ""                     # a FetchOutcome value, or why it stopped
+    outcome: str = ""  # a FetchOutcome value, or why it stopped
 
     @property
     def committed(self) -> bool:
@@ -84,8 +87,14 @@ class RemoteFetch:
     def pending(self) -> list:
         calls = [self.fetch_call] if self.stage is Stage.FETCHING else []
         if self.stage is Stage.LOOKING:
-            calls = [c for c in (self.lookup.pending if self.lookup is not None else None,
-                                 None if self.local_pages is not None else self.local_call) if c is not None]
+            calls = [
+                c
+                for c in (
+                    self.lookup.pending if self.lookup is not None else None,
+                    None if self.local_pages is not None else self.local_call,
+                )
+                if c is not None
+            ]
         return calls
 
 
@@ -110,11 +119,11 @@ class RemoteFetches:
         for _ in range(SETTLE_ROUNDS):
             try:
                 self._advance(rec, tokens, namespace, skip_pages)
-            except Exception as e:        # any failure: the request computes what the node lacks
+            except Exception as e:  # any failure: the request computes what the node lacks
                 self._give_up(rec, f"{rec.stage.value} failed: {e!r}")
             if rec.stage is not Stage.LOOKING or self.clock() >= settle_by:
                 break
-            calls = rec.pending()      # none: answered, not read yet
+            calls = rec.pending()  # none: answered, not read yet
             if calls and not self._wait(calls, settle_by - self.clock()):
                 break
         if rec.stage is not Stage.READY and self.clock() >= rec.deadline:
@@ -143,7 +152,7 @@ class RemoteFetches:
         """Whether one of `calls` answered within `timeout_s`."""
         try:
             return bool(self.link.wait_any(calls, timeout_s))
-        except Exception as e:     # the next poll sees the same failure and gives up
+        except Exception as e:  # the next poll sees the same failure and gives up
             log.debug("waiting on the fabric failed: %r", e)
             return False
 
@@ -169,7 +178,9 @@ class RemoteFetches:
             self._give_up(rec, f"lookup failed to start: {e!r}")
         return rec
 
-    def _advance(self, rec: RemoteFetch, tokens: Sequence[int], namespace: str, skip_pages: int) -> None:
+    def _advance(
+        self, rec: RemoteFetch, tokens: Sequence[int], namespace: str, skip_pages: int
+    ) -> None:
         if rec.stage is Stage.LOOKING:
             if rec.local_pages is None and self.link.finished([rec.local_call]):
                 rec.local_pages = int(self.link.result(rec.local_call))
@@ -180,7 +191,9 @@ class RemoteFetches:
                 return
             # Only node actors serve fetches: an engine's own device cache is indexed too
             # (engine_identity.py), but nothing can read from it.
-            best = next((m for m in rec.matches if m.node != self.link.name and not is_engine(m.node)), None)
+            best = next(
+                (m for m in rec.matches if m.node != self.link.name and not is_engine(m.node)), None
+            )
             if best is None or best.pages <= max(rec.local_pages, skip_pages):
                 rec.stage, rec.outcome = Stage.READY, "no longer match elsewhere"
                 return
@@ -191,7 +204,10 @@ class RemoteFetches:
         if rec.stage is Stage.FETCHING:
             if not self.link.finished([rec.fetch_call]):
                 return
-            rec.stage, rec.outcome = Stage.READY, str(FetchOutcome(self.link.result(rec.fetch_call)).value)
+            rec.stage, rec.outcome = (
+                Stage.READY,
+                str(FetchOutcome(self.link.result(rec.fetch_call)).value),
+            )
             if rec.committed:
                 self.stats.committed += 1
             elif rec.outcome != FetchOutcome.NOTHING_TO_FETCH.value:

@@ -9,6 +9,7 @@ waited for: the engine keeps stepping and the slots come back when the node answ
 A mixin of SchedulerSide: it uses the side's plan, settings, node link, staging slots,
 bookkeeping and stats.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,7 +20,15 @@ from typing import TYPE_CHECKING, Any, Callable
 from kvfabric.fabric import PoolName
 from kvfabric.transport.staging import StagingSpec
 
-from .jobs import ConnectorStep, CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove, StepHook
+from .jobs import (
+    ConnectorStep,
+    CopyJob,
+    FabricMeta,
+    FabricSettings,
+    FabricWorkerMeta,
+    PoolMove,
+    StepHook,
+)
 from .node_link import NodeLink
 from .plan import NULL_BLOCK, EnginePlan
 
@@ -32,6 +41,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class StagedSave:
     """A save the worker is copying to staging, or the node is storing."""
+
     tokens: list[int]
     namespace: str
     slots: dict[PoolName, list[int]]
@@ -42,6 +52,7 @@ class StagedSave:
 
 class SchedulerSaves:
     """SchedulerSide's saves (a mixin). What they use of the side:"""
+
     plan: EnginePlan
     settings: FabricSettings
     step_hook: StepHook | None
@@ -72,13 +83,23 @@ class SchedulerSaves:
             if prompt is None or done + out.num_scheduled_tokens.get(rid, 0) < len(prompt[0]):
                 continue
             del self.prompts[rid]
-            if not self.node.ready() or len(prompt[0]) // self.plan.page_size <= self.fabric_has.get(rid, 0):
+            if not self.node.ready() or len(
+                prompt[0]
+            ) // self.plan.page_size <= self.fabric_has.get(rid, 0):
                 continue
             block_ids = self.kv_cache_manager.get_blocks(rid).get_block_ids()
             pages = len(prompt[0]) // self.plan.page_size
-            if self._save(rid, f"{rid}/prompt", prompt[0], prompt[1], block_ids, pages,
-                          ends_request=False, has=self.fabric_has.get(rid, 0)):
-                self.fabric_has[rid] = pages      # the end's save copies only what follows
+            if self._save(
+                rid,
+                f"{rid}/prompt",
+                prompt[0],
+                prompt[1],
+                block_ids,
+                pages,
+                ends_request=False,
+                has=self.fabric_has.get(rid, 0),
+            ):
+                self.fabric_has[rid] = pages  # the end's save copies only what follows
 
     def _saves_reported(self, report: FabricWorkerMeta) -> None:
         """The worker copied these saves to staging (or failed to): the node stores them."""
@@ -98,8 +119,9 @@ class SchedulerSaves:
         try:
             if self.step_hook is not None:
                 self.step_hook(ConnectorStep.NODE_SAVE)
-            call = self.node.submit("save_staged", self.spec, save.tokens, save.namespace,
-                                    save.slots, save.firsts)
+            call = self.node.submit(
+                "save_staged", self.spec, save.tokens, save.namespace, save.slots, save.firsts
+            )
         except Exception as e:
             self._store_failed(key, save, e)
             return
@@ -121,7 +143,9 @@ class SchedulerSaves:
                 self.stats.saved_requests += 1
                 self.stats.stored_pages += stored
             elif now >= deadline:
-                self._store_failed(key, save, TimeoutError(f"no answer in {self.settings.timeout_s} s"))
+                self._store_failed(
+                    key, save, TimeoutError(f"no answer in {self.settings.timeout_s} s")
+                )
             else:
                 waiting.append((call, key, save, deadline))
         self.storing = waiting
@@ -133,8 +157,17 @@ class SchedulerSaves:
         log.warning("fabric save failed for %s: %r", key, error)
         self._quarantine(save.slots)
 
-    def _save(self, rid: str, key: str, tokens: list[int], namespace: str,
-              block_ids: tuple[list[int], ...], n: int, ends_request: bool, has: int = 0) -> bool:
+    def _save(
+        self,
+        rid: str,
+        key: str,
+        tokens: list[int],
+        namespace: str,
+        block_ids: tuple[list[int], ...],
+        n: int,
+        ends_request: bool,
+        has: int = 0,
+    ) -> bool:
         """Queue the copy of a request's pages to staging, up to page n: full KV from
         page `has` on (the node holds or is storing those before it: a conversation's
         next turn copies its new pages, not the whole conversation again), SWA where
@@ -151,8 +184,13 @@ class SchedulerSaves:
         job = CopyJob(rid, [], key=key, ends_request=ends_request)
         for pool, pool_slots in slots.items():
             first = first_of[pool]
-            job.moves.append(PoolMove(pool, pool_slots, {g: list(block_ids[g][first:n])
-                                                         for g in self.plan.groups_of(pool)}))
+            job.moves.append(
+                PoolMove(
+                    pool,
+                    pool_slots,
+                    {g: list(block_ids[g][first:n]) for g in self.plan.groups_of(pool)},
+                )
+            )
         self.saving[key] = StagedSave(tokens[: n * self.plan.page_size], namespace, slots, first_of)
         self.meta.saves.append(job)
         return True

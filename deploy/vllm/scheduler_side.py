@@ -11,16 +11,16 @@ a mixin of SchedulerSide).
 Before that load, a prefix another node holds longer is first fetched into the node
 (remote_fetch.py): the request waits unscheduled meanwhile, the engine keeps stepping.
 """
+
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
 
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
 from kvfabric.fabric import OutOfPages, PageAllocator, PoolName
 from kvfabric.transport.staging import StagedHit, StagingSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .index_sink import FeedSpec
 from .jobs import ConnectorStep, CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove
@@ -40,8 +40,8 @@ class ConnectorStats:
     lookups: int = 0
     lookups_answered_by_match: int = 0  # the admission's match said nothing to load: no load call
     loaded_tokens: int = 0
-    host_loaded_tokens: int = 0        # loaded back from the node's host tier
-    remote_loaded_tokens: int = 0      # fetched from another node for the request
+    host_loaded_tokens: int = 0  # loaded back from the node's host tier
+    remote_loaded_tokens: int = 0  # fetched from another node for the request
     load_failures: int = 0
     saved_requests: int = 0
     stored_pages: int = 0
@@ -54,7 +54,7 @@ class ConnectorStats:
 @dataclass
 class _Load:
     hit: StagedHit
-    skip: int                     # vLLM's own hit (pages) it was planned for
+    skip: int  # vLLM's own hit (pages) it was planned for
     slots: dict[PoolName, list[int]] = field(default_factory=dict)
     # Tokens by where they came from, counted once the worker says the copy succeeded.
     tokens: int = 0
@@ -63,30 +63,35 @@ class _Load:
 
 
 class SchedulerSide(SchedulerSaves):
-    def __init__(self, plan: EnginePlan, settings: FabricSettings, spec: StagingSpec,
-                 feed: FeedSpec | None = None) -> None:
+    def __init__(
+        self,
+        plan: EnginePlan,
+        settings: FabricSettings,
+        spec: StagingSpec,
+        feed: FeedSpec | None = None,
+    ) -> None:
         self.plan = plan
         self.settings = settings
-        self.step_hook = settings.make_step_hook()      # tests, chaos: fail a load or save here
+        self.step_hook = settings.make_step_hook()  # tests, chaos: fail a load or save here
         self.spec = spec
         self.node = NodeLink(settings, plan.layout, feed, spec)
         self.allocators = {p: PageAllocator(spec.pages) for p in plan.layout.pools}
         self.window_pages = plan.layout.window_pages
-        self.planned: dict[str, _Load] = {}      # admitted lookups, before block allocation
-        self.loading: dict[str, _Load] = {}      # copies the worker has not reported yet
-        self.saving: dict[str, StagedSave] = {}      # by save job key
-        self.storing: list = []                 # (call, key, save, deadline): node stores in flight
-        self.prompts: dict[str, tuple[list[int], str]] = {}   # requests whose prompt is unsaved
+        self.planned: dict[str, _Load] = {}  # admitted lookups, before block allocation
+        self.loading: dict[str, _Load] = {}  # copies the worker has not reported yet
+        self.saving: dict[str, StagedSave] = {}  # by save job key
+        self.storing: list = []  # (call, key, save, deadline): node stores in flight
+        self.prompts: dict[str, tuple[list[int], str]] = {}  # requests whose prompt is unsaved
         # Usable pages the node said it holds for a request at admission: a save of no
         # more than that copies nothing.
         self.fabric_has: dict[str, int] = {}
         self.kv_cache_manager = None
-        self.no_load: set[str] = set()           # a load failed: recompute, never retry
+        self.no_load: set[str] = set()  # a load failed: recompute, never retry
         self.quarantined: list[tuple[float, dict[PoolName, list[int]]]] = []
         self.meta = FabricMeta()
         self.stats = ConnectorStats()
         self.remote = RemoteFetches(self.node, settings, self.stats.remote)
-        self.hit_sources: dict[str, dict[CacheHitSource, int]] = {}   # the last load's, per request
+        self.hit_sources: dict[str, dict[CacheHitSource, int]] = {}  # the last load's, per request
 
     # --- admission -------------------------------------------------------------------
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -102,9 +107,13 @@ class SchedulerSide(SchedulerSaves):
         if load is not None and load.skip == skip:
             return (load.hit.pages - skip) * ps, True
         self._drop_plan(rid)
-        if rid in self.no_load or not self.node.ready() or self.fabric_has.get(rid, skip + 1) <= skip:
+        if (
+            rid in self.no_load
+            or not self.node.ready()
+            or self.fabric_has.get(rid, skip + 1) <= skip
+        ):
             return 0, False
-        tokens = list(request.prompt_token_ids or [])[:-1]   # vLLM computes >= 1 token itself
+        tokens = list(request.prompt_token_ids or [])[:-1]  # vLLM computes >= 1 token itself
         need = len(tokens) // ps - skip
         if need <= 0:
             return 0, False
@@ -118,7 +127,10 @@ class SchedulerSide(SchedulerSaves):
             self.fabric_has[rid] = held
             self.stats.lookups_answered_by_match += 1
             return 0, False
-        want = {p: need if p == PoolName.FULL else min(need, self.window_pages) for p in self.plan.layout.pools}
+        want = {
+            p: need if p == PoolName.FULL else min(need, self.window_pages)
+            for p in self.plan.layout.pools
+        }
         slots = self._alloc(want)
         if slots is None:
             return 0, False
@@ -126,7 +138,7 @@ class SchedulerSide(SchedulerSaves):
             if self.step_hook is not None:
                 self.step_hook(ConnectorStep.NODE_LOAD)
             hit = self.node.call("load_staged", self.spec, tokens, _namespace(request), skip, slots)
-        except Exception as e:       # any failure: this request computes its prefix itself
+        except Exception as e:  # any failure: this request computes its prefix itself
             self.stats.node_errors += 1
             log.warning("fabric lookup failed for %s: %r", rid, e)
             self._quarantine(slots)
@@ -135,7 +147,7 @@ class SchedulerSide(SchedulerSaves):
         if hit.pages <= skip:
             self._free(slots)
             return 0, False
-        self._free({p: s[len(hit.slots.get(p, [])):] for p, s in slots.items()})
+        self._free({p: s[len(hit.slots.get(p, [])) :] for p, s in slots.items()})
         self.planned[rid] = _Load(hit, skip, hit.slots)
         return (hit.pages - skip) * ps, True
 
@@ -154,31 +166,48 @@ class SchedulerSide(SchedulerSaves):
             first = hit.firsts[pool]
             per_group = {}
             for g in self.plan.groups_of(pool):
-                ids = list(block_ids[g][first:first + len(slots)])
+                ids = list(block_ids[g][first : first + len(slots)])
                 per_group[g] = [-1 if b == NULL_BLOCK else b for b in ids]
-                if any(b != NULL_BLOCK for b in block_ids[g][hit.first_page:first]):
+                if any(b != NULL_BLOCK for b in block_ids[g][hit.first_page : first]):
                     job.doomed = f"vLLM wants {pool.name} KV before the pages the fabric holds"
             job.moves.append(PoolMove(pool, slots, per_group))
-        if hit.pages * self.plan.page_size != num_external_tokens + hit.first_page * self.plan.page_size:
+        if (
+            hit.pages * self.plan.page_size
+            != num_external_tokens + hit.first_page * self.plan.page_size
+        ):
             job.doomed = job.doomed or "vLLM admitted a different number of tokens than offered"
         self.meta.loads.append(job)
         ps = self.plan.page_size
-        remote = min(self.remote.fetched_pages(rid, hit.pages, hit.first_page) * ps, num_external_tokens)
+        remote = min(
+            self.remote.fetched_pages(rid, hit.pages, hit.first_page) * ps, num_external_tokens
+        )
         load.tokens, load.remote_tokens = num_external_tokens, remote
         load.host_tokens = min(hit.host_pages * ps, num_external_tokens - remote)
         self.loading[rid] = load
         # vLLM's metrics split cached tokens by source: fetched ones as P2P, the rest HOST.
-        self.hit_sources[rid] = {s: n for s, n in ((CacheHitSource.P2P, remote),
-                                                   (CacheHitSource.HOST, num_external_tokens - remote)) if n}
+        self.hit_sources[rid] = {
+            s: n
+            for s, n in (
+                (CacheHitSource.P2P, remote),
+                (CacheHitSource.HOST, num_external_tokens - remote),
+            )
+            if n
+        }
 
     # --- each step ---------------------------------------------------------------------
     def on_new_request(self, request) -> None:
-        self.prompts[request.request_id] = (list(request.prompt_token_ids or []), _namespace(request))
+        self.prompts[request.request_id] = (
+            list(request.prompt_token_ids or []),
+            _namespace(request),
+        )
 
     def hit_sources_of(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         sources = self.hit_sources.pop(request.request_id, {})
-        return sources if sum(sources.values()) == num_external_tokens else \
-            ({CacheHitSource.HOST: num_external_tokens} if num_external_tokens else {})
+        return (
+            sources
+            if sum(sources.values()) == num_external_tokens
+            else ({CacheHitSource.HOST: num_external_tokens} if num_external_tokens else {})
+        )
 
     def build_meta(self, scheduler_output) -> FabricMeta:
         self.remote.wait_if_idle(scheduler_output.total_num_scheduled_tokens)
@@ -224,8 +253,9 @@ class SchedulerSide(SchedulerSaves):
         n = min(request.num_computed_tokens, len(tokens)) // self.plan.page_size
         if n <= has:
             return False, None
-        return self._save(rid, f"{rid}/end", tokens, _namespace(request), block_ids, n,
-                          ends_request=True, has=has), None
+        return self._save(
+            rid, f"{rid}/end", tokens, _namespace(request), block_ids, n, ends_request=True, has=has
+        ), None
 
     def shutdown(self) -> None:
         """The engine is going: its node unmaps the staging pages (the worker unlinks them)."""

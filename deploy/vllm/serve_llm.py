@@ -11,6 +11,7 @@ Serve places the replicas; an LLMConfig is written before that. So a callback
 (`FabricNodeCallback`) runs in each replica before its engine starts and points the
 engine at its own node's actor, and gives it a KV-event socket of its own.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -20,15 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray import serve
-from ray.llm._internal.common.callbacks.base import CallbackBase
-from ray.serve.llm import LLMConfig, build_openai_app
-
 from kvfabric.actors import NodeConfig
 from kvfabric.actors.directory import node_actor_name
 from kvfabric.deploy.serve.app import AppArgsError, args_of, ensure_fabric_for
 from kvfabric.deploy.serve.tenants import load_tenants
 from kvfabric.fabric import KVLayout, PoolCapacity, PoolName
+from ray import serve
+from ray.llm._internal.common.callbacks.base import CallbackBase
+from ray.serve.llm import LLMConfig, build_openai_app
 
 from .connector import kv_transfer_config
 from .llm_ingress import FabricLLMIngress
@@ -36,37 +36,51 @@ from .llm_router import FabricLLMRouter
 from .model import ensure_tiny_model
 from .plan import layout_for_model
 
-
 INGRESS_CPUS = 0.25
 
 
 @dataclass(frozen=True)
 class LLMAppArgs:
-    model_dir: str = ""              # a local HF model folder; "": the small full+SWA model, written at first use
+    model_dir: str = (
+        ""  # a local HF model folder; "": the small full+SWA model, written at first use
+    )
     model_id: str = "kvfabric-tiny-vllm"
-    replicas: int = 0                # engines; 0: one per alive Ray node
-    block_size: int = 32             # vLLM's KV block: one fabric page (a multiple of 32 on CPU, 16 on GPU)
+    replicas: int = 0  # engines; 0: one per alive Ray node
+    block_size: int = 32  # vLLM's KV block: one fabric page (a multiple of 32 on CPU, 16 on GPU)
     max_model_len: int = 2048
-    kv_cache_bytes: int = 12 << 20   # each engine's own (device) KV cache
-    device_pages: int = 64           # the node actor's pools, per pool (SWA pools: a quarter)
+    kv_cache_bytes: int = 12 << 20  # each engine's own (device) KV cache
+    device_pages: int = 64  # the node actor's pools, per pool (SWA pools: a quarter)
     host_pages: int = 4096
     shards: int = 2
-    remote: bool = True              # engines fetch longer prefixes from other nodes
-    index_events: bool = True        # engines feed the index their own caches' contents
-    cpus_per_replica: float = 1.0    # Ray places engines by it: more than half a node's CPUs, one per node
-    gpus_per_replica: float = 0.0    # 0: engines on CPU; else each engine's GPUs (vLLM's CUDA build)
-    gpu_memory_utilization: float = 0.9   # GPU engines: the share of a GPU's memory each may take
+    remote: bool = True  # engines fetch longer prefixes from other nodes
+    index_events: bool = True  # engines feed the index their own caches' contents
+    cpus_per_replica: float = (
+        1.0  # Ray places engines by it: more than half a node's CPUs, one per node
+    )
+    gpus_per_replica: float = 0.0  # 0: engines on CPU; else each engine's GPUs (vLLM's CUDA build)
+    gpu_memory_utilization: float = 0.9  # GPU engines: the share of a GPU's memory each may take
     # API keys -> the cache_salts (namespaces) each may use (deploy/serve/tenants.py); an absolute
     # path on every node, read when the ingress starts. "": any client picks its salt.
     tenants_file: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model_dir, str) or (self.model_dir and not Path(self.model_dir).is_absolute()):
-            raise AppArgsError(f"model_dir must be an absolute path or empty, got {self.model_dir!r}")
+        if not isinstance(self.model_dir, str) or (
+            self.model_dir and not Path(self.model_dir).is_absolute()
+        ):
+            raise AppArgsError(
+                f"model_dir must be an absolute path or empty, got {self.model_dir!r}"
+            )
         if not isinstance(self.model_id, str) or not self.model_id:
             raise AppArgsError(f"model_id must be a non-empty string, got {self.model_id!r}")
-        for f, low in (("replicas", 0), ("block_size", 16), ("max_model_len", 64), ("kv_cache_bytes", 1 << 20),
-                       ("device_pages", 1), ("host_pages", 0), ("shards", 1)):
+        for f, low in (
+            ("replicas", 0),
+            ("block_size", 16),
+            ("max_model_len", 64),
+            ("kv_cache_bytes", 1 << 20),
+            ("device_pages", 1),
+            ("host_pages", 0),
+            ("shards", 1),
+        ):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise AppArgsError(f"{f} must be an int >= {low}, got {v!r}")
@@ -78,14 +92,21 @@ class LLMAppArgs:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise AppArgsError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
-        multiple = 16 if g else 32          # vLLM's CUDA and CPU kernels' block sizes
+        multiple = 16 if g else 32  # vLLM's CUDA and CPU kernels' block sizes
         if self.block_size % multiple:
-            raise AppArgsError(f"block_size must be a multiple of {multiple} on {self.device()}, got {self.block_size}")
+            raise AppArgsError(
+                f"block_size must be a multiple of {multiple} on {self.device()}, got "
+                f"{self.block_size}"
+            )
         for f in ("remote", "index_events"):
             if not isinstance(getattr(self, f), bool):
                 raise AppArgsError(f"{f} must be a bool, got {getattr(self, f)!r}")
-        if not isinstance(self.tenants_file, str) or (self.tenants_file and not Path(self.tenants_file).is_absolute()):
-            raise AppArgsError(f"tenants_file must be an absolute path or empty, got {self.tenants_file!r}")
+        if not isinstance(self.tenants_file, str) or (
+            self.tenants_file and not Path(self.tenants_file).is_absolute()
+        ):
+            raise AppArgsError(
+                f"tenants_file must be an absolute path or empty, got {self.tenants_file!r}"
+            )
 
     @classmethod
     def from_dict(cls, args: dict | None) -> "LLMAppArgs":
@@ -139,9 +160,14 @@ def llm_config(args: LLMAppArgs) -> LLMConfig:
     # The node actor and the Ray address are filled in on the replica's node.
     if args.index_events:
         engine["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq"}
-    router = {"request_router_class": FabricLLMRouter,
-              "request_router_kwargs": {"model_dir": args.model(), "block_size": args.block_size,
-                                        "device": args.device()}}
+    router = {
+        "request_router_class": FabricLLMRouter,
+        "request_router_kwargs": {
+            "model_dir": args.model(),
+            "block_size": args.block_size,
+            "device": args.device(),
+        },
+    }
     return _config(args, engine, router, callback_config={"callback_class": FabricNodeCallback})
 
 
@@ -149,6 +175,7 @@ def baseline_llm_config(args: LLMAppArgs) -> LLMConfig:
     """What users run without the fabric: the same engines with vLLM's own prefix cache
     only, ranked by Ray Serve LLM's PrefixCacheAffinityRouter (its defaults)."""
     from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+
     return _config(args, {}, {"request_router_class": PrefixCacheAffinityRouter})
 
 
@@ -156,27 +183,41 @@ def _config(args: LLMAppArgs, engine: dict, router: dict, **extra) -> LLMConfig:
     replicas = args.replicas or sum(1 for n in ray.nodes() if n["Alive"])
     # The engine computes in the dtype the nodes store (the model config's); CUDA graphs
     # only on a GPU (the CPU backend runs eager).
-    engine = {"enforce_eager": not args.gpus_per_replica, "dtype": args.layout().dtype,
-              "max_model_len": args.max_model_len,
-              "block_size": args.block_size, "kv_cache_memory_bytes": args.kv_cache_bytes,
-              "enable_prefix_caching": True,
-              # Answers say how many prompt tokens came from a cache (usage.prompt_tokens_details).
-              "enable_prompt_tokens_details": True, **engine}
+    engine = {
+        "enforce_eager": not args.gpus_per_replica,
+        "dtype": args.layout().dtype,
+        "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+        "kv_cache_memory_bytes": args.kv_cache_bytes,
+        "enable_prefix_caching": True,
+        # Answers say how many prompt tokens came from a cache (usage.prompt_tokens_details).
+        "enable_prompt_tokens_details": True,
+        **engine,
+    }
     if args.gpus_per_replica:
         engine["gpu_memory_utilization"] = args.gpu_memory_utilization
-    return LLMConfig(model_loading_config={"model_id": args.model_id, "model_source": args.model()},
-                     engine_kwargs=engine,
-                     # The replica's own CPU is counted in its engine's bundle (Serve LLM adds
-                     # the two): `cpus_per_replica` is what one engine takes of a node.
-                     deployment_config={"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0},
-                                        "request_router_config": router},
-                     placement_group_config={"bundles": [args.bundle()]}, **extra)
+    return LLMConfig(
+        model_loading_config={"model_id": args.model_id, "model_source": args.model()},
+        engine_kwargs=engine,
+        # The replica's own CPU is counted in its engine's bundle (Serve LLM adds
+        # the two): `cpus_per_replica` is what one engine takes of a node.
+        deployment_config={
+            "num_replicas": replicas,
+            "ray_actor_options": {"num_cpus": 0},
+            "request_router_config": router,
+        },
+        placement_group_config={"bundles": [args.bundle()]},
+        **extra,
+    )
 
 
 def build_llm_app(args: LLMAppArgs) -> serve.Application:
     """The fabric's app (the fabric must be up for the model's layout): its engines, and
     the OpenAI ingress with the tenant table when there is one."""
-    ingress = {"ingress_cls": FabricLLMIngress, "ingress_extra_kwargs": {"tenants_file": args.tenants_file}}
+    ingress = {
+        "ingress_cls": FabricLLMIngress,
+        "ingress_extra_kwargs": {"tenants_file": args.tenants_file},
+    }
     return _app(llm_config(args), ingress_cls_config=ingress)
 
 
@@ -187,14 +228,19 @@ def build_baseline_app(args: LLMAppArgs) -> serve.Application:
 
 def _app(config: LLMConfig, **builder: Any) -> serve.Application:
     # The ingress only parses and forwards HTTP (Serve LLM asks a whole CPU by default).
-    return build_openai_app({"llm_configs": [config], **builder,
-                             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": INGRESS_CPUS}}})
+    return build_openai_app(
+        {
+            "llm_configs": [config],
+            **builder,
+            "ingress_deployment_config": {"ray_actor_options": {"num_cpus": INGRESS_CPUS}},
+        }
+    )
 
 
 def llm_app_builder(args: dict) -> serve.Application:
     """Serve's application builder: validated args -> fabric up -> the app."""
     parsed = LLMAppArgs.from_dict(args)
     if parsed.tenants_file:
-        load_tenants(parsed.tenants_file)     # a bad table fails the deploy, not each replica
+        load_tenants(parsed.tenants_file)  # a bad table fails the deploy, not each replica
     ensure_fabric_for(parsed.node_config(), parsed.shards)
     return build_llm_app(parsed)

@@ -3,22 +3,23 @@
 vLLM gives one tensor per layer, which block_format.py views as [blocks, kv_heads, 2,
 block_size, head_dim] whatever the backend; a fabric page of a pool is [layers, 2, page,
 kv_heads, head_dim], in host memory shared with the node actor. On a GPU the blocks are
-in device memory and each copy crosses to the host once per layer and job. All copies of a step's jobs happen in
-start_load_kv (loads, for requests waiting outside the batch) and wait_for_save (saves
+in device memory and each copy crosses to the host once per layer and job. All copies of a
+step's jobs happen in start_load_kv (loads, for requests waiting outside the batch) and
+wait_for_save (saves
 of finished requests, whose blocks vLLM keeps until we report them sent), so no
 layer hook does any work.
 """
+
 from __future__ import annotations
 
 import logging
 
 import torch
-
 from kvfabric.fabric import PoolName
 from kvfabric.transport.staging import SharedPages, StagingSpec
 
 from .block_format import BlockFormat
-from .jobs import CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, ConnectorStep
+from .jobs import ConnectorStep, CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta
 from .plan import EnginePlan, LayerSlot
 
 log = logging.getLogger(__name__)
@@ -28,10 +29,10 @@ class WorkerSide:
     def __init__(self, plan: EnginePlan, settings: FabricSettings, spec: StagingSpec) -> None:
         self.plan = plan
         self.settings = settings
-        self.step_hook = settings.make_step_hook()      # tests, chaos: fail a load or save here
+        self.step_hook = settings.make_step_hook()  # tests, chaos: fail a load or save here
         self.spec = spec
         self.shared: SharedPages | None = None
-        self.views: dict[str, torch.Tensor] = {}       # layer -> [blocks, H, 2, page, D]
+        self.views: dict[str, torch.Tensor] = {}  # layer -> [blocks, H, 2, page, D]
         self.by_pool: dict[PoolName, list[LayerSlot]] = {p: [] for p in plan.layout.pools}
         for slot in plan.layers:
             self.by_pool[slot.pool].append(slot)
@@ -45,7 +46,9 @@ class WorkerSide:
         lay = self.plan.layout
         for slot in self.plan.layers:
             try:
-                self.views[slot.name] = fmt.view(kv_caches[slot.name], lay.kv_heads, lay.page_size, lay.head_dim)
+                self.views[slot.name] = fmt.view(
+                    kv_caches[slot.name], lay.kv_heads, lay.page_size, lay.head_dim
+                )
             except RuntimeError as e:
                 raise RuntimeError(f"{slot.name} ({fmt.value}): {e}") from None
         self.shared = SharedPages(self.spec, lay)
@@ -59,7 +62,7 @@ class WorkerSide:
                 if self.step_hook is not None:
                     self.step_hook(ConnectorStep.WORKER_LOAD)
                 self._copy(job, to_blocks=True)
-            except Exception as e:       # reported as a failed receive: vLLM recomputes
+            except Exception as e:  # reported as a failed receive: vLLM recomputes
                 log.warning("fabric load failed for %s: %r", job.req_id, e)
                 self.failed_recving.add(job.req_id)
             self.finished_recving.add(job.req_id)
@@ -72,7 +75,7 @@ class WorkerSide:
                     self.step_hook(ConnectorStep.WORKER_SAVE)
                 self._copy(job, to_blocks=False)
                 self.saved.add(job.key)
-            except Exception as e:       # nothing stored; the blocks are freed all the same
+            except Exception as e:  # nothing stored; the blocks are freed all the same
                 log.warning("fabric save failed for %s: %r", job.key, e)
                 self.failed_saves.add(job.key)
             if job.ends_request:
@@ -88,9 +91,11 @@ class WorkerSide:
                 if not keep:
                     continue
                 view = self.views[slot.name]
-                block_idx = torch.tensor([blocks[i] for i in keep], dtype=torch.long, device=view.device)
+                block_idx = torch.tensor(
+                    [blocks[i] for i in keep], dtype=torch.long, device=view.device
+                )
                 slot_idx = torch.tensor([move.slots[i] for i in keep], dtype=torch.long)
-                layer_pages = staging[:, slot.index]          # [slots, 2, page, H, D]
+                layer_pages = staging[:, slot.index]  # [slots, 2, page, H, D]
                 if to_blocks:
                     pages = layer_pages.index_select(0, slot_idx).permute(0, 3, 1, 2, 4)
                     view.index_copy_(0, block_idx, pages.to(view.device))

@@ -1,4 +1,5 @@
 """Page-index allocator: O(1) alloc, free and take, with misuse detected."""
+
 from __future__ import annotations
 
 
@@ -64,13 +65,18 @@ class PageAllocator:
 
     def _check(self, indices: list[int], want_used: bool) -> None:
         unique = set(indices)
-        if len(unique) == len(indices) and (unique <= self._used if want_used else unique.isdisjoint(self._used)) \
-                and all(type(i) is int and 0 <= i < self.capacity for i in unique):
+        if (
+            len(unique) == len(indices)
+            and (unique <= self._used if want_used else unique.isdisjoint(self._used))
+            and all(type(i) is int and 0 <= i < self.capacity for i in unique)
+        ):
             return
         seen = set()
         for i in indices:
             if not isinstance(i, int) or not 0 <= i < self.capacity:
-                raise AllocatorError(f"page {i!r} is not in this allocator (capacity {self.capacity})")
+                raise AllocatorError(
+                    f"page {i!r} is not in this allocator (capacity {self.capacity})"
+                )
             if i in seen or (i in self._used) != want_used:
                 state = "free" if want_used else "in use"
                 raise AllocatorError(f"page {i} is already {state}")

@@ -5,6 +5,7 @@ the publisher restates everything the node holds instead (a cleared batch), whic
 costs no more than sending that many changes. It starts overflowed, as a
 publisher's first batch states everything anyway: a node that does not publish
 yet (no index attached) lists nothing however much it changes."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterable
@@ -16,8 +17,8 @@ if TYPE_CHECKING:
 class ChangeLog:
     def __init__(self, limit: Callable[[], int]) -> None:
         self.limit = limit
-        self.keys: list[bytes] = []                          # may repeat a key
-        self.removed: dict[bytes, tuple["TreeNode", int]] = {}   # key -> (detached node, offset)
+        self.keys: list[bytes] = []  # may repeat a key
+        self.removed: dict[bytes, tuple["TreeNode", int]] = {}  # key -> (detached node, offset)
         self.overflowed = True
 
     def touched(self, keys: Iterable[bytes]) -> None:

@@ -1,4 +1,5 @@
 """The invariant checker any test can call, and a snapshot for equality checks."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -86,26 +87,37 @@ def check_invariants(cache: "NodeCache") -> None:
             alloc = entry.tier(tier).allocator
             name = f"{entry.name.name}/{tier.name}"
             if alloc.free_count + alloc.used_count != alloc.capacity:
-                _fail(f"{name}: free {alloc.free_count} + used {alloc.used_count} != capacity {alloc.capacity}")
+                _fail(
+                    f"{name}: free {alloc.free_count} + used {alloc.used_count} != capacity "
+                    f"{alloc.capacity}"
+                )
             used = alloc.used_indices()
             held = set(owners[(entry.name, tier)])
             if used != held:
                 leaked, unallocated = sorted(used - held)[:8], sorted(held - used)[:8]
-                _fail(f"{name}: pages used but owned by nobody {leaked}, owned but not allocated {unallocated}")
+                _fail(
+                    f"{name}: pages used but owned by nobody {leaked}, owned but not allocated "
+                    f"{unallocated}"
+                )
             if tree.owned[tier][entry.name] != owned[tier][entry.name]:
-                _fail(f"{name}: tree counts {tree.owned[tier][entry.name]} owned pages, "
-                      f"found {owned[tier][entry.name]}")
+                _fail(
+                    f"{name}: tree counts {tree.owned[tier][entry.name]} owned pages, "
+                    f"found {owned[tier][entry.name]}"
+                )
             if tree.protected[tier][entry.name] != protected[tier][entry.name]:
-                _fail(f"{name}: tree counts {tree.protected[tier][entry.name]} protected pages, "
-                      f"found {protected[tier][entry.name]}")
+                _fail(
+                    f"{name}: tree counts {tree.protected[tier][entry.name]} protected pages, "
+                    f"found {protected[tier][entry.name]}"
+                )
 
 
 @dataclass(frozen=True)
 class PageAudit:
     """Page ownership counted over every pool and tier (all 0 when healthy)."""
-    leaked: int            # allocated, but no tree slot, transaction or quarantine holds it
-    double_owned: int      # held by two owners at once
-    unallocated: int       # held, but free in its allocator
+
+    leaked: int  # allocated, but no tree slot, transaction or quarantine holds it
+    double_owned: int  # held by two owners at once
+    unallocated: int  # held, but free in its allocator
 
 
 def page_audit(cache: "NodeCache") -> PageAudit:
@@ -147,8 +159,11 @@ def snapshot(cache: "NodeCache") -> tuple:
         for where, indices in q.pages.items():
             held[where].update(indices)
     # Quarantined pages are neither in the tree nor usable: free, for what a failed step left.
-    allocs = tuple((e.name, t, frozenset(e.tier(t).allocator.used_indices() - held[(e.name, t)]))
-                   for e in cache.registry for t in TIERS)
+    allocs = tuple(
+        (e.name, t, frozenset(e.tier(t).allocator.used_indices() - held[(e.name, t)]))
+        for e in cache.registry
+        for t in TIERS
+    )
     return tuple(sorted(pages)), allocs, tuple(map(tuple, cache.tree.protected))
 
 

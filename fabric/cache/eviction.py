@@ -3,6 +3,7 @@
 Groups of pages come from the pool's policy (locked nodes are never
 candidates). Device pages may be written back to the host tier instead of
 dropped. A node left without the pages that keep it meaningful is pruned."""
+
 from __future__ import annotations
 
 import heapq
@@ -10,15 +11,20 @@ from typing import TYPE_CHECKING, Callable
 
 from .layout import PoolName, Tier
 from .policies import AttentionPolicy
-from .radix import ABSENT, TIERS, TreeNode, RadixTree
+from .radix import ABSENT, TIERS, RadixTree, TreeNode
 
 if TYPE_CHECKING:
     from .txn import Transaction
 
 
 class Evictor:
-    def __init__(self, tree: RadixTree, policy: AttentionPolicy, pools: tuple[PoolName, ...],
-                 write_back: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        tree: RadixTree,
+        policy: AttentionPolicy,
+        pools: tuple[PoolName, ...],
+        write_back: Callable[[], bool],
+    ) -> None:
         self.tree = tree
         self.policy = policy
         self.pools = pools
@@ -43,9 +49,13 @@ class Evictor:
             offsets = [j for j in offsets if pages is not None and pages[j] != ABSENT]
             if not offsets or not policy.is_evictable(node, tier, demote):
                 continue
-            if demote and not self._write_back(node, offsets, txn) and not policy.is_evictable(node, tier):
+            if (
+                demote
+                and not self._write_back(node, offsets, txn)
+                and not policy.is_evictable(node, tier)
+            ):
                 continue  # no host room, and dropping would break prefix closure
-            parent = node.up          # a node with pages is never a namespace root
+            parent = node.up  # a node with pages is never a namespace root
             self.tree.drop_pages(node, tier, pool, offsets, txn)
             self.evicted += len(offsets)
             freed += len(offsets) + prune(self.tree, self.pools, node, txn, count=(tier, pool))
@@ -56,6 +66,7 @@ class Evictor:
     def _write_back(self, node: TreeNode, offsets: list[int], txn: "Transaction") -> bool:
         """Copy the pages at `offsets` to host where they have no host copy yet."""
         from .txn import ReservationFailed
+
         pool = self.policy.pool
         host = node.slots[Tier.HOST][pool]
         todo = [j for j in offsets if host is None or host[j] == ABSENT]
@@ -78,8 +89,13 @@ def is_dead(pools: tuple[PoolName, ...], node: TreeNode) -> bool:
     return not node.has(pools[0])
 
 
-def prune(tree: RadixTree, pools: tuple[PoolName, ...], node: TreeNode, txn: "Transaction | None",
-          count: tuple[Tier, PoolName]) -> int:
+def prune(
+    tree: RadixTree,
+    pools: tuple[PoolName, ...],
+    node: TreeNode,
+    txn: "Transaction | None",
+    count: tuple[Tier, PoolName],
+) -> int:
     """Drop dead nodes' remaining pages and detach dead leaves, walking up
     (journaled in `txn`; with None, final).
 
@@ -106,6 +122,10 @@ def prune_unlocked(tree: RadixTree, pools: tuple[PoolName, ...], nodes: list[Tre
     while locked (and holds no pages of its own) goes once its last lock is gone."""
     step = tree.page_bytes
     for node in reversed(nodes):
-        if not node.children and not any(node.locks) and is_dead(pools, node) \
-                and node.up.children.get(node.tokens[:step]) is node:   # not pruned already
+        if (
+            not node.children
+            and not any(node.locks)
+            and is_dead(pools, node)
+            and node.up.children.get(node.tokens[:step]) is node
+        ):  # not pruned already
             prune(tree, pools, node, None, count=(Tier.DEVICE, pools[0]))

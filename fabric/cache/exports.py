@@ -2,6 +2,7 @@
 each of its pages lies, page checksums, and the device pools a transport registers.
 The exchange and the transport use these and never reach the tree, the pools or the
 policies themselves."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,12 +29,14 @@ DEVICE_ONLY = (Tier.DEVICE,)
 class Loaded:
     """A prefix made device-resident: `pages` usable on the device now (fewer than asked
     when the device had no room), `from_host` of their positions copied up to get there."""
+
     pages: int
     from_host: int
 
 
 class Exports:
     """NodeCache's methods for the exchange (a mixin). What they use of the cache:"""
+
     registry: PoolRegistry
     policies: dict[PoolName, AttentionPolicy]
     tiers: TierController
@@ -43,8 +46,13 @@ class Exports:
         """Give what a match of `n` pages needs a device copy (the caller holds it locked)."""
         path = [x for x in match.path if x.start < n]
         needs = {p: groups(path, pol.needed(n)) for p, pol in self.policies.items()}
-        from_host = {x.start + j for p, found in needs.items() for x, offs in found for j in offs
-                     if not x.page_has(j, p, DEVICE_ONLY)}
+        from_host = {
+            x.start + j
+            for p, found in needs.items()
+            for x, offs in found
+            for j in offs
+            if not x.page_has(j, p, DEVICE_ONLY)
+        }
         if not self.tiers.load_back(needs):
             return Loaded(self.usable(path, n, DEVICE_ONLY), 0)
         return Loaded(n, len(from_host))

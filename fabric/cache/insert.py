@@ -5,6 +5,7 @@ pages they plan to fill (a put stores what its policies keep and the device lack
 fetch, what a usable match needs and no tier holds) and in where the bytes come from.
 Both then commit the same way: keep the path from eviction while making room, reserve,
 fill, attach the new run, place the pages, commit, whole or not at all."""
+
 from __future__ import annotations
 
 from bisect import bisect_left
@@ -36,12 +37,12 @@ Fill = Callable[[Reserved, Callable[[], None]], "T | None"]
 @dataclass
 class InsertPlan:
     keyer: PageKeyer
-    raw: bytes                            # the packed tokens of the stored pages
-    path: list[TreeNode]                  # what the tree has of them, split at `present_pages`
-    present_pages: int                    # pages already in the tree
-    pages: int                            # pages stored once the insert commits
-    keep: Mapping[PoolName, Sequence[int]]   # positions the insert keeps: locked while it makes room
-    todo: dict[PoolName, list[int]]       # of those, the pages to fill
+    raw: bytes  # the packed tokens of the stored pages
+    path: list[TreeNode]  # what the tree has of them, split at `present_pages`
+    present_pages: int  # pages already in the tree
+    pages: int  # pages stored once the insert commits
+    keep: Mapping[PoolName, Sequence[int]]  # positions the insert keeps: locked while it makes room
+    todo: dict[PoolName, list[int]]  # of those, the pages to fill
 
     @property
     def empty(self) -> bool:
@@ -50,6 +51,7 @@ class InsertPlan:
 
 class Inserts:
     """NodeCache's insert path (a mixin). What it uses of the cache:"""
+
     tree: RadixTree
     registry: PoolRegistry
     policies: dict[PoolName, AttentionPolicy]
@@ -62,8 +64,9 @@ class Inserts:
     unlock_nodes: Callable[[NodeGuard], None]
     quarantine: Callable[[Reserved, str | None], None]
 
-    def plan_store(self, tokens: Sequence[int], namespace: str,
-                   first: dict[PoolName, int]) -> InsertPlan:
+    def plan_store(
+        self, tokens: Sequence[int], namespace: str, first: dict[PoolName, int]
+    ) -> InsertPlan:
         """A put's plan: the pages each policy keeps of `tokens` (rows from `first[pool]`
         on) that lack a device copy."""
         keyer, raw = self.keyer(namespace), encode_tokens(tokens)
@@ -83,19 +86,26 @@ class Inserts:
         keep = {p: pol.needed(pages) for p, pol in self.policies.items()}
         return self._plan(keyer, raw, path, m, pages, keep, TIERS)
 
-    def _walk(self, keyer: PageKeyer, raw: bytes, n: int,
-              splits) -> tuple[list[TreeNode], int]:
+    def _walk(self, keyer: PageKeyer, raw: bytes, n: int, splits) -> tuple[list[TreeNode], int]:
         tree = self.tree
         path, m = tree.walk(keyer.root, raw[: n * tree.page_bytes])
         if path and m < path[-1].end:
             tree.split_at(path, m)
             path.pop()
-        for f in splits:      # full KV moves whole nodes: rows start at a node boundary
+        for f in splits:  # full KV moves whole nodes: rows start at a node boundary
             tree.split_at(path, f)
         return path, m
 
-    def _plan(self, keyer: PageKeyer, raw: bytes, path: list[TreeNode], m: int, n: int,
-              keep: Mapping[PoolName, Sequence[int]], present: tuple[Tier, ...]) -> InsertPlan:
+    def _plan(
+        self,
+        keyer: PageKeyer,
+        raw: bytes,
+        path: list[TreeNode],
+        m: int,
+        n: int,
+        keep: Mapping[PoolName, Sequence[int]],
+        present: tuple[Tier, ...],
+    ) -> InsertPlan:
         todo = {p: missing(path, pos, p, present) for p, pos in keep.items()}
         return InsertPlan(keyer, raw[: n * self.tree.page_bytes], path, m, n, keep, todo)
 
@@ -112,25 +122,32 @@ class Inserts:
         try:
             got = txn.reserve_all({(p, Tier.DEVICE): len(pos) for p, pos in plan.todo.items()})
             txn.seal()
-            failed = fill(got, lambda: txn.rollback(hold=lambda pages: self.quarantine(pages, writer)))
+            failed = fill(
+                got, lambda: txn.rollback(hold=lambda pages: self.quarantine(pages, writer))
+            )
             if failed is not None:
-                return failed     # the reserved pages may be half written: freed (or held), never read
+                return failed  # the reserved pages may be half written: freed (or held), never read
             nodes = list(path)
             if m < n:
                 parent = path[-1] if path else tree.root(plan.keyer.root)
-                nodes.append(txn.attach(parent, plan.keyer.chain(plan.raw, parent.keys[-1], m),
-                                        plan.raw[m * tree.page_bytes:]))
+                nodes.append(
+                    txn.attach(
+                        parent,
+                        plan.keyer.chain(plan.raw, parent.keys[-1], m),
+                        plan.raw[m * tree.page_bytes :],
+                    )
+                )
             for pool, positions in plan.todo.items():
                 for node, offsets, pages in by_node(nodes, positions, got[(pool, Tier.DEVICE)]):
                     txn.place(node, Tier.DEVICE, pool, offsets, pages)
             txn.commit()
         finally:
-            txn.rollback()        # a no-op once committed: whatever failed, nothing stays half done
+            txn.rollback()  # a no-op once committed: whatever failed, nothing stays half done
             if guard is not None:
                 self.unlock_nodes(guard)
         tree.touch(nodes)
         self._stats.inserted_pages += n - m
-        self.tiers.after_insert(nodes[len(path):])
+        self.tiers.after_insert(nodes[len(path) :])
         return None
 
     def _fits(self, todo: dict[PoolName, list[int]]) -> bool:
@@ -140,9 +157,13 @@ class Inserts:
 
     def _guard(self, path: list[TreeNode], keep: Mapping[PoolName, Sequence[int]]) -> NodeGuard:
         """Lock what an insert keeps of the existing path while it makes room."""
-        held = {pool: [x for x in path if bisect_left(positions, x.start) < bisect_left(positions, x.end)]
-                for pool, positions in keep.items()}
+        held = {
+            pool: [
+                x for x in path if bisect_left(positions, x.start) < bisect_left(positions, x.end)
+            ]
+            for pool, positions in keep.items()
+        }
         primary = held[self.primary_pool]
         if path and path[-1] not in primary[-1:]:
-            primary.append(path[-1])   # new nodes hang below it: eviction must not prune it
+            primary.append(path[-1])  # new nodes hang below it: eviction must not prune it
         return self.lock_nodes(held)

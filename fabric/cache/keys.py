@@ -7,6 +7,7 @@ Two implementations give the same bytes and the same errors: the C extension
 (fabric/cache/csrc/, one call per request) and the pure-Python reference below;
 KVF_NATIVE picks one per process (native.py).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +20,7 @@ from . import native
 from .native import KeysExtension
 
 KEY_BYTES = 16
-MAX_PAGE_SIZE = 1 << 20     # a sanity bound: page_size * 4 bytes must fit any index type
+MAX_PAGE_SIZE = 1 << 20  # a sanity bound: page_size * 4 bytes must fit any index type
 
 # Token ids: a sequence of ints (list, tuple, range) or a 1-D buffer of integers
 # (array('q'), a numpy array, bytes); any sized iterable of ints is packed too.
@@ -33,8 +34,10 @@ class KeyError_(ValueError):
 EXT: KeysExtension | None = native.KEYS
 if EXT is not None:
     if (EXT.KEY_BYTES, EXT.MAX_PAGE_SIZE) != (KEY_BYTES, MAX_PAGE_SIZE):
-        raise ImportError(f"the native extension is stale (KEY_BYTES {EXT.KEY_BYTES}, MAX_PAGE_SIZE "
-                          f"{EXT.MAX_PAGE_SIZE}): rebuild it with `pip install -e .`")
+        raise ImportError(
+            f"the native extension is stale (KEY_BYTES {EXT.KEY_BYTES}, MAX_PAGE_SIZE "
+            f"{EXT.MAX_PAGE_SIZE}): rebuild it with `pip install -e .`"
+        )
     EXT.set_error(KeyError_)
 
 
@@ -70,7 +73,7 @@ def _token_error(tokens: Tokens) -> str:
             v = operator.index(t)
         except TypeError:
             return f"tokens must be int32 token ids: token {i} is {t!r}, not an int"
-        if not -2**31 <= v < 2**31:
+        if not -(2**31) <= v < 2**31:
             return f"tokens must be int32 token ids: token {i} is {v}, outside int32"
     if len(items) != n:
         return "tokens must be int32 token ids: their length changed while packing"
@@ -83,10 +86,13 @@ class PageKeyer:
 
     __slots__ = ("page_size", "page_bytes", "key", "root", "_hasher", "_ext")
 
-    def __init__(self, namespace: str, fingerprint: bytes, page_size: int, *,
-                 native: bool | None = None) -> None:
+    def __init__(
+        self, namespace: str, fingerprint: bytes, page_size: int, *, native: bool | None = None
+    ) -> None:
         if type(page_size) is not int or not 1 <= page_size <= MAX_PAGE_SIZE:
-            raise KeyError_(f"page_size must be an int from 1 to {MAX_PAGE_SIZE}, got {page_size!r}")
+            raise KeyError_(
+                f"page_size must be an int from 1 to {MAX_PAGE_SIZE}, got {page_size!r}"
+            )
         if not isinstance(fingerprint, bytes):
             raise KeyError_(f"fingerprint must be bytes, got {type(fingerprint).__name__}")
         if native and EXT is None:
@@ -104,8 +110,9 @@ class PageKeyer:
         """Keys of every whole page of `tokens`; a trailing partial page has none."""
         return self.pack(tokens, start_key)[1]
 
-    def pack(self, tokens: Tokens, prev: bytes | None = None,
-             first_page: int = 0) -> tuple[bytes, list[bytes]]:
+    def pack(
+        self, tokens: Tokens, prev: bytes | None = None, first_page: int = 0
+    ) -> tuple[bytes, list[bytes]]:
         """`tokens` packed (encode_tokens) and the keys of their whole pages from
         `first_page` on, chained from `prev` (as `chain`): one native call."""
         prev = self.root if prev is None else prev
@@ -125,7 +132,9 @@ class PageKeyer:
         try:
             view = memoryview(raw).cast("B")
         except TypeError:
-            raise KeyError_(f"raw must be a contiguous bytes-like object, got {type(raw).__name__}") from None
+            raise KeyError_(
+                f"raw must be a contiguous bytes-like object, got {type(raw).__name__}"
+            ) from None
         return self._chain_py(view, prev, first_page)
 
     def _chain_py(self, view: memoryview, prev: bytes, first_page: int) -> list[bytes]:
@@ -136,7 +145,7 @@ class PageKeyer:
         for off in range(first_page * step, len(view) - step + 1, step):
             h = copy()
             h.update(prev)
-            h.update(view[off:off + step])
+            h.update(view[off : off + step])
             prev = h.digest()
             append(prev)
         return out

@@ -1,4 +1,5 @@
 """Model KV layout: which layers are full or sliding-window, and page geometry."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,6 +16,7 @@ class LayerKind(str, Enum):
 
 class PoolName(IntEnum):
     """A pool holds one page of K/V for every layer of one attention kind."""
+
     FULL = 0
     SWA = 1
 
@@ -40,19 +42,21 @@ class KVLayout:
     A page of a pool holds K and V of every layer of that pool's kind for
     `page_size` tokens: shape [layers_in_pool, 2, page_size, kv_heads, head_dim].
     """
+
     layers: tuple[LayerKind, ...]
     kv_heads: int
     head_dim: int
     page_size: int
-    window: int = 0          # sliding window in tokens, used by SWA layers
+    window: int = 0  # sliding window in tokens, used by SWA layers
     dtype: str = "float32"
     # What else makes two caches' bytes incompatible: an engine's model and KV tensor
     # layout (e.g. "vllm:CPU_ATTN:<model>"). Empty for the fabric's own engine.
     tag: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layers, (tuple, list)) \
-                or not all(isinstance(k, LayerKind) or (isinstance(k, str) and k in _KINDS) for k in self.layers):
+        if not isinstance(self.layers, (tuple, list)) or not all(
+            isinstance(k, LayerKind) or (isinstance(k, str) and k in _KINDS) for k in self.layers
+        ):
             raise LayoutError(f"layers must be a sequence of {sorted(_KINDS)}, got {self.layers!r}")
         object.__setattr__(self, "layers", tuple(LayerKind(k) for k in self.layers))
         if not self.layers:
@@ -103,15 +107,28 @@ class KVLayout:
 
     @property
     def fingerprint(self) -> bytes:
-        text = "|".join([",".join(k.value for k in self.layers), str(self.kv_heads),
-                         str(self.head_dim), str(self.page_size), str(self.window), self.dtype]
-                        + ([self.tag] if self.tag else []))
+        text = "|".join(
+            [
+                ",".join(k.value for k in self.layers),
+                str(self.kv_heads),
+                str(self.head_dim),
+                str(self.page_size),
+                str(self.window),
+                self.dtype,
+            ]
+            + ([self.tag] if self.tag else [])
+        )
         return hashlib.blake2b(text.encode(), digest_size=16, person=b"kvf-layout").digest()
 
     def to_dict(self) -> dict:
-        d = {"layers": [k.value for k in self.layers], "kv_heads": self.kv_heads,
-             "head_dim": self.head_dim, "page_size": self.page_size,
-             "window": self.window, "dtype": self.dtype}
+        d = {
+            "layers": [k.value for k in self.layers],
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "page_size": self.page_size,
+            "window": self.window,
+            "dtype": self.dtype,
+        }
         if self.tag:
             d["tag"] = self.tag
         return d
@@ -126,8 +143,14 @@ class KVLayout:
         if not isinstance(d.get("layers"), (list, tuple)):
             raise LayoutError(f"layers must be a list, got {d.get('layers')!r}")
         try:
-            return cls(layers=tuple(d["layers"]), kv_heads=d["kv_heads"], head_dim=d["head_dim"],
-                       page_size=d["page_size"], window=d.get("window", 0),
-                       dtype=d.get("dtype", "float32"), tag=d.get("tag", ""))
+            return cls(
+                layers=tuple(d["layers"]),
+                kv_heads=d["kv_heads"],
+                head_dim=d["head_dim"],
+                page_size=d["page_size"],
+                window=d.get("window", 0),
+                dtype=d.get("dtype", "float32"),
+                tag=d.get("tag", ""),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise LayoutError(f"bad layout: {e}") from e

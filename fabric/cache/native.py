@@ -4,6 +4,7 @@
 extension, or pure Python with one warning when it cannot load (a checkout that was
 never built). The choice is made once, at import; both paths give the same bytes.
 """
+
 from __future__ import annotations
 
 import enum
@@ -21,16 +22,19 @@ class Mode(enum.Enum):
 
 class KeysExtension(Protocol):
     """What fabric/cache/csrc/pagekeys.c exports (the `_pagekeys` module)."""
+
     KEY_BYTES: int
     MAX_PAGE_SIZE: int
 
     def pack(self, tokens: object, /) -> bytes: ...
 
-    def pack_keys(self, tokens: object, key: bytes, prev: bytes, first_page: int,
-                  page_size: int, /) -> tuple[bytes, list[bytes]]: ...
+    def pack_keys(
+        self, tokens: object, key: bytes, prev: bytes, first_page: int, page_size: int, /
+    ) -> tuple[bytes, list[bytes]]: ...
 
-    def chain(self, raw: object, key: bytes, prev: bytes, first_page: int,
-              page_size: int, /) -> list[bytes]: ...
+    def chain(
+        self, raw: object, key: bytes, prev: bytes, first_page: int, page_size: int, /
+    ) -> list[bytes]: ...
 
     def blake2b(self, data: object, key: bytes, digest_size: int, /) -> bytes: ...
 
@@ -55,22 +59,28 @@ def load(mode: Mode, importer: Callable[[], ModuleType]) -> ModuleType | None:
         return importer()
     except ImportError as e:
         if mode is Mode.ON:
-            raise ImportError(f"KVF_NATIVE=1 but the native extension does not load ({e}); "
-                              "build it with `pip install -e .` or set KVF_NATIVE=0") from e
-        warnings.warn(f"kvfabric: the native extension does not load ({e}); using pure Python "
-                      "(`pip install -e .` builds it; KVF_NATIVE=0 silences this)", RuntimeWarning,
-                      stacklevel=3)
+            raise ImportError(
+                f"KVF_NATIVE=1 but the native extension does not load ({e}); "
+                "build it with `pip install -e .` or set KVF_NATIVE=0"
+            ) from e
+        warnings.warn(
+            f"kvfabric: the native extension does not load ({e}); using pure Python "
+            "(`pip install -e .` builds it; KVF_NATIVE=0 silences this)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
 
 
 def _import_keys() -> ModuleType:
     from . import _pagekeys  # type: ignore[attr-defined]  # built C: mypy sees no source
+
     return _pagekeys
 
 
 def load_keys(mode: Mode) -> KeysExtension | None:
     """The keys extension under `mode`, or None for pure Python."""
-    ext: KeysExtension | None = load(mode, _import_keys)    # type: ignore[assignment]
+    ext: KeysExtension | None = load(mode, _import_keys)  # type: ignore[assignment]
     return ext
 
 

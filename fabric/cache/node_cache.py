@@ -1,4 +1,5 @@
 """NodeCache: one node's SWA-aware tiered prefix cache, the facade other layers use."""
+
 from __future__ import annotations
 
 import time
@@ -6,21 +7,22 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import torch
+from kvfabric.fabric.exchange.leases import LeaseTable
 
-from .check import PageAudit, check_invariants, page_audit, snapshot as cache_snapshot
+from .check import PageAudit, check_invariants, page_audit
+from .check import snapshot as cache_snapshot
 from .eviction import Evictor, prune_unlocked
 from .exports import DEVICE_ONLY, Exports
-from .page_views import PageViews
 from .insert import Inserts
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
-from kvfabric.fabric.exchange.leases import LeaseTable
+from .page_views import PageViews
 from .pages import LayerKV, PageCopier, TorchCopier, unpack
+from .paths import groups, within
 from .policies import AttentionPolicy, policies_for
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
+from .radix import TIERS, RadixTree, TreeNode
 from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
-from .paths import groups, within
-from .radix import TIERS, TreeNode, RadixTree
 from .rows import check_kv, first_pages, pack_rows
 from .tiers import TierConfig, TierController
 from .txn import ReservationFailed, ReservationHook, Transaction
@@ -46,26 +48,37 @@ class CacheStats:
 
 
 class NodeCache(Inserts, Exports, PageViews):
-    def __init__(self, layout: KVLayout, capacities: Mapping[PoolName, PoolCapacity], *,
-                 tier: TierConfig = TierConfig(), device: torch.device | str | None = None,
-                 store_bytes: bool = True, copier: PageCopier | None = None,
-                 reserve_hook: ReservationHook | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        capacities: Mapping[PoolName, PoolCapacity],
+        *,
+        tier: TierConfig = TierConfig(),
+        device: torch.device | str | None = None,
+        store_bytes: bool = True,
+        copier: PageCopier | None = None,
+        reserve_hook: ReservationHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.layout = layout
         # The pool whose pages keep a node alive (layout.pools builds a new tuple per call).
         self.primary_pool = layout.pools[0]
         self.registry = PoolRegistry.build(layout, capacities, device, store_bytes)
         reg = self.registry
-        self.tree = RadixTree(layout.page_size * 4,
-                              free_page=lambda p, t, pages: reg.pool(p, t).allocator.free(pages),
-                              take_page=lambda p, t, pages: reg.pool(p, t).allocator.take(pages))
+        self.tree = RadixTree(
+            layout.page_size * 4,
+            free_page=lambda p, t, pages: reg.pool(p, t).allocator.free(pages),
+            take_page=lambda p, t, pages: reg.pool(p, t).allocator.take(pages),
+        )
         self.policies: dict[PoolName, AttentionPolicy] = policies_for(layout)
         self.copier = copier or TorchCopier()
-        self.reserve_hook = reserve_hook      # tests and chaos fail reservations through it
+        self.reserve_hook = reserve_hook  # tests and chaos fail reservations through it
         self.open_txns: set[Transaction] = set()
         self.tiers = TierController(self.registry, tier, self.transaction)
-        self.evictors = {p: Evictor(self.tree, pol, layout.pools, self.tiers.write_back)
-                         for p, pol in self.policies.items()}
+        self.evictors = {
+            p: Evictor(self.tree, pol, layout.pools, self.tiers.write_back)
+            for p, pol in self.policies.items()
+        }
         for entry in self.registry:
             entry.evict = self._eviction_hook(entry)
         self._keyers = KeyerCache(layout.fingerprint, layout.page_size, size=4096)
@@ -83,8 +96,9 @@ class NodeCache(Inserts, Exports, PageViews):
         def make_room(tier: Tier, n: int, txn: Transaction) -> int:
             capacity = entry.tier(tier).capacity
             if n > capacity:
-                return 0          # no eviction can make that much room: spare the walk
+                return 0  # no eviction can make that much room: spare the walk
             return evictor.make_room(tier, n, txn, extra=capacity // EVICTION_BATCH)
+
         return make_room
 
     # --- keys and matching ---------------------------------------------------------
@@ -106,8 +120,13 @@ class NodeCache(Inserts, Exports, PageViews):
         return self._match(path, matched, len(keys))
 
     def _match(self, path: list[TreeNode], matched: int, request_pages: int) -> Match:
-        return Match(path, matched, self.usable(path, matched, TIERS),
-                     self.usable(path, matched, DEVICE_ONLY), request_pages)
+        return Match(
+            path,
+            matched,
+            self.usable(path, matched, TIERS),
+            self.usable(path, matched, DEVICE_ONLY),
+            request_pages,
+        )
 
     def usable(self, path: list[TreeNode], limit: int, tiers: tuple[Tier, ...]) -> int:
         # Policies are visited in pool order, FULL first. Full usability is
@@ -118,7 +137,9 @@ class NodeCache(Inserts, Exports, PageViews):
 
     def presence(self, match: Match, pool: PoolName, tiers: tuple[Tier, ...] = TIERS) -> list[bool]:
         """Per matched page, whether `pool` KV is held on one of `tiers`."""
-        return [n.page_has(j, pool, tiers) for n in match.path for j in range(n.n)][: match.present_pages]
+        return [n.page_has(j, pool, tiers) for n in match.path for j in range(n.n)][
+            : match.present_pages
+        ]
 
     # --- locks ---------------------------------------------------------------------
     def lock(self, match: Match, pages: int | None = None) -> PrefixLock:
@@ -131,7 +152,7 @@ class NodeCache(Inserts, Exports, PageViews):
 
     def _guard_match(self, match: Match, n: int) -> tuple[NodeGuard, dict[PoolName, range]]:
         spans = {p: pol.needed(n) for p, pol in self.policies.items()}
-        for span in spans.values():   # locks are per node: make span ends node boundaries
+        for span in spans.values():  # locks are per node: make span ends node boundaries
             for edge in (span.start, span.stop):
                 self.tree.split_at(match.path, edge)
         return self.lock_nodes(within(match.path, spans)), spans
@@ -155,7 +176,7 @@ class NodeCache(Inserts, Exports, PageViews):
             raise RuntimeError("prefix lock released twice")
         path, matched = self.tree.walk_keys(lock.keys)
         if matched != len(lock.keys):
-            raise RuntimeError("a locked prefix left the tree")   # locks forbid eviction: a bug
+            raise RuntimeError("a locked prefix left the tree")  # locks forbid eviction: a bug
         lock.released = True
         self.unlock_nodes(NodeGuard(within(path, lock.spans)))
 
@@ -171,14 +192,18 @@ class NodeCache(Inserts, Exports, PageViews):
 
     # --- transactions --------------------------------------------------------------
     def transaction(self) -> Transaction:
-        txn = Transaction(self.tree, self.registry, self.copier, self.reserve_hook, self._txn_closed)
+        txn = Transaction(
+            self.tree, self.registry, self.copier, self.reserve_hook, self._txn_closed
+        )
         self.open_txns.add(txn)
         return txn
 
     def _txn_closed(self, txn: Transaction) -> None:
         self.open_txns.discard(txn)
 
-    def quarantine(self, pages: dict[tuple[PoolName, Tier], list[int]], peer: str | None = None) -> None:
+    def quarantine(
+        self, pages: dict[tuple[PoolName, Tier], list[int]], peer: str | None = None
+    ) -> None:
         """Keep pages out of use: an abandoned transfer from `peer` may still write them.
         No time releases them (a stopped peer resumes when it likes): only
         `release_quarantine`, once the peer is dead or a later read from it completed."""
@@ -192,7 +217,8 @@ class NodeCache(Inserts, Exports, PageViews):
         return {q.peer for q in self.quarantined if q.peer is not None}
 
     def quarantined_page(self, peer: str) -> tuple[PoolName, int] | None:
-        """One quarantined device page of `peer`'s: poisoned already, so a probe read may land there."""
+        """One quarantined device page of `peer`'s: poisoned already, so a probe read may land
+        there."""
         for q in self.quarantined:
             if q.peer == peer:
                 for (pool, tier), indices in q.pages.items():
@@ -216,8 +242,15 @@ class NodeCache(Inserts, Exports, PageViews):
         return freed
 
     # --- put -------------------------------------------------------------------------
-    def put(self, tokens: Sequence[int], kv: LayerKV | None, namespace: str, *,
-            starts: Mapping[PoolName, int] | None = None, release: int = 0) -> int:
+    def put(
+        self,
+        tokens: Sequence[int],
+        kv: LayerKV | None,
+        namespace: str,
+        *,
+        starts: Mapping[PoolName, int] | None = None,
+        release: int = 0,
+    ) -> int:
         """Store the whole pages of `tokens`; returns pages newly stored (0 if no room).
 
         `kv[i]` holds layer i's rows from the token position `starts` gives for
@@ -231,8 +264,9 @@ class NodeCache(Inserts, Exports, PageViews):
             if release:
                 self.release_hold(release)
 
-    def _put(self, tokens: Sequence[int], kv: LayerKV | None, namespace: str,
-             first: dict[PoolName, int]) -> int:
+    def _put(
+        self, tokens: Sequence[int], kv: LayerKV | None, namespace: str, first: dict[PoolName, int]
+    ) -> int:
         self._check_kv(kv, len(tokens) // self.layout.page_size, first)
         plan = self.plan_store(tokens, namespace, first)
         if plan.empty:
@@ -242,6 +276,7 @@ class NodeCache(Inserts, Exports, PageViews):
         def write(got: dict[tuple[PoolName, Tier], list[int]], hold: Callable[[], None]) -> None:
             for pool, positions in plan.todo.items():
                 self._write(pool, got[(pool, DEVICE)], kv, positions, first[pool])
+
         try:
             self.insert(plan, write)
         except ReservationFailed:
@@ -249,7 +284,9 @@ class NodeCache(Inserts, Exports, PageViews):
             return 0
         return plan.pages - plan.present_pages
 
-    def _write(self, pool: PoolName, pages: list[int], kv, positions: list[int], first: int) -> None:
+    def _write(
+        self, pool: PoolName, pages: list[int], kv, positions: list[int], first: int
+    ) -> None:
         if kv is None or not pages:
             return
         dst = self.registry.pool(pool, DEVICE)
@@ -305,7 +342,9 @@ class NodeCache(Inserts, Exports, PageViews):
             pages = src.data.index_select(0, src.index_tensor(indices))
             for li, t in zip(self.layout.layers_of(pool), unpack(pages)):
                 layers[li] = t
-        return CachedKV(n * ps, {p: pol.needed(n).start * ps for p, pol in self.policies.items()}, layers)
+        return CachedKV(
+            n * ps, {p: pol.needed(n).start * ps for p, pol in self.policies.items()}, layers
+        )
 
     def _empty(self) -> CachedKV:
         return CachedKV(0, dict.fromkeys(self.policies, 0), [None] * len(self.layout.layers))
@@ -325,9 +364,15 @@ class NodeCache(Inserts, Exports, PageViews):
     def stats(self) -> CacheStats:
         s = self._stats
         s.nodes = self.tree.node_count
-        s.pools = {f"{e.name.name}/{t.name}": {
-            "capacity": e.tier(t).capacity, "used": e.tier(t).allocator.used_count,
-            "protected": self.tree.protected[t][e.name]} for e in self.registry for t in TIERS}
+        s.pools = {
+            f"{e.name.name}/{t.name}": {
+                "capacity": e.tier(t).capacity,
+                "used": e.tier(t).allocator.used_count,
+                "protected": self.tree.protected[t][e.name],
+            }
+            for e in self.registry
+            for t in TIERS
+        }
         return s
 
     def audit(self) -> PageAudit:

@@ -1,6 +1,7 @@
 """Page by page, what a node cache holds and what changed since last asked: the view
 its event publisher (fabric/index/publisher.py) turns into KV events, so that the
 publisher never walks the tree itself."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,13 +21,14 @@ PageWithPath = tuple["PageView", list[bytes]]
 @dataclass(frozen=True, slots=True)
 class PageView:
     key: bytes
-    parent: bytes                               # the key before it (a namespace root's for page 0)
+    parent: bytes  # the key before it (a namespace root's for page 0)
     position: int
-    held: tuple[tuple[PoolName, Tier], ...]     # where its KV is; () for a page that left
+    held: tuple[tuple[PoolName, Tier], ...]  # where its KV is; () for a page that left
 
 
 class PageViews:
     """NodeCache's methods for its event publisher (a mixin). What they use of the cache:"""
+
     tree: RadixTree
 
     def track_changes(self, pending_floor: int) -> None:
@@ -52,7 +54,7 @@ class PageViews:
             if node is not None:
                 j = node.keys.index(key)
                 view = _view(node, j)
-            else:                           # it left the tree: its detached node names it
+            else:  # it left the tree: its detached node names it
                 node, j = removed[key]
                 view = _gone(node, j)
             out.append((view, paths.of(node, j)))
@@ -65,7 +67,9 @@ class PageViews:
     def held_pages_with_paths(self) -> Iterator[PageWithPath]:
         """The same, each with its key path (what routing the pages to shards needs)."""
         paths = _Paths()
-        return ((_view(node, j), paths.of(node, j)) for node in self.tree.nodes() for j in range(node.n))
+        return (
+            (_view(node, j), paths.of(node, j)) for node in self.tree.nodes() for j in range(node.n)
+        )
 
 
 class _Paths:
@@ -98,6 +102,10 @@ def _gone(node: TreeNode, offset: int) -> PageView:
 
 
 def _view(node: TreeNode, offset: int) -> PageView:
-    held = tuple((pool, tier) for tier in TIERS for pool in PoolName
-                 if (pages := node.slots[tier][pool]) is not None and pages[offset] != ABSENT)
+    held = tuple(
+        (pool, tier)
+        for tier in TIERS
+        for pool in PoolName
+        if (pages := node.slots[tier][pool]) is not None and pages[offset] != ABSENT
+    )
     return PageView(node.keys[offset], _parent(node, offset), node.start + offset, held)

@@ -1,4 +1,5 @@
 """Moving page bytes: per-layer K/V tensors <-> pool pages, and page copies."""
+
 from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
@@ -11,7 +12,10 @@ from .pools import PagePool
 
 class PageCopier(Protocol):
     """Copies pages between two pools of the same name (any tiers)."""
-    def copy(self, src: PagePool, src_idx: list[int], dst: PagePool, dst_idx: list[int]) -> None: ...
+
+    def copy(
+        self, src: PagePool, src_idx: list[int], dst: PagePool, dst_idx: list[int]
+    ) -> None: ...
 
 
 class TorchCopier:
@@ -33,6 +37,7 @@ def keep_bytes(pool: PagePool, indices: list[int]) -> Callable[[], None]:
 
     def restore() -> None:
         data.index_copy_(0, index, saved)
+
     return restore
 
 
@@ -52,8 +57,8 @@ def pack(layout: KVLayout, pool: PoolName, kv: LayerKV, positions: list[int]) ->
         if pos is None:
             pos = torch.tensor(positions, dtype=torch.long, device=t.device)
         paged = t[:, : (t.shape[1] // ps) * ps].reshape(2, -1, ps, *t.shape[2:])
-        out.append(paged.index_select(1, pos))          # [2, n, ps, H, D]
-    return torch.stack(out).permute(2, 0, 1, 3, 4, 5)   # [n, L, 2, ps, H, D]
+        out.append(paged.index_select(1, pos))  # [2, n, ps, H, D]
+    return torch.stack(out).permute(2, 0, 1, 3, 4, 5)  # [n, L, 2, ps, H, D]
 
 
 def unpack(pages: torch.Tensor) -> list[torch.Tensor]:

@@ -4,6 +4,7 @@ behind one interface, so the rest of the cache has no `if swa:` branches.
 
 A path is the list of nodes from the namespace root; page position p lies in
 the node with start <= p < end."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -12,16 +13,17 @@ from typing import NamedTuple
 from .layout import KVLayout, PoolName, Tier
 from .radix import ABSENT, TIERS, RadixTree, TreeNode
 
-FULL = PoolName.FULL   # read once: enum member lookups are Python-level
+FULL = PoolName.FULL  # read once: enum member lookups are Python-level
 
 
 class EvictionGroup(NamedTuple):
     """Pages of one node that eviction takes together; groups compare (as tuples) by
     `rank` (the policy's: lowest goes first), then by the node's first key."""
+
     rank: tuple[float, float]
     key: bytes
     node: TreeNode
-    offsets: list[int]      # in the node's run
+    offsets: list[int]  # in the node's run
 
 
 class AttentionPolicy(ABC):
@@ -70,13 +72,16 @@ class AttentionPolicy(ABC):
 
     def group(self, node: TreeNode, tier: Tier) -> EvictionGroup:
         """The group a node becomes once its children are gone (FULL cascades)."""
-        return EvictionGroup((node.last_access, -node.start), node.keys[0], node, list(range(node.n)))
+        return EvictionGroup(
+            (node.last_access, -node.start), node.keys[0], node, list(range(node.n))
+        )
 
 
 class FullAttentionPolicy(AttentionPolicy):
     """Every page before L is needed. Full KV obeys prefix closure and moves a
     whole node at a time, so only leaves (or nodes keeping a copy on the other
     tier) may drop it."""
+
     pool = PoolName.FULL
     window_pages = None
 
@@ -105,7 +110,9 @@ class FullAttentionPolicy(AttentionPolicy):
         return length if first_row <= matched else matched
 
     def node_fault(self, node: TreeNode) -> str | None:
-        if any(pages is not None and ABSENT in pages for pages in (node.slots[t][FULL] for t in TIERS)):
+        if any(
+            pages is not None and ABSENT in pages for pages in (node.slots[t][FULL] for t in TIERS)
+        ):
             return "holds full KV on a tier for only part of its run"
         if not node.has(FULL):
             return "has no full KV on any tier (prefix closure)"
@@ -132,6 +139,7 @@ class SlidingWindowPolicy(AttentionPolicy):
 
     SWA pages away from every likely continuation point (a sequence end or a
     branch point, the "anchors") are tombstoned first; full KV stays."""
+
     pool = PoolName.SWA
 
     window_pages: int
@@ -143,7 +151,7 @@ class SlidingWindowPolicy(AttentionPolicy):
         return range(max(0, length - self.window_pages), length)
 
     def exported(self, length: int, skip: int) -> range:
-        return self.needed(length)      # the window before `length`, whatever is held below it
+        return self.needed(length)  # the window before `length`, whatever is held below it
 
     def usable(self, path: list[TreeNode], limit: int, tiers: tuple[Tier, ...] = TIERS) -> int:
         length = limit
@@ -172,7 +180,9 @@ class SlidingWindowPolicy(AttentionPolicy):
     def group(self, node: TreeNode, tier: Tier) -> EvictionGroup:
         pages = node.slots[tier][PoolName.SWA]
         assert pages is not None, node
-        return EvictionGroup((True, node.last_access), node.keys[0], node, [j for j, p in enumerate(pages) if p >= 0])
+        return EvictionGroup(
+            (True, node.last_access), node.keys[0], node, [j for j, p in enumerate(pages) if p >= 0]
+        )
 
     def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[EvictionGroup]:
         below = _pages_to_anchor(tree)
@@ -181,7 +191,7 @@ class SlidingWindowPolicy(AttentionPolicy):
             if not self.is_evictable(node, tier):
                 continue
             pages = node.slots[tier][PoolName.SWA]
-            assert pages is not None, node     # is_evictable said so
+            assert pages is not None, node  # is_evictable said so
             # Page j is (n-1-j) + below pages above the nearest anchor: within a
             # window of it, the page serves a likely continuation.
             cut = node.n - max(0, self.window_pages - below[id(node)])
@@ -190,7 +200,9 @@ class SlidingWindowPolicy(AttentionPolicy):
             near = [j for j in present if j >= cut]
             for anchored, offsets in ((False, far), (True, near)):
                 if offsets:
-                    out.append(EvictionGroup((anchored, node.last_access), node.keys[0], node, offsets))
+                    out.append(
+                        EvictionGroup((anchored, node.last_access), node.keys[0], node, offsets)
+                    )
         return out
 
 

@@ -4,6 +4,7 @@ For each pool name (FULL, SWA) and tier (DEVICE, HOST) there is one tensor of
 pages and one allocator. Code asks the registry which pools exist; a layout
 without SWA layers simply has no SWA entry.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ class PoolCapacity:
 @dataclass
 class PagePool:
     """One tensor of pages (or none, in metadata-only mode) and its allocator."""
+
     name: PoolName
     tier: Tier
     allocator: PageAllocator
@@ -84,19 +86,28 @@ class PoolRegistry:
         self._by_index: list[PoolEntry | None] = [entries.get(p) for p in PoolName]
 
     @classmethod
-    def build(cls, layout: KVLayout, capacities: Mapping[PoolName, PoolCapacity],
-              device: torch.device | str | None = None, store_bytes: bool = True) -> "PoolRegistry":
+    def build(
+        cls,
+        layout: KVLayout,
+        capacities: Mapping[PoolName, PoolCapacity],
+        device: torch.device | str | None = None,
+        store_bytes: bool = True,
+    ) -> "PoolRegistry":
         missing = set(layout.pools) - set(capacities)
         extra = set(capacities) - set(layout.pools)
         if missing or extra:
-            raise ValueError(f"capacities must name exactly the layout's pools {list(layout.pools)}; "
-                             f"missing {sorted(missing)}, extra {sorted(extra)}")
+            raise ValueError(
+                f"capacities must name exactly the layout's pools {list(layout.pools)}; "
+                f"missing {sorted(missing)}, extra {sorted(extra)}"
+            )
         device = torch.device(device) if device is not None else default_device()
         entries = {}
         for name in layout.pools:
             cap = capacities[name]
-            pools = [_make_pool(layout, name, tier, cap.of(tier), device, store_bytes)
-                     for tier in (Tier.DEVICE, Tier.HOST)]
+            pools = [
+                _make_pool(layout, name, tier, cap.of(tier), device, store_bytes)
+                for tier in (Tier.DEVICE, Tier.HOST)
+            ]
             entries[name] = PoolEntry(name, pools[0], pools[1])
         return cls(entries)
 
@@ -120,8 +131,14 @@ class PoolRegistry:
         return self[name].tier(tier)
 
 
-def _make_pool(layout: KVLayout, name: PoolName, tier: Tier, capacity: int,
-               device: torch.device, store_bytes: bool) -> PagePool:
+def _make_pool(
+    layout: KVLayout,
+    name: PoolName,
+    tier: Tier,
+    capacity: int,
+    device: torch.device,
+    store_bytes: bool,
+) -> PagePool:
     data = None
     if store_bytes:
         shape = (capacity, *layout.page_shape(name))

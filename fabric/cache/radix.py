@@ -12,6 +12,7 @@ bytes (no hashing of a prefix already cached), or by any page's chained key
 through the methods below, which keep the owned/protected page counters right
 and, when a journal is given, record how to undo themselves.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Iterator, Protocol, Sequence
@@ -30,18 +31,30 @@ class Journal(Protocol):
 
 
 class TreeNode:
-    __slots__ = ("keys", "tokens", "parent", "children", "start", "end", "slots", "locks",
-                 "last_access", "hits")
+    __slots__ = (
+        "keys",
+        "tokens",
+        "parent",
+        "children",
+        "start",
+        "end",
+        "slots",
+        "locks",
+        "last_access",
+        "hits",
+    )
 
-    def __init__(self, keys: list[bytes], tokens: bytes, parent: "TreeNode | None", start: int) -> None:
-        self.keys = keys                # chained key of each page (a root: [namespace root key])
-        self.tokens = tokens            # token bytes of the run
+    def __init__(
+        self, keys: list[bytes], tokens: bytes, parent: "TreeNode | None", start: int
+    ) -> None:
+        self.keys = keys  # chained key of each page (a root: [namespace root key])
+        self.tokens = tokens  # token bytes of the run
         self.parent = parent
         self.children: dict[bytes, TreeNode] = {}
-        self.start = start              # position of the run's first page in the sequence
+        self.start = start  # position of the run's first page in the sequence
         self.end = start + len(keys) if parent is not None else 0
-        self.slots: list[list[list[int] | None]] = [[None, None], [None, None]]   # [tier][pool]
-        self.locks = [0, 0]             # per pool, for every page of the run
+        self.slots: list[list[list[int] | None]] = [[None, None], [None, None]]  # [tier][pool]
+        self.locks = [0, 0]  # per pool, for every page of the run
         self.last_access = 0
         self.hits = 0
 
@@ -82,22 +95,28 @@ class TreeNode:
         return 0 if pages is None else len(pages) - pages.count(ABSENT)
 
     def __repr__(self) -> str:
-        return (f"TreeNode(start={self.start}, n={self.n}, key={self.keys[0].hex()[:8]}, "
-                f"slots={self.slots}, locks={self.locks})")
+        return (
+            f"TreeNode(start={self.start}, n={self.n}, key={self.keys[0].hex()[:8]}, "
+            f"slots={self.slots}, locks={self.locks})"
+        )
 
 
 class RadixTree:
-    def __init__(self, page_bytes: int, free_page: Callable[[PoolName, Tier, list[int]], None],
-                 take_page: Callable[[PoolName, Tier, list[int]], None]) -> None:
+    def __init__(
+        self,
+        page_bytes: int,
+        free_page: Callable[[PoolName, Tier, list[int]], None],
+        take_page: Callable[[PoolName, Tier, list[int]], None],
+    ) -> None:
         self.page_bytes = page_bytes
         self._free, self._take = free_page, take_page
-        self.roots: dict[bytes, TreeNode] = {}                 # namespace root key -> root
-        self.by_key: dict[bytes, TreeNode] = {}    # page key -> the node whose run holds it
+        self.roots: dict[bytes, TreeNode] = {}  # namespace root key -> root
+        self.by_key: dict[bytes, TreeNode] = {}  # page key -> the node whose run holds it
         self.clock = 0
         self.node_count = 0
-        self.owned = [[0, 0], [0, 0]]       # [tier][pool] pages held by nodes
-        self.protected = [[0, 0], [0, 0]]   # [tier][pool] pages held by locked nodes
-        self.changes: ChangeLog | None = None    # with events on (an EventPublisher)
+        self.owned = [[0, 0], [0, 0]]  # [tier][pool] pages held by nodes
+        self.protected = [[0, 0], [0, 0]]  # [tier][pool] pages held by locked nodes
+        self.changes: ChangeLog | None = None  # with events on (an EventPublisher)
 
     # --- reading -----------------------------------------------------------------
     def walk(self, root_key: bytes, raw: bytes) -> tuple[list[TreeNode], int]:
@@ -107,16 +126,19 @@ class RadixTree:
         node = self.roots.get(root_key)
         step, off, end = self.page_bytes, 0, len(raw) - len(raw) % self.page_bytes
         while node is not None and off < end:
-            node = node.children.get(raw[off:off + step])
+            node = node.children.get(raw[off : off + step])
             if node is None:
                 break
             path.append(node)
-            if raw.startswith(node.tokens, off):   # compares in place: no copy of the run
+            if raw.startswith(node.tokens, off):  # compares in place: no copy of the run
                 off += len(node.tokens)
                 continue
             k = 1
-            while off + (k + 1) * step <= end and raw[off + k * step:off + (k + 1) * step] == \
-                    node.tokens[k * step:(k + 1) * step]:
+            while (
+                off + (k + 1) * step <= end
+                and raw[off + k * step : off + (k + 1) * step]
+                == node.tokens[k * step : (k + 1) * step]
+            ):
                 k += 1
             return path, node.start + k
         return path, off // step
@@ -166,10 +188,12 @@ class RadixTree:
             node = self.roots[root_key] = TreeNode([root_key], b"", None, 0)
         return node
 
-    def attach(self, parent: TreeNode, keys: list[bytes], tokens: bytes, journal: Journal | None) -> TreeNode:
+    def attach(
+        self, parent: TreeNode, keys: list[bytes], tokens: bytes, journal: Journal | None
+    ) -> TreeNode:
         node = TreeNode(keys, tokens, parent, parent.end)
         node.last_access = self.clock
-        parent.children[tokens[:self.page_bytes]] = node
+        parent.children[tokens[: self.page_bytes]] = node
         self.by_key.update(dict.fromkeys(keys, node))
         self.node_count += 1
         if self.changes is not None:
@@ -179,9 +203,11 @@ class RadixTree:
         return node
 
     def detach(self, node: TreeNode, journal: Journal | None) -> None:
-        assert not node.children and not any(node.slots[t][p] for t in TIERS for p in PoolName), node
+        assert not node.children and not any(node.slots[t][p] for t in TIERS for p in PoolName), (
+            node
+        )
         parent = node.up
-        del parent.children[node.tokens[:self.page_bytes]]
+        del parent.children[node.tokens[: self.page_bytes]]
         for k in node.keys:
             del self.by_key[k]
         self.node_count -= 1
@@ -198,7 +224,7 @@ class RadixTree:
         parent = node.up
         if parent.is_root:
             self.roots.setdefault(parent.keys[0], parent)
-        parent.children[node.tokens[:self.page_bytes]] = node
+        parent.children[node.tokens[: self.page_bytes]] = node
         self.by_key.update(dict.fromkeys(node.keys, node))
         self.node_count += 1
 
@@ -210,16 +236,21 @@ class RadixTree:
         assert 0 < k < node.n, (node, k)
         step = self.page_bytes
         parent = node.up
-        head = TreeNode(node.keys[:k], node.tokens[:k * step], parent, node.start)
+        head = TreeNode(node.keys[:k], node.tokens[: k * step], parent, node.start)
         head.locks = list(node.locks)
         head.last_access, head.hits = node.last_access, node.hits
-        for head_slots, slots in zip(head.slots, node.slots):   # per tier, then per pool
+        for head_slots, slots in zip(head.slots, node.slots):  # per tier, then per pool
             for p, pages in enumerate(slots):
                 if pages is not None:
                     head_slots[p] = _none_if_empty(pages[:k])
                     slots[p] = _none_if_empty(pages[k:])
         parent.children[node.tokens[:step]] = head
-        node.keys, node.tokens, node.start, node.parent = node.keys[k:], node.tokens[k * step:], node.start + k, head
+        node.keys, node.tokens, node.start, node.parent = (
+            node.keys[k:],
+            node.tokens[k * step :],
+            node.start + k,
+            head,
+        )
         head.children[node.tokens[:step]] = node
         self.by_key.update(dict.fromkeys(head.keys, head))
         self.node_count += 1
@@ -233,11 +264,18 @@ class RadixTree:
                 return
 
     # --- pages -----------------------------------------------------------------------
-    def set_pages(self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int],
-                  pages: Sequence[int], journal: Journal | None) -> None:
+    def set_pages(
+        self,
+        node: TreeNode,
+        tier: Tier,
+        pool: PoolName,
+        offsets: list[int],
+        pages: Sequence[int],
+        journal: Journal | None,
+    ) -> None:
         """Give already-allocated pages to `node` at `offsets` (the tree now owns them)."""
         current = node.slots[tier][pool]
-        if current is None and len(offsets) == node.n:   # a whole run, in order
+        if current is None and len(offsets) == node.n:  # a whole run, in order
             node.slots[tier][pool] = list(pages)
         else:
             if current is None:
@@ -250,24 +288,36 @@ class RadixTree:
             keys = node.keys
             self.changes.touched([keys[o] for o in offsets])
         if journal is not None:
+
             def undo() -> None:
                 self.clear_pages(node, tier, pool, offsets)
+
             journal.record(undo)
 
-    def drop_pages(self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int],
-                   journal: Journal | None) -> list[int]:
+    def drop_pages(
+        self,
+        node: TreeNode,
+        tier: Tier,
+        pool: PoolName,
+        offsets: list[int],
+        journal: Journal | None,
+    ) -> list[int]:
         """Free `node`'s pages at `offsets` in (tier, pool) back to their allocator."""
         pages = self.clear_pages(node, tier, pool, offsets)
         self._free(pool, tier, pages)
         if journal is not None:
+
             def undo() -> None:
                 self._take(pool, tier, pages)
                 self.set_pages(node, tier, pool, offsets, pages, None)
+
             journal.record(undo)
             journal.dropped(pool, tier, pages)
         return pages
 
-    def clear_pages(self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int]) -> list[int]:
+    def clear_pages(
+        self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int]
+    ) -> list[int]:
         """Empty `node`'s slots at `offsets`; returns their pages, which stay taken."""
         current = node.pages_of(tier, pool)
         pages = [current[off] for off in offsets]

@@ -1,4 +1,5 @@
 """What NodeCache's calls take and return: matches, locks, cached K/V, quarantines."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,11 +15,12 @@ class Match:
     """A request's cached prefix along `path` from the root: `present_pages` of it are in
     the tree, of which the first `usable_pages` can serve the request (every pool holds
     what a match of that length needs)."""
-    path: list[TreeNode]        # nodes holding the request's matched pages (the last may hold more)
-    present_pages: int          # pages present in the tree, on any tier, in any pool
-    usable_pages: int           # usable length, either tier
-    usable_device_pages: int    # usable length from the device tier alone
-    request_pages: int          # whole pages in the request
+
+    path: list[TreeNode]  # nodes holding the request's matched pages (the last may hold more)
+    present_pages: int  # pages present in the tree, on any tier, in any pool
+    usable_pages: int  # usable length, either tier
+    usable_device_pages: int  # usable length from the device tier alone
+    request_pages: int  # whole pages in the request
 
     @property
     def keys(self) -> list[bytes]:
@@ -30,6 +32,7 @@ class PrefixLock:
     """A lock held outside the cache's own calls. It names pages by key and
     position, not by node: a later split of a locked run copies the lock into
     both halves, and unlocking finds both."""
+
     keys: list[bytes]
     spans: dict[PoolName, range]
     released: bool = False
@@ -38,6 +41,7 @@ class PrefixLock:
 @dataclass
 class NodeGuard:
     """A lock held within one cache call, during which no run is split."""
+
     nodes: dict[PoolName, list[TreeNode]]
 
 
@@ -50,6 +54,7 @@ class CachedKV:
     `host_tokens`: how many of the tokens were loaded back from the host tier.
     `hold`: the id of the hold pinning this prefix until the caller's put
     (NodeCache.get with `hold_s`), 0 for none."""
+
     tokens: int
     starts: dict[PoolName, int]
     layers: list[torch.Tensor | None]
@@ -61,6 +66,7 @@ class CachedKV:
 class Quarantine:
     """Pages an abandoned transfer from `peer` may still write: held until that
     peer is known dead or a later read from it completes (never by time alone)."""
+
     since: float
     peer: str | None
     pages: dict[tuple[PoolName, Tier], list[int]]

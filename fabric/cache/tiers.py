@@ -1,5 +1,6 @@
 """Device <-> host tier policy: write-through, write-through-selective,
 write-back, and load-back of host-only pages before use."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,9 +14,9 @@ from .txn import ReservationFailed, Transaction
 
 
 class WritePolicy(str, Enum):
-    WRITE_THROUGH = "write_through"                       # copy to host on insert
-    WRITE_THROUGH_SELECTIVE = "write_through_selective"   # copy after N hits
-    WRITE_BACK = "write_back"                             # copy on device eviction
+    WRITE_THROUGH = "write_through"  # copy to host on insert
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # copy after N hits
+    WRITE_BACK = "write_back"  # copy on device eviction
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,9 @@ class TierConfig:
 
 
 class TierController:
-    def __init__(self, registry: PoolRegistry, config: TierConfig,
-                 begin: Callable[[], Transaction]) -> None:
+    def __init__(
+        self, registry: PoolRegistry, config: TierConfig, begin: Callable[[], Transaction]
+    ) -> None:
         self.registry = registry
         self.config = config
         self._begin = begin
@@ -69,7 +71,10 @@ class TierController:
         """Give every (node, offsets) in `needs[pool]` a device copy of those pages."""
         todo = {}
         for pool, groups in needs.items():
-            lacking = [(n, [j for j in offs if not n.page_has(j, pool, (Tier.DEVICE,))]) for n, offs in groups]
+            lacking = [
+                (n, [j for j in offs if not n.page_has(j, pool, (Tier.DEVICE,))])
+                for n, offs in groups
+            ]
             todo[pool] = [(n, offs) for n, offs in lacking if offs]
         if not any(todo.values()):
             return True
@@ -77,7 +82,9 @@ class TierController:
         self.loaded_back += ok * _size(todo)
         return ok
 
-    def _move(self, todo: dict[PoolName, list[tuple[TreeNode, list[int]]]], src: Tier, dst: Tier) -> bool:
+    def _move(
+        self, todo: dict[PoolName, list[tuple[TreeNode, list[int]]]], src: Tier, dst: Tier
+    ) -> bool:
         txn = self._begin()
         try:
             try:
@@ -94,7 +101,7 @@ class TierController:
                     if source is not None and offsets:
                         txn.defer_copy(pool, src, [source[j] for j in offsets], dst, mine)
                         txn.place(node, dst, pool, offsets, mine)
-            txn.commit()    # runs the copies: a failing one is undone with the rest
+            txn.commit()  # runs the copies: a failing one is undone with the rest
         finally:
             txn.rollback()  # a no-op once committed
         return True

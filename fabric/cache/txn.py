@@ -13,6 +13,7 @@ The caller writes its pages and places them into tree nodes. `rollback()`
 now undoes the placements and frees every reserved page; `commit()` keeps
 them and frees reserved pages that were never placed.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Mapping, Protocol, Sequence
@@ -20,7 +21,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 from .layout import PoolName, Tier
 from .pages import PageCopier, keep_bytes
 from .pools import PoolRegistry
-from .radix import TreeNode, RadixTree
+from .radix import RadixTree, TreeNode
 
 
 class ReservationFailed(RuntimeError):
@@ -41,11 +42,28 @@ class ReservationHook(Protocol):
 
 class Transaction:
     # One is made per put: slots, and lazily made page sets, keep that cheap.
-    __slots__ = ("tree", "registry", "copier", "reserve_hook", "owned", "sealed", "closed",
-                 "_journal", "_copies", "_on_close", "_dropped")
+    __slots__ = (
+        "tree",
+        "registry",
+        "copier",
+        "reserve_hook",
+        "owned",
+        "sealed",
+        "closed",
+        "_journal",
+        "_copies",
+        "_on_close",
+        "_dropped",
+    )
 
-    def __init__(self, tree: RadixTree, registry: PoolRegistry, copier: PageCopier,
-                 reserve_hook: ReservationHook | None, on_close: Callable[["Transaction"], None]) -> None:
+    def __init__(
+        self,
+        tree: RadixTree,
+        registry: PoolRegistry,
+        copier: PageCopier,
+        reserve_hook: ReservationHook | None,
+        on_close: Callable[["Transaction"], None],
+    ) -> None:
         self.tree = tree
         self.registry = registry
         self.copier = copier
@@ -85,8 +103,9 @@ class Transaction:
             entry.evict(tier, n - free, self)
             free = allocator.free_count
         if n > free:
-            raise ReservationFailed(f"{pool.name}/{tier.name}: want {n} pages, "
-                                    f"{free} free after eviction")
+            raise ReservationFailed(
+                f"{pool.name}/{tier.name}: want {n} pages, {free} free after eviction"
+            )
         pages = allocator.alloc(n)
         owned = self._owned(pool, tier)
         owned.update(pages)
@@ -94,11 +113,13 @@ class Transaction:
         def undo() -> None:
             owned.difference_update(pages)
             allocator.free(pages)
+
         self.record(undo)
         return pages
 
-    def reserve_all(self, plan: Mapping[tuple[PoolName, Tier], int],
-                    evict: bool = True) -> dict[tuple[PoolName, Tier], list[int]]:
+    def reserve_all(
+        self, plan: Mapping[tuple[PoolName, Tier], int], evict: bool = True
+    ) -> dict[tuple[PoolName, Tier], list[int]]:
         """Reserve every (pool, tier) of `plan`, or nothing: on any failure (no room, or an
         error in an eviction), roll back and raise."""
         try:
@@ -107,8 +128,9 @@ class Transaction:
             self.rollback()
             raise
 
-    def defer_copy(self, pool: PoolName, src_tier: Tier, src: list[int],
-                   dst_tier: Tier, dst: list[int]) -> None:
+    def defer_copy(
+        self, pool: PoolName, src_tier: Tier, src: list[int], dst_tier: Tier, dst: list[int]
+    ) -> None:
         self._copies.append((pool, src_tier, src, dst_tier, dst))
 
     # --- phase 2 -------------------------------------------------------------------
@@ -120,7 +142,7 @@ class Transaction:
             entry = self.registry[pool]
             target = entry.tier(dst_tier)
             evicted = self._dropped and self._dropped.get((pool, dst_tier))
-            if evicted:     # a copy into an evicted page: its bytes are needed if this seal fails
+            if evicted:  # a copy into an evicted page: its bytes are needed if this seal fails
                 reused = [d for d in dst if d in evicted]
                 if reused:
                     self.record(keep_bytes(target, reused))
@@ -130,15 +152,19 @@ class Transaction:
         self._journal.clear()
         self.sealed = True
 
-    def place(self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int], pages: Sequence[int]) -> None:
+    def place(
+        self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int], pages: Sequence[int]
+    ) -> None:
         """Move reserved pages into `node` at `offsets` of its run."""
         owned = self._owned(pool, tier)
         if not owned.issuperset(pages):
-            raise ValueError(f"pages {sorted(set(pages) - owned)[:8]} of {pool.name}/{tier.name} "
-                             f"are not reserved by this transaction")
+            raise ValueError(
+                f"pages {sorted(set(pages) - owned)[:8]} of {pool.name}/{tier.name} "
+                f"are not reserved by this transaction"
+            )
         before = len(owned)
         owned.difference_update(pages)
-        if before - len(owned) != len(pages):   # a page listed twice (no set built to check first)
+        if before - len(owned) != len(pages):  # a page listed twice (no set built to check first)
             owned.update(pages)
             raise ValueError(f"pages of {pool.name}/{tier.name} placed twice: {sorted(pages)[:8]}")
         self.tree.set_pages(node, tier, pool, offsets, pages, None)
@@ -146,6 +172,7 @@ class Transaction:
         def undo() -> None:
             self.tree.clear_pages(node, tier, pool, offsets)
             owned.update(pages)
+
         self.record(undo)
 
     def attach(self, parent: TreeNode, keys: list[bytes], tokens: bytes) -> TreeNode:
@@ -156,7 +183,9 @@ class Transaction:
         self._free_owned()
         self._close()
 
-    def rollback(self, hold: Callable[[dict[tuple[PoolName, Tier], list[int]]], None] | None = None) -> None:
+    def rollback(
+        self, hold: Callable[[dict[tuple[PoolName, Tier], list[int]]], None] | None = None
+    ) -> None:
         """Undo everything. `hold` takes the reserved pages instead of the free
         list: for pages a failed transfer may still write into."""
         if self.closed:

@@ -1,5 +1,6 @@
 """The source end of a remote prefix fetch: pin the usable prefix under a lease and
 describe it (`ExportGrant`): page locations and per-page checksums."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -12,8 +13,14 @@ from .grant import ExportGrant, PoolPages
 from .leases import LeaseTable
 
 
-def export_prefix(cache: NodeCache, leases: LeaseTable, keys: Sequence[bytes], skip: int,
-                  ttl_s: float, device_only: bool = True) -> ExportGrant:
+def export_prefix(
+    cache: NodeCache,
+    leases: LeaseTable,
+    keys: Sequence[bytes],
+    skip: int,
+    ttl_s: float,
+    device_only: bool = True,
+) -> ExportGrant:
     """Pin and describe the usable prefix of `keys`, FULL pages from `skip` on.
 
     With `device_only` (what a NIXL read from GPU memory wants), host-only pages
@@ -31,11 +38,16 @@ def export_prefix(cache: NodeCache, leases: LeaseTable, keys: Sequence[bytes], s
             if n <= skip:
                 return ExportGrant(0, cache.layout.fingerprint, n, tuple(match.keys[:n]))
         lease = leases.grant(lock, ttl_s)
-        pools = {pool: _describe(cache, match, pool, span) for pool, span in cache.export_spans(n, skip).items()}
+        pools = {
+            pool: _describe(cache, match, pool, span)
+            for pool, span in cache.export_spans(n, skip).items()
+        }
         granted = True
-        return ExportGrant(lease.lease_id, cache.layout.fingerprint, n, tuple(match.keys[:n]), pools)
+        return ExportGrant(
+            lease.lease_id, cache.layout.fingerprint, n, tuple(match.keys[:n]), pools
+        )
     finally:
-        if not granted:       # nothing pinned for nothing, whatever stopped the export
+        if not granted:  # nothing pinned for nothing, whatever stopped the export
             if lease is not None:
                 leases.release(lease.lease_id)
             else:
@@ -44,5 +56,9 @@ def export_prefix(cache: NodeCache, leases: LeaseTable, keys: Sequence[bytes], s
 
 def _describe(cache: NodeCache, match: Match, pool: PoolName, span: range) -> PoolPages:
     at = cache.locate(match, pool, span)
-    return PoolPages(span.start, tuple(int(t) for t, _ in at), tuple(i for _, i in at),
-                     tuple(cache.checksums(pool, at)))
+    return PoolPages(
+        span.start,
+        tuple(int(t) for t, _ in at),
+        tuple(i for _, i in at),
+        tuple(cache.checksums(pool, at)),
+    )

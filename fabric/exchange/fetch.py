@@ -6,15 +6,17 @@ caller-given `PageReader`, verifies the checksums, and only then inserts. Any
 failure frees what it reserved and inserts nothing; the caller releases the lease
 (or it expires).
 """
+
 from __future__ import annotations
 
 from enum import Enum
 from typing import Callable, Sequence
 
-from .grant import ExportGrant
 from kvfabric.fabric.cache.layout import PoolName, Tier
 from kvfabric.fabric.cache.node_cache import NodeCache
 from kvfabric.fabric.cache.txn import ReservationFailed
+
+from .grant import ExportGrant
 
 # read(pool, [(source tier, source page)], [destination device page]); raises ReadFailed.
 # Any other exception is taken as a transfer abandoned, not known finished (may still write).
@@ -40,11 +42,19 @@ class FetchOutcome(str, Enum):
     TRANSFER_FAILED = "transfer_failed"
     CHECKSUM_MISMATCH = "checksum_mismatch"
     BAD_GRANT = "bad_grant"
-    PEER_QUARANTINED = "peer_quarantined"    # an abandoned read from that peer may still write: refused
+    PEER_QUARANTINED = (
+        "peer_quarantined"  # an abandoned read from that peer may still write: refused
+    )
 
 
-def import_prefix(cache: NodeCache, tokens: Sequence[int], namespace: str, grant: ExportGrant,
-                  read: PageReader, peer: str | None = None) -> FetchOutcome:
+def import_prefix(
+    cache: NodeCache,
+    tokens: Sequence[int],
+    namespace: str,
+    grant: ExportGrant,
+    read: PageReader,
+    peer: str | None = None,
+) -> FetchOutcome:
     """Insert what `grant` offers beyond the local match, whole or not at all.
 
     While pages an abandoned read from `peer` may still write are quarantined, no
@@ -56,24 +66,33 @@ def import_prefix(cache: NodeCache, tokens: Sequence[int], namespace: str, grant
     if grant.fingerprint != cache.layout.fingerprint:
         return FetchOutcome.BAD_GRANT
     n = grant.pages
-    if n > len(tokens) // cache.layout.page_size \
-            or list(grant.keys) != cache.keys(tokens[: n * cache.layout.page_size], namespace):
-        return FetchOutcome.BAD_GRANT     # not this request's prefix (or another tenant's)
+    if n > len(tokens) // cache.layout.page_size or list(grant.keys) != cache.keys(
+        tokens[: n * cache.layout.page_size], namespace
+    ):
+        return FetchOutcome.BAD_GRANT  # not this request's prefix (or another tenant's)
     plan = cache.plan_fetch(tokens, namespace, n)
     if plan.empty:
         return FetchOutcome.NOTHING_TO_FETCH
-    if any(not grant.pools.get(p) or not all(grant.pools[p].covers(i) for i in pos)
-           for p, pos in plan.todo.items() if pos):
-        return FetchOutcome.BAD_GRANT     # the source offers less than the missing pages
+    if any(
+        not grant.pools.get(p) or not all(grant.pools[p].covers(i) for i in pos)
+        for p, pos in plan.todo.items()
+        if pos
+    ):
+        return FetchOutcome.BAD_GRANT  # the source offers less than the missing pages
     try:
-        failed = cache.insert(plan, lambda got, hold: _read_and_verify(cache, grant, plan.todo, got, read, hold),
-                              writer=peer)
+        failed = cache.insert(
+            plan,
+            lambda got, hold: _read_and_verify(cache, grant, plan.todo, got, read, hold),
+            writer=peer,
+        )
     except ReservationFailed:
         return FetchOutcome.NO_ROOM
     return FetchOutcome.COMMITTED if failed is None else failed
 
 
-def _read_and_verify(cache, grant, need, got, read, hold: Callable[[], None]) -> FetchOutcome | None:
+def _read_and_verify(
+    cache, grant, need, got, read, hold: Callable[[], None]
+) -> FetchOutcome | None:
     """Read and check every missing page; an outcome if that failed. `hold` ends the
     transaction keeping its pages out of use, for a transfer that may still write."""
     for pool, positions in need.items():
@@ -88,7 +107,7 @@ def _read_and_verify(cache, grant, need, got, read, hold: Callable[[], None]) ->
                 hold()
             return FetchOutcome.TRANSFER_FAILED
         except Exception:
-            hold()      # a failure the reader did not report: nothing says its transfer stopped
+            hold()  # a failure the reader did not report: nothing says its transfer stopped
             return FetchOutcome.TRANSFER_FAILED
         except BaseException:
             hold()
@@ -96,7 +115,7 @@ def _read_and_verify(cache, grant, need, got, read, hold: Callable[[], None]) ->
         try:
             sums = cache.checksums(pool, [(Tier.DEVICE, i) for i in dst])
         except Exception:
-            return FetchOutcome.TRANSFER_FAILED     # bytes that cannot be checked are never used
+            return FetchOutcome.TRANSFER_FAILED  # bytes that cannot be checked are never used
         if sums != [s for _, _, s in refs]:
             return FetchOutcome.CHECKSUM_MISMATCH
     return None

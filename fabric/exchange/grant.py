@@ -4,26 +4,27 @@ The source pins the pages a match of the length it really has needs, under a lea
 and describes where each lies and its checksum (`ExportGrant`); the destination
 validates that description as outside input before using any of it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import msgpack
-
 from kvfabric.fabric.cache.keys import KEY_BYTES
 from kvfabric.fabric.cache.layout import PoolName, Tier
 from kvfabric.fabric.wire import is_int, unpack
 
 GRANT_VERSION = 1
 
+
 class GrantError(ValueError):
     """An export grant that does not fit this cache or this request."""
-
 
 
 @dataclass(frozen=True)
 class PoolPages:
     """Source locations of consecutive pages of one pool, from position `first`."""
+
     first: int
     tiers: tuple[int, ...]
     indices: tuple[int, ...]
@@ -39,18 +40,25 @@ class PoolPages:
 
 @dataclass(frozen=True)
 class ExportGrant:
-    lease_id: int                   # 0: nothing pinned
+    lease_id: int  # 0: nothing pinned
     fingerprint: bytes
-    pages: int                      # usable pages the source has for the asked keys
-    keys: tuple[bytes, ...]         # keys of pages [0, pages)
+    pages: int  # usable pages the source has for the asked keys
+    keys: tuple[bytes, ...]  # keys of pages [0, pages)
     pools: dict[PoolName, PoolPages] = field(default_factory=dict)
     version: int = GRANT_VERSION
 
     def to_wire(self) -> dict:
-        return {"v": self.version, "lease": self.lease_id, "fp": self.fingerprint, "pages": self.pages,
-                "keys": list(self.keys),
-                "pools": [[int(p), pp.first, list(pp.tiers), list(pp.indices), list(pp.checksums)]
-                          for p, pp in self.pools.items()]}
+        return {
+            "v": self.version,
+            "lease": self.lease_id,
+            "fp": self.fingerprint,
+            "pages": self.pages,
+            "keys": list(self.keys),
+            "pools": [
+                [int(p), pp.first, list(pp.tiers), list(pp.indices), list(pp.checksums)]
+                for p, pp in self.pools.items()
+            ],
+        }
 
     def encode(self) -> bytes:
         return msgpack.packb(self.to_wire())
@@ -84,8 +92,11 @@ def _parse_grant(msg: object) -> ExportGrant:
         raise ValueError("lease and pages must be ints >= 0")
     if not isinstance(msg["fp"], bytes) or len(msg["fp"]) != KEY_BYTES:
         raise ValueError(f"fingerprint must be {KEY_BYTES} bytes")
-    if not isinstance(keys, list) or len(keys) != pages \
-            or not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys):
+    if (
+        not isinstance(keys, list)
+        or len(keys) != pages
+        or not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys)
+    ):
         raise ValueError(f"keys must be one {KEY_BYTES}-byte key per page")
     pools = {}
     if not isinstance(msg["pools"], list):
@@ -98,12 +109,16 @@ def _parse_grant(msg: object) -> ExportGrant:
         if pool is None or pool in pools:
             raise ValueError(f"pool {name!r} is unknown or listed twice")
         lists = (tiers, indices, sums)
-        if not is_int(first) or first < 0 or not all(isinstance(x, list) for x in lists) \
-                or not len(tiers) == len(indices) == len(sums) or first + len(indices) > pages \
-                or not all(t in (0, 1) and is_int(t) for t in tiers) \
-                or not all(is_int(i) and i >= 0 for i in indices) or not all(is_int(s) for s in sums):
+        if (
+            not is_int(first)
+            or first < 0
+            or not all(isinstance(x, list) for x in lists)
+            or not len(tiers) == len(indices) == len(sums)
+            or first + len(indices) > pages
+            or not all(t in (0, 1) and is_int(t) for t in tiers)
+            or not all(is_int(i) and i >= 0 for i in indices)
+            or not all(is_int(s) for s in sums)
+        ):
             raise ValueError(f"pool {pool.name}: malformed page list")
         pools[pool] = PoolPages(first, tuple(tiers), tuple(indices), tuple(sums))
     return ExportGrant(lease, msg["fp"], pages, tuple(keys), pools)
-
-

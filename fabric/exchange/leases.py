@@ -4,6 +4,7 @@ a request from its get to its put.
 A peer that asked for an export, or a request that matched a prefix, may die
 before it says it is done; its lease then expires on its own and the pages
 become evictable again."""
+
 from __future__ import annotations
 
 import itertools
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 from kvfabric.fabric.cache.records import PrefixLock
 
-if TYPE_CHECKING:     # NodeCache owns a LeaseTable: import for annotations only
+if TYPE_CHECKING:  # NodeCache owns a LeaseTable: import for annotations only
     from kvfabric.fabric.cache.node_cache import NodeCache
 
 

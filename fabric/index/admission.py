@@ -6,6 +6,7 @@ node that died, and admits a node (a new one, or one restarted under its old
 identity) with the epoch it now publishes under, before that node sends anything.
 A dropped node stays refused, whatever its epoch, until it is admitted again;
 events of an epoch below the admitted one are stale, wherever they come from."""
+
 from __future__ import annotations
 
 from enum import Enum
@@ -16,8 +17,8 @@ class ApplyResult(str, Enum):
     DUPLICATE = "duplicate"
     STALE_EPOCH = "stale_epoch"
     NEED_SNAPSHOT = "need_snapshot"
-    DROPPED = "dropped"          # the directory dropped the node and has not admitted it again
-    REJECTED = "rejected"        # not a valid message, or another layout's: nothing applied
+    DROPPED = "dropped"  # the directory dropped the node and has not admitted it again
+    REJECTED = "rejected"  # not a valid message, or another layout's: nothing applied
 
 
 class Admission:

@@ -17,6 +17,7 @@ Lookups are unbounded, so what is counted is bounded: a region keeps exact hit
 counts for its most hit children only (`MAX_CHILDREN`, and its total for all),
 and a tracker keeps its most hit regions only (`MAX_REGIONS`). A split needs only
 the hottest regions and where each parts, which both keep."""
+
 from __future__ import annotations
 
 import math
@@ -28,12 +29,22 @@ from typing import Callable, Sequence
 from .routes import RouteTable
 from .splits import Split, plan_split
 
-__all__ = ["LoadTracker", "MAX_CHILDREN", "MAX_REGIONS", "RegionHits", "Regions", "Split", "chance_target",
-           "max_sigmas", "prune_regions", "shared_path"]
+__all__ = [
+    "LoadTracker",
+    "MAX_CHILDREN",
+    "MAX_REGIONS",
+    "RegionHits",
+    "Regions",
+    "Split",
+    "chance_target",
+    "max_sigmas",
+    "prune_regions",
+    "shared_path",
+]
 
 
-MAX_REGIONS = 256       # regions a tracker keeps (it prunes to these at twice as many)
-MAX_CHILDREN = 16       # children a region counts one by one (likewise)
+MAX_REGIONS = 256  # regions a tracker keeps (it prunes to these at twice as many)
+MAX_CHILDREN = 16  # children a region counts one by one (likewise)
 
 
 @dataclass
@@ -41,10 +52,11 @@ class RegionHits:
     """Hits (lookups, or entries held) in one region: per child one level below its
     root, for the most hit children, and in all. For lookups, also the key path all
     of them shared (`common`) and the longest one's length."""
-    path: tuple[bytes, ...]           # the region root's key path from depth 0
+
+    path: tuple[bytes, ...]  # the region root's key path from depth 0
     children: Counter = field(default_factory=Counter)
-    total: int = 0                    # every hit in the region, counted child or not
-    common: tuple[bytes, ...] | None = None     # None: no lookup recorded (or entries)
+    total: int = 0  # every hit in the region, counted child or not
+    common: tuple[bytes, ...] | None = None  # None: no lookup recorded (or entries)
     longest: int = 0
 
     def add(self, child: bytes, n: int = 1) -> None:
@@ -62,7 +74,9 @@ class RegionHits:
         self.children.update(other.children)
         self.total += other.total
         if other.common is not None:
-            self.common = other.common if self.common is None else shared_path(self.common, other.common)
+            self.common = (
+                other.common if self.common is None else shared_path(self.common, other.common)
+            )
         self.longest = max(self.longest, other.longest)
         if len(self.children) > 2 * MAX_CHILDREN:
             self.prune()
@@ -81,13 +95,13 @@ class RegionHits:
     def lone_child(self) -> bytes | None:
         """The only child ever hit, if there is just one."""
         if len(self.children) == 1:
-            (child, n), = self.children.items()
+            ((child, n),) = self.children.items()
             if n == self.total:
                 return child
         return None
 
 
-Regions = dict[bytes, RegionHits]       # region root key -> its hits
+Regions = dict[bytes, RegionHits]  # region root key -> its hits
 
 
 def shared_path(a: Sequence[bytes], b: Sequence[bytes]) -> tuple[bytes, ...]:
@@ -96,7 +110,7 @@ def shared_path(a: Sequence[bytes], b: Sequence[bytes]) -> tuple[bytes, ...]:
     n = min(len(a), len(b))
     if n and a[n - 1] == b[n - 1]:
         return tuple(a[:n])
-    lo, hi = 0, n - 1                 # a[:lo] == b[:lo], a[:hi + 1] != b[:hi + 1]
+    lo, hi = 0, n - 1  # a[:lo] == b[:lo], a[:hi + 1] != b[:hi + 1]
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[mid - 1] == b[mid - 1]:
@@ -123,7 +137,7 @@ class LoadTracker:
     shards: int
     lookups: list[int] = field(default_factory=list)
     regions: Regions = field(default_factory=dict)
-    entries: list[int] = field(default_factory=list)           # keys held, per shard
+    entries: list[int] = field(default_factory=list)  # keys held, per shard
     entry_regions: Regions = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -141,13 +155,13 @@ class LoadTracker:
         root = keys[depth]
         region = self.regions.get(root)
         if region is None:
-            region = self.regions[root] = RegionHits(tuple(keys[:depth + 1]))
+            region = self.regions[root] = RegionHits(tuple(keys[: depth + 1]))
             if len(self.regions) > 2 * MAX_REGIONS:
                 prune_regions(self.regions)
         if depth + 1 < len(keys):
             region.add(keys[depth + 1])
         else:
-            region.total += 1         # a lookup of the root page itself
+            region.total += 1  # a lookup of the root page itself
         region.narrow(keys)
 
     def merge(self, other: "LoadTracker") -> None:
@@ -163,15 +177,24 @@ class LoadTracker:
         """The shard whose entries per region a plan needs: the fullest, when lookups
         are even enough and entries are not (regions cost a pass over a shard's keys)."""
         bound = target if entries_target is None else entries_target
-        if self.shards == 1 or self.max_over_mean() > target or _max_over_mean(self.entries) <= bound:
+        if (
+            self.shards == 1
+            or self.max_over_mean() > target
+            or _max_over_mean(self.entries) <= bound
+        ):
             return None
         return max(range(self.shards), key=self.entries.__getitem__)
 
     def entries_max_over_mean(self) -> float:
         return _max_over_mean(self.entries)
 
-    def plan(self, routes: RouteTable, target: float, entries_target: float | None = None,
-             regions_of: Callable[[int], Regions] | None = None) -> tuple[RouteTable, Split] | None:
+    def plan(
+        self,
+        routes: RouteTable,
+        target: float,
+        entries_target: float | None = None,
+        regions_of: Callable[[int], Regions] | None = None,
+    ) -> tuple[RouteTable, Split] | None:
         """The routes after one split, if lookups are more uneven than `target`, or
         else entries more uneven than `entries_target` (default: `target`).
 
@@ -184,8 +207,10 @@ class LoadTracker:
         fullest = self.fullest_if_uneven(target, entries_target)
         if fullest is not None and regions_of is not None:
             self.record_entries(fullest, self.entries[fullest], regions_of(fullest))
-        for counts, regions, bound in ((self.lookups, self.regions, target),
-                                       (self.entries, self.entry_regions, entries_target)):
+        for counts, regions, bound in (
+            (self.lookups, self.regions, target),
+            (self.entries, self.entry_regions, entries_target),
+        ):
             if _max_over_mean(counts) > bound:
                 planned = plan_split(routes, counts, regions)
                 if planned is not None:
@@ -193,7 +218,9 @@ class LoadTracker:
         return None
 
 
-def chance_target(target: float, counts: Sequence[float], sigmas: float | None = None) -> float | None:
+def chance_target(
+    target: float, counts: Sequence[float], sigmas: float | None = None
+) -> float | None:
     """The max/mean bar a lookup split must pass to be beyond chance: over a few lookups
     a balanced shard's count still strays about sqrt(mean) from the mean, and a split can
     cost every node a snapshot. So `sigmas` standard deviations above the mean (default

@@ -5,6 +5,7 @@ mask; 0 means gone), not a delta, so applying one twice is harmless. Events
 travel in batches `(node, epoch, seq, pages)`: the index applies one node's
 batches in `seq` order, asks for a snapshot on a gap, and replaces everything
 an old epoch published when a new epoch (a restarted node) appears."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +13,6 @@ from enum import IntFlag
 from typing import Sequence
 
 import msgpack
-
 from kvfabric.fabric.cache.keys import KEY_BYTES
 from kvfabric.fabric.wire import unpack
 
@@ -36,10 +36,10 @@ class EventError(ValueError):
 
 @dataclass(frozen=True)
 class PageState:
-    key: bytes          # the page's chained key
-    parent: bytes       # the previous page's key (the namespace root key for page 0)
-    depth: int          # the page's position in its sequence
-    mask: int           # PageMask bits; 0: the node no longer holds the page
+    key: bytes  # the page's chained key
+    parent: bytes  # the previous page's key (the namespace root key for page 0)
+    depth: int  # the page's position in its sequence
+    mask: int  # PageMask bits; 0: the node no longer holds the page
 
 
 @dataclass(frozen=True)
@@ -48,17 +48,28 @@ class EventBatch:
     epoch: int
     seq: int
     pages: tuple[PageState, ...]
-    cleared: bool = False      # the node dropped every page before these
-    fingerprint: bytes = b""   # the publisher's layout; an index for another layout refuses it
+    cleared: bool = False  # the node dropped every page before these
+    fingerprint: bytes = b""  # the publisher's layout; an index for another layout refuses it
 
     def encode(self) -> bytes:
-        return msgpack.packb([EVENTS_VERSION, "batch", self.node, self.epoch, self.seq, self.cleared,
-                              [[p.key, p.parent, p.depth, p.mask] for p in self.pages], self.fingerprint])
+        return msgpack.packb(
+            [
+                EVENTS_VERSION,
+                "batch",
+                self.node,
+                self.epoch,
+                self.seq,
+                self.cleared,
+                [[p.key, p.parent, p.depth, p.mask] for p in self.pages],
+                self.fingerprint,
+            ]
+        )
 
 
 @dataclass(frozen=True)
 class Snapshot:
     """Every page a node holds, as of batch `seq` of `epoch`."""
+
     node: str
     epoch: int
     seq: int
@@ -66,8 +77,18 @@ class Snapshot:
     fingerprint: bytes = b""
 
     def encode(self) -> bytes:
-        return msgpack.packb([EVENTS_VERSION, "snapshot", self.node, self.epoch, self.seq, True,
-                              [[p.key, p.parent, p.depth, p.mask] for p in self.pages], self.fingerprint])
+        return msgpack.packb(
+            [
+                EVENTS_VERSION,
+                "snapshot",
+                self.node,
+                self.epoch,
+                self.seq,
+                True,
+                [[p.key, p.parent, p.depth, p.mask] for p in self.pages],
+                self.fingerprint,
+            ]
+        )
 
 
 def decode(data: bytes) -> EventBatch | Snapshot:
@@ -102,8 +123,12 @@ def _page(p: object, i: int) -> PageState:
     if not isinstance(p, list) or len(p) != 4:
         raise EventError(f"page {i}: expected [key, parent, depth, mask]")
     key, parent, depth, mask = p
-    if not (isinstance(key, bytes) and len(key) == KEY_BYTES and isinstance(parent, bytes)
-            and len(parent) == KEY_BYTES):
+    if not (
+        isinstance(key, bytes)
+        and len(key) == KEY_BYTES
+        and isinstance(parent, bytes)
+        and len(parent) == KEY_BYTES
+    ):
         raise EventError(f"page {i}: key and parent must be {KEY_BYTES} bytes")
     if not _uint(depth) or not _uint(mask) or mask > _MAX_MASK:
         raise EventError(f"page {i}: depth must be an int >= 0 and mask a PageMask")
@@ -129,8 +154,17 @@ def check_header(node: object, epoch: object, seq: object) -> None:
 def check_pages(pages: Sequence[PageState], allow_zero: bool) -> None:
     """Whole-batch validation before any of it is applied: bad input changes nothing."""
     for i, p in enumerate(pages):
-        if not (isinstance(p, PageState) and type(p.key) is bytes and len(p.key) == KEY_BYTES
-                and type(p.parent) is bytes and len(p.parent) == KEY_BYTES):
+        if not (
+            isinstance(p, PageState)
+            and type(p.key) is bytes
+            and len(p.key) == KEY_BYTES
+            and type(p.parent) is bytes
+            and len(p.parent) == KEY_BYTES
+        ):
             raise EventError(f"page {i}: key and parent must be {KEY_BYTES} bytes")
-        if not _uint(p.depth) or not _uint(p.mask) or not (0 if allow_zero else 1) <= p.mask <= _MAX_MASK:
+        if (
+            not _uint(p.depth)
+            or not _uint(p.mask)
+            or not (0 if allow_zero else 1) <= p.mask <= _MAX_MASK
+        ):
             raise EventError(f"page {i}: bad depth {p.depth!r} or mask {p.mask!r}")

@@ -8,6 +8,7 @@ once, which hold every page so far, in which pool and tier. The work per page is
 in C iterators; Python-level work is per distinct match length, not per page or node.
 The rule itself is the MatchRule's: every page before the end for full attention (the
 running AND from page 0), the last `window_pages` for a window (ANDs over windows)."""
+
 from __future__ import annotations
 
 from functools import reduce
@@ -19,13 +20,14 @@ from .events import KEY_BYTES
 
 _BYTES, _KEY_LEN = {bytes}, {KEY_BYTES}
 
-Match = tuple[int, int, bool]       # (node slot, pages, device)
+Match = tuple[int, int, bool]  # (node slot, pages, device)
 
 
 class Lookups:
     """The presence table's queries; it owns the state they read."""
-    _bits: dict[bytes, int]        # key -> packed holders' nibbles (never 0)
-    _ones: int                     # bit 0 of every open slot's nibble
+
+    _bits: dict[bytes, int]  # key -> packed holders' nibbles (never 0)
+    _ones: int  # bit 0 of every open slot's nibble
     window_pages: int
     has_full: bool
 
@@ -41,7 +43,7 @@ class Lookups:
         if not chain:
             return []
         out: list[Match] = []
-        pending = 0 if self.has_full else self._ones   # without FULL runs, all scan from the end
+        pending = 0 if self.has_full else self._ones  # without FULL runs, all scan from the end
         for n, group in self._full_runs(prefix) if self.has_full else ():
             pending |= self._match_group(chain, prefix, n, group, out)
         if pending:
@@ -53,9 +55,11 @@ class Lookups:
         runs are the answer. One C pipeline, no per-page list: holders of each page, their
         running AND, stopping where it is 0 (a missing key, or no node holding every page
         so far: no run goes further), and each distinct running value -> where it ends."""
-        ends = dict(zip(takewhile(bool, accumulate(map(self._bits.get, keys, repeat(0)), and_)), count(1)))
+        ends = dict(
+            zip(takewhile(bool, accumulate(map(self._bits.get, keys, repeat(0)), and_)), count(1))
+        )
         ones, out, inner = self._ones, [], 0
-        for v in reversed(ends):               # longest run first; the AND only loses bits
+        for v in reversed(ends):  # longest run first; the AND only loses bits
             held = v & ones
             nodes = held & ~inner
             if nodes:
@@ -70,16 +74,16 @@ class Lookups:
     def _walk(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
         """The packed holders of each page a match may reach, and their running AND from
         page 0; C-level iterators, as this is most of a lookup's work."""
-        if self.has_full:     # stop at the first key no node holds (held keys have bits != 0)
+        if self.has_full:  # stop at the first key no node holds (held keys have bits != 0)
             chain = list(takewhile(bool, map(self._bits.get, keys, repeat(0))))
-        else:                 # without full layers only a window must be held: no stopping early
+        else:  # without full layers only a window must be held: no stopping early
             chain = list(map(self._bits.get, keys, repeat(0)))
         return chain, list(accumulate(chain, and_))
 
     def _full_runs(self, prefix: list[int]) -> list[tuple[int, int]]:
         """(F, nodes whose FULL run from page 0 is exactly F pages). The running AND only
         loses bits, so each distinct value is one run: the work is per run, not per page."""
-        ends = dict(zip(prefix, count(1)))         # each run's value -> its end, in one C pass
+        ends = dict(zip(prefix, count(1)))  # each run's value -> its end, in one C pass
         ones, runs, inner = self._ones, [], 0
         for v in reversed(ends):
             held = v & ones
@@ -88,18 +92,21 @@ class Lookups:
             inner = held
         return runs
 
-    def _match_group(self, chain: list[int], prefix: list[int], n: int, group: int,
-                     out: list[Match]) -> int:
+    def _match_group(
+        self, chain: list[int], prefix: list[int], n: int, group: int, out: list[Match]
+    ) -> int:
         """Nodes that may match up to n pages: those holding the SWA window there match n;
         the others are returned, for `_fall_back`."""
         w, win = self.window_pages, -1
         if w:
-            win = prefix[n - 1] if n <= w else reduce(and_, chain[n - w:n])
+            win = prefix[n - 1] if n <= w else reduce(and_, chain[n - w : n])
         ok = group & (win >> 2)
         self._emit(ok, n, (prefix[n - 1] >> 1 if self.has_full else -1) & (win >> 3), out)
         return group & ~ok
 
-    def _fall_back(self, chain: list[int], prefix: list[int], pending: int, out: list[Match]) -> None:
+    def _fall_back(
+        self, chain: list[int], prefix: list[int], pending: int, out: list[Match]
+    ) -> None:
         """Nodes whose SWA window fails where their match could end (a tombstoned prefix the
         request leaves early, say): try shorter lengths, all such nodes in one downward scan."""
         wins, full = self._windows(chain, prefix), self.has_full
@@ -120,7 +127,7 @@ class Lookups:
         runs, k = chain, 1
         while 2 * k <= w:
             runs, k = list(map(and_, runs, runs[k:])), 2 * k
-        return prefix[:w - 1] + list(map(and_, runs, runs[w - k:]))
+        return prefix[: w - 1] + list(map(and_, runs, runs[w - k :]))
 
     @staticmethod
     def _emit(nodes: int, n: int, device: int, out: list[Match]) -> None:

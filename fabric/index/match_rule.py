@@ -4,6 +4,7 @@ A node matches m pages when every pool's policy finds the pages it needs for m h
 there. The index packs the two shapes `needed` takes (every page before m, for full
 attention; the last w pages, for a window) into bit arithmetic (see PrefixIndex),
 so this rule is read from the policies, never restated."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,8 +15,8 @@ from ..cache.policies import policies_for
 
 @dataclass(frozen=True)
 class MatchRule:
-    window_pages: int          # pages a window pool needs before a match's end (0: no window pool)
-    has_full: bool = True      # a pool needs every page before the end
+    window_pages: int  # pages a window pool needs before a match's end (0: no window pool)
+    has_full: bool = True  # a pool needs every page before the end
 
     def __post_init__(self) -> None:
         w = self.window_pages
@@ -30,6 +31,6 @@ class MatchRule:
     def of(cls, layout: KVLayout) -> MatchRule:
         reach = [p.window_pages for p in policies_for(layout).values()]
         windows = [w for w in reach if w is not None]
-        if len(windows) > 1:      # one nibble per node packs one window's bits
+        if len(windows) > 1:  # one nibble per node packs one window's bits
             raise ValueError(f"the index packs at most one window pool, got {len(windows)}")
         return cls(windows[0] if windows else 0, None in reach)

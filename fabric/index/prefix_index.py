@@ -8,6 +8,7 @@ attention policies); the table is C or pure Python (KVF_NATIVE). Admission (epoc
 sequence numbers), validation, what each node published and page metadata stay here.
 `apply_chain` takes what a node publishes after a put, a run of consecutive pages with
 one mask, as one table call and dict updates, with no object per page (see `Chain`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,9 +17,18 @@ from typing import Sequence
 
 from .admission import Admission, ApplyResult
 from .answers import Chain, NodeMatch, rank_key, resolve
-from .events import (_MAX_MASK, KEY_BYTES, EventBatch, EventError, PageMask, PageState, Snapshot, check_header,
-                     check_pages)
-from .lookups import _BYTES, _KEY_LEN     # one definition of a well-formed key list
+from .events import (
+    _MAX_MASK,
+    KEY_BYTES,
+    EventBatch,
+    EventError,
+    PageMask,
+    PageState,
+    Snapshot,
+    check_header,
+    check_pages,
+)
+from .lookups import _BYTES, _KEY_LEN  # one definition of a well-formed key list
 from .match_rule import MatchRule
 from .presence import new_presence
 
@@ -29,36 +39,42 @@ _F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8
 def _code(mask: int) -> int:
     """A PageMask as a nibble whose bits AND sensibly along a path: FULL_DEVICE then
     FULL_HOST still means "FULL on both", which ANDing raw masks would lose."""
-    return ((_F_ANY if mask & PageMask.FULL else 0) | (_F_DEV if mask & PageMask.FULL_DEVICE else 0)
-            | (_S_ANY if mask & PageMask.SWA else 0) | (_S_DEV if mask & PageMask.SWA_DEVICE else 0))
+    return (
+        (_F_ANY if mask & PageMask.FULL else 0)
+        | (_F_DEV if mask & PageMask.FULL_DEVICE else 0)
+        | (_S_ANY if mask & PageMask.SWA else 0)
+        | (_S_DEV if mask & PageMask.SWA_DEVICE else 0)
+    )
 
 
-_CODES = tuple(_code(m) for m in range(_MAX_MASK + 1))     # mask -> nibble, without enum arithmetic
+_CODES = tuple(_code(m) for m in range(_MAX_MASK + 1))  # mask -> nibble, without enum arithmetic
 
 
 @dataclass
 class _NodeState:
     slot: int
     epoch: int
-    seq: int | None     # last applied batch; None: not in sync (needs seq 0, cleared or a snapshot)
+    seq: int | None  # last applied batch; None: not in sync (needs seq 0, cleared or a snapshot)
     # key -> the Chain this node last published it in (`node_pages` makes PageStates)
     pages: dict[bytes, Chain] = field(default_factory=dict)
 
 
 class PrefixIndex:
-    def __init__(self, rule: MatchRule, fingerprint: bytes | None = None, *, native: bool | None = None) -> None:
+    def __init__(
+        self, rule: MatchRule, fingerprint: bytes | None = None, *, native: bool | None = None
+    ) -> None:
         """`native`: the C presence table or the reference (default: KVF_NATIVE's pick)."""
         if not isinstance(rule, MatchRule):
             raise ValueError(f"rule must be a MatchRule, got {rule!r}")
         self.rule = rule
         self.window_pages, self.has_full = rule.window_pages, rule.has_full
-        self.fingerprint = fingerprint      # if set, batches of another layout are refused
+        self.fingerprint = fingerprint  # if set, batches of another layout are refused
         # Key -> packed holders, kept apart from key -> (parent, depth) so that a lookup
         # reads only the packed nibbles.
         self._presence = new_presence(rule, native)
-        self._meta: dict[bytes, Chain] = {}      # key -> the record it was last published in
+        self._meta: dict[bytes, Chain] = {}  # key -> the record it was last published in
         self._nodes: dict[str, _NodeState] = {}
-        self._slots: list[str | None] = []        # slot -> node name; None: free
+        self._slots: list[str | None] = []  # slot -> node name; None: free
         # Dropped nodes and epoch floors, so that late events cannot resurrect a node.
         self.admission = Admission()
         self._counts = {r: 0 for r in ApplyResult}
@@ -81,8 +97,17 @@ class PrefixIndex:
         self._counts[result] += 1
         return result
 
-    def apply_chain(self, node: str, epoch: int, seq: int, keys: Sequence[bytes], first_depth: int,
-                    parent: bytes, mask: int, cleared: bool = False) -> ApplyResult:
+    def apply_chain(
+        self,
+        node: str,
+        epoch: int,
+        seq: int,
+        keys: Sequence[bytes],
+        first_depth: int,
+        parent: bytes,
+        mask: int,
+        cleared: bool = False,
+    ) -> ApplyResult:
         """Batch `seq` of `node` stating one chain of consecutive pages, all with `mask`:
         what a node publishes after a put (mask > 0) or an eviction of a suffix (mask 0).
 
@@ -92,21 +117,39 @@ class PrefixIndex:
         without a PageState per page. Arguments are validated in bulk before anything is
         applied (keys: exact `bytes` of KEY_BYTES each; bad input raises EventError and
         changes nothing), and the per-page work is a few C-level passes over the keys."""
-        if not (type(node) is str and node and type(epoch) is int and epoch >= 0
-                and type(seq) is int and seq >= 0):
-            check_header(node, epoch, seq)           # the full check: subclasses, or raises
+        if not (
+            type(node) is str
+            and node
+            and type(epoch) is int
+            and epoch >= 0
+            and type(seq) is int
+            and seq >= 0
+        ):
+            check_header(node, epoch, seq)  # the full check: subclasses, or raises
         if type(keys) is not list:
-            if isinstance(keys, (str, bytes, bytearray, memoryview)) or not hasattr(keys, "__iter__"):
+            if isinstance(keys, (str, bytes, bytearray, memoryview)) or not hasattr(
+                keys, "__iter__"
+            ):
                 raise EventError(f"keys must be a sequence of {KEY_BYTES}-byte bytes")
             keys = list(keys)
         if keys and (set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN):
             raise EventError(f"chain keys must be {KEY_BYTES}-byte bytes")
         if type(parent) is not bytes or len(parent) != KEY_BYTES:
             raise EventError(f"chain parent must be {KEY_BYTES} bytes")
-        fast = type(first_depth) is int and first_depth >= 0 and type(mask) is int and 0 <= mask <= _MAX_MASK
+        fast = (
+            type(first_depth) is int
+            and first_depth >= 0
+            and type(mask) is int
+            and 0 <= mask <= _MAX_MASK
+        )
         if not fast and (
-                not isinstance(first_depth, int) or isinstance(first_depth, bool) or first_depth < 0
-                or not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask <= _MAX_MASK):
+            not isinstance(first_depth, int)
+            or isinstance(first_depth, bool)
+            or first_depth < 0
+            or not isinstance(mask, int)
+            or isinstance(mask, bool)
+            or not 0 <= mask <= _MAX_MASK
+        ):
             raise EventError(f"bad first_depth {first_depth!r} or mask {mask!r}")
         if type(cleared) is not bool:
             raise EventError(f"cleared must be a bool, got {cleared!r}")
@@ -131,7 +174,7 @@ class PrefixIndex:
             st = self._add_node(node, epoch)
         if epoch < st.epoch:
             return ApplyResult.STALE_EPOCH
-        if epoch > st.epoch:              # the node restarted: what it published before is gone
+        if epoch > st.epoch:  # the node restarted: what it published before is gone
             self._clear(st)
             st.epoch, st.seq = epoch, None
         if st.seq is not None and seq <= st.seq:
@@ -190,7 +233,7 @@ class PrefixIndex:
             st.epoch, st.seq = floor, None
 
     def _add_node(self, node: str, epoch: int) -> _NodeState:
-        if None not in self._slots:       # reuse a dropped node's slot: ints stay short
+        if None not in self._slots:  # reuse a dropped node's slot: ints stay short
             self._slots.append(None)
         slot = self._slots.index(None)
         self._slots[slot] = node
@@ -206,8 +249,9 @@ class PrefixIndex:
             st.pages.pop(key, None)
             self._forget(self._presence.set(st.slot, (key,), 0))
 
-    def _set_chain(self, st: _NodeState, keys: list[bytes], first_depth: int, parent: bytes,
-                   mask: int) -> None:
+    def _set_chain(
+        self, st: _NodeState, keys: list[bytes], first_depth: int, parent: bytes, mask: int
+    ) -> None:
         """`_set` for every page of a chain: one table call and C-level dict updates."""
         if not mask:
             for key in keys:
@@ -235,7 +279,7 @@ class PrefixIndex:
         if not keys:
             return []
         slots = self._slots
-        out = [NodeMatch(slots[s], n, d) for s, n, d in self._presence.lookup(keys)]    # type: ignore[arg-type]
+        out = [NodeMatch(slots[s], n, d) for s, n, d in self._presence.lookup(keys)]  # type: ignore[arg-type]
         if len(out) > 1:
             out.sort(key=rank_key)
         return out
@@ -245,7 +289,7 @@ class PrefixIndex:
         if st is None:
             return {}
         pages, found = st.pages, {}
-        for rec in {id(r): r for r in pages.values()}.values():     # each record once: O(pages)
+        for rec in {id(r): r for r in pages.values()}.values():  # each record once: O(pages)
             keys, depth, parent, mask = rec
             for i, k in enumerate(keys):
                 if pages.get(k) is rec:
@@ -273,9 +317,12 @@ class PrefixIndex:
         return len(self._presence)
 
     def stats(self) -> dict:
-        return {"keys": len(self._presence), "nodes": len(self._nodes),
-                "node_pages": sum(len(st.pages) for st in self._nodes.values()),
-                "out_of_sync": sorted(n for n, st in self._nodes.items() if st.seq is None),
-                "dropped_nodes": self.admission.dropped(),
-                "snapshots_loaded": self._snapshots,
-                **{r.value: c for r, c in self._counts.items()}}
+        return {
+            "keys": len(self._presence),
+            "nodes": len(self._nodes),
+            "node_pages": sum(len(st.pages) for st in self._nodes.values()),
+            "out_of_sync": sorted(n for n, st in self._nodes.items() if st.seq is None),
+            "dropped_nodes": self.admission.dropped(),
+            "snapshots_loaded": self._snapshots,
+            **{r.value: c for r, c in self._counts.items()},
+        }

@@ -7,6 +7,7 @@ insertion order as a dict does. KVF_NATIVE picks the core once per process, as f
 page keys (fabric/cache/native.py); `new_presence(rule, native=...)` picks one
 explicitly, as the differential tests do. The table knows slots, not node names, epochs
 or what a node published: PrefixIndex keeps those and validates every input first."""
+
 from __future__ import annotations
 
 from itertools import repeat
@@ -57,15 +58,23 @@ class Presence(Lookups):
         shift, b = 4 * slot, self._bits
         keep = ~(0xF << shift)
         if code:
-            b.update(zip(keys, map(or_, map(and_, map(b.get, keys, repeat(0)), repeat(keep)),
-                                   repeat(code << shift))))
+            b.update(
+                zip(
+                    keys,
+                    map(
+                        or_,
+                        map(and_, map(b.get, keys, repeat(0)), repeat(keep)),
+                        repeat(code << shift),
+                    ),
+                )
+            )
             return None
         left = list(map(and_, map(b.get, keys, repeat(0)), repeat(keep)))
-        if all(left):                     # every key held before, and by some other slot still
+        if all(left):  # every key held before, and by some other slot still
             b.update(zip(keys, left))
             return []
         removed = []
-        for key in keys:                  # in order: a key listed twice is deleted once
+        for key in keys:  # in order: a key listed twice is deleted once
             bits = b.get(key)
             if bits is None:
                 continue
@@ -88,13 +97,16 @@ class Presence(Lookups):
 
 def _import() -> ModuleType:
     from . import _presence  # type: ignore[attr-defined]  # built C: mypy sees no source
+
     return _presence
 
 
 EXT: ModuleType | None = native.load(native.MODE, _import)
 if EXT is not None and EXT.KEY_BYTES != KEY_BYTES:
-    raise ImportError(f"the native index extension is stale (KEY_BYTES {EXT.KEY_BYTES}): "
-                      "rebuild it with `pip install -e .`")
+    raise ImportError(
+        f"the native index extension is stale (KEY_BYTES {EXT.KEY_BYTES}): "
+        "rebuild it with `pip install -e .`"
+    )
 ENABLED = EXT is not None
 
 

@@ -1,4 +1,5 @@
 """EventPublisher: turns a NodeCache's page changes into numbered event batches."""
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -11,14 +12,21 @@ from .events import EventBatch, PageMask, PageState, Snapshot
 from .routes import RouteTable
 from .shard_batches import ShardBatches
 
-_BITS = {(PoolName.FULL, Tier.DEVICE): PageMask.FULL_DEVICE, (PoolName.FULL, Tier.HOST): PageMask.FULL_HOST,
-         (PoolName.SWA, Tier.DEVICE): PageMask.SWA_DEVICE, (PoolName.SWA, Tier.HOST): PageMask.SWA_HOST}
+_BITS = {
+    (PoolName.FULL, Tier.DEVICE): PageMask.FULL_DEVICE,
+    (PoolName.FULL, Tier.HOST): PageMask.FULL_HOST,
+    (PoolName.SWA, Tier.DEVICE): PageMask.SWA_DEVICE,
+    (PoolName.SWA, Tier.HOST): PageMask.SWA_HOST,
+}
 
 
 class ShardPublisher(Protocol):
     """What sends a node's pages to index shards needs of their source: batches per shard
     and snapshots per shard (EventPublisher for a NodeCache; an engine's own pages too)."""
-    def drain_routed(self, routes: RouteTable, every_shard: bool = False) -> dict[int, EventBatch]: ...
+
+    def drain_routed(
+        self, routes: RouteTable, every_shard: bool = False
+    ) -> dict[int, EventBatch]: ...
     def snapshots(self, routes: RouteTable) -> dict[int, Snapshot]: ...
 
 
@@ -43,8 +51,14 @@ class EventPublisher:
             return None
         changes, restate = self.cache.take_changes()
         pages = self._all_held() if restate else tuple(_state(view) for view, _ in changes)
-        batch = EventBatch(self.node, self.epoch, self.next_seq, pages, cleared=restate or self.next_seq == 0,
-                           fingerprint=self.fingerprint)
+        batch = EventBatch(
+            self.node,
+            self.epoch,
+            self.next_seq,
+            pages,
+            cleared=restate or self.next_seq == 0,
+            fingerprint=self.fingerprint,
+        )
         self.next_seq += 1
         return batch
 
@@ -55,7 +69,9 @@ class EventPublisher:
         changes, restate = self.cache.take_changes()
         if restate:
             return self.shards.restatement(routes, self._held_paths())
-        return self.shards.changes(routes, ((_state(view), path) for view, path in changes), every_shard)
+        return self.shards.changes(
+            routes, ((_state(view), path) for view, path in changes), every_shard
+        )
 
     def snapshots(self, routes: RouteTable) -> dict[int, Snapshot]:
         """What each shard should hold of this node under `routes`, each as of
@@ -64,7 +80,9 @@ class EventPublisher:
 
     def snapshot(self) -> Snapshot:
         """Everything held now, as of the last drained batch (drain first)."""
-        return Snapshot(self.node, self.epoch, self.next_seq - 1, self._all_held(), self.fingerprint)
+        return Snapshot(
+            self.node, self.epoch, self.next_seq - 1, self._all_held(), self.fingerprint
+        )
 
     def _held_paths(self):
         return ((_state(view), path) for view, path in self.cache.held_pages_with_paths())

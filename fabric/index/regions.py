@@ -5,6 +5,7 @@ the deepest route on its path (a spread route's child is a region of its own),
 else its first page. A shard knows each key's parent and depth, so regions are
 found by walking parent links, each key once (memoized), with no paths stored.
 """
+
 from __future__ import annotations
 
 from .balance import RegionHits, Regions, prune_regions
@@ -27,14 +28,14 @@ def entries_by_region(index: PrefixIndex, routes: RouteTable) -> Regions:
         if region is None:
             region = out[root] = RegionHits(_path(index, root))
         if child is not None:
-            region.children[child] += 1      # pruned once, below: the pass is bounded anyway
+            region.children[child] += 1  # pruned once, below: the pass is bounded anyway
             region.total += 1
     prune_regions(out)
     return out
 
 
 def _place(index: PrefixIndex, by_key: dict, memo: dict[bytes, _Place], key: bytes) -> _Place:
-    chain = []                       # keys walked up from `key`, nearest first
+    chain = []  # keys walked up from `key`, nearest first
     k, found = key, None
     while True:
         if k in memo:
@@ -43,12 +44,12 @@ def _place(index: PrefixIndex, by_key: dict, memo: dict[bytes, _Place], key: byt
         meta = index.page_meta(k)
         route = by_key.get(k)
         if meta is None or meta[1] == 0 or route is not None:
-            found = (k, None)        # a route's root, a first page, or the top of what is held
+            found = (k, None)  # a route's root, a first page, or the top of what is held
             memo[k] = found
             break
         parent_route = by_key.get(meta[0])
         if parent_route is not None and parent_route.spread:
-            found = (k, None)        # a spread route's child is a region of its own
+            found = (k, None)  # a spread route's child is a region of its own
             memo[k] = found
             break
         chain.append(k)

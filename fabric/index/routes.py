@@ -10,6 +10,7 @@ belong to a default shard chosen by the first page's key.
 The shard of a route also holds the route's ancestor pages (replicated), so
 it can answer a lookup alone, the SWA window at a route boundary included.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,12 +18,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import msgpack
-
 from kvfabric.fabric.cache.keys import KEY_BYTES
 from kvfabric.fabric.wire import is_int, unpack
 
 ROUTES_VERSION = 1
-MAX_SHARDS = 1024       # a spread route lists every shard per key: bound what a table may ask for
+MAX_SHARDS = 1024  # a spread route lists every shard per key: bound what a table may ask for
 
 
 class RouteError(ValueError):
@@ -31,9 +31,9 @@ class RouteError(ValueError):
 
 @dataclass(frozen=True)
 class Route:
-    path: tuple[bytes, ...]     # page keys from depth 0 to the route's root page
-    shard: int                  # owner of the route's own pages (and of its children, unless spread)
-    spread: bool = False        # each child subtree goes to the shard its key hashes to
+    path: tuple[bytes, ...]  # page keys from depth 0 to the route's root page
+    shard: int  # owner of the route's own pages (and of its children, unless spread)
+    spread: bool = False  # each child subtree goes to the shard its key hashes to
 
     @property
     def key(self) -> bytes:
@@ -48,14 +48,18 @@ class RouteTable:
             raise RouteError(f"version must be an int >= 0, got {version!r}")
         self.shards, self.version = shards, version
         self._routes: dict[bytes, Route] = {}
-        self._above: dict[bytes, set[int] | frozenset[int]] = {}   # key above some route -> those routes' shards
-        self._all = frozenset(range(shards))        # shared by the keys of spread routes
+        self._above: dict[
+            bytes, set[int] | frozenset[int]
+        ] = {}  # key above some route -> those routes' shards
+        self._all = frozenset(range(shards))  # shared by the keys of spread routes
         for r in routes:
             self._add(r)
 
     def _add(self, route: Route) -> None:
         if not is_int(route.shard) or not 0 <= route.shard < self.shards or not route.path:
-            raise RouteError(f"route to shard {route.shard} of {self.shards} with {len(route.path)} pages")
+            raise RouteError(
+                f"route to shard {route.shard} of {self.shards} with {len(route.path)} pages"
+            )
         if route.key in self._routes:
             raise RouteError("two routes for one subtree")
         self._routes[route.key] = route
@@ -66,7 +70,7 @@ class RouteTable:
                 above[k] = self._all
             elif held is None:
                 above[k] = {route.shard}
-            elif isinstance(held, set):         # not the shared frozenset of every shard
+            elif isinstance(held, set):  # not the shared frozenset of every shard
                 held.add(route.shard)
 
     @property
@@ -105,7 +109,9 @@ class RouteTable:
         and the owners of routes below it (they replicate their ancestors)."""
         return {self.owner(path), *self._above.get(path[-1], ())}
 
-    def split(self, path: Sequence[bytes], children: Sequence[bytes], shards: Sequence[int]) -> "RouteTable":
+    def split(
+        self, path: Sequence[bytes], children: Sequence[bytes], shards: Sequence[int]
+    ) -> "RouteTable":
         """A new table in which each child subtree of the page ending `path` is
         its own route, on the given shard."""
         if len(children) != len(shards) or len(set(children)) != len(children):
@@ -118,7 +124,7 @@ class RouteTable:
     def spread(self, path: Sequence[bytes], owner: int) -> "RouteTable":
         """A new table in which the children of the page ending `path` spread
         over all shards by key hash; `owner` keeps the page itself."""
-        kept = [r for r in self.routes if r.key != path[-1]]   # a route there becomes a spread one
+        kept = [r for r in self.routes if r.key != path[-1]]  # a route there becomes a spread one
         table = RouteTable(self.shards, kept, self.version + 1)
         table._add(Route(tuple(path), owner, spread=True))
         return table
@@ -133,8 +139,14 @@ class RouteTable:
         return table
 
     def encode(self) -> bytes:
-        return msgpack.packb([ROUTES_VERSION, self.version, self.shards,
-                              [[list(r.path), r.shard, r.spread] for r in self._routes.values()]])
+        return msgpack.packb(
+            [
+                ROUTES_VERSION,
+                self.version,
+                self.shards,
+                [[list(r.path), r.shard, r.spread] for r in self._routes.values()],
+            ]
+        )
 
     @classmethod
     def decode(cls, data: bytes) -> "RouteTable":
@@ -149,9 +161,14 @@ class RouteTable:
             raise RouteError("routes must be a list")
         parsed = []
         for r in routes:
-            if not (isinstance(r, list) and len(r) == 3 and isinstance(r[0], list)
-                    and all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in r[0])
-                    and is_int(r[1]) and isinstance(r[2], bool)):
+            if not (
+                isinstance(r, list)
+                and len(r) == 3
+                and isinstance(r[0], list)
+                and all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in r[0])
+                and is_int(r[1])
+                and isinstance(r[2], bool)
+            ):
                 raise RouteError(f"a route is [[{KEY_BYTES}-byte keys...], shard, spread]")
             parsed.append(Route(tuple(r[0]), r[1], r[2]))
         return cls(shards, parsed, version)

@@ -7,14 +7,15 @@ large a share of lookups (or, lookups being even, holds too large a share of
 entries), its hottest (largest) region is split one level down and the
 children spread over the shards. After a split, nodes
 resend snapshots under the new routes (shard state is soft)."""
+
 from __future__ import annotations
 
 from typing import Sequence
 
+from .answers import NodeMatch
 from .balance import LoadTracker, Split, chance_target
 from .events import EventBatch, Snapshot
 from .match_rule import MatchRule
-from .answers import NodeMatch
 from .prefix_index import ApplyResult, PrefixIndex
 from .regions import entries_by_region
 from .routes import RouteTable
@@ -24,7 +25,7 @@ class ShardedIndex:
     def __init__(self, shards: int, rule: MatchRule) -> None:
         self.routes = RouteTable(shards)
         self.shards = [PrefixIndex(rule) for _ in range(shards)]
-        self.load = LoadTracker(shards)                # since the last rebalance
+        self.load = LoadTracker(shards)  # since the last rebalance
         self.total_lookups = [0] * shards
 
     # --- events ---------------------------------------------------------------------
@@ -63,8 +64,12 @@ class ShardedIndex:
         Returns the split (the routes already changed: resend snapshots), or None."""
         for i, shard in enumerate(self.shards):
             self.load.entries[i] = len(shard)
-        planned = self.load.plan(self.routes, target, entries_target,
-                                 regions_of=lambda i: entries_by_region(self.shards[i], self.routes))
+        planned = self.load.plan(
+            self.routes,
+            target,
+            entries_target,
+            regions_of=lambda i: entries_by_region(self.shards[i], self.routes),
+        )
         if planned is None:
             return None
         self.routes, split = planned
@@ -79,7 +84,11 @@ class ShardedIndex:
         return self.rebalance(target=bar, entries_target=target)
 
     def stats(self) -> dict:
-        return {"shards": len(self.shards), "routes": len(self.routes.routes),
-                "route_version": self.routes.version, "lookups": list(self.total_lookups),
-                "keys": [len(s) for s in self.shards],
-                "load_max_over_mean": round(self.load_max_over_mean(), 3)}
+        return {
+            "shards": len(self.shards),
+            "routes": len(self.routes.routes),
+            "route_version": self.routes.version,
+            "lookups": list(self.total_lookups),
+            "keys": [len(s) for s in self.shards],
+            "load_max_over_mean": round(self.load_max_over_mean(), 3),
+        }

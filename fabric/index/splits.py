@@ -12,6 +12,7 @@ ends up busier than the busiest was (a move never makes its target busier than t
 was, and regions do not swing back and forth), and a later change sees to the next
 busiest. Nothing here knows a workload.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,17 +24,19 @@ from .routes import RouteTable
 if TYPE_CHECKING:
     from .balance import RegionHits, Regions
 
-CANDIDATES = 16          # regions of the busiest shard weighed, busiest first
+CANDIDATES = 16  # regions of the busiest shard weighed, busiest first
 
 
 @dataclass(frozen=True)
 class Split:
-    path: tuple[bytes, ...]       # the page the change went below (or the region moved)
-    children: tuple[bytes, ...]   # its children the counts knew of (none for a branch point)
-    shards: tuple[int, ...]       # and where each went (a move: where the region went)
+    path: tuple[bytes, ...]  # the page the change went below (or the region moved)
+    children: tuple[bytes, ...]  # its children the counts knew of (none for a branch point)
+    shards: tuple[int, ...]  # and where each went (a move: where the region went)
 
 
-def plan_split(routes: RouteTable, counts: Sequence[int], regions: "Regions") -> tuple[RouteTable, Split] | None:
+def plan_split(
+    routes: RouteTable, counts: Sequence[int], regions: "Regions"
+) -> tuple[RouteTable, Split] | None:
     """The routes after the best change for `counts` (hits per shard) given where the
     hits lie (`regions`), or None when no change evens them out beyond chance."""
     k = len(counts)
@@ -43,20 +46,31 @@ def plan_split(routes: RouteTable, counts: Sequence[int], regions: "Regions") ->
     hot = max(range(k), key=counts.__getitem__)
     cool = min((i for i in range(k) if i != hot), key=counts.__getitem__)
     spread_at = {r.key for r in routes.routes if r.spread}
-    on_hot = sorted((r for r in regions.values() if r.total and routes.locate(r.path)[0] == hot),
-                    key=lambda r: r.total, reverse=True)[:CANDIDATES]
+    on_hot = sorted(
+        (r for r in regions.values() if r.total and routes.locate(r.path)[0] == hot),
+        key=lambda r: r.total,
+        reverse=True,
+    )[:CANDIDATES]
     now: list[float] = sorted(counts, reverse=True)
     best: tuple[list[float], int, RegionHits, tuple[bytes, ...] | None] | None = None
     for n, region in enumerate(on_hot):
         r = region.total
         if r * (1 - 1 / k) <= math.sqrt(mean):
-            break                                  # this and the rest move less than chance does
+            break  # this and the rest move less than chance does
         options: list[tuple[list[float], tuple[bytes, ...] | None]] = []
         at = _spread_point(region)
         if at is not None and at[-1] not in spread_at:
             options.append(([c + r / k - (r if i == hot else 0) for i, c in enumerate(counts)], at))
         if r > math.sqrt(mean):
-            options.append(([c - r if i == hot else c + r if i == cool else c for i, c in enumerate(counts)], None))
+            options.append(
+                (
+                    [
+                        c - r if i == hot else c + r if i == cool else c
+                        for i, c in enumerate(counts)
+                    ],
+                    None,
+                )
+            )
         for after, where in options:
             ranked = sorted(after, reverse=True)
             if best is None or (ranked, n) < best[:2]:

@@ -1,5 +1,6 @@
 """Two NodeCacheActors on two nodes of a real Ray cluster: a prefix put on A
 is fetched into B over NIXL with equal bytes; a dead peer degrades to a miss."""
+
 from __future__ import annotations
 
 import time
@@ -7,16 +8,17 @@ import time
 import pytest
 import ray
 import torch
+from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
+from kvfabric.fabric import KVLayout, PoolCapacity, PoolName, decode_events
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
-from kvfabric.fabric import KVLayout, PoolCapacity, PoolName, decode_events
 from tests.kvgen import prefix_kv
 
 LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=2, head_dim=32, page_size=16, window=32)
-CONFIG = NodeConfig(LAYOUT, {PoolName.FULL: PoolCapacity(64, 64), PoolName.SWA: PoolCapacity(32, 32)},
-                    device="cpu")
+CONFIG = NodeConfig(
+    LAYOUT, {PoolName.FULL: PoolCapacity(64, 64), PoolName.SWA: PoolCapacity(32, 32)}, device="cpu"
+)
 NS = "tenant"
 T = 120.0
 
@@ -35,7 +37,9 @@ def cluster():
 
 def start(name: str, node) -> "ray.actor.ActorHandle":
     strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-    return NodeCacheActor.options(name=name, num_cpus=0.5, scheduling_strategy=strategy).remote(name, CONFIG)
+    return NodeCacheActor.options(name=name, num_cpus=0.5, scheduling_strategy=strategy).remote(
+        name, CONFIG
+    )
 
 
 def test_fetch_between_actors_on_two_nodes(cluster):
@@ -50,7 +54,9 @@ def test_fetch_between_actors_on_two_nodes(cluster):
         hit = ray.get(b.get.remote(tokens, NS), timeout=T)
         want = prefix_kv(LAYOUT, tokens)
         assert hit.tokens == len(tokens)
-        assert torch.equal(hit.layers[0], want[0]) and torch.equal(hit.layers[1], want[1][:, hit.starts[PoolName.SWA]:])
+        assert torch.equal(hit.layers[0], want[0]) and torch.equal(
+            hit.layers[1], want[1][:, hit.starts[PoolName.SWA] :]
+        )
         ray.get([a.check.remote(), b.check.remote()], timeout=T)
         batch = decode_events(ray.get(b.drain_events.remote(), timeout=T))
         assert batch.seq == 0 and batch.cleared and {p.depth for p in batch.pages} == set(range(6))
@@ -58,7 +64,7 @@ def test_fetch_between_actors_on_two_nodes(cluster):
         assert ray.get(a.stats.remote(), timeout=T)["leases"] == 0
         # A dead peer is a miss, never an error on the request path.
         ray.kill(a)
-        with pytest.raises(ray.exceptions.RayActorError):   # kill is asynchronous: wait for it
+        with pytest.raises(ray.exceptions.RayActorError):  # kill is asynchronous: wait for it
             for _ in range(100):
                 ray.get(a.ping.remote(), timeout=T)
                 time.sleep(0.1)
@@ -70,5 +76,5 @@ def test_fetch_between_actors_on_two_nodes(cluster):
             try:
                 ray.get(actor.shutdown.remote(), timeout=10)
             except ray.exceptions.RayError:
-                pass    # the peer was killed on purpose: already dead is fine
+                pass  # the peer was killed on purpose: already dead is fine
             ray.kill(actor)

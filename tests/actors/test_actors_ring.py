@@ -1,25 +1,30 @@
 """Node actors fetching from each other at once on a real Ray cluster: three nodes in
 a ring, every fetch commits and leaves no lease; a fetch that gives up on a slow
 export releases the lease that export took as soon as its reply lands."""
+
 from __future__ import annotations
 
-from functools import partial
 import dataclasses
+from functools import partial
 
 import pytest
 import ray
 import torch
+from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
+from kvfabric.fabric import KVLayout, PoolCapacity, PoolName
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
-from kvfabric.fabric import KVLayout, PoolCapacity, PoolName
 from tests.kvgen import prefix_kv
 from tests.waiting import eventually as wait_for
 
 LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=2, head_dim=16, page_size=16, window=32)
-CONFIG = NodeConfig(LAYOUT, {PoolName.FULL: PoolCapacity(64, 64), PoolName.SWA: PoolCapacity(32, 32)},
-                    device="cpu", fetch_deadline_s=30.0)
+CONFIG = NodeConfig(
+    LAYOUT,
+    {PoolName.FULL: PoolCapacity(64, 64), PoolName.SWA: PoolCapacity(32, 32)},
+    device="cpu",
+    fetch_deadline_s=30.0,
+)
 NS = "tenant"
 T = 120.0
 
@@ -37,12 +42,17 @@ def cluster():
 
 def start(name: str, node, config: NodeConfig = CONFIG):
     strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-    return NodeCacheActor.options(name=name, num_cpus=0.25, scheduling_strategy=strategy).remote(name, config)
+    return NodeCacheActor.options(name=name, num_cpus=0.25, scheduling_strategy=strategy).remote(
+        name, config
+    )
 
 
 def connect_all(actors: dict) -> None:
     meta = {n: ray.get(a.metadata.remote(), timeout=T) for n, a in actors.items()}
-    ray.get([a.connect.remote(p, meta[p]) for n, a in actors.items() for p in actors if p != n], timeout=T)
+    ray.get(
+        [a.connect.remote(p, meta[p]) for n, a in actors.items() for p in actors if p != n],
+        timeout=T,
+    )
 
 
 eventually = partial(wait_for, deadline_s=T, every_s=0.1)
@@ -53,7 +63,7 @@ def stop(actors) -> None:
         try:
             ray.get(actor.shutdown.remote(), timeout=10)
         except ray.exceptions.RayError:
-            pass        # already gone
+            pass  # already gone
         ray.kill(actor)
 
 
@@ -66,19 +76,33 @@ def test_three_nodes_fetching_in_a_ring(cluster):
     try:
         connect_all(actors)
         for r in range(4):
-            prompts = [list(range(10_000 * (3 * r + i) + 1, 10_000 * (3 * r + i) + 1 + 4 * 16)) for i in range(3)]
-            assert ray.get([actors[n].put.remote(p, prefix_kv(LAYOUT, p), NS) for n, p in zip(names, prompts)],
-                           timeout=T) == [4, 4, 4]
+            prompts = [
+                list(range(10_000 * (3 * r + i) + 1, 10_000 * (3 * r + i) + 1 + 4 * 16))
+                for i in range(3)
+            ]
+            assert ray.get(
+                [actors[n].put.remote(p, prefix_kv(LAYOUT, p), NS) for n, p in zip(names, prompts)],
+                timeout=T,
+            ) == [4, 4, 4]
             nxt = [(i + 1) % 3 for i in range(3)]
-            outcomes = ray.get([actors[names[i]].fetch.remote(actors[names[j]], names[j], prompts[j], NS)
-                                for i, j in enumerate(nxt)], timeout=T)
+            outcomes = ray.get(
+                [
+                    actors[names[i]].fetch.remote(actors[names[j]], names[j], prompts[j], NS)
+                    for i, j in enumerate(nxt)
+                ],
+                timeout=T,
+            )
             assert outcomes == ["committed"] * 3, (r, outcomes)
             for i, j in enumerate(nxt):
                 hit = ray.get(actors[names[i]].get.remote(prompts[j], NS), timeout=T)
                 want = prefix_kv(LAYOUT, prompts[j])
                 assert hit.tokens == 4 * 16 and torch.equal(hit.layers[0], want[0])
         # Releases are sent without waiting: every lease is gone once they land.
-        eventually(lambda: all(ray.get(a.stats.remote(), timeout=T)["leases"] == 0 for a in actors.values()))
+        eventually(
+            lambda: all(
+                ray.get(a.stats.remote(), timeout=T)["leases"] == 0 for a in actors.values()
+            )
+        )
         ray.get([a.check.remote() for a in actors.values()], timeout=T)
     finally:
         stop(actors.values())
@@ -94,10 +118,17 @@ def test_a_fetch_that_gives_up_releases_the_late_lease(cluster):
         connect_all({"late-src": source, "late-dst": dest})
         tokens = list(range(500, 500 + 3 * 16))
         ray.get(source.put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
-        assert ray.get(dest.fetch.remote(source, "late-src", tokens, NS), timeout=T) == "transfer_failed"
+        assert (
+            ray.get(dest.fetch.remote(source, "late-src", tokens, NS), timeout=T)
+            == "transfer_failed"
+        )
         # The export may not even have run yet (no lease): wait for the late reply first.
-        eventually(lambda: ray.get(dest.stats.remote(), timeout=T)["late_releases"] == 1, deadline_s=60.0)
-        eventually(lambda: ray.get(source.stats.remote(), timeout=T)["leases"] == 0, deadline_s=60.0)
+        eventually(
+            lambda: ray.get(dest.stats.remote(), timeout=T)["late_releases"] == 1, deadline_s=60.0
+        )
+        eventually(
+            lambda: ray.get(source.stats.remote(), timeout=T)["leases"] == 0, deadline_s=60.0
+        )
         assert ray.get(dest.match.remote(tokens, NS), timeout=T) == 0
         ray.get([source.check.remote(), dest.check.remote()], timeout=T)
     finally:
@@ -108,8 +139,9 @@ def test_epochs_rise_across_restarts_without_a_clock(cluster):
     """A node actor Ray restarts claims its epoch from the GCS: above the old one."""
     _, nodes = cluster
     strategy = NodeAffinitySchedulingStrategy(nodes[2].node_id, soft=False)
-    actor = NodeCacheActor.options(name="epoch-node", num_cpus=0.25, max_restarts=-1,
-                                   scheduling_strategy=strategy).remote("epoch-node", CONFIG)
+    actor = NodeCacheActor.options(
+        name="epoch-node", num_cpus=0.25, max_restarts=-1, scheduling_strategy=strategy
+    ).remote("epoch-node", CONFIG)
     try:
         epochs = [ray.get(actor.heartbeat.remote(), timeout=T).epoch]
         for _ in range(2):

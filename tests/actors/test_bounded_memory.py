@@ -1,12 +1,14 @@
 """Every per-request, per-tenant and per-node structure stays bounded (issue 11, defect 4).
 
-Each structure is driven with 100k distinct prompts or namespaces, in process (they
-are plain Python), and what it holds afterwards is measured with tracemalloc: it
-must stay under a bound that does not depend on how many requests went through.
-(Puts are 10k: each evicts from full pools, at a millisecond apiece here.) The workloads are the shapes a region tracker sees (distinct first pages, one
-shared first page with distinct continuations, regions below a split) and the
-ones a tenant map sees (a new namespace per request). The FabricClient's keyers
-are checked on a real fabric in tests/actors/fabric_cluster/ (test_fabric_index.py)."""
+Each structure is driven with 100k distinct prompts or namespaces, in process (they are
+plain Python), and what it holds afterwards is measured with tracemalloc: it must stay
+under a bound that does not depend on how many requests went through. (Puts are 10k: each
+evicts from full pools, at a millisecond apiece here.) The workloads are the shapes a
+region tracker sees (distinct first pages, one shared first page with distinct
+continuations, regions below a split) and the ones a tenant map sees (a new namespace per
+request). The FabricClient's keyers are checked on a real fabric in
+tests/actors/fabric_cluster/ (test_fabric_index.py)."""
+
 from __future__ import annotations
 
 import gc
@@ -15,15 +17,24 @@ import tracemalloc
 from typing import Callable
 
 import pytest
-
 from kvfabric.actors.index_shard import IndexShardActor
-from kvfabric.fabric import (EventPublisher, KeyerCache, KVLayout, LoadTracker, MatchRule, NodeCache, PoolCapacity, PoolName,
-                             RouteTable, ShardedIndex)
+from kvfabric.fabric import (
+    EventPublisher,
+    KeyerCache,
+    KVLayout,
+    LoadTracker,
+    MatchRule,
+    NodeCache,
+    PoolCapacity,
+    PoolName,
+    RouteTable,
+    ShardedIndex,
+)
 from kvfabric.fabric.index.balance import MAX_CHILDREN, MAX_REGIONS
 
 N = 100_000
-WARM = 2_000                   # requests before measuring: pools fill, caches reach their size
-BOUND = 2 * 2**20              # bytes a structure may grow by over the N requests after WARM
+WARM = 2_000  # requests before measuring: pools fill, caches reach their size
+BOUND = 2 * 2**20  # bytes a structure may grow by over the N requests after WARM
 LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=1, head_dim=1, page_size=2, window=3)
 
 
@@ -72,7 +83,7 @@ def test_index_shard_lookups_keep_bounded_load(shape):
     assert report.lookups[0] == N
     assert len(report.regions) <= 2 * MAX_REGIONS
     assert all(len(r.children) <= 2 * MAX_CHILDREN for r in report.regions.values())
-    if shape == "one_shared_first_page":       # every lookup hit one region: it is counted whole
+    if shape == "one_shared_first_page":  # every lookup hit one region: it is counted whole
         (region,) = report.regions.values()
         assert region.total == N and region.lone_child() is None
 
@@ -91,7 +102,7 @@ def test_hot_region_survives_pruning():
         if i % 50 == 0:
             record(hot + [key(3, i)])
     planned = load.plan(routes, target=1.01)
-    assert planned is not None and planned[1].path == (key(7), key(8))     # where its lookups part
+    assert planned is not None and planned[1].path == (key(7), key(8))  # where its lookups part
 
 
 def test_sharded_index_lookups_stay_bounded():
@@ -102,7 +113,7 @@ def test_sharded_index_lookups_stay_bounded():
     assert sum(index.load.lookups) == N and len(index.load.regions) <= 2 * MAX_REGIONS
 
 
-PUTS = 10_000                  # puts evict on full pools: each costs far more than a lookup
+PUTS = 10_000  # puts evict on full pools: each costs far more than a lookup
 FULL_ONLY = KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=2)
 
 
@@ -131,7 +142,9 @@ def test_publisher_between_drains_stays_bounded():
     assert grown(lambda i: cache.put([i, i + 1, 9, i % 7], None, "ns"), n=PUTS) < BOUND
     assert len(cache.tree.changes.keys) <= 64 + 2 * len(cache.tree.by_key)
     batch = publisher.drain()
-    assert batch.cleared and {p.key for p in batch.pages} == {p.key for p in publisher.snapshot().pages}
+    assert batch.cleared and {p.key for p in batch.pages} == {
+        p.key for p in publisher.snapshot().pages
+    }
 
 
 def test_node_cache_keyers_stay_bounded():
@@ -143,9 +156,11 @@ def test_keyer_cache_is_lru():
     keyers = KeyerCache(LAYOUT.fingerprint, LAYOUT.page_size, size=2)
     a = keyers.get("a")
     keyers.get("b")
-    assert keyers.get("a") is a            # used last: "b" goes first
+    assert keyers.get("a") is a  # used last: "b" goes first
     keyers.get("c")
     assert len(keyers) == 2 and keyers.get("a") is a
-    assert keyers.get("a").keys([1, 2]) == KeyerCache(LAYOUT.fingerprint, LAYOUT.page_size).get("a").keys([1, 2])
+    assert keyers.get("a").keys([1, 2]) == KeyerCache(LAYOUT.fingerprint, LAYOUT.page_size).get(
+        "a"
+    ).keys([1, 2])
     with pytest.raises(ValueError):
         KeyerCache(LAYOUT.fingerprint, LAYOUT.page_size, size=0)

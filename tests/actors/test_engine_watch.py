@@ -7,21 +7,28 @@ announcements are refused and change nothing. Then the whole path on a Ray clust
 process announced to a real node actor, its device cache published to the real index
 shards as vLLM engines publish theirs, killed; the directory's next passes clear its
 entries, a second life of the same name publishes and stays, a node's engines go with it."""
+
 from __future__ import annotations
 
-from functools import partial
 import subprocess
 import sys
 import uuid
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import given, settings, strategies as st
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvfabric.actors.node.engine_host import EngineHost
-from kvfabric.actors.node.engine_process import EngineProcess, EngineProcessError, can_watch, process_start
+from kvfabric.actors.node.engine_process import (
+    EngineProcess,
+    EngineProcessError,
+    can_watch,
+    process_start,
+)
 from kvfabric.fabric import PoolCapacity, PoolName
 from kvfabric.transport.staging import SharedPages, StagingSpec
+
 from tests.waiting import eventually as wait_for
 
 pytestmark = pytest.mark.skipif(not can_watch(), reason="engines are watched through /proc (Linux)")
@@ -52,14 +59,17 @@ class Host(EngineHost):
 def layout():
     pytest.importorskip("vllm")
     from tests.deploy.vllm.test_engine_pages import LAYOUT
+
     return LAYOUT
 
 
 def test_an_ended_engine_is_reaped_once_and_its_staging_unlinked(layout):
     host, proc, staging = Host(layout), sleeper(), spec()
     try:
-        SharedPages(staging, layout)                       # the engine's worker made its files
-        host.engine_started(EngineProcess(proc.pid, process_start(proc.pid), staging, f"{NODE_NAME}/engine/a", 3))
+        SharedPages(staging, layout)  # the engine's worker made its files
+        host.engine_started(
+            EngineProcess(proc.pid, process_start(proc.pid), staging, f"{NODE_NAME}/engine/a", 3)
+        )
         assert host.reap_engines() == {} and host.watched_engines() == [proc.pid]
         proc.kill()
         proc.wait(timeout=T)
@@ -78,7 +88,9 @@ def test_a_reused_pid_is_another_process(layout):
     host, proc = Host(layout), sleeper()
     try:
         # Announced with a start time that is not this process's: the engine it named is gone.
-        host.engine_started(EngineProcess(proc.pid, process_start(proc.pid) + 1, spec(), f"{NODE_NAME}/engine/b", 1))
+        host.engine_started(
+            EngineProcess(proc.pid, process_start(proc.pid) + 1, spec(), f"{NODE_NAME}/engine/b", 1)
+        )
         assert host.reap_engines() == {f"{NODE_NAME}/engine/b": 1}
         assert EngineProcess.this_process(spec()).alive()
     finally:
@@ -89,10 +101,19 @@ ANNOUNCEMENTS = st.builds(
     EngineProcess,
     pid=st.one_of(st.integers(-5, 1 << 40), st.none(), st.booleans(), st.text(max_size=3)),
     started=st.one_of(st.integers(-5, 1 << 40), st.floats(), st.none()),
-    staging=st.one_of(st.builds(StagingSpec, st.text(max_size=12), st.integers(1, 4)), st.none(), st.just("x")),
-    index_name=st.one_of(st.just(""), st.just(f"{NODE_NAME}/engine/c"), st.just("kvf-node-ffffffffffff/engine/c"),
-                         st.text(max_size=8), st.just("x" * 300), st.integers()),
-    index_epoch=st.one_of(st.integers(-3, 1 << 63), st.none(), st.floats()))
+    staging=st.one_of(
+        st.builds(StagingSpec, st.text(max_size=12), st.integers(1, 4)), st.none(), st.just("x")
+    ),
+    index_name=st.one_of(
+        st.just(""),
+        st.just(f"{NODE_NAME}/engine/c"),
+        st.just("kvf-node-ffffffffffff/engine/c"),
+        st.text(max_size=8),
+        st.just("x" * 300),
+        st.integers(),
+    ),
+    index_epoch=st.one_of(st.integers(-3, 1 << 63), st.none(), st.floats()),
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -112,21 +133,24 @@ def test_an_announcement_is_validated_and_a_refused_one_changes_nothing(ann):
 
 def test_only_so_many_engines_are_watched(layout):
     from kvfabric.actors.node.engine_host import MAX_ENGINES
+
     host = Host(layout)
     for pid in range(1, MAX_ENGINES + 1):
         host.engine_started(EngineProcess(pid, 0, spec()))
     with pytest.raises(EngineProcessError, match="watched already"):
         host.engine_started(EngineProcess(MAX_ENGINES + 1, 0, spec()))
-    host.engine_started(EngineProcess(1, 5, spec()))      # the same pid again: replaced, not added
+    host.engine_started(EngineProcess(1, 5, spec()))  # the same pid again: replaced, not added
     assert len(host.watched_engines()) == MAX_ENGINES
 
 
 # --- the whole path on a Ray cluster ---------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def fabric(layout):
     from kvfabric.actors import NodeConfig, start, stop
     from kvfabric.deploy.cli.cluster import local_cluster
+
     config = NodeConfig(layout, {p: PoolCapacity(16, 16) for p in layout.pools}, device="cpu")
     with local_cluster(2, cpus_per_node=2):
         f = start(config, shards=2, cpus_per_actor=0.25, watch_s=0.3)
@@ -141,11 +165,15 @@ def publish_engine(fabric, name: str, tokens: list[int]):
     from kvfabric.actors.epochs import GcsEpochs
     from kvfabric.deploy.vllm.engine_pages import EnginePages
     from kvfabric.deploy.vllm.index_sink import ShardSink
+
     from tests.deploy.vllm.test_engine_pages import GROUPS, LAYOUT, PS, Engine
+
     pages = EnginePages(name, GcsEpochs().claim(name), LAYOUT, GROUPS)
     sink = ShardSink(fabric.directory)
     sink.attach(pages)
-    pages.apply(Engine().compute(None, tuple(tokens), 0, len(tokens) // PS, list(range(len(GROUPS)))))
+    pages.apply(
+        Engine().compute(None, tuple(tokens), 0, len(tokens) // PS, list(range(len(GROUPS))))
+    )
     sink.publish(every_shard=True)
     return pages
 
@@ -153,25 +181,36 @@ def publish_engine(fabric, name: str, tokens: list[int]):
 def holders(tokens: list[int]) -> set[str]:
     from kvfabric.actors import FabricClient
     from kvfabric.deploy.vllm.namespaces import fabric_namespace
-    return {m.node for m in FabricClient.connect(timeout_s=10.0).lookup(tokens, fabric_namespace(None))}
+
+    return {
+        m.node for m in FabricClient.connect(timeout_s=10.0).lookup(tokens, fabric_namespace(None))
+    }
 
 
 def test_a_killed_engine_leaves_the_index_and_its_next_life_stays(fabric):
     import ray
+
     node = sorted(fabric.nodes)[0]
     actor, name = fabric.nodes[node], f"{node}/engine/slot-0"
     tokens = list(range(1, 17))
     proc, staging = sleeper(), spec()
     try:
         first = publish_engine(fabric, name, tokens)
-        ray.get(actor.engine_started.remote(
-            EngineProcess(proc.pid, process_start(proc.pid), staging, name, first.epoch)), timeout=T)
+        ray.get(
+            actor.engine_started.remote(
+                EngineProcess(proc.pid, process_start(proc.pid), staging, name, first.epoch)
+            ),
+            timeout=T,
+        )
         eventually(lambda: name in holders(tokens), "the engine's pages indexed")
         assert ray.get(actor.watched_engines.remote(), timeout=T) == [proc.pid]
         proc.kill()
         proc.wait(timeout=T)
         eventually(lambda: name not in holders(tokens), "the ended engine's entries cleared")
-        eventually(lambda: ray.get(actor.reap_engines.remote(), timeout=T) == {}, "the node told it was retired")
+        eventually(
+            lambda: ray.get(actor.reap_engines.remote(), timeout=T) == {},
+            "the node told it was retired",
+        )
         # The same slot's next life publishes and stays through later passes.
         publish_engine(fabric, name, tokens)
         eventually(lambda: name in holders(tokens), "the next life indexed")
@@ -183,17 +222,24 @@ def test_a_killed_engine_leaves_the_index_and_its_next_life_stays(fabric):
 
 def test_a_node_actor_refuses_an_engine_named_under_another_node(fabric):
     import ray
+
     a, b = sorted(fabric.nodes)
     with pytest.raises(ray.exceptions.RayTaskError, match="under"):
-        ray.get(fabric.nodes[a].engine_started.remote(EngineProcess(1, 0, spec(), f"{b}/engine/x", 1)), timeout=T)
+        ray.get(
+            fabric.nodes[a].engine_started.remote(EngineProcess(1, 0, spec(), f"{b}/engine/x", 1)),
+            timeout=T,
+        )
     assert ray.get(fabric.nodes[a].watched_engines.remote(), timeout=T) == []
 
 
 def test_a_nodes_engines_go_with_it(fabric):
     # An engine the index names under a node the directory does not list is a stray.
     import ray
+
     name, tokens = "kvf-node-ffffffffffff/engine/0", list(range(40, 56))
     publish_engine(fabric, name, tokens)
     eventually(lambda: name in holders(tokens), "the engine's pages indexed")
     ray.get(fabric.directory.reconcile.remote(add=False), timeout=T)
-    eventually(lambda: name not in holders(tokens), "the engine of a node that is not a member dropped")
+    eventually(
+        lambda: name not in holders(tokens), "the engine of a node that is not a member dropped"
+    )

@@ -1,11 +1,12 @@
 """Epoch claims (actors/epochs.py) over a key-value store with put-if-absent: later
 claims of one identity are higher, concurrent ones distinct, whatever the hint says."""
+
 from __future__ import annotations
 
 import threading
 
-from hypothesis import given, strategies as st
-
+from hypothesis import given
+from hypothesis import strategies as st
 from kvfabric.actors.epochs import _key, claim_epoch
 
 
@@ -57,4 +58,4 @@ def test_concurrent_claims_are_distinct_and_each_claimer_sees_them_rise():
     flat = [e for out in got for e in out]
     assert len(flat) == len(set(flat)) == 300
     assert all(out == sorted(out) and len(set(out)) == len(out) for out in got)
-    assert claim_epoch(kv, "node") == 301          # contiguous: the next is above all
+    assert claim_epoch(kv, "node") == 301  # contiguous: the next is above all

@@ -1,8 +1,10 @@
 """Fuzzing the decoders of wire messages (issue #6), part one: KV events and snapshots,
 and the index shard fed them. Export replies and route tables: tests/fabric/test_fuzz_exchange.py.
-Trace files and configs: tests/deploy/test_fuzz_files.py. (HTTP bodies: tests/deploy/test_openai_refusals.py.)
+Trace files and configs: tests/deploy/test_fuzz_files.py. (HTTP bodies:
+tests/deploy/test_openai_refusals.py.)
 
 How the decoders are fuzzed, and the `fuzz` mark: tests/fuzzing.py."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,11 +12,20 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import event, given, strategies as st
-
+from hypothesis import event, given
+from hypothesis import strategies as st
 from kvfabric.actors.index_shard import IndexShardActor
-from kvfabric.fabric import (ApplyResult, EventBatch, EventError, MatchRule, PageState, PrefixIndex,
-                             Snapshot, decode_events)
+from kvfabric.fabric import (
+    ApplyResult,
+    EventBatch,
+    EventError,
+    MatchRule,
+    PageState,
+    PrefixIndex,
+    Snapshot,
+    decode_events,
+)
+
 from tests.fuzzing import FP, KEY, NEAR, RANDOM, U64, _uint, flipped, fuzz, mutated, typed
 
 pytestmark = pytest.mark.fuzz
@@ -23,8 +34,16 @@ pytestmark = pytest.mark.fuzz
 # --- KV events and snapshots ---------------------------------------------------------------
 def event_wire(m: EventBatch | Snapshot) -> list:
     kind, cleared = ("batch", m.cleared) if isinstance(m, EventBatch) else ("snapshot", True)
-    return [1, kind, m.node, m.epoch, m.seq, cleared, [[p.key, p.parent, p.depth, p.mask] for p in m.pages],
-            m.fingerprint]
+    return [
+        1,
+        kind,
+        m.node,
+        m.epoch,
+        m.seq,
+        cleared,
+        [[p.key, p.parent, p.depth, p.mask] for p in m.pages],
+        m.fingerprint,
+    ]
 
 
 def event_ok(m: object) -> bool:
@@ -33,12 +52,30 @@ def event_ok(m: object) -> bool:
         return False
     v, kind, node, epoch, seq, cleared, pages, fp = m
     snap = kind == "snapshot"
-    return (type(v) is int and v == 1 and type(kind) is str and kind in ("batch", "snapshot")
-            and type(node) is str and 1 <= len(node) <= 256 and _uint(epoch) and _uint(seq)
-            and type(cleared) is bool and (cleared or not snap) and type(fp) is bytes and len(fp) in (0, 16)
-            and type(pages) is list and all(
-                type(p) is list and len(p) == 4 and all(type(k) is bytes and len(k) == 16 for k in p[:2])
-                and _uint(p[2]) and _uint(p[3]) and (1 if snap else 0) <= p[3] <= 15 for p in pages))
+    return (
+        type(v) is int
+        and v == 1
+        and type(kind) is str
+        and kind in ("batch", "snapshot")
+        and type(node) is str
+        and 1 <= len(node) <= 256
+        and _uint(epoch)
+        and _uint(seq)
+        and type(cleared) is bool
+        and (cleared or not snap)
+        and type(fp) is bytes
+        and len(fp) in (0, 16)
+        and type(pages) is list
+        and all(
+            type(p) is list
+            and len(p) == 4
+            and all(type(k) is bytes and len(k) == 16 for k in p[:2])
+            and _uint(p[2])
+            and _uint(p[3])
+            and (1 if snap else 0) <= p[3] <= 15
+            for p in pages
+        )
+    )
 
 
 def pages(min_mask: int = 0) -> st.SearchStrategy[tuple[PageState, ...]]:
@@ -65,7 +102,7 @@ def _decode_event_or_reject(data: bytes) -> EventBatch | Snapshot | None:
         out = decode_events(data)
     except EventError:
         return None
-    assert decode_events(out.encode()) == out      # whatever passes is a well-formed message
+    assert decode_events(out.encode()) == out  # whatever passes is a well-formed message
     return out
 
 
@@ -97,14 +134,24 @@ def _chain(keys: list[bytes], mask: int) -> tuple[PageState, ...]:
 
 def loaded_shard() -> Any:
     shard = IndexShardActor.__ray_actor_class__(0, 1, MatchRule(2), FP)
-    assert shard.apply(EventBatch("a", 1, 0, _chain(A_KEYS, 1), fingerprint=FP).encode()) == "applied"
-    assert shard.apply(EventBatch("b", 1, 0, _chain(B_KEYS[:3], 5), fingerprint=FP).encode()) == "applied"
+    assert (
+        shard.apply(EventBatch("a", 1, 0, _chain(A_KEYS, 1), fingerprint=FP).encode()) == "applied"
+    )
+    assert (
+        shard.apply(EventBatch("b", 1, 0, _chain(B_KEYS[:3], 5), fingerprint=FP).encode())
+        == "applied"
+    )
     return shard
 
 
 def index_state(index: PrefixIndex) -> tuple:
-    return (index.stats(), {n: (index.node_pages(n), index.sync_point(n)) for n in index.nodes()},
-            index.lookup(A_KEYS), index.lookup(B_KEYS), [index.page_meta(k) for k in A_KEYS + B_KEYS])
+    return (
+        index.stats(),
+        {n: (index.node_pages(n), index.sync_point(n)) for n in index.nodes()},
+        index.lookup(A_KEYS),
+        index.lookup(B_KEYS),
+        [index.page_meta(k) for k in A_KEYS + B_KEYS],
+    )
 
 
 def shard_state(shard: Any) -> tuple:
@@ -113,15 +160,27 @@ def shard_state(shard: Any) -> tuple:
 
 
 # What a shard may be sent next: a's next batch, b's snapshot, a new node's first batch.
-NEXT = [EventBatch("a", 1, 1, _chain(A_KEYS[:2], 3), fingerprint=FP),
-        Snapshot("b", 1, 1, _chain(B_KEYS, 5), FP),
-        EventBatch("c", 0, 0, _chain(B_KEYS[:2], 1), cleared=True, fingerprint=FP)]
+NEXT = [
+    EventBatch("a", 1, 1, _chain(A_KEYS[:2], 3), fingerprint=FP),
+    Snapshot("b", 1, 1, _chain(B_KEYS, 5), FP),
+    EventBatch("c", 0, 0, _chain(B_KEYS[:2], 1), cleared=True, fingerprint=FP),
+]
 
 
 @fuzz
-@given(st.sampled_from(NEXT).flatmap(lambda m: st.tuples(
-    st.just(m), st.one_of(flipped(m.encode()), st.one_of(mutated(event_wire(m)), mutated(
-        event_wire(m), typed, ops=("replace",))).map(msgpack.packb)))))
+@given(
+    st.sampled_from(NEXT).flatmap(
+        lambda m: st.tuples(
+            st.just(m),
+            st.one_of(
+                flipped(m.encode()),
+                st.one_of(
+                    mutated(event_wire(m)), mutated(event_wire(m), typed, ops=("replace",))
+                ).map(msgpack.packb),
+            ),
+        )
+    )
+)
 def test_index_shard_rejections_change_nothing(case: tuple[EventBatch | Snapshot, bytes]) -> None:
     msg, data = case
     shard = loaded_shard()
@@ -130,14 +189,16 @@ def test_index_shard_rejections_change_nothing(case: tuple[EventBatch | Snapshot
     event(answer)
     out = _decode_event_or_reject(data)
     if out is None or type(out) is not type(msg) or out.fingerprint != FP:
-        assert answer == "rejected"            # of another layout (or none): refused too
+        assert answer == "rejected"  # of another layout (or none): refused too
     if answer == "rejected":
         assert shard_state(shard) == before and shard.rejected == 1
     else:
         assert answer in {r.value for r in ApplyResult}
 
 
-def with_page_field(m: EventBatch | Snapshot, i: int, field: str, value: object) -> EventBatch | Snapshot:
+def with_page_field(
+    m: EventBatch | Snapshot, i: int, field: str, value: object
+) -> EventBatch | Snapshot:
     """`m` of this layout, with one field of page i (mod the page count) set to `value`."""
     ps = list(m.pages)
     i %= len(ps)
@@ -146,8 +207,18 @@ def with_page_field(m: EventBatch | Snapshot, i: int, field: str, value: object)
 
 
 @fuzz
-@given(st.one_of(MESSAGES, st.builds(with_page_field, MESSAGES.filter(lambda m: m.pages), st.integers(0, 5),
-                                     st.sampled_from(["key", "parent", "depth", "mask"]), NEAR)))
+@given(
+    st.one_of(
+        MESSAGES,
+        st.builds(
+            with_page_field,
+            MESSAGES.filter(lambda m: m.pages),
+            st.integers(0, 5),
+            st.sampled_from(["key", "parent", "depth", "mask"]),
+            NEAR,
+        ),
+    )
+)
 def test_prefix_index_checks_messages_built_in_process(msg: EventBatch | Snapshot) -> None:
     """PrefixIndex.apply/load_snapshot take objects, not bytes: they check them again."""
     index = loaded_shard().index
@@ -162,9 +233,14 @@ def test_prefix_index_checks_messages_built_in_process(msg: EventBatch | Snapsho
 
 
 @fuzz
-@given(st.binary(max_size=80) | st.lists(st.sampled_from(A_KEYS + B_KEYS), max_size=5).map(b"".join),
-       st.integers(-2, 2) | NEAR, st.integers(-2, 6) | NEAR)
-def test_index_shard_lookup_checks_its_arguments(keys: bytes, route_version: Any, depth: Any) -> None:
+@given(
+    st.binary(max_size=80) | st.lists(st.sampled_from(A_KEYS + B_KEYS), max_size=5).map(b"".join),
+    st.integers(-2, 2) | NEAR,
+    st.integers(-2, 6) | NEAR,
+)
+def test_index_shard_lookup_checks_its_arguments(
+    keys: bytes, route_version: Any, depth: Any
+) -> None:
     shard = loaded_shard()
     before = shard_state(shard)
     try:

@@ -2,11 +2,11 @@
 (a real engine, and a fast fake that checks what it is given), and an HTTP client for the
 ingress's FastAPI app. Used by tests/deploy/test_openai_api.py, test_openai_refusals.py,
 test_ingress_auth.py and test_tokenizer.py."""
+
 import hashlib
 import json
 
 from fastapi.testclient import TestClient
-
 from kvfabric.deploy.reference.engine import Engine
 from kvfabric.deploy.reference.model import ModelConfig, TinyLM
 from kvfabric.deploy.reference.tokenizer import OFFSET, ByteTokenizer
@@ -18,8 +18,10 @@ CONFIG = ModelConfig(max_positions=128)
 MODEL = TinyLM(CONFIG)
 NAME = "tiny-lm"
 KEY = "sk-test-key-0123456789"
-TENANTS = parse_tenants({KEY: {"namespaces": ["default"]}})    # more of them: tests/deploy/test_tenants.py
-LIMIT = 32                       # max_tokens_limit
+TENANTS = parse_tenants(
+    {KEY: {"namespaces": ["default"]}}
+)  # more of them: tests/deploy/test_tenants.py
+LIMIT = 32  # max_tokens_limit
 TOK = ByteTokenizer(CONFIG.vocab)
 URL = "/v1/completions"
 
@@ -33,11 +35,26 @@ class EngineBackend:
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         self.calls.append(req)
-        g = self.engine.generate(req.tokens, req.max_tokens, req.namespace, return_logits=req.logits_digest)
-        digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in g.logits)).hexdigest()[:16] \
-            if req.logits_digest else ""
-        return GenerateResult(g.tokens, g.prompt_tokens, g.cached_tokens, g.cached_tokens, 0, 0,
-                              g.fetch, g.ttft_s, "node-0", digest)
+        g = self.engine.generate(
+            req.tokens, req.max_tokens, req.namespace, return_logits=req.logits_digest
+        )
+        digest = (
+            hashlib.sha256(b"".join(t.numpy().tobytes() for t in g.logits)).hexdigest()[:16]
+            if req.logits_digest
+            else ""
+        )
+        return GenerateResult(
+            g.tokens,
+            g.prompt_tokens,
+            g.cached_tokens,
+            g.cached_tokens,
+            0,
+            0,
+            g.fetch,
+            g.ttft_s,
+            "node-0",
+            digest,
+        )
 
 
 class FakeBackend:
@@ -50,7 +67,10 @@ class FakeBackend:
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         assert isinstance(req, GenerateRequest) and req.tokens
         assert all(isinstance(t, int) and 0 <= t < CONFIG.vocab for t in req.tokens)
-        assert 0 <= req.max_tokens <= LIMIT and len(req.tokens) + req.max_tokens <= CONFIG.max_positions
+        assert (
+            0 <= req.max_tokens <= LIMIT
+            and len(req.tokens) + req.max_tokens <= CONFIG.max_positions
+        )
         assert isinstance(req.namespace, str) and req.namespace
         self.calls.append(req)
         if self.fail is not None:
@@ -62,8 +82,10 @@ class FakeBackend:
 
 
 def client_for(backend, tenants=None) -> TestClient:
-    return TestClient(build_fastapi(backend, NAME, CONFIG, tenants, max_tokens_limit=LIMIT),
-                      raise_server_exceptions=False)
+    return TestClient(
+        build_fastapi(backend, NAME, CONFIG, tenants, max_tokens_limit=LIMIT),
+        raise_server_exceptions=False,
+    )
 
 
 def post(client, body, **kw):

@@ -2,6 +2,7 @@
 checked against (pyproject.toml's pins, the code's import paths, the `kvfabric` command's
 parser). The tests: tests/deploy/test_manifests_rayservice.py (KubeRay) and
 tests/deploy/test_manifests_cluster.py (Ray cluster launcher, and the commands all name)."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,10 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "deploy" / "manifests"
-RAYSERVICES = {"reference": MANIFESTS / "rayservice.yaml", "vllm": MANIFESTS / "rayservice-vllm.yaml"}
+RAYSERVICES = {
+    "reference": MANIFESTS / "rayservice.yaml",
+    "vllm": MANIFESTS / "rayservice-vllm.yaml",
+}
 CLUSTER = MANIFESTS / "cluster.yaml"
 GPU = "nvidia.com/gpu"
 
@@ -54,6 +58,7 @@ def resolve(import_path: str):
 
 def cli_parsers(main) -> dict[str, argparse.ArgumentParser]:
     """The subcommands `main`'s parser accepts and their parsers, read from the parser it builds."""
+
     class Built(Exception):
         """Raised from parse_args to stop `main` once its parser is built."""
 

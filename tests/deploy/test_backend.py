@@ -1,15 +1,15 @@
 """The ingress's backend retries a request on another replica when the one serving
 it dies, and only then (a unit test at the edge: the Serve handle is a stand-in)."""
+
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-from ray.exceptions import ActorDiedError, ActorUnavailableError
-
-from kvfabric.deploy.serve.backend import HandleBackend
 from kvfabric.deploy.reference.engine import RequestError
+from kvfabric.deploy.serve.backend import HandleBackend
 from kvfabric.deploy.serve.protocol import GenerateRequest, GenerateResult
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 REQ = GenerateRequest(tokens=(1, 2, 3), max_tokens=2, namespace="t")
 ANSWER = GenerateResult([4, 5], 3, 0, 0, 0, 0, "none", 0.01, "node-a", "d1")
@@ -30,6 +30,7 @@ class FlakyHandle:
             if error is not None:
                 raise error
             return ANSWER
+
         return answer()
 
 
@@ -54,7 +55,9 @@ def test_retries_are_bounded_and_the_last_error_is_raised():
     assert handle.calls == 3
 
 
-@pytest.mark.parametrize("error", [RequestError("bad prompt"), ValueError("bug"), KeyError("x"), TimeoutError()])
+@pytest.mark.parametrize(
+    "error", [RequestError("bad prompt"), ValueError("bug"), KeyError("x"), TimeoutError()]
+)
 def test_errors_of_a_live_replica_are_not_retried(error):
     handle = FlakyHandle(error)
     with pytest.raises(type(error)):

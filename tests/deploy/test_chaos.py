@@ -1,9 +1,9 @@
 """The chaos harness through its pytest fixture (as users get it): every kind of
 fault lands while requests flow, and afterwards nothing is lost or wrong."""
+
 from __future__ import annotations
 
 import pytest
-
 from kvfabric.deploy.chaos.plan import ChaosKind, schedule
 
 kvfabric_chaos_options = {"nodes": 3, "prompts": 6}
@@ -15,10 +15,12 @@ def test_every_fault_kind_leaves_the_fabric_whole(kvfabric_chaos):
     report = kvfabric_chaos.run(seed=5, faults=faults, kinds=kinds, interval_s=0.2, quiet_s=2.0)
     assert report.requests > 0
     assert report.faults_injected == faults and sum(report.by_kind.values()) == faults
-    assert report.failed_requests == 0 and report.retried_requests == 0 and report.wrong_outputs == 0
+    assert (
+        report.failed_requests == 0 and report.retried_requests == 0 and report.wrong_outputs == 0
+    )
     assert report.leaked_pages == 0 and report.double_owned_pages == 0
     assert report.expired_leases_unreleased == 0
-    assert report.index_converged_s <= 5.0                      # the index agreed with every node
+    assert report.index_converged_s <= 5.0  # the index agreed with every node
     assert report.ok(faults)
 
 
@@ -26,7 +28,9 @@ def test_a_removed_and_readded_node(kvfabric_chaos):
     report = kvfabric_chaos.run(seed=1, faults=1, kinds=[ChaosKind.REMOVE_READD_NODE], quiet_s=2.0)
     assert report.by_kind == {"remove_readd_node": 1}
     # A request on the removed node's replica is retried by the app, never by the client.
-    assert report.failed_requests == 0 and report.retried_requests == 0 and report.wrong_outputs == 0
+    assert (
+        report.failed_requests == 0 and report.retried_requests == 0 and report.wrong_outputs == 0
+    )
     assert report.leaked_pages == 0 and report.double_owned_pages == 0
     assert report.index_converged_s != float("inf")
 
@@ -44,6 +48,7 @@ def test_the_schedule_is_seeded_and_spaces_restarts():
 @pytest.mark.parametrize("argv", [["--kinds", "nope"], ["--faults", "0"], ["--interval-s", "-1"]])
 def test_bad_chaos_arguments_exit_with_usage(argv):
     from kvfabric.deploy.cli.main import main
+
     with pytest.raises(SystemExit) as e:
         main(["chaos", *argv])
     assert e.value.code == 2

@@ -1,17 +1,34 @@
 import json
 
 import pytest
-
 from kvfabric.deploy.cli.main import main
 
 
 def test_demo_serves_a_trace_slice_on_three_nodes_and_matches_uncached_output(capsys, tmp_path):
     plot = tmp_path / "demo.png"
-    assert main(["demo", "--engine", "reference", "--requests", "9", "--tokens-per-block", "16", "--json", "--plot", str(plot)]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--engine",
+                "reference",
+                "--requests",
+                "9",
+                "--tokens-per-block",
+                "16",
+                "--json",
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["requests"] == 9 and out["failed_requests"] == 0 and out["output_mismatches"] == 0
     hits = out["device_hit_tokens"] + out["host_hit_tokens"] + out["remote_hit_tokens"]
-    assert 0 < hits <= out["prompt_tokens"] and out["hit_rate"] == pytest.approx(hits / out["prompt_tokens"], abs=1e-4)
+    assert 0 < hits <= out["prompt_tokens"] and out["hit_rate"] == pytest.approx(
+        hits / out["prompt_tokens"], abs=1e-4
+    )
     assert (out["remote_fetches"] > 0) == (out["remote_bytes"] > 0) and out["remote_fetches"] <= 9
     assert 0 < out["ttft_p50_ms_fabric"] <= out["ttft_p99_ms_fabric"]
     assert 0 < out["ttft_p50_ms_nocache"] <= out["ttft_p99_ms_nocache"]
@@ -21,16 +38,28 @@ def test_demo_serves_a_trace_slice_on_three_nodes_and_matches_uncached_output(ca
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("argv", [["demo", "--requests", "0"], ["demo", "--max-tokens", "0"], ["demo", "--engine", "tiny"],
-                                  ["bench", "nothing"], ["frobnicate"], ["up", "--args", "not json"],
-                                  ["up", "--args", "[1]"], ["up", "--args", '{"bogus": 1}'],
-                                  ["up", "--args", '{"shards": 0}'], ["down", "--what"],
-                                  ["up", "--args", '{"api_key": "sk-old-single-key"}'],
-                                  ["up", "--tenants", "/nonexistent/tenants.yaml"],
-                                  ["up", "--tenants", "/t.yaml", "--args", '{"tenants_file": "/t.yaml"}'],
-                                  ["up", "--args", '{"tenants_file": "relative.yaml"}'],
-                                  ["up", "--args", "@/nonexistent/args.json"], ["up", "--args", "@/"],
-                                  ["demo", "--engine", "reference", "--gpu"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--requests", "0"],
+        ["demo", "--max-tokens", "0"],
+        ["demo", "--engine", "tiny"],
+        ["bench", "nothing"],
+        ["frobnicate"],
+        ["up", "--args", "not json"],
+        ["up", "--args", "[1]"],
+        ["up", "--args", '{"bogus": 1}'],
+        ["up", "--args", '{"shards": 0}'],
+        ["down", "--what"],
+        ["up", "--args", '{"api_key": "sk-old-single-key"}'],
+        ["up", "--tenants", "/nonexistent/tenants.yaml"],
+        ["up", "--tenants", "/t.yaml", "--args", '{"tenants_file": "/t.yaml"}'],
+        ["up", "--args", '{"tenants_file": "relative.yaml"}'],
+        ["up", "--args", "@/nonexistent/args.json"],
+        ["up", "--args", "@/"],
+        ["demo", "--engine", "reference", "--gpu"],
+    ],
+)
 def test_bad_arguments_exit_with_usage(argv):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -39,15 +68,20 @@ def test_bad_arguments_exit_with_usage(argv):
 
 def test_app_args_from_a_file(tmp_path):
     from kvfabric.deploy.cli.main import read_app_args
+
     f = tmp_path / "args.json"
     f.write_text('{"replicas": 2, "block_size": 64}')
-    assert read_app_args(f"@{f}") == read_app_args('{"replicas": 2, "block_size": 64}') == {"replicas": 2, "block_size": 64}
+    assert (
+        read_app_args(f"@{f}")
+        == read_app_args('{"replicas": 2, "block_size": 64}')
+        == {"replicas": 2, "block_size": 64}
+    )
     f.write_text("[2]")
     with pytest.raises(ValueError, match="args.json must be a JSON object"):
         read_app_args(f"@{f}")
     f.write_bytes(b"\xff\xfe")
     with pytest.raises(ValueError, match="args.json"):
         read_app_args(f"@{f}")
-    with pytest.raises(SystemExit) as e:       # a bad file's args fail before any cluster is reached
+    with pytest.raises(SystemExit) as e:  # a bad file's args fail before any cluster is reached
         main(["up", "--engine", "vllm", "--args", f"@{f}"])
     assert e.value.code == 2

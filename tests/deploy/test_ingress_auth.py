@@ -3,20 +3,26 @@ ingress's HTTP interface in process (FastAPI's TestClient): two keys with their 
 namespaces, 401 and 403 answers with the backend untouched, the API description behind
 the key, and one open tenant when no table is set. The same over a real cluster:
 tests/deploy/test_serve_tenants.py."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-from hypothesis import given, strategies as st
-
+from hypothesis import given
+from hypothesis import strategies as st
 from kvfabric.deploy.serve.tenants import parse_tenants
+
 from tests.deploy.ingress_backends import KEY, FakeBackend, assert_error, client_for, ok, post
 
 KEY_A, KEY_B, KEY_AB = "sk-tenant-a-0123456789", "sk-tenant-b-0123456789", "sk-tenant-ab-012345678"
-TABLE = parse_tenants({KEY_A: {"namespaces": ["a", "a-eval"]},
-                       KEY_B: {"namespaces": ["b"], "default": "b"},
-                       KEY_AB: {"namespaces": ["a", "b"], "default": "b"}})
+TABLE = parse_tenants(
+    {
+        KEY_A: {"namespaces": ["a", "a-eval"]},
+        KEY_B: {"namespaces": ["b"], "default": "b"},
+        KEY_AB: {"namespaces": ["a", "b"], "default": "b"},
+    }
+)
 DOCS = ("/openapi.json", "/docs", "/redoc")
 
 
@@ -31,8 +37,14 @@ def with_ns(namespace: str | None = None, **kw) -> dict:
 def test_a_request_gets_the_namespace_its_key_grants():
     backend = FakeBackend()
     client = client_for(backend, TABLE)
-    cases = [(KEY_A, None, "a"), (KEY_A, "a-eval", "a-eval"), (KEY_B, None, "b"), (KEY_B, "b", "b"),
-             (KEY_AB, None, "b"), (KEY_AB, "a", "a")]
+    cases = [
+        (KEY_A, None, "a"),
+        (KEY_A, "a-eval", "a-eval"),
+        (KEY_B, None, "b"),
+        (KEY_B, "b", "b"),
+        (KEY_AB, None, "b"),
+        (KEY_AB, "a", "a"),
+    ]
     for key, asked, got in cases:
         r = post(client, with_ns(asked), headers=bearer(key))
         assert r.status_code == 200, r.text
@@ -42,8 +54,17 @@ def test_a_request_gets_the_namespace_its_key_grants():
     assert backend.calls[-1].namespace == "a"
 
 
-@pytest.mark.parametrize("key,asked", [(KEY_A, "b"), (KEY_B, "a"), (KEY_B, "a-eval"), (KEY_A, "default"),
-                                       (KEY_B, "nobody-has-this"), (KEY_AB, "a-eval")])
+@pytest.mark.parametrize(
+    "key,asked",
+    [
+        (KEY_A, "b"),
+        (KEY_B, "a"),
+        (KEY_B, "a-eval"),
+        (KEY_A, "default"),
+        (KEY_B, "nobody-has-this"),
+        (KEY_AB, "a-eval"),
+    ],
+)
 def test_a_namespace_the_key_does_not_grant_is_a_403(key, asked):
     backend = FakeBackend()
     r = post(client_for(backend, TABLE), with_ns(asked), headers=bearer(key))
@@ -55,24 +76,36 @@ def test_a_namespace_the_key_does_not_grant_is_a_403(key, asked):
     assert backend.calls == []
 
 
-BAD_AUTH = ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY_A}, {"Authorization": f"Basic {KEY_A}"},
-            {"Authorization": f"Bearer {KEY_A}x"}, {"Authorization": f"Bearer {KEY_A[:-1]}"},
-            {"Authorization": f"Bearer {KEY}"}, {"Authorization": "Bearer "}, {"Authorization": "Bearer"})
+BAD_AUTH = (
+    {},
+    {"Authorization": "Bearer wrong"},
+    {"Authorization": KEY_A},
+    {"Authorization": f"Basic {KEY_A}"},
+    {"Authorization": f"Bearer {KEY_A}x"},
+    {"Authorization": f"Bearer {KEY_A[:-1]}"},
+    {"Authorization": f"Bearer {KEY}"},
+    {"Authorization": "Bearer "},
+    {"Authorization": "Bearer"},
+)
 
 
 @pytest.mark.parametrize("headers", BAD_AUTH, ids=range(len(BAD_AUTH)))
 def test_no_key_or_a_wrong_key_is_a_401_everywhere_but_healthz(headers):
     backend = FakeBackend()
     client = client_for(backend, TABLE)
-    for r in (post(client, ok(), headers=headers), post(client, with_ns("a"), headers=headers),
-              post(client, b"{bad", headers=headers),            # auth before parsing: nothing learnt
-              client.get("/v1/models", headers=headers), client.get("/v1/models/x", headers=headers),
-              *(client.get(path, headers=headers) for path in DOCS)):
+    for r in (
+        post(client, ok(), headers=headers),
+        post(client, with_ns("a"), headers=headers),
+        post(client, b"{bad", headers=headers),  # auth before parsing: nothing learnt
+        client.get("/v1/models", headers=headers),
+        client.get("/v1/models/x", headers=headers),
+        *(client.get(path, headers=headers) for path in DOCS),
+    ):
         assert_error(r, 401, "invalid_api_key")
         assert r.headers["www-authenticate"] == "Bearer"
         assert KEY_A not in r.text
     assert backend.calls == []
-    assert client.get("/healthz").status_code == 200       # load balancers probe it without a key
+    assert client.get("/healthz").status_code == 200  # load balancers probe it without a key
 
 
 def test_the_scheme_is_case_insensitive_and_the_token_trimmed():
@@ -87,7 +120,12 @@ def test_the_api_description_needs_a_key_and_carries_it_in_the_page():
     client = client_for(FakeBackend(), TABLE)
     spec = client.get("/openapi.json", headers=bearer(KEY_B))
     assert spec.status_code == 200 and "/v1/completions" in spec.json()["paths"]
-    assert set(spec.json()["paths"]) == {"/healthz", "/v1/models", "/v1/models/{model_id}", "/v1/completions"}
+    assert set(spec.json()["paths"]) == {
+        "/healthz",
+        "/v1/models",
+        "/v1/models/{model_id}",
+        "/v1/completions",
+    }
     for path, marker in (("/docs", "SwaggerUIBundle"), ("/redoc", "Redoc.init")):
         r = client.get(path, headers=bearer(KEY_A))
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
@@ -99,8 +137,12 @@ def test_without_a_table_every_caller_is_one_tenant():
     backend = FakeBackend()
     client = client_for(backend, None)
     # No key, any key: the same tenant, the same default namespace; `user` changes nothing.
-    for headers, body in (({}, ok()), (bearer("anything"), ok()), ({}, ok(user="tenant-a")),
-                          (bearer(KEY_A), ok(user="default"))):
+    for headers, body in (
+        ({}, ok()),
+        (bearer("anything"), ok()),
+        ({}, ok(user="tenant-a")),
+        (bearer(KEY_A), ok(user="default")),
+    ):
         assert post(client, body, headers=headers).status_code == 200
     assert [c.namespace for c in backend.calls] == ["default"] * 4
     # That tenant may use any namespace: without keys, namespaces separate caches, not callers.
@@ -109,8 +151,12 @@ def test_without_a_table_every_caller_is_one_tenant():
         assert client.get(path).status_code == 200
 
 
-@given(st.sampled_from([KEY_A, KEY_B, KEY_AB]), st.one_of(st.none(), st.sampled_from(["a", "a-eval", "b", "c"]),
-                                                       st.text(min_size=1, max_size=6)))
+@given(
+    st.sampled_from([KEY_A, KEY_B, KEY_AB]),
+    st.one_of(
+        st.none(), st.sampled_from(["a", "a-eval", "b", "c"]), st.text(min_size=1, max_size=6)
+    ),
+)
 def test_every_request_is_served_in_a_granted_namespace_or_refused(key, asked):
     """The rule for any key and namespace: 200 in a namespace the key grants (its default
     when none is asked), else 403, never another namespace."""
@@ -128,7 +174,7 @@ def test_every_request_is_served_in_a_granted_namespace_or_refused(key, asked):
 
 def test_the_table_is_checked_when_the_app_is_built():
     with pytest.raises(TypeError):
-        client_for(FakeBackend(), {KEY_A: {"namespaces": ["a"]}})      # a dict is no table
+        client_for(FakeBackend(), {KEY_A: {"namespaces": ["a"]}})  # a dict is no table
     assert json.dumps(repr(TABLE)).count("sk-") == 0
 
 
@@ -136,7 +182,10 @@ def test_no_key_reaches_the_logs(caplog):
     caplog.set_level("DEBUG")
     client = client_for(FakeBackend(fail=RuntimeError("replica died")), TABLE)
     for key in (KEY_A, KEY_A + "x", KEY_B):
-        for r in (post(client, ok(), headers=bearer(key)), post(client, with_ns("zz"), headers=bearer(key)),
-                  client.get("/docs", headers=bearer(key))):
+        for r in (
+            post(client, ok(), headers=bearer(key)),
+            post(client, with_ns("zz"), headers=bearer(key)),
+            client.get("/docs", headers=bearer(key)),
+        ):
             assert KEY_A not in r.text and KEY_B not in r.text
-    assert caplog.records and "sk-" not in caplog.text      # the 503 was logged, without a key
+    assert caplog.records and "sk-" not in caplog.text  # the 503 was logged, without a key

@@ -3,6 +3,7 @@ Ray's own validation, pins the Ray and Python versions pyproject.toml pins, inst
 with vLLM, and tells the user to run `kvfabric up` with a tenant table and token auth; and every
 `kvfabric` subcommand a manifest names exists. The KubeRay manifests:
 tests/deploy/test_manifests_rayservice.py."""
+
 from __future__ import annotations
 
 import copy
@@ -11,7 +12,16 @@ import re
 import pytest
 import yaml
 
-from tests.deploy.manifest_files import CLUSTER, RAYSERVICES, ROOT, cli_parsers, py_tag, ray_version, read_pyproject, resolve
+from tests.deploy.manifest_files import (
+    CLUSTER,
+    RAYSERVICES,
+    ROOT,
+    cli_parsers,
+    py_tag,
+    ray_version,
+    read_pyproject,
+    resolve,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +36,11 @@ def cluster() -> dict:
 
 # ------------------------------------------------------------------ cluster launcher
 
+
 def test_cluster_config_passes_the_launchers_validation(cluster):
     from ray.autoscaler._private.util import prepare_config, validate_config
 
-    validate_config(prepare_config(copy.deepcopy(cluster)))   # what `ray up` does first
+    validate_config(prepare_config(copy.deepcopy(cluster)))  # what `ray up` does first
 
 
 def test_cluster_has_a_cpu_head_and_gpu_workers(cluster, pyproject):
@@ -66,12 +77,14 @@ def test_cluster_vllm_app_args_fit_its_nodes_and_model(cluster, pyproject):
     assert ups, "cluster.yaml tells the user how to start the vLLM app"
     for remote in ups:
         assert remote.startswith(repo + "/"), f"{remote} is not in the synced repository {repo}"
-        args = LLMAppArgs.from_dict(read_app_args("@" + str(ROOT / remote[len(repo) + 1:])))
+        args = LLMAppArgs.from_dict(read_app_args("@" + str(ROOT / remote[len(repo) + 1 :])))
         # The model folder the engines load is the one every node downloads in setup, in the
         # container's home (rayproject images run as `ray`).
         (folder,) = re.findall(r"--local-dir (\S+)", " ".join(cluster["setup_commands"]))
         assert args.model_dir == folder.replace("~", "/home/ray", 1)
-        gpu = [t for t in cluster["available_node_types"].values() if t.get("resources", {}).get("GPU")]
+        gpu = [
+            t for t in cluster["available_node_types"].values() if t.get("resources", {}).get("GPU")
+        ]
         assert args.replicas == sum(t["min_workers"] for t in gpu), "one engine per GPU worker"
         for t in gpu:
             assert 0 < args.gpus_per_replica <= t["resources"]["GPU"]
@@ -91,12 +104,18 @@ def test_cluster_gives_kvfabric_up_a_mounted_tenant_table(cluster):
         m = re.search(r"--tenants\s+(\S+)", args)
         assert m, f"`kvfabric up{args}` runs without API keys"
         assert _with_home(m.group(1)) in mounted, f"{m.group(1)} is not a file mount"
-    assert "--tenants" in cli_parsers(resolve("kvfabric.deploy.cli.main:main"))["up"]._option_string_actions
+    assert (
+        "--tenants"
+        in cli_parsers(resolve("kvfabric.deploy.cli.main:main"))["up"]._option_string_actions
+    )
 
 
 def test_cluster_start_commands_keep_token_auth(cluster):
     mounted = {_with_home(r) for r in cluster["file_mounts"]}
-    for key, flag in (("head_start_ray_commands", "--head"), ("worker_start_ray_commands", "--address=")):
+    for key, flag in (
+        ("head_start_ray_commands", "--head"),
+        ("worker_start_ray_commands", "--address="),
+    ):
         (start,) = [c for c in cluster[key] if "ray start" in c]
         assert flag in start, key
         assert re.search(r"\bRAY_AUTH_MODE=token\b", start), key
@@ -107,6 +126,7 @@ def test_cluster_start_commands_keep_token_auth(cluster):
 
 
 # ------------------------------------------------------------------ the kvfabric command
+
 
 def test_kvfabric_commands_in_manifests_exist(pyproject):
     used = set()

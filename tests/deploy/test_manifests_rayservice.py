@@ -4,6 +4,7 @@ elsewhere: the Serve app's import path and args, the pinned Ray and Python versi
 dependencies, the secrets. These tests parse both and check every such name against the code,
 pyproject.toml and Ray's own validators, so a rename or a version bump cannot leave a manifest
 quietly broken. The cluster launcher's manifest: tests/deploy/test_manifests_cluster.py."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,23 +16,39 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.deploy.manifest_files import GPU, RAYSERVICES, project_deps, py_tag, ray_version, read_pyproject, resolve
+from tests.deploy.manifest_files import (
+    GPU,
+    RAYSERVICES,
+    project_deps,
+    py_tag,
+    ray_version,
+    read_pyproject,
+    resolve,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class AppKind:
     """What a Serve app's import path implies: its args' class and the pyproject extras its
     nodes install beside the runtime dependencies."""
+
     args_class: str
     extras: tuple[str, ...]
-    engine: str                     # `kvfabric up --engine`
+    engine: str  # `kvfabric up --engine`
 
 
-APPS = {"kvfabric.deploy.serve.app:app_builder": AppKind("kvfabric.deploy.serve.app:AppArgs", (), "reference"),
-        "kvfabric.deploy.vllm.serve_llm:llm_app_builder": AppKind("kvfabric.deploy.vllm.serve_llm:LLMAppArgs", ("vllm-cuda",), "vllm")}
+APPS = {
+    "kvfabric.deploy.serve.app:app_builder": AppKind(
+        "kvfabric.deploy.serve.app:AppArgs", (), "reference"
+    ),
+    "kvfabric.deploy.vllm.serve_llm:llm_app_builder": AppKind(
+        "kvfabric.deploy.vllm.serve_llm:LLMAppArgs", ("vllm-cuda",), "vllm"
+    ),
+}
 
 
 # ------------------------------------------------------------------ loading
+
 
 @pytest.fixture(scope="module")
 def pyproject() -> dict:
@@ -70,6 +87,7 @@ def _containers(pod_spec: dict) -> list[dict]:
 
 # ------------------------------------------------------------------ RayService
 
+
 def test_rayservice_is_a_kuberay_rayservice(rayservice, pyproject):
     assert rayservice["apiVersion"] == "ray.io/v1"
     assert rayservice["kind"] == "RayService"
@@ -88,7 +106,7 @@ def _app(serve_config) -> tuple[dict, AppKind]:
 def test_serve_config_is_one_valid_serve_application(serve_config):
     from ray.serve.schema import ServeDeploySchema
 
-    ServeDeploySchema.model_validate(serve_config)    # Ray Serve's own config schema
+    ServeDeploySchema.model_validate(serve_config)  # Ray Serve's own config schema
     (app,) = serve_config["applications"]
     assert app["import_path"] in APPS
     assert callable(resolve(app["import_path"]))
@@ -103,7 +121,7 @@ def test_app_args_build_the_apps_args(serve_config):
     args = app.get("args", {})
     assert "shards" in args
     assert set(args) <= fields, f"unknown app args: {sorted(set(args) - fields)}"
-    cls.from_dict(args)      # validated as the app builder validates them
+    cls.from_dict(args)  # validated as the app builder validates them
 
 
 def _workers(rayservice) -> list[dict]:
@@ -116,7 +134,9 @@ def test_model_server_replicas_fit_the_cluster(serve_config, rayservice):
     workers = sum(g["replicas"] for g in _workers(rayservice))
     if kind.engine == "reference":
         # At most one model server per Ray node: `nodes`, when set, is the head plus every worker.
-        assert args.get("nodes") in (None, 0, 1 + workers), f"nodes={args.get('nodes')}, {1 + workers} nodes"
+        assert args.get("nodes") in (None, 0, 1 + workers), (
+            f"nodes={args.get('nodes')}, {1 + workers} nodes"
+        )
         return
     # One vLLM engine per GPU worker (the head has none), each within its worker's GPUs and CPUs.
     assert args["replicas"] == workers
@@ -144,19 +164,29 @@ def _volumes_at(spec: dict, container: dict, path: str) -> list[tuple[dict, dict
     return out
 
 
-def test_the_tenant_table_is_a_secret_mounted_on_every_pod(serve_config, rayservice, rayservice_path):
+def test_the_tenant_table_is_a_secret_mounted_on_every_pod(
+    serve_config, rayservice, rayservice_path
+):
     # The ingress replica (and the app builder) may run on any node, so every Ray
     # container reads the table at the path the app args name.
     app, _ = _app(serve_config)
     path = app["args"]["tenants_file"]
     for group, spec in _pod_specs(rayservice):
         for c in spec["containers"]:
-            found = [(v["secret"]["secretName"], item["key"], m.get("readOnly"))
-                     for v, m in _volumes_at(spec, c, path) if "secret" in v
-                     for item in v["secret"].get("items", [])
-                     if f"{m['mountPath'].rstrip('/')}/{item['path']}" == path]
-            assert found == [("kvfabric-tenants", "tenants.yaml", True)], f"{group}/{c['name']}: {found}"
-    assert "kubectl create secret generic kvfabric-tenants --from-file=tenants.yaml=" in rayservice_path.read_text()
+            found = [
+                (v["secret"]["secretName"], item["key"], m.get("readOnly"))
+                for v, m in _volumes_at(spec, c, path)
+                if "secret" in v
+                for item in v["secret"].get("items", [])
+                if f"{m['mountPath'].rstrip('/')}/{item['path']}" == path
+            ]
+            assert found == [("kvfabric-tenants", "tenants.yaml", True)], (
+                f"{group}/{c['name']}: {found}"
+            )
+    assert (
+        "kubectl create secret generic kvfabric-tenants --from-file=tenants.yaml="
+        in rayservice_path.read_text()
+    )
 
 
 def test_the_model_folder_is_on_every_pod(serve_config, rayservice):
@@ -167,8 +197,11 @@ def test_the_model_folder_is_on_every_pod(serve_config, rayservice):
     path = app["args"]["model_dir"]
     for group, spec in _pod_specs(rayservice):
         for c in spec["containers"]:
-            found = [(v["persistentVolumeClaim"]["claimName"], m.get("readOnly"))
-                     for v, m in _volumes_at(spec, c, path + "/") if "persistentVolumeClaim" in v]
+            found = [
+                (v["persistentVolumeClaim"]["claimName"], m.get("readOnly"))
+                for v, m in _volumes_at(spec, c, path + "/")
+                if "persistentVolumeClaim" in v
+            ]
             assert found == [("kvfabric-models", True)], f"{group}/{c['name']}: {found}"
 
 
@@ -220,7 +253,9 @@ def test_auth_env_is_set_on_every_container(rayservice):
             where = f"{group}/{c['name']}"
             assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", where
             token = env.get("RAY_AUTH_TOKEN")
-            assert token and "value" not in token, f"{where}: the token comes from a Secret, never inline"
+            assert token and "value" not in token, (
+                f"{where}: the token comes from a Secret, never inline"
+            )
             ref = token["valueFrom"]["secretKeyRef"]
             assert (ref["name"], ref["key"]) == (secret, "auth_token"), where
 
@@ -228,5 +263,7 @@ def test_auth_env_is_set_on_every_container(rayservice):
 def test_serve_service_exposes_port_8000(rayservice):
     ports = rayservice["spec"]["serveService"]["spec"]["ports"]
     assert any(p["port"] == 8000 and p.get("targetPort", 8000) == 8000 for p in ports)
-    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"][
+        "containers"
+    ][0]
     assert {"name": "serve", "containerPort": 8000} in head["ports"]

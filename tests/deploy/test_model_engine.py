@@ -1,17 +1,28 @@
 """The reference model and the per-node engine: output with cache hits (device,
 host, after SWA tombstoning, fetched from another node) equals output without
 any cache, bit for bit; the cost model decides fetches; bad requests fail clearly."""
+
 import pytest
 import torch
-from hypothesis import given, strategies as st
-
+from hypothesis import given
+from hypothesis import strategies as st
 from kvfabric.deploy.reference.engine import CostModel, Engine, RequestError
 from kvfabric.deploy.reference.model import KVState, ModelConfig, TinyLM
-from kvfabric.fabric import (LeaseTable, NodeCache, PoolCapacity, PoolName, Tier, TierConfig, WritePolicy,
-                             export_prefix, import_prefix)
+from kvfabric.fabric import (
+    LeaseTable,
+    NodeCache,
+    PoolCapacity,
+    PoolName,
+    Tier,
+    TierConfig,
+    WritePolicy,
+    export_prefix,
+    import_prefix,
+)
+
 from tests.engine_checks import assert_no_nan, assert_same
 
-CONFIG = ModelConfig()          # 4 layers full/swa/full/swa, page 16, window 32 (2 pages)
+CONFIG = ModelConfig()  # 4 layers full/swa/full/swa, page 16, window 32 (2 pages)
 MODEL = TinyLM(CONFIG)
 PS = CONFIG.page_size
 NS = "tenant"
@@ -20,8 +31,12 @@ SLOW_FETCH = CostModel(prefill_tokens_per_s=1e9, transfer_bytes_per_s=1.0, fetch
 
 
 def cache(full=(64, 0), swa=(32, 0), policy=WritePolicy.WRITE_BACK) -> NodeCache:
-    return NodeCache(CONFIG.layout(), {PoolName.FULL: PoolCapacity(*full), PoolName.SWA: PoolCapacity(*swa)},
-                     tier=TierConfig(policy=policy), device="cpu")
+    return NodeCache(
+        CONFIG.layout(),
+        {PoolName.FULL: PoolCapacity(*full), PoolName.SWA: PoolCapacity(*swa)},
+        tier=TierConfig(policy=policy),
+        device="cpu",
+    )
 
 
 def toks(n, seed):
@@ -81,21 +96,31 @@ def test_swa_layers_see_only_the_window():
     prompt = toks(80, 1)
     _, state = MODEL.prefill(prompt[:64])
     swa = (0, 1, 0, 1)
-    cut = KVState([t if s == 0 else t[:, 32:] for t, s in zip(state.layers, swa)], [0, 32, 0, 32], 64)
-    (ids, logits), (want_ids, want_logits) = MODEL.generate(prompt, 4, cut), MODEL.generate(prompt, 4)
+    cut = KVState(
+        [t if s == 0 else t[:, 32:] for t, s in zip(state.layers, swa)], [0, 32, 0, 32], 64
+    )
+    (ids, logits), (want_ids, want_logits) = (
+        MODEL.generate(prompt, 4, cut),
+        MODEL.generate(prompt, 4),
+    )
     assert ids == want_ids and all(torch.equal(a, b) for a, b in zip(logits, want_logits))
-    short = KVState([t if s == 0 else t[:, 48:] for t, s in zip(state.layers, swa)], [0, 48, 0, 48], 64)
+    short = KVState(
+        [t if s == 0 else t[:, 48:] for t, s in zip(state.layers, swa)], [0, 48, 0, 48], 64
+    )
     with pytest.raises(ValueError, match="needs keys from"):
         MODEL.prefill(prompt, short)
 
 
 # --- cache transparency ----------------------------------------------------------------
-@pytest.mark.parametrize("first,second", [
-    (70, 64),       # whole prompt cached: the last logits are still recomputed
-    (70, 90),       # hit of 4 pages, a partial page computed
-    (64, 64 + 16),  # page-aligned prompts
-    (21, 37),       # one page cached, SWA window shorter than the window
-])
+@pytest.mark.parametrize(
+    "first,second",
+    [
+        (70, 64),  # whole prompt cached: the last logits are still recomputed
+        (70, 90),  # hit of 4 pages, a partial page computed
+        (64, 64 + 16),  # page-aligned prompts
+        (21, 37),  # one page cached, SWA window shorter than the window
+    ],
+)
 def test_device_hit_equals_no_cache(first, second):
     c = cache()
     engine = Engine(MODEL, c)
@@ -125,21 +150,21 @@ def test_host_hit_equals_no_cache():
 
 
 def test_hit_after_swa_tombstoning_uses_the_shorter_window():
-    c = cache(swa=(32, 0))                          # no SWA host tier: eviction tombstones
+    c = cache(swa=(32, 0))  # no SWA host tier: eviction tombstones
     engine = Engine(MODEL, c)
     stem, b_tail, c_tail = toks(64, 4), toks(32, 5), toks(32, 6)
-    engine.generate(stem + b_tail, 2, NS)           # SWA kept for pages 4, 5 only
-    engine.generate(stem + c_tail, 2, NS)           # branch at page 4 keeps pages 2, 3 too
-    assert c.evict(PoolName.SWA, Tier.DEVICE, 2) >= 2   # least recent: the first tail's window
+    engine.generate(stem + b_tail, 2, NS)  # SWA kept for pages 4, 5 only
+    engine.generate(stem + c_tail, 2, NS)  # branch at page 4 keeps pages 2, 3 too
+    assert c.evict(PoolName.SWA, Tier.DEVICE, 2) >= 2  # least recent: the first tail's window
     prompt = stem + b_tail + toks(10, 7)
     m = c.match(prompt, NS)
-    assert m.present_pages == 6 and m.usable_pages == 4          # full KV for 6 pages, usable only 4
+    assert m.present_pages == 6 and m.usable_pages == 4  # full KV for 6 pages, usable only 4
     hit = c.get(prompt, NS)
     assert (hit.tokens, hit.starts[PoolName.SWA]) == (64, 32)
     got = engine.generate(prompt, 6, NS, return_logits=True)
     assert got.cached_tokens == 64
     assert_same(got, reference(prompt))
-    assert c.match(prompt, NS).usable_pages == 6           # the recomputed window was stored again
+    assert c.match(prompt, NS).usable_pages == 6  # the recomputed window was stored again
     assert_no_nan(c)
     c.check()
 
@@ -148,9 +173,9 @@ def test_remote_hit_equals_no_cache():
     a, b = cache(), cache()
     remote = InProcessRemote(a, b)
     prompt = toks(120, 8)
-    Engine(MODEL, b).generate(prompt[:96], 2, NS)   # node B computed 6 pages
+    Engine(MODEL, b).generate(prompt[:96], 2, NS)  # node B computed 6 pages
     engine = Engine(MODEL, a, remote=remote, cost=FAST_FETCH)
-    engine.generate(prompt[:32], 2, NS)             # node A has 2 of them
+    engine.generate(prompt[:32], 2, NS)  # node A has 2 of them
     got = engine.generate(prompt, 6, NS, return_logits=True)
     assert got.fetch == "fetched" and remote.fetches == 1
     assert (got.cached_tokens, got.device_tokens, got.remote_tokens) == (96, 32, 64)
@@ -196,11 +221,20 @@ def test_measured_cost_model_and_failing_remote_degrades():
 
 
 # --- validation ------------------------------------------------------------------------
-@pytest.mark.parametrize("prompt,max_tokens,ns", [
-    ([], 4, NS), ([1, 2, CONFIG.vocab], 4, NS), ([1, -1], 4, NS), ([1, 2.0], 4, NS),
-    ([1, True], 4, NS), ("abc", 4, NS), ([1] * CONFIG.max_positions, 1, NS), ([1, 2], -1, NS),
-    ([1, 2], 4, ""),
-])
+@pytest.mark.parametrize(
+    "prompt,max_tokens,ns",
+    [
+        ([], 4, NS),
+        ([1, 2, CONFIG.vocab], 4, NS),
+        ([1, -1], 4, NS),
+        ([1, 2.0], 4, NS),
+        ([1, True], 4, NS),
+        ("abc", 4, NS),
+        ([1] * CONFIG.max_positions, 1, NS),
+        ([1, 2], -1, NS),
+        ([1, 2], 4, ""),
+    ],
+)
 def test_bad_requests_raise_request_error(prompt, max_tokens, ns):
     engine = Engine(MODEL, cache())
     with pytest.raises(RequestError):
@@ -212,6 +246,7 @@ def test_bad_requests_raise_request_error(prompt, max_tokens, ns):
 def test_unusable_cache_answer_is_recomputed():
     class Liar:
         """Answers a hit whose tensors have the wrong shape."""
+
         def get(self, tokens, namespace, hold_s=None):
             real = c.get(tokens, namespace, hold_s)
             real.layers = [t[:, 1:] if t is not None else t for t in real.layers]
@@ -233,8 +268,16 @@ def test_unusable_cache_answer_is_recomputed():
 
 
 # --- property: any cache history is transparent ------------------------------------------
-REQUESTS = st.lists(st.tuples(st.integers(1, 40), st.integers(0, 1), st.just(0) | st.integers(1, 4),
-                              st.just(0) | st.integers(1, 2)), min_size=1, max_size=4)
+REQUESTS = st.lists(
+    st.tuples(
+        st.integers(1, 40),
+        st.integers(0, 1),
+        st.just(0) | st.integers(1, 4),
+        st.just(0) | st.integers(1, 2),
+    ),
+    min_size=1,
+    max_size=4,
+)
 
 
 @given(stem=st.integers(0, 60), requests=REQUESTS, seed=st.integers(0, 2**16), host=st.booleans())
@@ -264,11 +307,11 @@ def test_a_conversations_next_turn_hits_the_previous_answer():
     prompt still hits all of its pages."""
     c = cache(full=(64, 0), swa=(32, 0))
     engine = Engine(MODEL, c)
-    first = toks(40, 21)                                   # 2 whole pages and a part
+    first = toks(40, 21)  # 2 whole pages and a part
     turn1 = engine.generate(first, 30, NS)
-    nxt = first + turn1.tokens + toks(20, 22)              # 90 tokens: 5 whole pages
+    nxt = first + turn1.tokens + toks(20, 22)  # 90 tokens: 5 whole pages
     got = engine.generate(nxt, 6, NS, return_logits=True)
-    assert got.cached_tokens == 64                         # (40 + 30) // 16 pages, past the old 32
+    assert got.cached_tokens == 64  # (40 + 30) // 16 pages, past the old 32
     assert_same(got, reference(nxt))
     again = engine.generate(first, 4, NS, return_logits=True)
     assert again.cached_tokens == 32

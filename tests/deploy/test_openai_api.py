@@ -2,6 +2,7 @@
 as 503, the Serve deployment's late-bound app, and the real `openai` client over uvicorn.
 Every 4xx case and fuzzed bodies: tests/deploy/test_openai_refusals.py. API keys:
 tests/deploy/test_ingress_auth.py."""
+
 import asyncio
 import gc
 import json
@@ -14,18 +15,42 @@ import openai
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
-
 from kvfabric.deploy.reference.engine import Engine, RequestError
 from kvfabric.deploy.serve.openai_api import CompletionResponse, OpenAIIngress, build_fastapi
-from tests.deploy.ingress_backends import (CONFIG, KEY, LIMIT, MODEL, NAME, TENANTS, TOK, URL, EngineBackend,
-                                           FakeBackend, assert_error, client_for, ok, post)
+
+from tests.deploy.ingress_backends import (
+    CONFIG,
+    KEY,
+    LIMIT,
+    MODEL,
+    NAME,
+    TENANTS,
+    TOK,
+    URL,
+    EngineBackend,
+    FakeBackend,
+    assert_error,
+    client_for,
+    ok,
+    post,
+)
 
 
 # --- happy paths ---------------------------------------------------------------------------
 def test_string_prompt_matches_the_engine():
     backend = EngineBackend()
-    r = post(client_for(backend), {"model": NAME, "prompt": "Hello, fabric", "max_tokens": 5,
-                                   "temperature": 0, "n": 1, "top_p": 1.0, "seed": 7})
+    r = post(
+        client_for(backend),
+        {
+            "model": NAME,
+            "prompt": "Hello, fabric",
+            "max_tokens": 5,
+            "temperature": 0,
+            "n": 1,
+            "top_p": 1.0,
+            "seed": 7,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     CompletionResponse.model_validate(body)
@@ -37,15 +62,30 @@ def test_string_prompt_matches_the_engine():
     assert ext["token_ids"] == want and ext["node"] == "node-0" and ext["logits_digest"] == ""
     assert ext["cached_tokens"] == 0 and ext["fetch"] == "none" and ext["ttft_ms"] >= 0
     choice = body["choices"][0]
-    assert choice == {"index": 0, "text": TOK.decode(want), "finish_reason": "length", "logprobs": None}
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 5,
-                             "total_tokens": len(prompt) + 5}
+    assert choice == {
+        "index": 0,
+        "text": TOK.decode(want),
+        "finish_reason": "length",
+        "logprobs": None,
+    }
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 5,
+        "total_tokens": len(prompt) + 5,
+    }
     [req] = backend.calls
     assert req.tokens == tuple(prompt) and req.max_tokens == 5
     assert req.namespace == "default" and req.use_cache and abs(req.arrival_s - time.time()) < 60
     assert not req.logits_digest
-    r = post(client_for(backend), {"model": NAME, "prompt": "Hello, fabric", "max_tokens": 5,
-                                   "kvfabric": {"logits_digest": True}})
+    r = post(
+        client_for(backend),
+        {
+            "model": NAME,
+            "prompt": "Hello, fabric",
+            "max_tokens": 5,
+            "kvfabric": {"logits_digest": True},
+        },
+    )
     assert r.status_code == 200 and backend.calls[-1].logits_digest
     assert len(r.json()["kvfabric"]["logits_digest"]) == 16
 
@@ -54,8 +94,16 @@ def test_token_list_prompt_and_namespaces():
     backend = EngineBackend()
     client = client_for(backend)
     ids = [5, 400, 511, 0, 17]
-    r = post(client, {"model": NAME, "prompt": ids, "max_tokens": 3, "user": "alice",
-                      "kvfabric": {"namespace": "tenant-a", "cache": False}})
+    r = post(
+        client,
+        {
+            "model": NAME,
+            "prompt": ids,
+            "max_tokens": 3,
+            "user": "alice",
+            "kvfabric": {"namespace": "tenant-a", "cache": False},
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["kvfabric"]["token_ids"] == Engine(MODEL).generate(ids, 3).tokens
     assert r.json()["usage"]["prompt_tokens"] == 5
@@ -87,12 +135,15 @@ def test_models_health_and_unknown_routes():
 
 
 # --- failures behind the ingress ---------------------------------------------------------
-@pytest.mark.parametrize("backend,status,code", [
-    (FakeBackend(fail=RuntimeError("replica died")), 503, "backend_unavailable"),
-    (FakeBackend(fail=TimeoutError()), 503, "backend_unavailable"),
-    (FakeBackend(result="not a result"), 503, "backend_unavailable"),
-    (FakeBackend(fail=RequestError("token 9 is not an id")), 400, "invalid_request"),
-])
+@pytest.mark.parametrize(
+    "backend,status,code",
+    [
+        (FakeBackend(fail=RuntimeError("replica died")), 503, "backend_unavailable"),
+        (FakeBackend(fail=TimeoutError()), 503, "backend_unavailable"),
+        (FakeBackend(result="not a result"), 503, "backend_unavailable"),
+        (FakeBackend(fail=RequestError("token 9 is not an id")), 400, "invalid_request"),
+    ],
+)
 def test_backend_failures_become_clean_errors(backend, status, code):
     r = post(client_for(backend), ok())
     assert_error(r, status, code)
@@ -122,13 +173,15 @@ def test_serve_ingress_builds_its_app_on_the_replica(tmp_path):
     # What a Serve replica does, without a cluster: the async constructor, then the builder.
     replica = cls.__new__(cls)
     (tmp_path / "t.json").write_text(json.dumps({KEY: {"namespaces": ["default"]}}))
-    asyncio.run(cls.__init__(replica, FakeHandle(backend), NAME, CONFIG, str(tmp_path / "t.json"), LIMIT))
+    asyncio.run(
+        cls.__init__(replica, FakeHandle(backend), NAME, CONFIG, str(tmp_path / "t.json"), LIMIT)
+    )
     client = TestClient(replica.__serve_build_asgi_app__())
     auth = {"Authorization": f"Bearer {KEY}"}
     r = post(client, ok(max_tokens=3), headers=auth)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "aaa"
     assert len(backend.calls) == 1
-    with pytest.raises(ValueError):     # bad config fails the replica's start
+    with pytest.raises(ValueError):  # bad config fails the replica's start
         asyncio.run(cls.__init__(cls.__new__(cls), FakeHandle(backend), "", CONFIG))
     # The wrapper's __del__ is async (Serve awaits it on a replica): collect ours here,
     # where its never-awaited coroutine is expected, not during some later test.

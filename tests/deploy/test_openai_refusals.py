@@ -1,13 +1,24 @@
 """What the OpenAI ingress refuses: every 4xx case with the backend untouched, a bad
 configuration, and fuzzed bodies (never a 5xx, never a backend call for an invalid one).
 The requests it serves: tests/deploy/test_openai_api.py."""
-import pytest
-from hypothesis import given, strategies as st
 
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from kvfabric.deploy.reference.model import ModelConfig
 from kvfabric.deploy.serve.openai_api import MAX_BODY_BYTES, CompletionResponse, build_fastapi
-from tests.deploy.ingress_backends import CONFIG, KEY, LIMIT, NAME, FakeBackend, assert_error, client_for, ok, post
 
+from tests.deploy.ingress_backends import (
+    CONFIG,
+    KEY,
+    LIMIT,
+    NAME,
+    FakeBackend,
+    assert_error,
+    client_for,
+    ok,
+    post,
+)
 
 # --- every refusal leaves the backend untouched ------------------------------------------
 ROOM = CONFIG.max_positions - 2
@@ -36,7 +47,7 @@ BAD = [
     (ok(max_tokens=2.0), 400, "invalid_body", "max_tokens"),
     (ok(max_tokens=True), 400, "invalid_body", "max_tokens"),
     (ok(n=2), 400, "unsupported_parameter", "n=2"),
-    (ok(stop=["x" * 5000]), 400, "unsupported_parameter", "stop=[\"xxx"),
+    (ok(stop=["x" * 5000]), 400, "unsupported_parameter", 'stop=["xxx'),
     (ok(top_p=0.5), 400, "unsupported_parameter", "top_p"),
     (ok(stop=["\n"]), 400, "unsupported_parameter", "stop"),
     (ok(logprobs=1), 400, "unsupported_parameter", "logprobs"),
@@ -73,27 +84,51 @@ def test_refusals_leave_the_backend_untouched(body, status, code, contains):
 
 def test_config_is_validated():
     base = {"backend": FakeBackend(), "model_name": NAME, "model_config": CONFIG, "tenants": None}
-    for kw in ({"model_name": ""}, {"max_tokens_limit": 0},
-               {"max_tokens_limit": CONFIG.max_positions}, {"model_config": ModelConfig(vocab=100)}):
+    for kw in (
+        {"model_name": ""},
+        {"max_tokens_limit": 0},
+        {"max_tokens_limit": CONFIG.max_positions},
+        {"model_config": ModelConfig(vocab=100)},
+    ):
         with pytest.raises(ValueError):
             build_fastapi(**{**base, **kw})
     for args in ((object(), NAME, CONFIG, None, LIMIT), (FakeBackend(), NAME, CONFIG, KEY, LIMIT)):
-        with pytest.raises(TypeError):          # a key string is no tenant table
+        with pytest.raises(TypeError):  # a key string is no tenant table
             build_fastapi(*args)
 
 
 # --- fuzzing -----------------------------------------------------------------------------
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12)
-FIELDS = ["model", "prompt", "max_tokens", "temperature", "stream", "user", "kvfabric", "n",
-          "top_p", "stop", "seed", "echo"]
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+FIELDS = [
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "stream",
+    "user",
+    "kvfabric",
+    "n",
+    "top_p",
+    "stop",
+    "seed",
+    "echo",
+]
 FIELD_VALUES = st.one_of(
-    JSON, st.sampled_from([NAME, "hi", 0, 1, 2, None, True, False, [], {}]),
+    JSON,
+    st.sampled_from([NAME, "hi", 0, 1, 2, None, True, False, [], {}]),
     st.lists(st.integers(-2, CONFIG.vocab + 1), max_size=6),
-    st.fixed_dictionaries({}, optional={"namespace": st.text(max_size=4), "cache": JSON}))
+    st.fixed_dictionaries({}, optional={"namespace": st.text(max_size=4), "cache": JSON}),
+)
 
 
 @pytest.mark.fuzz
@@ -101,8 +136,11 @@ def test_fuzzed_bodies_never_5xx():
     backend = FakeBackend()
     client = client_for(backend)
 
-    @given(st.one_of(JSON, st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), JSON,
-                                           max_size=6)))
+    @given(
+        st.one_of(
+            JSON, st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), JSON, max_size=6)
+        )
+    )
     def garbage(body):
         # Never a valid request: no model named NAME can come out of these.
         r = post(client, body)
@@ -110,8 +148,11 @@ def test_fuzzed_bodies_never_5xx():
         assert "error" in r.json()
         assert backend.calls == []
 
-    @given(st.dictionaries(st.sampled_from(FIELDS), FIELD_VALUES, max_size=4),
-           st.lists(st.sampled_from(FIELDS), max_size=2), st.binary(max_size=8))
+    @given(
+        st.dictionaries(st.sampled_from(FIELDS), FIELD_VALUES, max_size=4),
+        st.lists(st.sampled_from(FIELDS), max_size=2),
+        st.binary(max_size=8),
+    )
     def near_valid(changes, drop, raw):
         body = {k: v for k, v in {**ok(), **changes}.items() if k not in drop}
         before = len(backend.calls)

@@ -16,13 +16,13 @@ def sglang():
 # Each run starts a worker that imports SGLang (several seconds), so the cases double up.
 @pytest.mark.parametrize("page_size,gc_mode", [(4, "default"), (1, "freeze")])
 def test_match_lengths_are_sane(sglang, page_size, gc_mode):
-    base = list(range(100, 110))                     # 10 tokens
+    base = list(range(100, 110))  # 10 tokens
     sequences = [
         base,
-        base,                                        # identical: matches fully, page-aligned
-        base[:6] + [7, 7, 7, 7],                     # shares 6 tokens
-        [1, 2, 3],                                   # unrelated
-        base + [50, 51],                             # extends the first
+        base,  # identical: matches fully, page-aligned
+        base[:6] + [7, 7, 7, 7],  # shares 6 tokens
+        [1, 2, 3],  # unrelated
+        base + [50, 51],  # extends the first
     ]
     run = run_sglang_radix(sequences, page_size, gc_mode=gc_mode)
 

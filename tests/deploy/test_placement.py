@@ -1,15 +1,25 @@
 """kvfabric.deploy.placement: the cost model's fetch plan, the fabric's score, and the model of Ray
 Serve LLM's PrefixCacheAffinityRouter, checked against Ray's own prefix tree."""
+
 from __future__ import annotations
 
 import math
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
-
-from kvfabric.deploy.placement import (CostModel, FabricScore, NodeView, PageBytes, PowerOfTwo, PrefixAffinity, Prompt,
-                                       Request, plan)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvfabric.deploy.placement import (
+    CostModel,
+    FabricScore,
+    NodeView,
+    PageBytes,
+    PowerOfTwo,
+    PrefixAffinity,
+    Prompt,
+    Request,
+    plan,
+)
 from kvfabric.fabric import KVLayout, PoolName
 
 COST = CostModel(prefill_tokens_per_s=10_000.0, transfer_bytes_per_s=10e9, fetch_overhead_s=0.002)
@@ -19,15 +29,26 @@ SIZES = PageBytes.full(512 * 131_072)
 def request(blocks: list[int], page_tokens: int = 1, tokens: int | None = None) -> Request:
     """A prompt of one page per block; a page's key names its whole prefix."""
     keys = [repr(blocks[: j + 1]).encode() for j in range(len(blocks))]
-    return Request(Prompt(len(blocks) * page_tokens if tokens is None else tokens, page_tokens), keys)
+    return Request(
+        Prompt(len(blocks) * page_tokens if tokens is None else tokens, page_tokens), keys
+    )
 
 
 # ---- the fetch plan -------------------------------------------------------------------------
 
+
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 200), st.integers(0, 200), st.integers(0, 200), st.floats(1e2, 1e6),
-       st.floats(1e6, 1e12), st.floats(0, 1.0))
-def test_a_fetch_is_planned_exactly_when_it_beats_recomputing(pages, have, best, rate, bw, overhead):
+@given(
+    st.integers(1, 200),
+    st.integers(0, 200),
+    st.integers(0, 200),
+    st.floats(1e2, 1e6),
+    st.floats(1e6, 1e12),
+    st.floats(0, 1.0),
+)
+def test_a_fetch_is_planned_exactly_when_it_beats_recomputing(
+    pages, have, best, rate, bw, overhead
+):
     have, best = min(have, pages), min(best, pages)
     cost = CostModel(rate, bw, overhead)
     prompt = Prompt(pages * 512 - 100, 512)
@@ -37,15 +58,22 @@ def test_a_fetch_is_planned_exactly_when_it_beats_recomputing(pages, have, best,
     assert p.cached_pages == (best if worth else have) and (p.fetched_pages > 0) == worth
     assert p.fetched_bytes == SIZES.fetch(p.fetched_pages)
     recompute_all = cost.recompute_s(prompt.tokens - prompt.hit_tokens(have))
-    assert p.seconds <= recompute_all + 1e-12            # a plan never costs more than not fetching
-    assert p.prefill_s == pytest.approx(cost.recompute_s(prompt.tokens - prompt.hit_tokens(p.cached_pages)))
+    assert p.seconds <= recompute_all + 1e-12  # a plan never costs more than not fetching
+    assert p.prefill_s == pytest.approx(
+        cost.recompute_s(prompt.tokens - prompt.hit_tokens(p.cached_pages))
+    )
 
 
 def test_swa_pages_count_once_per_window():
     layout = KVLayout(layers=("full", "swa"), kv_heads=1, head_dim=1, page_size=2, window=6)
     full, swa = layout.page_bytes(PoolName.FULL), layout.page_bytes(PoolName.SWA)
-    sizes = PageBytes.of(layout)                 # a window of 6 tokens: 3 pages of 2
-    assert [sizes.fetch(n) for n in (0, 1, 3, 5)] == [0, full + swa, 3 * (full + swa), 5 * full + 3 * swa]
+    sizes = PageBytes.of(layout)  # a window of 6 tokens: 3 pages of 2
+    assert [sizes.fetch(n) for n in (0, 1, 3, 5)] == [
+        0,
+        full + swa,
+        3 * (full + swa),
+        5 * full + 3 * swa,
+    ]
 
 
 # ---- the fabric's score ---------------------------------------------------------------------
@@ -75,21 +103,28 @@ def test_the_score_ranks_every_node_by_expected_first_token(rounds, pages):
 
 def test_the_score_forgets_replicas_that_are_gone():
     score = FabricScore(COST, SIZES)
-    for gen in range(50):                      # each round a new set of 3 replicas
-        score.rank(Request(Prompt(512, 512), at_s=float(gen)), [NodeView(0, 0, f"r{gen}-{i}") for i in range(3)])
+    for gen in range(50):  # each round a new set of 3 replicas
+        score.rank(
+            Request(Prompt(512, 512), at_s=float(gen)),
+            [NodeView(0, 0, f"r{gen}-{i}") for i in range(3)],
+        )
     assert len(score.free_at) <= 2 * 3 + 1
 
 
 def test_equal_nodes_take_cold_requests_in_turn():
     score = FabricScore(COST, SIZES)
     # Far apart in time: nothing sent earlier is still running, so every node is equal.
-    firsts = [score.rank(Request(Prompt(1536, 512), at_s=100.0 * t), [NodeView(0, 0, f"n{i}") for i in range(4)])[0]
-              for t in range(8)]
+    firsts = [
+        score.rank(
+            Request(Prompt(1536, 512), at_s=100.0 * t), [NodeView(0, 0, f"n{i}") for i in range(4)]
+        )[0]
+        for t in range(8)
+    ]
     assert firsts == [0, 1, 2, 3, 0, 1, 2, 3]
 
 
 def test_the_holder_wins_when_idle_and_a_fetch_wins_when_it_is_busy():
-    req = request(list(range(20)), page_tokens=512)        # 10,240 tokens: about 1 s to prefill
+    req = request(list(range(20)), page_tokens=512)  # 10,240 tokens: about 1 s to prefill
     nodes = [NodeView(0, 0, "a"), NodeView(0, 20, "b"), NodeView(0, 0, "c")]
     assert FabricScore(COST, SIZES).rank(req, nodes)[0] == 1
     # The router just sent the holder a cold request of about 1 s: another node fetches
@@ -103,6 +138,7 @@ def test_the_holder_wins_when_idle_and_a_fetch_wins_when_it_is_busy():
 
 # ---- power of two choices -------------------------------------------------------------------
 
+
 def test_power_of_two_picks_the_shorter_of_two_random_queues():
     router = PowerOfTwo(random.Random(1))
     nodes = [NodeView(q) for q in (5, 0, 3, 9)]
@@ -113,13 +149,14 @@ def test_power_of_two_picks_the_shorter_of_two_random_queues():
 
 # ---- PrefixCacheAffinityRouter --------------------------------------------------------------
 
+
 def test_affinity_sends_a_continuation_to_its_holder_whatever_its_queue():
-    router = PrefixAffinity(random.Random(0))          # Ray's defaults: imbalanced_threshold inf
+    router = PrefixAffinity(random.Random(0))  # Ray's defaults: imbalanced_threshold inf
     first = request([1, 2, 3, 4])
     nodes = [NodeView(0)] * 3
-    assert router.rank(first, nodes)[0] == 0           # all empty: the smallest, first on ties
+    assert router.rank(first, nodes)[0] == 0  # all empty: the smallest, first on ties
     router.routed(first, 0)
-    assert router.rank(request([7, 8]), nodes)[0] == 1     # no match: the smallest tenant
+    assert router.rank(request([7, 8]), nodes)[0] == 1  # no match: the smallest tenant
     later = request([1, 2, 3, 4, 5])
     assert router.rank(later, [NodeView(40), NodeView(0), NodeView(0)]) == [0]
 
@@ -151,6 +188,7 @@ def test_affinity_matches_rays_prefix_tree(seed, tenants):
     block) and the model (one page key per block) match the same length, name the same
     replicas, and find the same smallest ones."""
     from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+
     rng = random.Random(seed)
     ray_tree, model = PrefixTree(), PrefixAffinity(random.Random(0))
     names = [str(t) for t in range(tenants)]
@@ -158,23 +196,34 @@ def test_affinity_matches_rays_prefix_tree(seed, tenants):
     prompts: list[list[int]] = []
     for step in range(40):
         base = rng.choice(prompts) if prompts and rng.random() < 0.7 else []
-        blocks = base[: rng.randrange(len(base) + 1)] + [rng.randrange(6) for _ in range(rng.randrange(1, 6))]
+        blocks = base[: rng.randrange(len(base) + 1)] + [
+            rng.randrange(6) for _ in range(rng.randrange(1, 6))
+        ]
         prompts.append(blocks)
         text = "".join(chr(97 + b) for b in blocks)
         req = request(blocks)
         matched, owners = ray_tree.prefix_match(text, names)
         depth, mine = model.match(req.keys, list(range(tenants)))
         assert (len(matched), [int(o) for o in owners]) == (depth, mine)
-        assert [int(t) for t in ray_tree.get_smallest_tenants()] == model.smallest(list(range(tenants)))
-        assert {int(t): n for t, n in ray_tree.tenant_to_char_count.items() if n} == \
-            {t: n for t, n in model.sizes.items() if n}
+        assert [int(t) for t in ray_tree.get_smallest_tenants()] == model.smallest(
+            list(range(tenants))
+        )
+        assert {int(t): n for t, n in ray_tree.tenant_to_char_count.items() if n} == {
+            t: n for t, n in model.sizes.items() if n
+        }
         to = rng.randrange(tenants)
         ray_tree.insert(text, names[to], float(step + 1))
         model.routed(req, to)
 
 
-@pytest.mark.parametrize("bad", [{"match_rate_threshold": 1.5}, {"imbalanced_threshold": -1},
-                                 {"match_rate_threshold": math.nan}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"match_rate_threshold": 1.5},
+        {"imbalanced_threshold": -1},
+        {"match_rate_threshold": math.nan},
+    ],
+)
 def test_affinity_rejects_bad_thresholds(bad):
     with pytest.raises(ValueError):
         PrefixAffinity(random.Random(0), **bad)

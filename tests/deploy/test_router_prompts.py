@@ -1,13 +1,13 @@
 """What the fabric's request routers read of a request: the reference server's
 GenerateRequest, and Ray Serve LLM's OpenAI requests through the model's tokenizer.
 Anything else is left to Serve (None), never an error."""
+
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 
 import pytest
-
 from kvfabric.deploy.serve.protocol import GenerateRequest
 from kvfabric.deploy.serve.router import GenerateRequestPrompts, RoutedPrompt
 
@@ -19,13 +19,13 @@ from kvfabric.deploy.vllm.namespaces import fabric_namespace  # noqa: E402
 
 
 @dataclass
-class Pending:                     # the two fields of Serve's PendingRequest a router reads
+class Pending:  # the two fields of Serve's PendingRequest a router reads
     args: list = field(default_factory=list)
     kwargs: dict = field(default_factory=dict)
 
 
 @dataclass
-class Completion:                  # the fields of vLLM's CompletionRequest the router reads
+class Completion:  # the fields of vLLM's CompletionRequest the router reads
     prompt: object = None
     cache_salt: str | None = None
 
@@ -60,18 +60,24 @@ def test_a_completion_is_read_with_the_models_tokenizer(openai):
     assert got == RoutedPrompt(openai.tokenizer("hello world")["input_ids"], fabric_namespace(None))
     assert got.tokens and all(isinstance(t, int) for t in got.tokens)
     # The tenant is the cache_salt, kept apart from no salt.
-    assert read(openai, Completion("hello world", "default")).namespace == fabric_namespace("default")
+    assert read(openai, Completion("hello world", "default")).namespace == fabric_namespace(
+        "default"
+    )
     assert read(openai, Completion([5, 6, 7])) == RoutedPrompt([5, 6, 7], fabric_namespace(None))
 
 
-@pytest.mark.parametrize("prompt", [["a", "b"], [[1, 2]], [], [1, -2], [1, True], {"a": 1}, 3.5,
-                                    "x" * (MAX_PROMPT_CHARS + 1)])
+@pytest.mark.parametrize(
+    "prompt",
+    [["a", "b"], [[1, 2]], [], [1, -2], [1, True], {"a": 1}, 3.5, "x" * (MAX_PROMPT_CHARS + 1)],
+)
 def test_what_the_router_does_not_read_is_left_to_serve(openai, prompt):
     assert read(openai, Completion(prompt)) is None
 
 
-@pytest.mark.parametrize("messages", [[{"role": "user", "content": "hi"}], [{"role": "user", "content": [1]}],
-                                      "hi", None])
+@pytest.mark.parametrize(
+    "messages",
+    [[{"role": "user", "content": "hi"}], [{"role": "user", "content": [1]}], "hi", None],
+)
 def test_a_chat_without_a_template_is_left_to_serve(openai, messages):
     # The small model's tokenizer has no chat template: the engine would refuse the chat.
     assert getattr(openai.tokenizer, "chat_template", None) is None
@@ -81,7 +87,9 @@ def test_a_chat_without_a_template_is_left_to_serve(openai, messages):
 def test_a_chat_is_read_through_the_chat_template():
     reader = OpenAIPrompts()
     reader.load_tokenizer(str(ensure_tiny_model()))
-    reader.tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    reader.tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    )
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     want = reader.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     assert read(reader, Chat(messages, "a")) == RoutedPrompt(list(want), fabric_namespace("a"))

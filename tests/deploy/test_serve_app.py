@@ -2,6 +2,7 @@
 equal to uncached ones bit for bit, the router sending a conversation back to
 the node that holds it, one tenant for every caller without keys (with keys:
 tests/deploy/test_serve_tenants.py), and clear 4xx answers for bad requests."""
+
 from __future__ import annotations
 
 import json
@@ -11,11 +12,10 @@ import urllib.request
 
 import openai
 import pytest
-from ray import serve
-
-from kvfabric.deploy.serve.app import AppArgs, AppArgsError
 from kvfabric.deploy.cli.cluster import free_port, local_cluster, up
 from kvfabric.deploy.cli.http_replay import Client
+from kvfabric.deploy.serve.app import AppArgs, AppArgsError
+from ray import serve
 
 MODEL = "kvfabric-tiny"
 ARGS = {"device_pages": 256, "host_pages": 256, "max_positions": 1024}
@@ -34,10 +34,16 @@ def prompt(seed: int, pages: int) -> list[int]:
 
 
 def test_the_openai_client_completes_and_lists_models(endpoint):
-    client = openai.OpenAI(base_url=endpoint.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=endpoint.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
     assert [m.id for m in client.models.list().data] == [MODEL]
-    out = client.completions.create(model=MODEL, prompt="The fabric remembers " * 8, max_tokens=4, temperature=0)
-    assert out.usage.completion_tokens == 4 and out.usage.prompt_tokens == len("The fabric remembers " * 8)
+    out = client.completions.create(
+        model=MODEL, prompt="The fabric remembers " * 8, max_tokens=4, temperature=0
+    )
+    assert out.usage.completion_tokens == 4 and out.usage.prompt_tokens == len(
+        "The fabric remembers " * 8
+    )
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-nothing", prompt="hi", max_tokens=1)
 
@@ -52,9 +58,9 @@ def test_cached_answers_equal_uncached_ones_and_follow_ups_return_to_the_holder(
         assert (base.token_ids, base.logits_digest) == (warm.token_ids, warm.logits_digest)
         assert (base.token_ids, base.logits_digest) == (again.token_ids, again.logits_digest)
         assert base.cached_tokens == 0 and again.cached_tokens == 6 * 16
-        assert again.node == warm.node                 # the router sent it where the prefix is
+        assert again.node == warm.node  # the router sent it where the prefix is
         turn = first + prompt(2, 3)
-        for _ in range(3):                             # a conversation goes on
+        for _ in range(3):  # a conversation goes on
             nocache = client.complete(MODEL, turn, 2, cache=False, namespace="t1")
             hit = client.complete(MODEL, turn, 2, cache=True, namespace="t1")
             assert (hit.token_ids, hit.logits_digest) == (nocache.token_ids, nocache.logits_digest)
@@ -70,19 +76,23 @@ def test_cached_answers_equal_uncached_ones_and_follow_ups_return_to_the_holder(
 def test_without_keys_every_caller_is_one_tenant(endpoint):
     """No tenant table: anonymous callers, callers with any key and any `user` share the
     namespace "default" (issue 11: `user` picked the namespace), and the docs are open."""
+
     def served(body: dict, headers: dict) -> dict:
-        req = urllib.request.Request(endpoint.base_url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"} | headers)
+        req = urllib.request.Request(
+            endpoint.base_url + "/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"} | headers,
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())["kvfabric"]
 
     p = prompt(30, 4)
     body = {"model": MODEL, "prompt": p, "max_tokens": 2}
-    deadline = time.monotonic() + 60          # the index learns of new pages asynchronously
+    deadline = time.monotonic() + 60  # the index learns of new pages asynchronously
     while (anon := served(body, {}))["cached_tokens"] < len(p) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert anon["cached_tokens"] == len(p)
-    assert anon["logits_digest"] == ""        # not asked for: the server kept no logits
+    assert anon["logits_digest"] == ""  # not asked for: the server kept no logits
     other = served(body | {"user": "tenant-a"}, {"Authorization": "Bearer sk-anything-0123456789"})
     assert other["cached_tokens"] == len(p) and other["token_ids"] == anon["token_ids"]
     for path in ("/openapi.json", "/docs", "/redoc"):
@@ -90,27 +100,44 @@ def test_without_keys_every_caller_is_one_tenant(endpoint):
             assert r.status == 200
 
 
-@pytest.mark.parametrize("body,status", [
-    ({"model": MODEL, "prompt": "", "max_tokens": 2}, 400),
-    ({"model": MODEL, "prompt": [], "max_tokens": 2}, 400),
-    ({"model": MODEL, "prompt": [1] * 1100, "max_tokens": 2}, 400),      # longer than the model
-    ({"model": MODEL, "prompt": [100000], "max_tokens": 2}, 400),        # not a token id
-    ({"model": "other", "prompt": "hi", "max_tokens": 2}, 404),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}, 400),
-])
+@pytest.mark.parametrize(
+    "body,status",
+    [
+        ({"model": MODEL, "prompt": "", "max_tokens": 2}, 400),
+        ({"model": MODEL, "prompt": [], "max_tokens": 2}, 400),
+        ({"model": MODEL, "prompt": [1] * 1100, "max_tokens": 2}, 400),  # longer than the model
+        ({"model": MODEL, "prompt": [100000], "max_tokens": 2}, 400),  # not a token id
+        ({"model": "other", "prompt": "hi", "max_tokens": 2}, 404),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}, 400),
+    ],
+)
 def test_bad_requests_get_clear_4xx_answers(endpoint, body, status):
-    req = urllib.request.Request(endpoint.base_url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        endpoint.base_url + "/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=60)
     assert e.value.code == status
     assert json.loads(e.value.read())["error"]["message"]
 
 
-@pytest.mark.parametrize("args", [{"bogus": 1}, {"shards": 0}, {"model_name": ""}, {"nodes": -1},
-                                  {"api_key": "sk-0123456789abcdef"}, {"tenants_file": "t.yaml"},
-                                  {"tenants_file": ""}, {"device_pages": True}, {"chaos": 1},
-                                  {"device_pages": 8, "max_positions": 1024}])   # pools < one prompt
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"bogus": 1},
+        {"shards": 0},
+        {"model_name": ""},
+        {"nodes": -1},
+        {"api_key": "sk-0123456789abcdef"},
+        {"tenants_file": "t.yaml"},
+        {"tenants_file": ""},
+        {"device_pages": True},
+        {"chaos": 1},
+        {"device_pages": 8, "max_positions": 1024},
+    ],
+)  # pools < one prompt
 def test_app_args_are_validated(args):
     with pytest.raises((AppArgsError, TypeError)):
         AppArgs.from_dict(args)
@@ -126,28 +153,50 @@ def test_serving_metrics_record_every_kind_of_answer(endpoint):
         from kvfabric.deploy.reference.engine import Generation
         from kvfabric.deploy.serve.protocol import PrefixFetch
         from kvfabric.deploy.serve.serving import ServingMetrics
+
         m = ServingMetrics("kvf-node-test")
         seen: list = []
-        for label, metric, method in (("hit", m.hit_tokens, "inc"), ("miss", m.miss_tokens, "inc"),
-                                      ("bytes", m.bytes_moved, "inc"), ("rollback", m.rollbacks, "inc"),
-                                      ("fetch_ms", m.fetch_latency, "observe"), ("ttft_ms", m.ttft, "observe")):
+        for label, metric, method in (
+            ("hit", m.hit_tokens, "inc"),
+            ("miss", m.miss_tokens, "inc"),
+            ("bytes", m.bytes_moved, "inc"),
+            ("rollback", m.rollbacks, "inc"),
+            ("fetch_ms", m.fetch_latency, "observe"),
+            ("ttft_ms", m.ttft, "observe"),
+        ):
             real = getattr(metric, method)
 
             def spy(value, tags=None, label=label, real=real):
-                real(value, tags=tags)          # Ray validates; a bad tag raises here
+                real(value, tags=tags)  # Ray validates; a bad tag raises here
                 seen.append((fetch.value, label, value, tuple(sorted((tags or {}).items()))))
+
             setattr(metric, method, spy)
         for fetch in PrefixFetch:
             g = Generation([1], 64, 48, 16, 16, 16, 16, fetch, 4, 0.01, 0.02)
-            m.record(g, fetched_bytes=4096 if fetch is PrefixFetch.FETCHED else 0, fetch_s=0.005, ttft_s=0.01)
+            m.record(
+                g,
+                fetched_bytes=4096 if fetch is PrefixFetch.FETCHED else 0,
+                fetch_s=0.005,
+                ttft_s=0.01,
+            )
         return {f: [s[1:] for s in seen if s[0] == f] for f in {s[0] for s in seen}}
 
     seen = ray.get(record.remote(), timeout=120)
     node = ("node", "kvf-node-test")
-    every = [("hit", 16, (node, ("tier", t))) for t in ("device", "host", "remote")] + [("miss", 16, (node,))]
+    every = [("hit", 16, (node, ("tier", t))) for t in ("device", "host", "remote")] + [
+        ("miss", 16, (node,))
+    ]
     assert seen["none"] == seen["skipped"] == every + [("ttft_ms", 10.0, (node,))]
-    assert seen["fetched"] == every + [("bytes", 4096, (node,)), ("fetch_ms", 5.0, (node,)), ("ttft_ms", 10.0, (node,))]
-    assert seen["failed"] == every + [("rollback", 1, (node,)), ("fetch_ms", 5.0, (node,)), ("ttft_ms", 10.0, (node,))]
+    assert seen["fetched"] == every + [
+        ("bytes", 4096, (node,)),
+        ("fetch_ms", 5.0, (node,)),
+        ("ttft_ms", 10.0, (node,)),
+    ]
+    assert seen["failed"] == every + [
+        ("rollback", 1, (node,)),
+        ("fetch_ms", 5.0, (node,)),
+        ("ttft_ms", 10.0, (node,)),
+    ]
 
 
 def test_down_removes_the_app_and_the_fabric_and_up_brings_them_back(endpoint):
@@ -155,6 +204,7 @@ def test_down_removes_the_app_and_the_fabric_and_up_brings_them_back(endpoint):
     depend on running before this one."""
     import ray
     from kvfabric.deploy.cli.cluster import down
+
     killed = down()
     assert "kvf-directory" in killed and any(n.startswith("kvf-node-") for n in killed)
     assert any(n.startswith("kvf-index-") for n in killed)

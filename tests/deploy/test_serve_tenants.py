@@ -2,6 +2,7 @@
 disjoint namespaces (and a third that holds one of each), one tenant's cached prefix
 invisible to the other, 403 for a namespace the key does not grant, 401 without a valid
 key, the API description behind the key. (No table, one tenant: tests/deploy/test_serve_app.py.)"""
+
 from __future__ import annotations
 
 import json
@@ -11,18 +12,20 @@ import urllib.request
 
 import openai
 import pytest
-from ray import serve
-
-from kvfabric.deploy.serve.app import AppArgs
 from kvfabric.deploy.cli.cluster import free_port, local_cluster, up
 from kvfabric.deploy.cli.http_replay import Client
+from kvfabric.deploy.serve.app import AppArgs
 from kvfabric.deploy.serve.tenants import TenantsError
+from ray import serve
 
 MODEL = "kvfabric-tiny"
 ARGS = {"device_pages": 256, "host_pages": 256, "max_positions": 1024}
 KEY_A, KEY_B, KEY_AB = "sk-tenant-a-0123456789", "sk-tenant-b-0123456789", "sk-both-a-and-b-012345"
-TABLE = {KEY_A: {"namespaces": ["a"]}, KEY_B: {"namespaces": ["b", "b-eval"]},
-         KEY_AB: {"namespaces": ["b", "a"], "default": "b"}}
+TABLE = {
+    KEY_A: {"namespaces": ["a"]},
+    KEY_B: {"namespaces": ["b", "b-eval"]},
+    KEY_AB: {"namespaces": ["b", "a"], "default": "b"},
+}
 PAGES = 5
 
 
@@ -36,8 +39,12 @@ def endpoint(tmp_path_factory):
         serve.shutdown()
 
 
-def call(endpoint, path: str, body: dict | None = None, key: str | None = None) -> tuple[int, dict | str]:
-    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+def call(
+    endpoint, path: str, body: dict | None = None, key: str | None = None
+) -> tuple[int, dict | str]:
+    headers = {"Content-Type": "application/json"} | (
+        {"Authorization": f"Bearer {key}"} if key else {}
+    )
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(endpoint.base_url + path, data, headers)
     try:
@@ -51,7 +58,9 @@ def call(endpoint, path: str, body: dict | None = None, key: str | None = None) 
         return status, raw.decode()
 
 
-def complete(endpoint, key: str, tokens: list[int], namespace: str | None = None, **kw) -> tuple[int, dict]:
+def complete(
+    endpoint, key: str, tokens: list[int], namespace: str | None = None, **kw
+) -> tuple[int, dict]:
     body = {"model": MODEL, "prompt": tokens, "max_tokens": 2, "temperature": 0, **kw}
     if namespace is not None:
         body["kvfabric"] = {"namespace": namespace}
@@ -62,7 +71,9 @@ def prompt(seed: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 500 + 2 for i in range(PAGES * 16)]
 
 
-def cached_by(endpoint, key: str, tokens: list[int], namespace: str | None = None, within_s: float = 60) -> dict:
+def cached_by(
+    endpoint, key: str, tokens: list[int], namespace: str | None = None, within_s: float = 60
+) -> dict:
     """Ask until the answer is served from the cache in full (the index learns of new
     pages asynchronously); the last answer. Only the asker's own namespace is touched."""
     deadline = time.monotonic() + within_s
@@ -91,18 +102,25 @@ def test_one_tenants_cached_prefix_is_invisible_to_another(endpoint):
     # The replay client with a key and no namespace: its key's default (A's: "a").
     client, deadline = Client(endpoint, KEY_A), time.monotonic() + 60
     try:
-        while (hit := client.complete(MODEL, p, 2, True, None).cached_tokens) < len(p) and time.monotonic() < deadline:
-            pass                      # bounded, as in cached_by: routing follows the index
+        while (hit := client.complete(MODEL, p, 2, True, None).cached_tokens) < len(
+            p
+        ) and time.monotonic() < deadline:
+            pass  # bounded, as in cached_by: routing follows the index
         assert hit == len(p)
     finally:
         client.close()
 
 
-@pytest.mark.parametrize("key,namespace", [(KEY_B, "a"), (KEY_A, "b"), (KEY_A, "default"), (KEY_B, "nobody")])
+@pytest.mark.parametrize(
+    "key,namespace", [(KEY_B, "a"), (KEY_A, "b"), (KEY_A, "default"), (KEY_B, "nobody")]
+)
 def test_a_namespace_the_key_does_not_grant_is_a_403(endpoint, key, namespace):
     status, body = complete(endpoint, key, prompt(2), namespace)
     assert status == 403, body
-    assert body["error"]["code"] == "namespace_forbidden" and body["error"]["type"] == "permission_error"
+    assert (
+        body["error"]["code"] == "namespace_forbidden"
+        and body["error"]["type"] == "permission_error"
+    )
 
 
 def test_the_openai_client_with_a_key(endpoint):
@@ -112,16 +130,25 @@ def test_the_openai_client_with_a_key(endpoint):
     out = client.completions.create(model=MODEL, prompt=prompt(3), max_tokens=2, temperature=0)
     assert out.usage.completion_tokens == 2
     with pytest.raises(openai.PermissionDeniedError):
-        client.completions.create(model=MODEL, prompt=prompt(3), max_tokens=2, extra_body={"kvfabric": {"namespace": "a"}})
-    stranger = openai.OpenAI(base_url=base, api_key="sk-not-a-key-0123456789", max_retries=0, timeout=120)
+        client.completions.create(
+            model=MODEL, prompt=prompt(3), max_tokens=2, extra_body={"kvfabric": {"namespace": "a"}}
+        )
+    stranger = openai.OpenAI(
+        base_url=base, api_key="sk-not-a-key-0123456789", max_retries=0, timeout=120
+    )
     with pytest.raises(openai.AuthenticationError):
         stranger.completions.create(model=MODEL, prompt=prompt(3), max_tokens=2)
 
 
 @pytest.mark.parametrize("key", [None, "wrong", KEY_A + "x", KEY_A.upper()])
 def test_no_key_or_a_wrong_key_is_a_401(endpoint, key):
-    for path, body in (("/v1/completions", {"model": MODEL, "prompt": prompt(4), "max_tokens": 1}),
-                       ("/v1/models", None), ("/openapi.json", None), ("/docs", None), ("/redoc", None)):
+    for path, body in (
+        ("/v1/completions", {"model": MODEL, "prompt": prompt(4), "max_tokens": 1}),
+        ("/v1/models", None),
+        ("/openapi.json", None),
+        ("/docs", None),
+        ("/redoc", None),
+    ):
         status, answer = call(endpoint, path, body, key)
         assert status == 401, (path, answer)
         assert answer["error"]["code"] == "invalid_api_key"

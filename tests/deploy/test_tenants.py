@@ -1,21 +1,31 @@
 """The tenant table (deploy/serve/tenants.py): its file formats, the strict checks with errors
 that name an entry by position and never by key, keys held only as digests and matched
 against every entry. Fuzzed: tests/deploy/test_fuzz_tenants.py."""
+
 from __future__ import annotations
 
 import json
 import pickle
 from pathlib import Path
 
+import kvfabric.deploy.serve.tenants as tenants_mod
 import pytest
 import yaml
-
-import kvfabric.deploy.serve.tenants as tenants_mod
-from kvfabric.deploy.serve.tenants import (MAX_NAME_CHARS, MAX_TABLE_BYTES, Tenant, TenantsError, load_tenants, loads_tenants,
-                                           parse_tenants)
+from kvfabric.deploy.serve.tenants import (
+    MAX_NAME_CHARS,
+    MAX_TABLE_BYTES,
+    Tenant,
+    TenantsError,
+    load_tenants,
+    loads_tenants,
+    parse_tenants,
+)
 
 KEY_A, KEY_B = "sk-tenant-a-0123456789", "sk-tenant-b-0123456789"
-TABLE = {KEY_A: {"namespaces": ["a", "a-eval"]}, KEY_B: {"namespaces": ["b", "shared"], "default": "shared"}}
+TABLE = {
+    KEY_A: {"namespaces": ["a", "a-eval"]},
+    KEY_B: {"namespaces": ["b", "shared"], "default": "shared"},
+}
 
 
 def write(tmp_path: Path, name: str, content: str | bytes) -> Path:
@@ -30,14 +40,17 @@ def test_json_and_yaml_files_give_the_same_table(tmp_path):
   namespaces: [a, a-eval]
 "{KEY_B}": {{namespaces: [b, shared], default: shared}}
 """
-    for path in (write(tmp_path, "t.json", json.dumps(TABLE)), write(tmp_path, "t.yaml", yml),
-                 write(tmp_path, "t.YML", yaml.safe_dump(TABLE))):
+    for path in (
+        write(tmp_path, "t.json", json.dumps(TABLE)),
+        write(tmp_path, "t.yaml", yml),
+        write(tmp_path, "t.YML", yaml.safe_dump(TABLE)),
+    ):
         table = load_tenants(path)
-        assert table.match(KEY_A.encode()) == Tenant(("a", "a-eval"), "a")     # default: the first
+        assert table.match(KEY_A.encode()) == Tenant(("a", "a-eval"), "a")  # default: the first
         assert table.match(KEY_B.encode()) == Tenant(("b", "shared"), "shared")
         for other in (b"", b"sk-tenant-a-012345678", KEY_A.encode() + b"0", KEY_A.upper().encode()):
             assert table.match(other) is None
-    assert load_tenants(str(tmp_path / "t.json")) == table       # str paths too
+    assert load_tenants(str(tmp_path / "t.json")) == table  # str paths too
 
 
 def test_keys_are_kept_only_as_digests():
@@ -55,7 +68,9 @@ def test_a_match_compares_every_entry(monkeypatch):
     table = parse_tenants({k: {"namespaces": [f"ns{i}"]} for i, k in enumerate(keys)})
     compared = []
     real = tenants_mod.hmac.compare_digest
-    monkeypatch.setattr(tenants_mod.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
+    monkeypatch.setattr(
+        tenants_mod.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b)
+    )
     for i, key in enumerate(keys + ["sk-nobody-0123456789"]):
         compared.clear()
         got = table.match(key.encode())
@@ -67,7 +82,10 @@ BAD_TABLES = [
     ([], "must be a mapping"),
     ({}, "no keys"),
     ({"short-key": {"namespaces": ["a"]}}, "entry 1: the key must be"),
-    ({KEY_A: {"namespaces": ["a"]}, "sk-with space-0123456789": {"namespaces": ["b"]}}, "entry 2: the key"),
+    (
+        {KEY_A: {"namespaces": ["a"]}, "sk-with space-0123456789": {"namespaces": ["b"]}},
+        "entry 2: the key",
+    ),
     ({"sk-caf\u00e9-0123456789abc": {"namespaces": ["a"]}}, "visible ASCII"),
     ({KEY_A: ["a"]}, "entry 1: must be a mapping"),
     ({KEY_A: {"namespaces": []}}, "non-empty list"),
@@ -92,7 +110,7 @@ def test_bad_tables_are_refused_by_position_never_by_key(data, message):
 
 DUP = f'{{"{KEY_A}": {{"namespaces": ["a"]}}, "{KEY_A}": {{"namespaces": ["b"]}}}}'
 BAD_FILES = [
-    ("t.json", DUP, "same key"),                       # JSON and YAML keep the last one silently
+    ("t.json", DUP, "same key"),  # JSON and YAML keep the last one silently
     ("t.yaml", DUP, "same key"),
     ("t.yaml", f"{KEY_A}: {{namespaces: [a]}}\n{KEY_A}: {{namespaces: [b]}}\n", "same key .line 2"),
     ("t.json", f'{{"{KEY_A}": {{"namespaces": ["a"], "namespaces": ["b"]}}}}', "same key"),
@@ -115,14 +133,16 @@ BAD_FILES = [
 def test_bad_files_are_refused_without_quoting_them(tmp_path, name, content, message):
     with pytest.raises(TenantsError, match=message) as e:
         load_tenants(write(tmp_path, name, content))
-    assert "sk-" not in str(e.value) and str(e.value).startswith(f"tenant table {tmp_path / name}: ")
+    assert "sk-" not in str(e.value) and str(e.value).startswith(
+        f"tenant table {tmp_path / name}: "
+    )
 
 
 def test_unreadable_or_relative_paths(tmp_path):
     with pytest.raises(TenantsError, match="cannot read"):
         load_tenants(tmp_path / "missing.yaml")
     with pytest.raises(TenantsError, match="cannot read"):
-        load_tenants(tmp_path)                          # a directory
+        load_tenants(tmp_path)  # a directory
     with pytest.raises(TenantsError, match="absolute"):
         load_tenants("tenants.yaml")
 

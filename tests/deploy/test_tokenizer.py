@@ -1,9 +1,11 @@
 """The reference model's byte tokenizer (deploy/reference/tokenizer.py): text round-trips,
 and what it refuses or skips."""
-import pytest
-from hypothesis import given, strategies as st
 
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from kvfabric.deploy.reference.tokenizer import OFFSET, ByteTokenizer
+
 from tests.deploy.ingress_backends import TOK
 
 

@@ -2,8 +2,8 @@ import json
 import math
 
 import pytest
-from hypothesis import given, strategies as st
-
+from hypothesis import given
+from hypothesis import strategies as st
 from kvfabric.deploy.sim import trace
 from kvfabric.deploy.sim.trace import TraceError, TraceRequest, load_trace, request_tokens
 
@@ -38,8 +38,9 @@ def test_first_3000_requests_expand_to_their_lengths():
 
 def write(tmp_path, lines, name="bad.jsonl"):
     path = tmp_path / name
-    path.write_text("".join(line if isinstance(line, str) else json.dumps(line) + "\n"
-                            for line in lines))
+    path.write_text(
+        "".join(line if isinstance(line, str) else json.dumps(line) + "\n" for line in lines)
+    )
     return path
 
 
@@ -99,6 +100,7 @@ def requests(max_blocks=6):
         n = len(hash_ids)
         input_length = draw(st.integers((n - 1) * block_tokens + 1, n * block_tokens))
         return TraceRequest(0, input_length, 0, tuple(hash_ids)), block_tokens
+
     return build()
 
 
@@ -116,8 +118,10 @@ def test_equal_ids_give_equal_blocks(hash_ids, tokens_per_block):
     bt = 512
     req = TraceRequest(0, len(hash_ids) * bt, 0, tuple(hash_ids))
     tokens = request_tokens(req, tokens_per_block, bt)
-    blocks = [tuple(tokens[i * tokens_per_block:(i + 1) * tokens_per_block])
-              for i in range(len(hash_ids))]
+    blocks = [
+        tuple(tokens[i * tokens_per_block : (i + 1) * tokens_per_block])
+        for i in range(len(hash_ids))
+    ]
     for i, a in enumerate(hash_ids):
         for j, b in enumerate(hash_ids):
             if a == b:
@@ -126,9 +130,11 @@ def test_equal_ids_give_equal_blocks(hash_ids, tokens_per_block):
                 assert blocks[i] != blocks[j]
 
 
-@given(st.lists(st.integers(0, 1000), min_size=1, max_size=5),
-       st.lists(st.integers(0, 1000), min_size=1, max_size=5),
-       st.lists(st.integers(0, 1000), min_size=1, max_size=5))
+@given(
+    st.lists(st.integers(0, 1000), min_size=1, max_size=5),
+    st.lists(st.integers(0, 1000), min_size=1, max_size=5),
+    st.lists(st.integers(0, 1000), min_size=1, max_size=5),
+)
 def test_shared_hash_prefix_gives_shared_token_prefix(prefix, tail_a, tail_b):
     a = TraceRequest(0, 512 * len(prefix + tail_a), 0, tuple(prefix + tail_a))
     b = TraceRequest(0, 512 * len(prefix + tail_b) - 100, 0, tuple(prefix + tail_b))

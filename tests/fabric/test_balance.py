@@ -1,28 +1,39 @@
 """Shard balance on generated workloads of several shapes, and the structures behind it:
 where a region's lookups part, routes that move a subtree, and the split planner."""
+
 from __future__ import annotations
 
 import hashlib
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvfabric.deploy.sim.cluster import SimConfig, prepare
 from kvfabric.deploy.sim.trace import TraceRequest
 from kvfabric.deploy.sim.workloads import Shape, generate
 from kvfabric.fabric.index.balance import LoadTracker, RegionHits, shared_path
+from kvfabric.fabric.index.match_rule import MatchRule
 from kvfabric.fabric.index.routes import Route, RouteTable
 from kvfabric.fabric.index.sharded_index import ShardedIndex
-from kvfabric.fabric.index.match_rule import MatchRule
 
 CHECK_EVERY = SimConfig().rebalance_every
 
 
 def lookups_of(shape: Shape, n: int, seed: int) -> list[list[bytes]]:
     rows = generate(shape, n, seed=seed, new_per_s=2.0)
-    return [r.keys for r in prepare([TraceRequest(x["timestamp"], x["input_length"], x["output_length"],
-                                                  tuple(x["hash_ids"])) for x in rows], SimConfig())]
+    return [
+        r.keys
+        for r in prepare(
+            [
+                TraceRequest(
+                    x["timestamp"], x["input_length"], x["output_length"], tuple(x["hash_ids"])
+                )
+                for x in rows
+            ],
+            SimConfig(),
+        )
+    ]
 
 
 def replay_lookups(prompts: list[list[bytes]], shards: int, rebalance: bool) -> ShardedIndex:
@@ -49,6 +60,7 @@ def test_lookups_even_out_over_8_shards_on_every_workload_shape(shape):
 def test_generated_traces_load_as_mooncake_traces(tmp_path):
     from kvfabric.deploy.sim.trace import load_trace
     from kvfabric.deploy.sim.workloads import main
+
     for shape in Shape:
         path = tmp_path / f"{shape.value}.jsonl"
         assert main([shape.value, "50", "--seed", "3", "-o", str(path)]) == 0
@@ -58,22 +70,28 @@ def test_generated_traces_load_as_mooncake_traces(tmp_path):
 def test_generated_shapes_have_the_structure_they_claim():
     for shape in Shape:
         rows = generate(shape, 500, seed=1)
-        assert len(rows) == 500 and all(a["timestamp"] <= b["timestamp"] for a, b in zip(rows, rows[1:]))
+        assert len(rows) == 500 and all(
+            a["timestamp"] <= b["timestamp"] for a, b in zip(rows, rows[1:])
+        )
         assert all(-(-r["input_length"] // 512) == len(r["hash_ids"]) for r in rows)
     firsts = {r["hash_ids"][0] for r in generate(Shape.APPS, 500, seed=1)}
-    assert 1 < len(firsts) <= 12                                   # one system prompt per app
+    assert 1 < len(firsts) <= 12  # one system prompt per app
     docs = generate(Shape.DOCS, 500, seed=1)
-    assert len({r["hash_ids"][0] for r in docs}) <= 3               # a few instructions ...
-    assert len({r["hash_ids"][1] for r in docs}) > 20               # ... over many documents
+    assert len({r["hash_ids"][0] for r in docs}) <= 3  # a few instructions ...
+    assert len({r["hash_ids"][1] for r in docs}) > 20  # ... over many documents
     sessions = generate(Shape.SESSIONS, 2000, seed=1)
-    assert max(r["input_length"] for r in sessions) > 30_000        # long multi-turn sessions
+    assert max(r["input_length"] for r in sessions) > 30_000  # long multi-turn sessions
 
 
 # ---- where a region's lookups part ---------------------------------------------------------
 
+
 def chained(blocks: list[int]) -> list[bytes]:
     """Keys as the keyer makes them: each names its whole prefix."""
-    return [hashlib.blake2b(repr(blocks[: j + 1]).encode(), digest_size=16).digest() for j in range(len(blocks))]
+    return [
+        hashlib.blake2b(repr(blocks[: j + 1]).encode(), digest_size=16).digest()
+        for j in range(len(blocks))
+    ]
 
 
 def naive_common(paths: list[list[bytes]]) -> tuple[bytes, ...]:
@@ -101,9 +119,12 @@ def test_shared_path_is_the_longest_common_prefix(prompts):
 @settings(max_examples=200, deadline=None)
 @given(prompts_st, st.integers(0, 12))
 def test_a_region_knows_where_its_lookups_part_however_they_are_merged(prompts, cut):
-    region_paths = [chained([9] + p) for p in prompts]       # one region: the first page is shared
-    whole, left, right = RegionHits((region_paths[0][0],)), RegionHits((region_paths[0][0],)), \
-        RegionHits((region_paths[0][0],))
+    region_paths = [chained([9] + p) for p in prompts]  # one region: the first page is shared
+    whole, left, right = (
+        RegionHits((region_paths[0][0],)),
+        RegionHits((region_paths[0][0],)),
+        RegionHits((region_paths[0][0],)),
+    )
     for i, keys in enumerate(region_paths):
         whole.narrow(keys)
         (left if i < cut else right).narrow(keys)
@@ -117,11 +138,19 @@ def test_a_region_knows_where_its_lookups_part_however_they_are_merged(prompts, 
 
 # ---- moving a subtree ----------------------------------------------------------------------
 
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=4), st.integers(0, 3),
-                          st.booleans()), max_size=5),
-       st.lists(st.integers(0, 2), min_size=1, max_size=4), st.integers(0, 3),
-       st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=7), min_size=1, max_size=20))
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 2), min_size=1, max_size=4), st.integers(0, 3), st.booleans()
+        ),
+        max_size=5,
+    ),
+    st.lists(st.integers(0, 2), min_size=1, max_size=4),
+    st.integers(0, 3),
+    st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=7), min_size=1, max_size=20),
+)
 def test_a_move_sends_its_subtree_and_nothing_else(routes, path, shard, probes):
     table = RouteTable(4)
     for blocks, owner, spread in routes:
@@ -131,11 +160,13 @@ def test_a_move_sends_its_subtree_and_nothing_else(routes, path, shard, probes):
     moved = table.move(chained(path), shard)
     assert moved.version == table.version + 1
     assert RouteTable.decode(moved.encode()).routes == moved.routes
-    below = {tuple(chained(b)) for b, _, _ in routes if len(b) > len(path) and b[:len(path)] == path}
+    below = {
+        tuple(chained(b)) for b, _, _ in routes if len(b) > len(path) and b[: len(path)] == path
+    }
     for blocks in probes:
         keys = chained(blocks)
-        inside = len(blocks) >= len(path) and blocks[:len(path)] == path
-        deeper = any(len(keys) >= len(r) and tuple(keys[:len(r)]) == r for r in below)
+        inside = len(blocks) >= len(path) and blocks[: len(path)] == path
+        deeper = any(len(keys) >= len(r) and tuple(keys[: len(r)]) == r for r in below)
         if not inside:
             assert moved.locate(keys) == table.locate(keys)
         elif not deeper and not (moved.routes and _spread_child(moved, keys, len(path))):
@@ -150,6 +181,7 @@ def _spread_child(table: RouteTable, keys: list[bytes], depth: int) -> bool:
 
 # ---- the planner ---------------------------------------------------------------------------
 
+
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 2**32), st.integers(2, 6))
 def test_a_plan_never_leaves_a_shard_busier_than_the_busiest_was(seed, shards):
@@ -158,8 +190,10 @@ def test_a_plan_never_leaves_a_shard_busier_than_the_busiest_was(seed, shards):
     lone prompt asked again and again is never 'split' below where it ends."""
     rng = random.Random(seed)
     heads = [[rng.randrange(50)] for _ in range(rng.randrange(1, 4))]
-    prompts = [rng.choice(heads) + [rng.randrange(3) for _ in range(rng.randrange(0, 6))]
-               for _ in range(rng.randrange(20, 120))]
+    prompts = [
+        rng.choice(heads) + [rng.randrange(3) for _ in range(rng.randrange(0, 6))]
+        for _ in range(rng.randrange(20, 120))
+    ]
     routes, load = RouteTable(shards), LoadTracker(shards)
     for p in prompts:
         keys = chained(p)
@@ -171,8 +205,8 @@ def test_a_plan_never_leaves_a_shard_busier_than_the_busiest_was(seed, shards):
     after = [0] * shards
     for p in prompts:
         after[table.locate(chained(p))[0]] += 1
-    if not any(r.spread and r.key == split.path[-1] for r in table.routes):       # a move
+    if not any(r.spread and r.key == split.path[-1] for r in table.routes):  # a move
         assert max(after) <= max(load.lookups)
     else:
-        region = [chained(p) for p in prompts if tuple(chained(p)[:len(split.path)]) == split.path]
-        assert any(len(k) > len(split.path) for k in region)      # some lookups go on below it
+        region = [chained(p) for p in prompts if tuple(chained(p)[: len(split.path)]) == split.path]
+        assert any(len(k) > len(split.path) for k in region)  # some lookups go on below it

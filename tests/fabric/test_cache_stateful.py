@@ -1,15 +1,27 @@
 """Random put / get / lock / unlock / evict / backup / load-back on small pools,
 `check()` after every step; failures injected at reservation points leave the
 state exactly as before; what `get` returns equals what `put` stored."""
+
 import random
 
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 from kvfabric.deploy.chaos.faults import AllocationFaults
-from kvfabric.fabric import (PageAudit, EventPublisher, KVLayout, NodeCache, PageState, PoolCapacity, PoolName,
-                             Tier, TierConfig, WritePolicy, decode_events)
+from kvfabric.fabric import (
+    EventPublisher,
+    KVLayout,
+    NodeCache,
+    PageAudit,
+    PageState,
+    PoolCapacity,
+    PoolName,
+    Tier,
+    TierConfig,
+    WritePolicy,
+    decode_events,
+)
+
 from tests.kvgen import prefix_kv
 
 LAYOUTS = {
@@ -33,21 +45,33 @@ def family(seed: int) -> list[list[int]]:
 
 
 class CacheMachine(RuleBasedStateMachine):
-    @initialize(layout=st.sampled_from(sorted(LAYOUTS)), policy=st.sampled_from(list(WritePolicy)),
-                seed=st.integers(0, 2**16), device=st.integers(3, 8), host=st.integers(0, 10),
-                pending=st.sampled_from([0, 1024]))
+    @initialize(
+        layout=st.sampled_from(sorted(LAYOUTS)),
+        policy=st.sampled_from(list(WritePolicy)),
+        seed=st.integers(0, 2**16),
+        device=st.integers(3, 8),
+        host=st.integers(0, 10),
+        pending=st.sampled_from([0, 1024]),
+    )
     def setup(self, layout, policy, seed, device, host, pending):
         self.layout = LAYOUTS[layout]
-        caps = {p: PoolCapacity(device if p == PoolName.FULL else max(2, device // 2), host)
-                for p in self.layout.pools}
+        caps = {
+            p: PoolCapacity(device if p == PoolName.FULL else max(2, device // 2), host)
+            for p in self.layout.pools
+        }
         self.faults = AllocationFaults()
-        self.cache = NodeCache(self.layout, caps, tier=TierConfig(policy=policy, selective_hits=2),
-                               device="cpu", reserve_hook=self.faults)
+        self.cache = NodeCache(
+            self.layout,
+            caps,
+            tier=TierConfig(policy=policy, selective_hits=2),
+            device="cpu",
+            reserve_hook=self.faults,
+        )
         self.seqs = family(seed)
         self.locks = []
         # pending=0: the change list overflows often and batches restate everything
         self.publisher = EventPublisher(self.cache, "node-a", epoch=1, pending_floor=pending)
-        self.believed: dict[bytes, PageState] = {}   # what an index fed our events knows
+        self.believed: dict[bytes, PageState] = {}  # what an index fed our events knows
 
     def tokens(self, i):
         return self.seqs[i % len(self.seqs)]
@@ -67,7 +91,7 @@ class CacheMachine(RuleBasedStateMachine):
         want = prefix_kv(self.layout, t)
         for li, kind in enumerate(self.layout.layers):
             start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
-            assert torch.equal(hit.layers[li], want[li][:, start:hit.tokens])
+            assert torch.equal(hit.layers[li], want[li][:, start : hit.tokens])
 
     @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES))
     def lock(self, i, ns):
@@ -79,7 +103,9 @@ class CacheMachine(RuleBasedStateMachine):
     def unlock(self, k):
         self.cache.unlock(self.locks.pop(k % len(self.locks)))
 
-    @rule(pool=st.sampled_from(list(PoolName)), tier=st.sampled_from(list(Tier)), n=st.integers(1, 6))
+    @rule(
+        pool=st.sampled_from(list(PoolName)), tier=st.sampled_from(list(Tier)), n=st.integers(1, 6)
+    )
     def evict(self, pool, tier, n):
         if pool in self.layout.pools:
             self.cache.evict(pool, tier, n)
@@ -157,7 +183,7 @@ class CacheMachine(RuleBasedStateMachine):
             for lock in self.locks:
                 self.cache.unlock(lock)
             self.cache.check()
-            for pool in self.layout.pools:             # with no locks, everything can go
+            for pool in self.layout.pools:  # with no locks, everything can go
                 for tier in (Tier.DEVICE, Tier.HOST):
                     self.cache.evict(pool, tier, 10_000)
             self.cache.check()

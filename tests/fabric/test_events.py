@@ -1,7 +1,7 @@
 import msgpack
 import pytest
-from hypothesis import given, strategies as st
-
+from hypothesis import given
+from hypothesis import strategies as st
 from kvfabric.fabric import EventBatch, EventError, PageMask, PageState, Snapshot, decode_events
 
 K = b"k" * 16
@@ -10,17 +10,38 @@ GOOD = [1, "batch", "node-a", 3, 7, False, [[K, P, 0, int(PageMask.FULL_DEVICE)]
 
 
 def test_round_trip():
-    batch = EventBatch("node-a", 3, 7, (PageState(K, P, 0, 1), PageState(P, K, 1, 0)), cleared=True,
-                       fingerprint=b"f" * 16)
+    batch = EventBatch(
+        "node-a",
+        3,
+        7,
+        (PageState(K, P, 0, 1), PageState(P, K, 1, 0)),
+        cleared=True,
+        fingerprint=b"f" * 16,
+    )
     assert decode_events(batch.encode()) == batch
     snap = Snapshot("node-a", 3, 7, (PageState(K, P, 0, 5),), b"f" * 16)
     assert decode_events(snap.encode()) == snap
 
 
-@pytest.mark.parametrize("i,value", [
-    (0, 2), (1, "gossip"), (2, ""), (2, 7), (3, -1), (4, True), (5, 1),
-    (7, b"short"), (7, "fp"), (6, "pages"), (6, [[K, P, 0]]), (6, [[K[:8], P, 0, 1]]), (6, [[K, P, -1, 1]]), (6, [[K, P, 0, 16]]),
-])
+@pytest.mark.parametrize(
+    "i,value",
+    [
+        (0, 2),
+        (1, "gossip"),
+        (2, ""),
+        (2, 7),
+        (3, -1),
+        (4, True),
+        (5, 1),
+        (7, b"short"),
+        (7, "fp"),
+        (6, "pages"),
+        (6, [[K, P, 0]]),
+        (6, [[K[:8], P, 0, 1]]),
+        (6, [[K, P, -1, 1]]),
+        (6, [[K, P, 0, 16]]),
+    ],
+)
 def test_each_bad_field_is_rejected(i, value):
     msg = list(GOOD)
     msg[i] = value
@@ -31,7 +52,13 @@ def test_each_bad_field_is_rejected(i, value):
 def test_snapshot_lists_held_pages_only_and_garbage_is_rejected():
     with pytest.raises(EventError, match="held pages"):
         decode_events(msgpack.packb([1, "snapshot", "n", 0, 0, True, [[K, P, 0, 0]], b""]))
-    for junk in (b"", b"\xc1", msgpack.packb({"a": 1}), msgpack.packb(GOOD[:7]), msgpack.packb(GOOD) + b"x"):
+    for junk in (
+        b"",
+        b"\xc1",
+        msgpack.packb({"a": 1}),
+        msgpack.packb(GOOD[:7]),
+        msgpack.packb(GOOD) + b"x",
+    ):
         with pytest.raises(EventError):
             decode_events(junk)
 
@@ -44,9 +71,23 @@ def test_fuzzed_bytes_never_escape_as_other_errors(data):
         return
 
 
-@given(st.lists(st.one_of(st.integers(-2, 20), st.text(max_size=3), st.booleans(), st.binary(max_size=17),
-                          st.lists(st.lists(st.one_of(st.binary(min_size=16, max_size=16), st.integers(-1, 17)),
-                                            max_size=5), max_size=3)), max_size=8))
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(-2, 20),
+            st.text(max_size=3),
+            st.booleans(),
+            st.binary(max_size=17),
+            st.lists(
+                st.lists(
+                    st.one_of(st.binary(min_size=16, max_size=16), st.integers(-1, 17)), max_size=5
+                ),
+                max_size=3,
+            ),
+        ),
+        max_size=8,
+    )
+)
 def test_fuzzed_messages_decode_or_fail_cleanly(msg):
     try:
         out = decode_events(msgpack.packb(msg))
@@ -56,10 +97,13 @@ def test_fuzzed_messages_decode_or_fail_cleanly(msg):
 
 
 def test_an_index_refuses_another_layouts_events():
-    from kvfabric.fabric.index.prefix_index import PrefixIndex
     from kvfabric.fabric.index.match_rule import MatchRule
+    from kvfabric.fabric.index.prefix_index import PrefixIndex
+
     index = PrefixIndex(MatchRule(0), fingerprint=b"f" * 16)
-    foreign = EventBatch("node-a", 1, 0, (PageState(K, P, 0, 1),), cleared=True, fingerprint=b"g" * 16)
+    foreign = EventBatch(
+        "node-a", 1, 0, (PageState(K, P, 0, 1),), cleared=True, fingerprint=b"g" * 16
+    )
     with pytest.raises(EventError, match="layout"):
         index.apply(foreign)
     with pytest.raises(EventError, match="layout"):

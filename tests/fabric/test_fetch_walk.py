@@ -2,14 +2,28 @@
 mixed layouts: a regression for the emptied path node, and a random walk that
 interleaves put / get / fetch (with readers that fail in every way) / evict and
 checks every invariant after each step."""
+
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kvfabric.fabric import (
+    FetchOutcome,
+    KVLayout,
+    LeaseTable,
+    NodeCache,
+    PageAudit,
+    PoolCapacity,
+    PoolName,
+    ReadFailed,
+    Tier,
+    TierConfig,
+    WritePolicy,
+    export_prefix,
+    import_prefix,
+)
 
-from kvfabric.fabric import (FetchOutcome, KVLayout, LeaseTable, NodeCache, PageAudit, PoolCapacity,
-                             PoolName, ReadFailed, Tier, TierConfig, WritePolicy, export_prefix, import_prefix)
-from tests.kvgen import prefix_kv
 from tests.fabric.test_cache_stateful import family
+from tests.kvgen import prefix_kv
 
 NS = "tenant"
 SWA_ONLY = KVLayout(layers=("swa",), kv_heads=1, head_dim=2, page_size=2, window=4)
@@ -22,9 +36,13 @@ LAYOUTS = {
 
 def copy_reader(src: NodeCache, dst: NodeCache):
     """What a healthy transport does: the source's pages land in the destination's."""
+
     def read(pool, refs, pages):
         for (tier, index), page in zip(refs, pages):
-            dst.registry.pool(pool, Tier.DEVICE).data[page] = src.registry.pool(pool, tier).data[index]
+            dst.registry.pool(pool, Tier.DEVICE).data[page] = src.registry.pool(pool, tier).data[
+                index
+            ]
+
     return read
 
 
@@ -36,6 +54,7 @@ def failing_reader(exc: BaseException, write_first: bool, src: NodeCache, dst: N
         if write_first:
             copy(pool, refs, pages)
         raise exc
+
     return read
 
 
@@ -52,17 +71,21 @@ def test_failed_fetch_after_evicting_the_only_child_leaves_no_empty_leaf():
     caps = {PoolName.SWA: PoolCapacity(2, 0)}
     src = NodeCache(SWA_ONLY, caps, device="cpu")
     dst = NodeCache(SWA_ONLY, caps, device="cpu", tier=TierConfig(policy=WritePolicy.WRITE_BACK))
-    stored = list(range(12))                   # 6 pages; SWA keeps the last 2
+    stored = list(range(12))  # 6 pages; SWA keeps the last 2
     dst.put(stored, prefix_kv(SWA_ONLY, stored), NS)
-    wanted = stored[:6] + [90, 91, 92, 93]     # shares 3 pages (no SWA pages there), then differs
+    wanted = stored[:6] + [90, 91, 92, 93]  # shares 3 pages (no SWA pages there), then differs
     src.put(wanted, prefix_kv(SWA_ONLY, wanted), NS)
     leases = LeaseTable(src)
-    grant = export_prefix(src, leases, dst.keys(wanted, NS), dst.match(wanted, NS).present_pages, 5.0)
+    grant = export_prefix(
+        src, leases, dst.keys(wanted, NS), dst.match(wanted, NS).present_pages, 5.0
+    )
     assert grant.pages == 5
-    outcome = import_prefix(dst, wanted, NS, grant, failing_reader(ReadFailed("peer died"), True, src, dst))
+    outcome = import_prefix(
+        dst, wanted, NS, grant, failing_reader(ReadFailed("peer died"), True, src, dst)
+    )
     assert outcome == FetchOutcome.TRANSFER_FAILED
     assert_whole(dst)
-    assert dst.tree.node_count == 0            # the emptied head went with its child
+    assert dst.tree.node_count == 0  # the emptied head went with its child
     leases.release(grant.lease_id)
     retry = export_prefix(src, leases, dst.keys(wanted, NS), 0, 5.0)
     assert import_prefix(dst, wanted, NS, retry, copy_reader(src, dst)) == FetchOutcome.COMMITTED
@@ -90,14 +113,23 @@ class FetchWalk(RuleBasedStateMachine):
     """A destination on small pools fetches from a roomy source while it puts,
     gets, locks and evicts on its own."""
 
-    @initialize(layout=st.sampled_from(sorted(LAYOUTS)), policy=st.sampled_from(list(WritePolicy)),
-                device=st.integers(2, 6), host=st.integers(0, 6), seed=st.integers(0, 2**16))
+    @initialize(
+        layout=st.sampled_from(sorted(LAYOUTS)),
+        policy=st.sampled_from(list(WritePolicy)),
+        device=st.integers(2, 6),
+        host=st.integers(0, 6),
+        seed=st.integers(0, 2**16),
+    )
     def setup(self, layout, policy, device, host, seed):
         self.layout = LAYOUTS[layout]
         self.clock = Clock()
         caps = {p: PoolCapacity(device, host) for p in self.layout.pools}
-        self.dst = NodeCache(self.layout, caps, tier=TierConfig(policy=policy), device="cpu", clock=self.clock)
-        self.src = NodeCache(self.layout, {p: PoolCapacity(128, 0) for p in self.layout.pools}, device="cpu")
+        self.dst = NodeCache(
+            self.layout, caps, tier=TierConfig(policy=policy), device="cpu", clock=self.clock
+        )
+        self.src = NodeCache(
+            self.layout, {p: PoolCapacity(128, 0) for p in self.layout.pools}, device="cpu"
+        )
         self.leases = LeaseTable(self.src)
         self.seqs = family(seed)
         self.locks = []
@@ -123,16 +155,18 @@ class FetchWalk(RuleBasedStateMachine):
         for li, kind in enumerate(self.layout.layers):
             if hit.tokens:
                 start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
-                assert torch.equal(hit.layers[li], want[li][:, start:hit.tokens])
+                assert torch.equal(hit.layers[li], want[li][:, start : hit.tokens])
 
     @rule(i=st.integers(0, 7), extra=st.integers(0, 8), how=st.sampled_from(READS))
     def fetch(self, i, extra, how):
         t = self.seq(i, extra)
-        grant = export_prefix(self.src, self.leases, self.dst.keys(t, NS), self.dst.match(t, NS).present_pages, 5.0)
+        grant = export_prefix(
+            self.src, self.leases, self.dst.keys(t, NS), self.dst.match(t, NS).present_pages, 5.0
+        )
         keys = set(self.dst.tree.by_key)
         refused = self.dst.quarantines("src")
         outcome = import_prefix(self.dst, t, NS, grant, self.reader(how), peer="src")
-        if refused:      # an abandoned read from "src" may still write: no new read starts
+        if refused:  # an abandoned read from "src" may still write: no new read starts
             assert outcome == FetchOutcome.PEER_QUARANTINED and set(self.dst.tree.by_key) == keys
             how = "refused"
         elif how == "abandoned" and outcome == FetchOutcome.TRANSFER_FAILED:
@@ -141,12 +175,12 @@ class FetchWalk(RuleBasedStateMachine):
             assert self.leases.release(grant.lease_id)
         assert len(self.leases) == 0
         if outcome != FetchOutcome.COMMITTED:
-            assert set(self.dst.tree.by_key) <= keys           # nothing half inserted
+            assert set(self.dst.tree.by_key) <= keys  # nothing half inserted
         # Outcomes decided before any read (BAD_GRANT: the source is shorter than what we
         # matched and sent no pages for the window we lack) are possible for every reader.
         early = (FetchOutcome.NOTHING_TO_FETCH, FetchOutcome.NO_ROOM, FetchOutcome.BAD_GRANT)
         if how == "refused":
-            pass              # any outcome: the checks above hold for all of them
+            pass  # any outcome: the checks above hold for all of them
         elif how == "corrupt":
             assert outcome in (FetchOutcome.CHECKSUM_MISMATCH, *early)
         elif how != "ok":
@@ -161,8 +195,12 @@ class FetchWalk(RuleBasedStateMachine):
             if how == "corrupt":
                 self.dst.registry.pool(pool, Tier.DEVICE).data[pages[0]].view(-1)[0] += 1.0
             elif how != "ok":
-                raise {"failed": ReadFailed("peer died"), "abandoned": ReadFailed("deadline", may_still_write=True),
-                       "memory": MemoryError("staging")}.get(how, Boom("unexpected"))
+                raise {
+                    "failed": ReadFailed("peer died"),
+                    "abandoned": ReadFailed("deadline", may_still_write=True),
+                    "memory": MemoryError("staging"),
+                }.get(how, Boom("unexpected"))
+
         return read
 
     @rule(i=st.integers(0, 7), extra=st.integers(0, 6))
@@ -175,7 +213,9 @@ class FetchWalk(RuleBasedStateMachine):
     def unlock(self, k):
         self.dst.unlock(self.locks.pop(k % len(self.locks)))
 
-    @rule(pool=st.sampled_from(list(PoolName)), tier=st.sampled_from(list(Tier)), n=st.integers(1, 6))
+    @rule(
+        pool=st.sampled_from(list(PoolName)), tier=st.sampled_from(list(Tier)), n=st.integers(1, 6)
+    )
     def evict(self, pool, tier, n):
         if pool in self.dst.registry:
             self.dst.evict(pool, tier, n)
@@ -209,9 +249,12 @@ class FetchWalk(RuleBasedStateMachine):
             assert_whole(self.dst)
             self.dst.release_quarantine(force=True)
             freed = 1
-            while freed:       # with no locks, everything can go (a tier at a time)
-                freed = sum(self.dst.evict(pool, tier, 10_000)
-                            for pool in self.dst.registry.names for tier in (Tier.DEVICE, Tier.HOST))
+            while freed:  # with no locks, everything can go (a tier at a time)
+                freed = sum(
+                    self.dst.evict(pool, tier, 10_000)
+                    for pool in self.dst.registry.names
+                    for tier in (Tier.DEVICE, Tier.HOST)
+                )
             assert_whole(self.dst)
             assert self.dst.tree.node_count == 0
 

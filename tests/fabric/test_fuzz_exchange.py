@@ -2,6 +2,7 @@
 route tables. KV events and the index shard: tests/actors/test_fuzz_events.py.
 
 How the decoders are fuzzed, and the `fuzz` mark: tests/fuzzing.py."""
+
 from __future__ import annotations
 
 from functools import cache
@@ -10,14 +11,33 @@ from typing import Any, Callable
 import msgpack
 import pytest
 import torch
-from hypothesis import event, given, strategies as st
-
-from kvfabric.fabric import (EventError, ExportGrant, FetchOutcome, GrantError, KVLayout, LeaseTable, NodeCache,
-                             PoolCapacity, PoolName, PoolPages, ReadFailed, Route, RouteError, RouteTable, Tier,
-                             TierConfig, decode_events, export_prefix, import_prefix)
+from hypothesis import event, given
+from hypothesis import strategies as st
+from kvfabric.fabric import (
+    EventError,
+    ExportGrant,
+    FetchOutcome,
+    GrantError,
+    KVLayout,
+    LeaseTable,
+    NodeCache,
+    PoolCapacity,
+    PoolName,
+    PoolPages,
+    ReadFailed,
+    Route,
+    RouteError,
+    RouteTable,
+    Tier,
+    TierConfig,
+    decode_events,
+    export_prefix,
+    import_prefix,
+)
 from kvfabric.fabric.index.routes import MAX_SHARDS
-from tests.kvgen import prefix_kv
+
 from tests.fuzzing import FP, KEY, RANDOM, U64, _uint, flipped, fuzz, mutated, typed
+from tests.kvgen import prefix_kv
 
 pytestmark = pytest.mark.fuzz
 
@@ -32,20 +52,42 @@ def grant_ok(m: object) -> bool:
     if not (type(m) is dict and set(m) == GRANT_FIELDS):
         return False
     pages, keys, pools = m["pages"], m["keys"], m["pools"]
-    if not (type(m["v"]) is int and m["v"] == 1 and _uint(m["lease"]) and _uint(pages)
-            and type(m["fp"]) is bytes and len(m["fp"]) == 16 and type(keys) is list and len(keys) == pages
-            and all(type(k) is bytes and len(k) == 16 for k in keys) and type(pools) is list):
+    if not (
+        type(m["v"]) is int
+        and m["v"] == 1
+        and _uint(m["lease"])
+        and _uint(pages)
+        and type(m["fp"]) is bytes
+        and len(m["fp"]) == 16
+        and type(keys) is list
+        and len(keys) == pages
+        and all(type(k) is bytes and len(k) == 16 for k in keys)
+        and type(pools) is list
+    ):
         return False
     seen = set()
     for e in pools:
-        if not (type(e) is list and len(e) == 5 and type(e[0]) is int and e[0] in (0, 1) and e[0] not in seen):
+        if not (
+            type(e) is list
+            and len(e) == 5
+            and type(e[0]) is int
+            and e[0] in (0, 1)
+            and e[0] not in seen
+        ):
             return False
         seen.add(e[0])
         _, first, tiers, indices, sums = e
-        if not (_uint(first) and type(tiers) is list and type(indices) is list and type(sums) is list
-                and len(tiers) == len(indices) == len(sums) and first + len(indices) <= pages
-                and all(type(t) is int and t in (0, 1) for t in tiers) and all(map(_uint, indices))
-                and all(type(s) is int for s in sums)):
+        if not (
+            _uint(first)
+            and type(tiers) is list
+            and type(indices) is list
+            and type(sums) is list
+            and len(tiers) == len(indices) == len(sums)
+            and first + len(indices) <= pages
+            and all(type(t) is int and t in (0, 1) for t in tiers)
+            and all(map(_uint, indices))
+            and all(type(s) is int for s in sums)
+        ):
             return False
     return True
 
@@ -60,8 +102,13 @@ def grants(draw: st.DrawFn) -> ExportGrant:
         ints = st.lists(U64, min_size=k, max_size=k).map(tuple)
         tiers = st.lists(st.sampled_from([0, 1]), min_size=k, max_size=k).map(tuple)
         pools[pool] = PoolPages(first, draw(tiers), draw(ints), draw(ints))
-    return ExportGrant(draw(U64), draw(st.just(FP) | KEY), n,
-                       tuple(draw(st.lists(KEY, min_size=n, max_size=n))), pools)
+    return ExportGrant(
+        draw(U64),
+        draw(st.just(FP) | KEY),
+        n,
+        tuple(draw(st.lists(KEY, min_size=n, max_size=n))),
+        pools,
+    )
 
 
 def grant_wire(g: ExportGrant) -> dict:
@@ -86,8 +133,14 @@ def test_grant_bytes_decode_or_raise_grant_error(data: bytes) -> None:
 
 
 @fuzz
-@given(st.one_of(RANDOM, grants().map(grant_wire).flatmap(lambda w: mutated(w, new_keys=st.sampled_from(
-    sorted(GRANT_FIELDS) + ["x"])))))
+@given(
+    st.one_of(
+        RANDOM,
+        grants()
+        .map(grant_wire)
+        .flatmap(lambda w: mutated(w, new_keys=st.sampled_from(sorted(GRANT_FIELDS) + ["x"]))),
+    )
+)
 def test_grant_structures_are_accepted_iff_valid(wire: Any) -> None:
     try:
         grant = ExportGrant.decode(msgpack.packb(wire))
@@ -104,8 +157,12 @@ TOKENS = list(range(6 * LAYOUT.page_size))
 
 
 def new_cache() -> NodeCache:
-    return NodeCache(LAYOUT, {PoolName.FULL: PoolCapacity(16, 16), PoolName.SWA: PoolCapacity(8, 8)},
-                     tier=TierConfig(policy="write_back"), device="cpu")
+    return NodeCache(
+        LAYOUT,
+        {PoolName.FULL: PoolCapacity(16, 16), PoolName.SWA: PoolCapacity(8, 8)},
+        tier=TierConfig(policy="write_back"),
+        device="cpu",
+    )
 
 
 @cache
@@ -119,22 +176,28 @@ def source_and_grants() -> tuple[NodeCache, dict[int, ExportGrant]]:
 
 def page_reader(src: NodeCache, dst: NodeCache) -> Callable:
     def read(pool: PoolName, refs: list[tuple[Tier, int]], pages: list[int]) -> None:
-        for tier, index in refs:     # what the transport checks against the peer's registration
+        for tier, index in refs:  # what the transport checks against the peer's registration
             if not 0 <= index < src.registry.pool(pool, tier).data.shape[0]:
                 raise ReadFailed(f"page {index} is outside the peer's {pool.name}/{tier.name} pool")
         for (tier, index), page in zip(refs, pages):
-            dst.registry.pool(pool, Tier.DEVICE).data[page] = src.registry.pool(pool, tier).data[index]
+            dst.registry.pool(pool, Tier.DEVICE).data[page] = src.registry.pool(pool, tier).data[
+                index
+            ]
+
     return read
 
 
 @fuzz
 @given(st.sampled_from([0, 2]), st.data(), st.sampled_from([NS, NS, "intruder"]))
 def test_import_with_a_mutated_grant_commits_the_right_pages_or_changes_nothing(
-        held: int, data: st.DataObject, namespace: str) -> None:
+    held: int, data: st.DataObject, namespace: str
+) -> None:
     src, exported = source_and_grants()
     wire = grant_wire(exported[held])
-    wire = data.draw(mutated(wire, new_keys=st.sampled_from(sorted(GRANT_FIELDS)))
-                     | mutated(wire, typed, ops=("replace",)))
+    wire = data.draw(
+        mutated(wire, new_keys=st.sampled_from(sorted(GRANT_FIELDS)))
+        | mutated(wire, typed, ops=("replace",))
+    )
     try:
         grant = ExportGrant.decode(msgpack.packb(wire))
     except GrantError:
@@ -142,7 +205,11 @@ def test_import_with_a_mutated_grant_commits_the_right_pages_or_changes_nothing(
         return
     dst = new_cache()
     if held:
-        dst.put(TOKENS[:held * LAYOUT.page_size], prefix_kv(LAYOUT, TOKENS[:held * LAYOUT.page_size]), NS)
+        dst.put(
+            TOKENS[: held * LAYOUT.page_size],
+            prefix_kv(LAYOUT, TOKENS[: held * LAYOUT.page_size]),
+            NS,
+        )
     before = dst.snapshot()
     outcome = import_prefix(dst, TOKENS, namespace, grant, page_reader(src, dst))
     event(outcome.value)
@@ -152,12 +219,12 @@ def test_import_with_a_mutated_grant_commits_the_right_pages_or_changes_nothing(
     if outcome != FetchOutcome.COMMITTED:
         assert dst.snapshot() == before
         return
-    hit = dst.get(TOKENS, NS)                 # what was committed is the source's K/V
-    want = prefix_kv(LAYOUT, TOKENS[:hit.tokens])
+    hit = dst.get(TOKENS, NS)  # what was committed is the source's K/V
+    want = prefix_kv(LAYOUT, TOKENS[: hit.tokens])
     assert hit.tokens == grant.pages * LAYOUT.page_size
     for i, kind in enumerate(LAYOUT.layers):
         start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
-        assert torch.equal(hit.layers[i], want[i][:, start:hit.tokens])
+        assert torch.equal(hit.layers[i], want[i][:, start : hit.tokens])
 
 
 # --- route tables ---------------------------------------------------------------------------
@@ -166,14 +233,28 @@ def routes_ok(m: object) -> bool:
     if not (type(m) is list and len(m) == 4):
         return False
     v, version, shards, routes = m
-    if not (type(v) is int and v == 1 and _uint(version) and type(shards) is int
-            and 1 <= shards <= MAX_SHARDS and type(routes) is list):
+    if not (
+        type(v) is int
+        and v == 1
+        and _uint(version)
+        and type(shards) is int
+        and 1 <= shards <= MAX_SHARDS
+        and type(routes) is list
+    ):
         return False
     last = set()
     for r in routes:
-        if not (type(r) is list and len(r) == 3 and type(r[0]) is list and r[0]
-                and all(type(k) is bytes and len(k) == 16 for k in r[0])
-                and type(r[1]) is int and 0 <= r[1] < shards and type(r[2]) is bool and r[0][-1] not in last):
+        if not (
+            type(r) is list
+            and len(r) == 3
+            and type(r[0]) is list
+            and r[0]
+            and all(type(k) is bytes and len(k) == 16 for k in r[0])
+            and type(r[1]) is int
+            and 0 <= r[1] < shards
+            and type(r[2]) is bool
+            and r[0][-1] not in last
+        ):
             return False
         last.add(r[0][-1])
     return True
@@ -183,8 +264,14 @@ def routes_ok(m: object) -> bool:
 def route_tables(draw: st.DrawFn) -> RouteTable:
     shards = draw(st.integers(1, 8) | st.just(MAX_SHARDS))
     ends = draw(st.lists(KEY, unique=True, max_size=5))
-    routes = [Route((*draw(st.lists(KEY, max_size=3)), end), draw(st.integers(0, shards - 1)), draw(st.booleans()))
-              for end in ends]
+    routes = [
+        Route(
+            (*draw(st.lists(KEY, max_size=3)), end),
+            draw(st.integers(0, shards - 1)),
+            draw(st.booleans()),
+        )
+        for end in ends
+    ]
     return RouteTable(shards, routes, draw(U64))
 
 
@@ -222,15 +309,27 @@ def test_route_structures_are_accepted_iff_valid(wire: Any) -> None:
     assert routes_ok(wire) and routes_wire(table) == wire
 
 
-@pytest.mark.parametrize("wire", [[1, 0, True, []], [1, True, 2, []], [True, 0, 2, []], [1, 0, 2, [[[b"k" * 16], True, False]]],
-                                  [1, 0, MAX_SHARDS + 1, []], [1, 0, 2**40, [[[b"k" * 16], 0, True]]]])
+@pytest.mark.parametrize(
+    "wire",
+    [
+        [1, 0, True, []],
+        [1, True, 2, []],
+        [True, 0, 2, []],
+        [1, 0, 2, [[[b"k" * 16], True, False]]],
+        [1, 0, MAX_SHARDS + 1, []],
+        [1, 0, 2**40, [[[b"k" * 16], 0, True]]],
+    ],
+)
 def test_route_tables_that_passed(wire: list) -> None:
     with pytest.raises(RouteError):
         RouteTable.decode(msgpack.packb(wire))
 
 
 def test_messages_that_passed() -> None:
-    for wire in ([True, "batch", "n", 0, 0, False, [], b""], [1, "snapshot", "n", 0, 0, False, [], b""]):
+    for wire in (
+        [True, "batch", "n", 0, 0, False, [], b""],
+        [1, "snapshot", "n", 0, 0, False, [], b""],
+    ):
         with pytest.raises(EventError):
             decode_events(msgpack.packb(wire))
     good = grant_wire(ExportGrant(0, FP, 0, ()))

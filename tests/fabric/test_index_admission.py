@@ -1,16 +1,19 @@
 """Index admission: epochs, drops and rejoins against late, duplicated and reordered
 messages. A dropped node stays dropped until the directory admits it again, and
 an index never shows a node's pages from an epoch older than the admitted one."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from kvfabric.fabric.index.events import EventBatch, PageState, Snapshot
-from kvfabric.fabric.index.prefix_index import ApplyResult as R, PrefixIndex
 from kvfabric.fabric.index.match_rule import MatchRule
+from kvfabric.fabric.index.prefix_index import ApplyResult as R
+from kvfabric.fabric.index.prefix_index import PrefixIndex
+
 from tests.fabric.test_index import KEYS, PAGES, batch
 
 NODES = ("a", "b", "c")
@@ -21,13 +24,13 @@ def test_a_dropped_node_stays_dropped_whatever_arrives_late():
     assert ix.apply(batch("a", 5, 0, PAGES[:2], cleared=True)) is R.APPLIED
     assert ix.apply(batch("a", 5, 1, PAGES[2:4])) is R.APPLIED
     ix.drop_node("a")
-    late = batch("a", 5, 2, PAGES[4:])        # sent before the node died, delivered after the drop
+    late = batch("a", 5, 2, PAGES[4:])  # sent before the node died, delivered after the drop
     assert ix.apply(late) is R.DROPPED
     assert ix.load_snapshot(Snapshot("a", 5, 2, PAGES)) is R.DROPPED
-    assert ix.load_snapshot(Snapshot("a", 6, 0, PAGES)) is R.DROPPED     # a newer epoch neither
+    assert ix.load_snapshot(Snapshot("a", 6, 0, PAGES)) is R.DROPPED  # a newer epoch neither
     assert ix.apply_chain("a", 9, 0, KEYS, 0, PAGES[0].parent, 15, cleared=True) is R.DROPPED
     assert ix.nodes() == [] and ix.lookup(KEYS) == [] and len(ix) == 0
-    ix.admit("a", 7)                          # the directory rejoined it, publishing at epoch 7
+    ix.admit("a", 7)  # the directory rejoined it, publishing at epoch 7
     assert ix.apply(batch("a", 6, 0, PAGES, cleared=True)) is R.STALE_EPOCH
     assert ix.load_snapshot(Snapshot("a", 5, 9, PAGES)) is R.STALE_EPOCH
     assert ix.apply(batch("a", 7, 0, PAGES[:1], cleared=True)) is R.APPLIED
@@ -37,10 +40,10 @@ def test_a_dropped_node_stays_dropped_whatever_arrives_late():
 def test_admitting_a_newer_epoch_forgets_the_old_one_at_once():
     ix = PrefixIndex(MatchRule(1))
     ix.apply(batch("b", 1, 0, PAGES, cleared=True))
-    ix.admit("b", 2)                          # Ray restarted it; nothing of epoch 1 survives
+    ix.admit("b", 2)  # Ray restarted it; nothing of epoch 1 survives
     assert ix.node_pages("b") == {} and ix.sync_point("b") == (2, None) and ix.lookup(KEYS) == []
     assert ix.apply(batch("b", 1, 1, PAGES)) is R.STALE_EPOCH
-    ix.admit("b", 1)                          # a late, lower admission lowers nothing
+    ix.admit("b", 1)  # a late, lower admission lowers nothing
     assert ix.apply(batch("b", 1, 1, PAGES)) is R.STALE_EPOCH
     assert ix.apply(batch("b", 2, 0, PAGES[:3], cleared=True)) is R.APPLIED
     assert set(ix.node_pages("b")) == set(KEYS[:3])
@@ -49,11 +52,12 @@ def test_admitting_a_newer_epoch_forgets_the_old_one_at_once():
 @dataclass
 class Incarnation:
     """One life of a node identity, as the node itself sees it."""
+
     epoch: int
     seq: int = 0
     truth: dict[bytes, PageState] = field(default_factory=dict)
-    history: list[dict[bytes, PageState]] = field(default_factory=list)   # state after batch i
-    attached: bool = False            # admitted by the directory: it publishes
+    history: list[dict[bytes, PageState]] = field(default_factory=list)  # state after batch i
+    attached: bool = False  # admitted by the directory: it publishes
 
 
 class AdmissionMachine(RuleBasedStateMachine):
@@ -65,7 +69,7 @@ class AdmissionMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.ix = PrefixIndex(MatchRule(2))
-        self.epochs = 0                   # the epoch source: strictly increasing, no clock
+        self.epochs = 0  # the epoch source: strictly increasing, no clock
         self.life = {n: Incarnation(self._epoch()) for n in NODES}
         self.alive = {n: True for n in NODES}
         self.dropped = {n: False for n in NODES}
@@ -75,8 +79,10 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.epochs += 1
         return self.epochs
 
-    @rule(node=st.sampled_from(NODES),
-          picks=st.lists(st.tuples(st.integers(0, len(PAGES) - 1), st.integers(0, 15)), max_size=4))
+    @rule(
+        node=st.sampled_from(NODES),
+        picks=st.lists(st.tuples(st.integers(0, len(PAGES) - 1), st.integers(0, 15)), max_size=4),
+    )
     def change(self, node, picks):
         life = self.life[node]
         if not (self.alive[node] and life.attached):
@@ -98,13 +104,17 @@ class AdmissionMachine(RuleBasedStateMachine):
     def send_snapshot(self, node):
         life = self.life[node]
         if self.alive[node] and life.attached and life.seq:
-            self.inflight.append(Snapshot(node, life.epoch, life.seq - 1, tuple(life.truth.values())))
+            self.inflight.append(
+                Snapshot(node, life.epoch, life.seq - 1, tuple(life.truth.values()))
+            )
 
     @precondition(lambda self: self.inflight)
     @rule(data=st.data())
     def deliver(self, data):
         i = data.draw(st.integers(0, len(self.inflight) - 1))
-        msg = self.inflight[i] if data.draw(st.booleans()) else self.inflight.pop(i)   # or again later
+        msg = (
+            self.inflight[i] if data.draw(st.booleans()) else self.inflight.pop(i)
+        )  # or again later
         self._apply(msg)
 
     @precondition(lambda self: self.inflight)
@@ -179,5 +189,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             assert self.ix.node_pages(node) == want, (node, sync)
 
 
-AdmissionMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+AdmissionMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
 test_admission_against_the_model = AdmissionMachine.TestCase

@@ -1,18 +1,20 @@
 """The prefix index's lookups against a brute force that reads the usable-match rule from
 the attention policies, over random holders, batches, replays, gaps and snapshots."""
 
-from hypothesis import given, strategies as st
-
-from kvfabric.fabric.index.events import EventBatch, PageMask as M, PageState, Snapshot
-from kvfabric.fabric.index.match_rule import MatchRule
-from kvfabric.fabric.index.answers import NodeMatch
-from kvfabric.fabric.index.prefix_index import ApplyResult as R, PrefixIndex
+from hypothesis import given
+from hypothesis import strategies as st
 from kvfabric.fabric.cache.keys import PageKeyer
 from kvfabric.fabric.cache.layout import KVLayout, LayerKind, PoolName
 from kvfabric.fabric.cache.policies import policies_for
+from kvfabric.fabric.index.answers import NodeMatch
+from kvfabric.fabric.index.events import EventBatch, PageState, Snapshot
+from kvfabric.fabric.index.events import PageMask as M
+from kvfabric.fabric.index.match_rule import MatchRule
+from kvfabric.fabric.index.prefix_index import ApplyResult as R
+from kvfabric.fabric.index.prefix_index import PrefixIndex
 
 KEYER = PageKeyer("tenant", b"f" * 16, 2)
-FULL_ALL = int(M.FULL | M.SWA)                  # every pool on both tiers: 15
+FULL_ALL = int(M.FULL | M.SWA)  # every pool on both tiers: 15
 
 
 def layout_of(window, has_full, page_size=2):
@@ -50,8 +52,16 @@ def test_the_rule_is_the_policies():
 
 
 # What a node's tree really holds per page (both tiers, tombstones, host-only...), and 0.
-PATTERNS = [FULL_ALL, int(M.FULL_DEVICE | M.SWA_DEVICE), int(M.FULL_HOST | M.SWA_HOST), int(M.FULL_DEVICE),
-            int(M.FULL_HOST), int(M.FULL_DEVICE | M.SWA_HOST), int(M.FULL_HOST | M.SWA_DEVICE), int(M.SWA_DEVICE)]
+PATTERNS = [
+    FULL_ALL,
+    int(M.FULL_DEVICE | M.SWA_DEVICE),
+    int(M.FULL_HOST | M.SWA_HOST),
+    int(M.FULL_DEVICE),
+    int(M.FULL_HOST),
+    int(M.FULL_DEVICE | M.SWA_HOST),
+    int(M.FULL_HOST | M.SWA_DEVICE),
+    int(M.SWA_DEVICE),
+]
 MASKS = st.one_of(st.sampled_from(PATTERNS), st.integers(0, 15))
 
 
@@ -70,22 +80,30 @@ def scenarios(draw):
         for d, (k, parent) in enumerate(zip(keys, [KEYER.root] + keys[:-1])):
             pages[k] = (parent, d)
     page_keys = sorted(pages)
-    batches = []                                      # (node, cleared, [(key, mask)])
+    batches = []  # (node, cleared, [(key, mask)])
     for node in draw(st.lists(st.sampled_from("abcde"), min_size=1, max_size=4, unique=True)):
         evs = []
         for keys in draw(st.lists(st.sampled_from(seq_keys), max_size=2)):
-            held = keys[:draw(st.integers(0, len(keys)))]
+            held = keys[: draw(st.integers(0, len(keys)))]
             evs += zip(held, draw(st.lists(MASKS, min_size=len(held), max_size=len(held))))
-        evs += draw(st.lists(st.tuples(st.sampled_from(page_keys), st.sampled_from([0, *PATTERNS])), max_size=4))
+        evs += draw(
+            st.lists(
+                st.tuples(st.sampled_from(page_keys), st.sampled_from([0, *PATTERNS])), max_size=4
+            )
+        )
         cuts = sorted(draw(st.sets(st.integers(0, len(evs)), max_size=3)) | {len(evs)})
         for lo, hi in zip([0] + cuts, cuts):
             batches.append((node, draw(st.integers(0, 5)) == 0, evs[lo:hi], False))
-        for keys in draw(st.lists(st.sampled_from(seq_keys), max_size=2)):   # chains, as after a put
+        for keys in draw(st.lists(st.sampled_from(seq_keys), max_size=2)):  # chains, as after a put
             hi = draw(st.integers(0, len(keys)))
             lo = draw(st.integers(0, hi))
             mask = draw(st.sampled_from([0, *PATTERNS]))
-            batches.append((node, draw(st.integers(0, 5)) == 0, [(k, mask) for k in keys[lo:hi]], True))
-    draw(st.randoms(use_true_random=False)).shuffle(batches)   # nodes interleave; per node, seq order
+            batches.append(
+                (node, draw(st.integers(0, 5)) == 0, [(k, mask) for k in keys[lo:hi]], True)
+            )
+    draw(st.randoms(use_true_random=False)).shuffle(
+        batches
+    )  # nodes interleave; per node, seq order
     window = draw(st.integers(0, 4))
     has_full = draw(st.booleans()) or window == 0
     return seq_keys, pages, batches, window, has_full
@@ -125,8 +143,11 @@ def test_lookup_equals_brute_force(scenario, rnd):
     events, model, next_seq = build(pages, raw)
     ix = PrefixIndex(MatchRule.of(layout_of(window, has_full)))
     assert all(ix.apply(b) is R.APPLIED for b in events)
-    expected = [brute_lookup(model, keys[:n], layout_of(window, has_full))
-                for keys in seq_keys for n in range(1, len(keys) + 1)]
+    expected = [
+        brute_lookup(model, keys[:n], layout_of(window, has_full))
+        for keys in seq_keys
+        for n in range(1, len(keys) + 1)
+    ]
     assert answers(ix, seq_keys) == expected
     assert {n: {k: p.mask for k, p in ix.node_pages(n).items()} for n in ix.nodes()} == model
     assert len(ix) == len(set().union(*model.values()))
@@ -150,4 +171,6 @@ def test_lookup_equals_brute_force(scenario, rnd):
     assert answers(cx, seq_keys) == expected
     assert {n: cx.node_pages(n) for n in cx.nodes()} == {n: ix.node_pages(n) for n in ix.nodes()}
     assert all(cx.page_meta(k) == ix.page_meta(k) for k in pages) and len(cx) == len(ix)
-    assert all(cx.apply_chain(*chain_args(b, pages)) is R.DUPLICATE for b, r in zip(events, raw) if r[3])
+    assert all(
+        cx.apply_chain(*chain_args(b, pages)) is R.DUPLICATE for b, r in zip(events, raw) if r[3]
+    )

@@ -1,8 +1,16 @@
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from kvfabric.fabric import AllocatorError, KVLayout, LayoutError, OutOfPages, PageAllocator, PageKeyer, PoolName
+from kvfabric.fabric import (
+    AllocatorError,
+    KVLayout,
+    LayoutError,
+    OutOfPages,
+    PageAllocator,
+    PageKeyer,
+    PoolName,
+)
 
 LAYOUT = KVLayout(layers=("full", "swa", "full"), kv_heads=2, head_dim=8, page_size=4, window=6)
 
@@ -12,16 +20,24 @@ def test_layout_geometry():
     assert LAYOUT.layers_of(PoolName.FULL) == (0, 2)
     assert LAYOUT.page_shape(PoolName.SWA) == (1, 2, 4, 2, 8)
     assert LAYOUT.page_bytes(PoolName.FULL) == 2 * 2 * 4 * 2 * 8 * 4
-    assert LAYOUT.window_pages == 2          # 6 tokens need 2 pages of 4
+    assert LAYOUT.window_pages == 2  # 6 tokens need 2 pages of 4
     assert KVLayout.from_dict(LAYOUT.to_dict()) == LAYOUT
     other = KVLayout(layers=("full", "swa", "full"), kv_heads=2, head_dim=8, page_size=4, window=8)
     assert other.fingerprint != LAYOUT.fingerprint
 
 
-@pytest.mark.parametrize("bad", [
-    dict(layers=()), dict(kv_heads=0), dict(head_dim=-1), dict(page_size=True),
-    dict(window=0), dict(dtype="int8"), dict(layers=("full", "moe")),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(layers=()),
+        dict(kv_heads=0),
+        dict(head_dim=-1),
+        dict(page_size=True),
+        dict(window=0),
+        dict(dtype="int8"),
+        dict(layers=("full", "moe")),
+    ],
+)
 def test_layout_rejects_bad_fields(bad):
     fields = dict(layers=("full", "swa"), kv_heads=1, head_dim=4, page_size=4, window=4) | bad
     with pytest.raises((LayoutError, ValueError)):
@@ -42,9 +58,9 @@ def test_keys_chain_and_isolate_namespaces():
     b = PageKeyer("tenant-b", LAYOUT.fingerprint, 4)
     tokens = list(range(19))
     ka = a.keys(tokens)
-    assert len(ka) == 4                                   # partial page has no key
-    assert a.keys(tokens[:8]) == ka[:2]                   # keys of a prefix are a prefix
-    assert set(ka).isdisjoint(b.keys(tokens))             # tenants never share keys
+    assert len(ka) == 4  # partial page has no key
+    assert a.keys(tokens[:8]) == ka[:2]  # keys of a prefix are a prefix
+    assert set(ka).isdisjoint(b.keys(tokens))  # tenants never share keys
     assert a.keys([0, 1, 2, 9] + tokens[4:])[1:] != ka[1:]  # a key names the whole prefix
     assert a.keys(tokens[4:8], start_key=ka[0]) == [ka[1]]
     other_layout = PageKeyer("tenant-a", b"x" * 16, 4)
@@ -73,7 +89,7 @@ def test_keys_reject_bad_input():
 def test_allocator_detects_misuse():
     a = PageAllocator(4)
     got = a.alloc(3)
-    assert got == [0, 1, 2]                       # fresh allocators give contiguous runs
+    assert got == [0, 1, 2]  # fresh allocators give contiguous runs
     with pytest.raises(OutOfPages):
         a.alloc(2)
     a.free([1])

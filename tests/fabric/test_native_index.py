@@ -3,33 +3,44 @@ sequences of every PrefixIndex operation: equal results for every call, equal st
 each (node_pages, held_keys in order, page_meta, sync points, stats, len, every key's
 packed nibbles). Many nodes (over 16 slots: the C bitset grows), drops and slot reuse,
 random MatchRules. The existing index tests run on both cores through KVF_NATIVE."""
+
 import gc
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kvfabric.fabric.index import presence
 from kvfabric.fabric.index.events import EventBatch, EventError, PageState, Snapshot
 from kvfabric.fabric.index.match_rule import MatchRule
 from kvfabric.fabric.index.prefix_index import PrefixIndex
 
-pytestmark = pytest.mark.skipif(not presence.ENABLED, reason="KVF_NATIVE=0 or not built: the reference alone")
+pytestmark = pytest.mark.skipif(
+    not presence.ENABLED, reason="KVF_NATIVE=0 or not built: the reference alone"
+)
 
 # Keys that differ in one byte (the table must not rely on keys being hashes) and a root.
 KEYS = [i.to_bytes(16, "big") for i in range(1, 25)]
 ROOT = b"\xff" * 16
 NAMES = [f"n{i}" for i in range(40)]
 
-rules = st.tuples(st.integers(0, 4), st.booleans()).filter(lambda t: t[0] or t[1]).map(lambda t: MatchRule(*t))
-runs = st.tuples(st.integers(0, len(KEYS) - 1), st.integers(1, 8)).map(lambda t: KEYS[t[0]:t[0] + t[1]])
+rules = (
+    st.tuples(st.integers(0, 4), st.booleans())
+    .filter(lambda t: t[0] or t[1])
+    .map(lambda t: MatchRule(*t))
+)
+runs = st.tuples(st.integers(0, len(KEYS) - 1), st.integers(1, 8)).map(
+    lambda t: KEYS[t[0] : t[0] + t[1]]
+)
 
 
 def pages(data, allow_zero: bool) -> tuple[PageState, ...]:
     run = data.draw(runs)
     first = data.draw(st.integers(0, 3))
     low = 0 if allow_zero else 1
-    return tuple(PageState(k, run[i - 1] if i else ROOT, first + i, data.draw(st.integers(low, 15)))
-                 for i, k in enumerate(run))
+    return tuple(
+        PageState(k, run[i - 1] if i else ROOT, first + i, data.draw(st.integers(low, 15)))
+        for i, k in enumerate(run)
+    )
 
 
 def call(ix: PrefixIndex, op: str, args: tuple):
@@ -41,26 +52,57 @@ def call(ix: PrefixIndex, op: str, args: tuple):
 
 def state(ix: PrefixIndex) -> tuple:
     nodes = sorted(set(ix.nodes()) | set(NAMES[:5]))
-    return (ix.held_keys(), len(ix), ix.stats(), ix.nodes(),
-            [(n, ix.node_pages(n), ix.sync_point(n)) for n in nodes],
-            [ix.page_meta(k) for k in KEYS], [ix._presence.get(k) for k in KEYS])
+    return (
+        ix.held_keys(),
+        len(ix),
+        ix.stats(),
+        ix.nodes(),
+        [(n, ix.node_pages(n), ix.sync_point(n)) for n in nodes],
+        [ix.page_meta(k) for k in KEYS],
+        [ix._presence.get(k) for k in KEYS],
+    )
 
 
 def next_seq(ix: PrefixIndex, node: str, data) -> tuple[int, int]:
     sync = ix.sync_point(node)
     epoch, seq = (1, -1) if sync is None else (sync[0], -1 if sync[1] is None else sync[1])
-    return epoch + data.draw(st.sampled_from([0, 0, 0, 1, -1])), max(0, seq + data.draw(st.sampled_from([1, 1, 1, 0, 2])))
+    return epoch + data.draw(st.sampled_from([0, 0, 0, 1, -1])), max(
+        0, seq + data.draw(st.sampled_from([1, 1, 1, 0, 2]))
+    )
 
 
 def draw_op(data, ix: PrefixIndex, nodes: int) -> tuple[str, tuple]:
     node = data.draw(st.sampled_from(NAMES[:nodes]))
-    kind = data.draw(st.sampled_from(["chain", "chain", "chain", "apply", "snapshot", "drop", "admit",
-                                      "lookup", "lookup", "lookup", "bad"]))
+    kind = data.draw(
+        st.sampled_from(
+            [
+                "chain",
+                "chain",
+                "chain",
+                "apply",
+                "snapshot",
+                "drop",
+                "admit",
+                "lookup",
+                "lookup",
+                "lookup",
+                "bad",
+            ]
+        )
+    )
     epoch, seq = next_seq(ix, node, data)
     if kind == "chain":
         run = data.draw(runs)
-        return "apply_chain", (node, epoch, seq, run, data.draw(st.integers(0, 3)), ROOT,
-                               data.draw(st.sampled_from([0, 1, 2, 3, 4, 5, 12, 15])), data.draw(st.booleans()))
+        return "apply_chain", (
+            node,
+            epoch,
+            seq,
+            run,
+            data.draw(st.integers(0, 3)),
+            ROOT,
+            data.draw(st.sampled_from([0, 1, 2, 3, 4, 5, 12, 15])),
+            data.draw(st.booleans()),
+        )
     if kind == "apply":
         return "apply", (EventBatch(node, epoch, seq, pages(data, True), data.draw(st.booleans())),)
     if kind == "snapshot":
@@ -70,11 +112,22 @@ def draw_op(data, ix: PrefixIndex, nodes: int) -> tuple[str, tuple]:
     if kind == "admit":
         return "admit", (node, epoch)
     if kind == "bad":
-        return data.draw(st.sampled_from([("lookup", ([KEYS[0], b"short"],)), ("lookup", ([KEYS[0], 7],)),
-                                          ("apply_chain", (node, epoch, seq, [KEYS[0], b"x"], 0, ROOT, 3)),
-                                          ("apply_chain", (node, epoch, seq, KEYS[:2], 0, ROOT, 16))]))
-    keys = list(data.draw(runs)) if data.draw(st.booleans()) else KEYS[:data.draw(st.integers(0, len(KEYS)))]
-    if keys and data.draw(st.booleans()):       # a hole: a key no node holds
+        return data.draw(
+            st.sampled_from(
+                [
+                    ("lookup", ([KEYS[0], b"short"],)),
+                    ("lookup", ([KEYS[0], 7],)),
+                    ("apply_chain", (node, epoch, seq, [KEYS[0], b"x"], 0, ROOT, 3)),
+                    ("apply_chain", (node, epoch, seq, KEYS[:2], 0, ROOT, 16)),
+                ]
+            )
+        )
+    keys = (
+        list(data.draw(runs))
+        if data.draw(st.booleans())
+        else KEYS[: data.draw(st.integers(0, len(KEYS)))]
+    )
+    if keys and data.draw(st.booleans()):  # a hole: a key no node holds
         keys[data.draw(st.integers(0, len(keys) - 1))] = b"\x00" * 16
     return "lookup", (keys,)
 
@@ -84,8 +137,8 @@ def draw_op(data, ix: PrefixIndex, nodes: int) -> tuple[str, tuple]:
 def test_native_and_python_cores_agree(rule, nodes, data):
     py, c = PrefixIndex(rule, native=False), PrefixIndex(rule, native=True)
     assert type(py._presence) is presence.Presence and type(c._presence) is presence.EXT.Presence
-    for i, name in enumerate(NAMES[:nodes]):     # every node holds something: up to 40 slots
-        args = (name, 1, 0, KEYS[i % 20:i % 20 + 1 + i % 5], i % 20, ROOT, 1 + i % 15, True)
+    for i, name in enumerate(NAMES[:nodes]):  # every node holds something: up to 40 slots
+        args = (name, 1, 0, KEYS[i % 20 : i % 20 + 1 + i % 5], i % 20, ROOT, 1 + i % 15, True)
         assert py.apply_chain(*args) is c.apply_chain(*args)
     for _ in range(data.draw(st.integers(1, 40))):
         op, args = draw_op(data, py, nodes)
@@ -108,9 +161,14 @@ def test_native_table_refuses_bad_input_and_changes_nothing():
     table.open(0)
     table.set(0, KEYS[:3], 3)
     before = (table.keys(), [table.get(k) for k in KEYS])
-    for args, match in [((16, KEYS, 3), "slot"), ((-1, KEYS, 3), "slot"), ((0, KEYS, 16), "code"),
-                        ((0, KEYS, True), "code"), ((0, [KEYS[5], b"short"], 3), "16-byte"),
-                        ((0, [KEYS[5], bytearray(16)], 3), "16-byte")]:
+    for args, match in [
+        ((16, KEYS, 3), "slot"),
+        ((-1, KEYS, 3), "slot"),
+        ((0, KEYS, 16), "code"),
+        ((0, KEYS, True), "code"),
+        ((0, [KEYS[5], b"short"], 3), "16-byte"),
+        ((0, [KEYS[5], bytearray(16)], 3), "16-byte"),
+    ]:
         with pytest.raises(ValueError, match=match):
             table.set(*args)
     with pytest.raises(TypeError):
@@ -125,12 +183,12 @@ def test_native_table_refuses_bad_input_and_changes_nothing():
 def test_native_table_grows_slots_and_keeps_order_through_compaction():
     py, c = presence.Presence(1, True), presence.EXT.Presence(1, True)
     for table in (py, c):
-        table.open(70)                              # five words of nibbles
+        table.open(70)  # five words of nibbles
         table.open(3)
-        for round_ in range(50):                    # inserts and deletes: compactions and regrowth
-            table.set(70, KEYS[round_ % 24:], 15)
-            table.set(3, KEYS[:round_ % 24], 5)
-            table.set(70, KEYS[(round_ * 7) % 24:(round_ * 7) % 24 + 9], 0)
+        for round_ in range(50):  # inserts and deletes: compactions and regrowth
+            table.set(70, KEYS[round_ % 24 :], 15)
+            table.set(3, KEYS[: round_ % 24], 5)
+            table.set(70, KEYS[(round_ * 7) % 24 : (round_ * 7) % 24 + 9], 0)
     assert c.keys() == py.keys() and [c.get(k) for k in KEYS] == [py.get(k) for k in KEYS]
     assert sorted(c.lookup(KEYS)) == sorted(py.lookup(KEYS))
-    assert c.get(KEYS[-1]) >> 280 == 15 or c.get(KEYS[-1]) == 0     # slot 70: bits 280-283
+    assert c.get(KEYS[-1]) >> 280 == 15 or c.get(KEYS[-1]) == 0  # slot 70: bits 280-283

@@ -2,6 +2,7 @@
 packed bytes, keys and errors for any input; BLAKE2b itself against hashlib; the
 KVF_NATIVE switch. Under KVF_NATIVE=0 the comparisons are skipped (the reference runs
 alone); otherwise the extension must have loaded: a build that failed fails here."""
+
 import hashlib
 import os
 import subprocess
@@ -11,21 +12,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
-
+from hypothesis import given
+from hypothesis import strategies as st
 from kvfabric.fabric.cache import keys, native
 from kvfabric.fabric.cache.keys import KeyError_, PageKeyer, pack_py
 
 ROOT = Path(__file__).resolve().parents[2]
-I32 = (-2**31, 2**31 - 1)
-needs_native = pytest.mark.skipif(native.MODE is native.Mode.OFF, reason="KVF_NATIVE=0: the reference alone")
+I32 = (-(2**31), 2**31 - 1)
+needs_native = pytest.mark.skipif(
+    native.MODE is native.Mode.OFF, reason="KVF_NATIVE=0: the reference alone"
+)
 
 
 def outcome(f, *args):
     """What a call gives: its value, or its error's type and message."""
     try:
         return ("ok", f(*args))
-    except Exception as e:   # any type: the two paths must raise the same one
+    except Exception as e:  # any type: the two paths must raise the same one
         return ("error", type(e), str(e))
 
 
@@ -35,6 +38,7 @@ def test_the_extension_loaded():
 
 
 # --- BLAKE2b ------------------------------------------------------------------------------
+
 
 @needs_native
 def test_blake2b_matches_hashlib_across_block_edges():
@@ -51,12 +55,24 @@ def test_blake2b_matches_hashlib_across_block_edges():
 @needs_native
 @given(st.binary(max_size=2000), st.binary(max_size=64), st.integers(1, 64))
 def test_blake2b_matches_hashlib(data, key, size):
-    assert keys.EXT.blake2b(data, key, size) == hashlib.blake2b(data, key=key, digest_size=size).digest()
+    assert (
+        keys.EXT.blake2b(data, key, size)
+        == hashlib.blake2b(data, key=key, digest_size=size).digest()
+    )
 
 
 @needs_native
-@pytest.mark.parametrize("args", [(b"x", b"k" * 65, 16), (b"x", b"", 0), (b"x", b"", 65), (b"x", "k", 16),
-                                  ("text", b"", 16), (b"x", b"", 1.0)])
+@pytest.mark.parametrize(
+    "args",
+    [
+        (b"x", b"k" * 65, 16),
+        (b"x", b"", 0),
+        (b"x", b"", 65),
+        (b"x", "k", 16),
+        ("text", b"", 16),
+        (b"x", b"", 1.0),
+    ],
+)
 def test_blake2b_rejects_bad_arguments(args):
     with pytest.raises((ValueError, TypeError)):
         keys.EXT.blake2b(*args)
@@ -65,26 +81,40 @@ def test_blake2b_rejects_bad_arguments(args):
 # --- packing and keys: native against the reference ------------------------------------
 
 ints = st.one_of(st.integers(*I32), st.sampled_from([*I32, 0, -1]))
-bad_items = st.one_of(st.integers(2**31, 2**70), st.integers(-2**70, -2**31 - 1), st.floats(allow_nan=False),
-                      st.text(max_size=2), st.none(), st.just(True), st.just(np.int64(7)),
-                      st.just(np.int64(2**40)), st.just(np.float32(1.0)))
-token_lists = st.one_of(st.lists(ints, max_size=90),
-                        st.lists(st.one_of(ints, bad_items), max_size=40))
+bad_items = st.one_of(
+    st.integers(2**31, 2**70),
+    st.integers(-(2**70), -(2**31) - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=2),
+    st.none(),
+    st.just(True),
+    st.just(np.int64(7)),
+    st.just(np.int64(2**40)),
+    st.just(np.float32(1.0)),
+)
+token_lists = st.one_of(
+    st.lists(ints, max_size=90), st.lists(st.one_of(ints, bad_items), max_size=40)
+)
 
 
 def containers(values):
     """The same token ids as the containers callers pass."""
     out = [list(values), tuple(values)]
     if all(type(v) is int and I32[0] <= v <= I32[1] for v in values):
-        out += [array("i", values), array("q", values), np.array(values, dtype=np.int64),
-                np.array(values, dtype=np.int32), np.array(values + values, dtype=np.int64)[::2],
-                range(len(values))]
+        out += [
+            array("i", values),
+            array("q", values),
+            np.array(values, dtype=np.int64),
+            np.array(values, dtype=np.int32),
+            np.array(values + values, dtype=np.int64)[::2],
+            range(len(values)),
+        ]
         if all(v >= 0 for v in values):
             out += [np.array(values, dtype=np.uint64), array("Q", values)]
             if all(v < 256 for v in values):
                 out.append(bytes(values))
-    elif all(type(v) is int for v in values):     # out of int32: typed buffers that hold them
-        if all(-2**63 <= v < 2**63 for v in values):
+    elif all(type(v) is int for v in values):  # out of int32: typed buffers that hold them
+        if all(-(2**63) <= v < 2**63 for v in values):
             out += [array("q", values), np.array(values, dtype=np.int64)]
         if all(0 <= v < 2**64 for v in values):
             out.append(np.array(values, dtype=np.uint64))
@@ -101,10 +131,27 @@ def test_pack_matches_the_reference(values):
 
 
 @needs_native
-@pytest.mark.parametrize("tokens", [5, None, (t for t in [1]), "ab", 1.5, np.zeros((2, 2), dtype=np.int64),
-                                    np.array(3), np.array([1.0, 2.0]), memoryview(b"ab").cast("c"),
-                                    np.array([True, False]), [[1]], {1: 2}, {3}, array("d", [1.0]),
-                                    np.broadcast_to(np.int32(7), (3,)), np.array([1, 2], dtype=">i4")])
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        5,
+        None,
+        (t for t in [1]),
+        "ab",
+        1.5,
+        np.zeros((2, 2), dtype=np.int64),
+        np.array(3),
+        np.array([1.0, 2.0]),
+        memoryview(b"ab").cast("c"),
+        np.array([True, False]),
+        [[1]],
+        {1: 2},
+        {3},
+        array("d", [1.0]),
+        np.broadcast_to(np.int32(7), (3,)),
+        np.array([1, 2], dtype=">i4"),
+    ],
+)
 def test_pack_matches_the_reference_on_odd_inputs(tokens):
     assert outcome(keys.EXT.pack, tokens) == outcome(pack_py, tokens)
 
@@ -117,14 +164,27 @@ def test_pack_refuses_a_view_too_long_to_pack():
         keys.EXT.pack(np.broadcast_to(np.int8(1), (2**62,)))
 
 
-prev_keys = st.one_of(st.none(), st.binary(min_size=16, max_size=16), st.binary(max_size=20),
-                      st.text(max_size=3), st.just(bytearray(16)))
-first_pages = st.one_of(st.integers(0, 30), st.integers(-3, -1), st.just(True), st.just(2**70), st.just(1.0))
+prev_keys = st.one_of(
+    st.none(),
+    st.binary(min_size=16, max_size=16),
+    st.binary(max_size=20),
+    st.text(max_size=3),
+    st.just(bytearray(16)),
+)
+first_pages = st.one_of(
+    st.integers(0, 30), st.integers(-3, -1), st.just(True), st.just(2**70), st.just(1.0)
+)
 
 
 @needs_native
-@given(token_lists, st.integers(1, 20), st.text(min_size=1, max_size=8), st.binary(max_size=32), prev_keys,
-       first_pages)
+@given(
+    token_lists,
+    st.integers(1, 20),
+    st.text(min_size=1, max_size=8),
+    st.binary(max_size=32),
+    prev_keys,
+    first_pages,
+)
 def test_keys_match_the_reference(values, page, namespace, fingerprint, prev, first):
     fast = PageKeyer(namespace, fingerprint, page, native=True)
     slow = PageKeyer(namespace, fingerprint, page, native=False)
@@ -137,7 +197,11 @@ def test_keys_match_the_reference(values, page, namespace, fingerprint, prev, fi
             raw, page_keys = want[1]
             assert raw == pack_py(tokens)
             assert len(page_keys) == max(0, len(values) // page - first)
-            assert fast.chain(raw, prev, first) == slow.chain(memoryview(raw), prev, first) == page_keys
+            assert (
+                fast.chain(raw, prev, first)
+                == slow.chain(memoryview(raw), prev, first)
+                == page_keys
+            )
 
 
 @needs_native
@@ -153,8 +217,18 @@ def test_chain_continues_a_prefix(values, page, first):
 
 
 @needs_native
-@pytest.mark.parametrize("raw", ["text", [1, 2, 3, 4], 7, None, memoryview(bytes(32))[::2],
-                                 np.zeros((4, 4), dtype=np.int32), array("i", [1, 2, 3, 4])])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "text",
+        [1, 2, 3, 4],
+        7,
+        None,
+        memoryview(bytes(32))[::2],
+        np.zeros((4, 4), dtype=np.int32),
+        array("i", [1, 2, 3, 4]),
+    ],
+)
 def test_chain_matches_the_reference_on_odd_raw(raw):
     fast, slow = (PageKeyer("ns", b"fp", 2, native=n) for n in (True, False))
     assert outcome(fast.chain, raw) == outcome(slow.chain, raw)
@@ -168,7 +242,7 @@ def test_keyer_rejects_bad_page_sizes(page):
 
 def test_keyer_rejects_a_bad_fingerprint():
     with pytest.raises(KeyError_, match="fingerprint"):
-        PageKeyer("ns", "fp", 4)   # type: ignore[arg-type]
+        PageKeyer("ns", "fp", 4)  # type: ignore[arg-type]
 
 
 def test_keys_are_the_published_chain():
@@ -183,8 +257,17 @@ def test_keys_are_the_published_chain():
 
 # --- the switch ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value, mode", [(None, native.Mode.AUTO), ("0", native.Mode.OFF), ("1", native.Mode.ON),
-                                         ("auto", native.Mode.AUTO), (" AUTO ", native.Mode.AUTO)])
+
+@pytest.mark.parametrize(
+    "value, mode",
+    [
+        (None, native.Mode.AUTO),
+        ("0", native.Mode.OFF),
+        ("1", native.Mode.ON),
+        ("auto", native.Mode.AUTO),
+        (" AUTO ", native.Mode.AUTO),
+    ],
+)
 def test_mode_from_the_environment(value, mode):
     assert native.mode_from(value) is mode
 
@@ -213,15 +296,27 @@ def probe(mode: str | None, block: bool = False) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "KVF_NATIVE"}
     if mode is not None:
         env["KVF_NATIVE"] = mode
-    return subprocess.run([sys.executable, "-c", PROBE, "block" if block else "-"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", PROBE, "block" if block else "-"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @needs_native
-@pytest.mark.parametrize("mode, block, want", [
-    (None, False, "auto|True|0"), ("1", False, "1|True|0"), ("0", False, "0|False|0"),
-    ("0", True, "0|False|0"), ("auto", True, "auto|False|1|kvfabric: the native extension does not load"),
-])
+@pytest.mark.parametrize(
+    "mode, block, want",
+    [
+        (None, False, "auto|True|0"),
+        ("1", False, "1|True|0"),
+        ("0", False, "0|False|0"),
+        ("0", True, "0|False|0"),
+        ("auto", True, "auto|False|1|kvfabric: the native extension does not load"),
+    ],
+)
 def test_the_switch(mode, block, want):
     out = probe(mode, block)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -230,6 +325,9 @@ def test_the_switch(mode, block, want):
 
 def test_the_switch_fails_loudly():
     forced = probe("1", block=True)
-    assert forced.returncode != 0 and "KVF_NATIVE=1 but the native extension does not load" in forced.stderr
+    assert (
+        forced.returncode != 0
+        and "KVF_NATIVE=1 but the native extension does not load" in forced.stderr
+    )
     bad = probe("on")
     assert bad.returncode != 0 and "KVF_NATIVE must be one of 0, 1, auto, got 'on'" in bad.stderr

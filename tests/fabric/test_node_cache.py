@@ -1,13 +1,23 @@
 import pytest
 import torch
-
 from kvfabric.deploy.chaos.faults import AllocationFaults
-from kvfabric.fabric import (InvariantError, KVLayout, NodeCache, PoolCapacity, PoolName,
-                             Tier, TierConfig, WritePolicy)
+from kvfabric.fabric import (
+    InvariantError,
+    KVLayout,
+    NodeCache,
+    PoolCapacity,
+    PoolName,
+    Tier,
+    TierConfig,
+    WritePolicy,
+)
 from kvfabric.fabric.cache.radix import ABSENT
+
 from tests.kvgen import prefix_kv
 
-MIXED = KVLayout(layers=("full", "swa", "full", "swa"), kv_heads=2, head_dim=4, page_size=4, window=8)
+MIXED = KVLayout(
+    layers=("full", "swa", "full", "swa"), kv_heads=2, head_dim=4, page_size=4, window=8
+)
 FULL_ONLY = KVLayout(layers=("full", "full"), kv_heads=1, head_dim=4, page_size=4)
 SWA_ONLY = KVLayout(layers=("swa", "swa"), kv_heads=1, head_dim=4, page_size=4, window=8)
 NS = "tenant"
@@ -16,7 +26,9 @@ NS = "tenant"
 def make(layout=MIXED, full=(16, 32), swa=(8, 16), policy=WritePolicy.WRITE_BACK, **kw):
     caps = {PoolName.FULL: PoolCapacity(*full), PoolName.SWA: PoolCapacity(*swa)}
     caps = {p: caps[p] for p in layout.pools}
-    return NodeCache(layout, caps, tier=TierConfig(policy=policy, selective_hits=2), device="cpu", **kw)
+    return NodeCache(
+        layout, caps, tier=TierConfig(policy=policy, selective_hits=2), device="cpu", **kw
+    )
 
 
 def put(cache, tokens, ns=NS):
@@ -29,7 +41,7 @@ def assert_bytes(cache, tokens, hit):
     want = prefix_kv(cache.layout, tokens)
     for i, kind in enumerate(cache.layout.layers):
         start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
-        assert torch.equal(hit.layers[i], want[i][:, start:hit.tokens]), f"layer {i}"
+        assert torch.equal(hit.layers[i], want[i][:, start : hit.tokens]), f"layer {i}"
 
 
 def seq(n_pages, start=0, ps=4):
@@ -39,7 +51,7 @@ def seq(n_pages, start=0, ps=4):
 @pytest.mark.parametrize("layout", [MIXED, FULL_ONLY, SWA_ONLY], ids=["mixed", "full", "swa"])
 def test_put_get_bytes_round_trip(layout):
     cache = make(layout)
-    tokens = seq(5) + [999, 998]            # a partial page is never cached
+    tokens = seq(5) + [999, 998]  # a partial page is never cached
     assert put(cache, tokens) == 5
     hit = cache.get(tokens + [5, 6, 7], NS)
     assert hit.tokens == 20
@@ -50,7 +62,7 @@ def test_put_get_bytes_round_trip(layout):
 
 def test_swa_window_must_be_present():
     cache = make()
-    tokens = seq(6)                          # window 8 tokens = 2 pages: SWA kept at 4, 5
+    tokens = seq(6)  # window 8 tokens = 2 pages: SWA kept at 4, 5
     put(cache, tokens)
     assert cache.match(tokens, NS).usable_pages == 6
     # Every shorter prefix ends where SWA was freed at insert: not usable.
@@ -67,7 +79,7 @@ def test_tombstoned_pages_serve_full_part_of_longer_match():
     put(cache, a)
     assert cache.presence(cache.match(a, NS), PoolName.SWA) == [False] * 4 + [True] * 2
     hit = cache.get(a + seq(1, 500), NS)
-    assert hit.tokens == 24                  # full KV of tombstoned pages 0..3 is used
+    assert hit.tokens == 24  # full KV of tombstoned pages 0..3 is used
     assert_bytes(cache, a, hit)
 
 
@@ -75,8 +87,8 @@ def test_branch_point_keeps_its_window():
     cache = make()
     shared = seq(3)
     put(cache, shared + seq(3, 100))
-    assert cache.match(shared + seq(2, 200), NS).usable_pages == 0      # branch point was tombstoned
-    put(cache, shared + seq(3, 200))                             # insert at the branch keeps its window
+    assert cache.match(shared + seq(2, 200), NS).usable_pages == 0  # branch point was tombstoned
+    put(cache, shared + seq(3, 200))  # insert at the branch keeps its window
     hit = cache.get(shared + seq(2, 300), NS)
     assert hit.tokens == 12
     assert_bytes(cache, shared, hit)
@@ -88,37 +100,37 @@ def test_lru_eviction_and_locks():
     put(cache, a)
     put(cache, b)
     lock = cache.lock(cache.match(a, NS))
-    assert cache.evict(PoolName.FULL, Tier.DEVICE, 6) == 3       # only b is unlocked
+    assert cache.evict(PoolName.FULL, Tier.DEVICE, 6) == 3  # only b is unlocked
     cache.check()
     assert cache.match(a, NS).usable_pages == 3 and cache.match(b, NS).usable_pages == 0
     cache.unlock(lock)
     with pytest.raises(RuntimeError):
         cache.unlock(lock)
     put(cache, b)
-    cache.get(b, NS)                                             # b is now most recent
-    put(cache, seq(3, 200))                                      # evicts a (least recent)
+    cache.get(b, NS)  # b is now most recent
+    put(cache, seq(3, 200))  # evicts a (least recent)
     assert cache.match(a, NS).usable_pages == 0 and cache.match(b, NS).usable_pages == 3
 
 
 def test_swa_tombstones_before_anchored_windows():
     cache = make(swa=(4, 0))
-    put(cache, seq(6))                       # SWA at 4, 5
-    put(cache, seq(6, 100))                  # SWA at its 4, 5: pool full
-    put(cache, seq(6) + seq(2, 300))         # extends the first: its old end 4, 5 is interior
+    put(cache, seq(6))  # SWA at 4, 5
+    put(cache, seq(6, 100))  # SWA at its 4, 5: pool full
+    put(cache, seq(6) + seq(2, 300))  # extends the first: its old end 4, 5 is interior
     cache.check()
-    assert cache.match(seq(6, 100), NS).usable_pages == 6      # the anchored window survived
+    assert cache.match(seq(6, 100), NS).usable_pages == 6  # the anchored window survived
     assert cache.match(seq(6) + seq(2, 300), NS).usable_pages == 8
-    assert cache.match(seq(6), NS).usable_pages < 6             # the unanchored window went first
+    assert cache.match(seq(6), NS).usable_pages < 6  # the unanchored window went first
 
 
 def test_write_back_then_load_back_bytes():
     cache = make(full=(6, 12), swa=(2, 4))
     a, b = seq(6), seq(6, 100)
     put(cache, a)
-    put(cache, b)                            # a's device pages written back to host
+    put(cache, b)  # a's device pages written back to host
     m = cache.match(a, NS)
     assert m.usable_pages == 6 and m.usable_device_pages < 6
-    hit = cache.get(a, NS)                   # loads back, evicting (writing back) b
+    hit = cache.get(a, NS)  # loads back, evicting (writing back) b
     assert_bytes(cache, a, hit)
     assert cache.stats().hit_pages_host > 0
     cache.check()
@@ -134,7 +146,7 @@ def test_write_through_and_selective():
     on_host = lambda: sel.presence(sel.match(seq(4), NS), PoolName.FULL, (Tier.HOST,))  # noqa: E731
     sel.get(seq(4), NS)
     assert not any(on_host())
-    sel.get(seq(4), NS)                      # second hit reaches selective_hits=2
+    sel.get(seq(4), NS)  # second hit reaches selective_hits=2
     assert all(on_host())
     sel.check()
 
@@ -143,8 +155,8 @@ def test_load_back_failure_degrades_to_device_prefix():
     cache = make(FULL_ONLY, full=(4, 8))
     a = seq(4)
     put(cache, a)
-    put(cache, seq(4, 100))                  # a fully written back to host
-    lock = cache.lock(cache.match(seq(4, 100), NS))   # device full and locked
+    put(cache, seq(4, 100))  # a fully written back to host
+    lock = cache.lock(cache.match(seq(4, 100), NS))  # device full and locked
     hit = cache.get(a, NS)
     assert hit.tokens == 0 and cache.stats().load_back_failures == 1
     cache.unlock(lock)
@@ -155,6 +167,7 @@ def test_failure_at_every_reservation_point_of_a_put():
     """A put under pressure passes several reservation points (its own, and
     write-backs inside eviction). Failing any one either fails the whole put,
     leaving everything as before, or is absorbed (a write-back becomes a drop)."""
+
     def run(point):
         faults = AllocationFaults()
         cache = make(full=(6, 8), swa=(2, 4), reserve_hook=faults)
@@ -164,6 +177,7 @@ def test_failure_at_every_reservation_point_of_a_put():
         n = cache.put(seq(5, 100), prefix_kv(MIXED, seq(5, 100)), NS)
         cache.check()
         return faults, cache, before, n
+
     total = run(0)[0].points
     assert total >= 3
     outcomes = set()
@@ -209,10 +223,11 @@ def test_checker_names_violations():
 
 def test_checker_names_the_full_attention_rules():
     """The rules only full attention has (the policy's node_fault), each named."""
+
     def broken(corrupt) -> InvariantError:
         cache = make()
         put(cache, seq(2))
-        put(cache, seq(4))                      # a child run under the first
+        put(cache, seq(4))  # a child run under the first
         parent, child = cache.match(seq(4), NS).path
         corrupt(parent, child)
         with pytest.raises(InvariantError) as e:
@@ -239,7 +254,7 @@ def test_metadata_only_mode():
     keys = cache.keys(seq(5), NS)
     assert cache.match_keys(keys).usable_pages == 5
     assert cache.match_keys(keys[:3]).usable_pages == 3
-    assert cache.match_keys(keys[1:]).usable_pages == 0          # a chain must start at the root
+    assert cache.match_keys(keys[1:]).usable_pages == 0  # a chain must start at the root
     assert cache.match(seq(5), NS).keys == keys
     assert cache.get(seq(5), NS).tokens == 20
     cache.check()
@@ -250,18 +265,23 @@ def test_eviction_under_pressure_walks_the_tree_once_per_batch(monkeypatch):
     small pools (under EVICTION_BATCH pages) evict exactly what a put needs."""
     from kvfabric.fabric.cache.node_cache import EVICTION_BATCH
     from kvfabric.fabric.cache.policies import FullAttentionPolicy
+
     layout = KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=2)
     walks = []
     real = FullAttentionPolicy.groups
-    monkeypatch.setattr(FullAttentionPolicy, "groups", lambda self, *a: walks.append(1) or real(self, *a))
+    monkeypatch.setattr(
+        FullAttentionPolicy, "groups", lambda self, *a: walks.append(1) or real(self, *a)
+    )
     pages = 4 * EVICTION_BATCH
-    cache = NodeCache(layout, {PoolName.FULL: PoolCapacity(pages, 0)}, store_bytes=False, device="cpu")
-    for i in range(200):                      # 200 distinct 4-page prompts through a 256-page pool
+    cache = NodeCache(
+        layout, {PoolName.FULL: PoolCapacity(pages, 0)}, store_bytes=False, device="cpu"
+    )
+    for i in range(200):  # 200 distinct 4-page prompts through a 256-page pool
         assert cache.put([i * 10 + j for j in range(8)], None, NS) == 4
         cache.check()
     assert 0 < len(walks) <= 200 * 4 // (pages // EVICTION_BATCH) // 2
-    assert cache.match([199 * 10 + j for j in range(8)], NS).usable_pages == 4      # the newest stays
+    assert cache.match([199 * 10 + j for j in range(8)], NS).usable_pages == 4  # the newest stays
     small = NodeCache(layout, {PoolName.FULL: PoolCapacity(8, 0)}, store_bytes=False, device="cpu")
     for i in range(3):
         small.put([i * 10 + j for j in range(8)], None, NS)
-    assert small.stats().pools["FULL/DEVICE"]["used"] == 8      # exactly full: nothing extra freed
+    assert small.stats().pools["FULL/DEVICE"]["used"] == 8  # exactly full: nothing extra freed

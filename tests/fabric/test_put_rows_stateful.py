@@ -6,17 +6,28 @@ Properties: a put never stores a page it was not given rows for; every page
 in the cache, on every tier, holds exactly the bytes a caller gave for it (the
 K/V of its own prefix); a hold keeps its match usable until released or
 expired; check() holds after every step."""
+
 import struct
 from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-from kvfabric.fabric import CachedKV, KVLayout, NodeCache, PageAudit, PoolCapacity, PoolName, Tier, TierConfig, WritePolicy
+from kvfabric.fabric import (
+    CachedKV,
+    KVLayout,
+    NodeCache,
+    PageAudit,
+    PoolCapacity,
+    PoolName,
+    Tier,
+    TierConfig,
+    WritePolicy,
+)
 from kvfabric.fabric.cache.pages import pack
-from tests.kvgen import prefix_kv
+
 from tests.fabric.test_cache_stateful import NAMESPACES, family
+from tests.kvgen import prefix_kv
 
 LAYOUTS = {
     "mixed": KVLayout(layers=("full", "swa", "swa"), kv_heads=1, head_dim=2, page_size=2, window=3),
@@ -41,15 +52,27 @@ class Clock:
 
 
 class PutRowsMachine(RuleBasedStateMachine):
-    @initialize(layout=st.sampled_from(sorted(LAYOUTS)), policy=st.sampled_from(list(WritePolicy)),
-                seed=st.integers(0, 2**16), device=st.integers(4, 10), host=st.integers(0, 6))
+    @initialize(
+        layout=st.sampled_from(sorted(LAYOUTS)),
+        policy=st.sampled_from(list(WritePolicy)),
+        seed=st.integers(0, 2**16),
+        device=st.integers(4, 10),
+        host=st.integers(0, 6),
+    )
     def setup(self, layout, policy, seed, device, host):
         self.layout = LAYOUTS[layout]
-        caps = {p: PoolCapacity(device if p == PoolName.FULL else max(3, device // 2), host)
-                for p in self.layout.pools}
+        caps = {
+            p: PoolCapacity(device if p == PoolName.FULL else max(3, device // 2), host)
+            for p in self.layout.pools
+        }
         self.clock = Clock()
-        self.cache = NodeCache(self.layout, caps, tier=TierConfig(policy=policy, selective_hits=2),
-                               device="cpu", clock=self.clock)
+        self.cache = NodeCache(
+            self.layout,
+            caps,
+            tier=TierConfig(policy=policy, selective_hits=2),
+            device="cpu",
+            clock=self.clock,
+        )
         self.seqs = family(seed)
         self.requests: list[Request] = []
 
@@ -65,12 +88,16 @@ class PutRowsMachine(RuleBasedStateMachine):
         want = prefix_kv(self.layout, tokens)
         for li, kind in enumerate(self.layout.layers):
             start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
-            assert hit.tokens == 0 or torch.equal(hit.layers[li], want[li][:, start:hit.tokens])
+            assert hit.tokens == 0 or torch.equal(hit.layers[li], want[li][:, start : hit.tokens])
         self.requests.append(Request(tokens, ns, hit, self.clock.now + TTL))
 
     @precondition(lambda self: self.requests)
-    @rule(k=st.integers(0, 7), grow=st.integers(0, 3), swa_later=st.integers(0, 3),
-          full_from=st.sampled_from(["zero", "hit", "past-hit"]))
+    @rule(
+        k=st.integers(0, 7),
+        grow=st.integers(0, 3),
+        swa_later=st.integers(0, 3),
+        full_from=st.sampled_from(["zero", "hit", "past-hit"]),
+    )
     def finish(self, k, grow, swa_later, full_from):
         """Put what the request computed: full KV from 0, or only the pages past
         its hit (or fewer); SWA from its hit's window start, or later."""
@@ -79,11 +106,14 @@ class PutRowsMachine(RuleBasedStateMachine):
         n = len(tokens) // self.ps
         hit_pages = r.hit.tokens // self.ps
         full = {"zero": 0, "hit": hit_pages, "past-hit": hit_pages + 1}[full_from]
-        first = {PoolName.FULL: min(n, full), PoolName.SWA: min(n, r.hit.starts[PoolName.SWA] // self.ps + swa_later)}
+        first = {
+            PoolName.FULL: min(n, full),
+            PoolName.SWA: min(n, r.hit.starts[PoolName.SWA] // self.ps + swa_later),
+        }
         first = {p: first[p] for p in self.layout.pools}
         starts = {p: f * self.ps for p, f in first.items()}
         kv = prefix_kv(self.layout, tokens)
-        kv = [t[:, starts[self._pool(kind)]:] for t, kind in zip(kv, self.layout.layers)]
+        kv = [t[:, starts[self._pool(kind)] :] for t, kind in zip(kv, self.layout.layers)]
         keys = self.cache.keys(tokens, r.ns)
         before, matched = self._on_device(keys), self.cache.match(tokens, r.ns).present_pages
         stored = self.cache.put(tokens, kv, r.ns, starts=starts, release=r.hit.hold)
@@ -103,7 +133,9 @@ class PutRowsMachine(RuleBasedStateMachine):
         t = self.seqs[i % len(self.seqs)]
         self.cache.put(t, prefix_kv(self.layout, t), ns)
 
-    @rule(pool=st.sampled_from(list(PoolName)), tier=st.sampled_from(list(Tier)), n=st.integers(1, 8))
+    @rule(
+        pool=st.sampled_from(list(PoolName)), tier=st.sampled_from(list(Tier)), n=st.integers(1, 8)
+    )
     def evict(self, pool, tier, n):
         if pool in self.cache.registry:
             self.cache.evict(pool, tier, n)
@@ -111,7 +143,7 @@ class PutRowsMachine(RuleBasedStateMachine):
     @rule(dt=st.sampled_from([0.5, 1.5, 3.0]))
     def time_passes(self, dt):
         self.clock.now += dt
-        self.cache.leases.expire()      # as the node actor's heartbeat does
+        self.cache.leases.expire()  # as the node actor's heartbeat does
 
     def _pool(self, kind) -> PoolName:
         return PoolName.FULL if kind.value == "full" else PoolName.SWA
@@ -151,8 +183,9 @@ class PutRowsMachine(RuleBasedStateMachine):
                     for j, index in enumerate(pages or []):
                         if index >= 0:
                             expected = pack(self.layout, pool, want, [node.start + j])[0]
-                            assert torch.equal(data[index], expected), \
+                            assert torch.equal(data[index], expected), (
                                 f"{pool.name}/{tier.name} page {node.start + j} holds other bytes"
+                            )
 
     @invariant()
     def holds_keep_their_match(self):
@@ -168,7 +201,7 @@ class PutRowsMachine(RuleBasedStateMachine):
                 self.cache.release_hold(r.hit.hold)
             assert len(self.cache.leases) == 0
             assert self.cache.tree.protected == [[0, 0], [0, 0]]
-            for _ in range(4):      # with no holds, everything can go (a tier at a time)
+            for _ in range(4):  # with no holds, everything can go (a tier at a time)
                 for pool in self.cache.registry.names:
                     for tier in (Tier.DEVICE, Tier.HOST):
                         self.cache.evict(pool, tier, 10_000)

@@ -5,14 +5,28 @@ failing transaction had already passed a point of no return (a commit, or a
 seal after which its evictions were final). put, get and export let the
 exception through; an import's reader or checksum failure is a TRANSFER_FAILED
 outcome, with the pages an unknown reader error may still write quarantined."""
-import torch
-from hypothesis import given, strategies as st
 
-from kvfabric.fabric import (FetchOutcome, LeaseTable, NodeCache, PageAudit, PoolCapacity, PoolName, ReadFailed,
-                             Tier, TierConfig, WritePolicy, export_prefix, import_prefix)
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from kvfabric.fabric import (
+    FetchOutcome,
+    LeaseTable,
+    NodeCache,
+    PageAudit,
+    PoolCapacity,
+    PoolName,
+    ReadFailed,
+    Tier,
+    TierConfig,
+    WritePolicy,
+    export_prefix,
+    import_prefix,
+)
+
+from tests.fabric.test_cache_stateful import LAYOUTS, family
 from tests.inject import CAN_RAISE_AFTER, EXCEPTIONS, Plan, Step, injecting
 from tests.kvgen import prefix_kv
-from tests.fabric.test_cache_stateful import LAYOUTS, family
 
 NS = "a"
 S = Step
@@ -20,7 +34,17 @@ OPS = {
     "put": (S.RESERVE, S.EVICT, S.COPY, S.DEFER_COPY, S.ATTACH, S.PLACE, S.COMMIT),
     "get": (S.RESERVE, S.EVICT, S.COPY, S.DEFER_COPY, S.PLACE, S.COMMIT),
     "export": (S.RESERVE, S.EVICT, S.COPY, S.DEFER_COPY, S.PLACE, S.COMMIT, S.LEASE, S.CHECKSUM),
-    "import": (S.RESERVE, S.EVICT, S.COPY, S.DEFER_COPY, S.ATTACH, S.PLACE, S.COMMIT, S.READ, S.CHECKSUM),
+    "import": (
+        S.RESERVE,
+        S.EVICT,
+        S.COPY,
+        S.DEFER_COPY,
+        S.ATTACH,
+        S.PLACE,
+        S.COMMIT,
+        S.READ,
+        S.CHECKSUM,
+    ),
 }
 
 
@@ -31,8 +55,12 @@ def plans(draw, op: str) -> Plan:
     return Plan(step, draw(st.integers(1, 3)), after, draw(st.sampled_from(EXCEPTIONS)))
 
 
-scenes = dict(layout=st.sampled_from(sorted(LAYOUTS)), policy=st.sampled_from(list(WritePolicy)),
-              seed=st.integers(0, 2**16), i=st.integers(0, 7))
+scenes = dict(
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    policy=st.sampled_from(list(WritePolicy)),
+    seed=st.integers(0, 2**16),
+    i=st.integers(0, 7),
+)
 
 
 def warm(layout_name: str, policy: WritePolicy, seed: int, device: tuple[int, int] = (6, 4)):
@@ -59,22 +87,22 @@ def assert_settled(cache: NodeCache, inj, before: tuple, keys_before: set, seqs)
         if inj.exact():
             assert cache.snapshot() == before
         if inj.commits == 0:
-            assert set(cache.tree.by_key) <= keys_before     # nothing half inserted
+            assert set(cache.tree.by_key) <= keys_before  # nothing half inserted
     cache.release_quarantine(force=True)
-    for s in seqs:                                  # every cached prefix reads back its own bytes
+    for s in seqs:  # every cached prefix reads back its own bytes
         hit = cache.get(s, NS)
         want = prefix_kv(cache.layout, s)
         for li, kind in enumerate(cache.layout.layers):
             start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
             if hit.tokens:
-                assert torch.equal(hit.layers[li], want[li][:, start:hit.tokens])
+                assert torch.equal(hit.layers[li], want[li][:, start : hit.tokens])
     assert_whole(cache)
 
 
 def run(op, inj, cache) -> BaseException | None:
     try:
         op()
-    except BaseException as e:       # noqa: B036 -- what escaped must be exactly what was injected
+    except BaseException as e:  # noqa: B036 -- what escaped must be exactly what was injected
         assert e is inj.fired, f"{type(e).__name__}: {e}"
         return e
     return None
@@ -108,8 +136,11 @@ def test_export(plan, skip, layout, policy, seed, i):
     before, keys = cache.snapshot(), set(cache.tree.by_key)
     grants = []
     with injecting(plan, cache, leases) as inj:
-        escaped = run(lambda: grants.append(export_prefix(cache, leases, cache.keys(seqs[i], NS), skip, 5.0)),
-                      inj, cache)
+        escaped = run(
+            lambda: grants.append(export_prefix(cache, leases, cache.keys(seqs[i], NS), skip, 5.0)),
+            inj,
+            cache,
+        )
     assert escaped is inj.fired
     for grant in grants:
         if grant.lease_id:
@@ -121,14 +152,19 @@ def test_export(plan, skip, layout, policy, seed, i):
 def copy_reader(src: NodeCache, dst: NodeCache):
     def read(pool, refs, pages):
         for (tier, index), page in zip(refs, pages):
-            dst.registry.pool(pool, Tier.DEVICE).data[page] = src.registry.pool(pool, tier).data[index]
+            dst.registry.pool(pool, Tier.DEVICE).data[page] = src.registry.pool(pool, tier).data[
+                index
+            ]
+
     return read
 
 
 @given(plan=plans("import"), **scenes)
 def test_import(plan, layout, policy, seed, i):
     cache, seqs = warm(layout, policy, seed)
-    src = NodeCache(cache.layout, {p: PoolCapacity(64, 0) for p in cache.layout.pools}, device="cpu")
+    src = NodeCache(
+        cache.layout, {p: PoolCapacity(64, 0) for p in cache.layout.pools}, device="cpu"
+    )
     t = seqs[i] + [7, 7, 7, 7]
     src.put(t, prefix_kv(src.layout, t), NS)
     leases = LeaseTable(src)
@@ -136,7 +172,9 @@ def test_import(plan, layout, policy, seed, i):
     before, keys = cache.snapshot(), set(cache.tree.by_key)
     outcomes = []
     with injecting(plan, cache) as inj:
-        read = inj.wrap(copy_reader(src, cache)) if plan.step == Step.READ else copy_reader(src, cache)
+        read = (
+            inj.wrap(copy_reader(src, cache)) if plan.step == Step.READ else copy_reader(src, cache)
+        )
         escaped = run(lambda: outcomes.append(import_prefix(cache, t, NS, grant, read)), inj, cache)
     if inj.fired is not None and plan.step in (Step.READ, Step.CHECKSUM):
         assert escaped is None and outcomes == [FetchOutcome.TRANSFER_FAILED]
@@ -154,7 +192,9 @@ def test_a_reader_that_fails_with_read_failed_still_decides_quarantine():
     """The expected exception keeps its meaning: may_still_write says whether pages are held."""
     for may_still_write in (False, True):
         cache, seqs = warm("mixed", WritePolicy.WRITE_BACK, 1, device=(64, 64))
-        src = NodeCache(cache.layout, {p: PoolCapacity(64, 0) for p in cache.layout.pools}, device="cpu")
+        src = NodeCache(
+            cache.layout, {p: PoolCapacity(64, 0) for p in cache.layout.pools}, device="cpu"
+        )
         t = list(range(300, 316))
         src.put(t, prefix_kv(src.layout, t), NS)
         grant = export_prefix(src, LeaseTable(src), cache.keys(t, NS), 0, 5.0)
@@ -162,6 +202,7 @@ def test_a_reader_that_fails_with_read_failed_still_decides_quarantine():
 
         def read(pool, refs, pages):
             raise ReadFailed("peer gone", may_still_write=may_still_write)
+
         assert import_prefix(cache, t, NS, grant, read) == FetchOutcome.TRANSFER_FAILED
         assert bool(cache.quarantined) == may_still_write
         assert cache.snapshot() == before

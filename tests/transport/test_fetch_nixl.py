@@ -1,6 +1,7 @@
 """A remote fetch between two processes over real NIXL agents: bytes equal,
 and every fault kind at every step leaves both sides clean, after which a
 clean retry succeeds."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -12,24 +13,34 @@ import uuid
 import msgpack
 import pytest
 import torch
-
-from kvfabric.fabric import (ExportGrant, FetchOutcome, KVLayout, LeaseTable, NodeCache, PoolCapacity, PoolName, Tier,
-                             export_prefix, import_prefix)
-from tests.kvgen import prefix_kv
-from kvfabric.transport import NixlTransport
 from kvfabric.deploy.chaos.faults import Fault, FaultKind, FaultPlan, FaultyTransport
+from kvfabric.fabric import (
+    ExportGrant,
+    FetchOutcome,
+    KVLayout,
+    LeaseTable,
+    NodeCache,
+    PoolCapacity,
+    PoolName,
+    Tier,
+    export_prefix,
+    import_prefix,
+)
+from kvfabric.transport import NixlTransport
 from kvfabric.transport.fetch import TransportReader, probe, register_device_pools
+
+from tests.kvgen import prefix_kv
 
 LAYOUT = KVLayout(layers=("full", "swa", "full"), kv_heads=2, head_dim=64, page_size=16, window=32)
 CAPS = {PoolName.FULL: PoolCapacity(64, 0), PoolName.SWA: PoolCapacity(32, 0)}
 NS = "tenant"
-TOKENS = list(range(1000, 1000 + 8 * 16))      # 8 pages
+TOKENS = list(range(1000, 1000 + 8 * 16))  # 8 pages
 STARTUP_S = 90.0
 
 
 def source_main(conn, name: str, env: dict[str, str]) -> None:
     """The source node: a cache with the prefix, exporting under leases."""
-    os.environ.update(env)               # UCX reads its environment when the agent starts
+    os.environ.update(env)  # UCX reads its environment when the agent starts
     parent = os.getppid()
     cache = NodeCache(LAYOUT, CAPS, device="cpu")
     transport = NixlTransport(name)
@@ -83,7 +94,7 @@ class Source:
             try:
                 self.conn.send(("quit",))
             except (BrokenPipeError, OSError):
-                pass          # the peer is already gone: join below just reaps it
+                pass  # the peer is already gone: join below just reaps it
             self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
@@ -111,8 +122,14 @@ def fetch(cache, transport, source, deadline_s=2.0):
     keys = cache.keys(TOKENS, NS)
     skip = cache.match(TOKENS, NS).present_pages
     grant = ExportGrant.from_wire(msgpack.unpackb(source.ask("export", keys, skip, 5.0)))
-    outcome = import_prefix(cache, TOKENS, NS, grant, TransportReader(transport, source.name, deadline_s),
-                            peer=source.name)
+    outcome = import_prefix(
+        cache,
+        TOKENS,
+        NS,
+        grant,
+        TransportReader(transport, source.name, deadline_s),
+        peer=source.name,
+    )
     if grant.lease_id:
         source.ask("release", grant.lease_id)
     return outcome
@@ -124,7 +141,7 @@ def assert_fetched(cache):
     want = prefix_kv(LAYOUT, TOKENS)
     for i, kind in enumerate(LAYOUT.layers):
         start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
-        assert torch.equal(hit.layers[i], want[i][:, start:hit.tokens])
+        assert torch.equal(hit.layers[i], want[i][:, start : hit.tokens])
 
 
 def test_fetch_full_and_swa_pages_bit_for_bit(source):
@@ -141,7 +158,10 @@ def test_fetch_full_and_swa_pages_bit_for_bit(source):
 FAULTS = {
     "fail_after_0_full": ([Fault(FaultKind.FAIL_AFTER, after=0)], FetchOutcome.TRANSFER_FAILED),
     "fail_after_5_full": ([Fault(FaultKind.FAIL_AFTER, after=5)], FetchOutcome.TRANSFER_FAILED),
-    "fail_after_1_swa": ([None, Fault(FaultKind.FAIL_AFTER, after=1)], FetchOutcome.TRANSFER_FAILED),
+    "fail_after_1_swa": (
+        [None, Fault(FaultKind.FAIL_AFTER, after=1)],
+        FetchOutcome.TRANSFER_FAILED,
+    ),
     "hang_full": ([Fault(FaultKind.HANG)], FetchOutcome.TRANSFER_FAILED),
     "hang_swa": ([None, Fault(FaultKind.HANG)], FetchOutcome.TRANSFER_FAILED),
     "corrupt_full": ([Fault(FaultKind.CORRUPT)], FetchOutcome.CHECKSUM_MISMATCH),
@@ -160,13 +180,13 @@ def test_each_fault_rolls_back_then_retry_succeeds(source, name):
         assert fetch(cache, transport, source, deadline_s=0.5) == expected
         assert plan.injected
         if expected != FetchOutcome.COMMITTED:
-            if cache.quarantined:      # abandoned: refused until a later read from the peer completes
+            if cache.quarantined:  # abandoned: refused until a later read from the peer completes
                 assert fetch(cache, transport, source) == FetchOutcome.PEER_QUARANTINED
                 assert probe(transport, source.name, *cache.quarantined_page(source.name), 5.0)
                 cache.release_quarantine(source.name)
             assert cache.snapshot() == before and not cache.quarantined
             cache.check()
-            assert source.ask("state") == (0, 0)      # lease released, nothing pinned
+            assert source.ask("state") == (0, 0)  # lease released, nothing pinned
             assert fetch(cache, transport, source) == FetchOutcome.COMMITTED
         assert_fetched(cache)
         cache.check()
@@ -195,34 +215,48 @@ def test_stopped_source_keeps_pages_quarantined_until_a_probe_after_it_resumes(m
     """A hung peer may land an abandoned read's bytes whenever it resumes (seen over UCX
     tcp): its pages stay quarantined however long it stays stopped, fetches from it are
     refused meanwhile, and a probe read posted after it resumes releases them."""
-    monkeypatch.setenv("UCX_TLS", "tcp")         # shared memory would read a stopped peer's pages
+    monkeypatch.setenv("UCX_TLS", "tcp")  # shared memory would read a stopped peer's pages
     src = Source(env={"UCX_TLS": "tcp"})
     now = [0.0]
     cache, transport, _ = destination(src, clock=lambda: now[0])
     try:
-        transport.wait(transport.read(src.name, {"full": ([0], [0])}), 30.0)   # connection up
-        grant = ExportGrant.from_wire(msgpack.unpackb(src.ask("export", cache.keys(TOKENS, NS), 0, 60.0)))
+        transport.wait(transport.read(src.name, {"full": ([0], [0])}), 30.0)  # connection up
+        grant = ExportGrant.from_wire(
+            msgpack.unpackb(src.ask("export", cache.keys(TOKENS, NS), 0, 60.0))
+        )
         before = cache.snapshot()
         os.kill(src.proc.pid, signal.SIGSTOP)
-        outcome = import_prefix(cache, TOKENS, NS, grant, TransportReader(transport, src.name, 0.5), peer=src.name)
+        outcome = import_prefix(
+            cache, TOKENS, NS, grant, TransportReader(transport, src.name, 0.5), peer=src.name
+        )
         assert outcome == FetchOutcome.TRANSFER_FAILED
         held = [q.pages for q in cache.quarantined]
         assert held and cache.snapshot() == before
-        now[0] += 3600.0                            # far past any hold time: still quarantined
+        now[0] += 3600.0  # far past any hold time: still quarantined
         assert cache.release_quarantine() == 0 and [q.pages for q in cache.quarantined] == held
         target = cache.quarantined_page(src.name)
-        assert not probe(transport, src.name, *target, 0.5)    # still stopped: no release
-        assert import_prefix(cache, TOKENS, NS, grant, TransportReader(transport, src.name, 0.5),
-                             peer=src.name) == FetchOutcome.PEER_QUARANTINED
+        assert not probe(transport, src.name, *target, 0.5)  # still stopped: no release
+        assert (
+            import_prefix(
+                cache, TOKENS, NS, grant, TransportReader(transport, src.name, 0.5), peer=src.name
+            )
+            == FetchOutcome.PEER_QUARANTINED
+        )
         quarantined = {(pool, i) for pages in held for (pool, _), idx in pages.items() for i in idx}
-        outside = {e.name: [i for i in range(e.device.capacity) if (e.name, i) not in quarantined]
-                   for e in cache.registry}
-        untouched = {p: cache.registry.pool(p, Tier.DEVICE).data[i].clone() for p, i in outside.items()}
+        outside = {
+            e.name: [i for i in range(e.device.capacity) if (e.name, i) not in quarantined]
+            for e in cache.registry
+        }
+        untouched = {
+            p: cache.registry.pool(p, Tier.DEVICE).data[i].clone() for p, i in outside.items()
+        }
         os.kill(src.proc.pid, signal.SIGCONT)
-        assert probe(transport, src.name, *target, 30.0)       # posted after the abandoned reads
+        assert probe(transport, src.name, *target, 30.0)  # posted after the abandoned reads
         assert cache.release_quarantine(src.name) == sum(len(i) for p in held for i in p.values())
-        for pool, indices in outside.items():                   # late bytes landed only in quarantine
-            assert torch.equal(cache.registry.pool(pool, Tier.DEVICE).data[indices], untouched[pool])
+        for pool, indices in outside.items():  # late bytes landed only in quarantine
+            assert torch.equal(
+                cache.registry.pool(pool, Tier.DEVICE).data[indices], untouched[pool]
+            )
         assert cache.snapshot() == before and not cache.quarantined
         src.ask("release", grant.lease_id)
         assert fetch(cache, transport, src) == FetchOutcome.COMMITTED

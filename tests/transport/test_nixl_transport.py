@@ -4,6 +4,7 @@ The peer is a spawned process owning its own NIXL agent and pools filled from a 
 this process reads from it and compares bytes with the same seeded fill. Pools live on
 KVF_TEST_DEVICE (cpu by default; benchmarks/gpu_check.sh sets cuda).
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -16,10 +17,18 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-
-from kvfabric.transport import (LocalTransport, NixlTransport, PeerDisconnected, PeerMetadata,
-                                PeerNotConnected, TransferAborted, TransferState, TransferTimeout,
-                                coalesce_order, copy_pages)
+from kvfabric.transport import (
+    LocalTransport,
+    NixlTransport,
+    PeerDisconnected,
+    PeerMetadata,
+    PeerNotConnected,
+    TransferAborted,
+    TransferState,
+    TransferTimeout,
+    coalesce_order,
+    copy_pages,
+)
 
 DEVICE = os.environ.get("KVF_TEST_DEVICE", "cpu")
 # Two pools with different page sizes and dtypes; bytes are random, so compared as bits.
@@ -27,7 +36,7 @@ POOLS = {"kv": ((48, 2, 16, 64), torch.float16), "ssm": ((24, 3000), torch.float
 SEED = 1234
 # UCX over tcp only, as between hosts (device memory needs cuda_copy to stage it).
 TCP_TLS = "tcp" if DEVICE == "cpu" else "tcp,cuda_copy"
-STARTUP_S = 60.0     # spawning imports torch and NIXL; generous on a loaded 2-core host
+STARTUP_S = 60.0  # spawning imports torch and NIXL; generous on a loaded 2-core host
 
 
 def make_pools(device: str, seed: int | None) -> dict[str, torch.Tensor]:
@@ -46,7 +55,7 @@ def make_pools(device: str, seed: int | None) -> dict[str, torch.Tensor]:
 
 def serve_peer(conn, name: str, device: str, env: dict[str, str]) -> None:
     """Child process: expose seeded pools until told to quit or orphaned."""
-    os.environ.update(env)               # UCX reads its environment when the agent starts
+    os.environ.update(env)  # UCX reads its environment when the agent starts
     parent = os.getppid()
     transport = NixlTransport(name)
     pools = make_pools(device, SEED)
@@ -68,10 +77,11 @@ class Peer:
         self.name = name or f"peer-{uuid.uuid4().hex[:8]}"
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=serve_peer, daemon=True,
-                                args=(child_conn, self.name, DEVICE, env or {}))
+        self.proc = ctx.Process(
+            target=serve_peer, daemon=True, args=(child_conn, self.name, DEVICE, env or {})
+        )
         self.proc.start()
-        child_conn.close()      # a peer dying during start-up then reads as EOF at once
+        child_conn.close()  # a peer dying during start-up then reads as EOF at once
         try:
             if not self.conn.poll(STARTUP_S):
                 raise TimeoutError(f"peer {self.name} did not start within {STARTUP_S} s")
@@ -89,7 +99,7 @@ class Peer:
             try:
                 self.conn.send("quit")
             except (BrokenPipeError, OSError):
-                pass          # the peer is already gone: join below just reaps it
+                pass  # the peer is already gone: join below just reaps it
             self.proc.join(5)
         if self.proc.is_alive():
             self.proc.kill()
@@ -99,8 +109,10 @@ class Peer:
 @pytest.fixture(autouse=True)
 def hard_timeout():
     """Fail, rather than hang, if a transport ever ignores its deadline."""
+
     def expire(signum, frame):
         raise TimeoutError("test exceeded 60 s")
+
     previous = signal.signal(signal.SIGALRM, expire)
     signal.alarm(60)
     yield
@@ -159,6 +171,7 @@ def assert_pages_equal(dst: torch.Tensor, dst_idx, src: torch.Tensor, src_idx) -
 
 # -- reads between two processes ---------------------------------------------------------
 
+
 def test_scattered_and_contiguous_reads_of_two_pools(peer: Peer, local) -> None:
     t, pools = local
     t.connect(peer.name, peer.metadata)
@@ -193,20 +206,20 @@ def test_bad_arguments_raise_before_anything_is_sent(peer: Peer, local) -> None:
     t.connect(peer.name, peer.metadata)
     ok = ([0, 1, 2], [3, 4, 5])
     bad_specs = [
-        {"kv": ok, "nope": ok},                        # unknown pool
-        {"kv": ok, "ssm": ([24], [0])},                # remote index out of range
-        {"kv": ok, "ssm": ([0], [-1])},                # local index out of range
-        {"kv": ok, "ssm": ([0, 1], [0])},              # mismatched lengths
-        {"kv": ok, "ssm": ([0, 1], [2, 2])},           # one local page written twice
-        {"kv": ok, "ssm": ([0.5], [1])},               # not integers
-        {"kv": ok, "ssm": [0, 1]},                     # not a (remote, local) pair
+        {"kv": ok, "nope": ok},  # unknown pool
+        {"kv": ok, "ssm": ([24], [0])},  # remote index out of range
+        {"kv": ok, "ssm": ([0], [-1])},  # local index out of range
+        {"kv": ok, "ssm": ([0, 1], [0])},  # mismatched lengths
+        {"kv": ok, "ssm": ([0, 1], [2, 2])},  # one local page written twice
+        {"kv": ok, "ssm": ([0.5], [1])},  # not integers
+        {"kv": ok, "ssm": [0, 1]},  # not a (remote, local) pair
     ]
     for spec in bad_specs:
         with pytest.raises(ValueError):
             t.read(peer.name, spec)
     with pytest.raises(PeerNotConnected):
         t.read("nobody", {"kv": ok})
-    time.sleep(0.2)    # anything wrongly posted would have landed by now
+    time.sleep(0.2)  # anything wrongly posted would have landed by now
     assert all(not bits(p).any() for p in pools.values()), "a rejected read wrote pages"
 
 
@@ -226,19 +239,19 @@ def test_connect_validates_metadata(peer: Peer, local) -> None:
 def test_stopped_peer_times_out_and_aborts(tcp) -> None:
     t, pools, p = tcp
     spec = {"kv": (range(48), range(48))}
-    t.wait(t.read(p.name, spec), 10.0)                # connection warmed up
+    t.wait(t.read(p.name, spec), 10.0)  # connection warmed up
     p.signal(signal.SIGSTOP)
     h = t.read(p.name, spec)
     start = time.monotonic()
     with pytest.raises(TransferTimeout):
         t.wait(h, 0.5)
-    assert time.monotonic() - start >= 0.5            # not before its deadline (and it did return)
+    assert time.monotonic() - start >= 0.5  # not before its deadline (and it did return)
     assert h.state is TransferState.ABORTED
     with pytest.raises(TransferAborted):
         t.poll(h)
     p.signal(signal.SIGCONT)
     pools["kv"].zero_()
-    h = t.read(p.name, spec)                          # the connection survived the abort
+    h = t.read(p.name, spec)  # the connection survived the abort
     t.wait(h, 10.0)
     assert torch.equal(bits(pools["kv"]), bits(make_pools("cpu", SEED)["kv"]))
 
@@ -247,14 +260,14 @@ def test_killed_peer_raises_peer_disconnected_and_can_rejoin(tcp) -> None:
     t, pools, p = tcp
     spec = {"ssm": (range(24), range(24))}
     t.wait(t.read(p.name, spec), 10.0)
-    p.signal(signal.SIGSTOP)                          # hold the next read in flight ...
+    p.signal(signal.SIGSTOP)  # hold the next read in flight ...
     h = t.read(p.name, spec)
     assert not t.poll(h)
-    p.proc.kill()                                     # ... and kill the peer under it
+    p.proc.kill()  # ... and kill the peer under it
     p.proc.join(5)
     with pytest.raises(PeerDisconnected):
         t.wait(h, 10.0)
-    assert h.state is TransferState.FAILED            # the death, not the 10 s deadline
+    assert h.state is TransferState.FAILED  # the death, not the 10 s deadline
     with pytest.raises(PeerDisconnected):
         t.wait(t.read(p.name, spec), 5.0)
     reborn = Peer(env={"UCX_TLS": TCP_TLS}, name=p.name)  # restarted under its old name
@@ -269,10 +282,11 @@ def test_killed_peer_raises_peer_disconnected_and_can_rejoin(tcp) -> None:
 
 # -- pure helpers --------------------------------------------------------------------------
 
+
 def test_coalesce_order_counts_runs_contiguous_on_both_sides() -> None:
     r, l_, runs = coalesce_order(np.array([7, 3, 4, 5, 9]), np.array([0, 10, 11, 20, 1]))
     assert r.tolist() == [3, 4, 5, 7, 9] and l_.tolist() == [10, 11, 20, 0, 1]
-    assert runs == 4                                  # 3-4 | 5 | 7 | 9 (8 is missing)
+    assert runs == 4  # 3-4 | 5 | 7 | 9 (8 is missing)
     assert coalesce_order(np.arange(5), np.arange(5, 10))[2] == 1
     assert coalesce_order(np.zeros(0, int), np.zeros(0, int))[2] == 0
 
@@ -286,6 +300,7 @@ def test_metadata_round_trip(peer: Peer) -> None:
 
 # -- copies inside one node ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("src_dev,dst_dev", [("cpu", "dev"), ("dev", "cpu"), ("dev", "dev")])
 def test_copy_pages_between_devices(device: str, src_dev: str, dst_dev: str) -> None:
     src = make_pools(device if src_dev == "dev" else "cpu", SEED)["kv"]
@@ -297,14 +312,15 @@ def test_copy_pages_between_devices(device: str, src_dev: str, dst_dev: str) -> 
 
 
 def test_local_transport_validates_and_accepts_pool_objects(device: str) -> None:
-    class Pool:                                       # shaped like kvfabric.fabric.cache.pools.PagePool
+    class Pool:  # shaped like kvfabric.fabric.cache.pools.PagePool
         def __init__(self, data):
             self.data = data
+
     src, dst = make_pools(device, SEED), make_pools(device, None)
     copier = LocalTransport()
     copier.copy(Pool(src["ssm"]), torch.tensor([3, 4]), Pool(dst["ssm"]), np.array([0, 1]))
     assert_pages_equal(dst["ssm"], [0, 1], src["ssm"], [3, 4])
-    copier.copy(Pool(None), [0], Pool(dst["ssm"]), [0])    # no storage: nothing to move
+    copier.copy(Pool(None), [0], Pool(dst["ssm"]), [0])  # no storage: nothing to move
     with pytest.raises(ValueError):
         copier.copy(src["ssm"], [0, 1], dst["ssm"], [0])
     with pytest.raises(ValueError):

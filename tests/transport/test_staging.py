@@ -1,6 +1,7 @@
 """Shared-memory staging between an engine and a node's cache (transport/staging.py):
 what an engine stages is what a later load stages back, page for page; an engine that
 only holds the SWA window never gets placeholder bytes stored as SWA KV."""
+
 from __future__ import annotations
 
 import os
@@ -8,16 +9,17 @@ import uuid
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
-
+from hypothesis import given
+from hypothesis import strategies as st
 from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity, PoolName
 from kvfabric.fabric.cache.pages import pack
 from kvfabric.transport.staging import SharedPages, StagingSpec, load_to_staging, save_from_staging
 
 from tests.kvgen import prefix_kv
 
-LAYOUT = KVLayout(layers=("swa", "full", "swa", "full"), kv_heads=2, head_dim=8, page_size=4,
-                  window=8, tag="test")
+LAYOUT = KVLayout(
+    layers=("swa", "full", "swa", "full"), kv_heads=2, head_dim=8, page_size=4, window=8, tag="test"
+)
 W = LAYOUT.window_pages
 SLOTS = 64
 
@@ -30,8 +32,14 @@ def shared():
 
 
 def new_cache() -> NodeCache:
-    return NodeCache(LAYOUT, {PoolName.FULL: PoolCapacity(device=64, host=64),
-                              PoolName.SWA: PoolCapacity(device=64, host=64)}, device="cpu")
+    return NodeCache(
+        LAYOUT,
+        {
+            PoolName.FULL: PoolCapacity(device=64, host=64),
+            PoolName.SWA: PoolCapacity(device=64, host=64),
+        },
+        device="cpu",
+    )
 
 
 def stage(shared: SharedPages, tokens: list[int], swa_first: int) -> dict[PoolName, list[int]]:
@@ -54,15 +62,28 @@ def test_staged_pages_come_back_equal(shared):
     cache = new_cache()
     tokens = list(range(100, 100 + 10 * LAYOUT.page_size))
     n = len(tokens) // LAYOUT.page_size
-    assert save_from_staging(cache, shared, tokens, "t", stage(shared, tokens, n - W), {PoolName.SWA: n - W}) == n
+    assert (
+        save_from_staging(
+            cache, shared, tokens, "t", stage(shared, tokens, n - W), {PoolName.SWA: n - W}
+        )
+        == n
+    )
     shared.pools[PoolName.FULL].zero_()
     shared.pools[PoolName.SWA].zero_()
     slots = {PoolName.FULL: list(range(20, 40)), PoolName.SWA: list(range(40, 40 + W))}
     hit = load_to_staging(cache, shared, tokens + [1], "t", 3, slots)
-    assert (hit.pages, hit.first_page, hit.firsts) == (n, 3, {PoolName.FULL: 3, PoolName.SWA: n - W})
+    assert (hit.pages, hit.first_page, hit.firsts) == (
+        n,
+        3,
+        {PoolName.FULL: 3, PoolName.SWA: n - W},
+    )
     kv = prefix_kv(LAYOUT, tokens)
-    assert torch.equal(loaded(shared, hit, PoolName.FULL), pack(LAYOUT, PoolName.FULL, kv, list(range(3, n))))
-    assert torch.equal(loaded(shared, hit, PoolName.SWA), pack(LAYOUT, PoolName.SWA, kv, list(range(n - W, n))))
+    assert torch.equal(
+        loaded(shared, hit, PoolName.FULL), pack(LAYOUT, PoolName.FULL, kv, list(range(3, n)))
+    )
+    assert torch.equal(
+        loaded(shared, hit, PoolName.SWA), pack(LAYOUT, PoolName.SWA, kv, list(range(n - W, n)))
+    )
     # Another namespace (tenant) never sees it.
     assert load_to_staging(cache, shared, tokens + [1], "u", 0, slots).pages == 0
 
@@ -70,12 +91,20 @@ def test_staged_pages_come_back_equal(shared):
 def test_too_few_slots_load_nothing(shared):
     cache = new_cache()
     tokens = list(range(8 * LAYOUT.page_size))
-    save_from_staging(cache, shared, tokens, "t", stage(shared, tokens, 8 - W), {PoolName.SWA: 8 - W})
-    hit = load_to_staging(cache, shared, tokens, "t", 0, {PoolName.FULL: [0, 1], PoolName.SWA: [2, 3]})
+    save_from_staging(
+        cache, shared, tokens, "t", stage(shared, tokens, 8 - W), {PoolName.SWA: 8 - W}
+    )
+    hit = load_to_staging(
+        cache, shared, tokens, "t", 0, {PoolName.FULL: [0, 1], PoolName.SWA: [2, 3]}
+    )
     assert hit.pages == 0 and not hit.slots
 
 
-@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 11), st.integers(0, 3)), min_size=1, max_size=6))
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 12), st.integers(0, 11), st.integers(0, 3)), min_size=1, max_size=6
+    )
+)
 def test_loads_only_return_bytes_an_engine_staged(shared, convs):
     """Conversations branching off each other, each saved with only its surviving SWA
     window: whatever a later load stages equals the true K/V of those positions (a
@@ -85,26 +114,37 @@ def test_loads_only_return_bytes_an_engine_staged(shared, convs):
     for pages, branch_from, salt in convs:
         base = seqs[branch_from % len(seqs)] if seqs else []
         keep = (len(base) // LAYOUT.page_size) * branch_from // 12 * LAYOUT.page_size
-        tokens = base[:keep] + [1000 * (len(seqs) + 1) + salt * 7 + i for i in range(pages * LAYOUT.page_size)]
+        tokens = base[:keep] + [
+            1000 * (len(seqs) + 1) + salt * 7 + i for i in range(pages * LAYOUT.page_size)
+        ]
         n = len(tokens) // LAYOUT.page_size
         if n > SLOTS // 2:
             continue
         swa_first = max(0, n - W)
-        save_from_staging(cache, shared, tokens, "t", stage(shared, tokens, swa_first), {PoolName.SWA: swa_first})
+        save_from_staging(
+            cache, shared, tokens, "t", stage(shared, tokens, swa_first), {PoolName.SWA: swa_first}
+        )
         seqs.append(tokens)
         cache.check()
     for tokens in seqs:
         for cut in range(1, len(tokens) // LAYOUT.page_size + 1):
             prefix = tokens[: cut * LAYOUT.page_size]
-            slots = {PoolName.FULL: list(range(SLOTS // 2)), PoolName.SWA: list(range(SLOTS // 2, SLOTS))}
+            slots = {
+                PoolName.FULL: list(range(SLOTS // 2)),
+                PoolName.SWA: list(range(SLOTS // 2, SLOTS)),
+            }
             hit = load_to_staging(cache, shared, prefix, "t", 0, slots)
             if not hit.pages:
                 continue
             kv = prefix_kv(LAYOUT, prefix[: hit.pages * LAYOUT.page_size])
-            assert torch.equal(loaded(shared, hit, PoolName.FULL),
-                               pack(LAYOUT, PoolName.FULL, kv, list(range(hit.pages))))
-            assert torch.equal(loaded(shared, hit, PoolName.SWA),
-                               pack(LAYOUT, PoolName.SWA, kv, list(range(hit.firsts[PoolName.SWA], hit.pages))))
+            assert torch.equal(
+                loaded(shared, hit, PoolName.FULL),
+                pack(LAYOUT, PoolName.FULL, kv, list(range(hit.pages))),
+            )
+            assert torch.equal(
+                loaded(shared, hit, PoolName.SWA),
+                pack(LAYOUT, PoolName.SWA, kv, list(range(hit.firsts[PoolName.SWA], hit.pages))),
+            )
 
 
 def test_files_live_in_shared_memory(shared):
@@ -117,9 +157,13 @@ def test_layout_tag_is_part_of_the_fingerprint():
     """An engine's model and KV tensor layout (the tag) separate caches as geometry does;
     a layout without a tag keeps the fingerprint it always had."""
     plain = KVLayout(layers=("swa", "full"), kv_heads=2, head_dim=8, page_size=4, window=8)
-    tagged = KVLayout(layers=("swa", "full"), kv_heads=2, head_dim=8, page_size=4, window=8, tag="vllm:x")
+    tagged = KVLayout(
+        layers=("swa", "full"), kv_heads=2, head_dim=8, page_size=4, window=8, tag="vllm:x"
+    )
     assert tagged.fingerprint != plain.fingerprint
-    assert tagged.fingerprint != KVLayout.from_dict({**tagged.to_dict(), "tag": "vllm:y"}).fingerprint
+    assert (
+        tagged.fingerprint != KVLayout.from_dict({**tagged.to_dict(), "tag": "vllm:y"}).fingerprint
+    )
     assert KVLayout.from_dict(tagged.to_dict()) == tagged
     assert "tag" not in plain.to_dict() and KVLayout.from_dict(plain.to_dict()) == plain
     with pytest.raises(ValueError):

@@ -1,6 +1,7 @@
 """The fault injectors, for tests and chaos runs: production code only offers the hooks
 they plug into (a cache's reservation hook, the Transport interface, a node's NodeHooks,
 the vLLM connector's step hook). No Ray here."""
+
 from .action import ChaosAction
 from .allocation import AllocationFaults
 from .events import EventFault, EventMangler
@@ -9,5 +10,16 @@ from .node import NodeChaos
 from .step_file import InjectedFault, StepFaultFile
 from .transfer import Fault, FaultKind, FaultPlan
 
-__all__ = ["AllocationFaults", "ChaosAction", "EventFault", "EventMangler", "Fault", "FaultKind", "FaultPlan",
-           "FaultyTransport", "InjectedFault", "NodeChaos", "StepFaultFile"]
+__all__ = [
+    "AllocationFaults",
+    "ChaosAction",
+    "EventFault",
+    "EventMangler",
+    "Fault",
+    "FaultKind",
+    "FaultPlan",
+    "FaultyTransport",
+    "InjectedFault",
+    "NodeChaos",
+    "StepFaultFile",
+]

@@ -1,5 +1,6 @@
 """AllocationFaults: a reservation hook (fabric/cache/txn.py) that fails chosen
 reservation points, so tests and chaos runs reach every reservation's failure path."""
+
 from __future__ import annotations
 
 import random

@@ -1,4 +1,5 @@
 """Event faults: what happens to the next KV event batches a node sends the index."""
+
 from __future__ import annotations
 
 from enum import Enum
@@ -7,9 +8,9 @@ from kvfabric.fabric import EventBatch
 
 
 class EventFault(str, Enum):
-    DROP = "drop"              # the next batches are lost: the shard sees a gap later
-    DUPLICATE = "duplicate"    # sent twice: the shard must ignore the copy
-    REORDER = "reorder"        # held back and sent after the following ones
+    DROP = "drop"  # the next batches are lost: the shard sees a gap later
+    DUPLICATE = "duplicate"  # sent twice: the shard must ignore the copy
+    REORDER = "reorder"  # held back and sent after the following ones
 
 
 class EventMangler:
@@ -34,6 +35,6 @@ class EventMangler:
         if fault is EventFault.DUPLICATE:
             return held + batches + batches
         if fault is EventFault.REORDER and batches:
-            self._held = batches          # after whatever comes next
+            self._held = batches  # after whatever comes next
             return held
-        return batches + held             # a held-back send goes out after later ones
+        return batches + held  # a held-back send goes out after later ones

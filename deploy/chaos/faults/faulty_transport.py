@@ -1,22 +1,30 @@
 """FaultyTransport: wraps any transport and injects seeded or scripted faults,
 so that chaos tests (ours and users') reach every failure path of a fetch."""
+
 from __future__ import annotations
 
 import time
 from typing import Callable
 
 import torch
-
-from kvfabric.transport import (BackendError, PeerDisconnected, ReadSpec, Transport, TransferHandle,
-                                TransferState, TransferTimeout)
+from kvfabric.transport import (
+    BackendError,
+    PeerDisconnected,
+    ReadSpec,
+    TransferHandle,
+    TransferState,
+    TransferTimeout,
+    Transport,
+)
 from kvfabric.transport.base import as_index_array
 
 from .transfer import Fault, FaultKind, FaultPlan
 
 
 class FaultyTransport(Transport):
-    def __init__(self, inner: Transport, plan: FaultPlan,
-                 kill_peer: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, inner: Transport, plan: FaultPlan, kill_peer: Callable[[str], None] | None = None
+    ) -> None:
         self.inner, self.plan, self.kill_peer = inner, plan, kill_peer
         self._pools: dict[str, torch.Tensor] = {}
         self._faults: dict[int, tuple[Fault, dict[str, list[int]]]] = {}
@@ -51,7 +59,9 @@ class FaultyTransport(Transport):
             self.kill_peer(peer)
             handle = self.inner.read(peer, spec)
         elif fault.kind == FaultKind.HANG:
-            handle = TransferHandle(peer=peer, pages=sum(map(len, local.values())), nbytes=0, descriptors=0)
+            handle = TransferHandle(
+                peer=peer, pages=sum(map(len, local.values())), nbytes=0, descriptors=0
+            )
         elif fault.kind == FaultKind.FAIL_AFTER:
             handle = self.inner.read(peer, _first_pages(spec, fault.after))
         else:
@@ -64,12 +74,19 @@ class FaultyTransport(Transport):
         if fault is None or fault.kind == FaultKind.PEER_DEATH:
             return self.inner.poll(handle, deadline)
         if fault.kind == FaultKind.HANG or (
-                fault.kind == FaultKind.DELAY and time.monotonic() < handle.started + fault.delay_s):
+            fault.kind == FaultKind.DELAY and time.monotonic() < handle.started + fault.delay_s
+        ):
             if deadline is not None and time.monotonic() >= deadline:
                 self.abort(handle)
-                raise TransferTimeout(f"injected {fault.kind.value}: not done by the deadline; aborted")
+                raise TransferTimeout(
+                    f"injected {fault.kind.value}: not done by the deadline; aborted"
+                )
             return False
-        if handle.state is TransferState.PENDING and handle.requests and not self.inner.poll(handle, deadline):
+        if (
+            handle.state is TransferState.PENDING
+            and handle.requests
+            and not self.inner.poll(handle, deadline)
+        ):
             return False
         self._faults.pop(id(handle), None)
         if fault.kind == FaultKind.FAIL_AFTER:

@@ -5,6 +5,7 @@ through a FaultyTransport and counts its cache's reservation points, both idle u
 action arms them; event faults act on what it sends the index next. `ChaosAction`s come
 through the actor's `inject`. A scripted start (tests): `functools.partial(NodeChaos,
 script=[Fault(...)])`, picklable like the class itself."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
@@ -18,7 +19,7 @@ from .events import EventMangler
 from .faulty_transport import FaultyTransport
 from .transfer import Fault, FaultPlan
 
-if TYPE_CHECKING:       # the actors layer imports Ray: only its types are needed here
+if TYPE_CHECKING:  # the actors layer imports Ray: only its types are needed here
     from kvfabric.actors import NodeConfig
 
 
@@ -31,7 +32,7 @@ class NodeChaos:
         self._plan = FaultPlan(script)
         self._evict_after_get = False
         self._evictions = 0
-        self._transport_done = 0         # faults of transport plans since replaced
+        self._transport_done = 0  # faults of transport plans since replaced
 
     # --- the hooks ----------------------------------------------------------------------
     def transport(self, inner: Transport) -> Transport:

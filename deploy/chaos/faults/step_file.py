@@ -5,13 +5,14 @@ vLLM's engine and worker processes, which a test reaches only through a file.
 The file maps a step ("node_load", "worker_load", "worker_save", "node_save") to an
 exception class name; a fault that fired is taken out of the file, so the test sees
 that it did."""
+
 from __future__ import annotations
 
 import json
 import os
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:       # deploy/vllm imports vLLM: only its type is needed here
+if TYPE_CHECKING:  # deploy/vllm imports vLLM: only its type is needed here
     from kvfabric.deploy.vllm.jobs import ConnectorStep
 
 HOOK = "kvfabric.deploy.chaos.faults.step_file:StepFaultFile"
@@ -21,9 +22,16 @@ class InjectedFault(Exception):
     """Raised where a test armed a fault of no built-in kind."""
 
 
-_EXCEPTIONS = {"ValueError": ValueError, "KeyError": KeyError, "RuntimeError": RuntimeError,
-               "MemoryError": MemoryError, "OSError": OSError, "TimeoutError": TimeoutError,
-               "IndexError": IndexError, "InjectedFault": InjectedFault}
+_EXCEPTIONS = {
+    "ValueError": ValueError,
+    "KeyError": KeyError,
+    "RuntimeError": RuntimeError,
+    "MemoryError": MemoryError,
+    "OSError": OSError,
+    "TimeoutError": TimeoutError,
+    "IndexError": IndexError,
+    "InjectedFault": InjectedFault,
+}
 
 
 class StepFaultFile:
@@ -45,7 +53,7 @@ class StepFaultFile:
             with open(self.path) as f:
                 armed = json.load(f)
         except (OSError, ValueError):
-            return     # being rewritten by the test: read it at the next step
+            return  # being rewritten by the test: read it at the next step
         name = armed.pop(step.value, None)
         if not name:
             return

@@ -1,18 +1,21 @@
 """What the fabric-on-a-cluster tests share: the layout and node config they start the
 fabric with (conftest.py), and waits on it. No test here."""
+
 from __future__ import annotations
 
 import time
 from functools import partial
 
 import ray
-
 from kvfabric.actors import NodeConfig
 from kvfabric.fabric import KVLayout, PoolCapacity, PoolName, RouteTable
+
 from tests.waiting import eventually as wait_for
 
 LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=2, head_dim=16, page_size=16, window=32)
-CONFIG = NodeConfig(LAYOUT, {PoolName.FULL: PoolCapacity(64, 64), PoolName.SWA: PoolCapacity(32, 32)}, device="cpu")
+CONFIG = NodeConfig(
+    LAYOUT, {PoolName.FULL: PoolCapacity(64, 64), PoolName.SWA: PoolCapacity(32, 32)}, device="cpu"
+)
 NS = "tenant"
 T = 120.0
 

@@ -2,13 +2,14 @@
 modules (package scope: starting it is most of their time). The index tests run first
 (file order): the node tests add and kill node actors, which the index tests' checks of
 the directory's node list would race."""
+
 from __future__ import annotations
 
 import pytest
 import ray
+from kvfabric.actors import start, stop
 from ray.cluster_utils import Cluster
 
-from kvfabric.actors import start, stop
 from tests.actors.fabric_cluster.cluster_kit import CONFIG
 
 

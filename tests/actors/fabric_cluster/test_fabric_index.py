@@ -2,14 +2,24 @@
 subtrees and crowded shards split across shard actors, by a call or by the directory's
 watcher; a killed directory or shard restarts and is refilled; shards refuse bad input;
 a directory killed mid-rebalance converges; stale routes that cannot be refreshed miss."""
+
 from __future__ import annotations
 
 import pytest
 import ray
-
 from kvfabric.actors import FabricClient
-from tests.actors.fabric_cluster.cluster_kit import (CONFIG, LAYOUT, NS, T, eventually, flush, heartbeat_of,
-                                                     routes_version, until_available)
+
+from tests.actors.fabric_cluster.cluster_kit import (
+    CONFIG,
+    LAYOUT,
+    NS,
+    T,
+    eventually,
+    flush,
+    heartbeat_of,
+    routes_version,
+    until_available,
+)
 from tests.kvgen import prefix_kv
 
 
@@ -34,7 +44,7 @@ def test_hot_subtrees_split_across_shard_actors(fabric):
     for p in prompts:
         assert [(m.node, m.pages) for m in client.lookup(p, NS)] == [(node, 4)]
     served = [ray.get(s.stats.remote(), timeout=T)["lookups"] for s in fabric.shards]
-    assert sum(1 for n in served if n) >= 2            # more than one shard answers now
+    assert sum(1 for n in served if n) >= 2  # more than one shard answers now
 
 
 def test_a_shard_holding_too_many_entries_is_split(fabric):
@@ -50,7 +60,7 @@ def test_a_shard_holding_too_many_entries_is_split(fabric):
     flush(fabric)
     for shard in fabric.shards:
         until_available(shard)
-    ray.get([s.load_report.remote() for s in fabric.shards], timeout=T)    # forget earlier lookups
+    ray.get([s.load_report.remote() for s in fabric.shards], timeout=T)  # forget earlier lookups
     for _ in range(3):
         ray.get(fabric.directory.rebalance.remote(1.2), timeout=T)
         flush(fabric)
@@ -79,13 +89,18 @@ def test_the_directory_rebalances_on_its_own(fabric):
 
     eventually(split, every_s=0.1)
     flush(fabric)
-    eventually(lambda: all([(m.node, m.pages) for m in client.lookup(p, "auto-tenant")] == [(node, 2)]
-                           for p in prompts))
+    eventually(
+        lambda: all(
+            [(m.node, m.pages) for m in client.lookup(p, "auto-tenant")] == [(node, 2)]
+            for p in prompts
+        )
+    )
 
 
 def test_client_keyers_stay_bounded(fabric):
     """A router's or model server's client sees every tenant over its life (100k here)."""
     from tests.actors.test_bounded_memory import BOUND, grown
+
     client = FabricClient.connect(timeout_s=10.0)
     tokens = list(range(32))
     assert grown(lambda i: client.keys(tokens, f"tenant-{i}")) < BOUND
@@ -95,9 +110,10 @@ def test_a_killed_directory_restarts_with_its_routes_and_nodes(fabric):
     """The route table and the node list survive a restart of the directory: it
     rebuilds them from the node actors."""
     from kvfabric.fabric import RouteTable
+
     before_routes = ray.get(fabric.directory.get_routes.remote(), timeout=T)
     before_nodes = ray.get(fabric.directory.node_names.remote(), timeout=T)
-    assert RouteTable.decode(before_routes).version > 0          # earlier tests split
+    assert RouteTable.decode(before_routes).version > 0  # earlier tests split
     _restart_directory(fabric)
     after_routes = ray.get(fabric.directory.get_routes.remote(), timeout=T)
     assert RouteTable.decode(after_routes).version == RouteTable.decode(before_routes).version
@@ -113,6 +129,7 @@ def test_a_killed_directory_restarts_with_its_routes_and_nodes(fabric):
 
 def test_a_killed_shard_restarts_and_is_refilled_by_the_nodes(fabric):
     import time
+
     node = sorted(fabric.nodes)[0]
     tokens = list(range(20_000, 20_000 + 3 * 16))
     ray.get(fabric.nodes[node].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
@@ -123,7 +140,7 @@ def test_a_killed_shard_restarts_and_is_refilled_by_the_nodes(fabric):
     ray.kill(fabric.shards[owner], no_restart=False)
     deadline = time.monotonic() + T
     found = []
-    while not found and time.monotonic() < deadline:     # partial answers while it refills
+    while not found and time.monotonic() < deadline:  # partial answers while it refills
         found = client.lookup(tokens, NS)
         other = list(range(30_000, 30_000 + 16))
         ray.get(fabric.nodes[node].put.remote(other, prefix_kv(LAYOUT, other), NS), timeout=T)
@@ -141,8 +158,15 @@ def test_shards_reject_bad_input_without_change(fabric):
         assert ray.get(shard.apply.remote(junk), timeout=T) == "rejected"
         assert ray.get(shard.load_snapshot.remote(junk), timeout=T) == "rejected"
     from kvfabric.fabric import EventBatch, PageState
-    foreign = EventBatch("intruder", 1, 0, (PageState(b"k" * 16, b"p" * 16, 0, 1),), cleared=True,
-                         fingerprint=b"g" * 16)                     # another model's layout
+
+    foreign = EventBatch(
+        "intruder",
+        1,
+        0,
+        (PageState(b"k" * 16, b"p" * 16, 0, 1),),
+        cleared=True,
+        fingerprint=b"g" * 16,
+    )  # another model's layout
     assert ray.get(shard.apply.remote(foreign.encode()), timeout=T) == "rejected"
     with pytest.raises(ray.exceptions.RayTaskError):
         ray.get(shard.lookup.remote(b"short", 10**6), timeout=T)
@@ -153,30 +177,37 @@ def test_shards_reject_bad_input_without_change(fabric):
 
 def _restart_directory(fabric) -> None:
     import time
+
     first = ray.get(fabric.directory.incarnation.remote(), timeout=T)
     ray.kill(fabric.directory, no_restart=False)
     deadline = time.monotonic() + T
-    while True:                          # kill is asynchronous: wait for the new process
+    while True:  # kill is asynchronous: wait for the new process
         try:
             if ray.get(fabric.directory.incarnation.remote(), timeout=T) != first:
                 return
         except ray.exceptions.RayActorError:
-            pass                         # restarting
+            pass  # restarting
         assert time.monotonic() < deadline
         time.sleep(0.2)
 
 
 def _node_actors(fabric) -> dict:
-    return {n: ray.get_actor(n, namespace="kvfabric") for n in ray.get(fabric.directory.node_names.remote(), timeout=T)}
+    return {
+        n: ray.get_actor(n, namespace="kvfabric")
+        for n in ray.get(fabric.directory.node_names.remote(), timeout=T)
+    }
 
 
 def _converged(fabric) -> bool:
     """Every shard and every attached node on the directory's route table."""
     from kvfabric.fabric import RouteTable
+
     version = RouteTable.decode(ray.get(fabric.directory.get_routes.remote(), timeout=T)).version
     shards = ray.get([s.get_route_version.remote() for s in fabric.shards], timeout=T)
     beats = [heartbeat_of(a) for a in _node_actors(fabric).values()]
-    return all(v == version for v in shards) and all(b is not None and b.route_version == version for b in beats)
+    return all(v == version for v in shards) and all(
+        b is not None and b.route_version == version for b in beats
+    )
 
 
 @pytest.mark.parametrize("cut", ["after_the_shards", "after_one_node"])
@@ -185,6 +216,7 @@ def test_a_directory_killed_mid_rebalance_converges(fabric, cut):
     reroute. Killed after the first step (or partway through the last), the restarted
     directory brings every shard and node onto one table, and lookups find puts again."""
     from kvfabric.fabric import RouteTable
+
     actors = _node_actors(fabric)
     names = sorted(actors)
     node = names[0]
@@ -214,12 +246,14 @@ def test_a_directory_killed_mid_rebalance_converges(fabric, cut):
 def test_a_lookup_misses_when_stale_routes_cannot_be_refreshed(fabric):
     """The shard says the client's routes are stale and the directory is down: a miss."""
     import asyncio
+
     from kvfabric.actors import FabricDirectory
     from kvfabric.fabric import RouteTable
+
     client = FabricClient.connect(timeout_s=10.0)
     tokens = list(range(90_000, 90_000 + 2 * 16))
     current = client.routes
-    assert current.version > 0                                   # earlier tests split
+    assert current.version > 0  # earlier tests split
     client.routes = RouteTable(current.shards, current.routes, current.version - 1)
     gone = FabricDirectory.options(namespace="kvfabric", num_cpus=0).remote(CONFIG, current.shards)
     ray.get(gone.get_routes.remote(), timeout=T)

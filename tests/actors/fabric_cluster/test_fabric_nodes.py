@@ -2,17 +2,26 @@
 test_fabric_index.py): node actors publish to index shards; a client finds a prefix put
 on one node from anywhere, fetches it into another with equal bytes; a killed, restarted,
 added or removed node actor leaves or rejoins the index."""
+
 from __future__ import annotations
 
 from functools import partial
 
 import ray
 import torch
-
 from kvfabric.actors import FabricClient
 from kvfabric.fabric import PoolName
-from tests.actors.fabric_cluster.cluster_kit import (CONFIG, LAYOUT, NS, T, eventually, flush, heartbeat_of,
-                                                     until_available)
+
+from tests.actors.fabric_cluster.cluster_kit import (
+    CONFIG,
+    LAYOUT,
+    NS,
+    T,
+    eventually,
+    flush,
+    heartbeat_of,
+    until_available,
+)
 from tests.kvgen import prefix_kv
 
 
@@ -20,16 +29,20 @@ def test_index_finds_a_prefix_and_fetch_moves_it(fabric):
     names = sorted(fabric.nodes)
     a, b = names[0], names[1]
     tokens = list(range(50, 50 + 5 * 16))
-    assert ray.get(fabric.nodes[a].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T) == 5
+    assert (
+        ray.get(fabric.nodes[a].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T) == 5
+    )
     flush(fabric)
     client = FabricClient.connect(timeout_s=10.0)
     found = client.lookup(tokens, NS)
     assert [(m.node, m.pages) for m in found] == [(a, 5)]
-    assert client.lookup(tokens, "another-tenant") == []           # tenants never see each other
+    assert client.lookup(tokens, "another-tenant") == []  # tenants never see each other
     assert client.fetch(tokens, NS, into=b) == 5
     hit = ray.get(fabric.nodes[b].get.remote(tokens, NS), timeout=T)
     want = prefix_kv(LAYOUT, tokens)
-    assert torch.equal(hit.layers[0], want[0]) and torch.equal(hit.layers[1], want[1][:, hit.starts[PoolName.SWA]:])
+    assert torch.equal(hit.layers[0], want[0]) and torch.equal(
+        hit.layers[1], want[1][:, hit.starts[PoolName.SWA] :]
+    )
     flush(fabric)
     assert {m.node for m in client.lookup(tokens, NS)} == {a, b}
     ray.get([n.check.remote() for n in fabric.nodes.values()], timeout=T)
@@ -44,38 +57,48 @@ def test_source_killed_mid_fetch_leaves_the_destination_clean(fabric):
 
     from kvfabric.actors import NodeCacheActor, join
     from kvfabric.deploy.chaos.faults import Fault, FaultKind, NodeChaos
+
     source_name = sorted(fabric.nodes)[0]
     tokens = list(range(300, 300 + 4 * 16))
     ray.get(fabric.nodes[source_name].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
     hanging = dataclasses.replace(CONFIG, hooks=partial(NodeChaos, script=[Fault(FaultKind.HANG)]))
     dest = NodeCacheActor.options(name="kvf-node-chaos", namespace="kvfabric", num_cpus=0.1).remote(
-        "kvf-node-chaos", hanging)
+        "kvf-node-chaos", hanging
+    )
     join(fabric.directory, "kvf-node-chaos", timeout_s=T)
     # The drop below happens when the test says (the watcher would race the checks before it).
     assert ray.get(fabric.directory.stop_watching.remote(wait_s=T / 2), timeout=T)
     source = fabric.nodes.pop(source_name)
     pending = dest.fetch.remote(source, source_name, tokens, NS)
     time.sleep(0.5)
-    ray.kill(source)                                   # dies while the read is in flight
+    ray.kill(source)  # dies while the read is in flight
     assert ray.get(pending, timeout=T) == "transfer_failed"
-    assert ray.get(dest.match.remote(tokens, NS), timeout=T) == 0   # nothing half-inserted
+    assert ray.get(dest.match.remote(tokens, NS), timeout=T) == 0  # nothing half-inserted
     ray.get(dest.check.remote(), timeout=T)
-    assert ray.get(dest.probe_quarantine.remote(), timeout=T) == []  # the dead source answers no probe
+    assert (
+        ray.get(dest.probe_quarantine.remote(), timeout=T) == []
+    )  # the dead source answers no probe
     stats = ray.get(dest.stats.remote(), timeout=T)
     assert stats["quarantined"] > 0 and source_name in stats["peers"]
-    assert ray.get(dest.fetch.remote(source, source_name, tokens, NS), timeout=T) == "peer_quarantined"
+    assert (
+        ray.get(dest.fetch.remote(source, source_name, tokens, NS), timeout=T) == "peer_quarantined"
+    )
     changed = ray.get(fabric.directory.reconcile.remote(add=False), timeout=T)
     assert source_name in changed.dropped
     stats = ray.get(dest.stats.remote(), timeout=T)
     assert stats["quarantined"] == 0 and stats["pools"]["FULL/DEVICE"]["used"] == 0
-    assert source_name not in stats["peers"]            # forgotten: disconnected too
+    assert source_name not in stats["peers"]  # forgotten: disconnected too
     ray.kill(dest)
     ray.get(fabric.directory.watch.remote(0.5), timeout=T)
     # The directory's watcher drops the dead dest from the directory and the index (and
     # gives the source's Ray node, still alive, a fresh node actor of the same name).
     client = FabricClient.connect(timeout_s=10.0)
-    eventually(lambda: "kvf-node-chaos" not in ray.get(fabric.directory.node_names.remote(), timeout=T)
-               and client.lookup(tokens, NS) == [])
+    eventually(
+        lambda: (
+            "kvf-node-chaos" not in ray.get(fabric.directory.node_names.remote(), timeout=T)
+            and client.lookup(tokens, NS) == []
+        )
+    )
 
 
 def test_a_killed_node_actor_leaves_the_index(fabric):
@@ -87,9 +110,9 @@ def test_a_killed_node_actor_leaves_the_index(fabric):
     client = FabricClient.connect(timeout_s=10.0)
     assert [m.node for m in client.lookup(tokens, NS)] == [victim]
     ray.kill(fabric.nodes.pop(victim))
-    client.purge_dead_nodes()           # at once, rather than at the watcher's next pass
+    client.purge_dead_nodes()  # at once, rather than at the watcher's next pass
     assert client.lookup(tokens, NS) == []
-    assert client.fetch(tokens, NS, into=names[0]) == 0             # nothing to fetch: recompute
+    assert client.fetch(tokens, NS, into=names[0]) == 0  # nothing to fetch: recompute
 
 
 def test_a_node_actor_ray_restarts_rejoins_with_a_new_epoch(fabric):
@@ -104,7 +127,9 @@ def test_a_node_actor_ray_restarts_rejoins_with_a_new_epoch(fabric):
     epoch = ray.get(actor.heartbeat.remote(), timeout=T).epoch
     ray.kill(actor, no_restart=False)
     # The old epoch's pages leave the index; the new actor is attached and connected again.
-    eventually(lambda: (beat := heartbeat_of(actor)) is not None and beat.epoch > epoch and beat.attached)
+    eventually(
+        lambda: (beat := heartbeat_of(actor)) is not None and beat.epoch > epoch and beat.attached
+    )
     eventually(lambda: client.lookup(tokens, NS) == [])
     again = list(range(61_000, 61_000 + 2 * 16))
     ray.get(actor.put.remote(again, prefix_kv(LAYOUT, again), NS), timeout=T)
@@ -116,6 +141,7 @@ def test_a_node_actor_ray_restarts_rejoins_with_a_new_epoch(fabric):
 
 def test_a_node_added_to_the_cluster_joins_and_its_removal_purges_it(fabric, cluster):
     from kvfabric.actors.directory import node_actor_name
+
     added = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     name = node_actor_name(added.node_id)
@@ -127,10 +153,10 @@ def test_a_node_added_to_the_cluster_joins_and_its_removal_purges_it(fabric, clu
     client = FabricClient.connect(timeout_s=10.0)
     assert [m.node for m in client.lookup(tokens, NS)] == [name]
     other = sorted(fabric.nodes)[0]
-    assert client.fetch(tokens, NS, into=other) == 3                # peers were connected both ways
+    assert client.fetch(tokens, NS, into=other) == 3  # peers were connected both ways
     cluster.remove_node(added)
     eventually(lambda: name not in ray.get(fabric.directory.node_names.remote(), timeout=T))
-    flush(fabric)       # the directory purges the shards before it stops listing the node
+    flush(fabric)  # the directory purges the shards before it stops listing the node
     assert [m.node for m in client.lookup(tokens, NS)] == [other]
 
 
@@ -139,12 +165,19 @@ def test_a_holder_the_directory_does_not_list_is_purged(fabric):
     only nodes that answer) is still named by the shards: the watcher purges such a
     stray. An engine's identity on a listed node is not one."""
     from kvfabric.fabric import EventBatch, PageState
+
     shard = fabric.shards[0]
     until_available(shard)
     stray, engine = "kvf-node-0123456789ab", f"{sorted(fabric.nodes)[0]}/engine/0"
     for name in (stray, engine):
-        batch = EventBatch(name, 1, 0, (PageState(b"s" * 16, b"p" * 16, 0, 1),), cleared=True,
-                           fingerprint=LAYOUT.fingerprint)
+        batch = EventBatch(
+            name,
+            1,
+            0,
+            (PageState(b"s" * 16, b"p" * 16, 0, 1),),
+            cleared=True,
+            fingerprint=LAYOUT.fingerprint,
+        )
         assert ray.get(shard.apply.remote(batch.encode()), timeout=T) == "applied"
     eventually(lambda: stray not in ray.get(shard.holders.remote(), timeout=T))
     assert engine in ray.get(shard.holders.remote(), timeout=T)
@@ -159,15 +192,19 @@ def test_a_restarted_node_whose_clock_stepped_back_is_still_accepted(fabric):
 
     class ClockSteppedBack(NodeCacheActor.__ray_metadata__.modified_class):
         def __init__(self, name, config):
-            import time as clock            # this actor's own process: its wall clock only
+            import time as clock  # this actor's own process: its wall clock only
+
             behind = ray.get_runtime_context().was_current_actor_reconstructed
-            now = clock.time_ns() - (3600 * 10**9 if behind else 0)     # an hour back after a restart
+            now = clock.time_ns() - (3600 * 10**9 if behind else 0)  # an hour back after a restart
             clock.time_ns = lambda: now
             super().__init__(name, config)
 
     name = "kvf-node-clock"
-    actor = ray.remote(ClockSteppedBack).options(name=name, namespace="kvfabric", num_cpus=0.1,
-                                                 max_restarts=-1).remote(name, CONFIG)
+    actor = (
+        ray.remote(ClockSteppedBack)
+        .options(name=name, namespace="kvfabric", num_cpus=0.1, max_restarts=-1)
+        .remote(name, CONFIG)
+    )
     try:
         join(fabric.directory, name, timeout_s=T)
         client = FabricClient.connect(timeout_s=10.0)
@@ -177,7 +214,8 @@ def test_a_restarted_node_whose_clock_stepped_back_is_still_accepted(fabric):
         def found(tokens):
             ray.get(actor.flush.remote(), timeout=T)
             return [m.node for m in client.lookup(tokens, NS)] == [name]
-        eventually(lambda: found(first))                 # join attached it
+
+        eventually(lambda: found(first))  # join attached it
         ray.kill(actor, no_restart=False)
         eventually(lambda: client.lookup(first, NS) == [])
         second = list(range(96_000, 96_000 + 2 * 16))

@@ -1,22 +1,28 @@
 """The fault injectors on their own, without Ray: each acts only once armed, counts what
 it did, and calming disarms it. The node actor only forwards to NodeChaos."""
+
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
 
 import pytest
-
 from kvfabric.actors import NodeConfig
-from kvfabric.deploy.chaos.faults import (AllocationFaults, ChaosAction, EventFault, Fault, FaultKind,
-                                          NodeChaos)
+from kvfabric.deploy.chaos.faults import (
+    AllocationFaults,
+    ChaosAction,
+    EventFault,
+    Fault,
+    FaultKind,
+    NodeChaos,
+)
 from kvfabric.fabric import NodeCache, PoolCapacity, PoolName, ReservationFailed, Tier
 from kvfabric.transport import LocalTransport
+
 from tests.fabric.test_node_cache import MIXED, NS, make, seq
 from tests.kvgen import prefix_kv
 
-CAPS = {PoolName.FULL: PoolCapacity(16, 32), PoolName.SWA: PoolCapacity(8, 16)}     # make()'s
-
+CAPS = {PoolName.FULL: PoolCapacity(16, 32), PoolName.SWA: PoolCapacity(8, 16)}  # make()'s
 
 
 def chaos_node() -> tuple[NodeChaos, NodeCache]:
@@ -35,12 +41,12 @@ def batches(n: int) -> list:
 
 def test_allocation_faults_fail_the_armed_point_only():
     faults = AllocationFaults()
-    faults(PoolName.FULL, Tier.DEVICE)                           # idle until armed
+    faults(PoolName.FULL, Tier.DEVICE)  # idle until armed
     faults.arm(2)
     faults(PoolName.FULL, Tier.DEVICE)
     with pytest.raises(ReservationFailed, match="injected allocation failure: FULL/HOST"):
         faults(PoolName.FULL, Tier.HOST)
-    faults(PoolName.SWA, Tier.DEVICE)                            # fires once
+    faults(PoolName.SWA, Tier.DEVICE)  # fires once
     assert (faults.points, faults.injected) == (3, 1)
     with pytest.raises(ValueError):
         faults.arm(0)
@@ -58,9 +64,9 @@ def test_a_chaos_node_is_idle_until_armed_and_counts_what_fired():
 
     hooks.arm(ChaosAction(alloc_point=1))
     other = seq(4, start=100)
-    assert cache.put(other, prefix_kv(MIXED, other), NS) == 0    # its reservation failed
+    assert cache.put(other, prefix_kv(MIXED, other), NS) == 0  # its reservation failed
     assert hooks.fired() == 1 and cache.stats().put_failures == 1
-    cache.check()                                                # the failed put rolled back whole
+    cache.check()  # the failed put rolled back whole
 
     hooks.arm(ChaosAction(events=EventFault.DROP))
     assert hooks.send(batches(2)) == [] and hooks.fired() == 2
@@ -69,7 +75,7 @@ def test_a_chaos_node_is_idle_until_armed_and_counts_what_fired():
     hooks.after_get(cache)
     assert cache.match(tokens, NS).usable_pages == 0 and hooks.fired() == 3
     cache.put(tokens, prefix_kv(MIXED, tokens), NS)
-    hooks.after_get(cache)                                       # fired once: disarmed
+    hooks.after_get(cache)  # fired once: disarmed
     assert cache.match(tokens, NS).usable_pages > 0 and hooks.fired() == 3
 
 
@@ -78,22 +84,30 @@ def test_a_transfer_fault_goes_to_the_wrapped_transport_and_calm_disarms_all():
     assert hooks.faulty is not None
     hooks.arm(ChaosAction(transport=Fault(FaultKind.HANG)))
     assert hooks.faulty.plan.next(4) == Fault(FaultKind.HANG) and hooks.fired() == 1
-    hooks.arm(ChaosAction(transport=Fault(FaultKind.CORRUPT), alloc_point=1, events=EventFault.REORDER,
-                          evict_after_get=True))
+    hooks.arm(
+        ChaosAction(
+            transport=Fault(FaultKind.CORRUPT),
+            alloc_point=1,
+            events=EventFault.REORDER,
+            evict_after_get=True,
+        )
+    )
     hooks.calm()
-    assert hooks.faulty.plan.next(4) is None                     # a fresh, empty plan
+    assert hooks.faulty.plan.next(4) is None  # a fresh, empty plan
     hooks.after_get(cache)
     hooks.reserve(PoolName.FULL, Tier.DEVICE)
     assert hooks.send(batches(1)) == batches(1)
-    assert hooks.fired() == 1                                    # replaced plans still count
+    assert hooks.fired() == 1  # replaced plans still count
 
 
 def test_a_scripted_chaos_node_reads_its_script_first():
-    hooks = NodeChaos(NodeConfig(MIXED, CAPS),
-                      script=[None, Fault(FaultKind.DELAY, delay_s=0.1)])
+    hooks = NodeChaos(NodeConfig(MIXED, CAPS), script=[None, Fault(FaultKind.DELAY, delay_s=0.1)])
     faulty = hooks.transport(LocalTransport())
     assert faulty is hooks.faulty
-    assert [hooks.faulty.plan.next(1), hooks.faulty.plan.next(1)] == [None, Fault(FaultKind.DELAY, delay_s=0.1)]
+    assert [hooks.faulty.plan.next(1), hooks.faulty.plan.next(1)] == [
+        None,
+        Fault(FaultKind.DELAY, delay_s=0.1),
+    ]
     assert hooks.fired() == 1
 
 
@@ -109,15 +123,16 @@ def test_the_step_fault_file_fires_once_what_it_names(tmp_path):
     pytest.importorskip("vllm")
     from kvfabric.deploy.chaos.faults import InjectedFault, StepFaultFile
     from kvfabric.deploy.vllm.jobs import ConnectorStep, FabricSettings
+
     path = tmp_path / "faults.json"
     hook = FabricSettings(**StepFaultFile.settings(str(path))).make_step_hook()
     assert isinstance(hook, StepFaultFile)
-    hook(ConnectorStep.NODE_LOAD)                                # no file: nothing armed
+    hook(ConnectorStep.NODE_LOAD)  # no file: nothing armed
     path.write_text(json.dumps({"node_load": "KeyError", "worker_save": "Nope"}))
     hook(ConnectorStep.WORKER_LOAD)
     with pytest.raises(KeyError, match="node_load"):
         hook(ConnectorStep.NODE_LOAD)
-    hook(ConnectorStep.NODE_LOAD)                                # taken out of the file
+    hook(ConnectorStep.NODE_LOAD)  # taken out of the file
     with pytest.raises(InjectedFault, match="worker_save"):
         hook(ConnectorStep.WORKER_SAVE)
     assert json.loads(path.read_text()) == {}

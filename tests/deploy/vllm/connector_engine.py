@@ -2,6 +2,7 @@
 the FabricConnector on a Ray cluster of two nodes with the fabric on it, and what the
 tests do with it (generate, evict, move a prompt to the other node, arm a fault).
 No test here."""
+
 from __future__ import annotations
 
 import glob
@@ -15,22 +16,23 @@ from functools import partial
 from typing import Iterator
 
 import ray
-from ray.cluster_utils import Cluster
-
 from kvfabric.actors import FabricClient, start, stop
-from kvfabric.actors.directory import NAMESPACE as FABRIC_NS, node_actor_name
+from kvfabric.actors.directory import NAMESPACE as FABRIC_NS
+from kvfabric.actors.directory import node_actor_name
 from kvfabric.actors.node.node_actor import NodeConfig
 from kvfabric.deploy.chaos.faults import ChaosAction, NodeChaos, StepFaultFile
 from kvfabric.deploy.vllm.connector import kv_transfer_config
 from kvfabric.deploy.vllm.model import ensure_tiny_model
 from kvfabric.deploy.vllm.plan import layout_for_model
 from kvfabric.fabric import NodeMatch, PoolCapacity, PoolName
+from ray.cluster_utils import Cluster
+
 from tests.waiting import eventually as wait_for
 
 NAMESPACE = "kvf-vllm-test"
-TENANT = "default"           # the fabric namespace of requests without a cache_salt
+TENANT = "default"  # the fabric namespace of requests without a cache_salt
 BLOCK = 32
-PROMPT_CHARS = 1200          # one token per byte: 1,200 tokens, longer than the 256-token window
+PROMPT_CHARS = 1200  # one token per byte: 1,200 tokens, longer than the 256-token window
 MAX_TOKENS = 12
 CALL_TIMEOUT_S = 120
 
@@ -39,15 +41,16 @@ eventually = partial(wait_for, deadline_s=CALL_TIMEOUT_S, every_s=0.2)
 
 
 class Engine:
-    def __init__(self, llm, fabric, here: str, there: str, fault_file: str, layout=None,
-                 events: str = "") -> None:
+    def __init__(
+        self, llm, fabric, here: str, there: str, fault_file: str, layout=None, events: str = ""
+    ) -> None:
         self.llm = llm
         self.fabric = fabric
-        self.here, self.there = here, there      # the engine's node actor, the remote one
+        self.here, self.there = here, there  # the engine's node actor, the remote one
         self.node, self.peer = fabric.nodes[here], fabric.nodes[there]
         self.fault_file = fault_file
         self.layout = layout
-        self.events = events          # the engine's KV-event endpoint (its replay endpoint: + "-replay")
+        self.events = events  # the engine's KV-event endpoint (its replay endpoint: + "-replay")
         self.rng = random.Random(1234)
 
     def text(self, n: int = PROMPT_CHARS) -> str:
@@ -55,9 +58,11 @@ class Engine:
 
     def generate(self, prompt: str, salt: str | None = None) -> tuple[list[int], int]:
         from vllm import SamplingParams
+
         item = {"prompt": prompt} if salt is None else {"prompt": prompt, "cache_salt": salt}
-        out = self.llm.generate([item], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
-                                use_tqdm=False)[0]
+        out = self.llm.generate(
+            [item], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
+        )[0]
         return list(out.outputs[0].token_ids), out.num_cached_tokens
 
     def reference(self, prompt: str) -> list[int]:
@@ -69,14 +74,25 @@ class Engine:
             self.generate(self.text(), salt=f"filler-{uuid.uuid4().hex}")
 
     def external_hits(self) -> int:
-        return int(sum(m.value for m in self.llm.get_metrics()
-                       if m.name == "vllm:external_prefix_cache_hits"))
+        return int(
+            sum(
+                m.value
+                for m in self.llm.get_metrics()
+                if m.name == "vllm:external_prefix_cache_hits"
+            )
+        )
 
     def remote_hits(self) -> int:
         """Tokens the connector loaded after fetching them from another node (vLLM's
         cached-tokens-by-source counter, source p2p)."""
-        return int(sum(m.value for m in self.llm.get_metrics()
-                       if m.name == "vllm:prompt_tokens_cached_by_source" and m.labels.get("source") == "p2p"))
+        return int(
+            sum(
+                m.value
+                for m in self.llm.get_metrics()
+                if m.name == "vllm:prompt_tokens_cached_by_source"
+                and m.labels.get("source") == "p2p"
+            )
+        )
 
     def pages(self, node, ids: list[int]) -> int:
         return ray.get(node.match.remote(ids, TENANT), timeout=CALL_TIMEOUT_S)
@@ -88,16 +104,23 @@ class Engine:
         ids = self.llm.get_tokenizer().encode(prompt)
         want = (len(ids) - 1) // BLOCK
         self.generate(prompt)
-        have = eventually(lambda: (n := self.pages(self.node, ids)) >= want and n, "the prompt saved here")
+        have = eventually(
+            lambda: (n := self.pages(self.node, ids)) >= want and n, "the prompt saved here"
+        )
         client = FabricClient.connect(timeout_s=CALL_TIMEOUT_S)
-        assert client.fetch(ids, TENANT, into=self.there, source=NodeMatch(self.here, have, True)) >= want
+        assert (
+            client.fetch(ids, TENANT, into=self.there, source=NodeMatch(self.here, have, True))
+            >= want
+        )
         self.evict()
         ray.get(self.node.inject.remote(ChaosAction(evict_after_get=True)), timeout=CALL_TIMEOUT_S)
-        ray.get(self.node.get.remote(ids, TENANT), timeout=CALL_TIMEOUT_S)      # then evicts all it can
+        ray.get(self.node.get.remote(ids, TENANT), timeout=CALL_TIMEOUT_S)  # then evicts all it can
         assert self.pages(self.node, ids) == 0
         ray.get([self.node.flush.remote(), self.peer.flush.remote()], timeout=CALL_TIMEOUT_S)
-        found = eventually(lambda: [(m.node, m.pages) for m in client.lookup(ids, TENANT)] == [(self.there, have)],
-                           "the index to say only the peer holds it")
+        found = eventually(
+            lambda: [(m.node, m.pages) for m in client.lookup(ids, TENANT)] == [(self.there, have)],
+            "the index to say only the peer holds it",
+        )
         assert found
         return have
 
@@ -109,6 +132,7 @@ class Engine:
         def released() -> bool:
             ray.get(self.node.probe_quarantine.remote(), timeout=CALL_TIMEOUT_S)
             return ray.get(self.node.stats.remote(), timeout=CALL_TIMEOUT_S)["quarantined"] == 0
+
         eventually(released, "the quarantine released")
 
     def node_host_hits(self) -> int:
@@ -133,8 +157,10 @@ def running_engine(fault_file: str) -> Iterator[Engine]:
     # On a loaded machine a raylet may wait past Ray's default for its agents to start
     # (and abort): give them longer.
     os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)          # the remote node
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
+    )
+    cluster.add_node(num_cpus=1)  # the remote node
     ray.init(address=cluster.address, namespace=NAMESPACE)
     cluster.wait_for_nodes()
     llm = fab = None
@@ -143,21 +169,42 @@ def running_engine(fault_file: str) -> Iterator[Engine]:
         # The node's device tier holds about one prompt: the others move to its host
         # tier (write-back) and are loaded back from there. chaos: transport faults
         # can be armed on a node's next read from its peer.
-        caps = {PoolName.FULL: PoolCapacity(device=48, host=2048),
-                PoolName.SWA: PoolCapacity(device=16, host=512)}
-        fab = start(NodeConfig(layout, caps, device="cpu", hooks=NodeChaos), shards=1, cpus_per_actor=0.25,
-                    timeout_s=CALL_TIMEOUT_S, watch_s=1.0)
+        caps = {
+            PoolName.FULL: PoolCapacity(device=48, host=2048),
+            PoolName.SWA: PoolCapacity(device=16, host=512),
+        }
+        fab = start(
+            NodeConfig(layout, caps, device="cpu", hooks=NodeChaos),
+            shards=1,
+            cpus_per_actor=0.25,
+            timeout_s=CALL_TIMEOUT_S,
+            watch_s=1.0,
+        )
         here = node_actor_name(ray.get_runtime_context().get_node_id())
         (there,) = set(fab.nodes) - {here}
         from vllm import LLM
         from vllm.config import KVEventsConfig
+
         events = f"ipc:///tmp/kvf-events-{uuid.uuid4().hex[:12]}"
-        llm = LLM(model=str(path), enforce_eager=True, dtype="float32", seed=0, max_model_len=2048,
-                  block_size=BLOCK, kv_cache_memory_bytes=12 << 20, disable_log_stats=False,
-                  kv_transfer_config=kv_transfer_config(here, cluster.address, ray_namespace=FABRIC_NS,
-                                                        **StepFaultFile.settings(fault_file)),
-                  kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events,
-                                                  replay_endpoint=events + "-replay"))
+        llm = LLM(
+            model=str(path),
+            enforce_eager=True,
+            dtype="float32",
+            seed=0,
+            max_model_len=2048,
+            block_size=BLOCK,
+            kv_cache_memory_bytes=12 << 20,
+            disable_log_stats=False,
+            kv_transfer_config=kv_transfer_config(
+                here, cluster.address, ray_namespace=FABRIC_NS, **StepFaultFile.settings(fault_file)
+            ),
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=True,
+                publisher="zmq",
+                endpoint=events,
+                replay_endpoint=events + "-replay",
+            ),
+        )
         print(f"\ncluster, fabric and engine up in {time.monotonic() - started:.1f} s")
         yield Engine(llm, fab, here, there, fault_file, layout, events)
     finally:

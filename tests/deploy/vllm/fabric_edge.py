@@ -3,22 +3,45 @@ for the engine's node (sides_rig.py's LocalNode), a real one for the peer, and t
 lookup, the node's match and its fetch (a real export and import between the two caches,
 as the node actor runs them) answering after a number of polls, raising any exception
 type, or never answering, as an Edge says. No test here."""
+
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
 
 import torch
-
 from kvfabric.deploy.chaos.faults import StepFaultFile
 from kvfabric.deploy.vllm.block_format import BlockFormat
 from kvfabric.deploy.vllm.jobs import FabricSettings
 from kvfabric.deploy.vllm.scheduler_side import SchedulerSide
 from kvfabric.deploy.vllm.worker_side import WorkerSide
-from kvfabric.fabric import FetchOutcome, NodeCache, NodeMatch, PoolCapacity, Tier, export_prefix, import_prefix
+from kvfabric.fabric import (
+    FetchOutcome,
+    NodeCache,
+    NodeMatch,
+    PoolCapacity,
+    Tier,
+    export_prefix,
+    import_prefix,
+)
 from kvfabric.transport.staging import StagingSpec
-from tests.deploy.vllm.sides_rig import (D, FULL_BLOCKS, H, LAYOUT, NAMES, NB, PLAN, PS, SWA_BLOCKS, Blocks,
-                                         LocalNode, Req, Rig, finish_first)
+
+from tests.deploy.vllm.sides_rig import (
+    FULL_BLOCKS,
+    LAYOUT,
+    NAMES,
+    NB,
+    PLAN,
+    PS,
+    SWA_BLOCKS,
+    Blocks,
+    D,
+    H,
+    LocalNode,
+    Req,
+    Rig,
+    finish_first,
+)
 
 PEER = "peer"
 
@@ -27,6 +50,7 @@ PEER = "peer"
 class Edge:
     """What each edge step does: answer after `delay[point]` polls, raise `fail[point]`,
     or never answer (`never`)."""
+
     delay: dict[str, int] = field(default_factory=dict)
     fail: dict[str, type] = field(default_factory=dict)
     never: set[str] = field(default_factory=set)
@@ -41,15 +65,18 @@ class Edge:
 
     def answer(self, point: str, value) -> "Pending":
         self.reached.add(point)
-        return Pending(value, self.fail.get(point), -1 if point in self.never else self.delay.get(point, 0))
+        return Pending(
+            value, self.fail.get(point), -1 if point in self.never else self.delay.get(point, 0)
+        )
 
 
 @dataclass(eq=False)
 class Pending:
     """A call at the edge: its answer, or the exception class its answer raises."""
+
     value: object
     error: type | None
-    polls: int = 0            # polls before it answers; -1: never
+    polls: int = 0  # polls before it answers; -1: never
 
     def done(self) -> bool:
         if self.polls == 0:
@@ -61,7 +88,7 @@ class Pending:
     def pending(self):
         return None if self.polls == 0 else self
 
-    def poll(self):                       # as a PendingLookup
+    def poll(self):  # as a PendingLookup
         if not self.done():
             return None
         if self.error is not None:
@@ -84,8 +111,13 @@ class FabricEdge(LocalNode):
 
     def start_lookup(self, tokens, namespace):
         self.edge.at("start_lookup")
-        found = [NodeMatch(n, c.match(tokens, namespace).usable_pages, True) for n, c in ((PEER, self.peer), (self.name, self.cache))]
-        return self.edge.answer("lookup", sorted([m for m in found if m.pages], key=lambda m: -m.pages))
+        found = [
+            NodeMatch(n, c.match(tokens, namespace).usable_pages, True)
+            for n, c in ((PEER, self.peer), (self.name, self.cache))
+        ]
+        return self.edge.answer(
+            "lookup", sorted([m for m in found if m.pages], key=lambda m: -m.pages)
+        )
 
     def submit(self, method: str, *args):
         if method != "match":
@@ -104,11 +136,20 @@ class FabricEdge(LocalNode):
     def _fetch(self, tokens, namespace) -> FetchOutcome:
         """The node actor's fetch, in process: the peer exports, this node imports."""
         keys = self.cache.keys(tokens, namespace)
-        grant = export_prefix(self.peer, self.peer.leases, keys, self.cache.match(tokens, namespace).present_pages, 10.0)
+        grant = export_prefix(
+            self.peer,
+            self.peer.leases,
+            keys,
+            self.cache.match(tokens, namespace).present_pages,
+            10.0,
+        )
 
         def read(pool, refs, pages):
             for (tier, index), page in zip(refs, pages):
-                self.cache.registry.pool(pool, Tier.DEVICE).data[page] = self.peer.registry.pool(pool, tier).data[index]
+                self.cache.registry.pool(pool, Tier.DEVICE).data[page] = self.peer.registry.pool(
+                    pool, tier
+                ).data[index]
+
         try:
             return import_prefix(self.cache, tokens, namespace, grant, read, peer=PEER)
         finally:
@@ -130,18 +171,24 @@ class FabricEdge(LocalNode):
 
 
 def fresh_cache() -> NodeCache:
-    return NodeCache(LAYOUT, {p: PoolCapacity(device=64, host=64) for p in LAYOUT.pools}, device="cpu")
+    return NodeCache(
+        LAYOUT, {p: PoolCapacity(device=64, host=64) for p in LAYOUT.pools}, device="cpu"
+    )
 
 
 def make_rig(tmp_path_factory, edge: Edge, **settings_) -> Rig:
     spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", 64)
     fault_file = str(tmp_path_factory.mktemp("f") / "faults.json")
-    settings_ = FabricSettings(node_actor="local", **StepFaultFile.settings(fault_file), **settings_)
+    settings_ = FabricSettings(
+        node_actor="local", **StepFaultFile.settings(fault_file), **settings_
+    )
     sched, worker = SchedulerSide(PLAN, settings_, spec), WorkerSide(PLAN, settings_, spec)
     node = FabricEdge(spec, edge)
     node.attach(sched)
     g = torch.Generator().manual_seed(0)
-    worker.register({n: torch.randn(NB, H, PS, 2 * D, generator=g) for n in NAMES}, BlockFormat.KV_ROWS)
+    worker.register(
+        {n: torch.randn(NB, H, PS, 2 * D, generator=g) for n in NAMES}, BlockFormat.KV_ROWS
+    )
     return Rig(sched, worker, worker.views, fault_file, node)
 
 
@@ -173,7 +220,10 @@ def load(rig: Rig, req: Req, n: int):
 
 
 def loaded_exactly(rig: Rig) -> bool:
-    full = all(torch.equal(rig.kv[n][list(range(30, 40))], rig.kv[n][FULL_BLOCKS[:10]]) for n in NAMES[1::2])
+    full = all(
+        torch.equal(rig.kv[n][list(range(30, 40))], rig.kv[n][FULL_BLOCKS[:10]])
+        for n in NAMES[1::2]
+    )
     swa = all(torch.equal(rig.kv[n][[40, 41]], rig.kv[n][SWA_BLOCKS[8:10]]) for n in NAMES[0::2])
     return full and swa
 

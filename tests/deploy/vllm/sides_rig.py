@@ -2,6 +2,7 @@
 vLLM's CPU layout, real staging files, a real NodeCache (LocalNode: what NodeLink reaches
 over Ray, called in process), and a Rig that steps them as vLLM would. Used by
 test_vllm_sides.py and, with the peer and index at the edge, fabric_edge.py. No test here."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,6 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-
 from kvfabric.deploy.vllm.plan import EnginePlan, LayerSlot
 from kvfabric.deploy.vllm.scheduler_side import SchedulerSide
 from kvfabric.deploy.vllm.worker_side import WorkerSide
@@ -18,25 +18,39 @@ from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity, PoolName
 from kvfabric.transport.staging import SharedPages, StagingSpec, load_to_staging, save_from_staging
 
 PS, H, D, NB = 4, 2, 8, 64
-LAYOUT = KVLayout(layers=("swa", "full", "swa", "full"), kv_heads=H, head_dim=D, page_size=PS,
-                  window=8, tag="vllm:test")
+LAYOUT = KVLayout(
+    layers=("swa", "full", "swa", "full"),
+    kv_heads=H,
+    head_dim=D,
+    page_size=PS,
+    window=8,
+    tag="vllm:test",
+)
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 # Group 0: the SWA layers, group 1: the full ones (vLLM's hybrid allocator).
-PLAN = EnginePlan(LAYOUT, (LayerSlot(NAMES[0], 0, PoolName.SWA, 0), LayerSlot(NAMES[1], 1, PoolName.FULL, 0),
-                           LayerSlot(NAMES[2], 0, PoolName.SWA, 1), LayerSlot(NAMES[3], 1, PoolName.FULL, 1)),
-                  (PoolName.SWA, PoolName.FULL))
+PLAN = EnginePlan(
+    LAYOUT,
+    (
+        LayerSlot(NAMES[0], 0, PoolName.SWA, 0),
+        LayerSlot(NAMES[1], 1, PoolName.FULL, 0),
+        LayerSlot(NAMES[2], 0, PoolName.SWA, 1),
+        LayerSlot(NAMES[3], 1, PoolName.FULL, 1),
+    ),
+    (PoolName.SWA, PoolName.FULL),
+)
 
 
 class LocalNode:
     """What NodeLink reaches over Ray, called in process."""
 
     def __init__(self, spec: StagingSpec) -> None:
-        self.cache = NodeCache(LAYOUT, {p: PoolCapacity(device=64, host=64) for p in LAYOUT.pools},
-                               device="cpu")
+        self.cache = NodeCache(
+            LAYOUT, {p: PoolCapacity(device=64, host=64) for p in LAYOUT.pools}, device="cpu"
+        )
         self.shared = SharedPages(spec, LAYOUT)
         self.disabled = ""
         self.name = "local"
-        self.reports: dict[str, dict] = {}      # the connector's counters, as the node keeps them
+        self.reports: dict[str, dict] = {}  # the connector's counters, as the node keeps them
 
     def report(self, engine: str, stats) -> None:
         self.reports[engine] = dataclasses.asdict(stats)
@@ -45,16 +59,16 @@ class LocalNode:
         return True
 
     def index_ready(self) -> bool:
-        return False          # no fabric index: hits come from this node only
+        return False  # no fabric index: hits come from this node only
 
     def attach(self, sched: SchedulerSide) -> None:
         sched.node = sched.remote.link = self
 
     def call(self, method: str, *args):
-        if method == "match":                   # (tokens, namespace)
+        if method == "match":  # (tokens, namespace)
             return self.cache.match(*args).usable_pages
         fn = {"load_staged": load_to_staging, "save_staged": save_from_staging}[method]
-        return fn(self.cache, self.shared, *args[1:])     # args[0]: the staging spec
+        return fn(self.cache, self.shared, *args[1:])  # args[0]: the staging spec
 
     def submit(self, method: str, *args) -> "Answer":
         """A call that has answered by the time anyone asks."""
@@ -105,16 +119,25 @@ class Rig:
     log: list = field(default_factory=list)
 
     def step(self):
-        meta = self.sched.build_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
-                                                     total_num_scheduled_tokens=0,
-                                                     scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
+        meta = self.sched.build_meta(
+            SimpleNamespace(
+                scheduled_new_reqs=[],
+                num_scheduled_tokens={},
+                total_num_scheduled_tokens=0,
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            )
+        )
         self.worker.start_load(meta)
         self.worker.save(meta)
         sending, recving, failed = self.worker.transfer_results()
-        out = SimpleNamespace(finished_sending=sending, finished_recving=recving, failed_recving=failed,
-                              kv_connector_worker_meta=self.worker.worker_meta())
+        out = SimpleNamespace(
+            finished_sending=sending,
+            finished_recving=recving,
+            failed_recving=failed,
+            kv_connector_worker_meta=self.worker.worker_meta(),
+        )
         self.sched.on_output(out)
-        self.sched._collect_stores()     # what the next step's build_meta does first
+        self.sched._collect_stores()  # what the next step's build_meta does first
         return out
 
     def arm(self, point: str, exception: str) -> None:
@@ -122,9 +145,9 @@ class Rig:
             json.dump({point: exception}, f)
 
 
-PROMPT = list(range(100, 141))          # 41 tokens: 10 whole pages + 1
+PROMPT = list(range(100, 141))  # 41 tokens: 10 whole pages + 1
 FULL_BLOCKS = list(range(1, 12))
-SWA_BLOCKS = [0] * 8 + [20, 21, 22]     # vLLM's null block 0 before the window
+SWA_BLOCKS = [0] * 8 + [20, 21, 22]  # vLLM's null block 0 before the window
 
 
 def finish_first(rig: Rig) -> None:

@@ -5,13 +5,15 @@ is written here as vLLM's backends write it), for any stride order vLLM's KVCach
 can give. And a page saved by an engine of one format and loaded by an engine of the
 other holds the same K and V: the differential check of the two conversions. The CUDA
 case runs where a GPU is (benchmarks/gpu_check.sh); here it is skipped."""
+
 from __future__ import annotations
 
 import uuid
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
@@ -24,37 +26,49 @@ from kvfabric.transport.staging import StagingSpec  # noqa: E402
 
 # Physical orders of a layer's logical [B, H, N, C] (vLLM's KVCacheLayout without L).
 ORDERS = [(0, 1, 2, 3), (0, 2, 1, 3), (1, 0, 2, 3)]
-ROWS_ORDERS = [(0, 1, 2, 3), (1, 0, 2, 3)]       # CPU_ATTN's slab stays contiguous
+ROWS_ORDERS = [(0, 1, 2, 3), (1, 0, 2, 3)]  # CPU_ATTN's slab stays contiguous
 
 
-def layer_tensor(blocks: int, heads: int, rows: int, content: int, order, gen, device="cpu") -> torch.Tensor:
+def layer_tensor(
+    blocks: int, heads: int, rows: int, content: int, order, gen, device="cpu"
+) -> torch.Tensor:
     """A logical [blocks, heads, rows, content] tensor stored in physical `order`."""
     logical = (blocks, heads, rows, content)
     physical = torch.randn([logical[i] for i in order], generator=gen).to(device)
     return physical.permute(*[order.index(i) for i in range(4)])
 
 
-def backend_k_v(t: torch.Tensor, fmt: BlockFormat, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def backend_k_v(
+    t: torch.Tensor, fmt: BlockFormat, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V as [blocks, heads, rows, head_dim], split the way the backends split them."""
-    if fmt is BlockFormat.KV_ROWS:       # cpu_attn: view (B, H, 2N, D), chunk on dim 2
+    if fmt is BlockFormat.KV_ROWS:  # cpu_attn: view (B, H, 2N, D), chunk on dim 2
         b, h, n, _ = t.shape
         k, v = t.view(b, h, 2 * n, head_dim).chunk(2, dim=2)
         return k, v
-    k, v = t.transpose(1, 2).split(head_dim, dim=-1)     # flash_attn: (B, N, H, D) each
+    k, v = t.transpose(1, 2).split(head_dim, dim=-1)  # flash_attn: (B, N, H, D) each
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
 @settings(max_examples=60, deadline=None)
-@given(fmt=st.sampled_from(list(BlockFormat)), data=st.data(), blocks=st.integers(1, 5),
-       heads=st.integers(1, 3), rows=st.integers(1, 4), head_dim=st.integers(1, 4))
+@given(
+    fmt=st.sampled_from(list(BlockFormat)),
+    data=st.data(),
+    blocks=st.integers(1, 5),
+    heads=st.integers(1, 3),
+    rows=st.integers(1, 4),
+    head_dim=st.integers(1, 4),
+)
 def test_the_view_names_the_k_and_v_the_backend_reads(fmt, data, blocks, heads, rows, head_dim):
     orders = ROWS_ORDERS if fmt is BlockFormat.KV_ROWS else ORDERS
     order = data.draw(st.sampled_from(orders))
-    t = layer_tensor(blocks, heads, rows, 2 * head_dim, order, torch.Generator().manual_seed(blocks))
+    t = layer_tensor(
+        blocks, heads, rows, 2 * head_dim, order, torch.Generator().manual_seed(blocks)
+    )
     view = fmt.view(t, heads, rows, head_dim)
     k, v = backend_k_v(t, fmt, head_dim)
     assert torch.equal(view[:, :, 0], k) and torch.equal(view[:, :, 1], v)
-    view[:, :, 1].fill_(7.0)             # a view: writes land where the backend reads
+    view[:, :, 1].fill_(7.0)  # a view: writes land where the backend reads
     assert bool((backend_k_v(t, fmt, head_dim)[1] == 7.0).all())
 
 
@@ -73,10 +87,10 @@ def test_formats_of_backends():
 def test_tensors_it_cannot_convert_are_refused(fmt):
     gen = torch.Generator().manual_seed(1)
     with pytest.raises(RuntimeError, match="not"):
-        fmt.view(torch.zeros(4, 2, 4, 15), 2, 4, 8)              # content dim not 2 * head_dim
+        fmt.view(torch.zeros(4, 2, 4, 15), 2, 4, 8)  # content dim not 2 * head_dim
     with pytest.raises(RuntimeError, match="innermost"):
         fmt.view(torch.zeros(4, 2, 16, 4).transpose(2, 3), 2, 4, 8)
-    slab_split = layer_tensor(4, 2, 4, 16, (0, 2, 1, 3), gen)     # rows of a slab apart
+    slab_split = layer_tensor(4, 2, 4, 16, (0, 2, 1, 3), gen)  # rows of a slab apart
     if fmt is BlockFormat.KV_ROWS:
         with pytest.raises(RuntimeError, match="slab"):
             fmt.view(slab_split, 2, 4, 8)
@@ -87,18 +101,29 @@ def test_tensors_it_cannot_convert_are_refused(fmt):
 # --- a page saved by one format, loaded by the other ----------------------------------------
 
 PS, H, D, NB = 4, 2, 8, 16
-LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=H, head_dim=D, page_size=PS, window=8, tag="vllm:test")
+LAYOUT = KVLayout(
+    layers=("full", "swa"), kv_heads=H, head_dim=D, page_size=PS, window=8, tag="vllm:test"
+)
 NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-PLAN = EnginePlan(LAYOUT, (LayerSlot(NAMES[0], 0, PoolName.FULL, 0), LayerSlot(NAMES[1], 1, PoolName.SWA, 0)),
-                  (PoolName.FULL, PoolName.SWA))
+PLAN = EnginePlan(
+    LAYOUT,
+    (LayerSlot(NAMES[0], 0, PoolName.FULL, 0), LayerSlot(NAMES[1], 1, PoolName.SWA, 0)),
+    (PoolName.FULL, PoolName.SWA),
+)
 
 
 def copy_job(blocks: list[int], slots: list[int]) -> CopyJob:
-    return CopyJob("r", [PoolMove(PoolName.FULL, slots, {0: blocks}), PoolMove(PoolName.SWA, slots, {1: blocks})],
-                   key="k", ends_request=True)
+    return CopyJob(
+        "r",
+        [PoolMove(PoolName.FULL, slots, {0: blocks}), PoolMove(PoolName.SWA, slots, {1: blocks})],
+        key="k",
+        ends_request=True,
+    )
 
 
-def worker(spec: StagingSpec, fmt: BlockFormat, order, device: str, seed: int) -> tuple[WorkerSide, dict]:
+def worker(
+    spec: StagingSpec, fmt: BlockFormat, order, device: str, seed: int
+) -> tuple[WorkerSide, dict]:
     side = WorkerSide(PLAN, FabricSettings(node_actor="local"), spec)
     gen = torch.Generator().manual_seed(seed)
     kv = {n: layer_tensor(NB, H, PS, 2 * D, order, gen, device) for n in NAMES}
@@ -125,8 +150,12 @@ def round_trip(saver_fmt, saver_order, loader_fmt, loader_order, device: str) ->
         saver.shared.unlink()
 
 
-@pytest.mark.parametrize("saver", [(BlockFormat.KV_ROWS, ROWS_ORDERS[1]), (BlockFormat.KV_CHANNELS, ORDERS[1])])
-@pytest.mark.parametrize("loader", [(BlockFormat.KV_ROWS, ROWS_ORDERS[0]), (BlockFormat.KV_CHANNELS, ORDERS[2])])
+@pytest.mark.parametrize(
+    "saver", [(BlockFormat.KV_ROWS, ROWS_ORDERS[1]), (BlockFormat.KV_CHANNELS, ORDERS[1])]
+)
+@pytest.mark.parametrize(
+    "loader", [(BlockFormat.KV_ROWS, ROWS_ORDERS[0]), (BlockFormat.KV_CHANNELS, ORDERS[2])]
+)
 def test_a_page_means_the_same_k_and_v_in_every_format(saver, loader):
     round_trip(*saver, *loader, "cpu")
 

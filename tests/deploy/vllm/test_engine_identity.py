@@ -1,6 +1,6 @@
 """An engine's index identity maps back to its node (and so to the replica there)."""
-import pytest
 
+import pytest
 from kvfabric.deploy.vllm.engine_identity import engine_index_node, is_engine, node_actor_of
 
 
@@ -10,8 +10,17 @@ def test_an_engine_maps_back_to_its_node_and_a_node_to_itself() -> None:
     assert not is_engine("kvf-node-abc") and node_actor_of("kvf-node-abc") == "kvf-node-abc"
 
 
-@pytest.mark.parametrize("node,slot", [("", "0"), ("n", ""), ("a/engine/b", "0"), ("n", "x/engine/y"),
-                                       ("n" * 250, "slot-1"), (3, "0")])
+@pytest.mark.parametrize(
+    "node,slot",
+    [
+        ("", "0"),
+        ("n", ""),
+        ("a/engine/b", "0"),
+        ("n", "x/engine/y"),
+        ("n" * 250, "slot-1"),
+        (3, "0"),
+    ],
+)
 def test_bad_identities_are_refused(node, slot) -> None:
     with pytest.raises(ValueError):
         engine_index_node(node, slot)

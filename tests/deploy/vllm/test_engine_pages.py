@@ -6,24 +6,41 @@ any order), blocks leave groups one at a time, the cache is cleared. The transla
 batches go into a real PrefixIndex; its pages for the engine must equal a model of
 what the engine holds: every block some group holds, keyed by the fabric's own keyer
 under the request's namespace, masked by which groups hold it."""
+
 from __future__ import annotations
 
 import hashlib
 from typing import Any
 
 import pytest
-from hypothesis import given, strategies as st
-
+from hypothesis import given
+from hypothesis import strategies as st
 from kvfabric.deploy.vllm.engine_pages import EnginePages, Skip
 from kvfabric.deploy.vllm.event_wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvfabric.deploy.vllm.namespaces import fabric_namespace
-from kvfabric.fabric import (KVLayout, LayerKind, MatchRule, PageKeyer, PageMask, PageState, PoolName, PrefixIndex,
-                             RouteTable)
+from kvfabric.fabric import (
+    KVLayout,
+    LayerKind,
+    MatchRule,
+    PageKeyer,
+    PageMask,
+    PageState,
+    PoolName,
+    PrefixIndex,
+    RouteTable,
+)
 
 PS = 4
-LAYOUT = KVLayout(layers=(LayerKind.SWA, LayerKind.FULL, LayerKind.SWA), kv_heads=1, head_dim=4, page_size=PS,
-                  window=8, dtype="float32", tag="test")
-GROUPS = (PoolName.SWA, PoolName.FULL, PoolName.SWA)      # two sliding-window groups, one full
+LAYOUT = KVLayout(
+    layers=(LayerKind.SWA, LayerKind.FULL, LayerKind.SWA),
+    kv_heads=1,
+    head_dim=4,
+    page_size=PS,
+    window=8,
+    dtype="float32",
+    tag="test",
+)
+GROUPS = (PoolName.SWA, PoolName.FULL, PoolName.SWA)  # two sliding-window groups, one full
 WINDOW_BLOCKS = 2
 NODE = "node-0/engine/0"
 
@@ -40,11 +57,12 @@ class Engine:
         self.held: set[tuple[bytes, int]] = set()
         self.prefix: dict[bytes, tuple[str | None, tuple[int, ...]]] = {}
 
-    def compute(self, salt: str | None, tokens: tuple[int, ...], first: int, end: int,
-                order: list[int]) -> list[BlockStored]:
-        hashes = [vllm_hash(salt, tokens[:(b + 1) * PS]) for b in range(end)]
+    def compute(
+        self, salt: str | None, tokens: tuple[int, ...], first: int, end: int, order: list[int]
+    ) -> list[BlockStored]:
+        hashes = [vllm_hash(salt, tokens[: (b + 1) * PS]) for b in range(end)]
         for b in range(end):
-            self.prefix[hashes[b]] = (salt, tokens[:(b + 1) * PS])
+            self.prefix[hashes[b]] = (salt, tokens[: (b + 1) * PS])
         events = []
         for g in order:
             lo = first if GROUPS[g] == PoolName.FULL else max(first, end - WINDOW_BLOCKS)
@@ -53,9 +71,21 @@ class Engine:
             # As vLLM writes them: a window group lists its in-window hashes only, with the
             # parent and the tokens of the whole range.
             extra = [([salt] if salt and b == 0 else None) for b in range(lo, end)]
-            events.append(BlockStored(tuple(hashes[lo:end]), hashes[first - 1] if first else None,
-                                      tokens[first * PS:end * PS], PS, "GPU", g, None, None, None, None,
-                                      tuple(None if e is None else tuple(e) for e in extra)))
+            events.append(
+                BlockStored(
+                    tuple(hashes[lo:end]),
+                    hashes[first - 1] if first else None,
+                    tokens[first * PS : end * PS],
+                    PS,
+                    "GPU",
+                    g,
+                    None,
+                    None,
+                    None,
+                    None,
+                    tuple(None if e is None else tuple(e) for e in extra),
+                )
+            )
         return events
 
     def expected(self) -> dict[bytes, PageState]:
@@ -63,23 +93,39 @@ class Engine:
         for h, g in self.held:
             by_hash.setdefault(h, set()).add(g)
         for h, groups in by_hash.items():
-            mask = (PageMask.FULL_DEVICE if 1 in groups else 0) | (PageMask.SWA_DEVICE if {0, 2} <= groups else 0)
+            mask = (PageMask.FULL_DEVICE if 1 in groups else 0) | (
+                PageMask.SWA_DEVICE if {0, 2} <= groups else 0
+            )
             if not mask:
                 continue
             salt, tokens = self.prefix[h]
             keys = PageKeyer(fabric_namespace(salt), LAYOUT.fingerprint, PS).keys(tokens)
-            parent = keys[-2] if len(keys) > 1 else PageKeyer(fabric_namespace(salt), LAYOUT.fingerprint, PS).root
+            parent = (
+                keys[-2]
+                if len(keys) > 1
+                else PageKeyer(fabric_namespace(salt), LAYOUT.fingerprint, PS).root
+            )
             out[keys[-1]] = PageState(keys[-1], parent, len(keys) - 1, int(mask))
         return out
 
 
 PROMPTS = [tuple([1, 2, 3, 4] * 2 + [5] * 16), tuple([1, 2, 3, 4] * 2 + [6] * 16), tuple(range(24))]
 SALTS = [None, "tenant-a", "tenant-b"]
-OPS = st.lists(st.one_of(
-    st.tuples(st.just("compute"), st.sampled_from(SALTS), st.integers(0, len(PROMPTS) - 1), st.integers(0, 6),
-              st.integers(1, 6), st.permutations(range(len(GROUPS)))),
-    st.tuples(st.just("remove"), st.integers(0, 99), st.integers(0, len(GROUPS) - 1)),
-    st.tuples(st.just("clear"))), max_size=25)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("compute"),
+            st.sampled_from(SALTS),
+            st.integers(0, len(PROMPTS) - 1),
+            st.integers(0, 6),
+            st.integers(1, 6),
+            st.permutations(range(len(GROUPS))),
+        ),
+        st.tuples(st.just("remove"), st.integers(0, 99), st.integers(0, len(GROUPS) - 1)),
+        st.tuples(st.just("clear")),
+    ),
+    max_size=25,
+)
 
 
 def drain_into(pages: EnginePages, index: PrefixIndex, routes: RouteTable) -> None:
@@ -88,14 +134,16 @@ def drain_into(pages: EnginePages, index: PrefixIndex, routes: RouteTable) -> No
 
 
 @given(OPS, st.integers(1, 3))
-def test_translated_index_equals_what_the_engine_holds(ops: list[tuple], publish_every: int) -> None:
+def test_translated_index_equals_what_the_engine_holds(
+    ops: list[tuple], publish_every: int
+) -> None:
     engine, pages = Engine(), EnginePages(NODE, 1, LAYOUT, GROUPS)
     index, routes = PrefixIndex(MatchRule.of(LAYOUT), LAYOUT.fingerprint), RouteTable(1)
-    computed: dict[tuple[str | None, int], int] = {}       # blocks a request may build on
+    computed: dict[tuple[str | None, int], int] = {}  # blocks a request may build on
     for step, op in enumerate(ops):
         if op[0] == "compute":
             _, salt, p, first, n, order = op
-            first = min(first, computed.get((salt, p), 0))    # a request extends what it computed
+            first = min(first, computed.get((salt, p), 0))  # a request extends what it computed
             end = min(first + n, len(PROMPTS[p]) // PS)
             if end <= first:
                 continue
@@ -130,19 +178,42 @@ def test_tenants_identical_prompts_never_share_a_page() -> None:
 def test_unsupported_and_unknown_blocks_are_skipped_and_counted() -> None:
     pages = EnginePages(NODE, 1, LAYOUT, GROUPS)
     h = [vllm_hash(None, (i,)) for i in range(4)]
-    pages.apply([
-        BlockStored((h[0],), h[3], (1,) * PS, PS, "GPU", 1, None, None, None, None, None),       # parent unknown
-        BlockStored((h[1],), None, (1,) * PS, PS, "CPU", 1, None, None, None, None, None),       # offload tier
-        BlockStored((h[1],), None, (1,) * PS, PS, "GPU", 7, None, None, None, None, None),       # no such group
-        BlockStored((h[1],), None, (1,) * PS, PS, None, 1, "sliding_window", 8, None, None, None),  # wrong kind
-        BlockStored((h[1],), None, (1,) * 2 * PS, 2 * PS, "GPU", 1, None, None, None, None, None),  # other size
-        BlockStored((h[1],), None, (1,) * PS, PS, "GPU", 1, None, None, None, "lora", None),     # LoRA
-        BlockStored((h[1],), None, (1,) * PS, PS, "GPU", 1, None, None, None, None, (("mm", 0),)),  # multimodal
-        BlockRemoved((h[2],), "GPU", 1)])
+    pages.apply(
+        [
+            BlockStored(
+                (h[0],), h[3], (1,) * PS, PS, "GPU", 1, None, None, None, None, None
+            ),  # parent unknown
+            BlockStored(
+                (h[1],), None, (1,) * PS, PS, "CPU", 1, None, None, None, None, None
+            ),  # offload tier
+            BlockStored(
+                (h[1],), None, (1,) * PS, PS, "GPU", 7, None, None, None, None, None
+            ),  # no such group
+            BlockStored(
+                (h[1],), None, (1,) * PS, PS, None, 1, "sliding_window", 8, None, None, None
+            ),  # wrong kind
+            BlockStored(
+                (h[1],), None, (1,) * 2 * PS, 2 * PS, "GPU", 1, None, None, None, None, None
+            ),  # other size
+            BlockStored(
+                (h[1],), None, (1,) * PS, PS, "GPU", 1, None, None, None, "lora", None
+            ),  # LoRA
+            BlockStored(
+                (h[1],), None, (1,) * PS, PS, "GPU", 1, None, None, None, None, (("mm", 0),)
+            ),  # multimodal
+            BlockRemoved((h[2],), "GPU", 1),
+        ]
+    )
     assert pages.held() == {}
     s = pages.stats.skipped
-    assert (s[Skip.UNKNOWN_PARENT], s[Skip.MEDIUM], s[Skip.GROUP], s[Skip.BLOCK_SIZE], s[Skip.EXTRA_KEYS],
-            s[Skip.UNKNOWN_REMOVED]) == (1, 1, 2, 1, 2, 1)
+    assert (
+        s[Skip.UNKNOWN_PARENT],
+        s[Skip.MEDIUM],
+        s[Skip.GROUP],
+        s[Skip.BLOCK_SIZE],
+        s[Skip.EXTRA_KEYS],
+        s[Skip.UNKNOWN_REMOVED],
+    ) == (1, 1, 2, 1, 2, 1)
 
 
 @pytest.mark.parametrize("shards", [1, 3])

@@ -3,12 +3,14 @@ bad values are refused with the field's name, good ones become the LLMConfig Ser
 deploys. GPU engines (`gpus_per_replica`) are configured here without a GPU: their
 bundle asks Ray for the GPU, the engine runs CUDA graphs, and the layout the nodes, the
 router and the connector agree on names CUDA, so CPU- and GPU-computed pages never mix."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
@@ -18,8 +20,14 @@ from kvfabric.deploy.vllm.plan import PlanError, layout_for_model  # noqa: E402
 from kvfabric.deploy.vllm.serve_llm import LLMAppArgs, baseline_llm_config, llm_config  # noqa: E402
 
 FIELDS = {f.name for f in dataclasses.fields(LLMAppArgs)}
-JUNK = st.one_of(st.none(), st.booleans(), st.integers(-10, 10), st.floats(allow_nan=True), st.text(max_size=4),
-                 st.lists(st.integers(), max_size=2))
+JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-10, 10),
+    st.floats(allow_nan=True),
+    st.text(max_size=4),
+    st.lists(st.integers(), max_size=2),
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -70,7 +78,9 @@ def test_gpu_engines_config():
     assert cfg.engine_kwargs["enforce_eager"] is False
     assert cfg.engine_kwargs["block_size"] == 16
     assert cfg.engine_kwargs["gpu_memory_utilization"] == 0.9
-    assert cfg.deployment_config["request_router_config"]["request_router_kwargs"]["device"] == "cuda"
+    assert (
+        cfg.deployment_config["request_router_config"]["request_router_kwargs"]["device"] == "cuda"
+    )
     layout = args.layout()
     assert layout.tag.startswith("vllm:cuda:") and layout.page_size == 16
     # Pages a GPU computed are not the CPU engines' pages: the layouts differ.

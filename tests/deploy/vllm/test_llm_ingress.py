@@ -1,24 +1,29 @@
 """Tenants in front of the vLLM app (deploy/vllm/llm_ingress.py): the request's cache_salt,
 which is its namespace in vLLM's cache and the fabric's, comes from its API key. Through
 the ingress's own request path in process; the LLM deployment behind it is the edge."""
+
 from __future__ import annotations
 
 import asyncio
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
-from starlette.requests import Request  # noqa: E402
-
 from kvfabric.deploy.vllm.llm_ingress import FabricLLMIngress  # noqa: E402
 from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest  # noqa: E402
+from starlette.requests import Request  # noqa: E402
+
 from tests.deploy.test_ingress_auth import KEY_A, KEY_AB, KEY_B, TABLE  # noqa: E402
 
-TABLE_YAML = {KEY_A: {"namespaces": ["a", "a-eval"]}, KEY_B: {"namespaces": ["b"], "default": "b"},
-              KEY_AB: {"namespaces": ["a", "b"], "default": "b"}}
+TABLE_YAML = {
+    KEY_A: {"namespaces": ["a", "a-eval"]},
+    KEY_B: {"namespaces": ["b"], "default": "b"},
+    KEY_AB: {"namespaces": ["a", "b"], "default": "b"},
+}
 
 
 def request(headers: dict[str, str]) -> Request:
@@ -36,17 +41,20 @@ def ingress(tmp_path_factory) -> FabricLLMIngress:
 def send(ingress: FabricLLMIngress, headers: dict[str, str], salt: str | None):
     served: list[str | None] = []
 
-    async def engine(body, req):          # the LLM deployment: records what it was given
+    async def engine(body, req):  # the LLM deployment: records what it was given
         served.append(body.cache_salt)
         return "served"
+
     body = CompletionRequest(model="m", prompt="hello", cache_salt=salt)
     answer = asyncio.run(ingress._as_tenant(body, request(headers), engine))
     return answer, served
 
 
 @settings(max_examples=60, deadline=None)
-@given(key=st.sampled_from([KEY_A, KEY_B, KEY_AB, "sk-not-a-tenant-0000", None]),
-       salt=st.sampled_from([None, "a", "a-eval", "b", "c", "default"]))
+@given(
+    key=st.sampled_from([KEY_A, KEY_B, KEY_AB, "sk-not-a-tenant-0000", None]),
+    salt=st.sampled_from([None, "a", "a-eval", "b", "c", "default"]),
+)
 def test_each_request_runs_with_a_salt_its_key_grants_or_is_refused(ingress, key, salt):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     answer, served = send(ingress, headers, salt)
@@ -70,6 +78,7 @@ def test_without_a_table_the_client_picks_its_salt():
 def test_a_bad_table_fails_the_app_args(tmp_path):
     from kvfabric.deploy.serve.tenants import TenantsError
     from kvfabric.deploy.vllm.serve_llm import llm_app_builder
+
     bad = tmp_path / "t.json"
     bad.write_text('{"short": {"namespaces": ["a"]}}')
     with pytest.raises(TenantsError):

@@ -3,22 +3,22 @@
 FabricConnector in each, FabricLLMRouter ranking the replicas, the index fed by
 the engines' KV events. Outputs through the fabric equal outputs with no cache at
 all (a fresh cache_salt per reference run: nothing can match it)."""
+
 from __future__ import annotations
 
-from functools import partial
 import json
 import os
 import random
 import time
 import urllib.request
 import uuid
+from functools import partial
 
 import pytest
 
 pytest.importorskip("vllm")
 
 import ray  # noqa: E402
-
 from kvfabric.actors import FabricClient  # noqa: E402
 from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE  # noqa: E402
 from kvfabric.deploy.cli.cluster import free_port, local_cluster, up  # noqa: E402
@@ -26,10 +26,11 @@ from kvfabric.deploy.vllm.engine_identity import is_engine, node_actor_of  # noq
 from kvfabric.deploy.vllm.llm_router import OpenAIPrompts  # noqa: E402
 from kvfabric.deploy.vllm.model import ensure_tiny_model  # noqa: E402
 from kvfabric.deploy.vllm.namespaces import fabric_namespace  # noqa: E402
+
 from tests.waiting import eventually as wait_for
 
 MODEL_ID = "kvfabric-tiny-vllm"
-PROMPT_CHARS = 900            # about 900 tokens (one per byte): 28 blocks of 32
+PROMPT_CHARS = 900  # about 900 tokens (one per byte): 28 blocks of 32
 MAX_TOKENS = 8
 T = 180.0
 
@@ -45,19 +46,29 @@ class App:
         self.rng = random.Random(7)
 
     def text(self) -> str:
-        return "".join(self.rng.choice("abcdefghijklmnop qrstuvwxyz.,") for _ in range(PROMPT_CHARS))
+        return "".join(
+            self.rng.choice("abcdefghijklmnop qrstuvwxyz.,") for _ in range(PROMPT_CHARS)
+        )
 
     def complete(self, prompt: str, salt: str | None = None) -> list[int]:
         """The greedy output's token ids."""
         return self.request(prompt, salt)["token_ids"]
 
     def request(self, prompt: str, salt: str | None = None) -> dict:
-        body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                "return_token_ids": True}
+        body = {
+            "model": MODEL_ID,
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
         if salt is not None:
             body["cache_salt"] = salt
-        req = urllib.request.Request(self.endpoint.base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.endpoint.base_url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=T) as r:
             return json.load(r)["choices"][0]
 
@@ -69,7 +80,9 @@ class App:
 
 
 def node_names() -> list[str]:
-    return ray.get(ray.get_actor(DIRECTORY, namespace=NAMESPACE).node_names.remote(), timeout=CALL_TIMEOUT_S)
+    return ray.get(
+        ray.get_actor(DIRECTORY, namespace=NAMESPACE).node_names.remote(), timeout=CALL_TIMEOUT_S
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +95,14 @@ def app():
     # of a node (0.25 each): one engine per node, wherever the shards land.
     with local_cluster(2, cpus_per_node=3):
         from ray import serve
+
         try:
             args = {"replicas": 2, "device_pages": 64, "host_pages": 2048, "cpus_per_replica": 2.0}
             endpoint = up(args, port=free_port(), engine="vllm", wait_s=600.0)
-            print(f"\ncluster, fabric and two vLLM engines under Ray Serve LLM up in "
-                  f"{time.monotonic() - started:.1f} s")
+            print(
+                f"\ncluster, fabric and two vLLM engines under Ray Serve LLM up in "
+                f"{time.monotonic() - started:.1f} s"
+            )
             yield App(endpoint, model_dir)
         finally:
             serve.shutdown()
@@ -102,21 +118,39 @@ def test_outputs_through_the_fabric_equal_uncached_outputs(app):
     for _ in range(3):
         for p, w in zip(prompts, want):
             assert app.complete(p) == w
-    stats = [ray.get(ray.get_actor(n, namespace=NAMESPACE).cache_stats.remote(), timeout=CALL_TIMEOUT_S)
-             for n in node_names()]
-    assert sum(s.inserted_pages for s in stats) > 0, "the engines stored nothing in their nodes' pools"
-    assert sum(s.hit_pages_device + s.hit_pages_host for s in stats) > 0, "the nodes' pools served no hit"
+    stats = [
+        ray.get(ray.get_actor(n, namespace=NAMESPACE).cache_stats.remote(), timeout=CALL_TIMEOUT_S)
+        for n in node_names()
+    ]
+    assert sum(s.inserted_pages for s in stats) > 0, (
+        "the engines stored nothing in their nodes' pools"
+    )
+    assert sum(s.hit_pages_device + s.hit_pages_host for s in stats) > 0, (
+        "the nodes' pools served no hit"
+    )
     # The engines' connectors report what they did to their nodes (NodeCacheActor.engine_reports).
-    reports = eventually(lambda: [r for r in engine_reports() if r["finished_requests"] >= 1]
-                         if sum(r["finished_requests"] for r in engine_reports()) >= 40 else None,
-                         "every finished request reported")
-    assert sum(r["loaded_tokens"] for r in reports) >= PROMPT_CHARS // 2, "no engine loaded from its node"
+    reports = eventually(
+        lambda: (
+            [r for r in engine_reports() if r["finished_requests"] >= 1]
+            if sum(r["finished_requests"] for r in engine_reports()) >= 40
+            else None
+        ),
+        "every finished request reported",
+    )
+    assert sum(r["loaded_tokens"] for r in reports) >= PROMPT_CHARS // 2, (
+        "no engine loaded from its node"
+    )
     assert sum(r["load_failures"] + r["save_failures"] for r in reports) == 0
 
 
 def engine_reports() -> list[dict]:
-    return [r for n in node_names() for r in ray.get(ray.get_actor(n, namespace=NAMESPACE).engine_reports.remote(),
-                                                     timeout=CALL_TIMEOUT_S).values()]
+    return [
+        r
+        for n in node_names()
+        for r in ray.get(
+            ray.get_actor(n, namespace=NAMESPACE).engine_reports.remote(), timeout=CALL_TIMEOUT_S
+        ).values()
+    ]
 
 
 def test_the_index_names_the_engine_that_holds_a_prompt(app):
@@ -124,12 +158,14 @@ def test_the_index_names_the_engine_that_holds_a_prompt(app):
     (`<node actor>/engine/<replica>`) for the prompt's pages, in its tenant's namespace only."""
     prompt, salt = app.text(), f"tenant-{uuid.uuid4().hex[:8]}"
     tokens = app.request(prompt, salt=salt)["prompt_token_ids"]
-    assert app.tokens(prompt) == tokens            # the router reads the prompt as the engine does
+    assert app.tokens(prompt) == tokens  # the router reads the prompt as the engine does
     client = FabricClient.connect(timeout_s=CALL_TIMEOUT_S)
 
     def engines(namespace: str) -> list[str]:
-        return [m.node for m in client.lookup(tokens, namespace) if is_engine(m.node) and m.pages > 0]
+        return [
+            m.node for m in client.lookup(tokens, namespace) if is_engine(m.node) and m.pages > 0
+        ]
+
     held = eventually(lambda: engines(fabric_namespace(salt)), "the index names the engine")
     assert {node_actor_of(e) for e in held} <= set(node_names())
     assert engines(fabric_namespace(f"other-{salt}")) == []
-

@@ -9,6 +9,7 @@ Reference outputs come from the same engine with a fresh cache_salt per run: no 
 vLLM's or the fabric's, can match a salt never seen before, so every token is computed.
 The engine and what the tests do with it: tests/deploy/vllm/connector_engine.py.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,7 +20,6 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 import ray  # noqa: E402
-
 from kvfabric.actors import FabricClient  # noqa: E402
 from kvfabric.actors.directory import NAMESPACE as FABRIC_NS  # noqa: E402
 from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig  # noqa: E402
@@ -28,8 +28,15 @@ from kvfabric.deploy.vllm.model import ensure_tiny_model  # noqa: E402
 from kvfabric.deploy.vllm.namespaces import fabric_namespace  # noqa: E402
 from kvfabric.deploy.vllm.plan import layout_for_model  # noqa: E402
 from kvfabric.fabric import PoolCapacity  # noqa: E402
-from tests.deploy.vllm.connector_engine import (BLOCK, CALL_TIMEOUT_S, MAX_TOKENS, NAMESPACE,  # noqa: E402
-                                                PROMPT_CHARS, running_engine)
+
+from tests.deploy.vllm.connector_engine import (  # noqa: E402
+    BLOCK,
+    CALL_TIMEOUT_S,
+    MAX_TOKENS,
+    NAMESPACE,
+    PROMPT_CHARS,
+    running_engine,
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +49,13 @@ def test_greedy_outputs_are_deterministic(engine):
     prompt = engine.text()
     first = engine.reference(prompt)
     assert first == engine.reference(prompt)
-    assert len(set(first)) > 1 or len(first) < MAX_TOKENS    # real weights, not one repeated token
+    assert len(set(first)) > 1 or len(first) < MAX_TOKENS  # real weights, not one repeated token
 
 
 def test_host_tier_hit_after_device_eviction_equals_uncached(engine):
     prompt = engine.text()
     want = engine.reference(prompt)
-    assert engine.generate(prompt)[0] == want      # computed, then saved to the node
+    assert engine.generate(prompt)[0] == want  # computed, then saved to the node
     engine.evict()
     before, host_before = engine.external_hits(), engine.node_host_hits()
     got, cached = engine.generate(prompt)
@@ -74,9 +81,17 @@ def test_conversation_longer_than_the_window(engine):
     assert engine.external_hits() - before >= 600
 
 
-@pytest.mark.parametrize("point,exception", [("worker_load", "KeyError"), ("worker_load", "MemoryError"),
-                                             ("worker_load", "InjectedFault"), ("node_load", "RuntimeError"),
-                                             ("worker_save", "ValueError"), ("node_save", "OSError")])
+@pytest.mark.parametrize(
+    "point,exception",
+    [
+        ("worker_load", "KeyError"),
+        ("worker_load", "MemoryError"),
+        ("worker_load", "InjectedFault"),
+        ("node_load", "RuntimeError"),
+        ("worker_save", "ValueError"),
+        ("node_save", "OSError"),
+    ],
+)
 def test_injected_failure_becomes_recomputation(engine, point, exception):
     prompt = engine.text()
     want = engine.reference(prompt)
@@ -112,6 +127,7 @@ def test_a_node_with_another_layout_is_not_used(engine):
     """A node whose layout fingerprint differs (here: another model tag) leaves the
     connector off rather than loading bytes of another layout."""
     from dataclasses import replace
+
     from kvfabric.deploy.vllm.jobs import FabricSettings
     from kvfabric.deploy.vllm.node_link import NodeLink
 
@@ -119,13 +135,22 @@ def test_a_node_with_another_layout_is_not_used(engine):
     other = replace(layout, tag=layout.tag + "-other")
     name = f"other-{uuid.uuid4().hex[:6]}"
     caps = {p: PoolCapacity(device=4, host=4) for p in layout.pools}
-    actor = NodeCacheActor.options(name=name, namespace=NAMESPACE, num_cpus=0).remote(name, NodeConfig(other, caps, device="cpu"))
+    actor = NodeCacheActor.options(name=name, namespace=NAMESPACE, num_cpus=0).remote(
+        name, NodeConfig(other, caps, device="cpu")
+    )
     try:
         assert ray.get(actor.ping.remote(), timeout=CALL_TIMEOUT_S) == name
-        link = NodeLink(FabricSettings(node_actor=name, ray_namespace=NAMESPACE, timeout_s=CALL_TIMEOUT_S), layout)
+        link = NodeLink(
+            FabricSettings(node_actor=name, ray_namespace=NAMESPACE, timeout_s=CALL_TIMEOUT_S),
+            layout,
+        )
         assert not link.ready() and "layout" in link.disabled
-        same = NodeLink(FabricSettings(node_actor=engine.here, ray_namespace=FABRIC_NS, timeout_s=CALL_TIMEOUT_S),
-                        layout)
+        same = NodeLink(
+            FabricSettings(
+                node_actor=engine.here, ray_namespace=FABRIC_NS, timeout_s=CALL_TIMEOUT_S
+            ),
+            layout,
+        )
         assert same.ready()
     finally:
         ray.kill(actor)
@@ -139,12 +164,21 @@ def test_remote_hit_from_another_node_equals_uncached(engine):
     want = engine.reference(prompt)
     engine.move_to_peer(prompt)
     before, remote_before = engine.external_hits(), engine.remote_hits()
-    fetched_before = ray.get(engine.node.stats.remote(), timeout=CALL_TIMEOUT_S)["fetches"].get("committed", 0)
+    fetched_before = ray.get(engine.node.stats.remote(), timeout=CALL_TIMEOUT_S)["fetches"].get(
+        "committed", 0
+    )
     got, _ = engine.generate(prompt)
     assert got == want
-    assert ray.get(engine.node.stats.remote(), timeout=CALL_TIMEOUT_S)["fetches"].get("committed", 0) == fetched_before + 1
+    assert (
+        ray.get(engine.node.stats.remote(), timeout=CALL_TIMEOUT_S)["fetches"].get("committed", 0)
+        == fetched_before + 1
+    )
     loaded = engine.external_hits() - before
-    assert engine.remote_hits() - remote_before == loaded >= (PROMPT_CHARS - 1) // BLOCK * BLOCK - BLOCK
+    assert (
+        engine.remote_hits() - remote_before
+        == loaded
+        >= (PROMPT_CHARS - 1) // BLOCK * BLOCK - BLOCK
+    )
 
 
 @pytest.mark.parametrize("kind", list(FaultKind))
@@ -155,12 +189,17 @@ def test_transport_fault_on_a_remote_fetch_becomes_recomputation(engine, kind):
     want = engine.reference(prompt)
     engine.move_to_peer(prompt)
     engine.quiet()
-    fired, remote_before = ray.get(engine.node.fired.remote(), timeout=CALL_TIMEOUT_S), engine.remote_hits()
-    fault = Fault(kind, after=1, delay_s=30.0)        # DELAY: far past the node's fetch deadline
+    fired, remote_before = (
+        ray.get(engine.node.fired.remote(), timeout=CALL_TIMEOUT_S),
+        engine.remote_hits(),
+    )
+    fault = Fault(kind, after=1, delay_s=30.0)  # DELAY: far past the node's fetch deadline
     ray.get(engine.node.inject.remote(ChaosAction(transport=fault)), timeout=CALL_TIMEOUT_S)
     try:
         assert engine.generate(prompt)[0] == want
-        assert ray.get(engine.node.fired.remote(), timeout=CALL_TIMEOUT_S) == fired + 1, "the fault never acted"
+        assert ray.get(engine.node.fired.remote(), timeout=CALL_TIMEOUT_S) == fired + 1, (
+            "the fault never acted"
+        )
         assert engine.remote_hits() == remote_before
     finally:
         engine.quiet()
@@ -171,22 +210,28 @@ def test_kv_events_name_the_engine_in_the_index_until_it_evicts(engine):
     """The engine's own device cache, fed to the fabric's index by its KV events: after a
     request the index names the engine for the prompt's pages (that tenant's only), and
     after the engine evicts them, or clears its cache, it no longer does."""
-    from vllm import SamplingParams
-
     from kvfabric.deploy.vllm.engine_identity import engine_index_node
     from kvfabric.deploy.vllm.engine_pages import group_pools_of
     from kvfabric.deploy.vllm.index_sink import start_engine_feed
+    from vllm import SamplingParams
 
     layout = engine.layout
-    directory = engine.fabric.directory          # the module's fabric: its directory and shard
-    pools = group_pools_of(engine.llm.llm_engine.engine_core.call_utility("get_kv_cache_group_metadata"))
-    feed = start_engine_feed(directory, engine.here, "0", layout, pools, engine.events, engine.events + "-replay")
+    directory = engine.fabric.directory  # the module's fabric: its directory and shard
+    pools = group_pools_of(
+        engine.llm.llm_engine.engine_core.call_utility("get_kv_cache_group_metadata")
+    )
+    feed = start_engine_feed(
+        directory, engine.here, "0", layout, pools, engine.events, engine.events + "-replay"
+    )
     me = engine_index_node(engine.here, "0")
     try:
         client = FabricClient(directory, timeout_s=CALL_TIMEOUT_S)
 
         def engine_pages(tokens: list[int], salt: str) -> int:
-            return max((m.pages for m in client.lookup(tokens, fabric_namespace(salt)) if m.node == me), default=0)
+            return max(
+                (m.pages for m in client.lookup(tokens, fabric_namespace(salt)) if m.node == me),
+                default=0,
+            )
 
         def step_engine() -> None:
             # vLLM hands its KV events to the publisher in a step: a one-token request makes one.
@@ -195,21 +240,27 @@ def test_kv_events_name_the_engine_in_the_index_until_it_evicts(engine):
         def wait_until(cond, what: str, poke=lambda: time.sleep(0.1)) -> None:
             deadline = time.monotonic() + CALL_TIMEOUT_S
             while not cond():
-                assert time.monotonic() < deadline, f"timed out waiting until {what} ({feed.stats}, " \
-                                                    f"{feed.pages.stats})"
+                assert time.monotonic() < deadline, (
+                    f"timed out waiting until {what} ({feed.stats}, {feed.pages.stats})"
+                )
                 poke()
 
         def prompt_tokens(salt: str) -> list[int]:
-            out = engine.llm.generate([{"prompt": engine.text(), "cache_salt": salt}],
-                                      SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+            out = engine.llm.generate(
+                [{"prompt": engine.text(), "cache_salt": salt}],
+                SamplingParams(temperature=0, max_tokens=1),
+                use_tqdm=False,
+            )[0]
             return list(out.prompt_token_ids)
 
         salt = f"events-{uuid.uuid4().hex}"
         tokens = prompt_tokens(salt)
         wait_until(lambda: engine_pages(tokens, salt) > 0, "the index names the engine")
-        assert engine_pages(tokens, f"other-{salt}") == 0         # another tenant's identical prompt
+        assert engine_pages(tokens, f"other-{salt}") == 0  # another tenant's identical prompt
         engine.evict()
-        wait_until(lambda: engine_pages(tokens, salt) == 0, "the evicted prompt is gone from the index")
+        wait_until(
+            lambda: engine_pages(tokens, salt) == 0, "the evicted prompt is gone from the index"
+        )
 
         tokens = prompt_tokens(salt)
         wait_until(lambda: engine_pages(tokens, salt) > 0, "the index names the engine again")
@@ -217,8 +268,11 @@ def test_kv_events_name_the_engine_in_the_index_until_it_evicts(engine):
         # Blocks of a finished request wait for the connector's save, which completes in a
         # later step: a reset refused for that is tried again after a step.
         wait_until(engine.llm.reset_prefix_cache, "the engine clears its cache", poke=step_engine)
-        wait_until(lambda: engine_pages(tokens, salt) == 0, "a cleared cache is gone from the index",
-                   poke=step_engine)
+        wait_until(
+            lambda: engine_pages(tokens, salt) == 0,
+            "a cleared cache is gone from the index",
+            poke=step_engine,
+        )
         assert feed.stats.bad_frames == 0 and feed.pages.stats.clears > 0
     finally:
         assert feed.stop()

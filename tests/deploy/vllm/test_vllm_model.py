@@ -1,12 +1,12 @@
 """The generated model (deploy/vllm/model.py): written once, said on the console, the
 same bytes for the same seed, in the folder KVF_MODEL_CACHE names. (That vLLM loads it
 and decodes greedily the same way twice: tests/deploy/vllm/test_vllm_connector.py.)"""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from kvfabric.deploy.vllm.model import TinyModelSpec, ensure_tiny_model
 
 
@@ -27,11 +27,18 @@ def test_written_once_and_said(tmp_path, monkeypatch):
 def test_same_seed_same_weights_other_seed_other(tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
     spec = TinyModelSpec(layers=2, hidden=64, heads=2, kv_heads=1, intermediate=64)
-    a = safetensors.load_file(ensure_tiny_model(spec, root=tmp_path / "a", say=lambda _: None) / "model.safetensors")
-    b = safetensors.load_file(ensure_tiny_model(spec, root=tmp_path / "b", say=lambda _: None) / "model.safetensors")
+    a = safetensors.load_file(
+        ensure_tiny_model(spec, root=tmp_path / "a", say=lambda _: None) / "model.safetensors"
+    )
+    b = safetensors.load_file(
+        ensure_tiny_model(spec, root=tmp_path / "b", say=lambda _: None) / "model.safetensors"
+    )
     from dataclasses import replace
-    c = safetensors.load_file(ensure_tiny_model(replace(spec, seed=1), root=tmp_path / "c",
-                                                say=lambda _: None) / "model.safetensors")
+
+    c = safetensors.load_file(
+        ensure_tiny_model(replace(spec, seed=1), root=tmp_path / "c", say=lambda _: None)
+        / "model.safetensors"
+    )
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert any(not (a[k] == c[k]).all() for k in a if "norm" not in k)
 
@@ -39,7 +46,9 @@ def test_same_seed_same_weights_other_seed_other(tmp_path):
 def test_tokenizer_encodes_any_text_one_token_per_byte(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     spec = TinyModelSpec(layers=2, hidden=64, heads=2, kv_heads=1, intermediate=64)
-    tok = tokenizers.Tokenizer.from_file(str(ensure_tiny_model(spec, root=tmp_path, say=lambda _: None) / "tokenizer.json"))
+    tok = tokenizers.Tokenizer.from_file(
+        str(ensure_tiny_model(spec, root=tmp_path, say=lambda _: None) / "tokenizer.json")
+    )
     text = "héllo, wörld ✓ 123"
     ids = tok.encode(text).ids
     assert len(ids) == len(text.encode()) and tok.decode(ids) == text

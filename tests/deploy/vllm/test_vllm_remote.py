@@ -9,20 +9,40 @@ is told to ask again (None); any failure, at any step, or a step that never answ
 ends in a bounded number of asks with either the exact hit or recomputation (0), never
 an escaped error; no staging slot leaks; remote tokens are counted apart from host ones.
 The edge they run against: tests/deploy/vllm/fabric_edge.py."""
+
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
 from kvfabric.deploy.vllm.jobs import FabricSettings  # noqa: E402
 from kvfabric.deploy.vllm.remote_fetch import Stage  # noqa: E402
 from kvfabric.fabric import NodeMatch  # noqa: E402
-from tests.deploy.vllm.fabric_edge import (PEER, Edge, FabricEdge, ask_until_known, load, loaded_exactly,  # noqa: E402
-                                           make_rig, move_to_peer, slots_in_use)
-from tests.deploy.vllm.sides_rig import FULL_BLOCKS, LAYOUT, PROMPT, SWA_BLOCKS, Blocks, Req, finish_first  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+
+from tests.deploy.vllm.fabric_edge import (  # noqa: E402
+    PEER,
+    Edge,
+    FabricEdge,
+    ask_until_known,
+    load,
+    loaded_exactly,
+    make_rig,
+    move_to_peer,
+    slots_in_use,
+)
+from tests.deploy.vllm.sides_rig import (  # noqa: E402
+    FULL_BLOCKS,
+    LAYOUT,
+    PROMPT,
+    SWA_BLOCKS,
+    Blocks,
+    Req,
+    finish_first,
+)
 
 
 class Weird(Exception):
@@ -40,8 +60,8 @@ def test_a_prefix_only_the_peer_holds_is_fetched_and_loaded_exactly(tmp_path_fac
         move_to_peer(rig)
         req = Req("r2", PROMPT, PROMPT, 0)
         n, asks = ask_until_known(rig, req, [0.0])
-        assert n == 40 and asks > 1           # vLLM was told to ask again while it fetched
-        assert rig.node.waits > 0             # an idle engine waited on the fabric, not spun
+        assert n == 40 and asks > 1  # vLLM was told to ask again while it fetched
+        assert rig.node.waits > 0  # an idle engine waited on the fabric, not spun
         out = load(rig, req, n)
         assert out.finished_recving == {"r2"} and not out.failed_recving and loaded_exactly(rig)
         stats = rig.sched.stats
@@ -76,16 +96,18 @@ def test_no_load_call_when_the_node_holds_no_more_than_vllm(tmp_path_factory):
     rig.node.call = lambda method, *args: calls.append(method) or call(method, *args)
     try:
         fresh = Req("r0", PROMPT, PROMPT, 0)
-        assert rig.sched.num_new_matched_tokens(fresh, 0) == (0, False)      # no node holds it
-        finish_first(rig)                                                    # the node: 10 pages
-        longer = PROMPT + list(range(300, 320))                              # 15 pages of prompt
+        assert rig.sched.num_new_matched_tokens(fresh, 0) == (0, False)  # no node holds it
+        finish_first(rig)  # the node: 10 pages
+        longer = PROMPT + list(range(300, 320))  # 15 pages of prompt
         assert rig.sched.num_new_matched_tokens(Req("r2", longer, longer, 0), 40) == (0, False)
         assert "load_staged" not in calls
         assert rig.sched.stats.lookups_answered_by_match == 2
         # The node holding more than vLLM's own hit is still loaded from.
         n, _ = rig.sched.num_new_matched_tokens(Req("r3", longer, longer, 0), 32)
         assert n == 8 and calls.count("load_staged") == 1
-        rig.sched.after_alloc(Req("r3", longer, longer, 0), Blocks(([0] * 8 + [40, 41, 42], list(range(30, 45)))), 0)
+        rig.sched.after_alloc(
+            Req("r3", longer, longer, 0), Blocks(([0] * 8 + [40, 41, 42], list(range(30, 45)))), 0
+        )
         assert slots_in_use(rig) == 0
     finally:
         rig.node.shared.unlink()
@@ -109,7 +131,9 @@ def test_a_prompt_answered_while_admission_waits_loses_no_engine_step(tmp_path_f
         move_to_peer(rig) if on_peer else finish_first(rig)
         req = Req("r2", PROMPT, PROMPT, 0)
         n, asks = ask_until_known(rig, req, [0.0])
-        assert n == 40 and asks == (2 if on_peer else 1) and rig.sched.stats.remote.fetches == on_peer
+        assert (
+            n == 40 and asks == (2 if on_peer else 1) and rig.sched.stats.remote.fetches == on_peer
+        )
         assert not load(rig, req, n).failed_recving and loaded_exactly(rig)
     finally:
         rig.node.shared.unlink()
@@ -120,6 +144,7 @@ class EngineListedFirst(FabricEdge):
 
     def start_lookup(self, tokens, namespace):
         from kvfabric.deploy.vllm.engine_identity import engine_index_node
+
         found = super().start_lookup(tokens, namespace)
         engine = NodeMatch(engine_index_node(PEER, "0"), 1000, True)
         found.value = [engine, *found.value] if found.error is None else found.value
@@ -133,21 +158,26 @@ def test_an_engines_entry_is_never_fetched_from(tmp_path_factory):
         move_to_peer(rig)
         req = Req("r2", PROMPT, PROMPT, 0)
         n, _ = ask_until_known(rig, req, [0.0])
-        assert n == 40 and rig.sched.stats.remote.committed == 1     # from the peer's node actor
+        assert n == 40 and rig.sched.stats.remote.committed == 1  # from the peer's node actor
         assert rig.sched.stats.remote.failures == 0
     finally:
         rig.node.shared.unlink()
 
 
 @settings(max_examples=40, deadline=None)
-@given(point=st.sampled_from(POINTS), exception=st.sampled_from(EXCEPTIONS),
-       never=st.booleans(), commits_anyway=st.booleans(),
-       delay=st.dictionaries(st.sampled_from(["lookup", "match", "fetch"]), st.integers(0, 2)))
+@given(
+    point=st.sampled_from(POINTS),
+    exception=st.sampled_from(EXCEPTIONS),
+    never=st.booleans(),
+    commits_anyway=st.booleans(),
+    delay=st.dictionaries(st.sampled_from(["lookup", "match", "fetch"]), st.integers(0, 2)),
+)
 def test_any_failure_at_any_step_becomes_recomputation_or_an_exact_hit(
-        tmp_path_factory, point, exception, never, commits_anyway, delay):
+    tmp_path_factory, point, exception, never, commits_anyway, delay
+):
     edge = Edge(delay=delay, commits_anyway=commits_anyway)
     if never and point in ("lookup", "match", "fetch"):
-        edge.never.add(point)           # past its deadline instead of failing
+        edge.never.add(point)  # past its deadline instead of failing
     else:
         edge.fail[point] = exception
     rig = make_rig(tmp_path_factory, edge, timeout_s=5.0, fetch_timeout_s=5.0)
@@ -163,11 +193,11 @@ def test_any_failure_at_any_step_becomes_recomputation_or_an_exact_hit(
         assert n == (40 if fetched else 0)
         out = load(rig, req, n)
         assert not out.failed_recving and (n == 0 or loaded_exactly(rig))
-        assert rig.sched.stats.remote_loaded_tokens == 0       # no committed answer, no remote count
+        assert rig.sched.stats.remote_loaded_tokens == 0  # no committed answer, no remote count
         assert slots_in_use(rig) == 0
         rig.node.cache.check()
         rig.node.peer.check()
-        assert len(rig.node.peer.leases) == 0      # every export lease released
+        assert len(rig.node.peer.leases) == 0  # every export lease released
         rig.sched.finished(req, (SWA_BLOCKS, FULL_BLOCKS))
         assert not rig.sched.remote.requests and not rig.sched.hit_sources
     finally:
@@ -176,6 +206,7 @@ def test_any_failure_at_any_step_becomes_recomputation_or_an_exact_hit(
 
 def test_a_link_not_connected_refuses_lookups_and_fetches():
     from kvfabric.deploy.vllm.node_link import NodeLink
+
     link = NodeLink(FabricSettings(node_actor="node-a"), LAYOUT)
     with pytest.raises(RuntimeError, match="index_ready first"):
         link.start_lookup([1, 2, 3], "ns")

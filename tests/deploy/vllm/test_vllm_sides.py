@@ -6,6 +6,7 @@ Checks: block -> fabric -> block round trips are exact (full pages all, SWA the 
 a load vLLM asks for that the fabric cannot complete is reported failed; any exception
 at any step becomes a failed load or a skipped save, never an escaped error, and no
 staging slot leaks. The rig they run on: tests/deploy/vllm/sides_rig.py."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,8 @@ import uuid
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
@@ -25,8 +27,23 @@ from kvfabric.deploy.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from kvfabric.deploy.vllm.worker_side import WorkerSide  # noqa: E402
 from kvfabric.fabric import PoolName  # noqa: E402
 from kvfabric.transport.staging import StagingSpec  # noqa: E402
-from tests.deploy.vllm.sides_rig import (D, FULL_BLOCKS, H, NAMES, NB, PLAN, PROMPT, PS, SWA_BLOCKS, Blocks,  # noqa: E402
-                                         LocalNode, Req, Rig, finish_first)
+
+from tests.deploy.vllm.sides_rig import (  # noqa: E402
+    FULL_BLOCKS,
+    NAMES,
+    NB,
+    PLAN,
+    PROMPT,
+    PS,
+    SWA_BLOCKS,
+    Blocks,
+    D,
+    H,
+    LocalNode,
+    Req,
+    Rig,
+    finish_first,
+)
 
 EXCEPTIONS = ["ValueError", "KeyError", "RuntimeError", "MemoryError", "OSError", "InjectedFault"]
 
@@ -64,9 +81,11 @@ def test_blocks_round_trip_through_the_fabric(rig):
     finish_first(rig)
     n, out = admit(rig, "r2", [0] * 8 + [40, 41, 42])
     assert n == 40 and out.finished_recving == {"r2"} and not out.failed_recving
-    for name in NAMES[1::2]:      # full layers: every page
-        assert torch.equal(layer_blocks(rig, name, list(range(30, 40))), layer_blocks(rig, name, FULL_BLOCKS[:10]))
-    for name in NAMES[0::2]:      # SWA layers: the window before the hit's end
+    for name in NAMES[1::2]:  # full layers: every page
+        assert torch.equal(
+            layer_blocks(rig, name, list(range(30, 40))), layer_blocks(rig, name, FULL_BLOCKS[:10])
+        )
+    for name in NAMES[0::2]:  # SWA layers: the window before the hit's end
         assert torch.equal(layer_blocks(rig, name, [40, 41]), layer_blocks(rig, name, [20, 21]))
     assert all(a.free_count == a.capacity for a in rig.sched.allocators.values())
     # The node keeps what the connector counted, as of the last finished request.
@@ -80,7 +99,7 @@ def test_load_vllm_wants_beyond_the_window_is_reported_failed(rig):
     finish_first(rig)
     n, out = admit(rig, "r2", [0] * 5 + [43, 44, 45, 40, 41, 42])
     assert n == 40 and out.failed_recving == {"r2"}
-    stats = rig.sched.stats       # a failed load is a failure, not a hit
+    stats = rig.sched.stats  # a failed load is a failure, not a hit
     assert stats.load_failures == 1 and stats.loaded_tokens == stats.host_loaded_tokens == 0
     # vLLM recomputes it; the connector does not offer it again.
     assert rig.sched.num_new_matched_tokens(Req("r2", PROMPT, PROMPT, 0), 0) == (0, False)
@@ -100,7 +119,7 @@ def test_asked_again_while_waiting_the_staged_answer_stands(rig):
     assert rig.sched.num_new_matched_tokens(req, 0) == (40, True)
     assert calls == ["load_staged"]
     held = sum(a.capacity - a.free_count for a in rig.sched.allocators.values())
-    assert rig.sched.num_new_matched_tokens(req, 8) == (32, True)          # vLLM's own hit grew
+    assert rig.sched.num_new_matched_tokens(req, 8) == (32, True)  # vLLM's own hit grew
     assert calls == ["load_staged"] * 2
     assert sum(a.capacity - a.free_count for a in rig.sched.allocators.values()) <= held
     rig.sched.after_alloc(req, Blocks(([0] * 8 + [40, 41, 42], list(range(30, 41)))), 32)
@@ -118,12 +137,13 @@ def test_a_next_turn_saves_only_its_new_full_pages(rig):
     """A conversation's next turn copies the full KV the node does not hold yet (plus the
     SWA window), not the whole conversation again; what the node then holds loads back
     equal to the engine's blocks."""
-    finish_first(rig)                                       # the node holds PROMPT's 10 pages
-    n, out = admit(rig, "r2", [0] * 8 + [40, 41, 42])       # loaded into full blocks 30..39
+    finish_first(rig)  # the node holds PROMPT's 10 pages
+    n, out = admit(rig, "r2", [0] * 8 + [40, 41, 42])  # loaded into full blocks 30..39
     assert n == 40 and out.finished_recving == {"r2"}
-    turn = PROMPT + [7, 8, 9, 10, 11, 12, 13]               # 48 tokens: 12 pages
-    delay, _ = rig.sched.finished(Req("r2", PROMPT, turn, len(turn)),
-                                  ([0] * 10 + [44, 45], list(range(30, 42))))
+    turn = PROMPT + [7, 8, 9, 10, 11, 12, 13]  # 48 tokens: 12 pages
+    delay, _ = rig.sched.finished(
+        Req("r2", PROMPT, turn, len(turn)), ([0] * 10 + [44, 45], list(range(30, 42)))
+    )
     (job,) = rig.sched.meta.saves
     moved = {m.pool: len(m.slots) for m in job.moves}
     assert delay and moved == {PoolName.FULL: 2, PoolName.SWA: 2}
@@ -137,7 +157,10 @@ def test_a_next_turn_saves_only_its_new_full_pages(rig):
     out = rig.step()
     assert out.finished_recving == {"r3"} and not out.failed_recving
     for name in NAMES[1::2]:
-        assert torch.equal(layer_blocks(rig, name, list(range(50, 62))), layer_blocks(rig, name, list(range(30, 42))))
+        assert torch.equal(
+            layer_blocks(rig, name, list(range(50, 62))),
+            layer_blocks(rig, name, list(range(30, 42))),
+        )
     for name in NAMES[0::2]:
         assert torch.equal(layer_blocks(rig, name, [50, 51]), layer_blocks(rig, name, [44, 45]))
     assert all(a.free_count == a.capacity for a in rig.sched.allocators.values())
@@ -150,12 +173,16 @@ def test_tenants_do_not_share(rig):
 
 
 @settings(max_examples=30, deadline=None)
-@given(point=st.sampled_from(["node_load", "worker_load", "worker_save", "node_save"]),
-       exception=st.sampled_from(EXCEPTIONS))
+@given(
+    point=st.sampled_from(["node_load", "worker_load", "worker_save", "node_save"]),
+    exception=st.sampled_from(EXCEPTIONS),
+)
 def test_any_failure_becomes_recomputation(tmp_path_factory, point, exception):
     spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", 64)
-    settings_ = FabricSettings(node_actor="local",
-                               **StepFaultFile.settings(str(tmp_path_factory.mktemp("f") / "faults.json")))
+    settings_ = FabricSettings(
+        node_actor="local",
+        **StepFaultFile.settings(str(tmp_path_factory.mktemp("f") / "faults.json")),
+    )
     node = LocalNode(spec)
     try:
         sched, worker = SchedulerSide(PLAN, settings_, spec), WorkerSide(PLAN, settings_, spec)
@@ -169,13 +196,13 @@ def test_any_failure_becomes_recomputation(tmp_path_factory, point, exception):
             rig.arm(point, exception)
         n, out = admit(rig, "r2", [0] * 8 + [40, 41, 42])
         if point.endswith("save"):
-            assert n == 0                            # nothing was stored
+            assert n == 0  # nothing was stored
         elif point == "node_load":
             assert n == 0 and sched.stats.node_errors == 1
         else:
             assert n == 40 and out.failed_recving == {"r2"}
         with open(settings_.step_hook_arg) as f:
-            assert point not in json.load(f)         # the fault fired
+            assert point not in json.load(f)  # the fault fired
         held = sum(len(s) for _, q in sched.quarantined for s in q.values())
         assert sum(a.capacity - a.free_count for a in sched.allocators.values()) == held
         node.cache.check()
@@ -186,8 +213,10 @@ def test_any_failure_becomes_recomputation(tmp_path_factory, point, exception):
 def test_a_node_that_never_answers_a_store_costs_slots_only_for_a_while(rig):
     """A store past its deadline is given up: its slots stay quarantined (the node may
     still read them), the engine never waits, and nothing is counted as stored."""
-    rig.node.finished = lambda calls: []          # the node never answers
-    rig.sched.settings = FabricSettings(node_actor="local", **StepFaultFile.settings(rig.fault_file), timeout_s=0.0)
+    rig.node.finished = lambda calls: []  # the node never answers
+    rig.sched.settings = FabricSettings(
+        node_actor="local", **StepFaultFile.settings(rig.fault_file), timeout_s=0.0
+    )
     finish_first(rig)
     rig.sched._collect_stores()
     assert rig.sched.stats.save_failures == 1 and rig.sched.stats.saved_requests == 0
@@ -196,20 +225,32 @@ def test_a_node_that_never_answers_a_store_costs_slots_only_for_a_while(rig):
     assert held and sum(a.capacity - a.free_count for a in rig.sched.allocators.values()) == held
 
 
-SETTING_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 1 << 21), st.floats(allow_nan=True),
-                           st.text(max_size=5), st.lists(st.integers(), max_size=2))
+SETTING_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 1 << 21),
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.lists(st.integers(), max_size=2),
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(name=st.sampled_from(sorted(FabricSettings.__dataclass_fields__) + ["bogus"]), value=SETTING_VALUES)
+@given(
+    name=st.sampled_from(sorted(FabricSettings.__dataclass_fields__) + ["bogus"]),
+    value=SETTING_VALUES,
+)
 def test_connector_settings_of_a_wrong_type_or_range_are_refused(name, value):
     """kv_connector_extra_config comes from a deployment's config: each setting has its type
     and range, and anything else is a ValueError naming it."""
     kind = FabricSettings.__dataclass_fields__[name].type if name != "bogus" else None
-    want_ok = {"bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
-               "int": lambda v: type(v) is int and 1 <= v <= 1 << 20,
-               "float": lambda v: type(v) in (int, float) and 0 <= v <= 3600}.get(kind, lambda v: False)(value)
-    if name == "step_hook" and want_ok:          # "module:name", or unset
+    want_ok = {
+        "bool": lambda v: isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+        "int": lambda v: type(v) is int and 1 <= v <= 1 << 20,
+        "float": lambda v: type(v) in (int, float) and 0 <= v <= 3600,
+    }.get(kind, lambda v: False)(value)
+    if name == "step_hook" and want_ok:  # "module:name", or unset
         want_ok = value == "" or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value) is not None
     try:
         got = FabricSettings.from_extra({name: value})
@@ -219,11 +260,14 @@ def test_connector_settings_of_a_wrong_type_or_range_are_refused(name, value):
     assert want_ok and getattr(got, name) == value
 
 
-@pytest.mark.parametrize("spec", ["kvfabric.no_such_module:Hook", "kvfabric.deploy.chaos.faults:NoSuchHook"])
+@pytest.mark.parametrize(
+    "spec", ["kvfabric.no_such_module:Hook", "kvfabric.deploy.chaos.faults:NoSuchHook"]
+)
 def test_a_step_hook_that_does_not_load_is_refused_naming_the_setting(spec):
     from kvfabric.deploy.vllm.connector import kv_transfer_config
+
     with pytest.raises(ValueError, match="step_hook"):
         FabricSettings(step_hook=spec).make_step_hook()
     with pytest.raises(ValueError, match="step_hook"):
-        kv_transfer_config("node", step_hook=spec)             # refused before any engine starts
-    assert FabricSettings().make_step_hook() is None           # production: no hook at all
+        kv_transfer_config("node", step_hook=spec)  # refused before any engine starts
+    assert FabricSettings().make_step_hook() is None  # production: no hook at all
