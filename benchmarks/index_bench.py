@@ -17,12 +17,9 @@ import gc
 import json
 import os
 import secrets
-import subprocess
 import sys
-import tempfile
 import time
 import tracemalloc
-from pathlib import Path
 
 # Ray 2.60 turns token auth on; keep it on with a throw-away token, set before ray is
 # imported (Ray reads the mode once per process), so nothing is written to ~/.ray.
@@ -33,6 +30,8 @@ from kvfabric.deploy.sim.trace import load_trace, request_tokens  # noqa: E402
 from kvfabric.fabric import EventBatch, MatchRule, PageKeyer, PageMask, PageState
 from kvfabric.fabric.index.prefix_index import PrefixIndex
 from kvfabric.fabric.index.sharded_index import ShardedIndex
+
+from benchmarks.fresh import run_worker
 
 NODES = 4
 PAGE = 16
@@ -131,35 +130,8 @@ def ours_worker(trace: str | None, requests: int, tokens_per_block: int) -> dict
 
 
 def run_ours(trace: str | None, requests: int, tokens_per_block: int, python: bool = False) -> dict:
-    """One run in a fresh process: the native path (KVF_NATIVE's default), or the
-    pure-Python reference (`python`)."""
-    env = (
-        dict(os.environ, KVF_NATIVE="0")
-        if python
-        else {k: v for k, v in os.environ.items() if k != "KVF_NATIVE"}
-    )
-    with tempfile.TemporaryDirectory(prefix="kvf-index-") as tmp:
-        out = Path(tmp) / "out.json"
-        code = (
-            "import json, sys; from benchmarks.index_bench import ours_worker; "
-            "json.dump(ours_worker(sys.argv[1] or None, int(sys.argv[2]), int(sys.argv[3])), "
-            "open(sys.argv[4], 'w'))"
-        )
-        subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                code,
-                trace or "",
-                str(requests),
-                str(tokens_per_block),
-                str(out),
-            ],
-            check=True,
-            cwd=Path(__file__).resolve().parent.parent,
-            env=env,
-        )
-        return json.loads(out.read_text())
+    """One run in a fresh process: the native path, or the pure-Python reference (`python`)."""
+    return run_worker("benchmarks.index_bench", [trace, requests, tokens_per_block], python)
 
 
 def peer_rounds(tokens: list[list[int]]) -> float:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +22,7 @@ from pathlib import Path
 from kvfabric.deploy.sim.trace import load_trace, request_tokens
 
 from benchmarks import peers
+from benchmarks.fresh import run_worker
 from benchmarks.sglang_worker import pack_sequences, read_sequences, write_sequences
 
 
@@ -60,7 +59,7 @@ def sequences(trace: str | None, requests: int, tokens_per_block: int) -> list[l
     ]
 
 
-def ours_worker(data: Path, page_size: int, gc_mode: str) -> dict:
+def ours_worker(data: str, page_size: int, gc_mode: str) -> dict:
     from kvfabric.fabric import (
         KVLayout,
         NodeCache,
@@ -71,7 +70,7 @@ def ours_worker(data: Path, page_size: int, gc_mode: str) -> dict:
     )
     from kvfabric.fabric.cache import native
 
-    seqs = [list(s) for s in read_sequences(data)]
+    seqs = [list(s) for s in read_sequences(Path(data))]
     pages = sum(len(s) for s in seqs) // page_size + 1
     layout = KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=page_size)
     if gc_mode in ("collect", "freeze"):
@@ -107,29 +106,11 @@ def ours_worker(data: Path, page_size: int, gc_mode: str) -> dict:
 
 
 def run_ours(seqs: list[list[int]], page_size: int, gc_mode: str, python: bool = False) -> dict:
-    """One run in a fresh process: the native path (KVF_NATIVE's default), or the
-    pure-Python reference (`python`)."""
-    env = (
-        dict(os.environ, KVF_NATIVE="0")
-        if python
-        else {k: v for k, v in os.environ.items() if k != "KVF_NATIVE"}
-    )
+    """One run in a fresh process: the native path, or the pure-Python reference (`python`)."""
     with tempfile.TemporaryDirectory(prefix="kvf-radix-") as tmp:
-        data, out = Path(tmp) / "seqs.bin", Path(tmp) / "out.json"
+        data = Path(tmp) / "seqs.bin"
         write_sequences(data, *pack_sequences(seqs))
-        code = (
-            "import json, sys; from benchmarks.radix_bench import ours_worker; "
-            "json.dump(ours_worker(__import__('pathlib').Path(sys.argv[1]), int(sys.argv[2]), "
-            "sys.argv[3]), "
-            "open(sys.argv[4], 'w'))"
-        )
-        subprocess.run(
-            [sys.executable, "-c", code, str(data), str(page_size), gc_mode, str(out)],
-            check=True,
-            cwd=Path(__file__).resolve().parent.parent,
-            env=env,
-        )
-        return json.loads(out.read_text())
+        return run_worker("benchmarks.radix_bench", [str(data), page_size, gc_mode], python)
 
 
 def run(
