@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvfabric.fabric.cache import keys, native
 from kvfabric.fabric.cache.keys import KeyError_, PageKeyer, pack_py
+from kvfabric.fabric.index import presence
 
 ROOT = Path(__file__).resolve().parents[2]
 I32 = (-(2**31), 2**31 - 1)
@@ -33,8 +34,9 @@ def outcome(f, *args):
 
 
 @needs_native
-def test_the_extension_loaded():
-    assert native.ENABLED and keys.EXT is not None, "the native extension did not load: rebuild it"
+def test_the_extensions_loaded():
+    assert native.ENABLED and keys.EXT is not None, "the native keys did not load: rebuild them"
+    assert presence.ENABLED, "the native index core did not load: rebuild it"
 
 
 # --- BLAKE2b ------------------------------------------------------------------------------
