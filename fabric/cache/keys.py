@@ -57,7 +57,7 @@ def pack_py(tokens: Tokens) -> bytes:
     try:
         return struct.pack(f"{len(tokens)}i", *tokens)
     except (struct.error, TypeError):
-        pass
+        pass  # raised below, outside the handler: struct's error is not the cause users need
     raise KeyError_(_token_error(tokens))
 
 
