@@ -10,6 +10,7 @@ model cannot use, degrades to recomputation and never fails the request.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Protocol, Sequence
@@ -20,6 +21,8 @@ from kvfabric.deploy.serve.protocol import PrefixFetch
 from kvfabric.fabric import CachedKV, PoolName
 
 from .model import KVState, TinyLM
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CostModel", "Engine", "EngineStats", "Generation", "RequestError"]
 
@@ -244,8 +247,9 @@ class Engine:
             hold = holds.pop()
             try:
                 self.cache.release_hold(hold)
-            except Exception:
+            except Exception as e:
                 self.stats.hold_release_failures += 1
+                log.warning("releasing hold %d failed (it will expire): %r", hold, e)
 
     def _maybe_fetch(
         self, prompt: list[int], namespace: str, local: KVState, holds: list[int]
@@ -258,8 +262,9 @@ class Engine:
         # (dead actor, timeout, a bug) must cost recomputation, not the request.
         try:
             best = min(int(self.remote.best_remote(prompt, namespace)), len(prompt) // ps)
-        except Exception:
+        except Exception as e:
             self.stats.fetch_failures += 1
+            log.warning("asking peers for %s's prefix failed, recomputing: %r", namespace, e)
             return None, PrefixFetch.FAILED
         if best <= have:
             return None, PrefixFetch.NONE
@@ -269,7 +274,8 @@ class Engine:
         self.stats.fetches += 1
         try:
             got = int(self.remote.fetch(prompt, namespace))
-        except Exception:
+        except Exception as e:
+            log.warning("fetching %s's prefix from a peer failed, recomputing: %r", namespace, e)
             got = 0
         if got <= have:
             self.stats.fetch_failures += 1

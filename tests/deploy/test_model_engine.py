@@ -202,7 +202,7 @@ def test_fetch_skipped_when_recompute_is_cheaper_and_taken_when_not():
     assert FAST_FETCH.should_fetch(16, 10_000) and not FAST_FETCH.should_fetch(0, 0)
 
 
-def test_measured_cost_model_and_failing_remote_degrades():
+def test_measured_cost_model_and_failing_remote_degrades(caplog):
     cost = CostModel.measure(MODEL)
     assert cost.prefill_tokens_per_s > 0
 
@@ -218,6 +218,8 @@ def test_measured_cost_model_and_failing_remote_degrades():
     got = engine.generate(prompt, 4, NS, return_logits=True)
     assert got.fetch == "failed" and engine.stats.fetch_failures == 1
     assert_same(got, reference(prompt, 4))
+    # Swallowed, but said: an operator sees why requests recompute.
+    assert any("peer died" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
 
 
 # --- validation ------------------------------------------------------------------------
