@@ -92,6 +92,11 @@ class Peer:
 
     def signal(self, sig: int) -> None:
         os.kill(self.proc.pid, sig)
+        if sig == signal.SIGSTOP:  # the kernel stops it asynchronously: wait until it has
+            deadline = time.monotonic() + 10.0
+            while _proc_state(self.proc.pid) not in ("T", "t"):
+                assert time.monotonic() < deadline, "the peer did not stop within 10 s"
+                time.sleep(0.005)
 
     def stop(self) -> None:
         if self.proc.is_alive():
@@ -281,6 +286,10 @@ def test_killed_peer_raises_peer_disconnected_and_can_rejoin(tcp) -> None:
 
 
 # -- pure helpers --------------------------------------------------------------------------
+def _proc_state(pid: int) -> str:
+    """The process's state letter from /proc (T: stopped by a signal)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def test_coalesce_order_counts_runs_contiguous_on_both_sides() -> None:
