@@ -5,7 +5,7 @@
 #include "node.h"
 #include <structmember.h>
 
-PyObject *ABSENT_PAGE;
+PyObject *ABSENT_PAGE, *ZERO;
 
 int is_absent(PyObject *page) {
     if (PyLong_CheckExact(page)) {
@@ -57,6 +57,19 @@ FIELD(children)
 FIELD(slots)
 FIELD(locks)
 
+/* [a, b], stealing both (NULL where either is, or on failure). */
+static PyObject *pair(PyObject *a, PyObject *b) {
+    PyObject *list = a && b ? PyList_New(2) : NULL;
+    if (list == NULL) {
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        return NULL;
+    }
+    PyList_SET_ITEM(list, 0, a);
+    PyList_SET_ITEM(list, 1, b);
+    return list;
+}
+
 Node *node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long start) {
     Node *node = PyObject_GC_New(Node, &NodeType);
     if (node == NULL) return NULL;
@@ -64,8 +77,9 @@ Node *node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long sta
     node->tokens = Py_NewRef(tokens);
     node->parent = Py_NewRef(parent);
     node->children = PyDict_New();
-    node->slots = Py_BuildValue("[[OO][OO]]", Py_None, Py_None, Py_None, Py_None);
-    node->locks = Py_BuildValue("[ii]", 0, 0);
+    node->slots = pair(pair(Py_NewRef(Py_None), Py_NewRef(Py_None)),
+                       pair(Py_NewRef(Py_None), Py_NewRef(Py_None))); /* [tier][pool] */
+    node->locks = pair(Py_NewRef(ZERO), Py_NewRef(ZERO));            /* per pool */
     node->start = start;
     node->end = parent == Py_None ? 0 : start + PyList_GET_SIZE(keys);
     node->last_access = node->hits = 0;

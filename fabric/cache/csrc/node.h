@@ -32,7 +32,7 @@ PyObject *node_tier(Node *node, Py_ssize_t tier);
 /* 1 where the object is the ABSENT marker (-1), 0 where not, -1 on error. */
 int is_absent(PyObject *page);
 
-extern PyObject *ABSENT_PAGE; /* the int -1 */
+extern PyObject *ABSENT_PAGE, *ZERO; /* the ints -1 and 0 */
 
 /* Shared by tree.c and slots.c. */
 #define ARGS(N, SIG)                                                                    \

@@ -162,8 +162,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__radix(void) {
     if (PyType_Ready(&NodeType) < 0) return NULL;
-    ABSENT_PAGE = PyLong_FromLong(-1);
-    PyObject *m = ABSENT_PAGE ? PyModule_Create(&module) : NULL;
+    ABSENT_PAGE = PyLong_FromLong(-1), ZERO = PyLong_FromLong(0);
+    PyObject *m = ABSENT_PAGE && ZERO ? PyModule_Create(&module) : NULL;
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "TreeNode", (PyObject *)&NodeType) < 0) {
         Py_DECREF(m);
