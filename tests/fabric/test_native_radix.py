@@ -397,3 +397,11 @@ def test_dropped_trees_are_collected():
     del cache
     gc.collect()
     assert native_nodes() == before
+
+
+def test_asking_for_the_native_tree_without_the_extension_is_an_error():
+    with mock.patch.object(radix, "EXT", None):
+        with pytest.raises(RuntimeError, match="not loaded"):
+            RadixTree(4, print, print, native=True)
+        assert not RadixTree(4, print, print).native
+    assert RadixTree(4, print, print).native and not RadixTree(4, print, print, native=False).native
