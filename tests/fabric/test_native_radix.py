@@ -234,7 +234,7 @@ class TwinTrees(RuleBasedStateMachine):
 
 
 TestTwinTrees = TwinTrees.TestCase
-TestTwinTrees.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestTwinTrees.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
 
 
 def python_cache(*args, **kwargs) -> NodeCache:
@@ -318,6 +318,19 @@ class TwinCaches(RuleBasedStateMachine):
     def backup(self, i, ns):
         self.both(lambda c: c.back_up(c.match(self.tokens(i), ns)))
 
+    @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES), point=st.integers(0, 4))
+    def load_back(self, i, ns, point):
+        def call(c, faults):
+            m = c.match(self.tokens(i), ns)
+            guard = c.lock(m)
+            faults.arm(point) if point else faults.disarm()
+            loaded = c.load_to_device(m, m.usable_pages).pages
+            faults.disarm()
+            c.unlock(guard)
+            return loaded
+
+        assert call(self.caches[0], self.faults[0]) == call(self.caches[1], self.faults[1])
+
     @invariant()
     def same_state(self):
         if hasattr(self, "caches"):
@@ -327,7 +340,7 @@ class TwinCaches(RuleBasedStateMachine):
 
 
 TestTwinCaches = TwinCaches.TestCase
-TestTwinCaches.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestTwinCaches.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 
 
 def test_node_fields_are_checked_and_a_bad_store_changes_nothing():
