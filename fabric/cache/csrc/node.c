@@ -176,6 +176,7 @@ static PyObject *get_n(Node *self, void *c) {
 static PyObject *get_is_root(Node *self, void *c) { return PyBool_FromLong(self->parent == Py_None); }
 
 static PyObject *get_up(Node *self, void *c) {
+    if (self->parent == NULL) return PyErr_Format(PyExc_AttributeError, "TreeNode was cleared");
     if (self->parent == Py_None) {
         PyErr_SetString(PyExc_AssertionError, "a namespace root has no parent");
         return NULL;
