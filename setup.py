@@ -1,6 +1,6 @@
 """The one thing pyproject.toml cannot declare without setuptools' experimental table: the
-C extensions behind fabric/cache/keys.py and fabric/index/presence.py (built by
-`pip install`, `make` and CI alike)."""
+C extensions behind fabric/cache/keys.py, fabric/cache/radix.py and fabric/index/presence.py
+(built by `pip install`, `make` and CI alike)."""
 
 from setuptools import Extension, setup
 
@@ -13,6 +13,12 @@ setup(
             "kvfabric.fabric.cache._pagekeys",
             sources=[f"{KEYS}/pagekeys.c", f"{KEYS}/pack.c", f"{KEYS}/blake2b.c"],
             depends=[f"{KEYS}/blake2b.h", f"{KEYS}/pack.h"],
+            extra_compile_args=FLAGS,
+        ),
+        Extension(
+            "kvfabric.fabric.cache._radix",
+            sources=[f"{KEYS}/node.c", f"{KEYS}/tree.c", f"{KEYS}/slots.c"],
+            depends=[f"{KEYS}/node.h"],
             extra_compile_args=FLAGS,
         ),
         Extension(

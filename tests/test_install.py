@@ -102,6 +102,8 @@ def test_the_wheel_holds_kvfabric_only(wheel):
         n for n in names if n.startswith("kvfabric/fabric/index/_presence.") and n.endswith(".so")
     ]
     assert len(index) == 1, "the wheel must hold the built index-core extension"
+    tree = [n for n in names if n.startswith("kvfabric/fabric/cache/_radix.") and n.endswith(".so")]
+    assert len(tree) == 1, "the wheel must hold the built radix-tree extension"
     assert not any("/csrc/" in n for n in names), "C sources stay out of the wheel"
     assert not any(n.startswith(("benchmarks/", "tests/", "kvfabric/benchmarks/")) for n in names)
     assert "kvfabric = kvfabric.deploy.cli.main:main" in entry_points
@@ -119,12 +121,15 @@ from kvfabric.fabric.index.prefix_index import PrefixIndex
 from kvfabric.fabric import MatchRule
 assert presence.ENABLED and "site-packages" in presence.EXT.__file__, "the index loads from it"
 assert type(PrefixIndex(MatchRule(0))._presence) is presence.EXT.Presence
+from kvfabric.fabric.cache import radix
+assert radix.ENABLED and "site-packages" in radix.EXT.__file__, "the tree loads from the wheel"
 assert fabric.Connection.__module__.startswith("fabric."), "fabric is the SSH library"
 assert "site-packages" in kvfabric.fabric.__file__, kvfabric.fabric.__file__
 layout = KVLayout(layers=("full",), kv_heads=1, head_dim=4, page_size=2)
 cache = NodeCache(layout, {PoolName.FULL: PoolCapacity(device=4, host=0)}, store_bytes=False)
 cache.put([1, 2, 3, 4], None, "ns")
 assert cache.match([1, 2, 3, 4], "ns").usable_pages == 2
+assert cache.tree.native and type(cache.tree.root(b"r")) is radix.EXT.TreeNode
 assert len(load_trace()) > 0
 print("ok")
 """

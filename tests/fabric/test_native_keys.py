@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvfabric.fabric.cache import keys, native
+from kvfabric.fabric.cache import keys, native, radix
 from kvfabric.fabric.cache.keys import KeyError_, PageKeyer, pack_py
 from kvfabric.fabric.index import presence
 
@@ -37,6 +37,7 @@ def outcome(f, *args):
 def test_the_extensions_loaded():
     assert native.ENABLED and keys.EXT is not None, "the native keys did not load: rebuild them"
     assert presence.ENABLED, "the native index core did not load: rebuild it"
+    assert radix.ENABLED, "the native radix tree did not load: rebuild it"
 
 
 # --- BLAKE2b ------------------------------------------------------------------------------

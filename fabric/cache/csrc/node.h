@@ -1,0 +1,53 @@
+/* The radix tree's node as a C type (node.c) and the tree's hot primitives over it
+ * (tree.c): the native side of fabric/cache/nodes.py, which stays the reference. */
+#ifndef KVF_NODE_H
+#define KVF_NODE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* The attributes the pure-Python TreeNode has, with the same Python types: the
+ * containers stay Python lists and dicts so every caller reads them unchanged. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *keys;     /* list[bytes]: chained key per page (a root: [namespace key]) */
+    PyObject *tokens;   /* bytes: token bytes of the run */
+    PyObject *parent;   /* TreeNode or None */
+    PyObject *children; /* dict[bytes, TreeNode]: keyed by a child's first page bytes */
+    PyObject *slots;    /* [tier][pool] -> list[int] | None */
+    PyObject *locks;    /* [pool] -> int */
+    long long start, end, last_access, hits;
+} Node;
+
+extern PyTypeObject NodeType;
+
+#define IS_NODE(o) (Py_TYPE(o) == &NodeType)
+
+/* A new node as TreeNode(keys, tokens, parent, start) makes it (keys is kept, not copied). */
+Node *node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long start);
+/* The run's page count (0 for a namespace root); -1 with an error set. */
+Py_ssize_t node_n(Node *node);
+/* slots[tier] as a list (borrowed), with a TypeError or IndexError when it is not one. */
+PyObject *node_tier(Node *node, Py_ssize_t tier);
+/* 1 where the object is the ABSENT marker (-1), 0 where not, -1 on error. */
+int is_absent(PyObject *page);
+
+extern PyObject *ABSENT_PAGE, *ZERO; /* the ints -1 and 0 */
+
+/* Shared by tree.c and slots.c. */
+#define ARGS(N, SIG)                                                                    \
+    if (nargs != N) return PyErr_Format(PyExc_TypeError, SIG " takes %d arguments", N)
+Node *as_node(PyObject *o);                  /* a live native node, or NULL with an error */
+Py_ssize_t as_index(PyObject *o);            /* a tier or pool as an index */
+void fail_assert(PyObject *why);             /* AssertionError(why); steals `why` */
+int add(PyObject *grid, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta); /* grid[t][p] += */
+Py_ssize_t held(PyObject *pages);            /* pages not ABSENT, -1 on error */
+int count(Node *node, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta, PyObject *owned,
+          PyObject *protected);              /* RadixTree._count */
+PyObject *walk(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *split(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+
+#endif

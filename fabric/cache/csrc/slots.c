@@ -1,0 +1,173 @@
+/* Pages and locks on C TreeNodes (set_pages, clear_pages, lock), keeping the tree's
+ * owned/protected [tier][pool] counters, and the `_radix` module that exports them with
+ * tree.c's primitives and the TreeNode type. Same order of effects as fabric/cache/nodes.py. */
+#include "node.h"
+
+/* node.slots[tier] (borrowed) and the pool's index in it, or NULL with an error. */
+static PyObject *slot_row(Node *node, PyObject *tier, PyObject *pool, Py_ssize_t *t, Py_ssize_t *p) {
+    *t = as_index(tier), *p = as_index(pool);
+    if ((*t == -1 || *p == -1) && PyErr_Occurred()) return NULL;
+    PyObject *row = node_tier(node, *t);
+    if (row != NULL && (*p < 0 || *p >= PyList_GET_SIZE(row))) {
+        PyErr_Format(PyExc_IndexError, "no pool %zd in a TreeNode's slots", *p);
+        return NULL;
+    }
+    return row;
+}
+
+/* set_pages(node, tier, pool, offsets, pages, owned, protected) */
+static PyObject *set_pages(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(7, "set_pages");
+    Node *node = as_node(args[0]);
+    Py_ssize_t t, p, n = node ? node_n(node) : -1;
+    PyObject *row = n >= 0 ? slot_row(node, args[1], args[2], &t, &p) : NULL;
+    PyObject *offsets = row ? PySequence_Fast(args[3], "offsets must be a sequence") : NULL;
+    PyObject *pages = offsets ? PySequence_Fast(args[4], "pages must be a sequence") : NULL;
+    if (pages == NULL) goto fail;
+    PyObject *current = PyList_GET_ITEM(row, p);
+    Py_ssize_t given = PySequence_Fast_GET_SIZE(pages), at = PySequence_Fast_GET_SIZE(offsets);
+    if (current == Py_None && at == n) { /* a whole run, in order */
+        PyObject *copy = PySequence_List(pages);
+        if (copy == NULL || PyList_SetItem(row, p, copy) < 0) goto fail;
+    } else {
+        if (current == Py_None) {
+            current = PyList_New(n);
+            if (current == NULL) goto fail;
+            for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(current, i, Py_NewRef(ABSENT_PAGE));
+            if (PyList_SetItem(row, p, current) < 0) goto fail;
+        }
+        Py_INCREF(current);
+        for (Py_ssize_t i = 0; i < at && i < given; i++) {
+            PyObject *off = PySequence_Fast_GET_ITEM(offsets, i);
+            PyObject *was = PyObject_GetItem(current, off);
+            int absent = was ? is_absent(was) : -1;
+            Py_XDECREF(was);
+            if (absent == 0) fail_assert(Py_BuildValue("(OOOO)", node, args[1], args[2], off));
+            if (absent <= 0 || PyObject_SetItem(current, off, PySequence_Fast_GET_ITEM(pages, i)) < 0) {
+                Py_DECREF(current);
+                goto fail;
+            }
+        }
+        Py_DECREF(current);
+    }
+    if (count(node, t, p, given, args[5], args[6]) < 0) goto fail;
+    Py_DECREF(offsets);
+    Py_DECREF(pages);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(offsets);
+    Py_XDECREF(pages);
+    return NULL;
+}
+
+/* clear_pages(node, tier, pool, offsets, owned, protected) -> the pages it emptied */
+static PyObject *clear_pages(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(6, "clear_pages");
+    Node *node = as_node(args[0]);
+    Py_ssize_t t, p;
+    PyObject *row = node ? slot_row(node, args[1], args[2], &t, &p) : NULL;
+    if (row == NULL) return NULL;
+    PyObject *current = PyList_GET_ITEM(row, p);
+    if (current == Py_None) {
+        fail_assert(Py_BuildValue("(OOO)", node, args[1], args[2]));
+        return NULL;
+    }
+    Py_INCREF(current);
+    PyObject *offsets = PySequence_Fast(args[3], "offsets must be a sequence");
+    Py_ssize_t at = offsets ? PySequence_Fast_GET_SIZE(offsets) : 0, i, left;
+    PyObject *pages = offsets ? PyList_New(at) : NULL;
+    for (i = 0; pages && i < at; i++) {
+        PyObject *page = PyObject_GetItem(current, PySequence_Fast_GET_ITEM(offsets, i));
+        if (page == NULL) goto fail;
+        PyList_SET_ITEM(pages, i, page);
+    }
+    for (i = 0; pages && i < at; i++) { /* after every read, as the reference */
+        int absent = is_absent(PyList_GET_ITEM(pages, i));
+        if (absent) {
+            if (absent > 0) fail_assert(Py_BuildValue("(OOOO)", node, args[1], args[2], args[3]));
+            goto fail;
+        }
+    }
+    for (i = 0; pages && i < at; i++)
+        if (PyObject_SetItem(current, PySequence_Fast_GET_ITEM(offsets, i), ABSENT_PAGE) < 0) goto fail;
+    if (pages == NULL || (left = held(current)) < 0) goto fail;
+    if (left == 0 && PyList_SetItem(row, p, Py_NewRef(Py_None)) < 0) goto fail;
+    if (count(node, t, p, -at, args[4], args[5]) < 0) goto fail;
+    Py_DECREF(current);
+    Py_DECREF(offsets);
+    return pages;
+fail:
+    Py_DECREF(current);
+    Py_XDECREF(offsets);
+    Py_XDECREF(pages);
+    return NULL;
+}
+
+/* lock(nodes, pool, delta, protected): add delta to each node's lock on pool */
+static PyObject *lock(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(4, "lock");
+    Py_ssize_t at = as_index(args[1]);
+    long long delta = PyLong_AsLongLong(args[2]);
+    PyObject *nodes = PyErr_Occurred() ? NULL : PySequence_Fast(args[0], "nodes must be a sequence");
+    if (nodes == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(nodes); i++) {
+        Node *node = as_node(PySequence_Fast_GET_ITEM(nodes, i));
+        PyObject *was = node ? PySequence_GetItem(node->locks, at) : NULL;
+        long long before = was ? PyLong_AsLongLong(was) : -1, after = before + delta;
+        Py_XDECREF(was);
+        if (PyErr_Occurred()) goto fail;
+        if (after < 0) {
+            PyErr_Format(PyExc_RuntimeError, "unlock of an unlocked node: %S", (PyObject *)node);
+            goto fail;
+        }
+        PyObject *now = PyLong_FromLongLong(after);
+        if (now == NULL || PySequence_SetItem(node->locks, at, now) < 0) {
+            Py_XDECREF(now);
+            goto fail;
+        }
+        Py_DECREF(now);
+        if ((before == 0) == (after == 0)) continue;
+        for (Py_ssize_t t = 0; t < PyList_GET_SIZE(node->slots); t++) {
+            PyObject *row = node_tier(node, t);
+            PyObject *pages = row ? PySequence_GetItem(row, at) : NULL;
+            Py_ssize_t h = pages == NULL ? -1 : pages == Py_None ? 0 : held(pages);
+            Py_XDECREF(pages);
+            if (h < 0 || (h && add(args[3], t, at, after ? h : -h) < 0)) goto fail;
+        }
+    }
+    Py_DECREF(nodes);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(nodes);
+    return NULL;
+}
+
+#define FAST(NAME, DOC) {#NAME, (PyCFunction)(void (*)(void))NAME, METH_FASTCALL, DOC}
+
+static PyMethodDef functions[] = {
+    FAST(walk, "walk(roots, root_key, raw, step) -> (path, pages matched)"),
+    FAST(walk_keys, "walk_keys(by_key, keys) -> (path, pages matched)"),
+    FAST(touch, "touch(nodes, now, hit)"),
+    FAST(attach, "attach(parent, keys, tokens, step, by_key, clock) -> node"),
+    FAST(split, "split(node, k, step, by_key) -> head"),
+    FAST(set_pages, "set_pages(node, tier, pool, offsets, pages, owned, protected)"),
+    FAST(clear_pages, "clear_pages(node, tier, pool, offsets, owned, protected) -> pages"),
+    FAST(lock, "lock(nodes, pool, delta, protected)"),
+    {NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_radix", "The radix tree's nodes and hot primitives in C.", -1, functions,
+};
+
+PyMODINIT_FUNC PyInit__radix(void) {
+    if (PyType_Ready(&NodeType) < 0) return NULL;
+    ABSENT_PAGE = PyLong_FromLong(-1), ZERO = PyLong_FromLong(0);
+    PyObject *m = ABSENT_PAGE && ZERO ? PyModule_Create(&module) : NULL;
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "TreeNode", (PyObject *)&NodeType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,288 @@
+/* The radix tree's hot primitives over C TreeNodes: the `_radix` module. Each function
+ * does what its namesake in fabric/cache/nodes.py does, in the same order (so a failed
+ * assertion leaves the same state); RadixTree keeps the journal and change log. */
+#include "node.h"
+#include <string.h>
+
+Node *as_node(PyObject *o) {
+    if (!IS_NODE(o)) {
+        PyErr_Format(PyExc_TypeError, "expected a native TreeNode, got %.80s", Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    Node *node = (Node *)o;
+    if (node->keys == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "TreeNode was cleared");
+        return NULL;
+    }
+    return node;
+}
+
+Py_ssize_t as_index(PyObject *o) { return PyNumber_AsSsize_t(o, PyExc_IndexError); }
+
+void fail_assert(PyObject *why) {
+    PyObject *args = why ? PyTuple_Pack(1, why) : NULL;
+    if (args) PyErr_SetObject(PyExc_AssertionError, args);
+    Py_XDECREF(args);
+    Py_XDECREF(why);
+}
+
+/* bytes[lo:hi], clamped as Python slices are. */
+static PyObject *cut(PyObject *bytes, Py_ssize_t lo, Py_ssize_t hi) {
+    Py_ssize_t n = PyBytes_GET_SIZE(bytes);
+    lo = lo > n ? n : lo, hi = hi > n ? n : hi;
+    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(bytes) + lo, hi > lo ? hi - lo : 0);
+}
+
+/* grid[t][p] += delta, for the tree's [tier][pool] counters. */
+int add(PyObject *grid, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta) {
+    PyObject *row = PyList_Check(grid) ? PySequence_GetItem(grid, t) : NULL;
+    if (row == NULL || !PyList_Check(row) || p >= PyList_GET_SIZE(row)) {
+        Py_XDECREF(row);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "counters must be [tier][pool] lists");
+        return -1;
+    }
+    PyObject *step = PyLong_FromSsize_t(delta);
+    PyObject *sum = step ? PyNumber_Add(PyList_GET_ITEM(row, p), step) : NULL;
+    Py_XDECREF(step);
+    int r = sum ? PyList_SetItem(row, p, sum) : -1;
+    Py_DECREF(row);
+    return r;
+}
+
+/* How many pages of a page list are held (not ABSENT); -1 on error. */
+Py_ssize_t held(PyObject *pages) {
+    Py_ssize_t n = PyObject_Length(pages), count = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *page = PySequence_GetItem(pages, i);
+        int a = page ? is_absent(page) : -1;
+        Py_XDECREF(page);
+        if (a < 0) return -1;
+        count += !a;
+    }
+    return n < 0 ? -1 : count;
+}
+
+/* The owned/protected counters follow `delta` pages given to or taken from a node. */
+int count(Node *node, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta, PyObject *owned,
+                 PyObject *protected) {
+    if (add(owned, t, p, delta) < 0) return -1;
+    PyObject *lock = PySequence_GetItem(node->locks, p);
+    int locked = lock ? PyObject_IsTrue(lock) : -1;
+    Py_XDECREF(lock);
+    return locked < 0 ? -1 : locked ? add(protected, t, p, delta) : 0;
+}
+
+/* walk(roots, root_key, raw, step) -> (path, pages matched) */
+PyObject *walk(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(4, "walk");
+    PyObject *roots = args[0], *raw = args[2];
+    Py_ssize_t step = PyLong_AsSsize_t(args[3]);
+    if (!PyDict_Check(roots) || !PyBytes_Check(raw) || step <= 0)
+        return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_TypeError, "walk(dict, key, bytes, step > 0)");
+    const char *buf = PyBytes_AS_STRING(raw);
+    Py_ssize_t len = PyBytes_GET_SIZE(raw), end = len - len % step, off = 0, matched = -1;
+    PyObject *path = PyList_New(0), *node = PyDict_GetItemWithError(roots, args[1]);
+    while (path && node && off < end) {
+        if (as_node(node) == NULL) goto fail;
+        PyObject *first = PyBytes_FromStringAndSize(buf + off, step);
+        if (first == NULL) goto fail;
+        node = PyDict_GetItemWithError(((Node *)node)->children, first);
+        Py_DECREF(first);
+        if (node == NULL) break;
+        Node *n = as_node(node);
+        if (n == NULL || PyList_Append(path, node) < 0) goto fail;
+        const char *tok = PyBytes_AS_STRING(n->tokens);
+        Py_ssize_t tl = PyBytes_GET_SIZE(n->tokens);
+        if (off + tl <= len && memcmp(buf + off, tok, tl) == 0) { /* in place: no copy of the run */
+            off += tl;
+            continue;
+        }
+        Py_ssize_t k = 1;
+        while (off + (k + 1) * step <= end && (k + 1) * step <= tl &&
+               memcmp(buf + off + k * step, tok + k * step, step) == 0)
+            k++;
+        matched = n->start + k;
+        break;
+    }
+    if (path == NULL || PyErr_Occurred()) goto fail;
+    return Py_BuildValue("(Nn)", path, matched >= 0 ? matched : off / step);
+fail:
+    Py_XDECREF(path);
+    return NULL;
+}
+
+/* walk_keys(by_key, keys) -> (path, pages matched) */
+PyObject *walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(2, "walk_keys");
+    if (!PyDict_Check(args[0])) return PyErr_Format(PyExc_TypeError, "walk_keys(dict, keys)");
+    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
+    PyObject *path = keys ? PyList_New(0) : NULL;
+    if (path == NULL) goto fail;
+    Py_ssize_t total = PySequence_Fast_GET_SIZE(keys), i;
+    for (i = 0; i < total; i++) {
+        PyObject *k = PySequence_Fast_GET_ITEM(keys, i);
+        PyObject *found = PyDict_GetItemWithError(args[0], k);
+        if (found == NULL) break;
+        Node *node = as_node(found);
+        Py_ssize_t n = node ? node_n(node) : -1;
+        if (n < 0) goto fail;
+        long long offset = i - node->start;
+        if (offset < 0 || offset >= n) break;
+        Py_INCREF(node); /* the compare may run Python code */
+        int same = PyObject_RichCompareBool(PyList_GET_ITEM(node->keys, offset), k, Py_EQ);
+        Py_ssize_t last = PyList_GET_SIZE(path) - 1;
+        PyObject *tail = last >= 0 ? PyList_GET_ITEM(path, last) : NULL;
+        int stop = same <= 0;
+        if (!stop && offset == 0) {
+            if (tail) {
+                stop = node->parent != tail;
+            } else if (node->parent == Py_None) {
+                PyErr_SetString(PyExc_AssertionError, "a namespace root has no parent");
+            } else {
+                stop = ((Node *)node->parent)->parent != Py_None; /* starts below a root */
+            }
+            if (!stop && !PyErr_Occurred()) PyList_Append(path, (PyObject *)node);
+        } else if (!stop) {
+            stop = tail != (PyObject *)node;
+        }
+        Py_DECREF(node);
+        if (PyErr_Occurred()) goto fail;
+        if (stop) break;
+    }
+    if (PyErr_Occurred()) goto fail;
+    Py_DECREF(keys);
+    return Py_BuildValue("(Nn)", path, i);
+fail:
+    Py_XDECREF(keys);
+    Py_XDECREF(path);
+    return NULL;
+}
+
+/* touch(nodes, now, hit): each node's last access is `now`; a hit counts one. */
+PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(3, "touch");
+    long long now = PyLong_AsLongLong(args[1]);
+    int hit = PyObject_IsTrue(args[2]);
+    PyObject *nodes = PySequence_Fast(args[0], "nodes must be a sequence");
+    if ((now == -1 && PyErr_Occurred()) || hit < 0 || nodes == NULL) {
+        Py_XDECREF(nodes);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(nodes); i++) {
+        Node *node = as_node(PySequence_Fast_GET_ITEM(nodes, i));
+        if (node == NULL) {
+            Py_DECREF(nodes);
+            return NULL;
+        }
+        node->last_access = now;
+        node->hits += hit;
+    }
+    Py_DECREF(nodes);
+    Py_RETURN_NONE;
+}
+
+/* attach(parent, keys, tokens, step, by_key, clock) -> the new child of `parent` */
+PyObject *attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(6, "attach");
+    Node *parent = as_node(args[0]);
+    PyObject *keys = args[1], *tokens = args[2], *by_key = args[4];
+    Py_ssize_t step = PyLong_AsSsize_t(args[3]);
+    long long clock = PyLong_AsLongLong(args[5]);
+    if (parent == NULL || PyErr_Occurred()) return NULL;
+    if (!PyList_Check(keys) || !PyBytes_Check(tokens) || !PyDict_Check(by_key) || step <= 0)
+        return PyErr_Format(PyExc_TypeError, "attach(node, list, bytes, step > 0, dict, clock)");
+    Node *node = node_new(keys, tokens, (PyObject *)parent, parent->end);
+    if (node == NULL) return NULL;
+    node->last_access = clock;
+    PyObject *first = cut(tokens, 0, step);
+    int err = first == NULL || PyDict_SetItem(parent->children, first, (PyObject *)node) < 0;
+    Py_XDECREF(first);
+    for (Py_ssize_t i = 0; !err && i < PyList_GET_SIZE(keys); i++)
+        err = PyDict_SetItem(by_key, PyList_GET_ITEM(keys, i), (PyObject *)node) < 0;
+    if (err) Py_CLEAR(node);
+    return (PyObject *)node;
+}
+
+static PyObject *none_if_empty(PyObject *pages) {
+    Py_ssize_t n = pages ? held(pages) : -1;
+    if (n != 0) return n < 0 ? (Py_XDECREF(pages), NULL) : pages;
+    Py_DECREF(pages);
+    return Py_NewRef(Py_None);
+}
+
+/* Moves the first k pages of each of node's page lists to head's. */
+static int split_slots(Node *head, Node *node, Py_ssize_t k) {
+    for (Py_ssize_t t = 0; t < PyList_GET_SIZE(head->slots) && t < PyList_GET_SIZE(node->slots); t++) {
+        PyObject *head_row = node_tier(head, t), *row = node_tier(node, t);
+        if (head_row == NULL || row == NULL) return -1;
+        for (Py_ssize_t p = 0; p < PyList_GET_SIZE(row); p++) {
+            PyObject *pages = PyList_GET_ITEM(row, p);
+            if (pages == Py_None) continue;
+            Py_INCREF(pages);
+            PyObject *front = none_if_empty(PySequence_GetSlice(pages, 0, k));
+            PyObject *back = none_if_empty(PySequence_GetSlice(pages, k, PY_SSIZE_T_MAX));
+            Py_DECREF(pages);
+            if (front == NULL || back == NULL || PySequence_SetItem(head_row, p, front) < 0 ||
+                PyList_SetItem(row, p, back) < 0) {
+                Py_XDECREF(front);
+                return -1;
+            }
+            Py_DECREF(front);
+        }
+    }
+    return 0;
+}
+
+/* split(node, k, step, by_key) -> the new head node holding node's first k pages */
+PyObject *split(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(4, "split");
+    Node *node = as_node(args[0]);
+    Py_ssize_t k = PyLong_AsSsize_t(args[1]), step = PyLong_AsSsize_t(args[2]);
+    PyObject *by_key = args[3];
+    if (node == NULL || PyErr_Occurred()) return NULL;
+    if (!PyDict_Check(by_key) || step <= 0)
+        return PyErr_Format(PyExc_TypeError, "split(node, k, step > 0, dict)");
+    Py_ssize_t n = node_n(node);
+    if (!(0 < k && k < n)) {
+        fail_assert(Py_BuildValue("(On)", node, k));
+        return NULL;
+    }
+    PyObject *parent = node->parent, *tokens = node->tokens;
+    PyObject *head_keys = PyList_GetSlice(node->keys, 0, k), *head_tokens = cut(tokens, 0, k * step);
+    Node *head = head_keys && head_tokens ? node_new(head_keys, head_tokens, parent, node->start) : NULL;
+    Py_XDECREF(head_keys);
+    Py_XDECREF(head_tokens);
+    PyObject *locks = head ? PySequence_List(node->locks) : NULL;
+    if (locks == NULL) goto fail;
+    Py_SETREF(head->locks, locks);
+    head->last_access = node->last_access, head->hits = node->hits;
+    if (split_slots(head, node, k) < 0) goto fail;
+    PyObject *first = cut(tokens, 0, step);
+    if (first == NULL || PyDict_SetItem(((Node *)parent)->children, first, (PyObject *)head) < 0) {
+        Py_XDECREF(first);
+        goto fail;
+    }
+    Py_DECREF(first);
+    PyObject *tail_keys = PyList_GetSlice(node->keys, k, n), *tail_tokens = cut(tokens, k * step, PY_SSIZE_T_MAX);
+    if (tail_keys == NULL || tail_tokens == NULL) {
+        Py_XDECREF(tail_keys);
+        Py_XDECREF(tail_tokens);
+        goto fail;
+    }
+    Py_SETREF(node->keys, tail_keys);
+    Py_SETREF(node->tokens, tail_tokens);
+    node->start += k;
+    Py_SETREF(node->parent, Py_NewRef((PyObject *)head));
+    first = cut(node->tokens, 0, step);
+    if (first == NULL || PyDict_SetItem(head->children, first, (PyObject *)node) < 0) {
+        Py_XDECREF(first);
+        goto fail;
+    }
+    Py_DECREF(first);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(head->keys); i++)
+        if (PyDict_SetItem(by_key, PyList_GET_ITEM(head->keys, i), (PyObject *)head) < 0) goto fail;
+    return (PyObject *)head;
+fail:
+    Py_XDECREF(head);
+    return NULL;
+}

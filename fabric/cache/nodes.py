@@ -1,0 +1,252 @@
+"""The radix tree's nodes and hot primitives, pure Python: the reference for the C
+extension `_radix` (csrc/node.c, tree.c, slots.c), which exports the same TreeNode
+attributes and methods and the same functions with the same effects, in the same order.
+
+RadixTree (radix.py) calls one of the two through these functions and keeps what
+they leave out: the journal (undo), the change log and the node count. The functions
+take the tree's containers explicitly (roots, by_key, the owned/protected counters),
+so both implementations share one RadixTree.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .layout import PoolName, Tier
+
+ABSENT = -1
+TIERS = (Tier.DEVICE, Tier.HOST)
+
+Counters = list[list[int]]  # [tier][pool]
+
+
+class TreeNode:
+    __slots__ = (
+        "keys",
+        "tokens",
+        "parent",
+        "children",
+        "start",
+        "end",
+        "slots",
+        "locks",
+        "last_access",
+        "hits",
+    )
+
+    def __init__(
+        self, keys: list[bytes], tokens: bytes, parent: "TreeNode | None", start: int
+    ) -> None:
+        self.keys = keys  # chained key of each page (a root: [namespace root key])
+        self.tokens = tokens  # token bytes of the run
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.start = start  # position of the run's first page in the sequence
+        self.end = start + len(keys) if parent is not None else 0
+        self.slots: list[list[list[int] | None]] = [[None, None], [None, None]]  # [tier][pool]
+        self.locks = [0, 0]  # per pool, for every page of the run
+        self.last_access = 0
+        self.hits = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.keys) if self.parent is not None else 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def up(self) -> "TreeNode":
+        """The parent of a node that is not a namespace root."""
+        parent = self.parent
+        assert parent is not None, "a namespace root has no parent"
+        return parent
+
+    def pages_of(self, tier: Tier, pool: PoolName) -> list[int]:
+        """The run's page list of (tier, pool), where the caller knows the run holds some."""
+        pages = self.slots[tier][pool]
+        assert pages is not None, (self, tier, pool)
+        return pages
+
+    def has(self, pool: PoolName, tiers: tuple[Tier, ...] = TIERS) -> bool:
+        """Whether any page of the run holds `pool` KV on one of `tiers`."""
+        return any(self.slots[t][pool] is not None for t in tiers)
+
+    def page_has(self, offset: int, pool: PoolName, tiers: tuple[Tier, ...] = TIERS) -> bool:
+        for t in tiers:
+            pages = self.slots[t][pool]
+            if pages is not None and pages[offset] != ABSENT:
+                return True
+        return False
+
+    def count(self, tier: Tier, pool: PoolName) -> int:
+        pages = self.slots[tier][pool]
+        return 0 if pages is None else len(pages) - pages.count(ABSENT)
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(start={self.start}, n={self.n}, key={self.keys[0].hex()[:8]}, "
+            f"slots={self.slots}, locks={self.locks})"
+        )
+
+
+# --- reading ---------------------------------------------------------------------------
+def walk(
+    roots: dict[bytes, TreeNode], root_key: bytes, raw: bytes, step: int
+) -> tuple[list[TreeNode], int]:
+    path: list[TreeNode] = []
+    node = roots.get(root_key)
+    off, end = 0, len(raw) - len(raw) % step
+    while node is not None and off < end:
+        node = node.children.get(raw[off : off + step])
+        if node is None:
+            break
+        path.append(node)
+        if raw.startswith(node.tokens, off):  # compares in place: no copy of the run
+            off += len(node.tokens)
+            continue
+        k = 1
+        while (
+            off + (k + 1) * step <= end
+            and raw[off + k * step : off + (k + 1) * step] == node.tokens[k * step : (k + 1) * step]
+        ):
+            k += 1
+        return path, node.start + k
+    return path, off // step
+
+
+def walk_keys(by_key: dict[bytes, TreeNode], keys: list[bytes]) -> tuple[list[TreeNode], int]:
+    path: list[TreeNode] = []
+    for i, k in enumerate(keys):
+        node = by_key.get(k)
+        if node is None:
+            break
+        offset = i - node.start
+        if not 0 <= offset < node.n or node.keys[offset] != k:
+            break
+        if offset == 0:
+            if (node.parent is not path[-1]) if path else not node.up.is_root:
+                break
+            path.append(node)
+        elif not path or path[-1] is not node:
+            break
+    else:
+        return path, len(keys)
+    return path, i
+
+
+def touch(nodes: Sequence[TreeNode], now: int, hit: bool) -> None:
+    for node in nodes:
+        node.last_access = now
+        node.hits += hit
+
+
+# --- structure -----------------------------------------------------------------------
+def attach(
+    parent: TreeNode,
+    keys: list[bytes],
+    tokens: bytes,
+    step: int,
+    by_key: dict[bytes, TreeNode],
+    clock: int,
+) -> TreeNode:
+    node = TreeNode(keys, tokens, parent, parent.end)
+    node.last_access = clock
+    parent.children[tokens[:step]] = node
+    by_key.update(dict.fromkeys(keys, node))
+    return node
+
+
+def split(node: TreeNode, k: int, step: int, by_key: dict[bytes, TreeNode]) -> TreeNode:
+    assert 0 < k < node.n, (node, k)
+    parent = node.up
+    head = TreeNode(node.keys[:k], node.tokens[: k * step], parent, node.start)
+    head.locks = list(node.locks)
+    head.last_access, head.hits = node.last_access, node.hits
+    for head_slots, slots in zip(head.slots, node.slots):  # per tier, then per pool
+        for p, pages in enumerate(slots):
+            if pages is not None:
+                head_slots[p] = _none_if_empty(pages[:k])
+                slots[p] = _none_if_empty(pages[k:])
+    parent.children[node.tokens[:step]] = head
+    node.keys, node.tokens, node.start, node.parent = (
+        node.keys[k:],
+        node.tokens[k * step :],
+        node.start + k,
+        head,
+    )
+    head.children[node.tokens[:step]] = node
+    by_key.update(dict.fromkeys(head.keys, head))
+    return head
+
+
+# --- pages and locks --------------------------------------------------------------------
+def set_pages(
+    node: TreeNode,
+    tier: Tier,
+    pool: PoolName,
+    offsets: Sequence[int],
+    pages: Sequence[int],
+    owned: Counters,
+    protected: Counters,
+) -> None:
+    current = node.slots[tier][pool]
+    if current is None and len(offsets) == node.n:  # a whole run, in order
+        node.slots[tier][pool] = list(pages)
+    else:
+        if current is None:
+            current = node.slots[tier][pool] = [ABSENT] * node.n
+        for off, index in zip(offsets, pages):
+            assert current[off] == ABSENT, (node, tier, pool, off)
+            current[off] = index
+    _count(node, tier, pool, len(pages), owned, protected)
+
+
+def clear_pages(
+    node: TreeNode,
+    tier: Tier,
+    pool: PoolName,
+    offsets: Sequence[int],
+    owned: Counters,
+    protected: Counters,
+) -> list[int]:
+    current = node.pages_of(tier, pool)
+    pages = [current[off] for off in offsets]
+    assert ABSENT not in pages, (node, tier, pool, offsets)
+    for off in offsets:
+        current[off] = ABSENT
+    if current.count(ABSENT) == len(current):
+        node.slots[tier][pool] = None
+    _count(node, tier, pool, -len(pages), owned, protected)
+    return pages
+
+
+def lock(nodes: Sequence[TreeNode], pool: PoolName, delta: int, protected: Counters) -> None:
+    # Runs per node of every locked path (gets, evicting puts): index lists by a
+    # plain int (an IntEnum index is slower) and count pages inline.
+    at = int(pool)
+    for node in nodes:
+        before = node.locks[at]
+        after = before + delta
+        if after < 0:
+            raise RuntimeError(f"unlock of an unlocked node: {node}")
+        node.locks[at] = after
+        if (before == 0) != (after == 0):
+            sign = 1 if after else -1
+            for t, slots in enumerate(node.slots):
+                pages = slots[at]
+                if pages is not None:
+                    protected[t][at] += sign * (len(pages) - pages.count(ABSENT))
+
+
+def _count(
+    node: TreeNode, tier: Tier, pool: PoolName, delta: int, owned: Counters, protected: Counters
+) -> None:
+    owned[tier][pool] += delta
+    if node.locks[pool]:
+        protected[tier][pool] += delta
+
+
+def _none_if_empty(pages: list[int]) -> list[int] | None:
+    return None if pages.count(ABSENT) == len(pages) else pages

@@ -1,0 +1,420 @@
+"""The radix tree's two implementations, C (`_radix`) and the pure-Python reference
+(nodes.py), driven through the same random operations: every RadixTree primitive on
+twin trees (attach, split, set_pages, clear_pages, drop_pages with undo, lock, touch,
+walk, walk_keys, detach), and NodeCache put/get/match/lock/evict/back_up, with
+injected reservation failures, on twin caches. Results, errors, whole-tree state,
+snapshots and check() must agree exactly. tests/fabric runs on both through KVF_NATIVE."""
+
+import gc
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from kvfabric.deploy.chaos.faults import AllocationFaults
+from kvfabric.fabric import (
+    KVLayout,
+    NodeCache,
+    PoolCapacity,
+    PoolName,
+    Tier,
+    TierConfig,
+    WritePolicy,
+)
+from kvfabric.fabric.cache import nodes, radix
+from kvfabric.fabric.cache.radix import ABSENT, TIERS, RadixTree
+
+from tests.fabric.test_cache_stateful import LAYOUTS, NAMESPACES, family
+from tests.kvgen import prefix_kv
+
+pytestmark = pytest.mark.skipif(
+    not radix.ENABLED, reason="KVF_NATIVE=0 or not built: the reference alone"
+)
+
+STEP = 2  # bytes a page: small, so runs share pages often
+
+
+def node_state(node) -> tuple:
+    return (
+        tuple(node.keys),
+        node.tokens,
+        node.start,
+        node.end,
+        None if node.parent is None else node.parent.keys[-1],
+        tuple(tuple(None if p is None else tuple(p) for p in row) for row in node.slots),
+        tuple(node.locks),
+        node.last_access,
+        node.hits,
+        sorted(node.children),
+        repr(node),
+        node.n,
+        node.is_root,
+    )
+
+
+def tree_state(tree: RadixTree) -> tuple:
+    return (
+        sorted(node_state(n) for n in tree.nodes()),
+        sorted((k, node_state(r)) for k, r in tree.roots.items()),
+        sorted((k, n.keys[0], n.start) for k, n in tree.by_key.items()),
+        tree.owned,
+        tree.protected,
+        tree.clock,
+        tree.node_count,
+    )
+
+
+def outcome(fn):
+    try:
+        out = fn()
+    except (AssertionError, RuntimeError, IndexError, KeyError, TypeError) as e:
+        return type(e), str(e).split("\n")[0]  # pytest appends its rewrite to assertions
+    if isinstance(out, tuple) and out and isinstance(out[0], list):  # a walk: (path, pages)
+        return [node_state(n) for n in out[0]], out[1]
+    return node_state(out) if hasattr(out, "slots") else out
+
+
+class Journal:
+    def __init__(self) -> None:
+        self.undos: list = []
+        self.freed: list = []
+
+    def record(self, undo) -> None:
+        self.undos.append(undo)
+
+    def dropped(self, pool, tier, pages) -> None:
+        self.freed.append((pool, tier, list(pages)))
+
+
+class TwinTrees(RuleBasedStateMachine):
+    """Node i of `self.nodes[0]` (C) and of `self.nodes[1]` (Python) were made by the same call."""
+
+    @initialize()
+    def setup(self):
+        self.log: list[list] = [[], []]
+        self.trees = [
+            RadixTree(STEP, self._record(s, "free"), self._record(s, "take"), native=native)
+            for s, native in ((0, True), (1, False))
+        ]
+        assert [t.native for t in self.trees] == [True, False]
+        self.nodes: list[list] = [[t.root(b"r0"), t.root(b"r1")] for t in self.trees]
+        self.next = 0
+
+    def _record(self, side, what):
+        return lambda pool, tier, pages: self.log[side].append((what, pool, tier, list(pages)))
+
+    def both(self, call):
+        """Run call(tree, nodes) on both trees; their outcomes must be equal."""
+        a, b = (outcome(lambda s=s: call(self.trees[s], self.nodes[s])) for s in (0, 1))
+        assert a == b
+        return a
+
+    @rule(parent=st.integers(0, 40), pages=st.integers(1, 4), data=st.data())
+    def attach(self, parent, pages, data):
+        tails = data.draw(st.lists(st.integers(0, 2), min_size=pages - 1, max_size=pages - 1))
+        self.next += 1
+        first = self.next.to_bytes(STEP, "big")
+        tokens = first + b"".join(t.to_bytes(STEP, "big") for t in tails)
+        keys = [b"k%d.%d" % (self.next, j) for j in range(pages)]
+
+        def call(tree, nodes):
+            node = tree.attach(nodes[parent % len(nodes)], list(keys), tokens, None)
+            nodes.append(node)
+            return node
+
+        self.both(call)
+
+    def _node(self, i: int, side: int):
+        return self.nodes[side][i % len(self.nodes[side])]
+
+    @rule(i=st.integers(0, 40), k=st.integers(-1, 4))
+    def split(self, i, k):
+        def call(tree, nodes):
+            head = tree.split(nodes[i % len(nodes)], k)
+            nodes.append(head)
+            return head
+
+        self.both(call)
+
+    @rule(
+        i=st.integers(0, 40),
+        tier=st.sampled_from(TIERS),
+        pool=st.sampled_from(PoolName),
+        offsets=st.lists(st.integers(0, 4), max_size=4, unique=True),
+        undo=st.booleans(),
+    )
+    def set_pages(self, i, tier, pool, offsets, undo):
+        self.next += 1
+        pages = [self.next * 10 + j for j in range(len(offsets))]
+        journals = [Journal(), Journal()]
+
+        def call(tree, nodes):
+            side = 0 if tree is self.trees[0] else 1
+            return tree.set_pages(nodes[i % len(nodes)], tier, pool, offsets, pages, journals[side])
+
+        if self.both(call) is None and undo:
+            self.both(
+                lambda tree, nodes: [u() for u in reversed(journals[tree is self.trees[1]].undos)]
+            )
+
+    @rule(
+        i=st.integers(0, 40),
+        tier=st.sampled_from(TIERS),
+        pool=st.sampled_from(PoolName),
+        offsets=st.lists(st.integers(0, 4), max_size=4, unique=True),
+        undo=st.booleans(),
+    )
+    def drop_pages(self, i, tier, pool, offsets, undo):
+        journals = [Journal(), Journal()]
+
+        def call(tree, nodes):
+            side = 0 if tree is self.trees[0] else 1
+            return tree.drop_pages(nodes[i % len(nodes)], tier, pool, offsets, journals[side])
+
+        self.both(call)
+        assert journals[0].freed == journals[1].freed
+        if undo:
+            self.both(
+                lambda tree, nodes: [u() for u in reversed(journals[tree is self.trees[1]].undos)]
+            )
+
+    @rule(
+        picks=st.lists(st.integers(0, 40), max_size=4),
+        pool=st.sampled_from(PoolName),
+        delta=st.sampled_from([1, 1, -1]),
+    )
+    def lock(self, picks, pool, delta):
+        self.both(
+            lambda tree, nodes: tree.lock([nodes[i % len(nodes)] for i in picks], pool, delta)
+        )
+
+    @rule(picks=st.lists(st.integers(0, 40), max_size=4), hit=st.booleans())
+    def touch(self, picks, hit):
+        self.both(lambda tree, nodes: tree.touch([nodes[i % len(nodes)] for i in picks], hit))
+
+    @rule(
+        i=st.integers(0, 40),
+        cut=st.integers(0, 12),
+        noise=st.binary(max_size=5),
+        root=st.sampled_from([b"r0", b"r1", b"nope"]),
+    )
+    def walk(self, i, cut, noise, root):
+        def call(tree, nodes):
+            node, run = nodes[i % len(nodes)], b""
+            while node.parent is not None:
+                run, node = node.tokens + run, node.parent
+            return tree.walk(root, run[: max(0, len(run) - cut)] + noise)
+
+        self.both(call)
+
+    @rule(i=st.integers(0, 40), cut=st.integers(0, 6), swap=st.integers(-1, 8))
+    def walk_keys(self, i, cut, swap):
+        def call(tree, nodes):
+            node, keys = nodes[i % len(nodes)], []
+            while node.parent is not None:
+                keys, node = node.keys + keys, node.parent
+            keys = keys[: max(0, len(keys) - cut)]
+            if 0 <= swap < len(keys):
+                keys[swap] = b"stranger"
+            return tree.walk_keys(keys)
+
+        self.both(call)
+
+    @rule(i=st.integers(0, 40))
+    def detach(self, i):
+        self.both(lambda tree, nodes: tree.detach(nodes[i % len(nodes)], None))
+
+    @invariant()
+    def same_state(self):
+        if hasattr(self, "trees"):
+            assert tree_state(self.trees[0]) == tree_state(self.trees[1])
+            assert self.log[0] == self.log[1]
+
+
+TestTwinTrees = TwinTrees.TestCase
+TestTwinTrees.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+
+
+def python_cache(*args, **kwargs) -> NodeCache:
+    """A NodeCache on the pure-Python tree, in a process that loaded the extension."""
+    with mock.patch.object(radix, "EXT", None):
+        cache = NodeCache(*args, **kwargs)
+    assert not cache.tree.native
+    return cache
+
+
+class TwinCaches(RuleBasedStateMachine):
+    @initialize(
+        layout=st.sampled_from(sorted(LAYOUTS)),
+        policy=st.sampled_from(list(WritePolicy)),
+        seed=st.integers(0, 2**16),
+        device=st.integers(3, 8),
+        host=st.integers(0, 10),
+    )
+    def setup(self, layout, policy, seed, device, host):
+        self.layout = LAYOUTS[layout]
+        caps = {
+            p: PoolCapacity(device if p == PoolName.FULL else max(2, device // 2), host)
+            for p in self.layout.pools
+        }
+        self.faults = [AllocationFaults(), AllocationFaults()]
+        config = dict(tier=TierConfig(policy=policy, selective_hits=2), device="cpu")
+        self.caches = [
+            NodeCache(self.layout, caps, reserve_hook=self.faults[0], **config),
+            python_cache(self.layout, caps, reserve_hook=self.faults[1], **config),
+        ]
+        assert self.caches[0].tree.native
+        self.seqs = family(seed)
+        self.locks: list[tuple] = []
+
+    def both(self, call):
+        a, b = (call(c) for c in self.caches)
+        assert a == b
+        return a
+
+    def tokens(self, i):
+        return self.seqs[i % len(self.seqs)]
+
+    @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES), point=st.integers(0, 4))
+    def put(self, i, ns, point):
+        t = self.tokens(i)
+        for f in self.faults:
+            f.arm(point) if point else f.disarm()
+        self.both(lambda c: (c.put(t, prefix_kv(self.layout, t), ns), c.stats().put_failures))
+        for f in self.faults:
+            f.disarm()
+
+    @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES), extra=st.integers(0, 5))
+    def get(self, i, ns, extra):
+        t = self.tokens(i) + list(range(100, 100 + extra))
+        hits = [c.get(t, ns) for c in self.caches]
+        assert hits[0].tokens == hits[1].tokens and hits[0].starts == hits[1].starts
+        for a, b in zip(hits[0].layers, hits[1].layers):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+    @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES))
+    def match_and_lock(self, i, ns):
+        matches = [c.match(self.tokens(i), ns) for c in self.caches]
+        assert matches[0].usable_pages == matches[1].usable_pages
+        assert [node_state(n) for n in matches[0].path] == [node_state(n) for n in matches[1].path]
+        self.locks.append(tuple(c.lock(m) for c, m in zip(self.caches, matches)))
+
+    @rule(k=st.integers(0, 10))
+    def unlock(self, k):
+        if self.locks:
+            for c, lock in zip(self.caches, self.locks.pop(k % len(self.locks))):
+                c.unlock(lock)
+
+    @rule(
+        pool=st.sampled_from(list(PoolName)), tier=st.sampled_from(list(Tier)), n=st.integers(1, 6)
+    )
+    def evict(self, pool, tier, n):
+        if pool in self.layout.pools:
+            self.both(lambda c: c.evict(pool, tier, n))
+
+    @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES))
+    def backup(self, i, ns):
+        self.both(lambda c: c.back_up(c.match(self.tokens(i), ns)))
+
+    @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES), point=st.integers(0, 4))
+    def load_back(self, i, ns, point):
+        def call(c, faults):
+            m = c.match(self.tokens(i), ns)
+            guard = c.lock(m)
+            faults.arm(point) if point else faults.disarm()
+            loaded = c.load_to_device(m, m.usable_pages).pages
+            faults.disarm()
+            c.unlock(guard)
+            return loaded
+
+        assert call(self.caches[0], self.faults[0]) == call(self.caches[1], self.faults[1])
+
+    @invariant()
+    def same_state(self):
+        if hasattr(self, "caches"):
+            for c in self.caches:
+                c.check()
+            self.both(lambda c: (c.snapshot(), c.stats(), tree_state(c.tree)))
+
+
+TestTwinCaches = TwinCaches.TestCase
+TestTwinCaches.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+
+
+def test_node_fields_are_checked_and_a_bad_store_changes_nothing():
+    node = radix.EXT.TreeNode([b"k"], b"ab", None, 0)
+    for name, bad in [
+        ("keys", (b"k",)),
+        ("tokens", "ab"),
+        ("parent", 3),
+        ("children", []),
+        ("slots", None),
+        ("locks", (0, 0)),
+    ]:
+        before = getattr(node, name)
+        with pytest.raises(TypeError, match=f"TreeNode.{name} must be"):
+            setattr(node, name, bad)
+        assert getattr(node, name) is before
+    with pytest.raises(TypeError):
+        radix.EXT.TreeNode("k", b"ab", None, 0)
+    with pytest.raises(TypeError, match="native TreeNode"):
+        radix.EXT.walk_keys({b"k": nodes.TreeNode([b"k"], b"ab", None, 0)}, [b"k"])
+
+
+def test_node_methods_match_the_reference():
+    made = []
+    for ops in (radix.EXT, nodes):
+        root = ops.TreeNode([b"r"], b"", None, 0)
+        node = ops.TreeNode([b"a", b"b", b"c"], b"xxyyzz", root, 0)
+        node.slots[Tier.HOST][PoolName.SWA] = [ABSENT, 7, ABSENT]
+        made.append((node, root))
+    for (c, croot), (p, proot) in [made]:
+        assert (c.n, c.end, c.is_root, c.up is croot, croot.n, croot.end) == (
+            p.n,
+            p.end,
+            p.is_root,
+            p.up is proot,
+            proot.n,
+            proot.end,
+        )
+        for pool in PoolName:
+            for tiers in (TIERS, (Tier.DEVICE,), (Tier.HOST,)):
+                assert c.has(pool, tiers) == p.has(pool, tiers)
+                for off in (0, 1, -1):
+                    assert c.page_has(off, pool, tiers) == p.page_has(off, pool, tiers)
+            assert c.has(pool) == p.has(pool)
+            for tier in TIERS:
+                assert c.count(tier, pool) == p.count(tier, pool)
+        assert c.pages_of(Tier.HOST, PoolName.SWA) == p.pages_of(Tier.HOST, PoolName.SWA)
+        for n in (c, p):
+            with pytest.raises(AssertionError):
+                n.pages_of(Tier.DEVICE, PoolName.FULL)
+        with pytest.raises(AssertionError, match="no parent"):
+            croot.up
+        assert repr(c) == repr(p)
+
+
+def test_dropped_trees_are_collected():
+    def native_nodes() -> int:
+        return sum(type(o) is radix.EXT.TreeNode for o in gc.get_objects())
+
+    gc.collect()
+    before = native_nodes()
+    layout = KVLayout(layers=("full",), kv_heads=1, head_dim=2, page_size=2)
+    cache = NodeCache(layout, {PoolName.FULL: PoolCapacity(64, 0)}, store_bytes=False)
+    for seq in family(3):
+        cache.put(seq, None, "ns")
+    assert native_nodes() > before  # tracked: parents and children form cycles
+    del cache
+    gc.collect()
+    assert native_nodes() == before
+
+
+def test_asking_for_the_native_tree_without_the_extension_is_an_error():
+    with mock.patch.object(radix, "EXT", None):
+        with pytest.raises(RuntimeError, match="not loaded"):
+            RadixTree(4, print, print, native=True)
+        assert not RadixTree(4, print, print).native
+    assert RadixTree(4, print, print).native and not RadixTree(4, print, print, native=False).native
