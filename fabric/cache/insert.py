@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .radix import RadixTree
     from .tiers import TierController
     from .txn import Transaction
+    from .walks import Walk
 
 T = TypeVar("T")
 Reserved = dict[tuple[PoolName, Tier], list[int]]
@@ -59,6 +60,7 @@ class Inserts:
     tiers: TierController
     _stats: CacheStats
     keyer: Callable[[str], PageKeyer]
+    walk: Callable[[Sequence[int], str], Walk]
     transaction: Callable[[], Transaction]
     lock_nodes: Callable[[dict[PoolName, list[TreeNode]]], NodeGuard]
     unlock_nodes: Callable[[NodeGuard], None]
@@ -69,9 +71,10 @@ class Inserts:
     ) -> InsertPlan:
         """A put's plan: the pages each policy keeps of `tokens` (rows from `first[pool]`
         on) that lack a device copy."""
-        keyer, raw = self.keyer(namespace), encode_tokens(tokens)
+        keyer, walked = self.keyer(namespace), self.walk(tokens, namespace)
+        raw = walked.raw
         n = len(raw) // self.tree.page_bytes
-        path, m = self._walk(keyer, raw, n, first.values())
+        path, m = self._cut(walked.path, walked.matched, first.values())
         n = self.policies[self.primary_pool].extent(m, n, first[self.primary_pool])
         # Leaving the tree below a node that has other children makes a branch
         # point: a likely continuation, so SWA keeps its window too.
@@ -82,13 +85,15 @@ class Inserts:
     def plan_fetch(self, tokens: Sequence[int], namespace: str, pages: int) -> InsertPlan:
         """A fetch's plan: the pages a usable match of `pages` pages needs that no tier holds."""
         keyer, raw = self.keyer(namespace), encode_tokens(tokens)
-        path, m = self._walk(keyer, raw, pages, ())
+        path, m = self.tree.walk(keyer.root, raw[: pages * self.tree.page_bytes])
+        path, m = self._cut(path, m, ())
         keep = {p: pol.needed(pages) for p, pol in self.policies.items()}
         return self._plan(keyer, raw, path, m, pages, keep, TIERS)
 
-    def _walk(self, keyer: PageKeyer, raw: bytes, n: int, splits) -> tuple[list[TreeNode], int]:
+    def _cut(self, path: list[TreeNode], m: int, splits) -> tuple[list[TreeNode], int]:
+        """A walk's path made to end at the `m` pages it matched, with node boundaries
+        at `splits`."""
         tree = self.tree
-        path, m = tree.walk(keyer.root, raw[: n * tree.page_bytes])
         if path and m < path[-1].end:
             tree.split_at(path, m)
             path.pop()

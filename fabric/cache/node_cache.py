@@ -26,6 +26,7 @@ from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
 from .rows import check_kv, first_pages, pack_rows
 from .tiers import TierConfig, TierController
 from .txn import ReservationFailed, ReservationHook, Transaction
+from .walks import Walk, WalkMemo
 
 # Enum members read once: each `Tier.DEVICE` on a hot path is a Python-level lookup.
 DEVICE = Tier.DEVICE
@@ -82,6 +83,7 @@ class NodeCache(Inserts, Exports, PageViews):
         for entry in self.registry:
             entry.evict = self._eviction_hook(entry)
         self._keyers = KeyerCache(layout.fingerprint, layout.page_size, size=4096)
+        self._walks = WalkMemo()
         self._stats = CacheStats()
         self.clock = clock
         self.quarantined: list[Quarantine] = []
@@ -110,9 +112,19 @@ class NodeCache(Inserts, Exports, PageViews):
 
     def match(self, tokens: Sequence[int], namespace: str) -> Match:
         """The longest usable cached prefix of `tokens`; changes nothing."""
+        w = self.walk(tokens, namespace)
+        return self._match(w.path, w.matched, len(w.raw) // self.tree.page_bytes)
+
+    def walk(self, tokens: Sequence[int], namespace: str) -> Walk:
+        """`tokens` packed and the tree's nodes along them; kept for the put that follows."""
+        version = self.tree.version
+        known = self._walks.recall(tokens, namespace, version)
+        if known is not None:
+            return known
         raw = encode_tokens(tokens)
         path, matched = self.tree.walk(self.keyer(namespace).root, raw)
-        return self._match(path, matched, len(raw) // self.tree.page_bytes)
+        self._walks.remember(tokens, namespace, version, raw, path, matched)
+        return Walk(raw, path, matched)
 
     def match_keys(self, keys: list[bytes]) -> Match:
         """The same, for a chain of page keys (as peers and the index name prefixes)."""

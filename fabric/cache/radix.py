@@ -123,6 +123,7 @@ class RadixTree:
         self.by_key: dict[bytes, TreeNode] = {}  # page key -> the node whose run holds it
         self.clock = 0
         self.node_count = 0
+        self.version = 0  # bumped by every change of shape (attach, detach, split): walks.py
         self.owned = [[0, 0], [0, 0]]  # [tier][pool] pages held by nodes
         self.protected = [[0, 0], [0, 0]]  # [tier][pool] pages held by locked nodes
         self.changes: ChangeLog | None = None  # with events on (an EventPublisher)
@@ -168,6 +169,7 @@ class RadixTree:
     ) -> TreeNode:
         node = self._ops.attach(parent, keys, tokens, self.page_bytes, self.by_key, self.clock)
         self.node_count += 1
+        self.version += 1
         if self.changes is not None:
             self.changes.touched(keys)
         if journal is not None:
@@ -183,6 +185,7 @@ class RadixTree:
         for k in node.keys:
             del self.by_key[k]
         self.node_count -= 1
+        self.version += 1
         if self.changes is not None:
             self.changes.left(node)
         if parent.is_root and not parent.children:
@@ -199,6 +202,7 @@ class RadixTree:
         parent.children[node.tokens[: self.page_bytes]] = node
         self.by_key.update(dict.fromkeys(node.keys, node))
         self.node_count += 1
+        self.version += 1
 
     def split(self, node: TreeNode, k: int) -> TreeNode:
         """Cut `node`'s run after its first k pages; returns the new head node.
@@ -207,6 +211,7 @@ class RadixTree:
         splits need no undo."""
         head = self._ops.split(node, k, self.page_bytes, self.by_key)
         self.node_count += 1
+        self.version += 1
         return head
 
     def split_at(self, path: list[TreeNode], position: int) -> None:

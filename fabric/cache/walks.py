@@ -1,0 +1,74 @@
+"""A request's packed tokens and walk, kept from its `match` for the `put` that follows.
+
+A request matches, computes what the cache lacked, then puts the same tokens: packing
+them and walking the tree again would repeat work whose answer cannot have changed,
+unless the tokens or the tree's shape did. The memo holds the last walk and answers
+only when both are provably the same: the tokens compare equal to a copy taken at the
+match (a list may be changed in place in between), and the tree's shape version (bumped
+by every attach, detach and split) is unchanged. Pages placed or dropped in between do
+not matter: a walk follows token runs, not pages. One entry: the put follows its match."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .radix import TreeNode
+
+# Only these are cheap to compare exactly; buffers (array, numpy, tensors) are re-packed.
+_COMPARABLE = (list, tuple)
+
+
+@dataclass(frozen=True)
+class Walk:
+    raw: bytes  # the tokens packed (encode_tokens)
+    path: list[TreeNode]  # a copy for the caller: plans split it in place
+    matched: int  # pages of `raw` the tree holds along `path`
+
+
+@dataclass
+class _Entry:
+    namespace: str
+    tokens: list[int] | tuple[int, ...]
+    version: int
+    raw: bytes
+    path: tuple[TreeNode, ...]
+    matched: int
+
+
+class WalkMemo:
+    __slots__ = ("_entry",)
+
+    def __init__(self) -> None:
+        self._entry: _Entry | None = None
+
+    def recall(self, tokens: Sequence[int], namespace: str, version: int) -> Walk | None:
+        e = self._entry
+        if (
+            e is None
+            or e.version != version
+            or e.namespace != namespace
+            or type(tokens) is not type(e.tokens)
+            or len(tokens) != len(e.tokens)
+            or tokens != e.tokens
+        ):
+            return None
+        return Walk(e.raw, list(e.path), e.matched)
+
+    def remember(
+        self,
+        tokens: Sequence[int],
+        namespace: str,
+        version: int,
+        raw: bytes,
+        path: list[TreeNode],
+        matched: int,
+    ) -> None:
+        if type(tokens) not in _COMPARABLE:
+            self._entry = None
+            return
+        copy = list(tokens) if type(tokens) is list else tokens  # a tuple cannot change
+        self._entry = _Entry(namespace, copy, version, raw, tuple(path), matched)  # type: ignore[arg-type]
+
+    def forget(self) -> None:
+        self._entry = None
