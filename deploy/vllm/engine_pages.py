@@ -42,7 +42,7 @@ from kvfabric.fabric import (
     RouteTable,
     Snapshot,
 )
-from kvfabric.fabric.cache.keys import encode_tokens
+from kvfabric.fabric.cache.keys import PageKeyer, encode_tokens
 from kvfabric.fabric.index.shard_batches import ShardBatches
 
 from .event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -115,6 +115,29 @@ class _Entry:
         self.groups = 0  # bit g: group g holds the block
 
 
+class _EventKeys:
+    """The page keys of one BlockStored event's blocks: one native call chains them all,
+    from the first block that needs a key, and each later block whose parent key is the
+    one before it in that chain takes its key from there (keys are deterministic)."""
+
+    __slots__ = ("raw", "keyer", "first", "parent", "keys")
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        self.keyer: PageKeyer | None = None
+        self.first, self.parent = -1, b""
+        self.keys: list[bytes] = []
+
+    def key(self, keyer: PageKeyer, block: int, parent_key: bytes) -> bytes:
+        i = block - self.first
+        if keyer is self.keyer and 0 <= i < len(self.keys):
+            if parent_key == (self.keys[i - 1] if i else self.parent):
+                return self.keys[i]
+        self.keyer, self.first, self.parent = keyer, block, parent_key
+        self.keys = keyer.chain(self.raw, parent_key, block)
+        return self.keys[0]
+
+
 class EnginePages:
     def __init__(
         self,
@@ -174,8 +197,7 @@ class EnginePages:
         if ev.lora_id is not None or ev.lora_name is not None:
             self._skip(Skip.EXTRA_KEYS, len(ev.block_hashes))
             return
-        raw = encode_tokens(ev.token_ids)
-        step = self.layout.page_size * 4
+        keys = _EventKeys(encode_tokens(ev.token_ids))
         # A group that skipped blocks of the range (out of its window) does not say which
         # tokens are whose: its blocks are held, their keys come from a full group's event.
         whole = len(ev.token_ids) == ev.block_size * len(ev.block_hashes)
@@ -188,7 +210,7 @@ class EnginePages:
             else:
                 self._entries.move_to_end(h)
             if entry.page is None and whole:
-                self._translate(entry, h, parent_hash, extra, raw[j * step : (j + 1) * step])
+                self._translate(entry, h, parent_hash, extra, keys, j)
             elif entry.page is None:
                 self._skip(Skip.PARTIAL_RANGE)
             # Held even without a key yet: a later event (another group's) may bring it.
@@ -200,7 +222,13 @@ class EnginePages:
         self._bound()
 
     def _translate(
-        self, entry: _Entry, h: bytes, parent_hash: bytes | None, extra: tuple | None, tokens: bytes
+        self,
+        entry: _Entry,
+        h: bytes,
+        parent_hash: bytes | None,
+        extra: tuple | None,
+        keys: _EventKeys,
+        block: int,
     ) -> bool:
         if parent_hash is None:
             if extra is not None and not (len(extra) == 1 and type(extra[0]) is str):
@@ -219,7 +247,7 @@ class EnginePages:
                 return self._skip(Skip.TOO_DEEP)
             namespace, parent_key, depth = up.namespace, up.key, up.depth + 1
             keyer = self._keyers.get(namespace)
-        key = keyer.chain(tokens, parent_key)[0]
+        key = keys.key(keyer, block, parent_key)
         if self._owner.setdefault(key, h) != h:
             return self._skip(Skip.KEY_TAKEN)
         entry.page = _Page(key, parent_key, depth, up, namespace)

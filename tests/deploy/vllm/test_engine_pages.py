@@ -248,3 +248,25 @@ def test_a_salt_is_a_namespace_apart_from_no_salt():
     assert fabric_namespace("a") != fabric_namespace("b")
     with pytest.raises(ValueError):
         fabric_namespace(7)  # type: ignore[arg-type]
+
+
+def test_an_events_new_blocks_are_keyed_by_one_native_call(monkeypatch):
+    """A prefill's blocks come in one event: their keys are one chain over its tokens, the
+    same keys block-by-block chaining gives (the property test above checks them all)."""
+    pages = EnginePages(NODE, 1, LAYOUT, GROUPS)
+    calls = []
+    chain = PageKeyer.chain
+
+    def counted(self, raw, prev=None, first_page=0):
+        calls.append(first_page)
+        return chain(self, raw, prev, first_page)
+
+    monkeypatch.setattr(PageKeyer, "chain", counted)
+    tokens = tuple(range(10 * PS))
+    hashes = [vllm_hash(None, tokens[: (j + 1) * PS]) for j in range(10)]
+    full = (PS, "GPU", 1, None, None, None, None, None)  # group 1 is the full one
+    pages.apply([BlockStored(tuple(hashes[:6]), None, tokens[: 6 * PS], *full)])
+    pages.apply([BlockStored(tuple(hashes[6:]), hashes[5], tokens[6 * PS :], *full)])
+    assert calls == [0, 0]
+    keyer = PageKeyer(fabric_namespace(None), LAYOUT.fingerprint, PS)
+    assert sorted(pages.held()) == sorted(keyer.keys(tokens))
