@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from enum import Enum, IntEnum
+from functools import cached_property
 
 import torch
 
@@ -81,7 +82,7 @@ class KVLayout:
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
-    @property
+    @cached_property  # read on every put: computed once (fields are frozen)
     def pools(self) -> tuple[PoolName, ...]:
         """The pools of this layout, FULL first: the first is the one whose pages keep a
         tree node alive (NodeCache.primary_pool)."""
