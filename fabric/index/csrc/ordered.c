@@ -36,6 +36,46 @@ Py_ssize_t ord_find(const Ordered *o, const uint8_t *key, size_t *pos) {
     }
 }
 
+/* A fresh index over the entries 0..n-1 of `keys`, `size` positions; NULL if out of memory. */
+static int32_t *index_of(const uint8_t *keys, Py_ssize_t n, size_t size) {
+    int32_t *index = PyMem_Malloc(size * sizeof(int32_t));
+    if (index == NULL)
+        return NULL;
+    memset(index, 0xff, size * sizeof(int32_t));
+    for (Py_ssize_t e = 0; e < n; e++) {
+        size_t i = hash_key(keys + e * KEY_BYTES) & (size - 1);
+        while (index[i] != -1)
+            i = (i + 1) & (size - 1);
+        index[i] = (int32_t)e;
+    }
+    return index;
+}
+
+/* No dead entries: every array grows in place (realloc keeps what is already mapped,
+ * where a fresh copy would fault it all in again), then a fresh index. */
+static int grow(Ordered *o, Py_ssize_t cap, size_t size, const Column *cols, int ncols) {
+    int32_t *index;                     /* each step leaves a consistent set: bigger arrays */
+    uint8_t *keys = PyMem_Realloc(o->keys, (size_t)cap * KEY_BYTES);
+    if (keys == NULL)
+        return PyErr_NoMemory(), -1;
+    o->keys = keys;
+    uint8_t *dead = PyMem_Realloc(o->dead, (size_t)cap);
+    if (dead == NULL)
+        return PyErr_NoMemory(), -1;
+    o->dead = dead;
+    for (int c = 0; c < ncols; c++) {
+        void *d = PyMem_Realloc(*cols[c].data, (size_t)cap * cols[c].size);
+        if (d == NULL)
+            return PyErr_NoMemory(), -1;
+        *cols[c].data = d;
+    }
+    if ((index = index_of(o->keys, o->used, size)) == NULL)
+        return PyErr_NoMemory(), -1;
+    PyMem_Free(o->index);
+    o->index = index, o->mask = size - 1, o->cap = cap;
+    return 0;
+}
+
 int ord_reserve(Ordered *o, Py_ssize_t extra, const Column *cols, int ncols) {
     if (o->used + extra <= o->cap)
         return 0;
@@ -44,36 +84,34 @@ int ord_reserve(Ordered *o, Py_ssize_t extra, const Column *cols, int ncols) {
         cap = need > 2 * cap ? need : 2 * cap;
     if (cap < 8)
         cap = 8;
-    if ((size_t)cap > (size_t)INT32_MAX / 2)
+    if ((size_t)cap > (size_t)INT32_MAX / 2 || ncols > 8)
         return PyErr_NoMemory(), -1;
     size_t size = 16;
     while (size < (size_t)cap * 2)
         size <<= 1;
+    if (o->live == o->used)
+        return grow(o, cap, size, cols, ncols);
     void *fresh[8] = {NULL};
     uint8_t *keys = PyMem_Malloc((size_t)cap * KEY_BYTES), *dead = PyMem_Calloc((size_t)cap, 1);
-    int32_t *index = PyMem_Malloc(size * sizeof(int32_t));
-    int ok = keys && dead && index && ncols <= 8;
+    int ok = keys && dead;
     for (int c = 0; ok && c < ncols; c++)
         ok = (fresh[c] = PyMem_Malloc((size_t)cap * cols[c].size)) != NULL;
-    if (!ok) {
-        PyMem_Free(keys), PyMem_Free(dead), PyMem_Free(index);
-        for (int c = 0; c < ncols && c < 8; c++)
-            PyMem_Free(fresh[c]);
-        return PyErr_NoMemory(), -1;
-    }
-    memset(index, 0xff, size * sizeof(int32_t));
     Py_ssize_t n = 0;
-    for (Py_ssize_t e = 0; e < o->used; e++) {
+    for (Py_ssize_t e = 0; ok && e < o->used; e++) {
         if (o->dead[e])
             continue;
         memcpy(keys + n * KEY_BYTES, o->keys + e * KEY_BYTES, KEY_BYTES);
         for (int c = 0; c < ncols; c++)
             memcpy((uint8_t *)fresh[c] + (size_t)n * cols[c].size,
                    (uint8_t *)*cols[c].data + (size_t)e * cols[c].size, cols[c].size);
-        size_t i = hash_key(keys + n * KEY_BYTES) & (size - 1);
-        while (index[i] != -1)
-            i = (i + 1) & (size - 1);
-        index[i] = (int32_t)n++;
+        n++;
+    }
+    int32_t *index = ok ? index_of(keys, n, size) : NULL;
+    if (index == NULL) {
+        PyMem_Free(keys), PyMem_Free(dead);
+        for (int c = 0; c < ncols; c++)
+            PyMem_Free(fresh[c]);
+        return PyErr_NoMemory(), -1;
     }
     PyMem_Free(o->keys), PyMem_Free(o->dead), PyMem_Free(o->index);
     for (int c = 0; c < ncols; c++) {
