@@ -36,6 +36,11 @@ Py_ssize_t ord_find(const Ordered *o, const uint8_t *key, size_t *pos) {
     }
 }
 
+void ord_prefetch(const Ordered *o, const uint8_t *key) {
+    if (o->index != NULL)
+        __builtin_prefetch(o->index + (hash_key(key) & o->mask));
+}
+
 /* A fresh index over the entries 0..n-1 of `keys`, `size` positions; NULL if out of memory. */
 static int32_t *index_of(const uint8_t *keys, Py_ssize_t n, size_t size) {
     int32_t *index = PyMem_Malloc(size * sizeof(int32_t));

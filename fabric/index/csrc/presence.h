@@ -37,6 +37,8 @@ typedef struct {
 
 /* The entry of `key`, or -1; *pos: its index position, else where it would go. */
 Py_ssize_t ord_find(const Ordered *o, const uint8_t *key, size_t *pos);
+/* Warms the cache for a coming ord_find of `key` (its index position). */
+void ord_prefetch(const Ordered *o, const uint8_t *key);
 /* Room for `extra` more entries (each column too); nothing changes if memory runs out. */
 int ord_reserve(Ordered *o, Py_ssize_t extra, const Column *cols, int ncols);
 /* A new entry for `key` at index position `pos` (from ord_find; room reserved). */

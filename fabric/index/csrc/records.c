@@ -54,6 +54,10 @@ int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys,
     uint64_t keep = ~(0xFULL << shift), put = (uint64_t)code_of(mask) << shift;
     if (mask && (reserve_held(p, n) < 0 || reserve_pages(s, n) < 0))
         return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {  /* the keys' misses overlap, not one after another */
+        ord_prefetch(&s->set, (const uint8_t *)PyBytes_AS_STRING(keys[i]));
+        ord_prefetch(&p->held, (const uint8_t *)PyBytes_AS_STRING(keys[i]));
+    }
     size_t pos;
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(keys[i]);
