@@ -18,7 +18,7 @@ from kvfabric.fabric.wire import unpack
 
 EVENTS_VERSION = 1
 MAX_PAGES_PER_BATCH = 1 << 20
-MAX_DEPTH = 1 << 62  # depths stay below it: the native index core keeps them in 64 bits
+MAX_DEPTH = 1 << 64  # depths stay below it: what the wire carries (u64), as the C core keeps them
 
 
 class PageMask(IntFlag):

@@ -61,6 +61,19 @@ static int64_t int_arg(PyObject *v, const char *name, int64_t lo, int64_t hi) {
     return x;
 }
 
+/* A chain's first depth: its last page's, first_depth + n - 1, fits 64 bits unsigned (the
+ * events' wire type); 0 and *ok = 0 with a ValueError if not. */
+static uint64_t depth_arg(PyObject *v, Py_ssize_t n, int *ok) {
+    unsigned long long x = PyLong_CheckExact(v) ? PyLong_AsUnsignedLongLong(v) : 0;
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    else if (PyLong_CheckExact(v) && (n == 0 || x <= UINT64_MAX - (uint64_t)(n - 1)))
+        return *ok = 1, x;
+    PyErr_Format(PyExc_ValueError, "first_depth must be an int from 0 to 2**64 - %zd, got %R",
+                 n ? n : 1, v);
+    return *ok = 0, 0;
+}
+
 /* The open slot `v` names, or a ValueError. */
 static Pages *open_slot(Presence *p, PyObject *v, Py_ssize_t *slot) {
     int overflow = 0;
@@ -85,9 +98,10 @@ static PyObject *py_set_chain(Presence *p, PyObject *const *args, Py_ssize_t nar
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    int64_t depth = -1, mask = -1;
-    if (kvf_check_keys(items, n, "set_chain") == 0 &&
-        (depth = int_arg(args[2], "first_depth", 0, ((int64_t)1 << 62) - n)) >= 0) {
+    int64_t mask = -1;
+    int ok = 0;
+    uint64_t depth = 0;
+    if (kvf_check_keys(items, n, "set_chain") == 0 && (depth = depth_arg(args[2], n, &ok), ok)) {
         if (!is_key(args[3]))
             PyErr_Format(PyExc_ValueError, "set_chain parent must be %d-byte bytes", KEY_BYTES);
         else

@@ -52,7 +52,7 @@ typedef struct {
     int open;
     Ordered set;
     uint8_t *parents;           /* set.cap * KEY_BYTES */
-    int64_t *depths;            /* set.cap */
+    uint64_t *depths;           /* set.cap */
     uint8_t *masks;             /* set.cap */
 } Pages;
 
@@ -64,7 +64,7 @@ typedef struct {
     Ordered held;               /* keys some slot holds */
     uint64_t *bits;             /* held.cap * words: each slot's nibble */
     uint8_t *parents;           /* held.cap * KEY_BYTES: the key's last publication's parent */
-    int64_t *depths;            /* held.cap: and its depth */
+    uint64_t *depths;           /* held.cap: and its depth */
     uint64_t *ones;             /* words: bit 0 of every open slot's nibble */
     Pages *slots;               /* nslots */
     Py_ssize_t nslots;
@@ -80,7 +80,7 @@ int kvf_check_keys(PyObject *const *items, Py_ssize_t n, const char *what);
 
 /* records.c */
 int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n,
-                  int64_t first_depth, const uint8_t *parent, int mask);
+                  uint64_t first_depth, const uint8_t *parent, int mask);
 void kvf_clear(Presence *p, Pages *s, Py_ssize_t slot);
 PyObject *kvf_pages(Pages *s);
 PyObject *kvf_meta(Presence *p, const uint8_t *key);

@@ -48,7 +48,7 @@ static void drop_holder(Presence *p, const uint8_t *key, Py_ssize_t word, uint64
 }
 
 int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n,
-                  int64_t first_depth, const uint8_t *parent, int mask) {
+                  uint64_t first_depth, const uint8_t *parent, int mask) {
     Py_ssize_t word = slot / SLOTS_PER_WORD, w = p->words;
     int shift = 4 * (int)(slot % SLOTS_PER_WORD);
     uint64_t keep = ~(0xFULL << shift), put = (uint64_t)code_of(mask) << shift;
@@ -69,7 +69,7 @@ int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys,
             continue;
         }
         const uint8_t *par = i ? (const uint8_t *)PyBytes_AS_STRING(keys[i - 1]) : parent;
-        int64_t depth = first_depth + i;
+        uint64_t depth = first_depth + (uint64_t)i;
         if (f < 0)
             f = ord_add(&s->set, pos, key);
         memcpy(s->parents + f * KEY_BYTES, par, KEY_BYTES);
@@ -101,9 +101,10 @@ PyObject *kvf_pages(Pages *s) {
     for (Py_ssize_t f = 0; out != NULL && f < s->set.used; f++) {
         if (s->set.dead[f])
             continue;
-        PyObject *t = Py_BuildValue("(y#y#Li)", (const char *)s->set.keys + f * KEY_BYTES,
+        PyObject *t = Py_BuildValue("(y#y#Ki)", (const char *)s->set.keys + f * KEY_BYTES,
                                     (Py_ssize_t)KEY_BYTES, (const char *)s->parents + f * KEY_BYTES,
-                                    (Py_ssize_t)KEY_BYTES, (long long)s->depths[f], (int)s->masks[f]);
+                                    (Py_ssize_t)KEY_BYTES, (unsigned long long)s->depths[f],
+                                    (int)s->masks[f]);
         if (t == NULL)
             Py_CLEAR(out);
         else
@@ -117,8 +118,8 @@ PyObject *kvf_meta(Presence *p, const uint8_t *key) {
     Py_ssize_t e = ord_find(&p->held, key, &pos);
     if (e < 0)
         Py_RETURN_NONE;
-    return Py_BuildValue("(y#L)", (const char *)p->parents + e * KEY_BYTES, (Py_ssize_t)KEY_BYTES,
-                         (long long)p->depths[e]);
+    return Py_BuildValue("(y#K)", (const char *)p->parents + e * KEY_BYTES, (Py_ssize_t)KEY_BYTES,
+                         (unsigned long long)p->depths[e]);
 }
 
 void kvf_free_held(Presence *p) {
