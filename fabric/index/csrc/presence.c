@@ -172,7 +172,7 @@ static PyObject *py_clear(Presence *p, PyObject *arg) {
 static PyObject *py_pages(Presence *p, PyObject *arg) {
     Py_ssize_t slot;
     Pages *s = open_slot(p, arg, &slot);
-    return s == NULL ? NULL : kvf_pages(s);
+    return s == NULL ? NULL : kvf_pages(p, s);
 }
 
 static PyObject *py_count(Presence *p, PyObject *arg) {
@@ -228,7 +228,7 @@ static PyObject *py_sizeof(Presence *p, PyObject *unused) {
     size_t n = sizeof(Presence) + ordered_bytes(&p->held, 8 * (size_t)p->words + KEY_BYTES + 8)
                + 8 * (size_t)(p->words + p->scratch_len) + (size_t)p->nslots * sizeof(Pages);
     for (Py_ssize_t s = 0; s < p->nslots; s++)
-        n += ordered_bytes(&p->slots[s].set, KEY_BYTES + 8 + 1);
+        n += ordered_bytes(&p->slots[s].set, 1) + ordered_bytes(&p->slots[s].own, KEY_BYTES + 8);
     return PyLong_FromSize_t(n);
 }
 

@@ -47,13 +47,15 @@ Py_ssize_t ord_add(Ordered *o, size_t pos, const uint8_t *key);
 void ord_remove(Ordered *o, size_t pos);
 void ord_free(Ordered *o, const Column *cols, int ncols);
 
-/* What one slot holds: per key, the parent, depth and mask it last published. */
+/* What one slot holds: per key, the mask it last published; the parent and depth are the
+ * key's record in Presence.held, or the slot's own where that changed since (records.c). */
 typedef struct {
     int open;
     Ordered set;
-    uint8_t *parents;           /* set.cap * KEY_BYTES */
-    uint64_t *depths;           /* set.cap */
-    uint8_t *masks;             /* set.cap */
+    uint8_t *masks;             /* set.cap: the mask, and OWN if the record is in `own` */
+    Ordered own;                /* keys whose record differs from the key's last one */
+    uint8_t *parents;           /* own.cap * KEY_BYTES */
+    uint64_t *depths;           /* own.cap */
 } Pages;
 
 typedef struct {
@@ -82,7 +84,7 @@ int kvf_check_keys(PyObject *const *items, Py_ssize_t n, const char *what);
 int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n,
                   uint64_t first_depth, const uint8_t *parent, int mask);
 void kvf_clear(Presence *p, Pages *s, Py_ssize_t slot);
-PyObject *kvf_pages(Pages *s);
+PyObject *kvf_pages(Presence *p, Pages *s);
 PyObject *kvf_meta(Presence *p, const uint8_t *key);
 void kvf_free_pages(Pages *s);
 void kvf_free_held(Presence *p);
