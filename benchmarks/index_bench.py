@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"index bytes per cached page {fast['bytes_per_page']:.0f} (pure Python "
         f"{slow['bytes_per_page']:.0f}); "
-        f"presence table per key {fast['table_bytes_per_key']:.0f} (pure Python "
+        f"index table per key (nibbles, records, node pages) "
+        f"{fast['table_bytes_per_key']:.0f} (pure Python "
         f"{slow['table_bytes_per_key']:.0f})"
     )
     print(f"8 shards over {len(full)} requests: lookups max/mean {balance:.3f} (target <= 1.25)")

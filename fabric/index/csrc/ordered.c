@@ -86,7 +86,7 @@ int ord_reserve(Ordered *o, Py_ssize_t extra, const Column *cols, int ncols) {
         return 0;
     Py_ssize_t need = o->live + extra, cap = o->cap;
     if (need * 2 > cap)                 /* else compacting the dead entries makes room */
-        cap = need > 2 * cap ? need : 2 * cap;
+        cap = need > cap + cap / 2 ? need : cap + cap / 2;  /* 1.5x: less idle room */
     if (cap < 8)
         cap = 8;
     if ((size_t)cap > (size_t)INT32_MAX / 2 || ncols > 8)
