@@ -188,13 +188,15 @@ PyObject *kvf_pages(Presence *p, Pages *s) {
         const uint8_t *key = s->set.keys + f * KEY_BYTES, *parent;
         uint64_t depth;
         size_t pos;
-        if (s->masks[f] & OWN) {
-            Py_ssize_t g = ord_find(&s->own, key, &pos);
-            parent = s->parents + g * KEY_BYTES, depth = s->depths[g];
-        } else {
-            Py_ssize_t e = ord_find(&p->held, key, &pos);
-            parent = p->parents + e * KEY_BYTES, depth = p->depths[e];
+        Py_ssize_t g = s->masks[f] & OWN ? ord_find(&s->own, key, &pos) : -1;
+        Py_ssize_t e = g < 0 ? ord_find(&p->held, key, &pos) : -1;
+        if (g < 0 && e < 0) {           /* a held page's key is held: never, but not a crash */
+            PyErr_SetString(PyExc_SystemError, "index core: a page without its key's record");
+            Py_CLEAR(out);
+            break;
         }
+        parent = g >= 0 ? s->parents + g * KEY_BYTES : p->parents + e * KEY_BYTES;
+        depth = g >= 0 ? s->depths[g] : p->depths[e];
         PyObject *t = Py_BuildValue("(y#y#Ki)", (const char *)key, (Py_ssize_t)KEY_BYTES,
                                     (const char *)parent, (Py_ssize_t)KEY_BYTES,
                                     (unsigned long long)depth, (int)(s->masks[f] & ~OWN));
