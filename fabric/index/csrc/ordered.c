@@ -57,7 +57,7 @@ static int32_t *index_of(const uint8_t *keys, Py_ssize_t n, size_t size) {
 }
 
 /* No dead entries: every array grows in place (realloc keeps what is already mapped,
- * where a fresh copy would fault it all in again), then a fresh index. */
+ * where a fresh copy would fault it all in again), and a fresh index if it must grow. */
 static int grow(Ordered *o, Py_ssize_t cap, size_t size, const Column *cols, int ncols) {
     int32_t *index;                     /* each step leaves a consistent set: bigger arrays */
     uint8_t *keys = PyMem_Realloc(o->keys, (size_t)cap * KEY_BYTES);
@@ -74,10 +74,13 @@ static int grow(Ordered *o, Py_ssize_t cap, size_t size, const Column *cols, int
             return PyErr_NoMemory(), -1;
         *cols[c].data = d;
     }
-    if ((index = index_of(o->keys, o->used, size)) == NULL)
-        return PyErr_NoMemory(), -1;
-    PyMem_Free(o->index);
-    o->index = index, o->mask = size - 1, o->cap = cap;
+    if (size != o->mask + 1 || o->index == NULL) {  /* else the index has room as it is */
+        if ((index = index_of(o->keys, o->used, size)) == NULL)
+            return PyErr_NoMemory(), -1;
+        PyMem_Free(o->index);
+        o->index = index, o->mask = size - 1;
+    }
+    o->cap = cap;
     return 0;
 }
 
