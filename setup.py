@@ -23,7 +23,12 @@ setup(
         ),
         Extension(
             "kvfabric.fabric.index._presence",
-            sources=[f"{INDEX}/presence.c", f"{INDEX}/lookup.c"],
+            sources=[
+                f"{INDEX}/presence.c",
+                f"{INDEX}/ordered.c",
+                f"{INDEX}/records.c",
+                f"{INDEX}/lookup.c",
+            ],
             depends=[f"{INDEX}/presence.h"],
             extra_compile_args=FLAGS,
         ),

@@ -18,6 +18,7 @@ from kvfabric.fabric.wire import unpack
 
 EVENTS_VERSION = 1
 MAX_PAGES_PER_BATCH = 1 << 20
+MAX_DEPTH = 1 << 64  # depths stay below it: what the wire carries (u64), as the C core keeps them
 
 
 class PageMask(IntFlag):
@@ -164,6 +165,7 @@ def check_pages(pages: Sequence[PageState], allow_zero: bool) -> None:
             raise EventError(f"page {i}: key and parent must be {KEY_BYTES} bytes")
         if (
             not _uint(p.depth)
+            or p.depth >= MAX_DEPTH
             or not _uint(p.mask)
             or not (0 if allow_zero else 1) <= p.mask <= _MAX_MASK
         ):

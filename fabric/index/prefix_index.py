@@ -1,62 +1,41 @@
 """The global prefix index: which node holds which page, from the nodes' KV events.
 
 One process: an index shard wraps one, and the unsharded reference of the
-differential tests is one. Per page key its presence table keeps every holder's mask
-as a 4-bit nibble per node slot (see `_code`), which lookups AND along a request's
-keys (see presence.py; what counts as a match is the layout's MatchRule, read from its
-attention policies); the table is C or pure Python (KVF_NATIVE). Admission (epochs,
-sequence numbers), validation, what each node published and page metadata stay here.
+differential tests is one. Its table (presence.py, C or pure Python by KVF_NATIVE)
+keeps per page key every holder's mask as a 4-bit nibble per node slot, which lookups
+AND along a request's keys (what counts as a match is the layout's MatchRule, read
+from its attention policies), and per node slot what it published of each page.
+Node names, admission (epochs, sequence numbers) and validation stay here.
 `apply_chain` takes what a node publishes after a put, a run of consecutive pages with
-one mask, as one table call and dict updates, with no object per page (see `Chain`)."""
+one mask: after validation and admission, one table call, with no object per page."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from itertools import repeat
+from dataclasses import dataclass
 from typing import Sequence
 
 from .admission import Admission, ApplyResult
-from .answers import Chain, NodeMatch, rank_key, resolve
+from .answers import NodeMatch, rank_key
 from .events import (
     _MAX_MASK,
     KEY_BYTES,
+    MAX_DEPTH,
     EventBatch,
     EventError,
-    PageMask,
     PageState,
     Snapshot,
     check_header,
     check_pages,
 )
-from .lookups import _BYTES, _KEY_LEN  # one definition of a well-formed key list
 from .match_rule import MatchRule
 from .presence import new_presence
-
-# Bits of a node's nibble: FULL on either tier, FULL on device, SWA on either, SWA on device.
-_F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8
-
-
-def _code(mask: int) -> int:
-    """A PageMask as a nibble whose bits AND sensibly along a path: FULL_DEVICE then
-    FULL_HOST still means "FULL on both", which ANDing raw masks would lose."""
-    return (
-        (_F_ANY if mask & PageMask.FULL else 0)
-        | (_F_DEV if mask & PageMask.FULL_DEVICE else 0)
-        | (_S_ANY if mask & PageMask.SWA else 0)
-        | (_S_DEV if mask & PageMask.SWA_DEVICE else 0)
-    )
-
-
-_CODES = tuple(_code(m) for m in range(_MAX_MASK + 1))  # mask -> nibble, without enum arithmetic
 
 
 @dataclass
 class _NodeState:
-    slot: int
+    slot: int  # its pages are the table's under this slot
     epoch: int
     seq: int | None  # last applied batch; None: not in sync (needs seq 0, cleared or a snapshot)
-    # key -> the Chain this node last published it in (`node_pages` makes PageStates)
-    pages: dict[bytes, Chain] = field(default_factory=dict)
 
 
 class PrefixIndex:
@@ -69,10 +48,7 @@ class PrefixIndex:
         self.rule = rule
         self.window_pages, self.has_full = rule.window_pages, rule.has_full
         self.fingerprint = fingerprint  # if set, batches of another layout are refused
-        # Key -> packed holders, kept apart from key -> (parent, depth) so that a lookup
-        # reads only the packed nibbles.
         self._presence = new_presence(rule, native)
-        self._meta: dict[bytes, Chain] = {}  # key -> the record it was last published in
         self._nodes: dict[str, _NodeState] = {}
         self._slots: list[str | None] = []  # slot -> node name; None: free
         # Dropped nodes and epoch floors, so that late events cannot resurrect a node.
@@ -90,9 +66,8 @@ class PrefixIndex:
         if result is ApplyResult.APPLIED:
             st = self._nodes[batch.node]
             if batch.cleared:
-                self._clear(st)
-            for p in batch.pages:
-                self._set(st, p.key, p.parent, p.depth, p.mask)
+                self._presence.clear(st.slot)
+            self._set_pages(st.slot, batch.pages)
             st.seq = batch.seq
         self._counts[result] += 1
         return result
@@ -116,7 +91,7 @@ class PrefixIndex:
         admission rules (seq order, epochs, gaps, cleared), the same result and state, but
         without a PageState per page. Arguments are validated in bulk before anything is
         applied (keys: exact `bytes` of KEY_BYTES each; bad input raises EventError and
-        changes nothing), and the per-page work is a few C-level passes over the keys."""
+        changes nothing), and the per-page work is the table's (C, or C-level passes)."""
         if not (
             type(node) is str
             and node
@@ -132,20 +107,20 @@ class PrefixIndex:
             ):
                 raise EventError(f"keys must be a sequence of {KEY_BYTES}-byte bytes")
             keys = list(keys)
-        if keys and (set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN):
-            raise EventError(f"chain keys must be {KEY_BYTES}-byte bytes")
-        if type(parent) is not bytes or len(parent) != KEY_BYTES:
-            raise EventError(f"chain parent must be {KEY_BYTES} bytes")
+        try:
+            self._presence.check(keys, parent)
+        except ValueError as e:
+            raise EventError(str(e)) from None
         fast = (
             type(first_depth) is int
-            and first_depth >= 0
+            and 0 <= first_depth <= MAX_DEPTH - len(keys)
             and type(mask) is int
             and 0 <= mask <= _MAX_MASK
         )
         if not fast and (
             not isinstance(first_depth, int)
             or isinstance(first_depth, bool)
-            or first_depth < 0
+            or not 0 <= first_depth <= MAX_DEPTH - len(keys)
             or not isinstance(mask, int)
             or isinstance(mask, bool)
             or not 0 <= mask <= _MAX_MASK
@@ -157,9 +132,9 @@ class PrefixIndex:
         if result is ApplyResult.APPLIED:
             st = self._nodes[node]
             if cleared:
-                self._clear(st)
+                self._presence.clear(st.slot)
             if keys:
-                self._set_chain(st, keys, first_depth, parent, int(mask))
+                self._presence.set_chain(st.slot, keys, int(first_depth), parent, int(mask))
             st.seq = seq
         self._counts[result] += 1
         return result
@@ -175,7 +150,7 @@ class PrefixIndex:
         if epoch < st.epoch:
             return ApplyResult.STALE_EPOCH
         if epoch > st.epoch:  # the node restarted: what it published before is gone
-            self._clear(st)
+            self._presence.clear(st.slot)
             st.epoch, st.seq = epoch, None
         if st.seq is not None and seq <= st.seq:
             return ApplyResult.DUPLICATE
@@ -205,9 +180,8 @@ class PrefixIndex:
             return ApplyResult.DUPLICATE
         if st is None:
             st = self._add_node(snap.node, snap.epoch)
-        self._clear(st)
-        for p in snap.pages:
-            self._set(st, p.key, p.parent, p.depth, p.mask)
+        self._presence.clear(st.slot)
+        self._set_pages(st.slot, snap.pages)
         st.epoch, st.seq = snap.epoch, snap.seq
         self._snapshots += 1
         return ApplyResult.APPLIED
@@ -218,7 +192,6 @@ class PrefixIndex:
         st = self._nodes.pop(node, None)
         if st is None:
             return
-        self._clear(st)
         self._slots[st.slot] = None
         self._presence.close(st.slot)
 
@@ -229,7 +202,7 @@ class PrefixIndex:
         floor = self.admission.admit(node, epoch)
         st = self._nodes.get(node)
         if st is not None and st.epoch < floor:
-            self._clear(st)
+            self._presence.clear(st.slot)
             st.epoch, st.seq = floor, None
 
     def _add_node(self, node: str, epoch: int) -> _NodeState:
@@ -241,38 +214,23 @@ class PrefixIndex:
         st = self._nodes[node] = _NodeState(slot, epoch, None)
         return st
 
-    def _set(self, st: _NodeState, key: bytes, parent: bytes, depth: int, mask: int) -> None:
-        if mask:
-            st.pages[key] = self._meta[key] = ((key,), depth, parent, mask)
-            self._presence.set(st.slot, (key,), _CODES[mask])
-        else:
-            st.pages.pop(key, None)
-            self._forget(self._presence.set(st.slot, (key,), 0))
-
-    def _set_chain(
-        self, st: _NodeState, keys: list[bytes], first_depth: int, parent: bytes, mask: int
-    ) -> None:
-        """`_set` for every page of a chain: one table call and C-level dict updates."""
-        if not mask:
-            for key in keys:
-                st.pages.pop(key, None)
-            self._forget(self._presence.set(st.slot, keys, 0))
-            return
-        self._presence.set(st.slot, keys, _CODES[mask])
-        rec = (tuple(keys), first_depth, parent, mask)
-        st.pages.update(zip(keys, repeat(rec)))
-        self._meta.update(zip(keys, repeat(rec)))
-
-    def _clear(self, st: _NodeState) -> None:
-        if not st.pages:
-            return
-        self._forget(self._presence.set(st.slot, list(st.pages), 0))
-        st.pages = {}
-
-    def _forget(self, removed: list[bytes] | None) -> None:
-        """Drop the records of keys no node holds any more."""
-        for key in removed or ():
-            del self._meta[key]
+    def _set_pages(self, slot: int, pages: Sequence[PageState]) -> None:
+        """Validated pages, in order, as chains: a run of consecutive pages with one mask
+        is one table call (what a page states does not depend on how they are grouped)."""
+        table, i, n = self._presence, 0, len(pages)
+        while i < n:
+            first = pages[i]
+            j = i + 1
+            while (
+                j < n
+                and pages[j].parent == pages[j - 1].key
+                and pages[j].depth == pages[j - 1].depth + 1
+                and pages[j].mask == first.mask
+            ):
+                j += 1
+            keys = [p.key for p in pages[i:j]]
+            table.set_chain(slot, keys, int(first.depth), first.parent, int(first.mask))
+            i = j
 
     def lookup(self, keys: Sequence[bytes]) -> list[NodeMatch]:
         """Each node's usable match length for these chained page keys, best first."""
@@ -288,13 +246,7 @@ class PrefixIndex:
         st = self._nodes.get(node)
         if st is None:
             return {}
-        pages, found = st.pages, {}
-        for rec in {id(r): r for r in pages.values()}.values():  # each record once: O(pages)
-            keys, depth, parent, mask = rec
-            for i, k in enumerate(keys):
-                if pages.get(k) is rec:
-                    found[k] = PageState(k, keys[i - 1] if i else parent, depth + i, mask)
-        return {k: found[k] for k in pages}
+        return {p[0]: PageState(*p) for p in self._presence.pages(st.slot)}
 
     def held_keys(self) -> list[bytes]:
         """Every key some node holds."""
@@ -302,8 +254,9 @@ class PrefixIndex:
 
     def page_meta(self, key: bytes) -> tuple[bytes, int] | None:
         """(parent, depth) of a key some node holds, as last published."""
-        rec = self._meta.get(key)
-        return None if rec is None else resolve(key, rec)[:2]
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            return None  # no such key is held
+        return self._presence.meta(key)
 
     def sync_point(self, node: str) -> tuple[int, int | None] | None:
         """(epoch, last applied seq) of a tracked node; seq None while it needs a snapshot."""
@@ -320,7 +273,7 @@ class PrefixIndex:
         return {
             "keys": len(self._presence),
             "nodes": len(self._nodes),
-            "node_pages": sum(len(st.pages) for st in self._nodes.values()),
+            "node_pages": sum(map(self._presence.count, (st.slot for st in self._nodes.values()))),
             "out_of_sync": sorted(n for n, st in self._nodes.items() if st.seq is None),
             "dropped_nodes": self.admission.dropped(),
             "snapshots_loaded": self._snapshots,

@@ -1,12 +1,16 @@
-"""The prefix index's presence table: per page key, which node slots hold it, and how.
+"""The prefix index's core table: per page key, which node slots hold it and how, and
+what each slot last published of it (its parent, depth and mask).
 
-Per key, a 4-bit nibble per node slot (see prefix_index._code), packed in one int in
-this pure-Python reference, in a bitset of 16 slots a word in the C core
-(csrc/presence.c, `_presence.Presence`, the same methods and results). Keys keep
-insertion order as a dict does. KVF_NATIVE picks the core once per process, as for
-page keys (fabric/cache/native.py); `new_presence(rule, native=...)` picks one
-explicitly, as the differential tests do. The table knows slots, not node names, epochs
-or what a node published: PrefixIndex keeps those and validates every input first."""
+Per key, a 4-bit nibble per node slot (see `code`), packed in one int in this
+pure-Python reference, in a bitset of 16 slots a word in the C core (csrc/, the
+`_presence.Presence` type: the same methods and results). Per slot, its pages in the
+order a dict keeps them; per key, the record of its last publication, kept while any
+slot holds it (`meta`). Held keys keep insertion order as a dict does. KVF_NATIVE
+picks the core once per process, as for page keys (fabric/cache/native.py);
+`new_presence(rule, native=...)` picks one explicitly, as the differential tests do.
+The table knows slots, not node names, epochs or sequence numbers: PrefixIndex keeps
+those and validates every input before it calls here; the table checks its arguments
+again (ValueError, nothing changed), as it cannot know its caller."""
 
 from __future__ import annotations
 
@@ -16,9 +20,30 @@ from types import ModuleType
 from typing import Protocol, Sequence
 
 from ..cache import native
-from .events import KEY_BYTES
-from .lookups import Lookups, Match
+from .events import _MAX_MASK, KEY_BYTES, PageMask
+from .lookups import _BYTES, _KEY_LEN, Lookups, Match
 from .match_rule import MatchRule
+
+MAX_SLOTS = 1 << 16  # node slots a table may open (PrefixIndex reuses freed ones)
+
+# Bits of a slot's nibble: FULL on either tier, FULL on device, SWA on either, SWA on device.
+_F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8
+
+
+def code(mask: int) -> int:
+    """A PageMask as a nibble whose bits AND sensibly along a path: FULL_DEVICE then
+    FULL_HOST still means "FULL on both", which ANDing raw masks would lose."""
+    return (
+        (_F_ANY if mask & PageMask.FULL else 0)
+        | (_F_DEV if mask & PageMask.FULL_DEVICE else 0)
+        | (_S_ANY if mask & PageMask.SWA else 0)
+        | (_S_DEV if mask & PageMask.SWA_DEVICE else 0)
+    )
+
+
+_CODES = tuple(code(m) for m in range(_MAX_MASK + 1))  # mask -> nibble, without enum arithmetic
+
+Page = tuple[bytes, bytes, int, int]  # (key, parent, depth, mask) as a slot last published it
 
 
 class PresenceTable(Protocol):
@@ -26,9 +51,21 @@ class PresenceTable(Protocol):
 
     def close(self, slot: int, /) -> None: ...
 
-    def set(self, slot: int, keys: Sequence[bytes], code: int, /) -> list[bytes] | None: ...
+    def set_chain(
+        self, slot: int, keys: Sequence[bytes], first_depth: int, parent: bytes, mask: int, /
+    ) -> None: ...
+
+    def check(self, keys: list[bytes], parent: bytes, /) -> None: ...
+
+    def clear(self, slot: int, /) -> None: ...
 
     def lookup(self, keys: Sequence[bytes], /) -> list[Match]: ...
+
+    def pages(self, slot: int, /) -> list[Page]: ...
+
+    def count(self, slot: int, /) -> int: ...
+
+    def meta(self, key: bytes, /) -> tuple[bytes, int] | None: ...
 
     def keys(self) -> list[bytes]: ...
 
@@ -37,22 +74,118 @@ class PresenceTable(Protocol):
     def __len__(self) -> int: ...
 
 
+# What one publication said of a run of consecutive pages: (keys, first depth, parent of
+# keys[0], mask). Every key of the run maps to the one record, so that storing a chain is
+# a C-level dict update with no object per page; a page's parent and depth follow from
+# its position. A record lives while any of its keys still maps to it.
+Chain = tuple[tuple[bytes, ...], int, bytes, int]
+
+
+def resolve(key: bytes, rec: Chain) -> tuple[bytes, int, int]:
+    """(parent, depth, mask) of a key in its record: the last place it has there, as
+    applying the pages in order would leave it."""
+    keys, depth, parent, mask = rec
+    if len(keys) == 1:
+        return parent, depth, mask
+    i = len(keys) - 1 - keys[::-1].index(key)
+    return keys[i - 1] if i else parent, depth + i, mask
+
+
 class Presence(Lookups):
-    """The pure-Python core: key -> packed nibbles (never 0: a key no slot holds is deleted)."""
+    """The pure-Python core: key -> packed nibbles (never 0: a key no slot holds is
+    deleted), per open slot key -> its Chain record, and key -> its last record."""
 
     def __init__(self, window_pages: int, has_full: bool) -> None:
         self.window_pages, self.has_full = window_pages, has_full
         self._bits: dict[bytes, int] = {}
         self._ones = 0
+        self._pages: list[dict[bytes, Chain] | None] = []  # per slot; None: not open
+        self._meta: dict[bytes, Chain] = {}
 
     def open(self, slot: int) -> None:
+        """The slot takes a node (nothing if it is open already)."""
+        if type(slot) is not int or not 0 <= slot < MAX_SLOTS:
+            raise ValueError(f"slot must be an int from 0 to {MAX_SLOTS - 1}, got {slot!r}")
+        self._pages.extend(repeat(None, slot + 1 - len(self._pages)))
+        if self._pages[slot] is None:
+            self._pages[slot] = {}
         self._ones |= 1 << 4 * slot
 
     def close(self, slot: int) -> None:
-        """The slot is free; its nibbles must be cleared first (set(slot, keys, 0))."""
+        """The slot's pages are cleared and the slot is free."""
+        self.clear(slot)
+        self._pages[slot] = None
         self._ones &= ~(1 << 4 * slot)
 
-    def set(self, slot: int, keys: Sequence[bytes], code: int) -> list[bytes] | None:
+    def set_chain(
+        self, slot: int, keys: Sequence[bytes], first_depth: int, parent: bytes, mask: int
+    ) -> None:
+        """The slot publishes `keys` as consecutive pages from `first_depth` on, after
+        `parent`, all with `mask` (0: it no longer holds them). The C core checks every
+        argument (ValueError, nothing changed); this one trusts PrefixIndex's `check`."""
+        pages = self._open(slot)  # the arguments are PrefixIndex's, checked there
+        if not mask:
+            for key in keys:
+                pages.pop(key, None)
+            self._forget(self._set(slot, keys, 0))
+            return
+        self._set(slot, keys, _CODES[mask])
+        rec = (tuple(keys), first_depth, parent, mask)
+        pages.update(zip(keys, repeat(rec)))
+        self._meta.update(zip(keys, repeat(rec)))
+
+    @staticmethod
+    def check(keys: list[bytes], parent: bytes) -> None:
+        """A chain's keys and parent, before any state changes: the C core checks them in
+        one pass, with these messages."""
+        if keys and (set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN):
+            raise ValueError(f"chain keys must be {KEY_BYTES}-byte bytes")
+        if type(parent) is not bytes or len(parent) != KEY_BYTES:
+            raise ValueError(f"chain parent must be {KEY_BYTES} bytes")
+
+    def clear(self, slot: int) -> None:
+        """The slot holds nothing any more."""
+        pages = self._open(slot)
+        if pages:
+            self._forget(self._set(slot, list(pages), 0))
+            self._pages[slot] = {}
+
+    def pages(self, slot: int) -> list[Page]:
+        """What the slot holds, in the order it was published (a dict's order)."""
+        pages, found = self._open(slot), {}
+        for rec in {id(r): r for r in pages.values()}.values():  # each record once: O(pages)
+            keys, depth, parent, mask = rec
+            for i, k in enumerate(keys):
+                if pages.get(k) is rec:
+                    found[k] = (k, keys[i - 1] if i else parent, depth + i, mask)
+        return [found[k] for k in pages]
+
+    def count(self, slot: int) -> int:
+        return len(self._open(slot))
+
+    def meta(self, key: bytes) -> tuple[bytes, int] | None:
+        """(parent, depth) of a held key, as last published by any slot."""
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            raise ValueError(f"meta key must be {KEY_BYTES}-byte bytes")
+        rec = self._meta.get(key)
+        return None if rec is None else resolve(key, rec)[:2]
+
+    def keys(self) -> list[bytes]:
+        return list(self._bits)
+
+    def get(self, key: bytes) -> int:
+        return self._bits.get(key, 0)
+
+    def __len__(self) -> int:
+        return len(self._bits)
+
+    def _open(self, slot: int) -> dict[bytes, Chain]:
+        pages = self._pages[slot] if type(slot) is int and 0 <= slot < len(self._pages) else None
+        if pages is None:
+            raise ValueError(f"slot {slot!r} is not open")
+        return pages
+
+    def _set(self, slot: int, keys: Sequence[bytes], code: int) -> list[bytes] | None:
         """The slot's nibble `code` for each key, in order: C-level passes. Code 0 clears,
         and returns the keys it deleted (no slot holds them any more)."""
         shift, b = 4 * slot, self._bits
@@ -85,14 +218,10 @@ class Presence(Lookups):
                 removed.append(key)
         return removed
 
-    def keys(self) -> list[bytes]:
-        return list(self._bits)
-
-    def get(self, key: bytes) -> int:
-        return self._bits.get(key, 0)
-
-    def __len__(self) -> int:
-        return len(self._bits)
+    def _forget(self, removed: list[bytes] | None) -> None:
+        """Drop the records of keys no slot holds any more."""
+        for key in removed or ():
+            del self._meta[key]
 
 
 def _import() -> ModuleType:
@@ -102,7 +231,7 @@ def _import() -> ModuleType:
 
 
 EXT: ModuleType | None = native.load(native.MODE, _import)
-if EXT is not None and EXT.KEY_BYTES != KEY_BYTES:
+if EXT is not None and (EXT.KEY_BYTES != KEY_BYTES or not hasattr(EXT.Presence, "set_chain")):
     raise ImportError(
         f"the native index extension is stale (KEY_BYTES {EXT.KEY_BYTES}): "
         "rebuild it with `pip install -e .`"

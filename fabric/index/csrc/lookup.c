@@ -77,6 +77,8 @@ static int walk(Presence *p, Walk *k, PyObject *const *items, Py_ssize_t n) {
     }
     k->W = W, k->window = p->window, k->ones = p->ones, k->len = 0;
     k->chain = p->scratch, k->prefix = k->chain + n * W, k->pre = k->prefix + n * W, k->suf = k->pre + n * W;
+    for (Py_ssize_t i = 0; i < n; i++)  /* the keys' misses overlap, not one after another */
+        ord_prefetch(&p->held, (const uint8_t *)PyBytes_AS_STRING(items[i]));
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint64_t *bits = kvf_find(p, (const uint8_t *)PyBytes_AS_STRING(items[i]));
         if (bits == NULL && p->has_full)

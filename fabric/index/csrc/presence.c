@@ -1,114 +1,36 @@
 /* kvfabric.fabric.index._presence: the native core of fabric/index/presence.py.
  *
- * Presence(window_pages, has_full): per page key, a nibble per node slot (what
- * prefix_index._code packs), in a bitset that grows with the slot count.
- *   open(slot) / close(slot): a node takes / gives up a slot (its bits must be cleared).
- *   set(slot, keys, code) -> removed: the slot's nibble over a run of keys, in order;
- *       code 0 clears, and keys no slot holds any more are deleted and returned.
+ * Presence(window_pages, has_full): per page key, a nibble per node slot (a bitset
+ * that grows with the slot count); per slot, the pages it published; per key, its last
+ * publication. The same methods and results as presence.Presence:
+ *   open(slot) / close(slot): a slot takes a node / is cleared and freed.
+ *   set_chain(slot, keys, first_depth, parent, mask): a chain's pages (records.c).
+ *   check(keys, parent): PrefixIndex's check of a chain, before anything changes.
+ *   clear(slot); pages(slot) -> [(key, parent, depth, mask)]; count(slot).
+ *   meta(key) -> (parent, depth) | None; keys() in insertion order; get(key) -> int.
  *   lookup(keys) -> [(slot, pages, device)]: the MatchRule's matches (lookup.c).
- *   keys() -> every held key in insertion order; get(key) -> packed int (0: not held).
- * Every input is checked before anything changes; room is reserved before a run is
- * written, so a run is applied whole or not at all. It holds no Python objects, so the
- * type is not tracked by the garbage collector. */
+ * Every argument is checked before anything changes (ValueError). It holds no Python
+ * objects, so the type is not tracked by the garbage collector. */
 #include "presence.h"
 
 #include <string.h>
 
-static uint64_t hash_key(const uint8_t *key) {
-    uint64_t a, b;
-    memcpy(&a, key, 8);
-    memcpy(&b, key + 8, 8);
-    uint64_t h = a ^ (b * 0x9E3779B97F4A7C15ULL);      /* keys may be chosen, not only hashed */
-    h ^= h >> 31;
-    h *= 0xBF58476D1CE4E5B9ULL;
-    return h ^ (h >> 29);
-}
-
-static int is_zero(const uint64_t *w, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (w[i])
-            return 0;
-    return 1;
-}
-
-/* The entry of `key`, or -1; *pos: its index position, else where it would go. */
-static Py_ssize_t probe(Presence *p, const uint8_t *key, size_t *pos) {
-    if (p->index == NULL)
-        return -1;                      /* nothing ever held; set reserves before inserting */
-    size_t i = hash_key(key) & p->mask, tomb = SIZE_MAX;
-    for (;; i = (i + 1) & p->mask) {
-        int32_t e = p->index[i];
-        if (e == -1) {
-            *pos = tomb != SIZE_MAX ? tomb : i;
-            return -1;
-        }
-        if (e == -2) {
-            if (tomb == SIZE_MAX)
-                tomb = i;
-        } else if (memcmp(p->keys + (size_t)e * KEY_BYTES, key, KEY_BYTES) == 0) {
-            *pos = i;
-            return e;
-        }
-    }
-}
-
 uint64_t *kvf_find(Presence *p, const uint8_t *key) {
     size_t pos;
-    Py_ssize_t e = probe(p, key, &pos);
+    Py_ssize_t e = ord_find(&p->held, key, &pos);
     return e < 0 ? NULL : p->bits + e * p->words;
-}
-
-/* Room for `extra` more entries: live ones moved, in order, into arrays of `cap` (or more)
- * entries, with a fresh index. Nothing changes if memory runs out. */
-static int reserve(Presence *p, Py_ssize_t extra) {
-    if (p->used + extra <= p->cap)
-        return 0;
-    Py_ssize_t need = p->live + extra, cap = p->cap;
-    if (need * 2 > cap)
-        cap = need > 2 * cap ? need : 2 * cap;
-    if (cap < 8)
-        cap = 8;
-    size_t size = 16;
-    while (size < (size_t)cap * 2)
-        size <<= 1;
-    if ((size_t)cap > (size_t)INT32_MAX)
-        return PyErr_NoMemory(), -1;
-    uint8_t *keys = PyMem_Malloc((size_t)cap * KEY_BYTES);
-    uint64_t *bits = PyMem_Malloc((size_t)cap * (size_t)p->words * 8);
-    int32_t *index = PyMem_Malloc(size * sizeof(int32_t));
-    if (!keys || !bits || !index) {
-        PyMem_Free(keys), PyMem_Free(bits), PyMem_Free(index);
-        return PyErr_NoMemory(), -1;
-    }
-    memset(index, 0xff, size * sizeof(int32_t));
-    Py_ssize_t n = 0, w = p->words;
-    for (Py_ssize_t e = 0; e < p->used; e++) {
-        if (is_zero(p->bits + e * w, w))
-            continue;
-        memcpy(keys + n * KEY_BYTES, p->keys + e * KEY_BYTES, KEY_BYTES);
-        memcpy(bits + n * w, p->bits + e * w, (size_t)w * 8);
-        size_t i = hash_key(keys + n * KEY_BYTES) & (size - 1);
-        while (index[i] != -1)
-            i = (i + 1) & (size - 1);
-        index[i] = (int32_t)n++;
-    }
-    PyMem_Free(p->keys), PyMem_Free(p->bits), PyMem_Free(p->index);
-    p->keys = keys, p->bits = bits, p->index = index, p->mask = size - 1;
-    p->used = p->live = n;
-    p->cap = cap;
-    return 0;
 }
 
 /* Bits per key for `words` words: every entry widened with zero nibbles. */
 static int widen(Presence *p, Py_ssize_t words) {
-    Py_ssize_t old = p->words;
-    uint64_t *bits = PyMem_Calloc((size_t)(p->cap ? p->cap : 1) * (size_t)words, 8);
+    Py_ssize_t old = p->words, cap = p->held.cap;
+    uint64_t *bits = cap ? PyMem_Calloc((size_t)cap * (size_t)words, 8) : NULL;
     uint64_t *ones = PyMem_Calloc((size_t)words, 8);
-    if (!bits || !ones) {
+    if ((cap && !bits) || !ones) {
         PyMem_Free(bits), PyMem_Free(ones);
         return PyErr_NoMemory(), -1;
     }
-    for (Py_ssize_t e = 0; e < p->used; e++)
+    for (Py_ssize_t e = 0; e < p->held.used; e++)
         memcpy(bits + e * words, p->bits + e * old, (size_t)old * 8);
     memcpy(ones, p->ones, (size_t)old * 8);
     PyMem_Free(p->bits), PyMem_Free(p->ones);
@@ -125,90 +47,153 @@ int kvf_check_keys(PyObject *const *items, Py_ssize_t n, const char *what) {
     return 0;
 }
 
+static int is_key(PyObject *v) { return PyBytes_CheckExact(v) && PyBytes_GET_SIZE(v) == KEY_BYTES; }
+
 /* An int from lo to hi, or a ValueError naming it. */
-static Py_ssize_t int_arg(PyObject *v, const char *name, Py_ssize_t lo, Py_ssize_t hi) {
-    Py_ssize_t x = PyLong_CheckExact(v) ? PyLong_AsSsize_t(v) : -1;
-    if (x == -1 && PyErr_Occurred())
-        PyErr_Clear();
-    if (!PyLong_CheckExact(v) || x < lo || x > hi) {
-        PyErr_Format(PyExc_ValueError, "%s must be an int from %zd to %zd, got %R", name, lo, hi, v);
+static int64_t int_arg(PyObject *v, const char *name, int64_t lo, int64_t hi) {
+    int overflow = 0;
+    long long x = PyLong_CheckExact(v) ? PyLong_AsLongLongAndOverflow(v, &overflow) : -1;
+    if (!PyLong_CheckExact(v) || overflow || x < lo || x > hi) {
+        PyErr_Format(PyExc_ValueError, "%s must be an int from %lld to %lld, got %R", name,
+                     (long long)lo, (long long)hi, v);
         return -1;
     }
     return x;
 }
 
-static PyObject *py_set(Presence *p, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3)
-        return PyErr_Format(PyExc_TypeError, "set(slot, keys, code) takes 3 arguments");
-    Py_ssize_t slot = int_arg(args[0], "slot", 0, p->words * SLOTS_PER_WORD - 1);
-    Py_ssize_t code = slot < 0 ? -1 : int_arg(args[2], "code", 0, 15);
-    if (code < 0)
+/* A chain's first depth: its last page's, first_depth + n - 1, fits 64 bits unsigned (the
+ * events' wire type); 0 and *ok = 0 with a ValueError if not. */
+static uint64_t depth_arg(PyObject *v, Py_ssize_t n, int *ok) {
+    unsigned long long x = PyLong_CheckExact(v) ? PyLong_AsUnsignedLongLong(v) : 0;
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    else if (PyLong_CheckExact(v) && (n == 0 || x <= UINT64_MAX - (uint64_t)(n - 1)))
+        return *ok = 1, x;
+    PyErr_Format(PyExc_ValueError, "first_depth must be an int from 0 to 2**64 - %zd, got %R",
+                 n ? n : 1, v);
+    return *ok = 0, 0;
+}
+
+/* The open slot `v` names, or a ValueError. */
+static Pages *open_slot(Presence *p, PyObject *v, Py_ssize_t *slot) {
+    int overflow = 0;
+    long long x = PyLong_CheckExact(v) ? PyLong_AsLongLongAndOverflow(v, &overflow) : -1;
+    if (!PyLong_CheckExact(v) || overflow || x < 0 || x >= p->nslots || !p->slots[x].open) {
+        PyErr_Format(PyExc_ValueError, "slot %R is not open", v);
         return NULL;
-    PyObject *seq = PySequence_Fast(args[1], "set keys must be a sequence");
+    }
+    *slot = (Py_ssize_t)x;
+    return &p->slots[x];
+}
+
+static PyObject *py_set_chain(Presence *p, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5)
+        return PyErr_Format(PyExc_TypeError, "set_chain(slot, keys, first_depth, parent, mask) takes 5 arguments");
+    Py_ssize_t slot;
+    Pages *s = open_slot(p, args[0], &slot);
+    if (s == NULL)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "set_chain keys must be a sequence");
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), word = slot / SLOTS_PER_WORD, w = p->words;
-    PyObject **items = PySequence_Fast_ITEMS(seq), *removed = NULL;
-    if (kvf_check_keys(items, n, "set") < 0 || (code && reserve(p, n) < 0) ||
-        (removed = PyList_New(code ? 0 : n)) == NULL) {
-        Py_DECREF(seq);
-        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int64_t mask = -1;
+    int ok = 0;
+    uint64_t depth = 0;
+    if (kvf_check_keys(items, n, "set_chain") == 0 && (depth = depth_arg(args[2], n, &ok), ok)) {
+        if (!is_key(args[3]))
+            PyErr_Format(PyExc_ValueError, "set_chain parent must be %d-byte bytes", KEY_BYTES);
+        else
+            mask = int_arg(args[4], "mask", 0, MAX_MASK);
     }
-    uint64_t clear = ~(0xFULL << 4 * (slot % SLOTS_PER_WORD)), put = (uint64_t)code << 4 * (slot % SLOTS_PER_WORD);
-    Py_ssize_t gone = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(items[i]);
-        size_t pos;
-        Py_ssize_t e = probe(p, key, &pos);
-        if (code) {
-            if (e < 0) {               /* reserved above: room for every new key */
-                e = p->used++;
-                p->live++;
-                p->index[pos] = (int32_t)e;
-                memcpy(p->keys + e * KEY_BYTES, key, KEY_BYTES);
-                memset(p->bits + e * w, 0, (size_t)w * 8);
-            }
-            p->bits[e * w + word] = (p->bits[e * w + word] & clear) | put;
-        } else if (e >= 0) {
-            p->bits[e * w + word] &= clear;
-            if (is_zero(p->bits + e * w, w)) {
-                p->index[pos] = -2;
-                p->live--;
-                PyList_SET_ITEM(removed, gone++, Py_NewRef(items[i]));
-            }
-        }
-    }
+    int rc = mask < 0 ? -1
+                      : kvf_set_chain(p, s, slot, items, n, depth,
+                                      (const uint8_t *)PyBytes_AS_STRING(args[3]), (int)mask);
     Py_DECREF(seq);
-    if (gone < PyList_GET_SIZE(removed) && PyList_SetSlice(removed, gone, PyList_GET_SIZE(removed), NULL) < 0)
-        Py_CLEAR(removed);     /* shrinking: not expected to fail */
-    return removed;
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_check(Presence *p, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "check(keys, parent) takes 2 arguments");
+    PyObject *seq = PySequence_Fast(args[0], "chain keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    int bad = kvf_check_keys(PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq), "chain");
+    Py_DECREF(seq);
+    if (bad)
+        return NULL;
+    if (!is_key(args[1]))
+        return PyErr_Format(PyExc_ValueError, "chain parent must be %d bytes", KEY_BYTES);
+    Py_RETURN_NONE;
 }
 
 static PyObject *py_open(Presence *p, PyObject *arg) {
-    Py_ssize_t slot = int_arg(arg, "slot", 0, (Py_ssize_t)1 << 24);
+    int64_t slot = int_arg(arg, "slot", 0, MAX_SLOTS - 1);
     if (slot < 0)
         return NULL;
     if (slot >= p->words * SLOTS_PER_WORD && widen(p, slot / SLOTS_PER_WORD + 1) < 0)
         return NULL;
+    if (slot >= p->nslots) {
+        Pages *slots = PyMem_Realloc(p->slots, (size_t)(slot + 1) * sizeof(Pages));
+        if (slots == NULL)
+            return PyErr_NoMemory();
+        memset(slots + p->nslots, 0, (size_t)(slot + 1 - p->nslots) * sizeof(Pages));
+        p->slots = slots, p->nslots = slot + 1;
+    }
+    p->slots[slot].open = 1;
     p->ones[slot / SLOTS_PER_WORD] |= 1ULL << 4 * (slot % SLOTS_PER_WORD);
     Py_RETURN_NONE;
 }
 
 static PyObject *py_close(Presence *p, PyObject *arg) {
-    Py_ssize_t slot = int_arg(arg, "slot", 0, p->words * SLOTS_PER_WORD - 1);
-    if (slot < 0)
+    Py_ssize_t slot;
+    Pages *s = open_slot(p, arg, &slot);
+    if (s == NULL)
         return NULL;
+    kvf_clear(p, s, slot);
+    s->open = 0;
     p->ones[slot / SLOTS_PER_WORD] &= ~(1ULL << 4 * (slot % SLOTS_PER_WORD));
     Py_RETURN_NONE;
 }
 
+static PyObject *py_clear(Presence *p, PyObject *arg) {
+    Py_ssize_t slot;
+    Pages *s = open_slot(p, arg, &slot);
+    if (s == NULL)
+        return NULL;
+    kvf_clear(p, s, slot);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_pages(Presence *p, PyObject *arg) {
+    Py_ssize_t slot;
+    Pages *s = open_slot(p, arg, &slot);
+    return s == NULL ? NULL : kvf_pages(p, s);
+}
+
+static PyObject *py_count(Presence *p, PyObject *arg) {
+    Py_ssize_t slot;
+    Pages *s = open_slot(p, arg, &slot);
+    return s == NULL ? NULL : PyLong_FromSsize_t(s->set.live);
+}
+
+static PyObject *py_meta(Presence *p, PyObject *key) {
+    if (!is_key(key))
+        return PyErr_Format(PyExc_ValueError, "meta key must be %d-byte bytes", KEY_BYTES);
+    return kvf_meta(p, (const uint8_t *)PyBytes_AS_STRING(key));
+}
+
 static PyObject *py_keys(Presence *p, PyObject *unused) {
-    PyObject *out = PyList_New(p->live);
+    PyObject *out = PyList_New(p->held.live);
     Py_ssize_t n = 0;
-    for (Py_ssize_t e = 0; out != NULL && e < p->used; e++) {
-        if (is_zero(p->bits + e * p->words, p->words))
+    for (Py_ssize_t e = 0; out != NULL && e < p->held.used; e++) {
+        if (p->held.dead[e])
             continue;
-        PyObject *k = PyBytes_FromStringAndSize((const char *)p->keys + e * KEY_BYTES, KEY_BYTES);
+        PyObject *k = PyBytes_FromStringAndSize((const char *)p->held.keys + e * KEY_BYTES, KEY_BYTES);
         if (k == NULL)
             Py_CLEAR(out);
         else
@@ -235,13 +220,19 @@ static PyObject *py_get(Presence *p, PyObject *key) {
 
 static PyObject *py_lookup(Presence *p, PyObject *keys) { return kvf_lookup(p, keys); }
 
+static size_t ordered_bytes(const Ordered *o, size_t row) {
+    return (size_t)o->cap * (KEY_BYTES + 1 + row) + (o->index ? (o->mask + 1) * sizeof(int32_t) : 0);
+}
+
 static PyObject *py_sizeof(Presence *p, PyObject *unused) {
-    size_t n = sizeof(Presence) + (size_t)p->cap * (KEY_BYTES + 8 * (size_t)p->words)
-               + (p->cap ? (p->mask + 1) * sizeof(int32_t) : 0) + 8 * (size_t)(p->words + p->scratch_len);
+    size_t n = sizeof(Presence) + ordered_bytes(&p->held, 8 * (size_t)p->words + KEY_BYTES + 8)
+               + 8 * (size_t)(p->words + p->scratch_len) + (size_t)p->nslots * sizeof(Pages);
+    for (Py_ssize_t s = 0; s < p->nslots; s++)
+        n += ordered_bytes(&p->slots[s].set, 1) + ordered_bytes(&p->slots[s].own, KEY_BYTES + 8);
     return PyLong_FromSize_t(n);
 }
 
-static Py_ssize_t presence_len(Presence *p) { return p->live; }
+static Py_ssize_t presence_len(Presence *p) { return p->held.live; }
 
 static PyObject *presence_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     Py_ssize_t window;
@@ -256,8 +247,7 @@ static PyObject *presence_new(PyTypeObject *type, PyObject *args, PyObject *kwar
         return NULL;
     p->window = window, p->has_full = has_full, p->words = 1;
     p->ones = PyMem_Calloc(1, 8);
-    p->bits = PyMem_Calloc(1, 8);
-    if (!p->ones || !p->bits) {
+    if (!p->ones) {
         Py_DECREF(p);
         return PyErr_NoMemory();
     }
@@ -265,15 +255,23 @@ static PyObject *presence_new(PyTypeObject *type, PyObject *args, PyObject *kwar
 }
 
 static void presence_dealloc(Presence *p) {
-    PyMem_Free(p->keys), PyMem_Free(p->bits), PyMem_Free(p->index);
-    PyMem_Free(p->ones), PyMem_Free(p->scratch);
+    kvf_free_held(p);
+    for (Py_ssize_t s = 0; s < p->nslots; s++)
+        kvf_free_pages(&p->slots[s]);
+    PyMem_Free(p->slots), PyMem_Free(p->ones), PyMem_Free(p->scratch);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
+#define FAST(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL
 static PyMethodDef presence_methods[] = {
-    {"set", (PyCFunction)(void (*)(void))py_set, METH_FASTCALL, "set(slot, keys, code) -> removed keys"},
+    {"set_chain", FAST(py_set_chain), "set_chain(slot, keys, first_depth, parent, mask)"},
+    {"check", FAST(py_check), "check(keys, parent): a chain's keys and parent, or ValueError"},
     {"open", (PyCFunction)py_open, METH_O, "open(slot): a node takes the slot"},
-    {"close", (PyCFunction)py_close, METH_O, "close(slot): the slot is free (its bits cleared first)"},
+    {"close", (PyCFunction)py_close, METH_O, "close(slot): the slot is cleared and free"},
+    {"clear", (PyCFunction)py_clear, METH_O, "clear(slot): the slot holds nothing"},
+    {"pages", (PyCFunction)py_pages, METH_O, "pages(slot) -> [(key, parent, depth, mask)]"},
+    {"count", (PyCFunction)py_count, METH_O, "count(slot) -> pages the slot holds"},
+    {"meta", (PyCFunction)py_meta, METH_O, "meta(key) -> (parent, depth) of its last publication"},
     {"lookup", (PyCFunction)py_lookup, METH_O, "lookup(keys) -> [(slot, pages, device)]"},
     {"keys", (PyCFunction)py_keys, METH_NOARGS, "every held key, in insertion order"},
     {"get", (PyCFunction)py_get, METH_O, "get(key) -> the key's packed nibbles (0: not held)"},
@@ -288,7 +286,7 @@ static PyTypeObject PresenceType = {
     .tp_name = "kvfabric.fabric.index._presence.Presence",
     .tp_basicsize = sizeof(Presence),
     .tp_flags = Py_TPFLAGS_DEFAULT,     /* no Python references held: not GC-tracked */
-    .tp_doc = "Per page key, a 4-bit nibble per node slot (see fabric/index/presence.py).",
+    .tp_doc = "The prefix index's core table (see fabric/index/presence.py).",
     .tp_new = presence_new,
     .tp_dealloc = (destructor)presence_dealloc,
     .tp_methods = presence_methods,
@@ -296,7 +294,7 @@ static PyTypeObject PresenceType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_presence", "The prefix index's presence table (see fabric/index/presence.py).",
+    PyModuleDef_HEAD_INIT, "_presence", "The prefix index's core table (see fabric/index/presence.py).",
     -1, NULL,
 };
 
@@ -307,6 +305,7 @@ PyMODINIT_FUNC PyInit__presence(void) {
     if (m == NULL)
         return NULL;
     if (PyModule_AddIntConstant(m, "KEY_BYTES", KEY_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) < 0 ||
         PyModule_AddObjectRef(m, "Presence", (PyObject *)&PresenceType) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -1,5 +1,9 @@
-/* The presence table shared by presence.c (the type, the table, bulk set) and lookup.c
- * (the match rule). See presence.c for what the module exports. */
+/* The index core's C types, shared by its sources:
+ *   ordered.c  an ordered set of 16-byte keys (insertion order, as a dict keeps it)
+ *   presence.c the Presence type: the module, argument checks and the methods
+ *   records.c  a chain's apply, a slot's clear, its pages and the keys' last records
+ *   lookup.c   the match rule over the keys' nibbles
+ * See presence.c for what the module exports. */
 #ifndef KVF_PRESENCE_H
 #define KVF_PRESENCE_H
 
@@ -10,22 +14,62 @@
 
 #define KEY_BYTES 16
 #define SLOTS_PER_WORD 16            /* 4-bit nibbles in a uint64 */
-#define NIBBLE_LOW 0x1111111111111111ULL     /* bit 0 of every nibble */
+#define MAX_SLOTS (1 << 16)          /* presence.py's MAX_SLOTS */
+#define MAX_MASK 15                  /* PageMask.FULL | PageMask.SWA */
 
-/* Keys in insertion order (as a dict keeps them: an update keeps the place, a delete
- * and insert moves to the end); an entry whose bits are all 0 is deleted. `index` maps
- * hash -> entry by linear probing over at least twice the entries' capacity. */
+/* Keys in insertion order (an update keeps the place, a delete and insert moves to the
+ * end). `index` maps hash -> entry by linear probing over at least twice the capacity;
+ * deleted entries stay (dead[e] = 1) until a reserve compacts them away. */
+typedef struct {
+    uint8_t *keys;              /* cap * KEY_BYTES */
+    uint8_t *dead;              /* cap: 1 for a deleted entry */
+    int32_t *index;             /* -1: empty, -2: a deleted entry's tombstone, else entry */
+    size_t mask;                /* index size - 1 */
+    Py_ssize_t used, live, cap; /* entries written (deleted ones too), live ones, room */
+} Ordered;
+
+/* An array kept beside an Ordered's entries, `size` bytes an entry: moved along when a
+ * reserve compacts or grows the entries. */
+typedef struct {
+    void **data;
+    size_t size;
+} Column;
+
+/* The entry of `key`, or -1; *pos: its index position, else where it would go. */
+Py_ssize_t ord_find(const Ordered *o, const uint8_t *key, size_t *pos);
+/* Warms the cache for a coming ord_find of `key` (its index position). */
+void ord_prefetch(const Ordered *o, const uint8_t *key);
+/* Room for `extra` more entries (each column too); nothing changes if memory runs out. */
+int ord_reserve(Ordered *o, Py_ssize_t extra, const Column *cols, int ncols);
+/* A new entry for `key` at index position `pos` (from ord_find; room reserved). */
+Py_ssize_t ord_add(Ordered *o, size_t pos, const uint8_t *key);
+/* The entry at index position `pos` is deleted. */
+void ord_remove(Ordered *o, size_t pos);
+void ord_free(Ordered *o, const Column *cols, int ncols);
+
+/* What one slot holds: per key, the mask it last published; the parent and depth are the
+ * key's record in Presence.held, or the slot's own where that changed since (records.c). */
+typedef struct {
+    int open;
+    Ordered set;
+    uint8_t *masks;             /* set.cap: the mask, and OWN if the record is in `own` */
+    Ordered own;                /* keys whose record differs from the key's last one */
+    uint8_t *parents;           /* own.cap * KEY_BYTES */
+    uint64_t *depths;           /* own.cap */
+} Pages;
+
 typedef struct {
     PyObject_HEAD
     Py_ssize_t window;          /* the MatchRule's window_pages */
     int has_full;               /* the MatchRule's has_full */
     Py_ssize_t words;           /* uint64 words per key: 16 node slots each */
-    uint8_t *keys;              /* cap * KEY_BYTES */
-    uint64_t *bits;             /* cap * words */
-    Py_ssize_t used, live, cap; /* entries written (deleted ones too), live ones, room */
-    int32_t *index;             /* -1: empty, -2: a deleted entry's tombstone, else entry */
-    size_t mask;                /* index size - 1 */
+    Ordered held;               /* keys some slot holds */
+    uint64_t *bits;             /* held.cap * words: each slot's nibble */
+    uint8_t *parents;           /* held.cap * KEY_BYTES: the key's last publication's parent */
+    uint64_t *depths;           /* held.cap: and its depth */
     uint64_t *ones;             /* words: bit 0 of every open slot's nibble */
+    Pages *slots;               /* nslots */
+    Py_ssize_t nslots;
     uint64_t *scratch;          /* lookup's per-page arrays */
     Py_ssize_t scratch_len;
 } Presence;
@@ -35,6 +79,15 @@ uint64_t *kvf_find(Presence *p, const uint8_t *key);
 
 /* `n` items of `items`, each exactly `bytes` of KEY_BYTES, or a ValueError with `what`. */
 int kvf_check_keys(PyObject *const *items, Py_ssize_t n, const char *what);
+
+/* records.c */
+int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n,
+                  uint64_t first_depth, const uint8_t *parent, int mask);
+void kvf_clear(Presence *p, Pages *s, Py_ssize_t slot);
+PyObject *kvf_pages(Presence *p, Pages *s);
+PyObject *kvf_meta(Presence *p, const uint8_t *key);
+void kvf_free_pages(Pages *s);
+void kvf_free_held(Presence *p);
 
 PyObject *kvf_lookup(Presence *p, PyObject *keys);
 

@@ -1,0 +1,224 @@
+/* What the index keeps per slot and per key, beside the nibbles: a chain's apply (the
+ * nibbles, the slot's pages and the keys' last records in one pass), a slot's clear,
+ * and the reads of both. Arguments come checked from presence.c; room is reserved
+ * before anything is written, so an apply happens whole or not at all.
+ *
+ * A slot's page keeps only its mask: its parent and depth are its key's last record
+ * (held), as keys are chained hashes and every node states the same of a key. When a
+ * publication changes a key's record, the other slots holding the key keep the old one
+ * as their own (Pages.own, the OWN bit of their mask) before it changes. */
+#include "presence.h"
+
+#include <string.h>
+
+#define OWN 0x80                        /* the page's parent and depth are in Pages.own */
+
+/* A PageMask as its nibble: FULL on either tier, FULL on device, SWA on either, SWA on
+ * device (presence.code: the bits AND sensibly along a path). */
+static int code_of(int mask) {
+    return (mask & 3 ? 1 : 0) | (mask & 1 ? 2 : 0) | (mask & 12 ? 4 : 0) | (mask & 4 ? 8 : 0);
+}
+
+static int reserve_held(Presence *p, Py_ssize_t extra) {
+    Column cols[] = {{(void **)&p->bits, (size_t)p->words * 8}, {(void **)&p->parents, KEY_BYTES},
+                     {(void **)&p->depths, 8}};
+    return ord_reserve(&p->held, extra, cols, 3);
+}
+
+static int reserve_pages(Pages *s, Py_ssize_t extra) {
+    Column cols[] = {{(void **)&s->masks, 1}};
+    return ord_reserve(&s->set, extra, cols, 1);
+}
+
+static int reserve_own(Pages *s, Py_ssize_t extra) {
+    Column cols[] = {{(void **)&s->parents, KEY_BYTES}, {(void **)&s->depths, 8}};
+    return ord_reserve(&s->own, extra, cols, 2);
+}
+
+void kvf_free_pages(Pages *s) {
+    Column cols[] = {{(void **)&s->masks, 1}}, own[] = {{(void **)&s->parents, KEY_BYTES},
+                                                          {(void **)&s->depths, 8}};
+    ord_free(&s->set, cols, 1);
+    ord_free(&s->own, own, 2);
+}
+
+static int is_zero(const uint64_t *w, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (w[i])
+            return 0;
+    return 1;
+}
+
+/* The slot's nibble of `key` cleared; the key is deleted when no slot holds it. */
+static void drop_holder(Presence *p, const uint8_t *key, Py_ssize_t word, uint64_t keep) {
+    size_t pos;
+    Py_ssize_t e = ord_find(&p->held, key, &pos);
+    if (e < 0)
+        return;
+    uint64_t *bits = p->bits + e * p->words;
+    bits[word] &= keep;
+    if (is_zero(bits, p->words))
+        ord_remove(&p->held, pos);
+}
+
+/* The page of `key` leaves the slot (its own record too). */
+static void drop_page(Pages *s, const uint8_t *key) {
+    size_t pos, at;
+    Py_ssize_t f = ord_find(&s->set, key, &pos);
+    if (f < 0)
+        return;
+    if (s->masks[f] & OWN && ord_find(&s->own, key, &at) >= 0)
+        ord_remove(&s->own, at);
+    ord_remove(&s->set, pos);
+}
+
+static int differs(const Presence *p, Py_ssize_t e, const uint8_t *parent, uint64_t depth) {
+    return p->depths[e] != depth || memcmp(p->parents + e * KEY_BYTES, parent, KEY_BYTES) != 0;
+}
+
+/* Bit 0 of every nonzero nibble: one bit per slot holding the key. */
+static uint64_t holders(uint64_t x) { return (x | x >> 1 | x >> 2 | x >> 3) & 0x1111111111111111ULL; }
+
+/* Room in every other holder's `own` for the records this chain would change under them
+ * (an upper bound: a holder may have its own record already). */
+static int reserve_others(Presence *p, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n,
+                          uint64_t first_depth, const uint8_t *parent) {
+    Py_ssize_t *need = NULL;
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        size_t pos;
+        Py_ssize_t e = ord_find(&p->held, (const uint8_t *)PyBytes_AS_STRING(keys[i]), &pos);
+        const uint8_t *par = i ? (const uint8_t *)PyBytes_AS_STRING(keys[i - 1]) : parent;
+        if (e < 0 || !differs(p, e, par, first_depth + (uint64_t)i))
+            continue;
+        if (need == NULL && (need = PyMem_Calloc((size_t)p->nslots, sizeof(Py_ssize_t))) == NULL)
+            return PyErr_NoMemory(), -1;
+        for (Py_ssize_t j = 0; j < p->words; j++)
+            for (uint64_t x = holders(p->bits[e * p->words + j]); x; x &= x - 1)
+                need[j * SLOTS_PER_WORD + __builtin_ctzll(x) / 4]++;
+    }
+    for (Py_ssize_t t = 0; need != NULL && rc == 0 && t < p->nslots; t++)
+        if (t != slot && need[t])
+            rc = reserve_own(&p->slots[t], need[t]);
+    PyMem_Free(need);
+    return rc;
+}
+
+/* Every other holder of entry e whose page relies on e's record keeps it as its own. */
+static void keep_old_record(Presence *p, Py_ssize_t e, Py_ssize_t slot, const uint8_t *key) {
+    for (Py_ssize_t j = 0; j < p->words; j++)
+        for (uint64_t x = holders(p->bits[e * p->words + j]); x; x &= x - 1) {
+            Py_ssize_t t = j * SLOTS_PER_WORD + __builtin_ctzll(x) / 4;
+            Pages *o = &p->slots[t];
+            size_t pos;
+            Py_ssize_t f = t == slot ? -1 : ord_find(&o->set, key, &pos);
+            if (f < 0 || o->masks[f] & OWN)
+                continue;
+            Py_ssize_t g = ord_find(&o->own, key, &pos);
+            if (g < 0)
+                g = ord_add(&o->own, pos, key);           /* reserved by reserve_others */
+            memcpy(o->parents + g * KEY_BYTES, p->parents + e * KEY_BYTES, KEY_BYTES);
+            o->depths[g] = p->depths[e];
+            o->masks[f] |= OWN;
+        }
+}
+
+int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n,
+                  uint64_t first_depth, const uint8_t *parent, int mask) {
+    Py_ssize_t word = slot / SLOTS_PER_WORD, w = p->words;
+    int shift = 4 * (int)(slot % SLOTS_PER_WORD);
+    uint64_t keep = ~(0xFULL << shift), put = (uint64_t)code_of(mask) << shift;
+    for (Py_ssize_t i = 0; i < n; i++) {  /* the keys' misses overlap, not one after another */
+        ord_prefetch(&s->set, (const uint8_t *)PyBytes_AS_STRING(keys[i]));
+        ord_prefetch(&p->held, (const uint8_t *)PyBytes_AS_STRING(keys[i]));
+    }
+    if (!mask) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            drop_page(s, (const uint8_t *)PyBytes_AS_STRING(keys[i]));
+            drop_holder(p, (const uint8_t *)PyBytes_AS_STRING(keys[i]), word, keep);
+        }
+        return 0;
+    }
+    if (reserve_held(p, n) < 0 || reserve_pages(s, n) < 0 ||
+        reserve_others(p, slot, keys, n, first_depth, parent) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(keys[i]);
+        const uint8_t *par = i ? (const uint8_t *)PyBytes_AS_STRING(keys[i - 1]) : parent;
+        uint64_t depth = first_depth + (uint64_t)i;
+        size_t pos;
+        Py_ssize_t e = ord_find(&p->held, key, &pos);
+        if (e < 0) {
+            e = ord_add(&p->held, pos, key);
+            memset(p->bits + e * w, 0, (size_t)w * 8);
+        } else if (differs(p, e, par, depth)) {
+            keep_old_record(p, e, slot, key);
+        }
+        p->bits[e * w + word] = (p->bits[e * w + word] & keep) | put;
+        memcpy(p->parents + e * KEY_BYTES, par, KEY_BYTES);
+        p->depths[e] = depth;
+        Py_ssize_t f = ord_find(&s->set, key, &pos);
+        if (f < 0) {
+            f = ord_add(&s->set, pos, key);
+        } else if (s->masks[f] & OWN) {              /* it states the key's record now */
+            size_t at;
+            if (ord_find(&s->own, key, &at) >= 0)
+                ord_remove(&s->own, at);
+        }
+        s->masks[f] = (uint8_t)mask;
+    }
+    return 0;
+}
+
+void kvf_clear(Presence *p, Pages *s, Py_ssize_t slot) {
+    Py_ssize_t word = slot / SLOTS_PER_WORD;
+    uint64_t keep = ~(0xFULL << 4 * (slot % SLOTS_PER_WORD));
+    for (Py_ssize_t f = 0; f < s->set.used; f++)
+        if (!s->set.dead[f])
+            drop_holder(p, s->set.keys + f * KEY_BYTES, word, keep);
+    kvf_free_pages(s);                  /* a cleared node's memory goes back */
+}
+
+PyObject *kvf_pages(Presence *p, Pages *s) {
+    PyObject *out = PyList_New(s->set.live);
+    Py_ssize_t n = 0;
+    for (Py_ssize_t f = 0; out != NULL && f < s->set.used; f++) {
+        if (s->set.dead[f])
+            continue;
+        const uint8_t *key = s->set.keys + f * KEY_BYTES, *parent;
+        uint64_t depth;
+        size_t pos;
+        Py_ssize_t g = s->masks[f] & OWN ? ord_find(&s->own, key, &pos) : -1;
+        Py_ssize_t e = g < 0 ? ord_find(&p->held, key, &pos) : -1;
+        if (g < 0 && e < 0) {           /* a held page's key is held: never, but not a crash */
+            PyErr_SetString(PyExc_SystemError, "index core: a page without its key's record");
+            Py_CLEAR(out);
+            break;
+        }
+        parent = g >= 0 ? s->parents + g * KEY_BYTES : p->parents + e * KEY_BYTES;
+        depth = g >= 0 ? s->depths[g] : p->depths[e];
+        PyObject *t = Py_BuildValue("(y#y#Ki)", (const char *)key, (Py_ssize_t)KEY_BYTES,
+                                    (const char *)parent, (Py_ssize_t)KEY_BYTES,
+                                    (unsigned long long)depth, (int)(s->masks[f] & ~OWN));
+        if (t == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, n++, t);
+    }
+    return out;
+}
+
+PyObject *kvf_meta(Presence *p, const uint8_t *key) {
+    size_t pos;
+    Py_ssize_t e = ord_find(&p->held, key, &pos);
+    if (e < 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(y#K)", (const char *)p->parents + e * KEY_BYTES, (Py_ssize_t)KEY_BYTES,
+                         (unsigned long long)p->depths[e]);
+}
+
+void kvf_free_held(Presence *p) {
+    Column cols[] = {{(void **)&p->bits, (size_t)p->words * 8}, {(void **)&p->parents, KEY_BYTES},
+                     {(void **)&p->depths, 8}};
+    ord_free(&p->held, cols, 3);
+}
