@@ -174,6 +174,23 @@ def test_fresh_order_errors_and_messages(native):
         PageAllocator(True, native=native)
 
 
+@both_kinds
+def test_a_page_whose_repr_empties_the_list(native):
+    """Making the message runs the bad page's repr; the refusal is complete before it."""
+    a = PageAllocator(4, native=native)
+    pages = a.alloc(3)
+
+    class Emptier:
+        def __repr__(self) -> str:
+            pages.clear()
+            return "emptier"
+
+    pages.append(Emptier())
+    with pytest.raises(AllocatorError, match="page emptier is not in this allocator"):
+        a.free(pages)
+    assert a.used_indices() == {0, 1, 2} and a.alloc(1) == [3]
+
+
 @needs_native
 def test_native_is_the_default_and_not_gc_tracked():
     a = PageAllocator(8)

@@ -102,17 +102,21 @@ static int flip_all(Allocator *a, PyObject *indices, int want_used, PyObject ***
         int overflow = 0;
         long long i = PyLong_CheckExact(items[j]) ? PyLong_AsLongLongAndOverflow(items[j], &overflow)
                                                   : -1;
-        if (overflow || i < 0 || i >= a->capacity)
-            PyErr_Format(allocator_error, "page %R is not in this allocator (capacity %zd)",
-                         items[j], a->capacity);
-        else if (is_used(a, (Py_ssize_t)i) != want_used)
-            PyErr_Format(allocator_error, "page %R is already %s", items[j],
-                         want_used ? "free" : "in use");
-        else {
+        int outside = overflow || i < 0 || i >= a->capacity;
+        if (!outside && is_used(a, (Py_ssize_t)i) == want_used) {
             flip(a, (Py_ssize_t)i);
             continue;
         }
-        while (j-- > 0) flip(a, PyLong_AsSsize_t(items[j])); /* checked ints: cannot fail */
+        /* Undone before the message is made: a repr may run code that changes `indices`. */
+        PyObject *bad = Py_NewRef(items[j]);
+        for (Py_ssize_t k = 0; k < j; k++) flip(a, PyLong_AsSsize_t(items[k])); /* checked */
+        if (outside)
+            PyErr_Format(allocator_error, "page %R is not in this allocator (capacity %zd)", bad,
+                         a->capacity);
+        else
+            PyErr_Format(allocator_error, "page %R is already %s", bad,
+                         want_used ? "free" : "in use");
+        Py_DECREF(bad);
         return -1;
     }
     return 0;
