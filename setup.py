@@ -1,5 +1,5 @@
 """The one thing pyproject.toml cannot declare without setuptools' experimental table: the
-C extensions behind fabric/cache/keys.py, fabric/cache/radix.py and fabric/index/presence.py
+C extensions behind fabric/cache/keys.py, radix.py, allocator.py and fabric/index/presence.py
 (built by `pip install`, `make` and CI alike)."""
 
 from setuptools import Extension, setup
@@ -19,6 +19,11 @@ setup(
             "kvfabric.fabric.cache._radix",
             sources=[f"{KEYS}/node.c", f"{KEYS}/tree.c", f"{KEYS}/slots.c"],
             depends=[f"{KEYS}/node.h"],
+            extra_compile_args=FLAGS,
+        ),
+        Extension(
+            "kvfabric.fabric.cache._alloc",
+            sources=[f"{KEYS}/allocator.c"],
             extra_compile_args=FLAGS,
         ),
         Extension(

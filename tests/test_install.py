@@ -104,6 +104,8 @@ def test_the_wheel_holds_kvfabric_only(wheel):
     assert len(index) == 1, "the wheel must hold the built index-core extension"
     tree = [n for n in names if n.startswith("kvfabric/fabric/cache/_radix.") and n.endswith(".so")]
     assert len(tree) == 1, "the wheel must hold the built radix-tree extension"
+    got = [n for n in names if n.startswith("kvfabric/fabric/cache/_alloc.") and n.endswith(".so")]
+    assert len(got) == 1, "the wheel must hold the built page-allocator extension"
     assert not any("/csrc/" in n for n in names), "C sources stay out of the wheel"
     assert not any(n.startswith(("benchmarks/", "tests/", "kvfabric/benchmarks/")) for n in names)
     assert "kvfabric = kvfabric.deploy.cli.main:main" in entry_points
@@ -130,6 +132,9 @@ cache = NodeCache(layout, {PoolName.FULL: PoolCapacity(device=4, host=0)}, store
 cache.put([1, 2, 3, 4], None, "ns")
 assert cache.match([1, 2, 3, 4], "ns").usable_pages == 2
 assert cache.tree.native and type(cache.tree.root(b"r")) is radix.EXT.TreeNode
+from kvfabric.fabric.cache import allocator
+pages = cache.registry.pool(PoolName.FULL, kvfabric.fabric.Tier.DEVICE).allocator
+assert allocator.ENABLED and type(pages) is allocator.EXT.PageAllocator, "so does the allocator"
 assert len(load_trace()) > 0
 print("ok")
 """
