@@ -301,6 +301,25 @@ def test_dropped_trees_are_collected():
     assert native_nodes() == before
 
 
+def test_only_nodes_and_their_children_dicts_are_left_to_the_collector():
+    """Keys, slot rows, page lists and locks hold only ints, bytes and None: the C side
+    takes them out of the collector's tracked set (a full pass walks two objects a node),
+    through attach, split, set_pages with whole and partial runs, and SWA tombstones."""
+    layout = KVLayout(layers=("full", "swa"), kv_heads=1, head_dim=2, page_size=2, window=2)
+    caps = {p: PoolCapacity(64, 8) for p in layout.pools}
+    cache = NodeCache(layout, caps, store_bytes=False)
+    for seq in family(5):  # shared prefixes: splits, and SWA kept only near anchors
+        cache.put(seq, None, "ns")
+    nodes_seen = list(cache.tree.nodes())
+    assert len(nodes_seen) > 3 and any(ABSENT in (n.slots[0][1] or ()) for n in nodes_seen)
+    for node in nodes_seen:
+        assert gc.is_tracked(node)  # and its children dict, once it has children
+        leaves = [node.keys, node.slots, node.locks, *node.slots]
+        leaves += [pages for row in node.slots for pages in row if pages is not None]
+        assert not any(gc.is_tracked(x) for x in leaves), node
+    cache.check()
+
+
 def test_asking_for_the_native_tree_without_the_extension_is_an_error():
     with mock.patch.object(radix, "EXT", None):
         with pytest.raises(RuntimeError, match="not loaded"):

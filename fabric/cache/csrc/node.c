@@ -16,6 +16,14 @@ int is_absent(PyObject *page) {
     return PyObject_RichCompareBool(page, ABSENT_PAGE, Py_EQ);
 }
 
+PyObject *untrack_leaf(PyObject *list) {
+    if (list == NULL || !PyList_CheckExact(list) || !PyObject_GC_IsTracked(list)) return list;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++)
+        if (PyObject_GC_IsTracked(PyList_GET_ITEM(list, i))) return list;
+    PyObject_GC_UnTrack(list);
+    return list;
+}
+
 /* --- the object fields, type-checked on every store so the C side can trust them ---------- */
 static int check_field(const char *name, PyObject *value) {
     int ok;
@@ -67,13 +75,13 @@ static PyObject *pair(PyObject *a, PyObject *b) {
     }
     PyList_SET_ITEM(list, 0, a);
     PyList_SET_ITEM(list, 1, b);
-    return list;
+    return untrack_leaf(list);
 }
 
 Node *node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long start) {
     Node *node = PyObject_GC_New(Node, &NodeType);
     if (node == NULL) return NULL;
-    node->keys = Py_NewRef(keys);
+    node->keys = Py_NewRef(untrack_leaf(keys));
     node->tokens = Py_NewRef(tokens);
     node->parent = Py_NewRef(parent);
     node->children = PyDict_New();

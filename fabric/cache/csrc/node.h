@@ -34,6 +34,12 @@ int is_absent(PyObject *page);
 
 extern PyObject *ABSENT_PAGE, *ZERO; /* the ints -1 and 0 */
 
+/* Takes a list whose items are all outside the collector (ints, bytes, None, or lists
+ * taken out already) out of the collector's tracked set: it cannot be part of a
+ * reference cycle, and a full collection then walks two objects a node (the node and
+ * its children dict), not every key and page list of the tree. Returns `list`. */
+PyObject *untrack_leaf(PyObject *list);
+
 /* Shared by tree.c and slots.c. */
 #define ARGS(N, SIG)                                                                    \
     if (nargs != N) return PyErr_Format(PyExc_TypeError, SIG " takes %d arguments", N)

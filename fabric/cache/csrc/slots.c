@@ -27,13 +27,14 @@ static PyObject *set_pages(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     PyObject *current = PyList_GET_ITEM(row, p);
     Py_ssize_t given = PySequence_Fast_GET_SIZE(pages), at = PySequence_Fast_GET_SIZE(offsets);
     if (current == Py_None && at == n) { /* a whole run, in order */
-        PyObject *copy = PySequence_List(pages);
+        PyObject *copy = untrack_leaf(PySequence_List(pages));
         if (copy == NULL || PyList_SetItem(row, p, copy) < 0) goto fail;
     } else {
         if (current == Py_None) {
             current = PyList_New(n);
             if (current == NULL) goto fail;
             for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(current, i, Py_NewRef(ABSENT_PAGE));
+            untrack_leaf(current);
             if (PyList_SetItem(row, p, current) < 0) goto fail;
         }
         Py_INCREF(current);

@@ -219,8 +219,8 @@ static int split_slots(Node *head, Node *node, Py_ssize_t k) {
             PyObject *pages = PyList_GET_ITEM(row, p);
             if (pages == Py_None) continue;
             Py_INCREF(pages);
-            PyObject *front = none_if_empty(PySequence_GetSlice(pages, 0, k));
-            PyObject *back = none_if_empty(PySequence_GetSlice(pages, k, PY_SSIZE_T_MAX));
+            PyObject *front = none_if_empty(untrack_leaf(PySequence_GetSlice(pages, 0, k)));
+            PyObject *back = none_if_empty(untrack_leaf(PySequence_GetSlice(pages, k, PY_SSIZE_T_MAX)));
             Py_DECREF(pages);
             if (front == NULL || back == NULL || PySequence_SetItem(head_row, p, front) < 0 ||
                 PyList_SetItem(row, p, back) < 0) {
@@ -252,7 +252,7 @@ PyObject *split(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     Node *head = head_keys && head_tokens ? node_new(head_keys, head_tokens, parent, node->start) : NULL;
     Py_XDECREF(head_keys);
     Py_XDECREF(head_tokens);
-    PyObject *locks = head ? PySequence_List(node->locks) : NULL;
+    PyObject *locks = head ? untrack_leaf(PySequence_List(node->locks)) : NULL;
     if (locks == NULL) goto fail;
     Py_SETREF(head->locks, locks);
     head->last_access = node->last_access, head->hits = node->hits;
@@ -269,7 +269,7 @@ PyObject *split(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         Py_XDECREF(tail_tokens);
         goto fail;
     }
-    Py_SETREF(node->keys, tail_keys);
+    Py_SETREF(node->keys, untrack_leaf(tail_keys));
     Py_SETREF(node->tokens, tail_tokens);
     node->start += k;
     Py_SETREF(node->parent, Py_NewRef((PyObject *)head));
