@@ -29,7 +29,7 @@ class Walk:
 @dataclass
 class _Entry:
     namespace: str
-    tokens: list[int] | tuple[int, ...]
+    tokens: Sequence[int]  # a list's copy, or the tuple itself
     version: int
     raw: bytes
     path: tuple[TreeNode, ...]
@@ -68,7 +68,7 @@ class WalkMemo:
             self._entry = None
             return
         copy = list(tokens) if type(tokens) is list else tokens  # a tuple cannot change
-        self._entry = _Entry(namespace, copy, version, raw, tuple(path), matched)  # type: ignore[arg-type]
+        self._entry = _Entry(namespace, copy, version, raw, tuple(path), matched)
 
     def forget(self) -> None:
         self._entry = None

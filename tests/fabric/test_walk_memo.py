@@ -82,8 +82,8 @@ def test_another_namespace_or_a_reshaped_tree_is_walked_again():
 
 def test_buffers_are_not_remembered():
     memo = WalkMemo()
-    memo.remember(bytearray(b"ab"), "a", 0, b"", [], 0)  # type: ignore[arg-type]
-    assert memo.recall(bytearray(b"ab"), "a", 0) is None  # type: ignore[arg-type]
+    memo.remember(bytearray(b"ab"), "a", 0, b"", [], 0)
+    assert memo.recall(bytearray(b"ab"), "a", 0) is None
     memo.remember((1, 2), "a", 0, b"x", [], 0)
     assert memo.recall((1, 2), "a", 0) is not None and memo.recall([1, 2], "a", 0) is None
     assert memo.recall((1, 2), "a", 1) is None and memo.recall((1, 2), "b", 0) is None
