@@ -44,6 +44,14 @@ def family(seed: int) -> list[list[int]]:
     return out
 
 
+def small_capacities(layout: KVLayout, device: int, host: int) -> dict[PoolName, PoolCapacity]:
+    """`device` pages for FULL and about half for SWA (at least 2), `host` for both."""
+    return {
+        p: PoolCapacity(device if p == PoolName.FULL else max(2, device // 2), host)
+        for p in layout.pools
+    }
+
+
 class CacheMachine(RuleBasedStateMachine):
     @initialize(
         layout=st.sampled_from(sorted(LAYOUTS)),
@@ -55,10 +63,7 @@ class CacheMachine(RuleBasedStateMachine):
     )
     def setup(self, layout, policy, seed, device, host, pending):
         self.layout = LAYOUTS[layout]
-        caps = {
-            p: PoolCapacity(device if p == PoolName.FULL else max(2, device // 2), host)
-            for p in self.layout.pools
-        }
+        caps = small_capacities(self.layout, device, host)
         self.faults = AllocationFaults()
         self.cache = NodeCache(
             self.layout,

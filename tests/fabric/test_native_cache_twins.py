@@ -13,7 +13,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvfabric.deploy.chaos.faults import AllocationFaults
 from kvfabric.fabric import (
     NodeCache,
-    PoolCapacity,
     PoolName,
     Tier,
     TierConfig,
@@ -21,7 +20,7 @@ from kvfabric.fabric import (
 )
 from kvfabric.fabric.cache import radix
 
-from tests.fabric.test_cache_stateful import LAYOUTS, NAMESPACES, family
+from tests.fabric.test_cache_stateful import LAYOUTS, NAMESPACES, family, small_capacities
 from tests.fabric.test_native_radix import node_state, tree_state
 from tests.kvgen import prefix_kv
 
@@ -48,10 +47,7 @@ class TwinCaches(RuleBasedStateMachine):
     )
     def setup(self, layout, policy, seed, device, host):
         self.layout = LAYOUTS[layout]
-        caps = {
-            p: PoolCapacity(device if p == PoolName.FULL else max(2, device // 2), host)
-            for p in self.layout.pools
-        }
+        caps = small_capacities(self.layout, device, host)
         self.faults = [AllocationFaults(), AllocationFaults()]
         config = dict(tier=TierConfig(policy=policy, selective_hits=2), device="cpu")
         self.caches = [

@@ -83,6 +83,16 @@ class Journal:
         self.freed.append((pool, tier, list(pages)))
 
 
+# What set_pages and drop_pages draw: a node, where, which offsets, and whether to undo.
+PAGE_STEP = dict(
+    i=st.integers(0, 40),
+    tier=st.sampled_from(TIERS),
+    pool=st.sampled_from(PoolName),
+    offsets=st.lists(st.integers(0, 4), max_size=4, unique=True),
+    undo=st.booleans(),
+)
+
+
 class TwinTrees(RuleBasedStateMachine):
     """Node i of `self.nodes[0]` (C) and of `self.nodes[1]` (Python) were made by the same call."""
 
@@ -133,13 +143,7 @@ class TwinTrees(RuleBasedStateMachine):
 
         self.both(call)
 
-    @rule(
-        i=st.integers(0, 40),
-        tier=st.sampled_from(TIERS),
-        pool=st.sampled_from(PoolName),
-        offsets=st.lists(st.integers(0, 4), max_size=4, unique=True),
-        undo=st.booleans(),
-    )
+    @rule(**PAGE_STEP)
     def set_pages(self, i, tier, pool, offsets, undo):
         self.next += 1
         pages = [self.next * 10 + j for j in range(len(offsets))]
@@ -154,13 +158,7 @@ class TwinTrees(RuleBasedStateMachine):
                 lambda tree, nodes: [u() for u in reversed(journals[tree is self.trees[1]].undos)]
             )
 
-    @rule(
-        i=st.integers(0, 40),
-        tier=st.sampled_from(TIERS),
-        pool=st.sampled_from(PoolName),
-        offsets=st.lists(st.integers(0, 4), max_size=4, unique=True),
-        undo=st.booleans(),
-    )
+    @rule(**PAGE_STEP)
     def drop_pages(self, i, tier, pool, offsets, undo):
         journals = [Journal(), Journal()]
 
