@@ -39,7 +39,7 @@ class Step(str, Enum):
     EVICT = "evict"  # a pool's eviction callback
     COPY = "copy"  # the page copier (write-back, load-back)
     DEFER_COPY = "defer_copy"
-    ATTACH = "attach"
+    GROW = "grow"  # a new run and its pages (Transaction.grow)
     PLACE = "place"
     COMMIT = "commit"
     READ = "read"  # the remote-fetch page reader
@@ -53,7 +53,7 @@ CAN_RAISE_AFTER = {
     Step.EVICT,
     Step.COPY,
     Step.DEFER_COPY,
-    Step.ATTACH,
+    Step.GROW,
     Step.PLACE,
     Step.READ,
     Step.CHECKSUM,
@@ -135,7 +135,7 @@ def injecting(plan: Plan, cache: NodeCache, leases: LeaseTable | None = None) ->
         elif plan.step == Step.COPY:
             copier = SimpleNamespace(copy=inj.wrap(cache.copier.copy))
             stack.enter_context(mock.patch.object(cache, "copier", copier))
-        elif plan.step in (Step.DEFER_COPY, Step.ATTACH, Step.PLACE):
+        elif plan.step in (Step.DEFER_COPY, Step.GROW, Step.PLACE):
             name = plan.step.value
             stack.enter_context(
                 mock.patch.object(Transaction, name, inj.wrap(getattr(Transaction, name)))

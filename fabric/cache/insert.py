@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
 from .keys import PageKeyer, encode_tokens
 from .layout import PoolName, Tier
-from .paths import by_node, missing
 from .radix import TIERS, TreeNode
 from .records import NodeGuard
 
@@ -111,7 +110,7 @@ class Inserts:
         keep: Mapping[PoolName, Sequence[int]],
         present: tuple[Tier, ...],
     ) -> InsertPlan:
-        todo = {p: missing(path, pos, p, present) for p, pos in keep.items()}
+        todo = {p: self.tree.missing(path, pos, p, present) for p, pos in keep.items()}
         return InsertPlan(keyer, raw[: n * self.tree.page_bytes], path, m, n, keep, todo)
 
     def insert(self, plan: InsertPlan, fill: Fill, writer: str | None = None) -> "T | None":
@@ -132,19 +131,14 @@ class Inserts:
             )
             if failed is not None:
                 return failed  # the reserved pages may be half written: freed (or held), never read
-            nodes = list(path)
+            parent, keys = None, []
             if m < n:
                 parent = path[-1] if path else tree.root(plan.keyer.root)
-                nodes.append(
-                    txn.attach(
-                        parent,
-                        plan.keyer.chain(plan.raw, parent.keys[-1], m),
-                        plan.raw[m * tree.page_bytes :],
-                    )
-                )
-            for pool, positions in plan.todo.items():
-                for node, offsets, pages in by_node(nodes, positions, got[(pool, Tier.DEVICE)]):
-                    txn.place(node, Tier.DEVICE, pool, offsets, pages)
+                keys = plan.keyer.chain(plan.raw, parent.keys[-1], m)
+            placements = [(p, pos, got[(p, Tier.DEVICE)]) for p, pos in plan.todo.items()]
+            nodes = txn.grow(
+                path, parent, keys, plan.raw[m * tree.page_bytes :], Tier.DEVICE, placements
+            )
             txn.commit()
         finally:
             txn.rollback()  # a no-op once committed: whatever failed, nothing stays half done

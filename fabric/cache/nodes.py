@@ -10,6 +10,7 @@ so both implementations share one RadixTree.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Sequence
 
 from .layout import PoolName, Tier
@@ -73,7 +74,7 @@ class TreeNode:
         """Whether any page of the run holds `pool` KV on one of `tiers`."""
         return any(self.slots[t][pool] is not None for t in tiers)
 
-    def page_has(self, offset: int, pool: PoolName, tiers: tuple[Tier, ...] = TIERS) -> bool:
+    def page_has(self, offset: int, pool: PoolName, tiers: Sequence[Tier] = TIERS) -> bool:
         for t in tiers:
             pages = self.slots[t][pool]
             if pages is not None and pages[offset] != ABSENT:
@@ -238,6 +239,72 @@ def lock(nodes: Sequence[TreeNode], pool: PoolName, delta: int, protected: Count
                 pages = slots[at]
                 if pages is not None:
                     protected[t][at] += sign * (len(pages) - pages.count(ABSENT))
+
+
+# --- positions along a path ----------------------------------------------------------
+def missing(
+    path: Sequence[TreeNode], positions: Sequence[int], pool: PoolName, tiers: Sequence[Tier]
+) -> list[int]:
+    """Which of sorted `positions` have a page in `pool` on none of `tiers`: all past the path."""
+    out: list[int] = []
+    i = 0
+    for node in path:
+        j = bisect_left(positions, node.end, i)
+        if j > i:
+            slots = [node.slots[t][pool] for t in tiers]
+            if all(pages is None for pages in slots):
+                out.extend(positions[i:j])
+            elif not any(pages is not None and ABSENT not in pages for pages in slots):
+                out.extend(
+                    p for p in positions[i:j] if not node.page_has(p - node.start, pool, tiers)
+                )
+        i = j
+    out.extend(positions[i:])  # past the path: new pages
+    return out
+
+
+Placement = tuple[PoolName, Sequence[int], Sequence[int]]  # (pool, sorted positions, pages)
+
+
+def place_runs(
+    nodes: Sequence[TreeNode],
+    tier: Tier,
+    placements: Sequence[Placement],
+    owned: Counters,
+    protected: Counters,
+) -> list[tuple[TreeNode, PoolName, list[int]]]:
+    """Give each placement's pages to the nodes (consecutive runs) holding its positions,
+    as set_pages per node would: all or nothing (but for a set_pages that breaks off on a
+    page already held, a bug). Returns (node, pool, offsets) per node given pages."""
+    done: list[tuple[TreeNode, PoolName, list[int]]] = []
+    try:
+        for pool, positions, pages in placements:
+            if len(positions) != len(pages):
+                raise ValueError(f"{len(positions)} positions for {len(pages)} pages")
+            i = 0
+            for node in nodes:
+                j = bisect_left(positions, node.end, i)
+                if j == i:
+                    continue
+                offsets = []
+                for p in positions[i:j]:
+                    if not 0 <= p - node.start < node.n:
+                        raise AssertionError(node, pool, p - node.start)
+                    offsets.append(p - node.start)
+                done.append((node, pool, offsets))
+                try:
+                    set_pages(node, tier, pool, offsets, pages[i:j], owned, protected)
+                except BaseException:
+                    done.pop()
+                    raise
+                i = j
+            if i < len(positions):
+                raise AssertionError("positions past the nodes", positions[i])
+    except BaseException:
+        for node, pool, offsets in reversed(done):
+            clear_pages(node, tier, pool, offsets, owned, protected)
+        raise
+    return done
 
 
 def _count(

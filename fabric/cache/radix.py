@@ -21,9 +21,9 @@ from typing import Callable, Iterator, Protocol, Sequence
 from . import native, nodes
 from .changes import ChangeLog
 from .layout import PoolName, Tier
-from .nodes import ABSENT, TIERS, Counters, TreeNode
+from .nodes import ABSENT, TIERS, Counters, Placement, TreeNode
 
-__all__ = ["ABSENT", "TIERS", "ENABLED", "Journal", "RadixTree", "TreeNode"]
+__all__ = ["ABSENT", "TIERS", "ENABLED", "Journal", "Placement", "RadixTree", "TreeNode"]
 
 
 class Journal(Protocol):
@@ -89,6 +89,25 @@ class TreeOps(Protocol):
         self, nodes: Sequence[nodes.TreeNode], pool: PoolName, delta: int, protected: Counters, /
     ) -> None: ...
 
+    def missing(
+        self,
+        path: Sequence[nodes.TreeNode],
+        positions: Sequence[int],
+        pool: PoolName,
+        tiers: Sequence[Tier],
+        /,
+    ) -> list[int]: ...
+
+    def place_runs(
+        self,
+        nodes: Sequence[nodes.TreeNode],
+        tier: Tier,
+        placements: Sequence[nodes.Placement],
+        owned: Counters,
+        protected: Counters,
+        /,
+    ) -> list[tuple[nodes.TreeNode, PoolName, list[int]]]: ...
+
 
 def _import() -> ModuleType:
     from . import _radix  # type: ignore[attr-defined]  # built C: mypy sees no source
@@ -141,6 +160,13 @@ class RadixTree:
     def walk_keys(self, keys: list[bytes]) -> tuple[list[TreeNode], int]:
         """The same for a chain of page keys, up to the first key not held here."""
         return self._ops.walk_keys(self.by_key, keys)
+
+    def missing(
+        self, path: list[TreeNode], positions: Sequence[int], pool: PoolName, tiers: Sequence[Tier]
+    ) -> list[int]:
+        """Which of sorted `positions` have a page in `pool` on none of `tiers` along
+        `path`: every position past it."""
+        return self._ops.missing(path, positions, pool, tiers)
 
     def nodes(self) -> Iterator[TreeNode]:
         """Every page node, parents before children."""
@@ -220,6 +246,42 @@ class RadixTree:
             if node.start < position < node.end:
                 path.insert(i, self.split(node, position - node.start))
                 return
+
+    def grow(
+        self,
+        path: list[TreeNode],
+        parent: TreeNode | None,
+        keys: list[bytes],
+        tokens: bytes,
+        tier: Tier,
+        placements: Sequence[Placement],
+        journal: Journal | None,
+    ) -> list[TreeNode]:
+        """`path`, then a new run of `keys` and `tokens` under `parent` (none when `keys` is
+        empty), with each placement's (pool, sorted positions, pages) given on `tier` to
+        the nodes holding its positions; all or nothing. Returns the nodes."""
+        nodes = list(path)
+        if keys:
+            assert parent is not None
+            nodes.append(self.attach(parent, keys, tokens, None))
+        try:
+            given = self._ops.place_runs(nodes, tier, placements, self.owned, self.protected)
+        except BaseException:
+            if keys:
+                self.detach(nodes[-1], None)
+            raise
+        if self.changes is not None:
+            self.changes.touched([node.keys[o] for node, _, offsets in given for o in offsets])
+        if journal is not None:
+
+            def undo() -> None:
+                for node, pool, offsets in reversed(given):
+                    self.clear_pages(node, tier, pool, offsets)
+                if keys:
+                    self.detach(nodes[-1], None)
+
+            journal.record(undo)
+        return nodes
 
     # --- pages -----------------------------------------------------------------------
     def set_pages(

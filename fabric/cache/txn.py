@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 from .layout import PoolName, Tier
 from .pages import PageCopier, keep_bytes
 from .pools import PoolRegistry
-from .radix import RadixTree, TreeNode
+from .radix import Placement, RadixTree, TreeNode
 
 
 class ReservationFailed(RuntimeError):
@@ -156,17 +156,7 @@ class Transaction:
         self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int], pages: Sequence[int]
     ) -> None:
         """Move reserved pages into `node` at `offsets` of its run."""
-        owned = self._owned(pool, tier)
-        if not owned.issuperset(pages):
-            raise ValueError(
-                f"pages {sorted(set(pages) - owned)[:8]} of {pool.name}/{tier.name} "
-                f"are not reserved by this transaction"
-            )
-        before = len(owned)
-        owned.difference_update(pages)
-        if before - len(owned) != len(pages):  # a page listed twice (no set built to check first)
-            owned.update(pages)
-            raise ValueError(f"pages of {pool.name}/{tier.name} placed twice: {sorted(pages)[:8]}")
+        owned = self._take_owned(pool, tier, pages)
         self.tree.set_pages(node, tier, pool, offsets, pages, None)
 
         def undo() -> None:
@@ -175,8 +165,31 @@ class Transaction:
 
         self.record(undo)
 
-    def attach(self, parent: TreeNode, keys: list[bytes], tokens: bytes) -> TreeNode:
-        return self.tree.attach(parent, keys, tokens, self)
+    def grow(
+        self,
+        path: list[TreeNode],
+        parent: TreeNode | None,
+        keys: list[bytes],
+        tokens: bytes,
+        tier: Tier,
+        placements: Sequence[Placement],
+    ) -> list[TreeNode]:
+        """RadixTree.grow with reserved pages: the new run and every placement, one step."""
+        taken: list[tuple[set[int], Sequence[int]]] = []
+
+        def give_back() -> None:
+            for owned, pages in taken:
+                owned.update(pages)
+
+        try:
+            for pool, _, pages in placements:
+                taken.append((self._take_owned(pool, tier, pages), pages))
+            nodes = self.tree.grow(path, parent, keys, tokens, tier, placements, self)
+        except BaseException:
+            give_back()
+            raise
+        self.record(give_back)
+        return nodes
 
     def commit(self) -> None:
         self.seal()
@@ -203,6 +216,22 @@ class Transaction:
     # --- helpers -------------------------------------------------------------------
     def pages(self) -> dict[tuple[PoolName, Tier], set[int]]:
         return {key: set(pages) for key, pages in sorted(self.owned.items()) if pages}
+
+    def _take_owned(self, pool: PoolName, tier: Tier, pages: Sequence[int]) -> set[int]:
+        """Mark reserved `pages` placed: raises (nothing changed) unless this transaction
+        reserved every one of them, once. Returns the (pool, tier)'s owned set."""
+        owned = self._owned(pool, tier)
+        if not owned.issuperset(pages):
+            raise ValueError(
+                f"pages {sorted(set(pages) - owned)[:8]} of {pool.name}/{tier.name} "
+                f"are not reserved by this transaction"
+            )
+        before = len(owned)
+        owned.difference_update(pages)
+        if before - len(owned) != len(pages):  # a page listed twice (no set built to check first)
+            owned.update(pages)
+            raise ValueError(f"pages of {pool.name}/{tier.name} placed twice: {sorted(pages)[:8]}")
+        return owned
 
     def _owned(self, pool: PoolName, tier: Tier) -> set[int]:
         owned = self.owned.get((pool, tier))

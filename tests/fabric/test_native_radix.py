@@ -1,7 +1,7 @@
 """The radix tree's two implementations, C (`_radix`) and the pure-Python reference
 (nodes.py), driven through the same random operations: every RadixTree primitive on
-twin trees (attach, split, set_pages, clear_pages, drop_pages with undo, lock, touch,
-walk, walk_keys, detach). Results, errors and whole-tree state must agree exactly.
+twin trees (attach, split, set_pages, clear_pages, drop_pages and grow with undo, lock,
+touch, walk, walk_keys, missing, detach). Results, errors and whole-tree state must agree exactly.
 Whole caches on both trees: test_native_cache_twins.py. tests/fabric runs on both
 through KVF_NATIVE."""
 
@@ -9,7 +9,7 @@ import gc
 from unittest import mock
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from kvfabric.fabric import (
@@ -64,11 +64,26 @@ def tree_state(tree: RadixTree) -> tuple:
 def outcome(fn):
     try:
         out = fn()
-    except (AssertionError, RuntimeError, IndexError, KeyError, TypeError) as e:
+    except (AssertionError, RuntimeError, IndexError, KeyError, TypeError, ValueError) as e:
         return type(e), str(e).split("\n")[0]  # pytest appends its rewrite to assertions
     if isinstance(out, tuple) and out and isinstance(out[0], list):  # a walk: (path, pages)
         return [node_state(n) for n in out[0]], out[1]
     return node_state(out) if hasattr(out, "slots") else out
+
+
+def path_to(node) -> list:
+    """The nodes from below the namespace root down to `node` (none for a root)."""
+    path = []
+    while node.parent is not None:
+        path.append(node)
+        node = node.parent
+    return path[::-1]
+
+
+# Positions as plans draw them (sorted) and as they should never come (unsorted, past runs).
+POSITIONS = st.lists(st.integers(-2, 14), max_size=6).flatmap(
+    lambda xs: st.sampled_from([sorted(set(xs)), xs])
+)
 
 
 class Journal:
@@ -215,6 +230,48 @@ class TwinTrees(RuleBasedStateMachine):
 
         self.both(call)
 
+    @rule(
+        i=st.integers(0, 40),
+        pages=st.integers(0, 3),
+        tier=st.sampled_from(TIERS),
+        placements=st.lists(st.tuples(st.sampled_from(PoolName), POSITIONS), max_size=2),
+        short=st.booleans(),
+        undo=st.booleans(),
+    )
+    def grow(self, i, pages, tier, placements, short, undo):
+        self.next += 1
+        keys = [b"g%d.%d" % (self.next, j) for j in range(pages)]
+        tokens = self.next.to_bytes(STEP, "big") * pages
+        given = [
+            (pool, pos, [self.next * 100 + 10 * k + j for j in range(len(pos) - short * (k == 0))])
+            for k, (pool, pos) in enumerate(placements)
+        ]
+        journals = [Journal(), Journal()]
+
+        def call(tree, nodes):
+            side = 0 if tree is self.trees[0] else 1
+            node = nodes[i % len(nodes)]
+            path = path_to(node)
+            out = tree.grow(path, node, keys, tokens, tier, given, journals[side])
+            nodes.extend(out[len(path) :])
+            return [node_state(n) for n in out]
+
+        if isinstance(self.both(call), list) and undo:
+            self.both(
+                lambda tree, nodes: [u() for u in reversed(journals[tree is self.trees[1]].undos)]
+            )
+
+    @rule(
+        i=st.integers(0, 40),
+        positions=POSITIONS,
+        pool=st.sampled_from(PoolName),
+        tiers=st.sampled_from([TIERS, (Tier.DEVICE,), (Tier.HOST,), ()]),
+    )
+    def missing(self, i, positions, pool, tiers):
+        self.both(
+            lambda tree, nodes: tree.missing(path_to(nodes[i % len(nodes)]), positions, pool, tiers)
+        )
+
     @rule(i=st.integers(0, 40))
     def detach(self, i):
         self.both(lambda tree, nodes: tree.detach(nodes[i % len(nodes)], None))
@@ -324,3 +381,32 @@ def test_asking_for_the_native_tree_without_the_extension_is_an_error():
             RadixTree(4, print, print, native=True)
         assert not RadixTree(4, print, print).native
     assert RadixTree(4, print, print).native and not RadixTree(4, print, print, native=False).native
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    runs=st.lists(
+        st.tuples(
+            st.integers(1, 4),
+            st.lists(st.one_of(st.none(), st.lists(st.sampled_from([ABSENT, 5]))), max_size=4),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    positions=POSITIONS,
+    pool=st.sampled_from(PoolName),
+    tiers=st.sampled_from([TIERS, (Tier.DEVICE,), (Tier.HOST,), ()]),
+)
+def test_missing_agrees_on_any_slots(runs, positions, pool, tiers):
+    """missing over a path whose runs hold whole, partial (SWA tombstones) or no page lists."""
+    answers = []
+    for ops in (radix.EXT, nodes):
+        path, parent, start = [], ops.TreeNode([b"r"], b"", None, 0), 0
+        for n, lists in runs:
+            node = ops.TreeNode([b"k%d" % (start + j) for j in range(n)], b"", parent, start)
+            for cell, pages in enumerate(lists):
+                node.slots[cell // 2][cell % 2] = None if pages is None else (pages * n)[:n]
+            path.append(node)
+            parent, start = node, start + n
+        answers.append(outcome(lambda: ops.missing(path, positions, pool, tiers)))
+    assert answers[0] == answers[1]

@@ -50,6 +50,15 @@ int add(PyObject *grid, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta); /* grid[t
 Py_ssize_t held(PyObject *pages);            /* pages not ABSENT, -1 on error */
 int count(Node *node, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta, PyObject *owned,
           PyObject *protected);              /* RadixTree._count */
+/* slots.c's per-node page moves, shared with insert.c. */
+PyObject *slot_row(Node *node, PyObject *tier, PyObject *pool, Py_ssize_t *t, Py_ssize_t *p);
+int give_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *tier,
+               PyObject *pool, PyObject *offsets, PyObject *pages, PyObject *owned,
+               PyObject *protected);
+PyObject *take_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *tier,
+                     PyObject *pool, PyObject *offsets, PyObject *owned, PyObject *protected);
+PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *place_runs(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *walk(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs);

@@ -4,7 +4,7 @@
 #include "node.h"
 
 /* node.slots[tier] (borrowed) and the pool's index in it, or NULL with an error. */
-static PyObject *slot_row(Node *node, PyObject *tier, PyObject *pool, Py_ssize_t *t, Py_ssize_t *p) {
+PyObject *slot_row(Node *node, PyObject *tier, PyObject *pool, Py_ssize_t *t, Py_ssize_t *p) {
     *t = as_index(tier), *p = as_index(pool);
     if ((*t == -1 || *p == -1) && PyErr_Occurred()) return NULL;
     PyObject *row = node_tier(node, *t);
@@ -15,6 +15,44 @@ static PyObject *slot_row(Node *node, PyObject *tier, PyObject *pool, Py_ssize_t
     return row;
 }
 
+/* Gives `pages` to node's slots[t][pool] (`row`; `tier` and `pool` as given, for errors) at
+ * `offsets` (both PySequence_Fast), counting them: set_pages without the argument parsing.
+ * 0, or -1 with an error set. */
+int give_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *tier,
+               PyObject *pool, PyObject *offsets, PyObject *pages, PyObject *owned,
+               PyObject *protected) {
+    Py_ssize_t n = node_n(node);
+    if (n < 0) return -1;
+    PyObject *current = PyList_GET_ITEM(row, p);
+    Py_ssize_t given = PySequence_Fast_GET_SIZE(pages), at = PySequence_Fast_GET_SIZE(offsets);
+    if (current == Py_None && at == n) { /* a whole run, in order */
+        PyObject *copy = untrack_leaf(PySequence_List(pages));
+        if (copy == NULL || PyList_SetItem(row, p, copy) < 0) return -1;
+    } else {
+        if (current == Py_None) {
+            current = PyList_New(n);
+            if (current == NULL) return -1;
+            for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(current, i, Py_NewRef(ABSENT_PAGE));
+            untrack_leaf(current);
+            if (PyList_SetItem(row, p, current) < 0) return -1;
+        }
+        Py_INCREF(current);
+        for (Py_ssize_t i = 0; i < at && i < given; i++) {
+            PyObject *off = PySequence_Fast_GET_ITEM(offsets, i);
+            PyObject *was = PyObject_GetItem(current, off);
+            int absent = was ? is_absent(was) : -1;
+            Py_XDECREF(was);
+            if (absent == 0) fail_assert(Py_BuildValue("(OOOO)", node, tier, pool, off));
+            if (absent <= 0 || PyObject_SetItem(current, off, PySequence_Fast_GET_ITEM(pages, i)) < 0) {
+                Py_DECREF(current);
+                return -1;
+            }
+        }
+        Py_DECREF(current);
+    }
+    return count(node, t, p, given, owned, protected);
+}
+
 /* set_pages(node, tier, pool, offsets, pages, owned, protected) */
 static PyObject *set_pages(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(7, "set_pages");
@@ -23,39 +61,49 @@ static PyObject *set_pages(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     PyObject *row = n >= 0 ? slot_row(node, args[1], args[2], &t, &p) : NULL;
     PyObject *offsets = row ? PySequence_Fast(args[3], "offsets must be a sequence") : NULL;
     PyObject *pages = offsets ? PySequence_Fast(args[4], "pages must be a sequence") : NULL;
-    if (pages == NULL) goto fail;
-    PyObject *current = PyList_GET_ITEM(row, p);
-    Py_ssize_t given = PySequence_Fast_GET_SIZE(pages), at = PySequence_Fast_GET_SIZE(offsets);
-    if (current == Py_None && at == n) { /* a whole run, in order */
-        PyObject *copy = untrack_leaf(PySequence_List(pages));
-        if (copy == NULL || PyList_SetItem(row, p, copy) < 0) goto fail;
-    } else {
-        if (current == Py_None) {
-            current = PyList_New(n);
-            if (current == NULL) goto fail;
-            for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(current, i, Py_NewRef(ABSENT_PAGE));
-            untrack_leaf(current);
-            if (PyList_SetItem(row, p, current) < 0) goto fail;
-        }
-        Py_INCREF(current);
-        for (Py_ssize_t i = 0; i < at && i < given; i++) {
-            PyObject *off = PySequence_Fast_GET_ITEM(offsets, i);
-            PyObject *was = PyObject_GetItem(current, off);
-            int absent = was ? is_absent(was) : -1;
-            Py_XDECREF(was);
-            if (absent == 0) fail_assert(Py_BuildValue("(OOOO)", node, args[1], args[2], off));
-            if (absent <= 0 || PyObject_SetItem(current, off, PySequence_Fast_GET_ITEM(pages, i)) < 0) {
-                Py_DECREF(current);
-                goto fail;
-            }
-        }
-        Py_DECREF(current);
-    }
-    if (count(node, t, p, given, args[5], args[6]) < 0) goto fail;
-    Py_DECREF(offsets);
-    Py_DECREF(pages);
+    int err = pages == NULL || give_pages(node, row, t, p, args[1], args[2], offsets, pages, args[5], args[6]) < 0;
+    Py_XDECREF(offsets);
+    Py_XDECREF(pages);
+    if (err) return NULL;
     Py_RETURN_NONE;
+}
+
+/* Empties node's slots[t][pool] (`row`) at `offsets` (any sequence; `tier`, `pool` and
+ * `offsets` as given, for errors), uncounting them: clear_pages without the argument
+ * parsing. Returns the pages it emptied, or NULL with an error set. */
+PyObject *take_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *tier,
+                     PyObject *pool, PyObject *offsets_in, PyObject *owned, PyObject *protected) {
+    PyObject *current = PyList_GET_ITEM(row, p);
+    if (current == Py_None) {
+        fail_assert(Py_BuildValue("(OOO)", node, tier, pool));
+        return NULL;
+    }
+    Py_INCREF(current);
+    PyObject *offsets = PySequence_Fast(offsets_in, "offsets must be a sequence");
+    Py_ssize_t at = offsets ? PySequence_Fast_GET_SIZE(offsets) : 0, i, left;
+    PyObject *pages = offsets ? PyList_New(at) : NULL;
+    for (i = 0; pages && i < at; i++) {
+        PyObject *page = PyObject_GetItem(current, PySequence_Fast_GET_ITEM(offsets, i));
+        if (page == NULL) goto fail;
+        PyList_SET_ITEM(pages, i, page);
+    }
+    for (i = 0; pages && i < at; i++) { /* after every read, as the reference */
+        int absent = is_absent(PyList_GET_ITEM(pages, i));
+        if (absent) {
+            if (absent > 0) fail_assert(Py_BuildValue("(OOOO)", node, tier, pool, offsets_in));
+            goto fail;
+        }
+    }
+    for (i = 0; pages && i < at; i++)
+        if (PyObject_SetItem(current, PySequence_Fast_GET_ITEM(offsets, i), ABSENT_PAGE) < 0) goto fail;
+    if (pages == NULL || (left = held(current)) < 0) goto fail;
+    if (left == 0 && PyList_SetItem(row, p, Py_NewRef(Py_None)) < 0) goto fail;
+    if (count(node, t, p, -at, owned, protected) < 0) goto fail;
+    Py_DECREF(current);
+    Py_DECREF(offsets);
+    return pages;
 fail:
+    Py_DECREF(current);
     Py_XDECREF(offsets);
     Py_XDECREF(pages);
     return NULL;
@@ -68,40 +116,7 @@ static PyObject *clear_pages(PyObject *m, PyObject *const *args, Py_ssize_t narg
     Py_ssize_t t, p;
     PyObject *row = node ? slot_row(node, args[1], args[2], &t, &p) : NULL;
     if (row == NULL) return NULL;
-    PyObject *current = PyList_GET_ITEM(row, p);
-    if (current == Py_None) {
-        fail_assert(Py_BuildValue("(OOO)", node, args[1], args[2]));
-        return NULL;
-    }
-    Py_INCREF(current);
-    PyObject *offsets = PySequence_Fast(args[3], "offsets must be a sequence");
-    Py_ssize_t at = offsets ? PySequence_Fast_GET_SIZE(offsets) : 0, i, left;
-    PyObject *pages = offsets ? PyList_New(at) : NULL;
-    for (i = 0; pages && i < at; i++) {
-        PyObject *page = PyObject_GetItem(current, PySequence_Fast_GET_ITEM(offsets, i));
-        if (page == NULL) goto fail;
-        PyList_SET_ITEM(pages, i, page);
-    }
-    for (i = 0; pages && i < at; i++) { /* after every read, as the reference */
-        int absent = is_absent(PyList_GET_ITEM(pages, i));
-        if (absent) {
-            if (absent > 0) fail_assert(Py_BuildValue("(OOOO)", node, args[1], args[2], args[3]));
-            goto fail;
-        }
-    }
-    for (i = 0; pages && i < at; i++)
-        if (PyObject_SetItem(current, PySequence_Fast_GET_ITEM(offsets, i), ABSENT_PAGE) < 0) goto fail;
-    if (pages == NULL || (left = held(current)) < 0) goto fail;
-    if (left == 0 && PyList_SetItem(row, p, Py_NewRef(Py_None)) < 0) goto fail;
-    if (count(node, t, p, -at, args[4], args[5]) < 0) goto fail;
-    Py_DECREF(current);
-    Py_DECREF(offsets);
-    return pages;
-fail:
-    Py_DECREF(current);
-    Py_XDECREF(offsets);
-    Py_XDECREF(pages);
-    return NULL;
+    return take_pages(node, row, t, p, args[1], args[2], args[3], args[4], args[5]);
 }
 
 /* lock(nodes, pool, delta, protected): add delta to each node's lock on pool */
@@ -154,6 +169,8 @@ static PyMethodDef functions[] = {
     FAST(set_pages, "set_pages(node, tier, pool, offsets, pages, owned, protected)"),
     FAST(clear_pages, "clear_pages(node, tier, pool, offsets, owned, protected) -> pages"),
     FAST(lock, "lock(nodes, pool, delta, protected)"),
+    FAST(missing, "missing(path, positions, pool, tiers) -> positions without a page"),
+    FAST(place_runs, "place_runs(nodes, tier, placements, owned, protected) -> given"),
     {NULL},
 };
 

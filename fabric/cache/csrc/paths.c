@@ -1,0 +1,221 @@
+/* Page positions along a path of C TreeNodes: which positions lack a page (missing), and
+ * placing an insert's pages on the nodes holding their positions (place_runs), as
+ * fabric/cache/nodes.py's functions of the same names do, in the same order. */
+#include "node.h"
+
+/* Sorted positions as C integers (a PySequence_Fast `seq`), or NULL with an error set. */
+static long long *as_positions(PyObject *seq) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    long long *out = PyMem_Malloc(sizeof(long long) * (size_t)(n ? n : 1));
+    if (out == NULL) return (long long *)PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (out[i] == -1 && PyErr_Occurred()) {
+            PyMem_Free(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* bisect.bisect_left(at, x, lo, hi): the same search, so unsorted input gives the same answer. */
+static Py_ssize_t bisect_left(const long long *at, long long x, Py_ssize_t lo, Py_ssize_t hi) {
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (at[mid] < x)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* Appends items[lo:hi] of a PySequence_Fast to `out`. */
+static int extend(PyObject *out, PyObject *seq, Py_ssize_t lo, Py_ssize_t hi) {
+    for (Py_ssize_t i = lo; i < hi; i++)
+        if (PyList_Append(out, PySequence_Fast_GET_ITEM(seq, i)) < 0) return -1;
+    return 0;
+}
+
+/* 1 where `pages` (a list) holds no ABSENT, 0 where it does, -1 on error. */
+static int whole(PyObject *pages) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pages); i++) {
+        int a = is_absent(PyList_GET_ITEM(pages, i));
+        if (a) return a < 0 ? -1 : 0;
+    }
+    return 1;
+}
+
+#define MAX_TIERS 8
+
+/* missing(path, positions, pool, tiers) -> positions with a page in `pool` on none of `tiers` */
+PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(4, "missing");
+    PyObject *path = PySequence_Fast(args[0], "path must be a sequence");
+    PyObject *pos = path ? PySequence_Fast(args[1], "positions must be a sequence") : NULL;
+    PyObject *tiers = pos ? PySequence_Fast(args[3], "tiers must be a sequence") : NULL;
+    long long *at = tiers ? as_positions(pos) : NULL;
+    PyObject *out = at ? PyList_New(0) : NULL;
+    if (out == NULL) goto fail;
+    Py_ssize_t ntiers = PySequence_Fast_GET_SIZE(tiers), npos = PySequence_Fast_GET_SIZE(pos), i = 0;
+    if (ntiers > MAX_TIERS) {
+        PyErr_Format(PyExc_ValueError, "at most %d tiers", MAX_TIERS);
+        goto fail;
+    }
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(path); k++) {
+        Node *node = as_node(PySequence_Fast_GET_ITEM(path, k));
+        if (node == NULL) goto fail;
+        Py_ssize_t j = bisect_left(at, node->end, i, npos);
+        if (j > i) {
+            PyObject *slots[MAX_TIERS]; /* borrowed: the node's page lists (or None) per tier */
+            int all_none = 1, any_whole = 0;
+            for (Py_ssize_t x = 0; x < ntiers; x++) {
+                Py_ssize_t t, p;
+                PyObject *row = slot_row(node, PySequence_Fast_GET_ITEM(tiers, x), args[2], &t, &p);
+                if (row == NULL) goto fail;
+                slots[x] = PyList_GET_ITEM(row, p);
+                all_none &= slots[x] == Py_None;
+            }
+            for (Py_ssize_t x = 0; x < ntiers && !all_none && !any_whole; x++) {
+                int w = slots[x] == Py_None ? 0 : PyList_Check(slots[x]) ? whole(slots[x]) : -1;
+                if (w < 0) {
+                    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "page lists must be lists");
+                    goto fail;
+                }
+                any_whole = w;
+            }
+            if (all_none) {
+                if (extend(out, pos, i, j) < 0) goto fail;
+            } else if (!any_whole) {
+                for (Py_ssize_t y = i; y < j; y++) {
+                    int has = 0;
+                    for (Py_ssize_t x = 0; x < ntiers && !has; x++) {
+                        if (slots[x] == Py_None) continue;
+                        PyObject *page = PySequence_GetItem(slots[x], (Py_ssize_t)(at[y] - node->start));
+                        int a = page ? is_absent(page) : -1;
+                        Py_XDECREF(page);
+                        if (a < 0) goto fail;
+                        has = !a;
+                    }
+                    if (!has && PyList_Append(out, PySequence_Fast_GET_ITEM(pos, y)) < 0) goto fail;
+                }
+            }
+        }
+        i = j;
+    }
+    if (extend(out, pos, i, npos) < 0) goto fail; /* past the path: new pages */
+    PyMem_Free(at);
+    Py_DECREF(path);
+    Py_DECREF(pos);
+    Py_DECREF(tiers);
+    return out;
+fail:
+    PyMem_Free(at);
+    Py_XDECREF(path);
+    Py_XDECREF(pos);
+    Py_XDECREF(tiers);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+/* Places one (pool, positions, pages) placement on `nodes`, appending (node, pool, offsets)
+ * to `done` per node given pages. 0, or -1 with an error set. */
+static int place_one(PyObject *nodes, PyObject *tier, PyObject *placement, PyObject *owned,
+                     PyObject *protected, PyObject *done) {
+    PyObject *item = PySequence_Fast(placement, "a placement is (pool, positions, pages)");
+    if (item == NULL) return -1;
+    PyObject *pos = NULL, *pages = NULL;
+    long long *at = NULL;
+    int err = -1;
+    if (PySequence_Fast_GET_SIZE(item) != 3) {
+        PyErr_SetString(PyExc_ValueError, "a placement is (pool, positions, pages)");
+        goto out;
+    }
+    PyObject *pool = PySequence_Fast_GET_ITEM(item, 0);
+    pos = PySequence_Fast(PySequence_Fast_GET_ITEM(item, 1), "positions must be a sequence");
+    pages = pos ? PySequence_Fast(PySequence_Fast_GET_ITEM(item, 2), "pages must be a sequence") : NULL;
+    at = pages ? as_positions(pos) : NULL;
+    if (at == NULL) goto out;
+    Py_ssize_t npos = PySequence_Fast_GET_SIZE(pos), i = 0;
+    if (PySequence_Fast_GET_SIZE(pages) != npos) {
+        PyErr_Format(PyExc_ValueError, "%zd positions for %zd pages", npos, PySequence_Fast_GET_SIZE(pages));
+        goto out;
+    }
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(nodes); k++) {
+        Node *node = as_node(PySequence_Fast_GET_ITEM(nodes, k));
+        Py_ssize_t n = node ? node_n(node) : -1;
+        if (n < 0) goto out;
+        Py_ssize_t j = bisect_left(at, node->end, i, npos);
+        if (j == i) continue;
+        PyObject *offsets = PyList_New(j - i), *chunk = NULL, *record = NULL;
+        for (Py_ssize_t y = i; offsets && y < j; y++) {
+            long long off = at[y] - node->start;
+            if (off < 0 || off >= n) {
+                fail_assert(Py_BuildValue("(OOL)", node, pool, off));
+                Py_CLEAR(offsets);
+                break;
+            }
+            PyObject *o = PyLong_FromLongLong(off);
+            if (o == NULL) Py_CLEAR(offsets);
+            else PyList_SET_ITEM(offsets, y - i, o);
+        }
+        Py_ssize_t t, p;
+        PyObject *row = offsets ? slot_row(node, tier, pool, &t, &p) : NULL;
+        chunk = row ? PySequence_GetSlice(pages, i, j) : NULL;
+        /* recorded first: whatever fails after, the caller can undo what was given */
+        record = chunk ? PyTuple_Pack(3, (PyObject *)node, pool, offsets) : NULL;
+        int bad = record == NULL || PyList_Append(done, record) < 0;
+        if (!bad && give_pages(node, row, t, p, tier, pool, offsets, chunk, owned, protected) < 0) {
+            PyList_SetSlice(done, PyList_GET_SIZE(done) - 1, PyList_GET_SIZE(done), NULL);
+            bad = 1;
+        }
+        Py_XDECREF(offsets);
+        Py_XDECREF(chunk);
+        Py_XDECREF(record);
+        if (bad) goto out;
+        i = j;
+    }
+    if (i < npos) {
+        fail_assert(Py_BuildValue("(sO)", "positions past the nodes", PySequence_Fast_GET_ITEM(pos, i)));
+        goto out;
+    }
+    err = 0;
+out:
+    PyMem_Free(at);
+    Py_XDECREF(pos);
+    Py_XDECREF(pages);
+    Py_DECREF(item);
+    return err;
+}
+
+/* place_runs(nodes, tier, placements, owned, protected) -> [(node, pool, offsets), ...]: each
+ * (pool, positions, pages) of `placements` given to the nodes holding its positions; all or
+ * nothing. */
+PyObject *place_runs(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(5, "place_runs");
+    PyObject *nodes = PySequence_Fast(args[0], "nodes must be a sequence");
+    PyObject *placements = nodes ? PySequence_Fast(args[2], "placements must be a sequence") : NULL;
+    PyObject *done = placements ? PyList_New(0) : NULL;
+    int err = done == NULL;
+    for (Py_ssize_t k = 0; !err && k < PySequence_Fast_GET_SIZE(placements); k++)
+        err = place_one(nodes, args[1], PySequence_Fast_GET_ITEM(placements, k), args[3], args[4], done) < 0;
+    if (err && done != NULL) { /* undo, newest first, keeping the first error */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        for (Py_ssize_t k = PyList_GET_SIZE(done) - 1; k >= 0; k--) {
+            PyObject *rec = PyList_GET_ITEM(done, k);
+            Node *node = (Node *)PyTuple_GET_ITEM(rec, 0);
+            Py_ssize_t t, p;
+            PyObject *row = slot_row(node, args[1], PyTuple_GET_ITEM(rec, 1), &t, &p);
+            PyObject *undone = row ? take_pages(node, row, t, p, args[1], PyTuple_GET_ITEM(rec, 1),
+                                                PyTuple_GET_ITEM(rec, 2), args[3], args[4]) : NULL;
+            if (undone == NULL) PyErr_Clear();
+            Py_XDECREF(undone);
+        }
+        PyErr_Restore(type, value, tb);
+    }
+    Py_XDECREF(nodes);
+    Py_XDECREF(placements);
+    if (err) Py_CLEAR(done);
+    return done;
+}
