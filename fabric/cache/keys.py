@@ -52,6 +52,13 @@ def encode_tokens(tokens: Tokens) -> bytes:
     return EXT.pack(tokens) if EXT is not None else pack_py(tokens)
 
 
+def packs_to(tokens: Tokens, raw: bytes) -> bool:
+    """Whether `tokens` encode to exactly `raw`. The native path compares a list or tuple of
+    ints in place, without packing it, and answers False as soon as they differ; a bad
+    token it reads raises as encode_tokens would."""
+    return EXT.equal(tokens, raw) if EXT is not None else pack_py(tokens) == raw
+
+
 def pack_py(tokens: Tokens) -> bytes:
     """The reference packing: struct's, with the native path's errors."""
     try:

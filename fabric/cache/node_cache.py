@@ -123,7 +123,7 @@ class NodeCache(Inserts, Exports, PageViews):
             return known
         raw = encode_tokens(tokens)
         path, matched = self.tree.walk(self.keyer(namespace).root, raw)
-        self._walks.remember(tokens, namespace, version, raw, path, matched)
+        self._walks.remember(namespace, version, raw, path, matched)
         return Walk(raw, path, matched)
 
     def match_keys(self, keys: list[bytes]) -> Match:

@@ -3,9 +3,10 @@
 A request matches, computes what the cache lacked, then puts the same tokens: packing
 them and walking the tree again would repeat work whose answer cannot have changed,
 unless the tokens or the tree's shape did. The memo holds the last walk and answers
-only when both are provably the same: the tokens compare equal to a copy taken at the
-match (a list may be changed in place in between), and the tree's shape version (bumped
-by every attach, detach and split) is unchanged. Pages placed or dropped in between do
+only when both are provably the same: the tokens encode to the bytes packed at the match
+(a list may be changed in place in between; the check reads it once, in C, allocating
+nothing), and the tree's shape version (bumped by every attach, detach and split) is
+unchanged. Pages placed or dropped in between do
 not matter: a walk follows token runs, not pages. One entry: the put follows its match."""
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .keys import packs_to
 from .radix import TreeNode
-
-# Only these are cheap to compare exactly; buffers (array, numpy, tensors) are re-packed.
-_COMPARABLE = (list, tuple)
 
 
 @dataclass(frozen=True)
@@ -29,7 +28,6 @@ class Walk:
 @dataclass
 class _Entry:
     namespace: str
-    tokens: Sequence[int]  # a list's copy, or the tuple itself
     version: int
     raw: bytes
     path: tuple[TreeNode, ...]
@@ -48,27 +46,20 @@ class WalkMemo:
             e is None
             or e.version != version
             or e.namespace != namespace
-            or type(tokens) is not type(e.tokens)
-            or len(tokens) != len(e.tokens)
-            or tokens != e.tokens
+            or not packs_to(tokens, e.raw)
         ):
             return None
         return Walk(e.raw, list(e.path), e.matched)
 
     def remember(
         self,
-        tokens: Sequence[int],
         namespace: str,
         version: int,
         raw: bytes,
         path: list[TreeNode],
         matched: int,
     ) -> None:
-        if type(tokens) not in _COMPARABLE:
-            self._entry = None
-            return
-        copy = list(tokens) if type(tokens) is list else tokens  # a tuple cannot change
-        self._entry = _Entry(namespace, copy, version, raw, tuple(path), matched)
+        self._entry = _Entry(namespace, version, raw, tuple(path), matched)
 
     def forget(self) -> None:
         self._entry = None

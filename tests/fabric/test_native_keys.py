@@ -134,6 +134,29 @@ def test_pack_matches_the_reference(values):
 
 
 @needs_native
+@given(token_lists, st.lists(ints, max_size=90), st.integers(0, 2))
+def test_packs_to_agrees_with_packing(values, others, edit):
+    """equal(tokens, raw) is pack(tokens) == raw, on raws of the same tokens, of other
+    tokens and of the same ones with one changed, dropped or added. Tokens that cannot be
+    packed give pack's error, or False where they differ from raw before the bad one."""
+    for tokens in containers(values):
+        want = outcome(pack_py, tokens)
+        packed = want[1] if want[0] == "ok" else None
+        raws = [pack_py(others)]
+        if packed:
+            raws += [
+                packed,
+                packed[:-4],
+                packed + packed[:4],
+                packed[:-1] + bytes([packed[-1] ^ 1]),
+            ]
+        for raw in raws:
+            expect = [("ok", packed == raw)] if packed is not None else [want, ("ok", False)]
+            assert outcome(keys.EXT.equal, tokens, raw) in expect, (type(tokens), raw)
+            assert outcome(keys.packs_to, tokens, raw) in expect
+
+
+@needs_native
 @pytest.mark.parametrize(
     "tokens",
     [

@@ -4,6 +4,7 @@ place, other tokens, another namespace or a tree whose shape changed in between.
 whose memo never answers is the reference: driven through the same steps, both must end
 with the same pages, matches and snapshots."""
 
+from array import array
 from unittest import mock
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity, Tier
 from kvfabric.fabric.cache import node_cache
+from kvfabric.fabric.cache.keys import KeyError_, encode_tokens
 from kvfabric.fabric.cache.walks import WalkMemo
 
 LAYOUTS = {
@@ -80,13 +82,17 @@ def test_another_namespace_or_a_reshaped_tree_is_walked_again():
     assert cache.match(tokens, "a").usable_pages == 20
 
 
-def test_buffers_are_not_remembered():
+def test_the_memo_answers_for_tokens_that_encode_to_its_bytes_only():
     memo = WalkMemo()
-    memo.remember(bytearray(b"ab"), "a", 0, b"", [], 0)
-    assert memo.recall(bytearray(b"ab"), "a", 0) is None
-    memo.remember((1, 2), "a", 0, b"x", [], 0)
-    assert memo.recall((1, 2), "a", 0) is not None and memo.recall([1, 2], "a", 0) is None
-    assert memo.recall((1, 2), "a", 1) is None and memo.recall((1, 2), "b", 0) is None
+    raw = encode_tokens([1, 2])
+    memo.remember("a", 0, raw, [], 0)
+    for same in ([1, 2], (1, 2), array("q", [1, 2]), bytearray(b"\x01\x02"), range(1, 3)):
+        assert memo.recall(same, "a", 0) is not None, same
+    for other in ([1, 3], [1], [1, 2, 0], [2, 1], (), array("i", [1, 2, 3]), [1, 2**31 - 1]):
+        assert memo.recall(other, "a", 0) is None, other
+    assert memo.recall([1, 2], "a", 1) is None and memo.recall([1, 2], "b", 0) is None
+    with pytest.raises(KeyError_, match="token 1"):  # what a walk of them raises
+        memo.recall([1, 2**40], "a", 0)
 
 
 class Forgetful(WalkMemo):

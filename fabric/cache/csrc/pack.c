@@ -19,6 +19,23 @@ static int range_error_at(Py_ssize_t i, PyObject *value) {
     return -1;
 }
 
+/* An exact int's value without a call, where it is one machine digit or less (every
+ * token id is): 1 with *v set, or 0 for the general path. */
+static inline int small_value(PyObject *item, long long *v) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)item))
+        return 0;
+    *v = (long long)PyUnstable_Long_CompactValue((PyLongObject *)item);
+    return 1;
+#else
+    Py_ssize_t size = Py_SIZE(item);
+    if (size < -1 || size > 1)
+        return 0;
+    *v = size * (long long)((PyLongObject *)item)->ob_digit[0];
+    return 1;
+#endif
+}
+
 /* Packs items[0..n) into out. Returns 0, -1 with an error set, or 1 when an item is not
  * an exact int and index is 0: converting it runs Python code, which may change a list
  * under us, so the caller retries over a snapshot with index 1. */
@@ -27,7 +44,10 @@ static int pack_items(PyObject *const *items, Py_ssize_t n, char *out, int index
         PyObject *item = items[i];
         int overflow;
         long long v;
-        if (PyLong_CheckExact(item)) {
+        if (PyLong_CheckExact(item) && small_value(item, &v)) {
+            if (v < INT32_MIN || v > INT32_MAX)
+                return range_error_at(i, item);
+        } else if (PyLong_CheckExact(item)) {
             v = PyLong_AsLongLongAndOverflow(item, &overflow);
             if (overflow || v < INT32_MIN || v > INT32_MAX)
                 return range_error_at(i, item);
@@ -214,4 +234,41 @@ PyObject *kvf_pack(PyObject *tokens) {
             return raw;
     }
     return pack_iterable(tokens);
+}
+
+/* Whether items[0..n) are exact ints equal to the int32s at raw: 1, 0, or -1 when an item
+ * needs the general path (not an exact small int). */
+static int equal_items(PyObject *const *items, Py_ssize_t n, const char *raw) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v;
+        if (!PyLong_CheckExact(items[i]) || !small_value(items[i], &v))
+            return -1;
+        int32_t w;
+        memcpy(&w, raw + 4 * i, 4);
+        if (v != w)
+            return 0;
+    }
+    return 1;
+}
+
+int kvf_equal(PyObject *tokens, PyObject *raw) {
+    if (!PyBytes_Check(raw)) {
+        PyErr_SetString(PyExc_TypeError, "raw must be bytes");
+        return -1;
+    }
+    if (PyList_CheckExact(tokens) || PyTuple_CheckExact(tokens)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
+        if (4 * n != PyBytes_GET_SIZE(raw))
+            return 0;
+        int same = equal_items(PySequence_Fast_ITEMS(tokens), n, PyBytes_AS_STRING(raw));
+        if (same >= 0)
+            return same;
+    }
+    PyObject *packed = kvf_pack(tokens); /* anything else: what packing it gives */
+    if (packed == NULL)
+        return -1;
+    int same = PyBytes_GET_SIZE(packed) == PyBytes_GET_SIZE(raw) &&
+               memcmp(PyBytes_AS_STRING(packed), PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw)) == 0;
+    Py_DECREF(packed);
+    return same;
 }

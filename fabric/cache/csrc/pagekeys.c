@@ -1,6 +1,7 @@
 /* kvfabric.fabric.cache._pagekeys: the native path of fabric/cache/keys.py.
  *
  * pack(tokens) -> bytes: token ids as native int32, as struct.pack("{n}i", *tokens).
+ * equal(tokens, raw) -> bool: pack(tokens) == raw, for lists of small ints without packing.
  * pack_keys(tokens, key, prev, first_page, page_size) -> (bytes, [key, ...]): the same
  *     bytes and the chained key of every whole page from first_page on.
  * chain(raw, key, prev, first_page, page_size) -> [key, ...]: keys of packed tokens.
@@ -102,6 +103,13 @@ static PyObject *py_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return kvf_pack(args[0]);
 }
 
+static PyObject *py_equal(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!nargs_is("equal", nargs, 2))
+        return NULL;
+    int same = kvf_equal(args[0], args[1]);
+    return same < 0 ? NULL : PyBool_FromLong(same);
+}
+
 static PyObject *py_pack_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Chain c;
     if (!nargs_is("pack_keys", nargs, 5) || parse_chain(args + 1, &c) != 0)
@@ -181,6 +189,8 @@ static PyObject *py_set_error(PyObject *self, PyObject *cls) {
 
 static PyMethodDef methods[] = {
     {"pack", (PyCFunction)(void (*)(void))py_pack, METH_FASTCALL, "pack(tokens) -> int32 bytes"},
+    {"equal", (PyCFunction)(void (*)(void))py_equal, METH_FASTCALL,
+     "equal(tokens, raw) -> whether pack(tokens) == raw"},
     {"pack_keys", (PyCFunction)(void (*)(void))py_pack_keys, METH_FASTCALL,
      "pack_keys(tokens, key, prev, first_page, page_size) -> (bytes, keys)"},
     {"chain", (PyCFunction)(void (*)(void))py_chain, METH_FASTCALL,
