@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 from unittest import mock
 
 from kvfabric.fabric import LeaseTable, NodeCache, Transaction
+from kvfabric.fabric.cache.radix import RadixTree
 
 
 class Injected(Exception):
@@ -39,7 +40,7 @@ class Step(str, Enum):
     EVICT = "evict"  # a pool's eviction callback
     COPY = "copy"  # the page copier (write-back, load-back)
     DEFER_COPY = "defer_copy"
-    GROW = "grow"  # a new run and its pages (Transaction.grow)
+    GROW = "grow"  # a new run and its pages (RadixTree.grow, in a transaction or not)
     PLACE = "place"
     COMMIT = "commit"
     READ = "read"  # the remote-fetch page reader
@@ -123,8 +124,16 @@ def injecting(plan: Plan, cache: NodeCache, leases: LeaseTable | None = None) ->
         inj.commits += 1
 
     commit = inj.wrap(counted_commit) if plan.step == Step.COMMIT else counted_commit
+    real_free = NodeCache._insert_free
+
+    def counted_free(self, *args):  # an insert on free pages commits when it returns
+        nodes, failed = real_free(self, *args)
+        inj.commits += failed is None
+        return nodes, failed
+
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(Transaction, "commit", commit))
+        stack.enter_context(mock.patch.object(NodeCache, "_insert_free", counted_free))
         if plan.step == Step.RESERVE:
             stack.enter_context(
                 mock.patch.object(cache, "reserve_hook", inj.wrap(lambda pool, tier: None))
@@ -135,7 +144,9 @@ def injecting(plan: Plan, cache: NodeCache, leases: LeaseTable | None = None) ->
         elif plan.step == Step.COPY:
             copier = SimpleNamespace(copy=inj.wrap(cache.copier.copy))
             stack.enter_context(mock.patch.object(cache, "copier", copier))
-        elif plan.step in (Step.DEFER_COPY, Step.GROW, Step.PLACE):
+        elif plan.step == Step.GROW:
+            stack.enter_context(mock.patch.object(RadixTree, "grow", inj.wrap(RadixTree.grow)))
+        elif plan.step in (Step.DEFER_COPY, Step.PLACE):
             name = plan.step.value
             stack.enter_context(
                 mock.patch.object(Transaction, name, inj.wrap(getattr(Transaction, name)))

@@ -3,8 +3,11 @@
 A put of rows the caller computed and a fetch of a peer's pages differ only in which
 pages they plan to fill (a put stores what its policies keep and the device lacks; a
 fetch, what a usable match needs and no tier holds) and in where the bytes come from.
-Both then commit the same way: keep the path from eviction while making room, reserve,
-fill, attach the new run, place the pages, commit, whole or not at all."""
+Both then commit the same way, whole or not at all: reserve pages, fill them, grow the
+tree by the new run and place every page in one step (RadixTree.grow). Where free pages
+cover the plan, as they mostly do, they come straight off the free lists and the grow is
+the only step to undo; where eviction must make room, one transaction does it all, the
+path locked against the eviction it runs."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
 from .keys import PageKeyer, encode_tokens
 from .layout import PoolName, Tier
-from .radix import TIERS, TreeNode
+from .radix import TIERS, Placement, TreeNode
 from .records import NodeGuard
 
 if TYPE_CHECKING:
@@ -23,7 +26,7 @@ if TYPE_CHECKING:
     from .pools import PoolRegistry
     from .radix import RadixTree
     from .tiers import TierController
-    from .txn import Transaction
+    from .txn import ReservationHook, Transaction
     from .walks import Walk
 
 T = TypeVar("T")
@@ -49,6 +52,20 @@ class InsertPlan:
         return not any(self.todo.values())
 
 
+class Undo(list):
+    """The journal of a step that evicts nothing (RadixTree.grow's undo): undone newest first."""
+
+    def record(self, undo: Callable[[], None]) -> None:
+        self.append(undo)
+
+    def dropped(self, pool: PoolName, tier: Tier, pages: list[int]) -> None:
+        raise AssertionError("a step on free pages freed tree pages")
+
+    def rollback(self) -> None:
+        while self:
+            self.pop()()
+
+
 class Inserts:
     """NodeCache's insert path (a mixin). What it uses of the cache:"""
 
@@ -64,6 +81,7 @@ class Inserts:
     lock_nodes: Callable[[dict[PoolName, list[TreeNode]]], NodeGuard]
     unlock_nodes: Callable[[NodeGuard], None]
     quarantine: Callable[[Reserved, str | None], None]
+    reserve_hook: ReservationHook | None
 
     def plan_store(
         self, tokens: Sequence[int], namespace: str, first: dict[PoolName, int]
@@ -118,11 +136,55 @@ class Inserts:
         failure with nothing changed. Raises ReservationFailed (nothing changed) when
         eviction cannot make room. `writer`: the peer whose transfer may still write
         pages that fill holds."""
-        tree, path, m, n = self.tree, plan.path, plan.present_pages, plan.pages
+        if self._fits(plan.todo):
+            nodes, failed = self._insert_free(plan, fill, writer)
+        else:
+            nodes, failed = self._insert_evicting(plan, fill, writer)
+        if failed is not None:
+            return failed  # the reserved pages may be half written: freed (or held), never read
+        self.tree.touch(nodes)
+        self._stats.inserted_pages += plan.pages - plan.present_pages
+        self.tiers.after_insert(nodes[len(plan.path) :])
+        return None
+
+    def _insert_free(
+        self, plan: InsertPlan, fill: Fill, writer: str | None
+    ) -> tuple[list[TreeNode], "T | None"]:
+        """The insert when free pages cover it, the common case: nothing is evicted, so
+        pages come straight off the free lists and the tree grows in one step; a failure
+        has only that step (its own undo) and the pages to give back. No transaction."""
+        registry, hook, undo = self.registry, self.reserve_hook, Undo()
+        got: Reserved = {}
+
+        def hold() -> None:
+            self.quarantine({k: sorted(v) for k, v in got.items() if v}, writer)
+            got.clear()
+
+        try:
+            for pool, positions in plan.todo.items():
+                if hook is not None and positions:  # as Transaction.reserve calls it
+                    hook(pool, Tier.DEVICE)
+                got[(pool, Tier.DEVICE)] = registry[pool].device.allocator.alloc(len(positions))
+            failed = fill(got, hold)
+            if failed is not None:
+                return [], failed
+            nodes = self.tree.grow(plan.path, *self._grown(plan, got), undo)
+            got.clear()  # placed: the tree owns them now
+            return nodes, None
+        except BaseException:
+            undo.rollback()
+            raise
+        finally:
+            for (pool, tier), pages in got.items():
+                registry[pool].tier(tier).allocator.free(pages)
+
+    def _insert_evicting(
+        self, plan: InsertPlan, fill: Fill, writer: str | None
+    ) -> tuple[list[TreeNode], "T | None"]:
+        """The insert that must make room: one transaction reserves (evicting, its path
+        locked against that), fills and grows, whole or not at all."""
         txn = self.transaction()
-        # The lock only keeps eviction off the path; when free pages cover the
-        # whole reservation nothing is evicted, so the common case skips it.
-        guard = None if self._fits(plan.todo) else self._guard(path, plan.keep)
+        guard = self._guard(plan.path, plan.keep)
         try:
             got = txn.reserve_all({(p, Tier.DEVICE): len(pos) for p, pos in plan.todo.items()})
             txn.seal()
@@ -130,24 +192,26 @@ class Inserts:
                 got, lambda: txn.rollback(hold=lambda pages: self.quarantine(pages, writer))
             )
             if failed is not None:
-                return failed  # the reserved pages may be half written: freed (or held), never read
-            parent, keys = None, []
-            if m < n:
-                parent = path[-1] if path else tree.root(plan.keyer.root)
-                keys = plan.keyer.chain(plan.raw, parent.keys[-1], m)
-            placements = [(p, pos, got[(p, Tier.DEVICE)]) for p, pos in plan.todo.items()]
-            nodes = txn.grow(
-                path, parent, keys, plan.raw[m * tree.page_bytes :], Tier.DEVICE, placements
-            )
+                return [], failed
+            nodes = txn.grow(plan.path, *self._grown(plan, got))
             txn.commit()
         finally:
             txn.rollback()  # a no-op once committed: whatever failed, nothing stays half done
-            if guard is not None:
-                self.unlock_nodes(guard)
-        tree.touch(nodes)
-        self._stats.inserted_pages += n - m
-        self.tiers.after_insert(nodes[len(path) :])
-        return None
+            self.unlock_nodes(guard)
+        return nodes, None
+
+    def _grown(
+        self, plan: InsertPlan, got: Reserved
+    ) -> tuple[TreeNode | None, list[bytes], bytes, Tier, list[Placement]]:
+        """RadixTree.grow's arguments after the path: the new run (parent, keys, tokens)
+        and where the reserved device pages go."""
+        tree, path, m = self.tree, plan.path, plan.present_pages
+        parent, keys = None, []
+        if m < plan.pages:
+            parent = path[-1] if path else tree.root(plan.keyer.root)
+            keys = plan.keyer.chain(plan.raw, parent.keys[-1], m)
+        placements = [(p, pos, got[(p, Tier.DEVICE)]) for p, pos in plan.todo.items()]
+        return parent, keys, plan.raw[m * tree.page_bytes :], Tier.DEVICE, placements
 
     def _fits(self, todo: dict[PoolName, list[int]]) -> bool:
         """Whether every pool has the free device pages `todo` asks for (no eviction needed)."""
