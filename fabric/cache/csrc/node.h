@@ -20,6 +20,7 @@ typedef struct {
 } Node;
 
 extern PyTypeObject NodeType;
+extern PyMethodDef node_functions[]; /* live_nodes(): the module adds them beside TreeNode */
 
 #define IS_NODE(o) (Py_TYPE(o) == &NodeType)
 
