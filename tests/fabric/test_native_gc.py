@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity
 from kvfabric.fabric.cache import radix
 from kvfabric.fabric.cache.radix import ABSENT, RadixTree
@@ -111,6 +113,62 @@ def test_nodes_held_after_the_cache_is_gone_stay_valid():
     assert m.keys == [k for n in m.path for k in n.keys][: m.usable_pages]
     del m, node
     assert live() == before
+
+
+def shaped_tree(steps: list[tuple[str, int, int]]) -> tuple[RadixTree, list]:
+    """A native tree after attach (A), split (S) and detach (D) steps on its attached
+    nodes (as a cache makes them), and every node made, detached ones included."""
+    tree = RadixTree(2, print, print, native=True)
+    made = [tree.root(b"r0"), tree.root(b"r1")]
+    for i, (op, pick, k) in enumerate(steps):
+        here = [tree.root(b"r%d" % (pick % 2)), *tree.nodes()]
+        node = here[pick % len(here)]
+        if op == "A":
+            keys = [b"%d.%d" % (i, j) for j in range(k)]
+            made.append(tree.attach(node, keys, i.to_bytes(2, "big") * k, None))
+        elif op == "S" and 0 < k < node.n:
+            made.append(tree.split(node, k))
+        elif op == "D" and not node.is_root and not node.children:
+            tree.detach(node, None)
+    return tree, made
+
+
+def kept_alive(held: list, attached: set[int]) -> dict[int, object]:
+    """The held nodes and what their parent links keep once unlink took the attached ones'."""
+    alive = {}
+    for node in held:
+        alive[id(node)] = node
+        while id(node) not in attached and node.parent is not None:
+            node = alive.setdefault(id(node.parent), node.parent)
+    return alive
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(st.tuples(st.sampled_from("ASD"), st.integers(0, 60), st.integers(1, 3))),
+    keep=st.lists(st.integers(0, 80)),
+)
+def test_what_a_dropped_tree_leaves_alive(steps, keep):
+    """Random shapes, some nodes held past the tree: exactly the held nodes and what their
+    parent links keep stay alive (a detached node keeps its parent), by reference counting
+    alone; attached ones lose parent and children."""
+    before = live()
+    gc.disable()
+    try:
+        tree, made = shaped_tree(steps)
+        attached = {id(n) for n in [*tree.roots.values(), *tree.nodes()]}
+        alive = kept_alive([made[i % len(made)] for i in keep], attached)
+        del tree, made
+        assert live() == before + len(alive)
+        for key in alive:
+            if key in attached:
+                assert alive[key].parent is None and not alive[key].children
+            else:
+                assert alive[key].is_root or alive[id(alive[key].parent)] is alive[key].parent
+        del alive
+        assert live() == before
+    finally:
+        gc.enable()
 
 
 # Each chain is made and dropped on a thread with a small C stack: a free that recursed
