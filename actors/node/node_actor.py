@@ -100,8 +100,8 @@ class NodeCacheActor(PeerFetch, EngineHost):
         )
         self.init_engine_host()
         # What lives now (torch, Ray, this actor's fixed parts) lives as long as the process:
-        # out of the collector's reach, a full collection (which the tree's churn triggers)
-        # walks what requests made, not ~170k import-time objects (~100 ms a pass here).
+        # out of the collector's reach, a full collection walks what requests made, not ~170k
+        # import-time objects (~100 ms a pass here). The radix tree is never tracked.
         gc.collect()
         gc.freeze()
 

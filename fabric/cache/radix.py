@@ -15,6 +15,7 @@ and, when a journal is given, record how to undo themselves.
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 from typing import Callable, Iterator, Protocol, Sequence
 
@@ -127,6 +128,20 @@ def tree_ops(native: bool | None = None) -> TreeOps:
     return ops
 
 
+def unlink(roots: dict[bytes, TreeNode]) -> None:
+    """Break the parent <-> children cycles of a tree that goes away: no collection would,
+    as the C nodes stay out of the garbage collector (issue #14). Every node loses its
+    children and its parent, so each is then freed on its own, none through a chain. Nodes
+    held elsewhere (a Match's path, a journal, the change log) stay valid objects, with no
+    parent or children. Iterative: trees are deep."""
+    stack = list(roots.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        node.children.clear()
+        node.parent = None
+
+
 class RadixTree:
     def __init__(
         self,
@@ -146,6 +161,9 @@ class RadixTree:
         self.owned = [[0, 0], [0, 0]]  # [tier][pool] pages held by nodes
         self.protected = [[0, 0], [0, 0]]  # [tier][pool] pages held by locked nodes
         self.changes: ChangeLog | None = None  # with events on (an EventPublisher)
+        # Both trees, one path: the Python nodes would be collected anyway. Not at exit,
+        # where the process frees everything at once.
+        weakref.finalize(self, unlink, self.roots).atexit = False
 
     @property
     def native(self) -> bool:

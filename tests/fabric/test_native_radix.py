@@ -5,7 +5,6 @@ touch, walk, walk_keys, missing, detach). Results, errors and whole-tree state m
 Whole caches on both trees: test_native_cache_twins.py. tests/fabric runs on both
 through KVF_NATIVE."""
 
-import gc
 from unittest import mock
 
 import pytest
@@ -13,16 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from kvfabric.fabric import (
-    KVLayout,
-    NodeCache,
-    PoolCapacity,
     PoolName,
     Tier,
 )
 from kvfabric.fabric.cache import nodes, radix
 from kvfabric.fabric.cache.radix import ABSENT, TIERS, RadixTree
-
-from tests.fabric.test_cache_stateful import family
 
 pytestmark = pytest.mark.skipif(
     not radix.ENABLED, reason="KVF_NATIVE=0 or not built: the reference alone"
@@ -344,41 +338,6 @@ def test_node_methods_match_the_reference():
         with pytest.raises(AssertionError, match="no parent"):
             croot.up
         assert repr(c) == repr(p)
-
-
-def test_dropped_trees_are_collected():
-    def native_nodes() -> int:
-        return sum(type(o) is radix.EXT.TreeNode for o in gc.get_objects())
-
-    gc.collect()
-    before = native_nodes()
-    layout = KVLayout(layers=("full",), kv_heads=1, head_dim=2, page_size=2)
-    cache = NodeCache(layout, {PoolName.FULL: PoolCapacity(64, 0)}, store_bytes=False)
-    for seq in family(3):
-        cache.put(seq, None, "ns")
-    assert native_nodes() > before  # tracked: parents and children form cycles
-    del cache
-    gc.collect()
-    assert native_nodes() == before
-
-
-def test_only_nodes_and_their_children_dicts_are_left_to_the_collector():
-    """Keys, slot rows, page lists and locks hold only ints, bytes and None: the C side
-    takes them out of the collector's tracked set (a full pass walks two objects a node),
-    through attach, split, set_pages with whole and partial runs, and SWA tombstones."""
-    layout = KVLayout(layers=("full", "swa"), kv_heads=1, head_dim=2, page_size=2, window=2)
-    caps = {p: PoolCapacity(64, 8) for p in layout.pools}
-    cache = NodeCache(layout, caps, store_bytes=False)
-    for seq in family(5):  # shared prefixes: splits, and SWA kept only near anchors
-        cache.put(seq, None, "ns")
-    nodes_seen = list(cache.tree.nodes())
-    assert len(nodes_seen) > 3 and any(ABSENT in (n.slots[0][1] or ()) for n in nodes_seen)
-    for node in nodes_seen:
-        assert gc.is_tracked(node)  # and its children dict, once it has children
-        leaves = [node.keys, node.slots, node.locks, *node.slots]
-        leaves += [pages for row in node.slots for pages in row if pages is not None]
-        assert not any(gc.is_tracked(x) for x in leaves), node
-    cache.check()
 
 
 def test_asking_for_the_native_tree_without_the_extension_is_an_error():

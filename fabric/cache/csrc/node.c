@@ -1,7 +1,9 @@
 /* TreeNode in C: the attributes and methods of fabric/cache/nodes.py's TreeNode, over the
- * same Python containers. Parents and children form cycles, so the type takes part in
- * Python's garbage collector (traverse and clear), and deallocates deep chains through
- * the trashcan as Python objects do. */
+ * same Python containers. The type is not a garbage-collector type (issue #14): a node, its
+ * children dict, its lists and the tree's dicts of nodes stay out of the collector's
+ * tracked set, so collections never walk the tree. Parents and children still form
+ * cycles while a node is attached: RadixTree breaks them when it goes away (radix.py's
+ * unlink). Without the trashcan (it needs a GC type), node_dealloc defers deep frees. */
 #include "node.h"
 #include <structmember.h>
 
@@ -78,9 +80,12 @@ static PyObject *pair(PyObject *a, PyObject *b) {
     return untrack_leaf(list);
 }
 
+static Py_ssize_t live; /* nodes allocated and not yet freed: live_nodes(), for tests */
+
 Node *node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long start) {
-    Node *node = PyObject_GC_New(Node, &NodeType);
+    Node *node = PyObject_New(Node, &NodeType);
     if (node == NULL) return NULL;
+    live++;
     node->keys = Py_NewRef(untrack_leaf(keys));
     node->tokens = Py_NewRef(tokens);
     node->parent = Py_NewRef(parent);
@@ -91,7 +96,6 @@ Node *node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long sta
     node->start = start;
     node->end = parent == Py_None ? 0 : start + PyList_GET_SIZE(keys);
     node->last_access = node->hits = 0;
-    PyObject_GC_Track(node);
     if (node->children == NULL || node->slots == NULL || node->locks == NULL) {
         Py_DECREF(node);
         return NULL;
@@ -112,33 +116,50 @@ static PyObject *node_construct(PyTypeObject *type, PyObject *args, PyObject *kw
     return (PyObject *)node_new(keys, tokens, parent, start);
 }
 
-static int node_traverse(Node *self, visitproc visit, void *arg) {
-    Py_VISIT(self->keys);
-    Py_VISIT(self->tokens);
-    Py_VISIT(self->parent);
-    Py_VISIT(self->children);
-    Py_VISIT(self->slots);
-    Py_VISIT(self->locks);
-    return 0;
-}
+/* Freeing a node frees its parent and its children dict (so its children) where it held
+ * their last references: a long chain would recurse once per node and overflow the C
+ * stack. Past DEFER_DEPTH nested frees, a node waits on `deferred` instead, linked through
+ * its tokens (released first: bytes, whose free cannot recurse), and the outermost free
+ * on this thread frees the waiting ones one after another. */
+#define DEFER_DEPTH 64
+static _Thread_local int freeing;   /* node_dealloc calls on this thread's stack */
+static _Thread_local Node *deferred;
 
-static int node_clear(Node *self) {
+static void release(Node *self) {
     Py_CLEAR(self->keys);
     Py_CLEAR(self->tokens);
     Py_CLEAR(self->parent);
     Py_CLEAR(self->children);
     Py_CLEAR(self->slots);
     Py_CLEAR(self->locks);
-    return 0;
+    PyObject_Del(self);
+    live--;
 }
 
 static void node_dealloc(Node *self) {
-    PyObject_GC_UnTrack(self);
-    Py_TRASHCAN_BEGIN(self, node_dealloc)
-    node_clear(self);
-    PyObject_GC_Del(self);
-    Py_TRASHCAN_END
+    if (freeing >= DEFER_DEPTH) {
+        Py_CLEAR(self->tokens);
+        self->tokens = (PyObject *)deferred;
+        deferred = self;
+        return;
+    }
+    freeing++;
+    release(self);
+    while (freeing == 1 && deferred != NULL) {
+        Node *next = deferred;
+        deferred = (Node *)next->tokens;
+        next->tokens = NULL;
+        release(next);
+    }
+    freeing--;
 }
+
+static PyObject *live_nodes(PyObject *m, PyObject *unused) { return PyLong_FromSsize_t(live); }
+
+PyMethodDef node_functions[] = {
+    {"live_nodes", live_nodes, METH_NOARGS, "live_nodes() -> TreeNodes made and not yet freed"},
+    {NULL},
+};
 
 /* --- methods ----------------------------------------------------------------------------- */
 Py_ssize_t node_n(Node *node) {
@@ -303,11 +324,9 @@ PyTypeObject NodeType = {
     .tp_name = "kvfabric.fabric.cache._radix.TreeNode",
     .tp_doc = "A run of whole pages in the radix tree (see fabric/cache/nodes.py).",
     .tp_basicsize = sizeof(Node),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT, /* no GC: see the top of this file */
     .tp_new = node_construct,
     .tp_dealloc = (destructor)node_dealloc,
-    .tp_traverse = (traverseproc)node_traverse,
-    .tp_clear = (inquiry)node_clear,
     .tp_repr = (reprfunc)node_repr,
     .tp_getset = node_getset,
     .tp_members = node_members,

@@ -20,6 +20,7 @@ typedef struct {
 } Node;
 
 extern PyTypeObject NodeType;
+extern PyMethodDef node_functions[]; /* live_nodes(): the module adds them beside TreeNode */
 
 #define IS_NODE(o) (Py_TYPE(o) == &NodeType)
 
@@ -34,10 +35,10 @@ int is_absent(PyObject *page);
 
 extern PyObject *ABSENT_PAGE, *ZERO; /* the ints -1 and 0 */
 
-/* Takes a list whose items are all outside the collector (ints, bytes, None, or lists
- * taken out already) out of the collector's tracked set: it cannot be part of a
- * reference cycle, and a full collection then walks two objects a node (the node and
- * its children dict), not every key and page list of the tree. Returns `list`. */
+/* Takes a list whose items are all outside the collector (ints, bytes, None, nodes, or
+ * lists taken out already) out of the collector's tracked set: it cannot be part of a
+ * reference cycle. Lists, unlike dicts, stay tracked until told; with the node type
+ * outside the collector too, a collection then walks nothing of the tree. Returns `list`. */
 PyObject *untrack_leaf(PyObject *list);
 
 /* Shared by tree.c and slots.c. */

@@ -183,7 +183,8 @@ PyMODINIT_FUNC PyInit__radix(void) {
     ABSENT_PAGE = PyLong_FromLong(-1), ZERO = PyLong_FromLong(0);
     PyObject *m = ABSENT_PAGE && ZERO ? PyModule_Create(&module) : NULL;
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "TreeNode", (PyObject *)&NodeType) < 0) {
+    if (PyModule_AddObjectRef(m, "TreeNode", (PyObject *)&NodeType) < 0 ||
+        PyModule_AddFunctions(m, node_functions) < 0) {
         Py_DECREF(m);
         return NULL;
     }
