@@ -115,7 +115,8 @@ class Inserts:
             tree.split_at(path, m)
             path.pop()
         for f in splits:  # full KV moves whole nodes: rows start at a node boundary
-            tree.split_at(path, f)
+            if f:  # position 0 is one already
+                tree.split_at(path, f)
         return path, m
 
     def _plan(
@@ -216,7 +217,10 @@ class Inserts:
     def _fits(self, todo: dict[PoolName, list[int]]) -> bool:
         """Whether every pool has the free device pages `todo` asks for (no eviction needed)."""
         registry = self.registry
-        return all(registry[p].device.allocator.free_count >= len(pos) for p, pos in todo.items())
+        for pool, positions in todo.items():  # a loop: a generator costs a frame per put
+            if registry[pool].device.allocator.free_count < len(positions):
+                return False
+        return True
 
     def _guard(self, path: list[TreeNode], keep: Mapping[PoolName, Sequence[int]]) -> NodeGuard:
         """Lock what an insert keeps of the existing path while it makes room."""

@@ -175,14 +175,18 @@ class KeyerCache:
             raise ValueError(f"size must be an int >= 1, got {size!r}")
         self.fingerprint, self.page_size, self.size = fingerprint, page_size, size
         self._keyers: OrderedDict[str, PageKeyer] = OrderedDict()
+        self._last: PageKeyer | None = None  # the most recently used: at the end already
 
     def get(self, namespace: str) -> PageKeyer:
         keyer = self._keyers.get(namespace)
         if keyer is not None:
-            self._keyers.move_to_end(namespace)
+            if self._last is not keyer:  # requests come in runs of one tenant: skip the move
+                self._keyers.move_to_end(namespace)
+                self._last = keyer
             return keyer
         keyer = PageKeyer(namespace, self.fingerprint, self.page_size)
         self._keyers[namespace] = keyer
+        self._last = keyer
         if len(self._keyers) > self.size:
             self._keyers.popitem(last=False)
         return keyer
