@@ -11,22 +11,19 @@ not matter: a walk follows token runs, not pages. One entry: the put follows its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from .keys import packs_to
 from .radix import TreeNode
 
 
-@dataclass(frozen=True)
-class Walk:
+class Walk(NamedTuple):  # two are made per request: a tuple is made fastest
     raw: bytes  # the tokens packed (encode_tokens)
     path: list[TreeNode]  # a copy for the caller: plans split it in place
     matched: int  # pages of `raw` the tree holds along `path`
 
 
-@dataclass
-class _Entry:
+class _Entry(NamedTuple):
     namespace: str
     version: int
     raw: bytes
