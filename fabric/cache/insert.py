@@ -211,7 +211,9 @@ class Inserts:
         if m < plan.pages:
             parent = path[-1] if path else tree.root(plan.keyer.root)
             keys = plan.keyer.chain(plan.raw, parent.keys[-1], m)
-        placements = [(p, pos, got[(p, Tier.DEVICE)]) for p, pos in plan.todo.items()]
+        placements: list[Placement] = [
+            (p, pos, got[(p, Tier.DEVICE)]) for p, pos in plan.todo.items()
+        ]
         return parent, keys, plan.raw[m * tree.page_bytes :], Tier.DEVICE, placements
 
     def _fits(self, todo: dict[PoolName, list[int]]) -> bool:
