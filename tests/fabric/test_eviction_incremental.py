@@ -242,11 +242,14 @@ TestTwins = TwinMachine.TestCase
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_a_long_run_under_pressure_agrees(layout):
-    """Many puts of related sequences through small pools: the kept heaps take most
-    evictions incrementally (few walks), with the walk's choices."""
+    """Many puts and gets of related sequences through small pools: the kept heaps, walked
+    once each to be built, make the walk's choices all along."""
     lay = LAYOUTS[layout]
     caps = {p: PoolCapacity(64, 32) for p in lay.pools}
     twins = [NodeCache(lay, caps, device="cpu", incremental_eviction=b) for b in (True, False)]
+    candidates = next(iter(twins[0].evictors.values())).candidates
+    assert candidates is not None
+    candidates.walk_share = float("inf")  # never walk where changes can be looked at
     logs: list[list] = [[], []]
     for cache, log in zip(twins, logs):
         logged(cache.tree, log)
@@ -257,10 +260,7 @@ def test_a_long_run_under_pressure_agrees(layout):
             cache.get(seqs[k // 2], NAMESPACES[k % 2])
     assert logs[0] == logs[1] and len(logs[0]) > 100
     assert twins[0].snapshot() == twins[1].snapshot() and twins[0].stats() == twins[1].stats()
-    candidates = next(iter(twins[0].evictors.values())).candidates
-    assert candidates is not None
-    walks = sum(h.walks for h in candidates.heaps.values())
-    assert 1 <= walks <= len(candidates.heaps) * 3
+    assert sum(h.walks for h in candidates.heaps.values()) == len(candidates.heaps)  # builds
 
 
 def assert_heaps_agree(cache: NodeCache) -> None:
