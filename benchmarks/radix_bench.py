@@ -9,12 +9,18 @@ native extension (KVF_NATIVE's default) and with the pure-Python reference
 Each side's figure is the best of `--repeat` runs (default 3), each a fresh process on a
 fresh tree: one pass per process is all a run can time, and a pass lands on a busy
 moment of the machine as often for one side as for the other.
+
+`--capacity F` measures eviction instead: ours alone, with pages for F of what the trace
+stores, so that most puts evict; per request (match then put) the mean and p99 with the
+kept candidates (candidates.py) and with the reference's walk over the tree per
+eviction, native and pure Python, each in a fresh process. Both must evict alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import sys
 import tempfile
@@ -66,7 +72,9 @@ def sequences(trace: str | None, requests: int, tokens_per_block: int) -> list[l
     ]
 
 
-def ours_worker(data: str, page_size: int, gc_mode: str) -> dict:
+def ours_worker(
+    data: str, page_size: int, gc_mode: str, capacity: float = 1.0, incremental: bool = True
+) -> dict:
     from kvfabric.fabric import (
         KVLayout,
         NodeCache,
@@ -78,22 +86,31 @@ def ours_worker(data: str, page_size: int, gc_mode: str) -> dict:
     from kvfabric.fabric.cache import native
 
     seqs = [list(s) for s in read_sequences(Path(data))]
-    pages = sum(len(s) for s in seqs) // page_size + 1
+    pages = int(sum(len(s) for s in seqs) // page_size * capacity) + 1
     layout = KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=page_size)
     if gc_mode in ("collect", "freeze"):
         gc.collect()
         if gc_mode == "freeze":
             gc.freeze()
     cache = NodeCache(
-        layout, {PoolName.FULL: PoolCapacity(pages, 0)}, store_bytes=False, device="cpu"
+        layout,
+        {PoolName.FULL: PoolCapacity(pages, 0)},
+        store_bytes=False,
+        device="cpu",
+        incremental_eviction=incremental,
     )
     matched = 0
-    start = time.perf_counter()
-    for s in seqs:
+    clock = time.perf_counter
+    each = [0.0] * len(seqs)
+    start = clock()
+    for i, s in enumerate(seqs):
+        t = clock()
         matched += cache.match(s, "bench").usable_pages
         cache.put(s, None, "bench")
-    elapsed = time.perf_counter() - start
+        each[i] = clock() - t
+    elapsed = clock() - start
     cache.check()
+    each.sort()
     keyer = PageKeyer("bench", layout.fingerprint, page_size)
     start = time.perf_counter()
     for s in seqs:
@@ -109,15 +126,113 @@ def ours_worker(data: str, page_size: int, gc_mode: str) -> dict:
         "native": native.ENABLED,
         "pack_us": packed / len(seqs) * 1e6,
         "keys_us": keyed / len(seqs) * 1e6,
+        "mean_us": sum(each) / len(each) * 1e6,
+        "p99_us": each[min(len(each) - 1, len(each) * 99 // 100)] * 1e6,
+        "evicted": cache.evictors[PoolName.FULL].evicted,
+        "snapshot": snapshot_digest(cache.snapshot()),
     }
 
 
-def run_ours(seqs: list[list[int]], page_size: int, gc_mode: str, python: bool = False) -> dict:
+def snapshot_digest(snap: tuple) -> str:
+    """A cache's snapshot as the same text in every process (no hash seed, no set order)."""
+    pages, allocs, protected = snap
+    text = repr((pages, [(a[0].name, int(a[1]), sorted(a[2])) for a in allocs], protected))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def run_ours(
+    seqs: list[list[int]],
+    page_size: int,
+    gc_mode: str,
+    python: bool = False,
+    capacity: float = 1.0,
+    incremental: bool = True,
+) -> dict:
     """One run in a fresh process: the native path, or the pure-Python reference (`python`)."""
     with tempfile.TemporaryDirectory(prefix="kvf-radix-") as tmp:
         data = Path(tmp) / "seqs.bin"
         write_sequences(data, *pack_sequences(seqs))
-        return run_worker("benchmarks.radix_bench", [str(data), page_size, gc_mode], python)
+        args = [str(data), page_size, gc_mode, capacity, incremental]
+        return run_worker("benchmarks.radix_bench", args, python)
+
+
+@dataclass
+class EvictionFigures:
+    requests: int
+    page_size: int
+    gc_mode: str
+    capacity: float
+    native: bool
+    evicted_pages: int
+    # Per request (match then put), microseconds: kept candidates, then the walk.
+    mean_us: float
+    p99_us: float
+    walk_mean_us: float
+    walk_p99_us: float
+    python_mean_us: float
+    python_p99_us: float
+    python_walk_mean_us: float
+    python_walk_p99_us: float
+
+
+def run_eviction(
+    capacity: float,
+    requests: int = 3000,
+    tokens_per_block: int = 32,
+    page_size: int = 16,
+    trace: str | None = None,
+    gc_mode: str = "default",
+) -> EvictionFigures:
+    if not 0 < capacity < 1:
+        raise ValueError(f"capacity must be a fraction in (0, 1), got {capacity!r}")
+    if gc_mode not in peers.GC_MODES:
+        raise ValueError(f"gc_mode must be one of {peers.GC_MODES}, got {gc_mode!r}")
+    seqs = sequences(trace, requests, tokens_per_block)
+    runs = [
+        run_ours(seqs, page_size, gc_mode, python, capacity, incremental)
+        for python in (False, True)
+        for incremental in (True, False)
+    ]
+    same = {(r["matched_tokens"], r["evicted"], r["snapshot"]) for r in runs[:2]}
+    same_python = {(r["matched_tokens"], r["evicted"], r["snapshot"]) for r in runs[2:]}
+    if len(same) != 1 or len(same_python) != 1 or runs[0]["evicted"] != runs[2]["evicted"]:
+        raise RuntimeError(f"the runs evicted differently: {runs}")
+    kept, walk, py_kept, py_walk = runs
+    return EvictionFigures(
+        len(seqs),
+        page_size,
+        gc_mode,
+        capacity,
+        kept["native"],
+        kept["evicted"],
+        kept["mean_us"],
+        kept["p99_us"],
+        walk["mean_us"],
+        walk["p99_us"],
+        py_kept["mean_us"],
+        py_kept["p99_us"],
+        py_walk["mean_us"],
+        py_walk["p99_us"],
+    )
+
+
+def print_eviction(f: EvictionFigures, as_json: bool) -> None:
+    print(
+        f"requests {f.requests}, page {f.page_size}, gc {f.gc_mode}, pages for "
+        f"{f.capacity:g} of the trace: {f.evicted_pages} pages evicted"
+    )
+    print(f"{'per request (us)':28}{'mean':>10}{'p99':>10}")
+    native = "C tree" if f.native else "no extension!"
+    for name, mean, p99 in (
+        (f"kept candidates ({native})", f.mean_us, f.p99_us),
+        (f"walk per eviction ({native})", f.walk_mean_us, f.walk_p99_us),
+        ("kept candidates (Python)", f.python_mean_us, f.python_p99_us),
+        ("walk per eviction (Python)", f.python_walk_mean_us, f.python_walk_p99_us),
+    ):
+        print(f"{name:28}{mean:>10.1f}{p99:>10.1f}")
+    if as_json:
+        out = {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(f).items()}
+        print(json.dumps({"name": "radix-eviction", **out}))
 
 
 def best_ours(
@@ -197,12 +312,28 @@ def main(argv: list[str] | None = None) -> int:
         "(steady state); freeze also moves the heap out of the collector's reach",
     )
     ap.add_argument(
-        "--repeat", type=int, default=3, help="runs per side, each a fresh process: the best counts"
+        "--repeat",
+        type=int,
+        default=3,
+        help="runs per side against SGLang, each a fresh process: the best counts",
+    )
+    ap.add_argument(
+        "--capacity",
+        type=float,
+        default=None,
+        help="measure eviction instead (ours only): pages for this fraction of what the "
+        "trace stores, kept candidates against a walk over the tree per eviction",
     )
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if args.capacity is not None:
+        ev = run_eviction(
+            args.capacity, args.requests, args.tokens_per_block, args.page_size, args.trace, args.gc
+        )
+        print_eviction(ev, args.json)
+        return 0
     f = run(args.requests, args.tokens_per_block, args.page_size, args.trace, args.gc, args.repeat)
     print(
         f"requests {f.requests}, {f.tokens_per_block} tokens/block, page {f.page_size}, gc "

@@ -1,14 +1,17 @@
 """LRU eviction of one pool on one tier, inside a transaction.
 
 Groups of pages come from the pool's policy (locked nodes are never
-candidates). Device pages may be written back to the host tier instead of
-dropped. A node left without the pages that keep it meaningful is pruned."""
+candidates), kept across evictions (candidates.py) or, for the reference, from a
+walk over the tree per eviction. Device pages may be written back to the host
+tier instead of dropped. A node left without the pages that keep it meaningful
+is pruned."""
 
 from __future__ import annotations
 
-import heapq
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Callable
 
+from .candidates import Candidates, GroupSource, WalkedGroups
 from .layout import PoolName, Tier
 from .policies import AttentionPolicy
 from .radix import ABSENT, TIERS, RadixTree, TreeNode
@@ -24,8 +27,12 @@ class Evictor:
         policy: AttentionPolicy,
         pools: tuple[PoolName, ...],
         write_back: Callable[[], bool],
+        candidates: Candidates | None = None,
     ) -> None:
+        """`candidates`: the tree's kept heaps; None walks the tree per eviction (the
+        reference, which makes the same choices)."""
         self.tree = tree
+        self.candidates = candidates
         self.policy = policy
         self.pools = pools
         self.write_back = write_back
@@ -36,15 +43,24 @@ class Evictor:
         """Free at least `n` pages of this pool on `tier` if possible, and up to `extra`
         more while candidates last; return how many.
 
-        Gathering candidates walks the whole tree, so callers under steady pressure
-        ask for `extra` too: one walk then serves many inserts."""
-        pool, policy = self.policy.pool, self.policy
+        Each eviction first brings its candidates up to date (or, for the reference,
+        walks the tree), so callers under steady pressure ask for `extra` too."""
         demote = tier == Tier.DEVICE and self.write_back()
-        heap = policy.groups(self.tree, tier, demote)
-        heapq.heapify(heap)
-        freed, want = 0, n + max(0, extra)
-        while freed < want and heap:
-            _, _, node, offsets = heapq.heappop(heap)
+        with self._source(tier, demote) as source:
+            return self._evict(source, tier, demote, n + max(0, extra), txn)
+
+    def _source(self, tier: Tier, demote: bool) -> AbstractContextManager[GroupSource]:
+        if self.candidates is None:
+            return nullcontext(WalkedGroups(self.policy, self.tree, tier, demote))
+        return self.candidates.source(self.policy, tier, demote)
+
+    def _evict(
+        self, source: GroupSource, tier: Tier, demote: bool, want: int, txn: "Transaction"
+    ) -> int:
+        pool, policy = self.policy.pool, self.policy
+        freed = 0
+        while freed < want and (group := source.pop()) is not None:
+            _, _, node, offsets = group
             pages = node.slots[tier][pool]
             offsets = [j for j in offsets if pages is not None and pages[j] != ABSENT]
             if not offsets or not policy.is_evictable(node, tier, demote):
@@ -60,7 +76,7 @@ class Evictor:
             self.evicted += len(offsets)
             freed += len(offsets) + prune(self.tree, self.pools, node, txn, count=(tier, pool))
             if not parent.is_root and policy.is_evictable(parent, tier, demote):
-                heapq.heappush(heap, policy.group(parent, tier))
+                source.push(policy.group(parent, tier))
         return freed
 
     def _write_back(self, node: TreeNode, offsets: list[int], txn: "Transaction") -> bool:

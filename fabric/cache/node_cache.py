@@ -9,6 +9,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from kvfabric.fabric.exchange.leases import LeaseTable
 
+from .candidates import Candidates
 from .check import PageAudit, check_invariants, page_audit
 from .check import snapshot as cache_snapshot
 from .eviction import Evictor, prune_unlocked
@@ -30,8 +31,8 @@ from .walks import Walk, WalkMemo
 
 # Enum members read once: each `Tier.DEVICE` on a hot path is a Python-level lookup.
 DEVICE = Tier.DEVICE
-# Evicting for a reservation also frees 1/EVICTION_BATCH of the pool, so that the walk over
-# the tree that finds candidates is paid once per that many pages, not once per insert.
+# Evicting for a reservation also frees 1/EVICTION_BATCH of the pool, so that bringing the
+# candidates up to date (candidates.py) is paid once per that many pages, not once per insert.
 EVICTION_BATCH = 64
 
 
@@ -60,7 +61,10 @@ class NodeCache(Inserts, Exports, PageViews):
         copier: PageCopier | None = None,
         reserve_hook: ReservationHook | None = None,
         clock: Callable[[], float] = time.monotonic,
+        incremental_eviction: bool = True,
     ) -> None:
+        """`incremental_eviction=False`: evictions walk the tree for their candidates, the
+        reference the kept candidates must agree with (tests, benches)."""
         self.layout = layout
         # The pool whose pages keep a node alive (layout.pools builds a new tuple per call).
         self.primary_pool = layout.pools[0]
@@ -76,8 +80,9 @@ class NodeCache(Inserts, Exports, PageViews):
         self.reserve_hook = reserve_hook  # tests and chaos fail reservations through it
         self.open_txns: set[Transaction] = set()
         self.tiers = TierController(self.registry, tier, self.transaction)
+        candidates = Candidates(self.tree) if incremental_eviction else None
         self.evictors = {
-            p: Evictor(self.tree, pol, layout.pools, self.tiers.write_back)
+            p: Evictor(self.tree, pol, layout.pools, self.tiers.write_back, candidates)
             for p, pol in self.policies.items()
         }
         for entry in self.registry:

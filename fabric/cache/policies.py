@@ -66,9 +66,28 @@ class AttentionPolicy(ABC):
     def is_evictable(self, node: TreeNode, tier: Tier, keep_copy: bool = False) -> bool:
         """May `node`'s pages on `tier` go? `keep_copy`: a copy will be kept on the other tier."""
 
+    # Whether a node's groups depend on the pages below it to the nearest anchor
+    # (`pages_to_anchor`): then a change of shape below a node changes its groups.
+    reads_chain = False
+
     @abstractmethod
+    def node_groups(
+        self, node: TreeNode, tier: Tier, keep_copy: bool, below: int
+    ) -> list[EvictionGroup]:
+        """`node`'s eviction groups on `tier` (none if it may not be evicted); `below`:
+        its pages to the nearest anchor, where the policy reads_chain."""
+
     def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[EvictionGroup]:
-        """Eviction groups, lowest priority evicted first."""
+        """Every node's eviction groups, lowest priority evicted first: the walk over the
+        tree that incremental eviction (candidates.py) must agree with."""
+        memo: dict[int, int] = {}
+        return [
+            g
+            for n in tree.nodes()
+            for g in self.node_groups(
+                n, tier, keep_copy, pages_to_anchor(n, memo) if self.reads_chain else 0
+            )
+        ]
 
     def group(self, node: TreeNode, tier: Tier) -> EvictionGroup:
         """The group a node becomes once its children are gone (FULL cascades)."""
@@ -130,8 +149,10 @@ class FullAttentionPolicy(AttentionPolicy):
         # The last copy of a leaf's full KV takes the whole node: no lock of any pool may be on it.
         return not node.children and not any(node.locks)
 
-    def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[EvictionGroup]:
-        return [self.group(n, tier) for n in tree.nodes() if self.is_evictable(n, tier, keep_copy)]
+    def node_groups(
+        self, node: TreeNode, tier: Tier, keep_copy: bool, below: int
+    ) -> list[EvictionGroup]:
+        return [self.group(node, tier)] if self.is_evictable(node, tier, keep_copy) else []
 
 
 class SlidingWindowPolicy(AttentionPolicy):
@@ -141,6 +162,7 @@ class SlidingWindowPolicy(AttentionPolicy):
     branch point, the "anchors") are tombstoned first; full KV stays."""
 
     pool = PoolName.SWA
+    reads_chain = True
 
     window_pages: int
 
@@ -184,26 +206,24 @@ class SlidingWindowPolicy(AttentionPolicy):
             (True, node.last_access), node.keys[0], node, [j for j, p in enumerate(pages) if p >= 0]
         )
 
-    def groups(self, tree: RadixTree, tier: Tier, keep_copy: bool) -> list[EvictionGroup]:
-        below = _pages_to_anchor(tree)
-        out = []
-        for node in tree.nodes():
-            if not self.is_evictable(node, tier):
-                continue
-            pages = node.slots[tier][PoolName.SWA]
-            assert pages is not None, node  # is_evictable said so
-            # Page j is (n-1-j) + below pages above the nearest anchor: within a
-            # window of it, the page serves a likely continuation.
-            cut = node.n - max(0, self.window_pages - below[id(node)])
-            present = [j for j, p in enumerate(pages) if p >= 0]
-            far = [j for j in present if j < cut]
-            near = [j for j in present if j >= cut]
-            for anchored, offsets in ((False, far), (True, near)):
-                if offsets:
-                    out.append(
-                        EvictionGroup((anchored, node.last_access), node.keys[0], node, offsets)
-                    )
-        return out
+    def node_groups(
+        self, node: TreeNode, tier: Tier, keep_copy: bool, below: int
+    ) -> list[EvictionGroup]:
+        if not self.is_evictable(node, tier):
+            return []
+        pages = node.slots[tier][PoolName.SWA]
+        assert pages is not None, node  # is_evictable said so
+        # Page j is (n-1-j) + below pages above the nearest anchor: within a
+        # window of it, the page serves a likely continuation.
+        cut = node.n - max(0, self.window_pages - below)
+        present = [j for j, p in enumerate(pages) if p >= 0]
+        far = [j for j in present if j < cut]
+        near = [j for j in present if j >= cut]
+        return [
+            EvictionGroup((anchored, node.last_access), node.keys[0], node, offsets)
+            for anchored, offsets in ((False, far), (True, near))
+            if offsets
+        ]
 
 
 def _last_gap(path: list[TreeNode], positions: range, tiers: tuple[Tier, ...]) -> int | None:
@@ -220,16 +240,20 @@ def _last_gap(path: list[TreeNode], positions: range, tiers: tuple[Tier, ...]) -
     return None
 
 
-def _pages_to_anchor(tree: RadixTree) -> dict[int, int]:
-    """Per node, pages between its run's end and the nearest leaf or branch point below."""
-    order = list(tree.nodes())
-    below: dict[int, int] = {}
-    for node in reversed(order):  # children come after parents in `order`
-        if len(node.children) == 1:
-            (child,) = node.children.values()
-            below[id(node)] = child.n + below[id(child)]
-        else:
-            below[id(node)] = 0
+def pages_to_anchor(node: TreeNode, memo: dict[int, int]) -> int:
+    """Pages between `node`'s run's end and the nearest leaf or branch point below, down
+    its single-child chain; `memo` (by id, for nodes alive while it is) shares the chain's
+    sums between calls."""
+    chain = []
+    while (known := memo.get(id(node))) is None and len(node.children) == 1:
+        chain.append(node)
+        (node,) = node.children.values()
+    below = 0 if known is None else known
+    memo[id(node)] = below
+    for up in reversed(chain):  # `node` is `up`'s only child
+        below += node.n
+        memo[id(up)] = below
+        node = up
     return below
 
 

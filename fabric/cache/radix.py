@@ -161,6 +161,9 @@ class RadixTree:
         self.owned = [[0, 0], [0, 0]]  # [tier][pool] pages held by nodes
         self.protected = [[0, 0], [0, 0]]  # [tier][pool] pages held by locked nodes
         self.changes: ChangeLog | None = None  # with events on (an EventPublisher)
+        # Nodes whose eviction groups may have changed since candidates.py last took them:
+        # filled here, at every mutation, once it sets a set; None: untracked.
+        self.dirty: set[TreeNode] | None = None
         # Both trees, one path: the Python nodes would be collected anyway. Not at exit,
         # where the process frees everything at once.
         weakref.finalize(self, unlink, self.roots).atexit = False
@@ -199,6 +202,8 @@ class RadixTree:
         return self.clock
 
     def touch(self, nodes: list[TreeNode], hit: bool = False) -> None:
+        if self.dirty is not None:  # first: an op that breaks off midway changed some
+            self.dirty.update(nodes)
         self._ops.touch(nodes, self.tick(), hit)
 
     # --- structure -----------------------------------------------------------------
@@ -214,6 +219,8 @@ class RadixTree:
         node = self._ops.attach(parent, keys, tokens, self.page_bytes, self.by_key, self.clock)
         self.node_count += 1
         self.version += 1
+        if self.dirty is not None:
+            self.dirty.update((node, parent))
         if self.changes is not None:
             self.changes.touched(keys)
         if journal is not None:
@@ -230,6 +237,10 @@ class RadixTree:
             del self.by_key[k]
         self.node_count -= 1
         self.version += 1
+        if (dirty := self.dirty) is not None:
+            dirty.update((node, parent))
+            if len(dirty) > 2 * self.node_count + 1024:  # untaken for long: stop holding nodes
+                self.dirty = None
         if self.changes is not None:
             self.changes.left(node)
         if parent.is_root and not parent.children:
@@ -247,6 +258,8 @@ class RadixTree:
         self.by_key.update(dict.fromkeys(node.keys, node))
         self.node_count += 1
         self.version += 1
+        if self.dirty is not None:
+            self.dirty.update((node, parent))
 
     def split(self, node: TreeNode, k: int) -> TreeNode:
         """Cut `node`'s run after its first k pages; returns the new head node.
@@ -256,6 +269,8 @@ class RadixTree:
         head = self._ops.split(node, k, self.page_bytes, self.by_key)
         self.node_count += 1
         self.version += 1
+        if self.dirty is not None:
+            self.dirty.update((head, node))
         return head
 
     def split_at(self, path: list[TreeNode], position: int) -> None:
@@ -288,6 +303,8 @@ class RadixTree:
             if keys:
                 self.detach(nodes[-1], None)
             raise
+        if self.dirty is not None:
+            self.dirty.update(node for node, _, _ in given)
         if self.changes is not None:
             self.changes.touched([node.keys[o] for node, _, offsets in given for o in offsets])
         if journal is not None:
@@ -312,6 +329,8 @@ class RadixTree:
         journal: Journal | None,
     ) -> None:
         """Give already-allocated pages to `node` at `offsets` (the tree now owns them)."""
+        if self.dirty is not None:
+            self.dirty.add(node)
         self._ops.set_pages(node, tier, pool, offsets, pages, self.owned, self.protected)
         if self.changes is not None:
             keys = node.keys
@@ -348,6 +367,8 @@ class RadixTree:
         self, node: TreeNode, tier: Tier, pool: PoolName, offsets: list[int]
     ) -> list[int]:
         """Empty `node`'s slots at `offsets`; returns their pages, which stay taken."""
+        if self.dirty is not None:
+            self.dirty.add(node)
         pages = self._ops.clear_pages(node, tier, pool, offsets, self.owned, self.protected)
         if self.changes is not None:
             keys = node.keys
@@ -357,4 +378,6 @@ class RadixTree:
     # --- locks -----------------------------------------------------------------------
     def lock(self, nodes: list[TreeNode], pool: PoolName, delta: int) -> None:
         """Add `delta` (+1 or -1) to each node's lock on `pool`."""
+        if self.dirty is not None:
+            self.dirty.update(nodes)
         self._ops.lock(nodes, pool, delta, self.protected)

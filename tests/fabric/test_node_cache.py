@@ -260,26 +260,40 @@ def test_metadata_only_mode():
     cache.check()
 
 
-def test_eviction_under_pressure_walks_the_tree_once_per_batch(monkeypatch):
-    """A full pool evicts a slice of itself per walk over the tree, not one walk per put;
-    small pools (under EVICTION_BATCH pages) evict exactly what a put needs."""
+@pytest.mark.parametrize("incremental", [True, False])
+def test_eviction_under_pressure_evicts_a_batch_at_a_time(monkeypatch, incremental):
+    """A full pool evicts a slice of itself per eviction, not one eviction per put; small
+    pools (under EVICTION_BATCH pages) evict exactly what a put needs. Kept candidates
+    walk the tree once (the first eviction builds them); the reference walks it per
+    eviction."""
+    from kvfabric.fabric.cache.eviction import Evictor
     from kvfabric.fabric.cache.node_cache import EVICTION_BATCH
     from kvfabric.fabric.cache.policies import FullAttentionPolicy
 
     layout = KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=2)
-    walks = []
-    real = FullAttentionPolicy.groups
+    walks, evictions = [], []
+    real, real_make_room = FullAttentionPolicy.groups, Evictor.make_room
     monkeypatch.setattr(
         FullAttentionPolicy, "groups", lambda self, *a: walks.append(1) or real(self, *a)
     )
+    monkeypatch.setattr(
+        Evictor,
+        "make_room",
+        lambda self, *a, **k: evictions.append(1) or real_make_room(self, *a, **k),
+    )
     pages = 4 * EVICTION_BATCH
     cache = NodeCache(
-        layout, {PoolName.FULL: PoolCapacity(pages, 0)}, store_bytes=False, device="cpu"
+        layout,
+        {PoolName.FULL: PoolCapacity(pages, 0)},
+        store_bytes=False,
+        device="cpu",
+        incremental_eviction=incremental,
     )
     for i in range(200):  # 200 distinct 4-page prompts through a 256-page pool
         assert cache.put([i * 10 + j for j in range(8)], None, NS) == 4
         cache.check()
-    assert 0 < len(walks) <= 200 * 4 // (pages // EVICTION_BATCH) // 2
+    assert 0 < len(evictions) <= 200 * 4 // (pages // EVICTION_BATCH) // 2
+    assert len(walks) == (1 if incremental else len(evictions))
     assert cache.match([199 * 10 + j for j in range(8)], NS).usable_pages == 4  # the newest stays
     small = NodeCache(layout, {PoolName.FULL: PoolCapacity(8, 0)}, store_bytes=False, device="cpu")
     for i in range(3):
