@@ -164,6 +164,11 @@ class NodeCache(Inserts, Exports, PageViews):
         n = match.usable_pages if pages is None else pages
         if not 0 <= n <= match.present_pages:
             raise ValueError(f"cannot lock {n} pages of a match of {match.present_pages}")
+        # Only a usable length (SWA usability is not prefix-closed): at another, a pool
+        # lacks pages the match would need (tombstoned), and the lock would pin nodes that
+        # hold nothing, which eviction could leave as locked leaves without pages.
+        if n not in (0, match.usable_pages) and self.usable(match.path, n, TIERS) != n:
+            raise ValueError(f"cannot lock {n} pages: a match of that length is not usable")
         guard, spans = self._guard_match(match, n)
         return PrefixLock([k for x in match.path if x.start < n for k in x.keys], spans)
 

@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from kvfabric.deploy.chaos.faults import AllocationFaults
 from kvfabric.fabric import (
     InvariantError,
@@ -299,3 +301,68 @@ def test_eviction_under_pressure_evicts_a_batch_at_a_time(monkeypatch, increment
     for i in range(3):
         small.put([i * 10 + j for j in range(8)], None, NS)
     assert small.stats().pools["FULL/DEVICE"]["used"] == 8  # exactly full: nothing extra freed
+
+
+def test_only_a_usable_length_can_be_locked():
+    """SWA usability is not prefix-closed: in an SWA-only cache a match usable for 4 pages
+    is not usable for 1 (page 0's window is tombstoned). Locking 1 page used to pin a node
+    holding nothing, which eviction then left as a locked leaf without pages."""
+    layout = KVLayout(layers=("swa",), kv_heads=1, head_dim=2, page_size=2, window=2)
+    cache = NodeCache(layout, {PoolName.SWA: PoolCapacity(8, 0)}, store_bytes=False)
+    tokens = [0, 1, 2, 0, 2, 0, 0, 2, 0]
+    cache.put(tokens, None, NS)
+    match = cache.match(tokens, NS)
+    assert match.usable_pages == 4
+    before = cache.snapshot()
+    with pytest.raises(ValueError, match="not usable"):
+        cache.lock(match, 1)
+    assert cache.snapshot() == before and not any(any(n.locks) for n in cache.tree.nodes())
+    lock = cache.lock(match, 4)
+    assert cache.evict(PoolName.SWA, Tier.DEVICE, 4) == 0  # its only page is pinned
+    cache.check()
+    cache.unlock(lock)
+    assert cache.evict(PoolName.SWA, Tier.DEVICE, 4) == 1
+    cache.check()
+
+
+SMALL = {
+    "swa": KVLayout(layers=("swa",), kv_heads=1, head_dim=2, page_size=2, window=2),
+    "swa-wide": KVLayout(layers=("swa",), kv_heads=1, head_dim=2, page_size=1, window=3),
+    "mixed": KVLayout(layers=("full", "swa"), kv_heads=1, head_dim=2, page_size=2, window=3),
+}
+
+
+@settings(max_examples=200, deadline=None)
+@example(  # a lock at a length whose window is tombstoned, then an eviction
+    layout="swa",
+    device=8,
+    seqs=[[0, 1, 2, 0, 2, 0, 0, 2, 0]],
+    steps=[("p", 0, 0), ("l", 0, 1), ("e", 0, 1)],
+)
+@given(
+    layout=st.sampled_from(sorted(SMALL)),
+    device=st.integers(4, 16),
+    seqs=st.lists(st.lists(st.integers(0, 2), min_size=2, max_size=14), min_size=2, max_size=4),
+    steps=st.lists(st.tuples(st.sampled_from("plue"), st.integers(0, 3), st.integers(0, 8))),
+)
+def test_locks_at_any_length_leave_the_cache_whole(layout, device, seqs, steps):
+    """Locks asked for at any length (refused where it is not usable), evictions and
+    unlocks in any order: the invariants hold after every step."""
+    kv = SMALL[layout]
+    cache = NodeCache(kv, {p: PoolCapacity(device, 0) for p in kv.pools}, store_bytes=False)
+    locks = []
+    for kind, i, n in steps:
+        tokens = seqs[i % len(seqs)]
+        if kind == "p":
+            cache.put(tokens, None, NS)
+        elif kind == "l":
+            match = cache.match(tokens, NS)
+            try:
+                locks.append(cache.lock(match, min(n, match.present_pages)))
+            except ValueError:
+                pass  # not a usable length: refused, nothing changed
+        elif kind == "u" and locks:
+            cache.unlock(locks.pop(n % len(locks)))
+        elif kind == "e":
+            cache.evict(kv.pools[-1], Tier.DEVICE, n)
+        cache.check()
