@@ -22,6 +22,7 @@ from .pages import LayerKV, PageCopier, TorchCopier, unpack
 from .paths import groups, within
 from .policies import AttentionPolicy, policies_for
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
+from .quarantine import Quarantines
 from .radix import TIERS, RadixTree, TreeNode
 from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
 from .rows import check_kv, first_pages, pack_rows
@@ -49,7 +50,7 @@ class CacheStats:
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-class NodeCache(Inserts, Exports, PageViews):
+class NodeCache(Quarantines, Inserts, Exports, PageViews):
     def __init__(
         self,
         layout: KVLayout,
@@ -222,46 +223,6 @@ class NodeCache(Inserts, Exports, PageViews):
 
     def _txn_closed(self, txn: Transaction) -> None:
         self.open_txns.discard(txn)
-
-    def quarantine(
-        self, pages: dict[tuple[PoolName, Tier], list[int]], peer: str | None = None
-    ) -> None:
-        """Keep pages out of use: an abandoned transfer from `peer` may still write them.
-        No time releases them (a stopped peer resumes when it likes): only
-        `release_quarantine`, once the peer is dead or a later read from it completed."""
-        self.quarantined.append(Quarantine(self.clock(), peer, pages))
-
-    def quarantines(self, peer: str) -> bool:
-        """Whether pages an abandoned transfer from `peer` may still write are held."""
-        return any(q.peer == peer for q in self.quarantined)
-
-    def quarantined_peers(self) -> set[str]:
-        return {q.peer for q in self.quarantined if q.peer is not None}
-
-    def quarantined_page(self, peer: str) -> tuple[PoolName, int] | None:
-        """One quarantined device page of `peer`'s: poisoned already, so a probe read may land
-        there."""
-        for q in self.quarantined:
-            if q.peer == peer:
-                for (pool, tier), indices in q.pages.items():
-                    if tier == Tier.DEVICE and indices:
-                        return pool, indices[0]
-        return None
-
-    def release_quarantine(self, peer: str | None = None, force: bool = False) -> int:
-        """Free the pages quarantined for `peer`: it is dead, or a read from it posted
-        after theirs completed (one endpoint's transfers complete in order, see
-        transport/base.py). `force` frees all (tests, shutdown). Returns pages freed."""
-        keep, freed = [], 0
-        for q in self.quarantined:
-            if force or (peer is not None and q.peer == peer):
-                for (pool, tier), indices in q.pages.items():
-                    self.registry.pool(pool, tier).allocator.free(indices)
-                    freed += len(indices)
-            else:
-                keep.append(q)
-        self.quarantined = keep
-        return freed
 
     # --- put -------------------------------------------------------------------------
     def put(

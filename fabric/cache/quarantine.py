@@ -1,0 +1,57 @@
+"""Pages an abandoned transfer may still write: kept out of use until it is known over."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .layout import PoolName, Tier
+from .pools import PoolRegistry
+from .records import Quarantine
+
+
+class Quarantines:
+    """NodeCache's quarantine (a mixin). What it uses of the cache:"""
+
+    registry: PoolRegistry
+    clock: Callable[[], float]
+    quarantined: list[Quarantine]
+
+    def quarantine(
+        self, pages: dict[tuple[PoolName, Tier], list[int]], peer: str | None = None
+    ) -> None:
+        """Keep pages out of use: an abandoned transfer from `peer` may still write them.
+        No time releases them (a stopped peer resumes when it likes): only
+        `release_quarantine`, once the peer is dead or a later read from it completed."""
+        self.quarantined.append(Quarantine(self.clock(), peer, pages))
+
+    def quarantines(self, peer: str) -> bool:
+        """Whether pages an abandoned transfer from `peer` may still write are held."""
+        return any(q.peer == peer for q in self.quarantined)
+
+    def quarantined_peers(self) -> set[str]:
+        return {q.peer for q in self.quarantined if q.peer is not None}
+
+    def quarantined_page(self, peer: str) -> tuple[PoolName, int] | None:
+        """One quarantined device page of `peer`'s: poisoned already, so a probe read may land
+        there."""
+        for q in self.quarantined:
+            if q.peer == peer:
+                for (pool, tier), indices in q.pages.items():
+                    if tier == Tier.DEVICE and indices:
+                        return pool, indices[0]
+        return None
+
+    def release_quarantine(self, peer: str | None = None, force: bool = False) -> int:
+        """Free the pages quarantined for `peer`: it is dead, or a read from it posted
+        after theirs completed (one endpoint's transfers complete in order, see
+        transport/base.py). `force` frees all (tests, shutdown). Returns pages freed."""
+        keep, freed = [], 0
+        for q in self.quarantined:
+            if force or (peer is not None and q.peer == peer):
+                for (pool, tier), indices in q.pages.items():
+                    self.registry.pool(pool, tier).allocator.free(indices)
+                    freed += len(indices)
+            else:
+                keep.append(q)
+        self.quarantined = keep
+        return freed
