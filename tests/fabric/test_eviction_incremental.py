@@ -185,16 +185,7 @@ class TwinMachine(RuleBasedStateMachine):
     def heaps_hold_the_walks_groups(self):
         """Each kept heap, brought up to date as an eviction would, holds exactly the
         groups a walk finds now."""
-        cache = self.twins[0]
-        candidates = next(iter(cache.evictors.values())).candidates
-        assert isinstance(candidates, Candidates)
-        for (pool, tier, keep_copy), heap in list(candidates.heaps.items()):
-            with candidates.source(heap.policy, tier, keep_copy) as source:
-                assert source is heap and not heap.stale
-                walked = heap.policy.groups(cache.tree, tier, keep_copy)
-                assert live_groups(heap) == sorted(
-                    (g.rank, g.key, tuple(g.offsets)) for g in walked
-                )
+        assert_heaps_agree(self.twins[0])
 
     @invariant()
     def twins_agree(self):
