@@ -114,12 +114,12 @@ class CandidateHeap:
         nodes, self.pending = self.pending, set()
         if self.policy.reads_chain:
             nodes = with_chain_ancestors(self.tree, nodes)
-        by_key, stamps, entries = self.tree.by_key, self.stamps, self.entries
+        by_first_key, stamps, entries = self.tree.by_first_key, self.stamps, self.entries
         policy, tier, keep_copy = self.policy, self.tier, self.keep_copy
         memo: dict[int, int] = {}
         for node in nodes:
             groups: list[EvictionGroup] = []
-            if node.parent is not None and by_key.get(node.keys[0]) is node:  # in the tree
+            if node.parent is not None and by_first_key.get(node.keys[0]) is node:  # in the tree
                 below = pages_to_anchor(node, memo) if policy.reads_chain else 0
                 groups = policy.node_groups(node, tier, keep_copy, below)
             if not groups:
@@ -137,9 +137,9 @@ def with_chain_ancestors(tree: RadixTree, nodes: set[TreeNode]) -> set[TreeNode]
     """`nodes` and every ancestor whose single-child chain reaches one of them in the tree:
     a change of shape at a node changes the pages to the anchor of each of those."""
     out = set(nodes)
-    by_key = tree.by_key
+    by_first_key = tree.by_first_key
     for node in nodes:
-        if node.parent is None or by_key.get(node.keys[0]) is not node:
+        if node.parent is None or by_first_key.get(node.keys[0]) is not node:
             continue  # a root, or out of the tree: its parent was marked when it left
         parent = node.up
         while not parent.is_root and len(parent.children) == 1 and parent not in out:

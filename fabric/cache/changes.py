@@ -1,4 +1,9 @@
-"""ChangeLog: which page keys of a radix tree changed since the event publisher last looked.
+"""ChangeLog: which pages of a radix tree changed since the event publisher last looked.
+
+Each change is listed as the node that held the page then and the page's position,
+which no later split changes (a split keeps a run's tail in the node and puts its head
+in a new parent): the publisher resolves it to the page's holder when it looks
+(`holder`), and a node that left the tree still names the pages it held.
 
 Bounded: past `limit()` entries it stops listing and marks itself overflowed, and
 the publisher restates everything the node holds instead (a cleared batch), which
@@ -13,32 +18,41 @@ from typing import TYPE_CHECKING, Callable, Iterable
 if TYPE_CHECKING:
     from .radix import TreeNode
 
+Change = tuple["TreeNode", int]  # (the node that held the page, its position)
+
 
 class ChangeLog:
     def __init__(self, limit: Callable[[], int]) -> None:
         self.limit = limit
-        self.keys: list[bytes] = []  # may repeat a key
-        self.removed: dict[bytes, tuple["TreeNode", int]] = {}  # key -> (detached node, offset)
+        self.changes: list[Change] = []  # may repeat a page
         self.overflowed = True
 
-    def touched(self, keys: Iterable[bytes]) -> None:
+    def touched(self, node: "TreeNode", offsets: Iterable[int]) -> None:
+        """The pages at `offsets` in `node`'s run changed."""
         if self.overflowed:
             return
-        self.keys.extend(keys)
-        if len(self.keys) > self.limit():
-            self.keys, self.removed, self.overflowed = [], {}, True
+        start = node.start
+        self.changes.extend((node, start + o) for o in offsets)
+        if len(self.changes) > self.limit():
+            self.changes, self.overflowed = [], True
 
     def left(self, node: "TreeNode") -> None:
-        """`node`'s pages left the tree (its keys resolve through the detached node)."""
-        if not self.overflowed:
-            self.removed.update((k, (node, i)) for i, k in enumerate(node.keys))
-            self.touched(node.keys)
+        """`node`'s pages left the tree (the detached node resolves them)."""
+        self.touched(node, range(node.n))
 
-    def take(self) -> tuple[list[bytes], dict[bytes, tuple["TreeNode", int]], bool]:
-        """(keys changed, removed ones, whether to restate everything instead); starts afresh."""
-        out = self.keys, self.removed, self.overflowed
-        self.keys, self.removed, self.overflowed = [], {}, False
+    def take(self) -> tuple[list[Change], bool]:
+        """(changes, whether to restate everything instead); starts afresh."""
+        out = self.changes, self.overflowed
+        self.changes, self.overflowed = [], False
         return out
 
     def __bool__(self) -> bool:
-        return self.overflowed or bool(self.keys)
+        return self.overflowed or bool(self.changes)
+
+
+def holder(node: "TreeNode", position: int) -> "TreeNode":
+    """The node holding page `position` now that `node` held when it changed: splits
+    since then moved it into a head above."""
+    while node.start > position:
+        node = node.up
+    return node

@@ -23,7 +23,7 @@ def check_invariants(cache: "NodeCache") -> None:
     owners: dict[tuple, dict[int, str]] = {(p, t): {} for p in registry.names for t in TIERS}
     owned = [[0, 0], [0, 0]]
     protected = [[0, 0], [0, 0]]
-    count = 0
+    count = walked_pages = 0
 
     def claim(pool, tier, index, who) -> None:
         table = owners.get((pool, tier))
@@ -45,9 +45,9 @@ def check_invariants(cache: "NodeCache") -> None:
             _fail(f"{who} starts at {node.start}, its parent ends at {node.up.end}")
         if node.end != node.start + node.n:
             _fail(f"{who} ends at {node.end}")
-        for i, key in enumerate(node.keys):
-            if tree.by_key.get(key) is not node:
-                _fail(f"{who} page {i} is not indexed by its key")
+        if tree.by_first_key.get(node.keys[0]) is not node:
+            _fail(f"{who} is not indexed by its first page's key")
+        walked_pages += node.n
         for pool in PoolName:
             if node.locks[pool] < 0:
                 _fail(f"{who} has negative {pool.name} lock count {node.locks[pool]}")
@@ -69,8 +69,10 @@ def check_invariants(cache: "NodeCache") -> None:
             _fail(f"{who} is a leaf with no pages")
     if count != tree.node_count:
         _fail(f"tree counts {tree.node_count} nodes, walked {count}")
-    if sum(n.n for n in tree.nodes()) != len(tree.by_key):
-        _fail(f"tree indexes {len(tree.by_key)} keys for a different number of pages")
+    if len(tree.by_first_key) != count:
+        _fail(f"tree indexes {len(tree.by_first_key)} first keys for {count} nodes")
+    if walked_pages != tree.page_count:
+        _fail(f"tree counts {tree.page_count} pages, walked {walked_pages}")
 
     for q in cache.quarantined:
         for (pool, tier), indices in q.pages.items():

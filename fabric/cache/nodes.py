@@ -4,7 +4,7 @@ attributes and methods and the same functions with the same effects, in the same
 
 RadixTree (radix.py) calls one of the two through these functions and keeps what
 they leave out: the journal (undo), the change log and the node count. The functions
-take the tree's containers explicitly (roots, by_key, the owned/protected counters),
+take the tree's containers explicitly (roots, by_first_key, the owned/protected counters),
 so both implementations share one RadixTree.
 """
 
@@ -117,23 +117,25 @@ def walk(
     return path, off // step
 
 
-def walk_keys(by_key: dict[bytes, TreeNode], keys: list[bytes]) -> tuple[list[TreeNode], int]:
+def walk_keys(
+    by_first_key: dict[bytes, TreeNode], keys: list[bytes]
+) -> tuple[list[TreeNode], int]:
     path: list[TreeNode] = []
-    for i, k in enumerate(keys):
-        node = by_key.get(k)
+    i, total = 0, len(keys)
+    while i < total:
+        node = by_first_key.get(keys[i])
         if node is None:
             break
-        offset = i - node.start
-        if not 0 <= offset < node.n or node.keys[offset] != k:
+        # below a root first, then below the last node (so it starts at page i)
+        if (node.parent is not path[-1]) if path else not node.up.is_root:
             break
-        if offset == 0:
-            if (node.parent is not path[-1]) if path else not node.up.is_root:
-                break
-            path.append(node)
-        elif not path or path[-1] is not node:
+        path.append(node)
+        j, n = 1, node.n
+        while j < n and i + j < total and node.keys[j] == keys[i + j]:
+            j += 1
+        i += j
+        if j < n:
             break
-    else:
-        return path, len(keys)
     return path, i
 
 
@@ -149,17 +151,19 @@ def attach(
     keys: list[bytes],
     tokens: bytes,
     step: int,
-    by_key: dict[bytes, TreeNode],
+    by_first_key: dict[bytes, TreeNode],
     clock: int,
 ) -> TreeNode:
+    if not keys:
+        raise TypeError("attach needs a non-empty list of keys")
     node = TreeNode(keys, tokens, parent, parent.end)
     node.last_access = clock
     parent.children[tokens[:step]] = node
-    by_key.update(dict.fromkeys(keys, node))
+    by_first_key[keys[0]] = node
     return node
 
 
-def split(node: TreeNode, k: int, step: int, by_key: dict[bytes, TreeNode]) -> TreeNode:
+def split(node: TreeNode, k: int, step: int, by_first_key: dict[bytes, TreeNode]) -> TreeNode:
     assert 0 < k < node.n, (node, k)
     parent = node.up
     head = TreeNode(node.keys[:k], node.tokens[: k * step], parent, node.start)
@@ -178,7 +182,8 @@ def split(node: TreeNode, k: int, step: int, by_key: dict[bytes, TreeNode]) -> T
         head,
     )
     head.children[node.tokens[:step]] = node
-    by_key.update(dict.fromkeys(head.keys, head))
+    by_first_key[head.keys[0]] = head
+    by_first_key[node.keys[0]] = node
     return head
 
 

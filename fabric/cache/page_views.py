@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
-from .changes import ChangeLog
+from .changes import ChangeLog, holder
 from .layout import PoolName, Tier
 from .radix import ABSENT, TIERS, TreeNode
 
@@ -35,7 +35,7 @@ class PageViews:
         """List changed pages from now on, at most `pending_floor` plus twice the keys
         held; past that, `take_changes` says to restate everything instead."""
         tree = self.tree
-        tree.changes = ChangeLog(lambda: pending_floor + 2 * len(tree.by_key))
+        tree.changes = ChangeLog(lambda: pending_floor + 2 * tree.page_count)
 
     def has_changes(self) -> bool:
         return bool(self.tree.changes)
@@ -46,18 +46,15 @@ class PageViews:
         tree = self.tree
         if tree.changes is None:
             raise RuntimeError("track_changes first")
-        keys, removed, restate = tree.changes.take()
+        changes, restate = tree.changes.take()
+        latest: dict[bytes, tuple[TreeNode, int]] = {}  # first change's order, last holder
+        for node, position in changes:
+            node = holder(node, position)
+            j = position - node.start
+            latest[node.keys[j]] = node, j
+        # A node that left the tree holds no pages: its view says the page left.
         paths = _Paths()
-        out = []
-        for key in dict.fromkeys(keys):
-            node = tree.by_key.get(key)
-            if node is not None:
-                j = node.keys.index(key)
-                view = _view(node, j)
-            else:  # it left the tree: its detached node names it
-                node, j = removed[key]
-                view = _gone(node, j)
-            out.append((view, paths.of(node, j)))
+        out = [(_view(node, j), paths.of(node, j)) for node, j in latest.values()]
         return out, restate
 
     def held_pages(self) -> Iterator[PageView]:
@@ -95,10 +92,6 @@ def _parent(node: TreeNode, offset: int) -> bytes:
         return node.keys[offset - 1]
     assert node.parent is not None, "a root holds no pages"
     return node.parent.keys[-1]
-
-
-def _gone(node: TreeNode, offset: int) -> PageView:
-    return PageView(node.keys[offset], _parent(node, offset), node.start + offset, ())
 
 
 def _view(node: TreeNode, offset: int) -> PageView:

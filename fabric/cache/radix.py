@@ -7,8 +7,10 @@ a time; SWA pages can be tombstoned one by one (ABSENT in the list). Locks
 are per node: a lock that ends inside a run splits the run first.
 
 A node is found two ways: by walking children keyed by the first page's token
-bytes (no hashing of a prefix already cached), or by any page's chained key
-(`by_key`, for peers and the index, which speak in keys). Every mutation goes
+bytes (no hashing of a prefix already cached), or by its first page's chained key
+(`by_first_key`, for peers and the index, which speak in keys: a chain of keys is
+walked node by node, the rest of each run's keys compared in place, so the map
+holds one key a node, not one a page). Every mutation goes
 through the methods below, which keep the owned/protected page counters right
 and, when a journal is given, record how to undo themselves.
 """
@@ -43,7 +45,7 @@ class TreeOps(Protocol):
     ) -> tuple[list[nodes.TreeNode], int]: ...
 
     def walk_keys(
-        self, by_key: dict[bytes, nodes.TreeNode], keys: list[bytes], /
+        self, by_first_key: dict[bytes, nodes.TreeNode], keys: list[bytes], /
     ) -> tuple[list[nodes.TreeNode], int]: ...
 
     def touch(self, nodes: Sequence[nodes.TreeNode], now: int, hit: bool, /) -> None: ...
@@ -54,13 +56,18 @@ class TreeOps(Protocol):
         keys: list[bytes],
         tokens: bytes,
         step: int,
-        by_key: dict[bytes, nodes.TreeNode],
+        by_first_key: dict[bytes, nodes.TreeNode],
         clock: int,
         /,
     ) -> nodes.TreeNode: ...
 
     def split(
-        self, node: nodes.TreeNode, k: int, step: int, by_key: dict[bytes, nodes.TreeNode], /
+        self,
+        node: nodes.TreeNode,
+        k: int,
+        step: int,
+        by_first_key: dict[bytes, nodes.TreeNode],
+        /,
     ) -> nodes.TreeNode: ...
 
     def set_pages(
@@ -154,9 +161,10 @@ class RadixTree:
         self._free, self._take = free_page, take_page
         self._ops = tree_ops(native)  # C or the Python reference: same calls, same effects
         self.roots: dict[bytes, TreeNode] = {}  # namespace root key -> root
-        self.by_key: dict[bytes, TreeNode] = {}  # page key -> the node whose run holds it
+        self.by_first_key: dict[bytes, TreeNode] = {}  # a node's first page's key -> the node
         self.clock = 0
         self.node_count = 0
+        self.page_count = 0  # pages (keys) along all runs
         self.version = 0  # bumped by every change of shape (attach, detach, split): walks.py
         self.owned = [[0, 0], [0, 0]]  # [tier][pool] pages held by nodes
         self.protected = [[0, 0], [0, 0]]  # [tier][pool] pages held by locked nodes
@@ -180,7 +188,7 @@ class RadixTree:
 
     def walk_keys(self, keys: list[bytes]) -> tuple[list[TreeNode], int]:
         """The same for a chain of page keys, up to the first key not held here."""
-        return self._ops.walk_keys(self.by_key, keys)
+        return self._ops.walk_keys(self.by_first_key, keys)
 
     def missing(
         self, path: list[TreeNode], positions: Sequence[int], pool: PoolName, tiers: Sequence[Tier]
@@ -196,6 +204,10 @@ class RadixTree:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def page_keys(self) -> set[bytes]:
+        """Every page's key (a walk over the tree)."""
+        return {k for node in self.nodes() for k in node.keys}
 
     def tick(self) -> int:
         self.clock += 1
@@ -216,13 +228,16 @@ class RadixTree:
     def attach(
         self, parent: TreeNode, keys: list[bytes], tokens: bytes, journal: Journal | None
     ) -> TreeNode:
-        node = self._ops.attach(parent, keys, tokens, self.page_bytes, self.by_key, self.clock)
+        node = self._ops.attach(
+            parent, keys, tokens, self.page_bytes, self.by_first_key, self.clock
+        )
         self.node_count += 1
+        self.page_count += len(keys)
         self.version += 1
         if self.dirty is not None:
             self.dirty.update((node, parent))
         if self.changes is not None:
-            self.changes.touched(keys)
+            self.changes.touched(node, range(node.n))
         if journal is not None:
             journal.record(lambda: self.detach(node, None))
         return node
@@ -233,9 +248,9 @@ class RadixTree:
         )
         parent = node.up
         del parent.children[node.tokens[: self.page_bytes]]
-        for k in node.keys:
-            del self.by_key[k]
+        del self.by_first_key[node.keys[0]]
         self.node_count -= 1
+        self.page_count -= node.n
         self.version += 1
         if (dirty := self.dirty) is not None:
             dirty.update((node, parent))
@@ -250,13 +265,14 @@ class RadixTree:
 
     def _reattach(self, node: TreeNode) -> None:
         if self.changes is not None:
-            self.changes.touched(node.keys)
+            self.changes.touched(node, range(node.n))
         parent = node.up
         if parent.is_root:
             self.roots.setdefault(parent.keys[0], parent)
         parent.children[node.tokens[: self.page_bytes]] = node
-        self.by_key.update(dict.fromkeys(node.keys, node))
+        self.by_first_key[node.keys[0]] = node
         self.node_count += 1
+        self.page_count += node.n
         self.version += 1
         if self.dirty is not None:
             self.dirty.update((node, parent))
@@ -266,7 +282,7 @@ class RadixTree:
 
         Structure only: pages, locks and the per-page view are unchanged, so
         splits need no undo."""
-        head = self._ops.split(node, k, self.page_bytes, self.by_key)
+        head = self._ops.split(node, k, self.page_bytes, self.by_first_key)
         self.node_count += 1
         self.version += 1
         if self.dirty is not None:
@@ -305,8 +321,9 @@ class RadixTree:
             raise
         if self.dirty is not None:
             self.dirty.update(node for node, _, _ in given)
-        if self.changes is not None:
-            self.changes.touched([node.keys[o] for node, _, offsets in given for o in offsets])
+        if (changes := self.changes) is not None:
+            for node, _, offsets in given:
+                changes.touched(node, offsets)
         if journal is not None:
 
             def undo() -> None:
@@ -333,8 +350,7 @@ class RadixTree:
             self.dirty.add(node)
         self._ops.set_pages(node, tier, pool, offsets, pages, self.owned, self.protected)
         if self.changes is not None:
-            keys = node.keys
-            self.changes.touched([keys[o] for o in offsets])
+            self.changes.touched(node, offsets)
         if journal is not None:
 
             def undo() -> None:
@@ -371,8 +387,7 @@ class RadixTree:
             self.dirty.add(node)
         pages = self._ops.clear_pages(node, tier, pool, offsets, self.owned, self.protected)
         if self.changes is not None:
-            keys = node.keys
-            self.changes.touched([keys[o] for o in offsets])
+            self.changes.touched(node, offsets)
         return pages
 
     # --- locks -----------------------------------------------------------------------

@@ -140,7 +140,7 @@ def test_publisher_between_drains_stays_bounded():
     publisher = EventPublisher(cache, "node-a", epoch=1, pending_floor=64)
     publisher.drain()
     assert grown(lambda i: cache.put([i, i + 1, 9, i % 7], None, "ns"), n=PUTS) < BOUND
-    assert len(cache.tree.changes.keys) <= 64 + 2 * len(cache.tree.by_key)
+    assert len(cache.tree.changes.changes) <= 64 + 2 * cache.tree.page_count
     batch = publisher.drain()
     assert batch.cleared and {p.key for p in batch.pages} == {
         p.key for p in publisher.snapshot().pages

@@ -163,11 +163,11 @@ class FetchWalk(RuleBasedStateMachine):
         grant = export_prefix(
             self.src, self.leases, self.dst.keys(t, NS), self.dst.match(t, NS).present_pages, 5.0
         )
-        keys = set(self.dst.tree.by_key)
+        keys = self.dst.tree.page_keys()
         refused = self.dst.quarantines("src")
         outcome = import_prefix(self.dst, t, NS, grant, self.reader(how), peer="src")
         if refused:  # an abandoned read from "src" may still write: no new read starts
-            assert outcome == FetchOutcome.PEER_QUARANTINED and set(self.dst.tree.by_key) == keys
+            assert outcome == FetchOutcome.PEER_QUARANTINED and self.dst.tree.page_keys() == keys
             how = "refused"
         elif how == "abandoned" and outcome == FetchOutcome.TRANSFER_FAILED:
             assert self.dst.quarantines("src")
@@ -175,7 +175,7 @@ class FetchWalk(RuleBasedStateMachine):
             assert self.leases.release(grant.lease_id)
         assert len(self.leases) == 0
         if outcome != FetchOutcome.COMMITTED:
-            assert set(self.dst.tree.by_key) <= keys  # nothing half inserted
+            assert self.dst.tree.page_keys() <= keys  # nothing half inserted
         # Outcomes decided before any read (BAD_GRANT: the source is shorter than what we
         # matched and sent no pages for the window we lack) are possible for every reader.
         early = (FetchOutcome.NOTHING_TO_FETCH, FetchOutcome.NO_ROOM, FetchOutcome.BAD_GRANT)

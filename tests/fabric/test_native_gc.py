@@ -1,5 +1,5 @@
 """The C tree and Python's garbage collector (issue #14): no C TreeNode, children dict,
-key, slot or lock list, nor the tree's `by_key` and `roots`, is in the collector's
+key, slot or lock list, nor the tree's `by_first_key` and `roots`, is in the collector's
 tracked set; a tree that goes away breaks its parent <-> children cycles itself
 (radix.unlink), so its nodes are freed by reference counting; and freeing a long chain
 of nodes does not recurse once per node."""
@@ -52,13 +52,13 @@ def test_the_tree_stays_out_of_the_collector():
     nodes_seen = [*tree.roots.values(), *tree.nodes()]
     assert len(nodes_seen) > 20 and any(ABSENT in (n.slots[0][1] or ()) for n in nodes_seen)
     assert any(n.children for n in nodes_seen) and len(tree.roots) == 3
-    assert not gc.is_tracked(tree.by_key) and not gc.is_tracked(tree.roots)
+    assert not gc.is_tracked(tree.by_first_key) and not gc.is_tracked(tree.roots)
     for node in nodes_seen:
         held = [node, node.children, node.keys, node.slots, node.locks, *node.slots]
         held += [pages for row in node.slots for pages in row if pages is not None]
         assert not any(gc.is_tracked(x) for x in held), node
     gc.collect()  # a collection changes none of it
-    assert not gc.is_tracked(tree.by_key) and not any(gc.is_tracked(n) for n in nodes_seen)
+    assert not gc.is_tracked(tree.by_first_key) and not any(gc.is_tracked(n) for n in nodes_seen)
     cache.check()
 
 

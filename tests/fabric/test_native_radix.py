@@ -47,7 +47,8 @@ def tree_state(tree: RadixTree) -> tuple:
     return (
         sorted(node_state(n) for n in tree.nodes()),
         sorted((k, node_state(r)) for k, r in tree.roots.items()),
-        sorted((k, n.keys[0], n.start) for k, n in tree.by_key.items()),
+        sorted((k, n.keys[0], n.start) for k, n in tree.by_first_key.items()),
+        tree.page_count,
         tree.owned,
         tree.protected,
         tree.clock,
@@ -211,15 +212,20 @@ class TwinTrees(RuleBasedStateMachine):
 
         self.both(call)
 
-    @rule(i=st.integers(0, 40), cut=st.integers(0, 6), swap=st.integers(-1, 8))
-    def walk_keys(self, i, cut, swap):
+    @rule(
+        i=st.integers(0, 40),
+        cut=st.integers(0, 6),
+        swap=st.integers(-1, 8),
+        other=st.integers(-1, 40),
+    )
+    def walk_keys(self, i, cut, swap, other):
         def call(tree, nodes):
             node, keys = nodes[i % len(nodes)], []
             while node.parent is not None:
                 keys, node = node.keys + keys, node.parent
             keys = keys[: max(0, len(keys) - cut)]
-            if 0 <= swap < len(keys):
-                keys[swap] = b"stranger"
+            if 0 <= swap < len(keys):  # a stranger, or another node's first key
+                keys[swap] = b"stranger" if other < 0 else nodes[other % len(nodes)].keys[0]
             return tree.walk_keys(keys)
 
         self.both(call)

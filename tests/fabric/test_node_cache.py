@@ -366,3 +366,24 @@ def test_locks_at_any_length_leave_the_cache_whole(layout, device, seqs, steps):
         elif kind == "e":
             cache.evict(kv.pools[-1], Tier.DEVICE, n)
         cache.check()
+
+
+def test_a_change_then_a_split_names_the_page_where_it_now_is():
+    """Changes are listed as (node, position): a split before the publisher looks moves
+    the head of the run into a new node above, and each page must still come out under
+    its own key, position and tiers."""
+    cache = make(FULL_ONLY, full=(8, 16))
+    a = seq(8)
+    put(cache, a)
+    cache.track_changes(0)
+    cache.take_changes()  # the first batch restates everything
+    assert cache.evict(PoolName.FULL, Tier.DEVICE, 8) == 8  # written back: all 8 change
+    cache.lock(cache.match(a, NS), 3)  # splits the run after page 3
+    changed, restate = cache.take_changes()
+    keys = cache.keys(a, NS)
+    assert not restate
+    assert [(v.key, v.position, v.held) for v, _ in changed] == [
+        (k, i, ((PoolName.FULL, Tier.HOST),)) for i, k in enumerate(keys)
+    ]
+    assert [path for _, path in changed] == [keys[: i + 1] for i in range(8)]
+    cache.check()

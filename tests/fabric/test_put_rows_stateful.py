@@ -150,14 +150,12 @@ class PutRowsMachine(RuleBasedStateMachine):
 
     def _on_device(self, keys: list[bytes]) -> set[tuple[int, PoolName]]:
         out = set()
-        for position, key in enumerate(keys):
-            node = self.cache.tree.by_key.get(key)
-            if node is None:
-                continue
-            offset = position - node.start
-            for pool in self.layout.pools:
-                if node.page_has(offset, pool, (Tier.DEVICE,)):
-                    out.add((position, pool))
+        path, matched = self.cache.tree.walk_keys(keys)
+        for node in path:
+            for position in range(node.start, min(node.end, matched)):
+                for pool in self.layout.pools:
+                    if node.page_has(position - node.start, pool, (Tier.DEVICE,)):
+                        out.add((position, pool))
         return out
 
     @invariant()

@@ -87,7 +87,7 @@ def assert_settled(cache: NodeCache, inj, before: tuple, keys_before: set, seqs)
         if inj.exact():
             assert cache.snapshot() == before
         if inj.commits == 0:
-            assert set(cache.tree.by_key) <= keys_before  # nothing half inserted
+            assert cache.tree.page_keys() <= keys_before  # nothing half inserted
     cache.release_quarantine(force=True)
     for s in seqs:  # every cached prefix reads back its own bytes
         hit = cache.get(s, NS)
@@ -112,7 +112,7 @@ def run(op, inj, cache) -> BaseException | None:
 def test_put(plan, layout, policy, seed, i):
     cache, seqs = warm(layout, policy, seed)
     t = seqs[i]
-    before, keys = cache.snapshot(), set(cache.tree.by_key)
+    before, keys = cache.snapshot(), cache.tree.page_keys()
     with injecting(plan, cache) as inj:
         escaped = run(lambda: cache.put(t, prefix_kv(cache.layout, t), NS), inj, cache)
     assert escaped is inj.fired
@@ -122,7 +122,7 @@ def test_put(plan, layout, policy, seed, i):
 @given(plan=plans("get"), **scenes)
 def test_get_load_back(plan, layout, policy, seed, i):
     cache, seqs = warm(layout, policy, seed)
-    before, keys = cache.snapshot(), set(cache.tree.by_key)
+    before, keys = cache.snapshot(), cache.tree.page_keys()
     with injecting(plan, cache) as inj:
         escaped = run(lambda: cache.get(seqs[i], NS), inj, cache)
     assert escaped is inj.fired
@@ -133,7 +133,7 @@ def test_get_load_back(plan, layout, policy, seed, i):
 def test_export(plan, skip, layout, policy, seed, i):
     cache, seqs = warm(layout, policy, seed)
     leases = LeaseTable(cache)
-    before, keys = cache.snapshot(), set(cache.tree.by_key)
+    before, keys = cache.snapshot(), cache.tree.page_keys()
     grants = []
     with injecting(plan, cache, leases) as inj:
         escaped = run(
@@ -169,7 +169,7 @@ def test_import(plan, layout, policy, seed, i):
     src.put(t, prefix_kv(src.layout, t), NS)
     leases = LeaseTable(src)
     grant = export_prefix(src, leases, cache.keys(t, NS), cache.match(t, NS).present_pages, 5.0)
-    before, keys = cache.snapshot(), set(cache.tree.by_key)
+    before, keys = cache.snapshot(), cache.tree.page_keys()
     outcomes = []
     with injecting(plan, cache) as inj:
         read = (

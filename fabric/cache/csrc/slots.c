@@ -162,10 +162,10 @@ fail:
 
 static PyMethodDef functions[] = {
     FAST(walk, "walk(roots, root_key, raw, step) -> (path, pages matched)"),
-    FAST(walk_keys, "walk_keys(by_key, keys) -> (path, pages matched)"),
+    FAST(walk_keys, "walk_keys(by_first_key, keys) -> (path, pages matched)"),
     FAST(touch, "touch(nodes, now, hit)"),
-    FAST(attach, "attach(parent, keys, tokens, step, by_key, clock) -> node"),
-    FAST(split, "split(node, k, step, by_key) -> head"),
+    FAST(attach, "attach(parent, keys, tokens, step, by_first_key, clock) -> node"),
+    FAST(split, "split(node, k, step, by_first_key) -> head"),
     FAST(set_pages, "set_pages(node, tier, pool, offsets, pages, owned, protected)"),
     FAST(clear_pages, "clear_pages(node, tier, pool, offsets, owned, protected) -> pages"),
     FAST(lock, "lock(nodes, pool, delta, protected)"),

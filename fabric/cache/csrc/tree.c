@@ -111,43 +111,40 @@ fail:
     return NULL;
 }
 
-/* walk_keys(by_key, keys) -> (path, pages matched) */
+/* walk_keys(by_first_key, keys) -> (path, pages matched): node by node, each found by its
+ * first page's key (the map holds no other) and its further keys compared in place. */
 PyObject *walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(2, "walk_keys");
     if (!PyDict_Check(args[0])) return PyErr_Format(PyExc_TypeError, "walk_keys(dict, keys)");
     PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
     PyObject *path = keys ? PyList_New(0) : NULL;
     if (path == NULL) goto fail;
-    Py_ssize_t total = PySequence_Fast_GET_SIZE(keys), i;
-    for (i = 0; i < total; i++) {
-        PyObject *k = PySequence_Fast_GET_ITEM(keys, i);
-        PyObject *found = PyDict_GetItemWithError(args[0], k);
+    Py_ssize_t total = PySequence_Fast_GET_SIZE(keys), i = 0;
+    PyObject *tail = NULL; /* the last node on the path, borrowed from it */
+    while (i < total) {
+        PyObject *found = PyDict_GetItemWithError(args[0], PySequence_Fast_GET_ITEM(keys, i));
         if (found == NULL) break;
         Node *node = as_node(found);
         Py_ssize_t n = node ? node_n(node) : -1;
         if (n < 0) goto fail;
-        long long offset = i - node->start;
-        if (offset < 0 || offset >= n) break;
-        Py_INCREF(node); /* the compare may run Python code */
-        int same = PyObject_RichCompareBool(PyList_GET_ITEM(node->keys, offset), k, Py_EQ);
-        Py_ssize_t last = PyList_GET_SIZE(path) - 1;
-        PyObject *tail = last >= 0 ? PyList_GET_ITEM(path, last) : NULL;
-        int stop = same <= 0;
-        if (!stop && offset == 0) {
-            if (tail) {
-                stop = node->parent != tail;
-            } else if (node->parent == Py_None) {
-                PyErr_SetString(PyExc_AssertionError, "a namespace root has no parent");
-            } else {
-                stop = ((Node *)node->parent)->parent != Py_None; /* starts below a root */
-            }
-            if (!stop && !PyErr_Occurred()) PyList_Append(path, (PyObject *)node);
-        } else if (!stop) {
-            stop = tail != (PyObject *)node;
+        if (tail == NULL && node->parent == Py_None) {
+            PyErr_SetString(PyExc_AssertionError, "a namespace root has no parent");
+            goto fail;
         }
-        Py_DECREF(node);
-        if (PyErr_Occurred()) goto fail;
-        if (stop) break;
+        /* the first node hangs below a root, each next one below the last (so it starts at i) */
+        if (tail ? node->parent != tail : ((Node *)node->parent)->parent != Py_None) break;
+        if (PyList_Append(path, (PyObject *)node) < 0) goto fail;
+        tail = (PyObject *)node;
+        Py_ssize_t j = 1;
+        for (; j < n && i + j < total; j++) {
+            /* the path holds the node: a compare that runs Python code cannot free it */
+            int same = PyObject_RichCompareBool(PyList_GET_ITEM(node->keys, j),
+                                                PySequence_Fast_GET_ITEM(keys, i + j), Py_EQ);
+            if (same < 0) goto fail;
+            if (!same) break;
+        }
+        i += j;
+        if (j < n) break;
     }
     if (PyErr_Occurred()) goto fail;
     Py_DECREF(keys);
@@ -181,24 +178,24 @@ PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
-/* attach(parent, keys, tokens, step, by_key, clock) -> the new child of `parent` */
+/* attach(parent, keys, tokens, step, by_first_key, clock) -> the new child of `parent` */
 PyObject *attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(6, "attach");
     Node *parent = as_node(args[0]);
-    PyObject *keys = args[1], *tokens = args[2], *by_key = args[4];
+    PyObject *keys = args[1], *tokens = args[2], *by_first_key = args[4];
     Py_ssize_t step = PyLong_AsSsize_t(args[3]);
     long long clock = PyLong_AsLongLong(args[5]);
     if (parent == NULL || PyErr_Occurred()) return NULL;
-    if (!PyList_Check(keys) || !PyBytes_Check(tokens) || !PyDict_Check(by_key) || step <= 0)
-        return PyErr_Format(PyExc_TypeError, "attach(node, list, bytes, step > 0, dict, clock)");
+    if (!PyList_Check(keys) || PyList_GET_SIZE(keys) == 0 || !PyBytes_Check(tokens) ||
+        !PyDict_Check(by_first_key) || step <= 0)
+        return PyErr_Format(PyExc_TypeError, "attach(node, non-empty list, bytes, step > 0, dict, clock)");
     Node *node = node_new(keys, tokens, (PyObject *)parent, parent->end);
     if (node == NULL) return NULL;
     node->last_access = clock;
     PyObject *first = cut(tokens, 0, step);
     int err = first == NULL || PyDict_SetItem(parent->children, first, (PyObject *)node) < 0;
     Py_XDECREF(first);
-    for (Py_ssize_t i = 0; !err && i < PyList_GET_SIZE(keys); i++)
-        err = PyDict_SetItem(by_key, PyList_GET_ITEM(keys, i), (PyObject *)node) < 0;
+    err = err || PyDict_SetItem(by_first_key, PyList_GET_ITEM(keys, 0), (PyObject *)node) < 0;
     if (err) Py_CLEAR(node);
     return (PyObject *)node;
 }
@@ -233,14 +230,14 @@ static int split_slots(Node *head, Node *node, Py_ssize_t k) {
     return 0;
 }
 
-/* split(node, k, step, by_key) -> the new head node holding node's first k pages */
+/* split(node, k, step, by_first_key) -> the new head node holding node's first k pages */
 PyObject *split(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(4, "split");
     Node *node = as_node(args[0]);
     Py_ssize_t k = PyLong_AsSsize_t(args[1]), step = PyLong_AsSsize_t(args[2]);
-    PyObject *by_key = args[3];
+    PyObject *by_first_key = args[3];
     if (node == NULL || PyErr_Occurred()) return NULL;
-    if (!PyDict_Check(by_key) || step <= 0)
+    if (!PyDict_Check(by_first_key) || step <= 0)
         return PyErr_Format(PyExc_TypeError, "split(node, k, step > 0, dict)");
     Py_ssize_t n = node_n(node);
     if (!(0 < k && k < n)) {
@@ -279,8 +276,9 @@ PyObject *split(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         goto fail;
     }
     Py_DECREF(first);
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(head->keys); i++)
-        if (PyDict_SetItem(by_key, PyList_GET_ITEM(head->keys, i), (PyObject *)head) < 0) goto fail;
+    if (PyDict_SetItem(by_first_key, PyList_GET_ITEM(head->keys, 0), (PyObject *)head) < 0 ||
+        PyDict_SetItem(by_first_key, PyList_GET_ITEM(node->keys, 0), (PyObject *)node) < 0)
+        goto fail;
     return (PyObject *)head;
 fail:
     Py_XDECREF(head);
