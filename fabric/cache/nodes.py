@@ -117,9 +117,7 @@ def walk(
     return path, off // step
 
 
-def walk_keys(
-    by_first_key: dict[bytes, TreeNode], keys: list[bytes]
-) -> tuple[list[TreeNode], int]:
+def walk_keys(by_first_key: dict[bytes, TreeNode], keys: list[bytes]) -> tuple[list[TreeNode], int]:
     path: list[TreeNode] = []
     i, total = 0, len(keys)
     while i < total:
