@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from .txn import ReservationHook, Transaction
     from .walks import Walk
 
+DEVICE = Tier.DEVICE  # read once: enum member lookups are Python-level
+DEVICE_ONLY = (DEVICE,)
 T = TypeVar("T")
 Reserved = dict[tuple[PoolName, Tier], list[int]]
 # fill(reserved, hold) writes every planned page into its reserved device page. It returns
@@ -49,7 +51,7 @@ class InsertPlan:
 
     @property
     def empty(self) -> bool:
-        return not any(self.todo.values())
+        return not any(map(len, self.todo.values()))
 
 
 class Undo(list):
@@ -96,8 +98,10 @@ class Inserts:
         # Leaving the tree below a node that has other children makes a branch
         # point: a likely continuation, so SWA keeps its window too.
         branch = m if path and path[-1].children and m < n else 0
-        keep = {p: pol.store_positions(n, branch, first[p]) for p, pol in self.policies.items()}
-        return self._plan(keyer, raw, path, m, n, keep, (Tier.DEVICE,))
+        keep = {}
+        for p, pol in self.policies.items():  # loops: a comprehension costs a frame a put
+            keep[p] = pol.store_positions(n, branch, first[p])
+        return self._plan(keyer, raw, path, m, n, keep, DEVICE_ONLY)
 
     def plan_fetch(self, tokens: Sequence[int], namespace: str, pages: int) -> InsertPlan:
         """A fetch's plan: the pages a usable match of `pages` pages needs that no tier holds."""
@@ -129,8 +133,11 @@ class Inserts:
         keep: Mapping[PoolName, Sequence[int]],
         present: tuple[Tier, ...],
     ) -> InsertPlan:
-        todo = {p: self.tree.missing(path, pos, p, present) for p, pos in keep.items()}
-        return InsertPlan(keyer, raw[: n * self.tree.page_bytes], path, m, n, keep, todo)
+        tree = self.tree
+        todo = {}
+        for p, pos in keep.items():
+            todo[p] = tree.missing(path, pos, p, present)
+        return InsertPlan(keyer, raw[: n * tree.page_bytes], path, m, n, keep, todo)
 
     def insert(self, plan: InsertPlan, fill: Fill, writer: str | None = None) -> "T | None":
         """Commit `plan`, its pages written by `fill`: None once committed, or fill's
@@ -164,8 +171,8 @@ class Inserts:
         try:
             for pool, positions in plan.todo.items():
                 if hook is not None and positions:  # as Transaction.reserve calls it
-                    hook(pool, Tier.DEVICE)
-                got[(pool, Tier.DEVICE)] = registry[pool].device.allocator.alloc(len(positions))
+                    hook(pool, DEVICE)
+                got[(pool, DEVICE)] = registry[pool].device.allocator.alloc(len(positions))
             failed = fill(got, hold)
             if failed is not None:
                 return [], failed
@@ -211,10 +218,10 @@ class Inserts:
         if m < plan.pages:
             parent = path[-1] if path else tree.root(plan.keyer.root)
             keys = plan.keyer.chain(plan.raw, parent.keys[-1], m)
-        placements: list[Placement] = [
-            (p, pos, got[(p, Tier.DEVICE)]) for p, pos in plan.todo.items()
-        ]
-        return parent, keys, plan.raw[m * tree.page_bytes :], Tier.DEVICE, placements
+        placements: list[Placement] = []
+        for p, pos in plan.todo.items():
+            placements.append((p, pos, got[(p, DEVICE)]))
+        return parent, keys, plan.raw[m * tree.page_bytes :], DEVICE, placements
 
     def _fits(self, todo: dict[PoolName, list[int]]) -> bool:
         """Whether every pool has the free device pages `todo` asks for (no eviction needed)."""

@@ -14,7 +14,7 @@ from .check import PageAudit, check_invariants, page_audit
 from .check import snapshot as cache_snapshot
 from .eviction import Evictor, prune_unlocked
 from .exports import DEVICE_ONLY, Exports
-from .insert import Inserts
+from .insert import Fill, InsertPlan, Inserts
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
 from .page_views import PageViews
@@ -70,6 +70,7 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         # The pool whose pages keep a node alive (layout.pools builds a new tuple per call).
         self.primary_pool = layout.pools[0]
         self.registry = PoolRegistry.build(layout, capacities, device, store_bytes)
+        self.stores_bytes = self.registry.pool(self.primary_pool, DEVICE).data is not None
         reg = self.registry
         self.tree = RadixTree(
             layout.page_size * 4,
@@ -92,6 +93,8 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         self._walks = WalkMemo()
         self._stats = CacheStats()
         self.clock = clock
+        # Rows from page 0 in every pool: a put's usual `first` (read only), built once.
+        self._from_zero = first_pages(layout, None)
         self.quarantined: list[Quarantine] = []
         # Prefix locks with a time to live: peers' exports and requests' holds.
         self.leases = LeaseTable(self, clock)
@@ -241,8 +244,9 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         start are never written: SWA pages stay tombstoned, and full KV, which
         must be whole, grows the tree only where it has rows for every new page.
         `release`: a hold from `get`, released once the put is done, whatever happens."""
+        first = self._from_zero if starts is None else first_pages(self.layout, starts)
         try:
-            return self._put(tokens, kv, namespace, first_pages(self.layout, starts))
+            return self._put(tokens, kv, namespace, first)
         finally:
             if release:
                 self.release_hold(release)
@@ -256,21 +260,26 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
             self.tree.touch(plan.path)
             return 0
 
-        def write(got: dict[tuple[PoolName, Tier], list[int]], hold: Callable[[], None]) -> None:
-            for pool, positions in plan.todo.items():
-                self._write(pool, got[(pool, DEVICE)], kv, positions, first[pool])
-
         try:
-            self.insert(plan, write)
+            self.insert(plan, _no_rows if kv is None else self._writer(plan, kv, first))
         except ReservationFailed:
             self._stats.put_failures += 1
             return 0
         return plan.pages - plan.present_pages
 
+    def _writer(self, plan: InsertPlan, kv: LayerKV, first: dict[PoolName, int]) -> Fill:
+        """The insert's fill for a put: each pool's rows into its reserved device pages."""
+
+        def write(got: dict[tuple[PoolName, Tier], list[int]], hold: Callable[[], None]) -> None:
+            for pool, positions in plan.todo.items():
+                self._write(pool, got[(pool, DEVICE)], kv, positions, first[pool])
+
+        return write
+
     def _write(
-        self, pool: PoolName, pages: list[int], kv, positions: list[int], first: int
+        self, pool: PoolName, pages: list[int], kv: LayerKV, positions: list[int], first: int
     ) -> None:
-        if kv is None or not pages:
+        if not pages:
             return
         dst = self.registry.pool(pool, DEVICE)
         if dst.data is None:
@@ -334,7 +343,7 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
 
     def _check_kv(self, kv: LayerKV | None, pages: int, first: dict[PoolName, int]) -> None:
         if kv is None:
-            if pages and self.registry.pool(self.primary_pool, DEVICE).data is not None:
+            if pages and self.stores_bytes:
                 raise ValueError("this cache stores bytes: put needs kv tensors")
             return
         check_kv(self.layout, kv, pages, first)
@@ -367,3 +376,7 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
 
     def snapshot(self) -> tuple:
         return cache_snapshot(self)
+
+
+def _no_rows(got: dict[tuple[PoolName, Tier], list[int]], hold: Callable[[], None]) -> None:
+    """A put without rows (a cache of metadata only) has nothing to write."""

@@ -19,6 +19,10 @@ class WritePolicy(str, Enum):
     WRITE_BACK = "write_back"  # copy on device eviction
 
 
+# Read once (enum member lookups are Python-level); TierConfig holds members, so `is` holds.
+WRITE_THROUGH, WRITE_BACK = WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_BACK
+
+
 @dataclass(frozen=True)
 class TierConfig:
     policy: WritePolicy = WritePolicy.WRITE_BACK
@@ -42,10 +46,10 @@ class TierController:
         self.backup_failures = 0
 
     def write_back(self) -> bool:
-        return self.config.policy == WritePolicy.WRITE_BACK
+        return self.config.policy is WRITE_BACK
 
     def after_insert(self, nodes: list[TreeNode]) -> None:
-        if self.config.policy == WritePolicy.WRITE_THROUGH:
+        if self.config.policy is WRITE_THROUGH:
             self.backup(nodes)
 
     def after_hit(self, nodes: list[TreeNode]) -> None:
