@@ -88,7 +88,8 @@ class NodeCacheActor(PeerFetch, EngineHost):
         self.gate = CacheGate()
         self.peers: set[str] = set()
         self.fetches: dict[str, int] = {}
-        self.late_releases = 0
+        self.late_releases = 0  # grants that came after their fetch gave up, released
+        self.late_failures = 0  # replies that came after it and held no grant
         self.fetched_bytes = 0  # read from peers over the transport (NIXL)
         self._probing: asyncio.Task | None = None  # the heartbeat's probe of quarantined peers
         # A restarted actor starts a new epoch, above every earlier one of this name:
@@ -310,6 +311,7 @@ class NodeCacheActor(PeerFetch, EngineHost):
                 "quarantined": len(self.cache.quarantined),
                 "peers": sorted(self.peers),
                 "late_releases": self.late_releases,
+                "late_failures": self.late_failures,
                 "epoch": self.epoch,
                 "fetched_bytes": self.fetched_bytes,
             }

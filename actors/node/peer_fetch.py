@@ -37,6 +37,7 @@ class PeerFetch:
     peers: set[str]
     fetches: dict[str, int]
     late_releases: int
+    late_failures: int
     fetched_bytes: int
 
     async def fetch(
@@ -98,11 +99,15 @@ class PeerFetch:
         return import_prefix(self.cache, tokens, namespace, grant, read, peer=peer_name)
 
     def _release_late(self, peer, late: asyncio.Future) -> None:
+        """An export's reply that came after its fetch gave up: release the lease its grant
+        holds. A failure (the export failed, the peer died, a garbled grant) is counted."""
         if late.cancelled() or late.exception() is not None:
+            self.late_failures += 1
             return
         try:
             lease_id = ExportGrant.decode(late.result()).lease_id
         except GrantError:
+            self.late_failures += 1
             return
         if lease_id:
             peer.release.remote(lease_id)
