@@ -76,8 +76,12 @@ def path_to(node) -> list:
 
 
 # Positions as plans draw them (sorted) and as they should never come (unsorted, past runs).
-POSITIONS = st.lists(st.integers(-2, 14), max_size=6).flatmap(
-    lambda xs: st.sampled_from([sorted(set(xs)), xs])
+# Sorted, unsorted, and ranges (any step: the C side reads a range of step 1 from its bounds).
+POSITIONS = st.one_of(
+    st.lists(st.integers(-2, 14), max_size=6).flatmap(
+        lambda xs: st.sampled_from([sorted(set(xs)), xs])
+    ),
+    st.builds(range, st.integers(-2, 14), st.integers(-2, 16), st.sampled_from([1, 1, 2, -1])),
 )
 
 

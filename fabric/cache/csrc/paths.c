@@ -30,13 +30,6 @@ static Py_ssize_t bisect_left(const long long *at, long long x, Py_ssize_t lo, P
     return lo;
 }
 
-/* Appends items[lo:hi] of a PySequence_Fast to `out`. */
-static int extend(PyObject *out, PyObject *seq, Py_ssize_t lo, Py_ssize_t hi) {
-    for (Py_ssize_t i = lo; i < hi; i++)
-        if (PyList_Append(out, PySequence_Fast_GET_ITEM(seq, i)) < 0) return -1;
-    return 0;
-}
-
 /* 1 where `pages` (a list) holds no ABSENT, 0 where it does, -1 on error. */
 static int whole(PyObject *pages) {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pages); i++) {
@@ -46,25 +39,59 @@ static int whole(PyObject *pages) {
     return 1;
 }
 
+/* Sorted positions as C integers, *n of them: a range of step 1 from its first item and
+ * its length (a put's full-attention positions: no list of them is built), any other
+ * sequence item by item. NULL with an error set. */
+static long long *positions_of(PyObject *obj, Py_ssize_t *n) {
+    if (PyRange_Check(obj)) {
+        Py_ssize_t len = PySequence_Length(obj);
+        PyObject *first = len > 0 ? PySequence_GetItem(obj, 0) : NULL;
+        PyObject *last = first ? PySequence_GetItem(obj, len - 1) : NULL;
+        long long a = last ? PyLong_AsLongLong(first) : -1, b = last ? PyLong_AsLongLong(last) : -1;
+        Py_XDECREF(first);
+        Py_XDECREF(last);
+        if (PyErr_Occurred()) return NULL;
+        if (len == 0 || b - a == len - 1) { /* step 1 (or a single item) */
+            long long *out = PyMem_Malloc(sizeof(long long) * (size_t)(len ? len : 1));
+            if (out == NULL) return (long long *)PyErr_NoMemory();
+            for (Py_ssize_t i = 0; i < len; i++)
+                out[i] = a + i;
+            *n = len;
+            return out;
+        }
+    }
+    PyObject *seq = PySequence_Fast(obj, "positions must be a sequence");
+    if (seq == NULL) return NULL;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    long long *out = as_positions(seq);
+    Py_DECREF(seq);
+    return out;
+}
+
 #define MAX_TIERS 8
 
 /* missing(path, positions, pool, tiers) -> positions with a page in `pool` on none of `tiers` */
 PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(4, "missing");
+    Py_ssize_t npos = 0, count = 0, i = 0;
     PyObject *path = PySequence_Fast(args[0], "path must be a sequence");
-    PyObject *pos = path ? PySequence_Fast(args[1], "positions must be a sequence") : NULL;
-    PyObject *tiers = pos ? PySequence_Fast(args[3], "tiers must be a sequence") : NULL;
-    long long *at = tiers ? as_positions(pos) : NULL;
-    PyObject *out = at ? PyList_New(0) : NULL;
-    if (out == NULL) goto fail;
-    Py_ssize_t ntiers = PySequence_Fast_GET_SIZE(tiers), npos = PySequence_Fast_GET_SIZE(pos), i = 0;
+    long long *at = path ? positions_of(args[1], &npos) : NULL;
+    PyObject *tiers = at ? PySequence_Fast(args[3], "tiers must be a sequence") : NULL;
+    /* indices into `at` of the missing ones, made into the list once counted */
+    Py_ssize_t *picked = tiers ? PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(npos ? npos : 1)) : NULL;
+    PyObject *out = NULL;
+    if (picked == NULL) {
+        if (tiers != NULL) PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t ntiers = PySequence_Fast_GET_SIZE(tiers);
     if (ntiers > MAX_TIERS) {
         PyErr_Format(PyExc_ValueError, "at most %d tiers", MAX_TIERS);
-        goto fail;
+        goto done;
     }
     for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(path); k++) {
         Node *node = as_node(PySequence_Fast_GET_ITEM(path, k));
-        if (node == NULL) goto fail;
+        if (node == NULL) goto done;
         Py_ssize_t j = bisect_left(at, node->end, i, npos);
         if (j > i) {
             PyObject *slots[MAX_TIERS]; /* borrowed: the node's page lists (or None) per tier */
@@ -72,7 +99,7 @@ PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
             for (Py_ssize_t x = 0; x < ntiers; x++) {
                 Py_ssize_t t, p;
                 PyObject *row = slot_row(node, PySequence_Fast_GET_ITEM(tiers, x), args[2], &t, &p);
-                if (row == NULL) goto fail;
+                if (row == NULL) goto done;
                 slots[x] = PyList_GET_ITEM(row, p);
                 all_none &= slots[x] == Py_None;
             }
@@ -80,42 +107,39 @@ PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
                 int w = slots[x] == Py_None ? 0 : PyList_Check(slots[x]) ? whole(slots[x]) : -1;
                 if (w < 0) {
                     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "page lists must be lists");
-                    goto fail;
+                    goto done;
                 }
                 any_whole = w;
             }
-            if (all_none) {
-                if (extend(out, pos, i, j) < 0) goto fail;
-            } else if (!any_whole) {
-                for (Py_ssize_t y = i; y < j; y++) {
-                    int has = 0;
-                    for (Py_ssize_t x = 0; x < ntiers && !has; x++) {
-                        if (slots[x] == Py_None) continue;
-                        PyObject *page = PySequence_GetItem(slots[x], (Py_ssize_t)(at[y] - node->start));
-                        int a = page ? is_absent(page) : -1;
-                        Py_XDECREF(page);
-                        if (a < 0) goto fail;
-                        has = !a;
-                    }
-                    if (!has && PyList_Append(out, PySequence_Fast_GET_ITEM(pos, y)) < 0) goto fail;
+            for (Py_ssize_t y = i; y < j && !any_whole; y++) {
+                int has = 0;
+                for (Py_ssize_t x = 0; x < ntiers && !has && !all_none; x++) {
+                    if (slots[x] == Py_None) continue;
+                    PyObject *page = PySequence_GetItem(slots[x], (Py_ssize_t)(at[y] - node->start));
+                    int a = page ? is_absent(page) : -1;
+                    Py_XDECREF(page);
+                    if (a < 0) goto done;
+                    has = !a;
                 }
+                if (!has) picked[count++] = y;
             }
         }
         i = j;
     }
-    if (extend(out, pos, i, npos) < 0) goto fail; /* past the path: new pages */
-    PyMem_Free(at);
-    Py_DECREF(path);
-    Py_DECREF(pos);
-    Py_DECREF(tiers);
-    return out;
-fail:
+    for (; i < npos; i++) /* past the path: new pages */
+        picked[count++] = i;
+    out = PyList_New(count);
+    for (Py_ssize_t c = 0; out != NULL && c < count; c++) {
+        PyObject *v = PyLong_FromLongLong(at[picked[c]]);
+        if (v == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, c, v);
+    }
+done:
+    PyMem_Free(picked);
     PyMem_Free(at);
     Py_XDECREF(path);
-    Py_XDECREF(pos);
     Py_XDECREF(tiers);
-    Py_XDECREF(out);
-    return NULL;
+    return out;
 }
 
 /* Places one (pool, positions, pages) placement on `nodes`, appending (node, pool, offsets)
