@@ -14,7 +14,7 @@ import hashlib
 import operator
 import struct
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Sequence
 
 from . import native
 from .native import KeysExtension
@@ -47,18 +47,6 @@ def namespace_key(namespace: str) -> bytes:
     return hashlib.blake2b(namespace.encode(), digest_size=32, person=b"kvf-ns").digest()
 
 
-def encode_tokens(tokens: Tokens) -> bytes:
-    """Token ids as int32 bytes: what page keys hash and what tree nodes compare."""
-    return EXT.pack(tokens) if EXT is not None else pack_py(tokens)
-
-
-def packs_to(tokens: Tokens, raw: bytes) -> bool:
-    """Whether `tokens` encode to exactly `raw`. The native path compares a list or tuple of
-    ints in place, without packing it, and answers False as soon as they differ; a bad
-    token it reads raises as encode_tokens would."""
-    return EXT.equal(tokens, raw) if EXT is not None else pack_py(tokens) == raw
-
-
 def pack_py(tokens: Tokens) -> bytes:
     """The reference packing: struct's, with the native path's errors."""
     try:
@@ -66,6 +54,19 @@ def pack_py(tokens: Tokens) -> bytes:
     except (struct.error, TypeError):
         pass  # raised below, outside the handler: struct's error is not the cause users need
     raise KeyError_(_token_error(tokens))
+
+
+def packs_to_py(tokens: Tokens, raw: bytes) -> bool:
+    return pack_py(tokens) == raw
+
+
+# Bound once, not dispatched per call: both run twice a request.
+# encode_tokens(tokens): token ids as int32 bytes, what page keys hash and tree nodes compare.
+encode_tokens: Callable[[Tokens], bytes] = pack_py if EXT is None else EXT.pack
+# packs_to(tokens, raw): whether `tokens` encode to exactly `raw`. The native path compares
+# a list or tuple of ints in place, without packing it, and answers False as soon as they
+# differ; a bad token it reads raises as encode_tokens would.
+packs_to: Callable[[Tokens, bytes], bool] = packs_to_py if EXT is None else EXT.equal
 
 
 def _token_error(tokens: Tokens) -> str:

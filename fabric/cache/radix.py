@@ -216,7 +216,8 @@ class RadixTree:
     def touch(self, nodes: list[TreeNode], hit: bool = False) -> None:
         if self.dirty is not None:  # first: an op that breaks off midway changed some
             self.dirty.update(nodes)
-        self._ops.touch(nodes, self.tick(), hit)
+        self.clock += 1  # tick(), without its call on every request
+        self._ops.touch(nodes, self.clock, hit)
 
     # --- structure -----------------------------------------------------------------
     def root(self, root_key: bytes) -> TreeNode:

@@ -10,7 +10,7 @@ from .layout import PoolName, Tier
 from .radix import TreeNode
 
 
-@dataclass
+@dataclass(slots=True)  # one is made per request
 class Match:
     """A request's cached prefix along `path` from the root: `present_pages` of it are in
     the tree, of which the first `usable_pages` can serve the request (every pool holds

@@ -11,42 +11,43 @@ not matter: a walk follows token runs, not pages. One entry: the put follows its
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 from .keys import packs_to
 from .radix import TreeNode
 
 
-class Walk(NamedTuple):  # two are made per request: a tuple is made fastest
+@dataclass(slots=True)  # two are made per request: a slotted class is made fastest
+class Walk:
     raw: bytes  # the tokens packed (encode_tokens)
     path: list[TreeNode]  # a copy for the caller: plans split it in place
     matched: int  # pages of `raw` the tree holds along `path`
 
 
-class _Entry(NamedTuple):
-    namespace: str
-    version: int
-    raw: bytes
-    path: tuple[TreeNode, ...]
-    matched: int
-
-
 class WalkMemo:
-    __slots__ = ("_entry",)
+    """The last walk, kept in slots (no entry object made per request)."""
+
+    __slots__ = ("_namespace", "_version", "_raw", "_path", "_matched")
+    _namespace: str
+    _version: int
+    _raw: bytes | None  # None: nothing remembered
+    _path: tuple[TreeNode, ...]
+    _matched: int
 
     def __init__(self) -> None:
-        self._entry: _Entry | None = None
+        self.forget()
 
     def recall(self, tokens: Sequence[int], namespace: str, version: int) -> Walk | None:
-        e = self._entry
+        raw = self._raw
         if (
-            e is None
-            or e.version != version
-            or e.namespace != namespace
-            or not packs_to(tokens, e.raw)
+            raw is None
+            or self._version != version
+            or self._namespace != namespace
+            or not packs_to(tokens, raw)
         ):
             return None
-        return Walk(e.raw, list(e.path), e.matched)
+        return Walk(raw, list(self._path), self._matched)
 
     def remember(
         self,
@@ -56,7 +57,8 @@ class WalkMemo:
         path: list[TreeNode],
         matched: int,
     ) -> None:
-        self._entry = _Entry(namespace, version, raw, tuple(path), matched)
+        self._namespace, self._version, self._raw = namespace, version, raw
+        self._path, self._matched = tuple(path), matched
 
     def forget(self) -> None:
-        self._entry = None
+        self._namespace, self._version, self._raw, self._path, self._matched = "", -1, None, (), 0
