@@ -42,7 +42,7 @@ Fill = Callable[[Reserved, Callable[[], None]], "T | None"]
 @dataclass(slots=True)  # one is made per put
 class InsertPlan:
     keyer: PageKeyer
-    raw: bytes  # the packed tokens of the stored pages
+    raw: bytes  # the packed tokens: the stored pages are its first `pages`
     path: list[TreeNode]  # what the tree has of them, split at `present_pages`
     present_pages: int  # pages already in the tree
     pages: int  # pages stored once the insert commits
@@ -136,7 +136,7 @@ class Inserts:
         todo = {}
         for p, pos in keep.items():
             todo[p] = tree.missing(path, pos, p, present)
-        return InsertPlan(keyer, raw[: n * tree.page_bytes], path, m, n, keep, todo)
+        return InsertPlan(keyer, raw, path, m, n, keep, todo)
 
     def insert(self, plan: InsertPlan, fill: Fill, writer: str | None = None) -> "T | None":
         """Commit `plan`, its pages written by `fill`: None once committed, or fill's
@@ -161,6 +161,7 @@ class Inserts:
         pages come straight off the free lists and the tree grows in one step; a failure
         has only that step (its own undo) and the pages to give back. No transaction."""
         registry, hook, undo = self.registry, self.reserve_hook, Undo()
+        allocators = registry.device_allocators
         got: Reserved = {}
 
         def hold() -> None:
@@ -171,7 +172,7 @@ class Inserts:
             for pool, positions in plan.todo.items():
                 if hook is not None and positions:  # as Transaction.reserve calls it
                     hook(pool, DEVICE)
-                got[(pool, DEVICE)] = registry[pool].device.allocator.alloc(len(positions))
+                got[(pool, DEVICE)] = allocators[pool].alloc(len(positions))
             failed = fill(got, hold)
             if failed is not None:
                 return [], failed
@@ -213,20 +214,21 @@ class Inserts:
         """RadixTree.grow's arguments after the path: the new run (parent, keys, tokens)
         and where the reserved device pages go."""
         tree, path, m = self.tree, plan.path, plan.present_pages
-        parent, keys = None, []
-        if m < plan.pages:
+        pb = tree.page_bytes
+        parent, keys, tokens = None, [], plan.raw[m * pb : plan.pages * pb]
+        if tokens:  # keys chain from the parent's last key, whatever position it ends at
             parent = path[-1] if path else tree.root(plan.keyer.root)
-            keys = plan.keyer.chain(plan.raw, parent.keys[-1], m)
+            keys = plan.keyer.chain(tokens, parent.keys[-1])
         placements: list[Placement] = []
         for p, pos in plan.todo.items():
             placements.append((p, pos, got[(p, DEVICE)]))
-        return parent, keys, plan.raw[m * tree.page_bytes :], DEVICE, placements
+        return parent, keys, tokens, DEVICE, placements
 
     def _fits(self, todo: dict[PoolName, list[int]]) -> bool:
         """Whether every pool has the free device pages `todo` asks for (no eviction needed)."""
-        registry = self.registry
+        allocators = self.registry.device_allocators
         for pool, positions in todo.items():  # a loop: a generator costs a frame per put
-            if registry[pool].device.allocator.free_count < len(positions):
+            if allocators[pool].free_count < len(positions):
                 return False
         return True
 

@@ -84,6 +84,9 @@ class PoolRegistry:
         self._entries = dict(sorted(entries.items()))
         # Indexed by pool number: hashing an enum member costs a Python call.
         self._by_index: list[PoolEntry | None] = [entries.get(p) for p in PoolName]
+        # Each pool's device allocator, for the insert path: it checks and takes free pages
+        # on every put.
+        self.device_allocators = {name: e.device.allocator for name, e in self._entries.items()}
 
     @classmethod
     def build(
