@@ -48,10 +48,7 @@ class InsertPlan:
     pages: int  # pages stored once the insert commits
     keep: Mapping[PoolName, Sequence[int]]  # positions the insert keeps: locked while it makes room
     todo: dict[PoolName, list[int]]  # of those, the pages to fill
-
-    @property
-    def empty(self) -> bool:
-        return not any(map(len, self.todo.values()))
+    empty: bool  # no page to fill
 
 
 class Undo(list):
@@ -89,8 +86,8 @@ class Inserts:
     ) -> InsertPlan:
         """A put's plan: the pages each policy keeps of `tokens` (rows from `first[pool]`
         on) that lack a device copy."""
-        keyer, walked = self.keyer(namespace), self.walk(tokens, namespace)
-        raw = walked.raw
+        walked = self.walk(tokens, namespace)
+        keyer, raw = walked.keyer, walked.raw
         n = len(raw) // self.tree.page_bytes
         path, m = self._cut(walked.path, walked.matched, first.values())
         n = self.policies[self.primary_pool].extent(m, n, first[self.primary_pool])
@@ -132,11 +129,11 @@ class Inserts:
         keep: Mapping[PoolName, Sequence[int]],
         present: tuple[Tier, ...],
     ) -> InsertPlan:
-        tree = self.tree
-        todo = {}
+        tree, todo, empty = self.tree, {}, True
         for p, pos in keep.items():
-            todo[p] = tree.missing(path, pos, p, present)
-        return InsertPlan(keyer, raw, path, m, n, keep, todo)
+            todo[p] = lacking = tree.missing(path, pos, p, present)
+            empty = empty and not lacking
+        return InsertPlan(keyer, raw, path, m, n, keep, todo, empty)
 
     def insert(self, plan: InsertPlan, fill: Fill, writer: str | None = None) -> "T | None":
         """Commit `plan`, its pages written by `fill`: None once committed, or fill's

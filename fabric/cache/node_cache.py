@@ -130,10 +130,10 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         known = self._walks.recall(tokens, namespace, version)
         if known is not None:
             return known
-        raw = encode_tokens(tokens)
-        path, matched = self.tree.walk(self.keyer(namespace).root, raw)
-        self._walks.remember(namespace, version, raw, path, matched)
-        return Walk(raw, path, matched)
+        keyer, raw = self.keyer(namespace), encode_tokens(tokens)
+        walk = Walk(keyer, raw, *self.tree.walk(keyer.root, raw))
+        self._walks.remember(namespace, version, walk)
+        return walk
 
     def match_keys(self, keys: list[bytes]) -> Match:
         """The same, for a chain of page keys (as peers and the index name prefixes)."""
@@ -141,13 +141,11 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         return self._match(path, matched, len(keys))
 
     def _match(self, path: list[TreeNode], matched: int, request_pages: int) -> Match:
-        return Match(
-            path,
-            matched,
-            self.usable(path, matched, TIERS),
-            self.usable(path, matched, DEVICE_ONLY),
-            request_pages,
-        )
+        anywhere = on_device = matched
+        for policy in self.policies.values():  # `usable` for both tier sets, in one pass
+            anywhere = policy.usable(path, anywhere, TIERS)
+            on_device = policy.usable(path, on_device, DEVICE_ONLY)
+        return Match(path, matched, anywhere, on_device, request_pages)
 
     def usable(self, path: list[TreeNode], limit: int, tiers: tuple[Tier, ...]) -> int:
         # Policies are visited in pool order, FULL first. Full usability is
@@ -244,28 +242,22 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         start are never written: SWA pages stay tombstoned, and full KV, which
         must be whole, grows the tree only where it has rows for every new page.
         `release`: a hold from `get`, released once the put is done, whatever happens."""
-        first = self._from_zero if starts is None else first_pages(self.layout, starts)
         try:
-            return self._put(tokens, kv, namespace, first)
+            first = self._from_zero if starts is None else first_pages(self.layout, starts)
+            self._check_kv(kv, len(tokens) // self.layout.page_size, first)
+            plan = self.plan_store(tokens, namespace, first)
+            if plan.empty:
+                self.tree.touch(plan.path)
+                return 0
+            try:
+                self.insert(plan, _no_rows if kv is None else self._writer(plan, kv, first))
+            except ReservationFailed:
+                self._stats.put_failures += 1
+                return 0
+            return plan.pages - plan.present_pages
         finally:
             if release:
                 self.release_hold(release)
-
-    def _put(
-        self, tokens: Sequence[int], kv: LayerKV | None, namespace: str, first: dict[PoolName, int]
-    ) -> int:
-        self._check_kv(kv, len(tokens) // self.layout.page_size, first)
-        plan = self.plan_store(tokens, namespace, first)
-        if plan.empty:
-            self.tree.touch(plan.path)
-            return 0
-
-        try:
-            self.insert(plan, _no_rows if kv is None else self._writer(plan, kv, first))
-        except ReservationFailed:
-            self._stats.put_failures += 1
-            return 0
-        return plan.pages - plan.present_pages
 
     def _writer(self, plan: InsertPlan, kv: LayerKV, first: dict[PoolName, int]) -> Fill:
         """The insert's fill for a put: each pool's rows into its reserved device pages."""

@@ -14,12 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .keys import packs_to
+from .keys import PageKeyer, packs_to
 from .radix import TreeNode
 
 
 @dataclass(slots=True)  # two are made per request: a slotted class is made fastest
 class Walk:
+    keyer: PageKeyer  # the namespace's: the walk starts at its root
     raw: bytes  # the tokens packed (encode_tokens)
     path: list[TreeNode]  # a copy for the caller: plans split it in place
     matched: int  # pages of `raw` the tree holds along `path`
@@ -28,8 +29,9 @@ class Walk:
 class WalkMemo:
     """The last walk, kept in slots (no entry object made per request)."""
 
-    __slots__ = ("_namespace", "_version", "_raw", "_path", "_matched")
+    __slots__ = ("_namespace", "_keyer", "_version", "_raw", "_path", "_matched")
     _namespace: str
+    _keyer: PageKeyer | None
     _version: int
     _raw: bytes | None  # None: nothing remembered
     _path: tuple[TreeNode, ...]
@@ -47,18 +49,13 @@ class WalkMemo:
             or not packs_to(tokens, raw)
         ):
             return None
-        return Walk(raw, list(self._path), self._matched)
+        assert self._keyer is not None  # remembered with the bytes
+        return Walk(self._keyer, raw, list(self._path), self._matched)
 
-    def remember(
-        self,
-        namespace: str,
-        version: int,
-        raw: bytes,
-        path: list[TreeNode],
-        matched: int,
-    ) -> None:
-        self._namespace, self._version, self._raw = namespace, version, raw
-        self._path, self._matched = tuple(path), matched
+    def remember(self, namespace: str, version: int, walk: Walk) -> None:
+        self._namespace, self._keyer, self._version = namespace, walk.keyer, version
+        self._raw, self._path, self._matched = walk.raw, tuple(walk.path), walk.matched
 
     def forget(self) -> None:
-        self._namespace, self._version, self._raw, self._path, self._matched = "", -1, None, (), 0
+        self._namespace, self._keyer, self._version = "", None, -1
+        self._raw, self._path, self._matched = None, (), 0

@@ -387,3 +387,18 @@ def test_a_change_then_a_split_names_the_page_where_it_now_is():
     ]
     assert [path for _, path in changed] == [keys[: i + 1] for i in range(8)]
     cache.check()
+
+
+def test_a_put_that_refuses_its_input_still_releases_its_hold():
+    cache = make(FULL_ONLY, full=(8, 16))
+    a = seq(4)
+    put(cache, a)
+    hit = cache.get(a, NS, hold_s=60.0)
+    assert hit.hold
+    for starts in ({PoolName.FULL: 3}, {PoolName.SWA: 0}):  # not a page start; no such pool
+        with pytest.raises(ValueError):
+            cache.put(a, prefix_kv(cache.layout, a), NS, starts=starts, release=hit.hold)
+        assert not cache.release_hold(hit.hold)  # released already, by the put
+        hit = cache.get(a, NS, hold_s=60.0)
+    cache.release_hold(hit.hold)
+    cache.check()

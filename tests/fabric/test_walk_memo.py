@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity, Tier
 from kvfabric.fabric.cache import node_cache
-from kvfabric.fabric.cache.keys import KeyError_, encode_tokens
-from kvfabric.fabric.cache.walks import WalkMemo
+from kvfabric.fabric.cache.keys import KeyError_, PageKeyer, encode_tokens
+from kvfabric.fabric.cache.walks import Walk, WalkMemo
 
 LAYOUTS = {
     "full": KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=2),
@@ -85,7 +85,7 @@ def test_another_namespace_or_a_reshaped_tree_is_walked_again():
 def test_the_memo_answers_for_tokens_that_encode_to_its_bytes_only():
     memo = WalkMemo()
     raw = encode_tokens([1, 2])
-    memo.remember("a", 0, raw, [], 0)
+    memo.remember("a", 0, Walk(PageKeyer("a", b"f" * 16, 1), raw, [], 0))
     for same in ([1, 2], (1, 2), array("q", [1, 2]), bytearray(b"\x01\x02"), range(1, 3)):
         assert memo.recall(same, "a", 0) is not None, same
     for other in ([1, 3], [1], [1, 2, 0], [2, 1], (), array("i", [1, 2, 3]), [1, 2**31 - 1]):
