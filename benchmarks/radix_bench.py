@@ -33,6 +33,7 @@ from kvfabric.deploy.sim.trace import load_trace, request_tokens
 from benchmarks import peers
 from benchmarks.fresh import run_worker
 from benchmarks.sglang_worker import pack_sequences, read_sequences, write_sequences
+from benchmarks.tree_memory import tree_bytes_per_page
 
 
 @dataclass
@@ -52,6 +53,8 @@ class RadixFigures:
     keys_us: float  # per request: packing and every page's key (PageKeyer.pack)
     pack_python_us: float
     keys_python_us: float
+    tree_bytes_per_page: float  # metadata, as tracemalloc counts it (tree_memory.py)
+    tree_bytes_per_page_python: float
     # Under the default collector, for the record (None when gc_mode is already default):
     # which side owes a full collection inside its timed loop decides much of it.
     ratio_default_gc: float | None = None
@@ -130,6 +133,7 @@ def ours_worker(
         "p99_us": each[min(len(each) - 1, len(each) * 99 // 100)] * 1e6,
         "evicted": cache.evictors[PoolName.FULL].evicted,
         "snapshot": snapshot_digest(cache.snapshot()),
+        "tree_bytes_per_page": tree_bytes_per_page(seqs, layout, pages) if capacity == 1 else 0,
     }
 
 
@@ -291,6 +295,8 @@ def run(
         ours["keys_us"],
         python["pack_us"],
         python["keys_us"],
+        ours["tree_bytes_per_page"],
+        python["tree_bytes_per_page"],
         default_gc,
     )
 
@@ -351,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
         f"per request: packing {f.pack_us:.1f} us (Python {f.pack_python_us:.1f}), packing and "
         "every "
         f"page's key {f.keys_us:.1f} us (Python {f.keys_python_us:.1f})"
+    )
+    print(
+        f"tree metadata per cached page {f.tree_bytes_per_page:.0f} bytes "
+        f"(pure Python {f.tree_bytes_per_page_python:.0f})"
     )
     if args.json:
         fine = ("_us", "ratio")  # per-request times and ratios keep 3 digits
