@@ -13,7 +13,7 @@ import torch
 from .layout import PoolName, Tier
 from .pages import page_checksums
 from .paths import groups
-from .radix import TIERS
+from .radix import DEVICE_ONLY, TIERS
 from .records import Match
 
 if TYPE_CHECKING:
@@ -21,8 +21,6 @@ if TYPE_CHECKING:
     from .pools import PoolRegistry
     from .radix import TreeNode
     from .tiers import TierController
-
-DEVICE_ONLY = (Tier.DEVICE,)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
 from .keys import PageKeyer, encode_tokens
 from .layout import PoolName, Tier
-from .radix import TIERS, Placement, TreeNode
+from .radix import DEVICE, DEVICE_ONLY, TIERS, Placement, TreeNode
 from .records import NodeGuard
 
 if TYPE_CHECKING:
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     from .txn import ReservationHook, Transaction
     from .walks import Walk
 
-DEVICE = Tier.DEVICE  # read once: enum member lookups are Python-level
-DEVICE_ONLY = (DEVICE,)
 T = TypeVar("T")
 Reserved = dict[tuple[PoolName, Tier], list[int]]
 # fill(reserved, hold) writes every planned page into its reserved device page. It returns

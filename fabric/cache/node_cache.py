@@ -13,7 +13,7 @@ from .candidates import Candidates
 from .check import PageAudit, check_invariants, page_audit
 from .check import snapshot as cache_snapshot
 from .eviction import Evictor, prune_unlocked
-from .exports import DEVICE_ONLY, Exports
+from .exports import Exports
 from .insert import Fill, InsertPlan, Inserts
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
@@ -23,15 +23,13 @@ from .paths import groups, within
 from .policies import AttentionPolicy, policies_for
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
 from .quarantine import Quarantines
-from .radix import TIERS, RadixTree, TreeNode
+from .radix import DEVICE, DEVICE_ONLY, TIERS, RadixTree, TreeNode
 from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
 from .rows import check_kv, first_pages, pack_rows
 from .tiers import TierConfig, TierController
 from .txn import ReservationFailed, ReservationHook, Transaction
 from .walks import Walk, WalkMemo
 
-# Enum members read once: each `Tier.DEVICE` on a hot path is a Python-level lookup.
-DEVICE = Tier.DEVICE
 # Evicting for a reservation also frees 1/EVICTION_BATCH of the pool, so that bringing the
 # candidates up to date (candidates.py) is paid once per that many pages, not once per insert.
 EVICTION_BATCH = 64

@@ -17,6 +17,9 @@ from .layout import PoolName, Tier
 
 ABSENT = -1
 TIERS = (Tier.DEVICE, Tier.HOST)
+# Read once, for hot paths: each `Tier.DEVICE` there is a Python-level enum lookup.
+DEVICE = Tier.DEVICE
+DEVICE_ONLY = (DEVICE,)
 
 Counters = list[list[int]]  # [tier][pool]
 

@@ -24,9 +24,19 @@ from typing import Callable, Iterator, Protocol, Sequence
 from . import native, nodes
 from .changes import ChangeLog
 from .layout import PoolName, Tier
-from .nodes import ABSENT, TIERS, Counters, Placement, TreeNode
+from .nodes import ABSENT, DEVICE, DEVICE_ONLY, TIERS, Counters, Placement, TreeNode
 
-__all__ = ["ABSENT", "TIERS", "ENABLED", "Journal", "Placement", "RadixTree", "TreeNode"]
+__all__ = [
+    "ABSENT",
+    "DEVICE",
+    "DEVICE_ONLY",
+    "TIERS",
+    "ENABLED",
+    "Journal",
+    "Placement",
+    "RadixTree",
+    "TreeNode",
+]
 
 
 class Journal(Protocol):
@@ -209,14 +219,10 @@ class RadixTree:
         """Every page's key (a walk over the tree)."""
         return {k for node in self.nodes() for k in node.keys}
 
-    def tick(self) -> int:
-        self.clock += 1
-        return self.clock
-
     def touch(self, nodes: list[TreeNode], hit: bool = False) -> None:
         if self.dirty is not None:  # first: an op that breaks off midway changed some
             self.dirty.update(nodes)
-        self.clock += 1  # tick(), without its call on every request
+        self.clock += 1
         self._ops.touch(nodes, self.clock, hit)
 
     # --- structure -----------------------------------------------------------------
