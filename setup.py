@@ -17,7 +17,14 @@ setup(
         ),
         Extension(
             "kvfabric.fabric.cache._radix",
-            sources=[f"{KEYS}/node.c", f"{KEYS}/tree.c", f"{KEYS}/slots.c", f"{KEYS}/paths.c"],
+            sources=[
+                f"{KEYS}/node.c",
+                f"{KEYS}/tree.c",
+                f"{KEYS}/slots.c",
+                f"{KEYS}/paths.c",
+                f"{KEYS}/state.c",
+                f"{KEYS}/insert.c",
+            ],
             depends=[f"{KEYS}/node.h"],
             extra_compile_args=FLAGS,
         ),

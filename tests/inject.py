@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 from unittest import mock
 
 from kvfabric.fabric import LeaseTable, NodeCache, Transaction
+from kvfabric.fabric.cache.keys import PageKeyer
 from kvfabric.fabric.cache.radix import RadixTree
 
 
@@ -40,7 +41,9 @@ class Step(str, Enum):
     EVICT = "evict"  # a pool's eviction callback
     COPY = "copy"  # the page copier (write-back, load-back)
     DEFER_COPY = "defer_copy"
-    GROW = "grow"  # a new run and its pages (RadixTree.grow, in a transaction or not)
+    GROW = "grow"  # a new run and its pages (RadixTree.grow: in a transaction, or pure Python)
+    WRITE = "write"  # a put's rows into its reserved pages (inside the native insert too)
+    KEYS = "keys"  # a new run's page keys (PageKeyer.chain, called by the native insert too)
     PLACE = "place"
     COMMIT = "commit"
     READ = "read"  # the remote-fetch page reader
@@ -56,6 +59,8 @@ CAN_RAISE_AFTER = {
     Step.DEFER_COPY,
     Step.GROW,
     Step.PLACE,
+    Step.WRITE,
+    Step.KEYS,
     Step.READ,
     Step.CHECKSUM,
 }
@@ -124,16 +129,17 @@ def injecting(plan: Plan, cache: NodeCache, leases: LeaseTable | None = None) ->
         inj.commits += 1
 
     commit = inj.wrap(counted_commit) if plan.step == Step.COMMIT else counted_commit
-    real_free = NodeCache._insert_free
+    tree_type = type(cache.tree)  # the native tree's insert_free is its C base's method
+    real_free = tree_type.insert_free
 
     def counted_free(self, *args):  # an insert on free pages commits when it returns
-        nodes, failed = real_free(self, *args)
-        inj.commits += failed is None
-        return nodes, failed
+        done = real_free(self, *args)
+        inj.commits += done is not None and done[1] is None
+        return done
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(Transaction, "commit", commit))
-        stack.enter_context(mock.patch.object(NodeCache, "_insert_free", counted_free))
+        stack.enter_context(mock.patch.object(tree_type, "insert_free", counted_free))
         if plan.step == Step.RESERVE:
             stack.enter_context(
                 mock.patch.object(cache, "reserve_hook", inj.wrap(lambda pool, tier: None))
@@ -146,6 +152,10 @@ def injecting(plan: Plan, cache: NodeCache, leases: LeaseTable | None = None) ->
             stack.enter_context(mock.patch.object(cache, "copier", copier))
         elif plan.step == Step.GROW:
             stack.enter_context(mock.patch.object(RadixTree, "grow", inj.wrap(RadixTree.grow)))
+        elif plan.step == Step.WRITE:
+            stack.enter_context(mock.patch.object(NodeCache, "_write", inj.wrap(NodeCache._write)))
+        elif plan.step == Step.KEYS:
+            stack.enter_context(mock.patch.object(PageKeyer, "chain", inj.wrap(PageKeyer.chain)))
         elif plan.step in (Step.DEFER_COPY, Step.PLACE):
             name = plan.step.value
             stack.enter_context(

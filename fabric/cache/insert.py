@@ -5,9 +5,9 @@ pages they plan to fill (a put stores what its policies keep and the device lack
 fetch, what a usable match needs and no tier holds) and in where the bytes come from.
 Both then commit the same way, whole or not at all: reserve pages, fill them, grow the
 tree by the new run and place every page in one step (RadixTree.grow). Where free pages
-cover the plan, as they mostly do, they come straight off the free lists and the grow is
-the only step to undo; where eviction must make room, one transaction does it all, the
-path locked against the eviction it runs."""
+cover the plan, as they mostly do, RadixTree.insert_free does all of it, straight off the
+free lists: on the native tree one C call, its journal the grow alone. Where eviction must
+make room, one transaction does it, the path locked against the eviction it runs."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
 from .keys import PageKeyer, encode_tokens
 from .layout import PoolName, Tier
-from .radix import DEVICE, DEVICE_ONLY, TIERS, Placement, TreeNode
+from .radix import DEVICE, DEVICE_ONLY, TIERS, Placement, Reserved, TreeNode
 from .records import NodeGuard
 
 if TYPE_CHECKING:
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from .walks import Walk
 
 T = TypeVar("T")
-Reserved = dict[tuple[PoolName, Tier], list[int]]
 # fill(reserved, hold) writes every planned page into its reserved device page. It returns
 # None once written, or a failure, which the insert returns after rolling back. It calls
 # hold() first when a transfer may still write the pages: they are quarantined, not freed.
@@ -47,19 +46,6 @@ class InsertPlan:
     keep: Mapping[PoolName, Sequence[int]]  # positions the insert keeps: locked while it makes room
     todo: dict[PoolName, list[int]]  # of those, the pages to fill
     empty: bool  # no page to fill
-
-
-class Undo(list):
-    """The journal of a step that evicts nothing (RadixTree.grow's undo): undone newest first."""
-
-    record = list.append  # (undo: Callable[[], None]); no Python frame per insert
-
-    def dropped(self, pool: PoolName, tier: Tier, pages: list[int]) -> None:
-        raise AssertionError("a step on free pages freed tree pages")
-
-    def rollback(self) -> None:
-        while self:
-            self.pop()()
 
 
 class Inserts:
@@ -133,74 +119,64 @@ class Inserts:
             empty = empty and not lacking
         return InsertPlan(keyer, raw, path, m, n, keep, todo, empty)
 
-    def insert(self, plan: InsertPlan, fill: Fill, writer: str | None = None) -> "T | None":
-        """Commit `plan`, its pages written by `fill`: None once committed, or fill's
-        failure with nothing changed. Raises ReservationFailed (nothing changed) when
-        eviction cannot make room. `writer`: the peer whose transfer may still write
-        pages that fill holds."""
-        if self._fits(plan.todo):
-            nodes, failed = self._insert_free(plan, fill, writer)
-        else:
-            nodes, failed = self._insert_evicting(plan, fill, writer)
+    def insert(self, plan: InsertPlan, fill: Fill | None, writer: str | None = None) -> "T | None":
+        """Commit `plan`, its pages written by `fill` (None: nothing to write): None once
+        committed, or fill's failure with nothing changed. Raises ReservationFailed (nothing
+        changed) when eviction cannot make room. `writer`: the peer whose transfer may still
+        write pages that fill holds."""
+        tree, hold = self.tree, None
+        got: Reserved = {}
+        if fill is not None:
+
+            def hold() -> None:
+                self.quarantine({k: sorted(v) for k, v in got.items() if v}, writer)
+                got.clear()
+
+        pb = tree.page_bytes
+        done = tree.insert_free(  # the common case: free pages cover it, so one step
+            plan.path,
+            plan.raw[plan.present_pages * pb : plan.pages * pb],
+            plan.keyer,
+            plan.todo,
+            DEVICE,
+            self.registry.device_allocators,
+            self.reserve_hook,
+            fill,
+            hold,
+            got,
+        )
+        if done is None:
+            done = self._insert_evicting(plan, fill, writer)
+        nodes, failed = done
         if failed is not None:
             return failed  # the reserved pages may be half written: freed (or held), never read
-        self.tree.touch(nodes)
         self._stats.inserted_pages += plan.pages - plan.present_pages
         self.tiers.after_insert(nodes[len(plan.path) :])
         return None
 
-    def _insert_free(
-        self, plan: InsertPlan, fill: Fill, writer: str | None
-    ) -> tuple[list[TreeNode], "T | None"]:
-        """The insert when free pages cover it, the common case: nothing is evicted, so
-        pages come straight off the free lists and the tree grows in one step; a failure
-        has only that step (its own undo) and the pages to give back. No transaction."""
-        registry, hook, undo = self.registry, self.reserve_hook, Undo()
-        allocators = registry.device_allocators
-        got: Reserved = {}
-
-        def hold() -> None:
-            self.quarantine({k: sorted(v) for k, v in got.items() if v}, writer)
-            got.clear()
-
-        try:
-            for pool, positions in plan.todo.items():
-                if hook is not None and positions:  # as Transaction.reserve calls it
-                    hook(pool, DEVICE)
-                got[(pool, DEVICE)] = allocators[pool].alloc(len(positions))
-            failed = fill(got, hold)
-            if failed is not None:
-                return [], failed
-            nodes = self.tree.grow(plan.path, *self._grown(plan, got), undo)
-            got.clear()  # placed: the tree owns them now
-            return nodes, None
-        except BaseException:
-            undo.rollback()
-            raise
-        finally:
-            for (pool, tier), pages in got.items():
-                registry[pool].tier(tier).allocator.free(pages)
-
     def _insert_evicting(
-        self, plan: InsertPlan, fill: Fill, writer: str | None
+        self, plan: InsertPlan, fill: Fill | None, writer: str | None
     ) -> tuple[list[TreeNode], "T | None"]:
         """The insert that must make room: one transaction reserves (evicting, its path
-        locked against that), fills and grows, whole or not at all."""
+        locked against that), fills and grows, whole or not at all; then touches the nodes
+        (as insert_free does)."""
         txn = self.transaction()
         guard = self._guard(plan.path, plan.keep)
         try:
             got = txn.reserve_all({(p, Tier.DEVICE): len(pos) for p, pos in plan.todo.items()})
             txn.seal()
-            failed = fill(
-                got, lambda: txn.rollback(hold=lambda pages: self.quarantine(pages, writer))
-            )
-            if failed is not None:
-                return [], failed
+            if fill is not None:
+                failed = fill(
+                    got, lambda: txn.rollback(hold=lambda pages: self.quarantine(pages, writer))
+                )
+                if failed is not None:
+                    return [], failed
             nodes = txn.grow(plan.path, *self._grown(plan, got))
             txn.commit()
         finally:
             txn.rollback()  # a no-op once committed: whatever failed, nothing stays half done
             self.unlock_nodes(guard)
+        self.tree.touch(nodes)
         return nodes, None
 
     def _grown(
@@ -208,24 +184,13 @@ class Inserts:
     ) -> tuple[TreeNode | None, list[bytes], bytes, Tier, list[Placement]]:
         """RadixTree.grow's arguments after the path: the new run (parent, keys, tokens)
         and where the reserved device pages go."""
-        tree, path, m = self.tree, plan.path, plan.present_pages
-        pb = tree.page_bytes
-        parent, keys, tokens = None, [], plan.raw[m * pb : plan.pages * pb]
-        if tokens:  # keys chain from the parent's last key, whatever position it ends at
-            parent = path[-1] if path else tree.root(plan.keyer.root)
-            keys = plan.keyer.chain(tokens, parent.keys[-1])
+        pb = self.tree.page_bytes
+        tokens = plan.raw[plan.present_pages * pb : plan.pages * pb]
+        parent, keys = self.tree.new_run(plan.path, tokens, plan.keyer)
         placements: list[Placement] = []
         for p, pos in plan.todo.items():
             placements.append((p, pos, got[(p, DEVICE)]))
         return parent, keys, tokens, DEVICE, placements
-
-    def _fits(self, todo: dict[PoolName, list[int]]) -> bool:
-        """Whether every pool has the free device pages `todo` asks for (no eviction needed)."""
-        allocators = self.registry.device_allocators
-        for pool, positions in todo.items():  # a loop: a generator costs a frame per put
-            if allocators[pool].free_count < len(positions):
-                return False
-        return True
 
     def _guard(self, path: list[TreeNode], keep: Mapping[PoolName, Sequence[int]]) -> NodeGuard:
         """Lock what an insert keeps of the existing path while it makes room."""

@@ -248,7 +248,7 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
                 self.tree.touch(plan.path)
                 return 0
             try:
-                self.insert(plan, _no_rows if kv is None else self._writer(plan, kv, first))
+                self.insert(plan, None if kv is None else self._writer(plan, kv, first))
             except ReservationFailed:
                 self._stats.put_failures += 1
                 return 0
@@ -366,7 +366,3 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
 
     def snapshot(self) -> tuple:
         return cache_snapshot(self)
-
-
-def _no_rows(got: dict[tuple[PoolName, Tier], list[int]], hold: Callable[[], None]) -> None:
-    """A put without rows (a cache of metadata only) has nothing to write."""

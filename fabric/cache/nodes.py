@@ -202,11 +202,13 @@ def set_pages(
     if current is None and len(offsets) == node.n:  # a whole run, in order
         node.slots[tier][pool] = list(pages)
     else:
-        if current is None:
-            current = node.slots[tier][pool] = [ABSENT] * node.n
+        slot = [ABSENT] * node.n if current is None else current
+        for off in offsets:  # every slot checked before any is written: all or nothing
+            assert slot[off] == ABSENT, (node, tier, pool, off)
         for off, index in zip(offsets, pages):
-            assert current[off] == ABSENT, (node, tier, pool, off)
-            current[off] = index
+            slot[off] = index
+        if current is None:
+            node.slots[tier][pool] = slot
     _count(node, tier, pool, len(pages), owned, protected)
 
 

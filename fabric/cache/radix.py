@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import weakref
 from types import ModuleType
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from . import native, nodes
 from .changes import ChangeLog
 from .layout import PoolName, Tier
-from .nodes import ABSENT, DEVICE, DEVICE_ONLY, TIERS, Counters, Placement, TreeNode
+from .nodes import ABSENT, DEVICE, DEVICE_ONLY, TIERS, Placement, TreeNode
+from .primitives import Allocator, Journal, Keyer, TreeOps, Undo
 
 __all__ = [
     "ABSENT",
@@ -39,99 +40,14 @@ __all__ = [
 ]
 
 
-class Journal(Protocol):
-    def record(self, undo: Callable[[], None]) -> None: ...
-
-    def dropped(self, pool: PoolName, tier: Tier, pages: list[int]) -> None: ...
-
-
-class TreeOps(Protocol):
-    """What nodes.py and the C extension `_radix` both export (see nodes.py)."""
-
-    TreeNode: Callable[[list[bytes], bytes, nodes.TreeNode | None, int], nodes.TreeNode]
-
-    def walk(
-        self, roots: dict[bytes, nodes.TreeNode], root_key: bytes, raw: bytes, step: int, /
-    ) -> tuple[list[nodes.TreeNode], int]: ...
-
-    def walk_keys(
-        self, by_first_key: dict[bytes, nodes.TreeNode], keys: list[bytes], /
-    ) -> tuple[list[nodes.TreeNode], int]: ...
-
-    def touch(self, nodes: Sequence[nodes.TreeNode], now: int, hit: bool, /) -> None: ...
-
-    def attach(
-        self,
-        parent: nodes.TreeNode,
-        keys: list[bytes],
-        tokens: bytes,
-        step: int,
-        by_first_key: dict[bytes, nodes.TreeNode],
-        clock: int,
-        /,
-    ) -> nodes.TreeNode: ...
-
-    def split(
-        self,
-        node: nodes.TreeNode,
-        k: int,
-        step: int,
-        by_first_key: dict[bytes, nodes.TreeNode],
-        /,
-    ) -> nodes.TreeNode: ...
-
-    def set_pages(
-        self,
-        node: nodes.TreeNode,
-        tier: Tier,
-        pool: PoolName,
-        offsets: Sequence[int],
-        pages: Sequence[int],
-        owned: Counters,
-        protected: Counters,
-        /,
-    ) -> None: ...
-
-    def clear_pages(
-        self,
-        node: nodes.TreeNode,
-        tier: Tier,
-        pool: PoolName,
-        offsets: Sequence[int],
-        owned: Counters,
-        protected: Counters,
-        /,
-    ) -> list[int]: ...
-
-    def lock(
-        self, nodes: Sequence[nodes.TreeNode], pool: PoolName, delta: int, protected: Counters, /
-    ) -> None: ...
-
-    def missing(
-        self,
-        path: Sequence[nodes.TreeNode],
-        positions: Sequence[int],
-        pool: PoolName,
-        tiers: Sequence[Tier],
-        /,
-    ) -> list[int]: ...
-
-    def place_runs(
-        self,
-        nodes: Sequence[nodes.TreeNode],
-        tier: Tier,
-        placements: Sequence[nodes.Placement],
-        owned: Counters,
-        protected: Counters,
-        /,
-    ) -> list[tuple[nodes.TreeNode, PoolName, list[int]]]: ...
-
-
 def _import() -> ModuleType:
     from . import _radix  # type: ignore[attr-defined]  # built C: mypy sees no source
 
     return _radix
 
+
+T = TypeVar("T")
+Reserved = dict[tuple[PoolName, Tier], list[int]]  # pages taken per (pool, tier)
 
 EXT: ModuleType | None = native.load(native.MODE, _import)
 ENABLED = EXT is not None
@@ -160,6 +76,21 @@ def unlink(roots: dict[bytes, TreeNode]) -> None:
 
 
 class RadixTree:
+    """The tree. On the native side an instance is a _NativeRadixTree, whose fields live in
+    C (`_radix.TreeState`) so that `insert_free` is one C call; the pure-Python tree keeps
+    them as plain attributes. The same methods serve both."""
+
+    def __new__(
+        cls,
+        page_bytes: int,
+        free_page: Callable[[PoolName, Tier, list[int]], None],
+        take_page: Callable[[PoolName, Tier, list[int]], None],
+        native: bool | None = None,
+    ) -> "RadixTree":
+        if cls is RadixTree and tree_ops(native) is not nodes:
+            cls = _NativeRadixTree
+        return super().__new__(cls)
+
     def __init__(
         self,
         page_bytes: int,
@@ -241,10 +172,14 @@ class RadixTree:
         self.node_count += 1
         self.page_count += len(keys)
         self.version += 1
-        if self.dirty is not None:
-            self.dirty.update((node, parent))
-        if self.changes is not None:
-            self.changes.touched(node, range(node.n))
+        try:
+            if self.dirty is not None:
+                self.dirty.update((node, parent))
+            if self.changes is not None:
+                self.changes.touched(node, range(node.n))
+        except BaseException:
+            self.detach(node, None)  # whole or not at all, as every step here
+            raise
         if journal is not None:
             journal.record(lambda: self.detach(node, None))
         return node
@@ -259,16 +194,16 @@ class RadixTree:
         self.node_count -= 1
         self.page_count -= node.n
         self.version += 1
+        if parent.is_root and not parent.children:
+            del self.roots[parent.keys[0]]
+        if journal is not None:  # before the records below, whatever they raise
+            journal.record(lambda: self._reattach(node))
         if (dirty := self.dirty) is not None:
             dirty.update((node, parent))
             if len(dirty) > 2 * self.node_count + 1024:  # untaken for long: stop holding nodes
                 self.dirty = None
         if self.changes is not None:
             self.changes.left(node)
-        if parent.is_root and not parent.children:
-            del self.roots[parent.keys[0]]
-        if journal is not None:
-            journal.record(lambda: self._reattach(node))
 
     def _reattach(self, node: TreeNode) -> None:
         if self.changes is not None:
@@ -326,12 +261,6 @@ class RadixTree:
             if keys:
                 self.detach(nodes[-1], None)
             raise
-        if (dirty := self.dirty) is not None:
-            for node, _, _ in given:  # a loop: a generator costs a frame per insert
-                dirty.add(node)
-        if (changes := self.changes) is not None:
-            for node, _, offsets in given:
-                changes.touched(node, offsets)
         if journal is not None:
 
             def undo() -> None:
@@ -341,7 +270,71 @@ class RadixTree:
                     self.detach(nodes[-1], None)
 
             journal.record(undo)
+        if (dirty := self.dirty) is not None:
+            for node, _, _ in given:  # a loop: a generator costs a frame per insert
+                dirty.add(node)
+        if (changes := self.changes) is not None:
+            for node, _, offsets in given:
+                changes.touched(node, offsets)
         return nodes
+
+    def new_run(
+        self, path: list[TreeNode], tokens: bytes, keyer: Keyer
+    ) -> tuple[TreeNode | None, list[bytes]]:
+        """The parent and keys of a new run of `tokens` below `path`'s end (none for no
+        tokens): keys chain from the parent's last key, whatever position it ends at."""
+        if not tokens:
+            return None, []
+        parent = path[-1] if path else self.root(keyer.root)
+        return parent, keyer.chain(tokens, parent.keys[-1])
+
+    def insert_free(
+        self,
+        path: list[TreeNode],
+        tokens: bytes,
+        keyer: Keyer,
+        todo: Mapping[PoolName, Sequence[int]],
+        tier: Tier,
+        allocators: Mapping[PoolName, Allocator],
+        hook: Callable[[PoolName, Tier], None] | None,
+        fill: Callable[[Reserved, Any], T | None] | None,
+        hold: Callable[[], None] | None,
+        got: Reserved,
+    ) -> tuple[list[TreeNode], T | None] | None:
+        """An insert on free pages, the common case, whole or not at all; the native tree
+        does it in one C call (csrc/insert.c). None, with nothing done, where an allocator
+        lacks the free pages `todo` (positions per pool) asks of it. Otherwise: take them
+        into `got` (calling `hook(pool, tier)` first, as a reservation does), `fill(got,
+        hold)` them, grow the tree by the run of `tokens` below the path's end (keys chained
+        by `keyer`) with each pool's pages at its positions, and touch the nodes. Returns
+        (nodes, None), or ([], failure) where fill returns one; on a failure or an
+        exception the tree is as before and the pages left in `got` are freed (hold()
+        empties it first where a transfer may still write them)."""
+        for pool, positions in todo.items():  # loops: a comprehension costs a frame
+            if allocators[pool].free_count < len(positions):
+                return None
+        undo = Undo()
+        try:
+            for pool, positions in todo.items():
+                if hook is not None and positions:
+                    hook(pool, tier)
+                got[(pool, tier)] = allocators[pool].alloc(len(positions))
+            if fill is not None and (failed := fill(got, hold)) is not None:
+                return [], failed
+            parent, keys = self.new_run(path, tokens, keyer)
+            placements = []
+            for pool, positions in todo.items():
+                placements.append((pool, positions, got[(pool, tier)]))
+            nodes = self.grow(path, parent, keys, tokens, tier, placements, undo)
+            self.touch(nodes)
+            got.clear()  # placed: the tree owns them now
+            return nodes, None
+        except BaseException:
+            undo.rollback()
+            raise
+        finally:
+            for (pool, _), pages in got.items():
+                allocators[pool].free(pages)
 
     # --- pages -----------------------------------------------------------------------
     def set_pages(
@@ -404,3 +397,12 @@ class RadixTree:
         if self.dirty is not None:
             self.dirty.update(nodes)
         self._ops.lock(nodes, pool, delta, self.protected)
+
+
+if EXT is not None:
+    _TreeState: Any = EXT.TreeState  # built C: mypy sees no source
+
+    class _NativeRadixTree(RadixTree, _TreeState):
+        """RadixTree with its fields in C, where insert_free is one call."""
+
+        insert_free = _TreeState.insert_free

@@ -31,7 +31,7 @@ from tests.kvgen import prefix_kv
 NS = "a"
 S = Step
 OPS = {
-    "put": (S.RESERVE, S.EVICT, S.COPY, S.DEFER_COPY, S.GROW, S.PLACE, S.COMMIT),
+    "put": (S.RESERVE, S.EVICT, S.COPY, S.DEFER_COPY, S.GROW, S.PLACE, S.COMMIT, S.WRITE, S.KEYS),
     "get": (S.RESERVE, S.EVICT, S.COPY, S.DEFER_COPY, S.PLACE, S.COMMIT),
     "export": (S.RESERVE, S.EVICT, S.COPY, S.DEFER_COPY, S.PLACE, S.COMMIT, S.LEASE, S.CHECKSUM),
     "import": (
@@ -42,6 +42,7 @@ OPS = {
         S.GROW,
         S.PLACE,
         S.COMMIT,
+        S.KEYS,
         S.READ,
         S.CHECKSUM,
     ),

@@ -24,6 +24,22 @@ extern PyMethodDef node_functions[]; /* live_nodes(): the module adds them besid
 
 #define IS_NODE(o) (Py_TYPE(o) == &NodeType)
 
+/* RadixTree's own fields (state.c): the native RadixTree derives from this type, so
+ * insert.c keeps its counters, containers and logs in place. A NULL object field reads as
+ * None. The pure-Python RadixTree has the same attributes in its __dict__. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t page_bytes;
+    long long clock, node_count, page_count, version;
+    PyObject *roots;        /* dict[bytes, TreeNode]: namespace root key -> root */
+    PyObject *by_first_key; /* dict[bytes, TreeNode]: a node's first page's key -> node */
+    PyObject *owned, *protected; /* [tier][pool] page counters */
+    PyObject *changes;      /* ChangeLog or None */
+    PyObject *dirty;        /* set[TreeNode] or None */
+} TreeState;
+
+extern PyTypeObject TreeStateType;
+
 /* A new node as TreeNode(keys, tokens, parent, start) makes it (keys is kept, not copied). */
 Node *node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long start);
 /* The run's page count (0 for a namespace root); -1 with an error set. */
@@ -65,5 +81,9 @@ PyObject *walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *split(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+/* attach()'s work: the new child of `parent`, in its children and in by_first_key. */
+Node *attach_node(Node *parent, PyObject *keys, PyObject *tokens, Py_ssize_t step,
+                  PyObject *by_first_key, long long clock);
+PyObject *insert_free(TreeState *tree, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

@@ -29,26 +29,30 @@ int give_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *
         PyObject *copy = untrack_leaf(PySequence_List(pages));
         if (copy == NULL || PyList_SetItem(row, p, copy) < 0) return -1;
     } else {
-        if (current == Py_None) {
+        int fresh = current == Py_None;
+        if (fresh) {
             current = PyList_New(n);
             if (current == NULL) return -1;
             for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(current, i, Py_NewRef(ABSENT_PAGE));
             untrack_leaf(current);
-            if (PyList_SetItem(row, p, current) < 0) return -1;
+        } else {
+            Py_INCREF(current);
         }
-        Py_INCREF(current);
-        for (Py_ssize_t i = 0; i < at && i < given; i++) {
+        int err = 0;
+        for (Py_ssize_t i = 0; !err && i < at; i++) { /* every slot checked before any is written */
             PyObject *off = PySequence_Fast_GET_ITEM(offsets, i);
             PyObject *was = PyObject_GetItem(current, off);
             int absent = was ? is_absent(was) : -1;
             Py_XDECREF(was);
             if (absent == 0) fail_assert(Py_BuildValue("(OOOO)", node, tier, pool, off));
-            if (absent <= 0 || PyObject_SetItem(current, off, PySequence_Fast_GET_ITEM(pages, i)) < 0) {
-                Py_DECREF(current);
-                return -1;
-            }
+            err = absent <= 0;
         }
+        for (Py_ssize_t i = 0; !err && i < at && i < given; i++)
+            err = PyObject_SetItem(current, PySequence_Fast_GET_ITEM(offsets, i),
+                                   PySequence_Fast_GET_ITEM(pages, i)) < 0;
+        if (!err && fresh) err = PyList_SetItem(row, p, Py_NewRef(current)) < 0;
         Py_DECREF(current);
+        if (err) return -1;
     }
     return count(node, t, p, given, owned, protected);
 }
@@ -179,11 +183,12 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__radix(void) {
-    if (PyType_Ready(&NodeType) < 0) return NULL;
+    if (PyType_Ready(&NodeType) < 0 || PyType_Ready(&TreeStateType) < 0) return NULL;
     ABSENT_PAGE = PyLong_FromLong(-1), ZERO = PyLong_FromLong(0);
     PyObject *m = ABSENT_PAGE && ZERO ? PyModule_Create(&module) : NULL;
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "TreeNode", (PyObject *)&NodeType) < 0 ||
+        PyModule_AddObjectRef(m, "TreeState", (PyObject *)&TreeStateType) < 0 ||
         PyModule_AddFunctions(m, node_functions) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -178,17 +178,13 @@ PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
-/* attach(parent, keys, tokens, step, by_first_key, clock) -> the new child of `parent` */
-PyObject *attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    ARGS(6, "attach");
-    Node *parent = as_node(args[0]);
-    PyObject *keys = args[1], *tokens = args[2], *by_first_key = args[4];
-    Py_ssize_t step = PyLong_AsSsize_t(args[3]);
-    long long clock = PyLong_AsLongLong(args[5]);
-    if (parent == NULL || PyErr_Occurred()) return NULL;
+Node *attach_node(Node *parent, PyObject *keys, PyObject *tokens, Py_ssize_t step,
+                  PyObject *by_first_key, long long clock) {
     if (!PyList_Check(keys) || PyList_GET_SIZE(keys) == 0 || !PyBytes_Check(tokens) ||
-        !PyDict_Check(by_first_key) || step <= 0)
-        return PyErr_Format(PyExc_TypeError, "attach(node, non-empty list, bytes, step > 0, dict, clock)");
+        !PyDict_Check(by_first_key) || step <= 0) {
+        PyErr_SetString(PyExc_TypeError, "attach(node, non-empty list, bytes, step > 0, dict, clock)");
+        return NULL;
+    }
     Node *node = node_new(keys, tokens, (PyObject *)parent, parent->end);
     if (node == NULL) return NULL;
     node->last_access = clock;
@@ -197,7 +193,17 @@ PyObject *attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     Py_XDECREF(first);
     err = err || PyDict_SetItem(by_first_key, PyList_GET_ITEM(keys, 0), (PyObject *)node) < 0;
     if (err) Py_CLEAR(node);
-    return (PyObject *)node;
+    return node;
+}
+
+/* attach(parent, keys, tokens, step, by_first_key, clock) -> the new child of `parent` */
+PyObject *attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(6, "attach");
+    Node *parent = as_node(args[0]);
+    Py_ssize_t step = PyLong_AsSsize_t(args[3]);
+    long long clock = PyLong_AsLongLong(args[5]);
+    if (parent == NULL || PyErr_Occurred()) return NULL;
+    return (PyObject *)attach_node(parent, args[1], args[2], step, args[4], clock);
 }
 
 static PyObject *none_if_empty(PyObject *pages) {

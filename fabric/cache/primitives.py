@@ -1,0 +1,132 @@
+"""The primitives a radix tree is built from, as both implementations export them: the
+pure-Python reference (nodes.py) and the C extension `_radix`. RadixTree (radix.py) calls
+whichever it was given through this interface; and the journal, keyer and allocator it is
+handed."""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+from . import nodes
+from .layout import PoolName, Tier
+from .nodes import Counters
+
+
+class TreeOps(Protocol):
+    """What nodes.py and the C extension `_radix` both export (see nodes.py)."""
+
+    TreeNode: Callable[[list[bytes], bytes, nodes.TreeNode | None, int], nodes.TreeNode]
+
+    def walk(
+        self, roots: dict[bytes, nodes.TreeNode], root_key: bytes, raw: bytes, step: int, /
+    ) -> tuple[list[nodes.TreeNode], int]: ...
+
+    def walk_keys(
+        self, by_first_key: dict[bytes, nodes.TreeNode], keys: list[bytes], /
+    ) -> tuple[list[nodes.TreeNode], int]: ...
+
+    def touch(self, nodes: Sequence[nodes.TreeNode], now: int, hit: bool, /) -> None: ...
+
+    def attach(
+        self,
+        parent: nodes.TreeNode,
+        keys: list[bytes],
+        tokens: bytes,
+        step: int,
+        by_first_key: dict[bytes, nodes.TreeNode],
+        clock: int,
+        /,
+    ) -> nodes.TreeNode: ...
+
+    def split(
+        self,
+        node: nodes.TreeNode,
+        k: int,
+        step: int,
+        by_first_key: dict[bytes, nodes.TreeNode],
+        /,
+    ) -> nodes.TreeNode: ...
+
+    def set_pages(
+        self,
+        node: nodes.TreeNode,
+        tier: Tier,
+        pool: PoolName,
+        offsets: Sequence[int],
+        pages: Sequence[int],
+        owned: Counters,
+        protected: Counters,
+        /,
+    ) -> None: ...
+
+    def clear_pages(
+        self,
+        node: nodes.TreeNode,
+        tier: Tier,
+        pool: PoolName,
+        offsets: Sequence[int],
+        owned: Counters,
+        protected: Counters,
+        /,
+    ) -> list[int]: ...
+
+    def lock(
+        self, nodes: Sequence[nodes.TreeNode], pool: PoolName, delta: int, protected: Counters, /
+    ) -> None: ...
+
+    def missing(
+        self,
+        path: Sequence[nodes.TreeNode],
+        positions: Sequence[int],
+        pool: PoolName,
+        tiers: Sequence[Tier],
+        /,
+    ) -> list[int]: ...
+
+    def place_runs(
+        self,
+        nodes: Sequence[nodes.TreeNode],
+        tier: Tier,
+        placements: Sequence[nodes.Placement],
+        owned: Counters,
+        protected: Counters,
+        /,
+    ) -> list[tuple[nodes.TreeNode, PoolName, list[int]]]: ...
+
+
+class Journal(Protocol):
+    def record(self, undo: Callable[[], None]) -> None: ...
+
+    def dropped(self, pool: PoolName, tier: Tier, pages: list[int]) -> None: ...
+
+
+class Undo(list):
+    """The journal of a step that evicts nothing (insert_free's grow): undone newest first."""
+
+    record = list.append  # (undo: Callable[[], None]); no Python frame per insert
+
+    def dropped(self, pool: PoolName, tier: Tier, pages: list[int]) -> None:
+        raise AssertionError("a step on free pages freed tree pages")
+
+    def rollback(self) -> None:
+        while self:
+            self.pop()()
+
+
+class Keyer(Protocol):
+    """What insert_free asks of a namespace's PageKeyer."""
+
+    root: bytes
+
+    def chain(self, raw: bytes, prev: bytes | None = None) -> list[bytes]: ...
+
+
+class Allocator(Protocol):
+    """What insert_free asks of a pool's allocator (allocator.py, or the C one)."""
+
+    @property
+    def free_count(self) -> int: ...
+
+    def alloc(self, n: int) -> list[int]: ...
+
+    def free(self, pages: list[int]) -> None: ...
