@@ -325,3 +325,17 @@ def _count(
 
 def _none_if_empty(pages: list[int]) -> list[int] | None:
     return None if pages.count(ABSENT) == len(pages) else pages
+
+
+def unlink(roots: dict[bytes, TreeNode]) -> None:
+    """Break the parent <-> children cycles of a tree that goes away: no collection would,
+    as the C nodes stay out of the garbage collector (issue #14). Every node loses its
+    children and its parent, so each is then freed on its own, none through a chain. Nodes
+    held elsewhere (a Match's path, a journal, the change log) stay valid objects, with no
+    parent or children. Iterative: trees are deep."""
+    stack = list(roots.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        node.children.clear()
+        node.parent = None

@@ -61,20 +61,6 @@ def tree_ops(native: bool | None = None) -> TreeOps:
     return ops
 
 
-def unlink(roots: dict[bytes, TreeNode]) -> None:
-    """Break the parent <-> children cycles of a tree that goes away: no collection would,
-    as the C nodes stay out of the garbage collector (issue #14). Every node loses its
-    children and its parent, so each is then freed on its own, none through a chain. Nodes
-    held elsewhere (a Match's path, a journal, the change log) stay valid objects, with no
-    parent or children. Iterative: trees are deep."""
-    stack = list(roots.values())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        node.children.clear()
-        node.parent = None
-
-
 class RadixTree:
     """The tree. On the native side an instance is a _NativeRadixTree, whose fields live in
     C (`_radix.TreeState`) so that `insert_free` is one C call; the pure-Python tree keeps
@@ -115,7 +101,7 @@ class RadixTree:
         self.dirty: set[TreeNode] | None = None
         # Both trees, one path: the Python nodes would be collected anyway. Not at exit,
         # where the process frees everything at once.
-        weakref.finalize(self, unlink, self.roots).atexit = False
+        weakref.finalize(self, nodes.unlink, self.roots).atexit = False
 
     @property
     def native(self) -> bool:

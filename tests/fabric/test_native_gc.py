@@ -1,7 +1,7 @@
 """The C tree and Python's garbage collector (issue #14): no C TreeNode, children dict,
 key, slot or lock list, nor the tree's `by_first_key` and `roots`, is in the collector's
 tracked set; a tree that goes away breaks its parent <-> children cycles itself
-(radix.unlink), so its nodes are freed by reference counting; and freeing a long chain
+(nodes.unlink), so its nodes are freed by reference counting; and freeing a long chain
 of nodes does not recurse once per node."""
 
 import gc
