@@ -66,13 +66,8 @@ class RadixTree:
     C (`_radix.TreeState`) so that `insert_free` is one C call; the pure-Python tree keeps
     them as plain attributes. The same methods serve both."""
 
-    def __new__(
-        cls,
-        page_bytes: int,
-        free_page: Callable[[PoolName, Tier, list[int]], None],
-        take_page: Callable[[PoolName, Tier, list[int]], None],
-        native: bool | None = None,
-    ) -> "RadixTree":
+    def __new__(cls, *args: object, native: bool | None = None, **kwargs: object) -> "RadixTree":
+        """The native tree or the Python one, as __init__'s `native` asks."""
         if cls is RadixTree and tree_ops(native) is not nodes:
             cls = _NativeRadixTree
         return super().__new__(cls)
@@ -82,6 +77,7 @@ class RadixTree:
         page_bytes: int,
         free_page: Callable[[PoolName, Tier, list[int]], None],
         take_page: Callable[[PoolName, Tier, list[int]], None],
+        *,
         native: bool | None = None,
     ) -> None:
         self.page_bytes = page_bytes
