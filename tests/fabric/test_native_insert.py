@@ -275,3 +275,25 @@ def test_a_placement_onto_a_held_page_writes_none_of_its_pages(native):
         tree.set_pages(node, Tier.DEVICE, PoolName.SWA, [0, 9], [4, 5], None)
     assert tree_state(tree) == before
     assert node.slots[Tier.DEVICE][PoolName.SWA] is None
+
+
+class ShortKeyer:
+    """A keyer that keys a run shorter than a page (ours never does): edge input."""
+
+    root = b"r"
+
+    def chain(self, raw: bytes, prev: bytes | None = None) -> list[bytes]:
+        return [b"k"]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_failed_placement_under_a_short_run_undoes_it_whole(native):
+    tree = RadixTree(4, lambda *a: None, lambda *a: None, native=native)
+    alloc = PageAllocator(4, native=False)
+    with pytest.raises(AssertionError):  # position 5 lies past the one-key run
+        tree.insert_free(
+            [], b"ab", ShortKeyer(), {PoolName.FULL: [5]}, Tier.DEVICE,
+            {PoolName.FULL: alloc}, None, None, None, {},
+        )  # fmt: skip
+    assert (tree.node_count, tree.page_count, tree.roots, tree.by_first_key) == (0, 0, {}, {})
+    assert alloc.free_count == 4

@@ -93,7 +93,9 @@ static Node *attach_counted(TreeState *tree, Node *parent, PyObject *keys, PyObj
 static int detach(TreeState *tree, Node *node) {
     Node *parent = (Node *)node->parent;
     Py_ssize_t n = node_n(node);
-    PyObject *first = PyBytes_FromStringAndSize(PyBytes_AS_STRING(node->tokens), tree->page_bytes);
+    Py_ssize_t size = PyBytes_GET_SIZE(node->tokens); /* tokens[:page_bytes], clamped */
+    PyObject *first = PyBytes_FromStringAndSize(PyBytes_AS_STRING(node->tokens),
+                                                size < tree->page_bytes ? size : tree->page_bytes);
     int err = first == NULL || PyDict_DelItem(parent->children, first) < 0 ||
               PyDict_DelItem(tree->by_first_key, PyList_GET_ITEM(node->keys, 0)) < 0;
     Py_XDECREF(first);
