@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
 from .keys import PageKeyer, encode_tokens
 from .layout import PoolName, Tier
-from .radix import DEVICE, DEVICE_ONLY, TIERS, Placement, Reserved, TreeNode
+from .radix import DEVICE, DEVICE_ONLY, TIERS, Placement, Reserved, TreeNode, placements
 from .records import NodeGuard
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ Fill = Callable[[Reserved, Callable[[], None]], "T | None"]
 @dataclass(slots=True)  # one is made per put
 class InsertPlan:
     keyer: PageKeyer
-    raw: bytes  # the packed tokens: the stored pages are its first `pages`
+    tokens: bytes  # the new run's token bytes: pages present_pages to pages, packed
     path: list[TreeNode]  # what the tree has of them, split at `present_pages`
     present_pages: int  # pages already in the tree
     pages: int  # pages stored once the insert commits
@@ -117,7 +117,8 @@ class Inserts:
         for p, pos in keep.items():
             todo[p] = lacking = tree.missing(path, pos, p, present)
             empty = empty and not lacking
-        return InsertPlan(keyer, raw, path, m, n, keep, todo, empty)
+        pb = tree.page_bytes
+        return InsertPlan(keyer, raw[m * pb : n * pb], path, m, n, keep, todo, empty)
 
     def insert(self, plan: InsertPlan, fill: Fill | None, writer: str | None = None) -> "T | None":
         """Commit `plan`, its pages written by `fill` (None: nothing to write): None once
@@ -132,10 +133,9 @@ class Inserts:
                 self.quarantine({k: sorted(v) for k, v in got.items() if v}, writer)
                 got.clear()
 
-        pb = tree.page_bytes
         done = tree.insert_free(  # the common case: free pages cover it, so one step
             plan.path,
-            plan.raw[plan.present_pages * pb : plan.pages * pb],
+            plan.tokens,
             plan.keyer,
             plan.todo,
             DEVICE,
@@ -184,13 +184,8 @@ class Inserts:
     ) -> tuple[TreeNode | None, list[bytes], bytes, Tier, list[Placement]]:
         """RadixTree.grow's arguments after the path: the new run (parent, keys, tokens)
         and where the reserved device pages go."""
-        pb = self.tree.page_bytes
-        tokens = plan.raw[plan.present_pages * pb : plan.pages * pb]
-        parent, keys = self.tree.new_run(plan.path, tokens, plan.keyer)
-        placements: list[Placement] = []
-        for p, pos in plan.todo.items():
-            placements.append((p, pos, got[(p, DEVICE)]))
-        return parent, keys, tokens, DEVICE, placements
+        parent, keys = self.tree.new_run(plan.path, plan.tokens, plan.keyer)
+        return parent, keys, plan.tokens, DEVICE, placements(plan.todo, DEVICE, got)
 
     def _guard(self, path: list[TreeNode], keep: Mapping[PoolName, Sequence[int]]) -> NodeGuard:
         """Lock what an insert keeps of the existing path while it makes room."""

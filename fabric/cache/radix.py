@@ -53,6 +53,16 @@ EXT: ModuleType | None = native.load(native.MODE, _import)
 ENABLED = EXT is not None
 
 
+def placements(
+    todo: Mapping[PoolName, Sequence[int]], tier: Tier, got: Reserved
+) -> list[Placement]:
+    """RadixTree.grow's placements: each pool's positions with the pages taken for them."""
+    out: list[Placement] = []
+    for pool, positions in todo.items():  # a loop: a comprehension costs a frame
+        out.append((pool, positions, got[(pool, tier)]))
+    return out
+
+
 def tree_ops(native: bool | None = None) -> TreeOps:
     """The C primitives (native None or True) or the Python reference (False or no build)."""
     if native and EXT is None:
@@ -304,10 +314,8 @@ class RadixTree:
             if fill is not None and (failed := fill(got, hold)) is not None:
                 return [], failed
             parent, keys = self.new_run(path, tokens, keyer)
-            placements = []
-            for pool, positions in todo.items():
-                placements.append((pool, positions, got[(pool, tier)]))
-            nodes = self.grow(path, parent, keys, tokens, tier, placements, undo)
+            given = placements(todo, tier, got)
+            nodes = self.grow(path, parent, keys, tokens, tier, given, undo)
             self.touch(nodes)
             got.clear()  # placed: the tree owns them now
             return nodes, None
