@@ -289,6 +289,7 @@ def place_runs(
         for pool, positions, pages in placements:
             if len(positions) != len(pages):
                 raise ValueError(f"{len(positions)} positions for {len(pages)} pages")
+            _check_rising(positions)
             i = 0
             for node in nodes:
                 j = bisect_left(positions, node.end, i)
@@ -313,6 +314,16 @@ def place_runs(
             clear_pages(node, tier, pool, offsets, owned, protected)
         raise
     return done
+
+
+def _check_rising(positions: Sequence[int]) -> None:
+    """Positions must rise strictly: a repeated one would put two pages in one slot (one of
+    them then owned by no one), and the node search assumes them sorted."""
+    if type(positions) is range and positions.step > 0:
+        return
+    for k in range(1, len(positions)):
+        if positions[k] <= positions[k - 1]:
+            raise ValueError(f"positions must rise: {positions[k - 1]} then {positions[k]}")
 
 
 def _count(

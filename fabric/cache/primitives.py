@@ -5,7 +5,7 @@ handed."""
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from . import nodes
 from .layout import PoolName, Tier
@@ -130,3 +130,19 @@ class Allocator(Protocol):
     def alloc(self, n: int) -> list[int]: ...
 
     def free(self, pages: list[int]) -> None: ...
+
+
+def free_all(
+    got: Mapping[tuple[PoolName, Tier], list[int]], allocators: Mapping[PoolName, Allocator]
+) -> None:
+    """Each pool's pages in `got` back to its allocator. A free that raises keeps no other
+    pool's pages from theirs: the first error is raised once every free was tried."""
+    error: BaseException | None = None
+    for (pool, _), pages in got.items():
+        try:
+            allocators[pool].free(pages)
+        except BaseException as e:
+            if error is None:
+                error = e
+    if error is not None:
+        raise error

@@ -25,7 +25,7 @@ from . import native, nodes
 from .changes import ChangeLog
 from .layout import PoolName, Tier
 from .nodes import ABSENT, DEVICE, DEVICE_ONLY, TIERS, Placement, TreeNode
-from .primitives import Allocator, Journal, Keyer, TreeOps, Undo
+from .primitives import Allocator, Journal, Keyer, TreeOps, Undo, free_all
 
 __all__ = [
     "ABSENT",
@@ -323,8 +323,7 @@ class RadixTree:
             undo.rollback()
             raise
         finally:
-            for (pool, _), pages in got.items():
-                allocators[pool].free(pages)
+            free_all(got, allocators)
 
     # --- pages -----------------------------------------------------------------------
     def set_pages(

@@ -1,10 +1,11 @@
 """RadixTree.insert_free, one C call on the native tree (csrc/insert.c), against its
 pure-Python reference, on twin trees driven through the same random inserts. A failure is
-injected at any call it makes out (the reservation hook, an allocator's free_count and
-alloc, the fill, the keyer's chain, the change log's touched and left), with any
-exception type. Outcomes, whole-tree state, allocators, `got`, the change log and the dirty
-set must agree exactly; an insert that fails, raises or finds no room leaves the tree and
-the allocators as they were (but for pages its fill held)."""
+injected at any call it makes out (the reservation hook, an allocator's free_count, alloc
+and free, the fill, the keyer's chain, the change log's touched and left), with any
+exception type, and positions that do not rise are given. Outcomes, whole-tree state,
+allocators, `got`, the change log and the dirty set must agree exactly; an insert that
+fails, raises or finds no room leaves the tree and the allocators as they were (but for
+pages its fill held, and those a failing free did not take back)."""
 
 import random
 
@@ -49,8 +50,9 @@ class Faults:
 class Allocator:
     """A real allocator, its every call a failure point."""
 
-    def __init__(self, faults: Faults) -> None:
-        self.real, self.faults = PageAllocator(CAPACITY, native=False), faults
+    def __init__(self, faults: Faults, refused: list) -> None:
+        self.real = PageAllocator(CAPACITY, native=False)
+        self.faults, self.refused = faults, refused
 
     @property
     def free_count(self) -> int:
@@ -62,8 +64,11 @@ class Allocator:
         return self.real.alloc(n)
 
     def free(self, pages: list[int]) -> None:
-        # Not a failure point: an allocator that cannot take its own pages back leaks them,
-        # whatever the caller does.
+        try:
+            self.faults.step("free")
+        except BaseException:
+            self.refused.append((self, list(pages)))  # not taken back: these stay used
+            raise
         self.real.free(pages)
 
 
@@ -95,7 +100,8 @@ class Side:
         self.faults = Faults()
         self.tree = RadixTree(PAGE * 4, lambda *a: None, lambda *a: None, native=native)
         assert self.tree.native is native
-        self.allocators = {p: Allocator(self.faults) for p in PoolName}
+        self.refused: list[tuple[Allocator, list[int]]] = []
+        self.allocators = {p: Allocator(self.faults, self.refused) for p in PoolName}
         self.tree.changes = Log(self.faults) if events else None
         self.tree.dirty = set() if dirty else None
         self.keyers = {ns: Keyer(PageKeyer(ns, b"layout", PAGE), self.faults) for ns in "ab"}
@@ -154,13 +160,20 @@ class Side:
 
     def whole(self) -> tuple:
         """What a failed insert must leave as it was: the tree (an empty namespace root
-        it made may stay) and the pages taken, counting those its fill held."""
+        it made may stay) and the pages taken, counting neither those its fill held nor
+        those a failing free did not take back."""
         state = tree_state(self.tree)
         roots = [r for r in state[1] if r[1][9]]  # roots with children
+        return (state[0], roots, *state[2:]), self.used()
+
+    def used(self) -> dict:
+        """Each pool's pages in use but for those held or refused: the tree's own."""
         used = {p: set(a.real.used_indices()) for p, a in self.allocators.items()}
         for (pool, _), pages in self.held:
             used[pool] -= set(pages)
-        return (state[0], roots, *state[2:]), used
+        for alloc, pages in self.refused:
+            used[next(p for p, a in self.allocators.items() if a is alloc)] -= set(pages)
+        return used
 
 
 def outcome(fn):
@@ -189,10 +202,11 @@ class TwinInserts(RuleBasedStateMachine):
         swa=st.lists(st.integers(0, 7), unique=True),
         fill=st.sampled_from(FILLS),
         hook=st.booleans(),
-        at=st.integers(0, 14),
+        at=st.integers(0, 16),
         exc=st.sampled_from(EXCEPTIONS),
+        disorder=st.sampled_from(["", "repeat", "fall"]),
     )
-    def insert(self, ns, i, length, full, swa, fill, hook, at, exc):
+    def insert(self, ns, i, length, full, swa, fill, hook, at, exc, disorder):
         tokens = self.seqs[i][:length]
         # None: every new page (a put); a list: any positions (pages held already fail
         # the placement, which must undo itself)
@@ -208,6 +222,11 @@ class TwinInserts(RuleBasedStateMachine):
             if t[PoolName.FULL] is None:
                 t[PoolName.FULL] = list(range(m, len(tokens)))
             t = {p: [x for x in pos if x < len(tokens)] for p, pos in t.items()}
+            swa_at = t[PoolName.SWA]
+            if disorder == "repeat" and swa_at:  # two pages for one slot: refused whole
+                swa_at.append(swa_at[-1])
+            elif disorder == "fall":
+                swa_at.reverse()
             side.faults.arm(at, exc)
             outs.append(outcome(lambda: side.insert(ns, tokens, path, m, t, fill, hook)))
             side.faults.arm(0, exc)
@@ -220,10 +239,7 @@ class TwinInserts(RuleBasedStateMachine):
         for side, was in zip(self.sides, before):
             if not committed:
                 assert side.whole() == was  # nothing half done
-            assert side.tree.owned[Tier.DEVICE] == [
-                len(a.real.used_indices()) - sum(len(p) for (q, _), p in side.held if q is pool)
-                for pool, a in side.allocators.items()
-            ]
+            assert side.tree.owned[Tier.DEVICE] == [len(u) for u in side.used().values()]
 
 
 TestTwinInserts = TwinInserts.TestCase
@@ -297,3 +313,20 @@ def test_a_failed_placement_under_a_short_run_undoes_it_whole(native):
         )  # fmt: skip
     assert (tree.node_count, tree.page_count, tree.roots, tree.by_first_key) == (0, 0, {}, {})
     assert alloc.free_count == 4
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("positions", [[0, 0], [1, 0], [0, 2, 1]])
+def test_positions_that_do_not_rise_are_refused_whole(native, positions):
+    """A repeated position would put two pages in one slot, one of them then owned by no
+    one; a falling one defeats the search for its node."""
+    tree = RadixTree(4, lambda *a: None, lambda *a: None, native=native)
+    allocs = {p: PageAllocator(4, native=False) for p in PoolName}
+    todo = {PoolName.FULL: [0, 1, 2], PoolName.SWA: positions}
+    with pytest.raises(ValueError, match="positions must rise"):
+        tree.insert_free(
+            [], b"\x01\0\0\0" * 3, PageKeyer("a", b"layout", 1), todo, Tier.DEVICE,
+            allocs, None, None, None, {},
+        )  # fmt: skip
+    assert (tree.node_count, tree.page_count, tree.by_first_key) == (0, 0, {})
+    assert all(a.free_count == 4 for a in allocs.values())

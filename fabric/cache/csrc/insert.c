@@ -190,21 +190,23 @@ static int take(PyObject *todo, PyObject *tier, PyObject *allocators, PyObject *
     return 0;
 }
 
-/* The finally: pages left in `got` back to their allocators. A free that fails raises in
- * place of the error in flight, as a Python finally does. */
+/* The finally: pages left in `got` back to their allocators (primitives.free_all). A free
+ * that fails keeps no other pool's pages from theirs; the first error raises once every
+ * free was tried, in place of the error in flight, as a Python finally does. */
 static int free_left(PyObject *got, PyObject *allocators) {
     Py_ssize_t at = 0;
-    PyObject *key, *pages;
+    PyObject *key, *pages, *type = NULL, *value = NULL, *tb = NULL;
     while (PyDict_Next(got, &at, &key, &pages)) {
         PyObject *alloc = PyTuple_Check(key) && PyTuple_GET_SIZE(key) == 2
                               ? PyDict_GetItemWithError(allocators, PyTuple_GET_ITEM(key, 0)) : NULL;
-        if (alloc == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
-            return -1;
-        }
-        if (call_none(alloc, S_free, pages, NULL) < 0) return -1;
+        if (alloc == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+        if (alloc != NULL && call_none(alloc, S_free, pages, NULL) == 0) continue;
+        if (type == NULL) PyErr_Fetch(&type, &value, &tb);
+        else PyErr_Clear();
     }
-    return 0;
+    if (type == NULL) return 0;
+    PyErr_Restore(type, value, tb);
+    return -1;
 }
 
 /* The new run's parent (borrowed) and keys (new reference), as RadixTree.new_run. */

@@ -165,6 +165,11 @@ static int place_one(PyObject *nodes, PyObject *tier, PyObject *placement, PyObj
         PyErr_Format(PyExc_ValueError, "%zd positions for %zd pages", npos, PySequence_Fast_GET_SIZE(pages));
         goto out;
     }
+    for (Py_ssize_t y = 1; y < npos; y++) /* a repeat would put two pages in one slot */
+        if (at[y] <= at[y - 1]) {
+            PyErr_Format(PyExc_ValueError, "positions must rise: %lld then %lld", at[y - 1], at[y]);
+            goto out;
+        }
     for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(nodes); k++) {
         Node *node = as_node(PySequence_Fast_GET_ITEM(nodes, k));
         Py_ssize_t n = node ? node_n(node) : -1;
