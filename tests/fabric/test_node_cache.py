@@ -4,7 +4,6 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kvfabric.deploy.chaos.faults import AllocationFaults
 from kvfabric.fabric import (
-    InvariantError,
     KVLayout,
     NodeCache,
     PoolCapacity,
@@ -13,7 +12,6 @@ from kvfabric.fabric import (
     TierConfig,
     WritePolicy,
 )
-from kvfabric.fabric.cache.radix import ABSENT
 
 from tests.kvgen import prefix_kv
 
@@ -202,52 +200,6 @@ def test_put_rejects_bad_kv_and_changes_nothing():
         with pytest.raises(ValueError):
             cache.put(seq(2), bad, NS)
     assert cache.snapshot() == before
-
-
-def test_checker_names_violations():
-    cache = make()
-    put(cache, seq(3))
-    cache.registry.pool(PoolName.FULL, Tier.DEVICE).allocator.alloc(1)
-    with pytest.raises(InvariantError, match="owned by nobody"):
-        cache.check()
-    cache = make()
-    put(cache, seq(3))
-    pages = cache.match(seq(3), NS).path[0].slots[Tier.DEVICE][PoolName.FULL]
-    pages[1] = pages[0]
-    with pytest.raises(InvariantError, match="owned twice"):
-        cache.check()
-    cache = make()
-    put(cache, seq(3))
-    cache.match(seq(3), NS).path[0].locks[PoolName.FULL] = -1
-    with pytest.raises(InvariantError, match="negative"):
-        cache.check()
-
-
-def test_checker_names_the_full_attention_rules():
-    """The rules only full attention has (the policy's node_fault), each named."""
-
-    def broken(corrupt) -> InvariantError:
-        cache = make()
-        put(cache, seq(2))
-        put(cache, seq(4))  # a child run under the first
-        parent, child = cache.match(seq(4), NS).path
-        corrupt(parent, child)
-        with pytest.raises(InvariantError) as e:
-            cache.check()
-        return e.value
-
-    def tombstone(parent, child):
-        child.slots[Tier.DEVICE][PoolName.FULL][0] = ABSENT
-
-    def no_full(parent, child):
-        child.slots[Tier.DEVICE][PoolName.FULL] = child.slots[Tier.HOST][PoolName.FULL] = None
-
-    def locks(parent, child):
-        child.locks[PoolName.FULL] += 1
-
-    assert "only part of its run" in str(broken(tombstone))
-    assert "prefix closure" in str(broken(no_full))
-    assert "more full locks than its parent" in str(broken(locks))
 
 
 def test_metadata_only_mode():
