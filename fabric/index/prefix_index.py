@@ -30,6 +30,8 @@ from .events import (
 from .match_rule import MatchRule
 from .presence import new_presence
 
+_make = tuple.__new__  # NodeMatch(fields) with no Python frame (answers.py)
+
 
 @dataclass
 class _NodeState:
@@ -236,8 +238,11 @@ class PrefixIndex:
         """Each node's usable match length for these chained page keys, best first."""
         if not keys:
             return []
-        slots = self._slots
-        out = [NodeMatch(slots[s], n, d) for s, n, d in self._presence.lookup(keys)]  # type: ignore[arg-type]
+        found, slots = self._presence.lookup(keys), self._slots
+        if len(found) == 1:  # the common answer: no comprehension's frame, no sort
+            s, n, d = found[0]
+            return [_make(NodeMatch, (slots[s], n, d))]
+        out = [_make(NodeMatch, (slots[s], n, d)) for s, n, d in found]
         if len(out) > 1:
             out.sort(key=rank_key)
         return out
