@@ -243,8 +243,7 @@ class PrefixIndex:
             s, n, d = found[0]
             return [_make(NodeMatch, (slots[s], n, d))]
         out = [_make(NodeMatch, (slots[s], n, d)) for s, n, d in found]
-        if len(out) > 1:
-            out.sort(key=rank_key)
+        out.sort(key=rank_key)
         return out
 
     def node_pages(self, node: str) -> dict[bytes, PageState]:
