@@ -133,6 +133,19 @@ def prune(
     return freed
 
 
+def drop_cut_leaf(tree: RadixTree, pools: tuple[PoolName, ...], node: TreeNode) -> bool:
+    """`node`, cut off a path's end (RadixTree.split_at), goes if it is an unlocked leaf
+    holding nothing: an SWA-only tree may hold a node's early pages only, and it keeps
+    no leaf without pages (check.py). Never for a node the caller goes on using.
+    Returns whether it went."""
+    if node.children or any(node.locks) or not is_dead(pools, node) or node.is_root:
+        return False
+    if node.up.children.get(node.tokens[: tree.page_bytes]) is not node:
+        return False  # gone already (eviction pruned it since the path was walked)
+    prune(tree, pools, node, None, count=(Tier.DEVICE, pools[0]))
+    return True
+
+
 def prune_unlocked(tree: RadixTree, pools: tuple[PoolName, ...], nodes: list[TreeNode]) -> None:
     """Finish the pruning eviction stopped at a lock: a node that lost its only child
     while locked (and holds no pages of its own) goes once its last lock is gone."""

@@ -15,12 +15,14 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
+from .eviction import drop_cut_leaf
 from .keys import PageKeyer, encode_tokens
 from .layout import PoolName, Tier
 from .radix import DEVICE, DEVICE_ONLY, TIERS, Placement, Reserved, TreeNode, placements
 from .records import NodeGuard
 
 if TYPE_CHECKING:
+    from .layout import KVLayout
     from .node_cache import CacheStats
     from .policies import AttentionPolicy
     from .pools import PoolRegistry
@@ -52,6 +54,7 @@ class Inserts:
     """NodeCache's insert path (a mixin). What it uses of the cache:"""
 
     tree: RadixTree
+    layout: KVLayout
     registry: PoolRegistry
     policies: dict[PoolName, AttentionPolicy]
     primary_pool: PoolName
@@ -72,15 +75,18 @@ class Inserts:
         on) that lack a device copy."""
         walked = self.walk(tokens, namespace)
         keyer, raw = walked.keyer, walked.raw
-        n = len(raw) // self.tree.page_bytes
+        whole = len(raw) // self.tree.page_bytes
         path, m = self._cut(walked.path, walked.matched, first.values())
-        n = self.policies[self.primary_pool].extent(m, n, first[self.primary_pool])
+        n = self.policies[self.primary_pool].extent(m, whole, first[self.primary_pool])
         # Leaving the tree below a node that has other children makes a branch
         # point: a likely continuation, so SWA keeps its window too.
         branch = m if path and path[-1].children and m < n else 0
+        # Tokens that end on a page boundary, asked again, match a page less (the
+        # engine computes the last token itself): SWA keeps that match's window too.
+        on_page_end = n == whole and len(raw) == n * self.tree.page_bytes
         keep = {}
         for p, pol in self.policies.items():  # loops: a comprehension costs a frame a put
-            keep[p] = pol.store_positions(n, branch, first[p])
+            keep[p] = pol.store_positions(n, branch, first[p], on_page_end)
         return self._plan(keyer, raw, path, m, n, keep, DEVICE_ONLY)
 
     def plan_fetch(self, tokens: Sequence[int], namespace: str, pages: int) -> InsertPlan:
@@ -97,7 +103,7 @@ class Inserts:
         tree = self.tree
         if path and m < path[-1].end:
             tree.split_at(path, m)
-            path.pop()
+            drop_cut_leaf(tree, self.layout.pools, path.pop())
         for f in splits:  # full KV moves whole nodes: rows start at a node boundary
             if f:  # position 0 is one already
                 tree.split_at(path, f)

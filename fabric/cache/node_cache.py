@@ -12,7 +12,7 @@ from kvfabric.fabric.exchange.leases import LeaseTable
 from .candidates import Candidates
 from .check import PageAudit, check_invariants, page_audit
 from .check import snapshot as cache_snapshot
-from .eviction import Evictor, prune_unlocked
+from .eviction import Evictor, drop_cut_leaf, prune_unlocked
 from .exports import Exports
 from .insert import Fill, InsertPlan, Inserts
 from .keys import KeyerCache, PageKeyer, encode_tokens
@@ -177,6 +177,11 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         for span in spans.values():  # locks are per node: make span ends node boundaries
             for edge in (span.start, span.stop):
                 self.tree.split_at(match.path, edge)
+        # Past the span's end (n for every pool), the match's path is not used: a leaf cut
+        # off there holding nothing goes, and leaves the match.
+        beyond = next((x for x in match.path if x.start == n), None)
+        if beyond is not None and drop_cut_leaf(self.tree, self.layout.pools, beyond):
+            match.path.remove(beyond)
         return self.lock_nodes(within(match.path, spans)), spans
 
     def hold(self, match: Match, pages: int, ttl_s: float) -> int:

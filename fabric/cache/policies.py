@@ -51,10 +51,14 @@ class AttentionPolicy(ABC):
         holds full KV for the first `skip` pages already."""
 
     @abstractmethod
-    def store_positions(self, length: int, branch: int, first_row: int = 0) -> range | list[int]:
+    def store_positions(
+        self, length: int, branch: int, first_row: int = 0, on_page_end: bool = False
+    ) -> range | list[int]:
         """Positions to store when inserting `length` pages that branch off at `branch`
         (0: none), of those the caller has rows for (page `first_row` on): a put
-        never stores bytes the caller did not compute."""
+        never stores bytes the caller did not compute. `on_page_end`: the tokens end
+        where page `length` does, so the same tokens asked again match `length - 1`
+        pages (an engine computes a request's last token itself)."""
 
     @abstractmethod
     def extent(self, matched: int, length: int, first_row: int) -> int:
@@ -121,7 +125,9 @@ class FullAttentionPolicy(AttentionPolicy):
                 return node.start
         return limit
 
-    def store_positions(self, length: int, branch: int, first_row: int = 0) -> range:
+    def store_positions(
+        self, length: int, branch: int, first_row: int = 0, on_page_end: bool = False
+    ) -> range:
         return range(first_row, length)
 
     def extent(self, matched: int, length: int, first_row: int) -> int:
@@ -184,10 +190,14 @@ class SlidingWindowPolicy(AttentionPolicy):
             length = gap
         return 0
 
-    def store_positions(self, length: int, branch: int, first_row: int = 0) -> list[int]:
+    def store_positions(
+        self, length: int, branch: int, first_row: int = 0, on_page_end: bool = False
+    ) -> list[int]:
         keep = set(self.needed(length))
         if 0 < branch < length:
             keep.update(self.needed(branch))
+        if on_page_end and length > 1:  # the window a match one page shorter needs: one page
+            keep.update(self.needed(length - 1))
         # The branch's window may lie before the caller's rows (its cached tail was
         # evicted since it matched): those pages stay tombstoned.
         return sorted(p for p in keep if p >= first_row)

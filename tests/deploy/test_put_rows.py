@@ -141,13 +141,13 @@ def rows(layout, tokens, starts):
 
 def test_swa_rows_from_a_later_start_leave_earlier_pages_tombstoned():
     c = make(MIXED)
-    a = seq(6)
+    a = seq(6) + [999]  # ends inside a page: SWA keeps the window before page 6 only
     starts = {PoolName.SWA: 3 * 4}
     assert c.put(a, rows(MIXED, a, starts), NS, starts=starts) == 6
     assert c.presence(c.match(a, NS), PoolName.SWA) == [False] * 4 + [True] * 2
     # A branch at page 2 would keep pages 0, 1 of SWA: the caller has no rows there.
     b = seq(2) + seq(4, 300)
-    assert c.put(b, rows(MIXED, b, starts), NS, starts=starts) == 4
+    assert c.put(b + [999], rows(MIXED, b + [999], starts), NS, starts=starts) == 4
     assert c.presence(c.match(b, NS), PoolName.SWA) == [False] * 4 + [True] * 2
     assert c.match(seq(2) + seq(1, 500), NS).usable_pages == 0
     hit = c.get(b, NS)
@@ -218,7 +218,7 @@ def test_hold_pins_the_match_until_released_or_expired():
     clock = Clock()
     c = make(MIXED, full=(6, 0), swa=(4, 0), clock=clock)
     a = seq(5)
-    c.put(a, prefix_kv(MIXED, a), NS)
+    c.put(a + [999], prefix_kv(MIXED, a + [999]), NS)  # SWA: the window before page 5 only
     hit = c.get(a, NS, hold_s=2.0)
     assert hit.tokens == 20 and hit.hold
     assert c.evict(PoolName.FULL, Tier.DEVICE, 100) == 0

@@ -236,7 +236,10 @@ def test_a_fetch_is_stored_as_a_put_is():
         tier=TierConfig(policy="write_through"),
         device="cpu",
     )
-    put_twin.put(t, prefix_kv(LAYOUT, t), NS)
+    # A fetch stores what a match of its pages needs: a put of tokens ending inside a
+    # page does the same (on a page boundary it keeps one more SWA window page).
+    twin_tokens = list(t) + [12345]
+    put_twin.put(twin_tokens, prefix_kv(LAYOUT, twin_tokens), NS)
     grant = export_prefix(src, LeaseTable(src), dst.keys(t, NS), 0, 5.0)
     assert import_prefix(dst, t, NS, grant, reader(src, dst)) == FetchOutcome.COMMITTED
     dst.check()

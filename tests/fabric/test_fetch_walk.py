@@ -71,10 +71,10 @@ def test_failed_fetch_after_evicting_the_only_child_leaves_no_empty_leaf():
     caps = {PoolName.SWA: PoolCapacity(2, 0)}
     src = NodeCache(SWA_ONLY, caps, device="cpu")
     dst = NodeCache(SWA_ONLY, caps, device="cpu", tier=TierConfig(policy=WritePolicy.WRITE_BACK))
-    stored = list(range(12))  # 6 pages; SWA keeps the last 2
+    stored = list(range(12)) + [99]  # 6 pages and a partial one; SWA keeps the last 2
     dst.put(stored, prefix_kv(SWA_ONLY, stored), NS)
     wanted = stored[:6] + [90, 91, 92, 93]  # shares 3 pages (no SWA pages there), then differs
-    src.put(wanted, prefix_kv(SWA_ONLY, wanted), NS)
+    src.put(wanted + [94], prefix_kv(SWA_ONLY, wanted + [94]), NS)  # SWA: its last 2 pages
     leases = LeaseTable(src)
     grant = export_prefix(
         src, leases, dst.keys(wanted, NS), dst.match(wanted, NS).present_pages, 5.0

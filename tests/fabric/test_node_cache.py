@@ -48,6 +48,12 @@ def seq(n_pages, start=0, ps=4):
     return list(range(start, start + n_pages * ps))
 
 
+def open_end(tokens):
+    """`tokens` and one more: a put of them ends inside a page, so SWA keeps the window
+    before their last whole page only (see test_tokens_ending_on_a_page_...)."""
+    return tokens + [999]
+
+
 @pytest.mark.parametrize("layout", [MIXED, FULL_ONLY, SWA_ONLY], ids=["mixed", "full", "swa"])
 def test_put_get_bytes_round_trip(layout):
     cache = make(layout)
@@ -63,7 +69,7 @@ def test_put_get_bytes_round_trip(layout):
 def test_swa_window_must_be_present():
     cache = make()
     tokens = seq(6)  # window 8 tokens = 2 pages: SWA kept at 4, 5
-    put(cache, tokens)
+    put(cache, open_end(tokens))
     assert cache.match(tokens, NS).usable_pages == 6
     # Every shorter prefix ends where SWA was freed at insert: not usable.
     for k in range(1, 6):
@@ -76,11 +82,32 @@ def test_swa_window_must_be_present():
 def test_tombstoned_pages_serve_full_part_of_longer_match():
     cache = make()
     a = seq(6)
-    put(cache, a)
+    put(cache, open_end(a))
     assert cache.presence(cache.match(a, NS), PoolName.SWA) == [False] * 4 + [True] * 2
     hit = cache.get(a + seq(1, 500), NS)
     assert hit.tokens == 24  # full KV of tombstoned pages 0..3 is used
     assert_bytes(cache, a, hit)
+
+
+def test_tokens_ending_on_a_page_keep_the_window_one_page_shorter():
+    """An engine computes a request's last token itself: asked for the same 24 tokens
+    again, it matches 23 of them, 5 pages, whose window (pages 3, 4) the put keeps too
+    when its tokens end on a page boundary. Ending inside a page, it keeps 4, 5 only."""
+    aligned, inside = make(), make()
+    put(aligned, seq(6))
+    put(inside, open_end(seq(6)))
+    assert aligned.presence(aligned.match(seq(6), NS), PoolName.SWA) == [False] * 3 + [True] * 3
+    assert inside.presence(inside.match(seq(6), NS), PoolName.SWA) == [False] * 4 + [True] * 2
+    asked = seq(6)[:-1]  # what an engine asks of the same prompt
+    assert aligned.match(asked, NS).usable_pages == 5
+    assert inside.match(asked, NS).usable_pages == 0
+    hit = aligned.get(asked, NS)
+    assert hit.tokens == 20 and hit.starts[PoolName.SWA] == 12
+    assert_bytes(aligned, seq(6), hit)
+    # Full attention has no window: nothing more is kept, whatever the end.
+    full = make(FULL_ONLY)
+    put(full, seq(6))
+    assert full.match(asked, NS).usable_pages == 5
 
 
 def test_branch_point_keeps_its_window():
@@ -114,9 +141,9 @@ def test_lru_eviction_and_locks():
 
 def test_swa_tombstones_before_anchored_windows():
     cache = make(swa=(4, 0))
-    put(cache, seq(6))  # SWA at 4, 5
-    put(cache, seq(6, 100))  # SWA at its 4, 5: pool full
-    put(cache, seq(6) + seq(2, 300))  # extends the first: its old end 4, 5 is interior
+    put(cache, open_end(seq(6)))  # SWA at 4, 5
+    put(cache, open_end(seq(6, 100)))  # SWA at its 4, 5: pool full
+    put(cache, open_end(seq(6) + seq(2, 300)))  # extends the first: its old end 4, 5 is interior
     cache.check()
     assert cache.match(seq(6, 100), NS).usable_pages == 6  # the anchored window survived
     assert cache.match(seq(6) + seq(2, 300), NS).usable_pages == 8
@@ -126,8 +153,8 @@ def test_swa_tombstones_before_anchored_windows():
 def test_write_back_then_load_back_bytes():
     cache = make(full=(6, 12), swa=(2, 4))
     a, b = seq(6), seq(6, 100)
-    put(cache, a)
-    put(cache, b)  # a's device pages written back to host
+    put(cache, open_end(a))
+    put(cache, open_end(b))  # a's device pages written back to host
     m = cache.match(a, NS)
     assert m.usable_pages == 6 and m.usable_device_pages < 6
     hit = cache.get(a, NS)  # loads back, evicting (writing back) b
@@ -171,10 +198,11 @@ def test_failure_at_every_reservation_point_of_a_put():
     def run(point):
         faults = AllocationFaults()
         cache = make(full=(6, 8), swa=(2, 4), reserve_hook=faults)
-        put(cache, seq(5))
+        put(cache, open_end(seq(5)))
         before = cache.snapshot()
         faults.arm(*([point] if point else []))
-        n = cache.put(seq(5, 100), prefix_kv(MIXED, seq(5, 100)), NS)
+        second = open_end(seq(5, 100))
+        n = cache.put(second, prefix_kv(MIXED, second), NS)
         cache.check()
         return faults, cache, before, n
 
@@ -354,3 +382,30 @@ def test_a_put_that_refuses_its_input_still_releases_its_hold():
         hit = cache.get(a, NS, hold_s=60.0)
     cache.release_hold(hit.hold)
     cache.check()
+
+
+@pytest.mark.parametrize("room", [False, True], ids=["fails", "commits"])
+def test_a_put_branching_where_a_node_holds_nothing_leaves_no_empty_leaf(room):
+    """SWA-only trees may hold a node's early pages and not its later ones: a put that
+    branches inside such a node cuts it there, and the tail, holding nothing, goes
+    whether or not the put then finds room."""
+    cache = make(SWA_ONLY, swa=(3, 1))
+    a = seq(4)
+    put(cache, a)  # on a page end: SWA at 1, 2, 3
+    cache.evict(PoolName.SWA, Tier.DEVICE, 3)  # the far page 1 to host, 2 and 3 dropped
+    (node,) = cache.tree.nodes()
+    assert node.n == 4 and node.slots[Tier.HOST][PoolName.SWA] == [-1, 0, -1, -1]
+    lock = None
+    if not room:  # the device pool full and pinned
+        other = open_end(seq(6, 100))
+        put(cache, other)
+        lock = cache.lock(cache.match(other, NS))
+    branch = open_end(a[:8] + seq(2, 500))  # shares pages 0, 1; needs SWA at 2, 3
+    stored = cache.put(branch, prefix_kv(SWA_ONLY, branch), NS)
+    assert stored == (2 if room else 0)
+    cache.check()
+    # a's head (pages 0, 1), then the new run (2, 3) or, with no room, the pinned prompt
+    shapes = sorted((n.start, n.n) for n in cache.tree.nodes())
+    assert shapes == ([(0, 2), (2, 2)] if room else [(0, 2), (0, 4), (4, 2)])  # lock cut it
+    if lock is not None:
+        cache.unlock(lock)
