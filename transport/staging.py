@@ -103,17 +103,19 @@ def load_to_staging(
         firsts={p: max(skip_pages, held[p]) for p in layout.pools},
         host_pages=hit.host_tokens // ps,
     )
-    # A shorter load than the hit would need the SWA window before its own end, which
-    # the hit does not carry: too few slots load nothing.
-    if n <= skip_pages or len(slots.get(layout.pools[0], ())) < n - skip_pages:
+    if n <= skip_pages:
         return StagedHit()
-    for pool in layout.pools:
-        positions = list(range(out.firsts[pool] - held[pool], n - held[pool]))
-        dst = slots.get(pool, [])[: len(positions)]
-        if len(dst) < len(positions):
-            raise ValueError(f"{len(positions)} {pool.name} pages to stage, {len(dst)} slots")
-        if not positions:
+    # Each pool stages pages [firsts[pool], n): all of them for full attention, the window
+    # before n for SWA. A shorter load than the hit would need the SWA window before its
+    # own end, which the hit does not carry: a pool with too few slots loads nothing.
+    wanted = {p: range(out.firsts[p] - held[p], n - held[p]) for p in layout.pools}
+    if any(len(slots.get(p, ())) < len(rows) for p, rows in wanted.items()):
+        return StagedHit()
+    for pool, rows in wanted.items():
+        if not rows:
             continue
+        positions = list(rows)
+        dst = slots[pool][: len(positions)]
         pages = pack(layout, pool, hit.layers, positions)
         shared.pools[pool].index_copy_(0, torch.tensor(dst, dtype=torch.long), pages.to("cpu"))
         out.slots[pool] = dst
@@ -130,8 +132,9 @@ def save_from_staging(
 ) -> int:
     """Store the whole pages of `tokens` from staging: a pool's KV of page firsts[pool] + i
     in slots[pool][i] (pools not in `firsts` from page 0). Full KV from a later page grows
-    the cache only where it holds every page before (NodeCache.put). Returns pages newly
-    stored."""
+    the cache only where it holds every page before (NodeCache.put). `tokens` are those
+    the engine computed, a partial last page included: on a page end, the put keeps the
+    window a repeat of them needs too (NodeCache.put). Returns pages newly stored."""
     layout = cache.layout
     ps = layout.page_size
     n = len(tokens) // ps
@@ -150,4 +153,4 @@ def save_from_staging(
         staged = shared.pools[pool].index_select(0, torch.tensor(idx, dtype=torch.long))
         for li, t in zip(layout.layers_of(pool), unpack(staged)):  # [2, (n - first) * ps, H, D]
             kv[li] = t
-    return cache.put(tokens[: n * ps], kv, namespace, starts=starts)
+    return cache.put(tokens, kv, namespace, starts=starts)

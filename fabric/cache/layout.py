@@ -29,7 +29,18 @@ class Tier(IntEnum):
 
 _POOL_OF_KIND = {LayerKind.FULL: PoolName.FULL, LayerKind.SWA: PoolName.SWA}
 _KINDS = frozenset(k.value for k in LayerKind)
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Element types of a page. uint8 holds fp8 KV as engines store it (vLLM's fp8 caches are
+# byte tensors; which fp8 format and its scales belong in the layout's tag).
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+# A tag made of `name=value` parts joined by TAG_SEP names each part in `differences`.
+TAG_SEP = ";"
 
 
 class LayoutError(ValueError):
@@ -50,8 +61,9 @@ class KVLayout:
     page_size: int
     window: int = 0  # sliding window in tokens, used by SWA layers
     dtype: str = "float32"
-    # What else makes two caches' bytes incompatible: an engine's model and KV tensor
-    # layout (e.g. "vllm:CPU_ATTN:<model>"). Empty for the fabric's own engine.
+    # What else makes two caches' bytes incompatible: an engine's model, dtypes, kernel
+    # (deploy/vllm/kv_identity.py writes `name=value` parts joined by ";", so that
+    # `differences` can name the part that differs). Empty for the fabric's own engine.
     tag: str = ""
 
     def __post_init__(self) -> None:
@@ -121,6 +133,26 @@ class KVLayout:
         )
         return hashlib.blake2b(text.encode(), digest_size=16, person=b"kvf-layout").digest()
 
+    def differences(self, other: "KVLayout") -> list[str]:
+        """What differs between two layouts, each as `name: ours vs theirs` (a tag's
+        `name=value` parts one by one); empty when the fingerprints are equal."""
+        if self.fingerprint == other.fingerprint:
+            return []
+        out = [
+            f"{name}: {mine!r} vs {theirs!r}"
+            for name, mine, theirs in (
+                (n, getattr(self, n), getattr(other, n))
+                for n in ("layers", "kv_heads", "head_dim", "page_size", "window", "dtype")
+            )
+            if mine != theirs
+        ]
+        mine_parts, their_parts = _tag_parts(self.tag), _tag_parts(other.tag)
+        for name in sorted(set(mine_parts) | set(their_parts)):
+            mine, theirs = mine_parts.get(name), their_parts.get(name)
+            if mine != theirs:
+                out.append(f"tag {name}: {mine!r} vs {theirs!r}")
+        return out
+
     def to_dict(self) -> dict:
         d = {
             "layers": [k.value for k in self.layers],
@@ -155,3 +187,12 @@ class KVLayout:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise LayoutError(f"bad layout: {e}") from e
+
+
+def _tag_parts(tag: str) -> dict[str, str]:
+    """A tag's `name=value` parts; a part without "=" is named by its position."""
+    parts: dict[str, str] = {}
+    for i, part in enumerate(tag.split(TAG_SEP) if tag else []):
+        name, eq, value = part.partition("=")
+        parts[name if eq else f"#{i}"] = value if eq else part
+    return parts

@@ -100,6 +100,72 @@ def test_too_few_slots_load_nothing(shared):
     assert hit.pages == 0 and not hit.slots
 
 
+def test_a_prompt_ending_on_a_page_hits_when_asked_again(shared):
+    """vLLM asks for a prompt's tokens but its last (it computes that one itself): a
+    prompt of exactly 10 pages is asked as 9 pages and a token, whose SWA window starts a
+    page earlier than the window the prompt's own end needs. Both are stored."""
+    cache = new_cache()
+    tokens = list(range(300, 300 + 10 * LAYOUT.page_size))
+    n = len(tokens) // LAYOUT.page_size
+    first = n - W - 1  # the engine still holds one page before the window
+    assert (
+        save_from_staging(
+            cache, shared, tokens, "t", stage(shared, tokens, first), {PoolName.SWA: first}
+        )
+        == n
+    )
+    slots = {PoolName.FULL: list(range(20, 40)), PoolName.SWA: list(range(40, 40 + W))}
+    asked = tokens[:-1]
+    hit = load_to_staging(cache, shared, asked, "t", 0, slots)
+    assert (hit.pages, hit.firsts[PoolName.SWA]) == (n - 1, n - 1 - W)
+    kv = prefix_kv(LAYOUT, tokens)
+    assert torch.equal(
+        loaded(shared, hit, PoolName.SWA),
+        pack(LAYOUT, PoolName.SWA, kv, list(range(n - 1 - W, n - 1))),
+    )
+    # Ending inside a page, the same pages keep only the window before their own end.
+    other = new_cache()
+    longer = tokens + [7]
+    save_from_staging(
+        other, shared, longer, "t", stage(shared, longer, first), {PoolName.SWA: first}
+    )
+    assert load_to_staging(other, shared, asked, "t", 0, slots).pages == 0
+    assert load_to_staging(other, shared, longer, "t", 0, slots).pages == n
+
+
+def test_an_all_swa_layout_loads_its_window():
+    """Every layer windowed (Mistral-style): the scheduler reserves the window's slots
+    only, and the hit stages the window before its end into them."""
+    layout = KVLayout(layers=("swa", "swa"), kv_heads=2, head_dim=8, page_size=4, window=8)
+    w = layout.window_pages
+    cache = NodeCache(layout, {PoolName.SWA: PoolCapacity(device=64, host=64)}, device="cpu")
+    shared = SharedPages(StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", SLOTS), layout)
+    try:
+        tokens = list(range(500, 500 + 10 * layout.page_size)) + [1]
+        n = 10
+        kv = prefix_kv(layout, tokens)
+        staged = list(range(w))
+        shared.pools[PoolName.SWA][staged] = pack(layout, PoolName.SWA, kv, list(range(n - w, n)))
+        assert (
+            save_from_staging(
+                cache, shared, tokens, "t", {PoolName.SWA: staged}, {PoolName.SWA: n - w}
+            )
+            == n
+        )
+        slots = {PoolName.SWA: list(range(20, 20 + min(n - 2, w)))}  # what the scheduler reserves
+        hit = load_to_staging(cache, shared, tokens, "t", 2, slots)
+        assert (hit.pages, hit.firsts[PoolName.SWA]) == (n, n - w)
+        assert torch.equal(
+            shared.pools[PoolName.SWA][hit.slots[PoolName.SWA]],
+            pack(layout, PoolName.SWA, kv, list(range(n - w, n))),
+        )
+        # One slot short of the window: nothing is staged.
+        short = {PoolName.SWA: slots[PoolName.SWA][:-1]}
+        assert load_to_staging(cache, shared, tokens, "t", 2, short).pages == 0
+    finally:
+        shared.unlink()
+
+
 @given(
     st.lists(
         st.tuples(st.integers(1, 12), st.integers(0, 11), st.integers(0, 3)), min_size=1, max_size=6
