@@ -44,9 +44,15 @@ log = logging.getLogger(__name__)
 @ray.remote
 class FabricDirectory(MembershipPasses, Watcher):
     def __init__(
-        self, config: NodeConfig, shards: int, cpus_per_actor: float = 0.25, watch_s: float = 0.0
+        self,
+        config: NodeConfig,
+        shards: int,
+        cpus_per_actor: float = 0.25,
+        watch_s: float = 0.0,
+        namespace: str = NAMESPACE,
     ) -> None:
         self.config = config
+        self.namespace = namespace  # the fabric's: its node actors' and shards' Ray namespace
         self.routes = RouteTable(shards)
         self.nodes: dict[str, bytes] = {}  # node actor name -> NIXL metadata
         self.cpus_per_actor = cpus_per_actor
@@ -68,11 +74,11 @@ class FabricDirectory(MembershipPasses, Watcher):
         names = [
             a["name"]
             for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and a["name"].startswith(NODE_PREFIX)
+            if a["namespace"] == self.namespace and a["name"].startswith(NODE_PREFIX)
         ]
         answers = {}
         for name in names:
-            actor = existing(name)
+            actor = existing(name, self.namespace)
             if actor is not None:
                 answers[name] = actor.membership.remote()
         for name, ref in answers.items():
@@ -135,7 +141,7 @@ class FabricDirectory(MembershipPasses, Watcher):
                     continue
                 try:
                     ray.get(
-                        ray.get_actor(name, namespace=NAMESPACE).reroute.remote(routes),
+                        ray.get_actor(name, namespace=self.namespace).reroute.remote(routes),
                         timeout=timeout_s,
                     )
                 except (RayError, ValueError) as e:
@@ -143,6 +149,9 @@ class FabricDirectory(MembershipPasses, Watcher):
 
     def get_config(self) -> NodeConfig:
         return self.config
+
+    def get_namespace(self) -> str:
+        return self.namespace
 
     def incarnation(self) -> int:
         """This actor's process id: it changes when Ray restarts the actor."""
@@ -169,7 +178,8 @@ class FabricDirectory(MembershipPasses, Watcher):
 
     def _shards(self) -> list:
         return [
-            ray.get_actor(shard_name(i), namespace=NAMESPACE) for i in range(self.routes.shards)
+            ray.get_actor(shard_name(i), namespace=self.namespace)
+            for i in range(self.routes.shards)
         ]
 
     # --- routes --------------------------------------------------------------------------
@@ -205,6 +215,6 @@ class FabricDirectory(MembershipPasses, Watcher):
             with self._lock:
                 self.routes = planned[0]
             routes = planned[0].encode()
-            nodes = [ray.get_actor(n, namespace=NAMESPACE) for n in self.node_names()]
+            nodes = [ray.get_actor(n, namespace=self.namespace) for n in self.node_names()]
             ray.get([n.reroute.remote(routes) for n in nodes], timeout=timeout_s)
             return True

@@ -18,7 +18,7 @@ from typing import Callable, cast
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayError
 
-from .names import CALL_TIMEOUT_S, NAMESPACE, is_node_actor_name, node_actor_name, owner_node
+from .names import CALL_TIMEOUT_S, is_node_actor_name, node_actor_name, owner_node
 from .node.node_actor import Beat, NodeConfig
 from .node.node_placement import connect_peers, dead_hosts, existing, place_node_actor
 
@@ -40,6 +40,7 @@ class MembershipPasses:
     """FabricDirectory's membership methods (a mixin). What they use of the directory:"""
 
     config: NodeConfig
+    namespace: str
     nodes: dict[str, bytes]
     cpus_per_actor: float
     _lock: threading.RLock
@@ -99,7 +100,9 @@ class MembershipPasses:
                     ],
                     timeout=timeout_s,
                 )
-                ray.get_actor(name, namespace=NAMESPACE).engines_retired.remote(beat.gone_engines)
+                ray.get_actor(name, namespace=self.namespace).engines_retired.remote(
+                    beat.gone_engines
+                )
                 retired += sorted(beat.gone_engines)
             except (RayError, ValueError) as e:
                 log.warning("retiring %s's ended engines failed (next pass retries): %s", name, e)
@@ -132,7 +135,7 @@ class MembershipPasses:
                 beats[name] = None
                 continue
             try:
-                refs[name] = ray.get_actor(name, namespace=NAMESPACE).heartbeat.remote()
+                refs[name] = ray.get_actor(name, namespace=self.namespace).heartbeat.remote()
             except ValueError:  # the name is gone: the actor died for good
                 beats[name] = None
         for name, ref in refs.items():
@@ -147,7 +150,7 @@ class MembershipPasses:
     def attach(self, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
         """Admit node `name`'s epoch to every shard, then attach it to the index: a node
         dropped before (or restarted) is accepted again, and nothing older of it is."""
-        actor = ray.get_actor(name, namespace=NAMESPACE)
+        actor = ray.get_actor(name, namespace=self.namespace)
         epoch = cast(Beat, ray.get(actor.heartbeat.remote(), timeout=timeout_s)).epoch
         shards = self._shards()
         ray.get([s.admit.remote(name, epoch) for s in shards], timeout=timeout_s)
@@ -162,10 +165,10 @@ class MembershipPasses:
         """Bring node actor `name` in, in the one join order: attach it to the index
         first (once registered, a node is taken to be in the index), then register it
         and connect it with its peers both ways."""
-        actor = ray.get_actor(name, namespace=NAMESPACE)
+        actor = ray.get_actor(name, namespace=self.namespace)
         self.attach(name, timeout_s)
         meta = cast(bytes, ray.get(actor.metadata.remote(), timeout=timeout_s))
-        connect_peers(name, actor, meta, self.register(name, meta), timeout_s)
+        connect_peers(name, actor, meta, self.register(name, meta), timeout_s, self.namespace)
 
     def _rejoin(self, name: str, timeout_s: float) -> bool:
         """Attach a restarted node actor to the index and reconnect it with its peers."""
@@ -186,7 +189,7 @@ class MembershipPasses:
                 continue
             try:
                 ray.get(
-                    ray.get_actor(peer, namespace=NAMESPACE).forget_peer.remote(name),
+                    ray.get_actor(peer, namespace=self.namespace).forget_peer.remote(name),
                     timeout=timeout_s,
                 )
             except (RayError, ValueError) as e:
@@ -218,8 +221,12 @@ class MembershipPasses:
             with self._lock:
                 self._joining.add(name)
             try:
-                if existing(name) is None:  # else one an earlier pass started but did not finish
-                    place_node_actor(node["NodeID"], self.config, self.cpus_per_actor)
+                if (
+                    existing(name, self.namespace) is None
+                ):  # else one an earlier pass started but did not finish
+                    place_node_actor(
+                        node["NodeID"], self.config, self.cpus_per_actor, self.namespace
+                    )
                 self.join(name, timeout_s)
                 added.append(name)
             except (RayError, ValueError) as e:

@@ -1,5 +1,9 @@
 """The fabric's Ray names: its namespace, and the names of its directory, index shards
-and node actors (a node actor is named after the Ray node it is pinned to)."""
+and node actors (a node actor is named after the Ray node it is pinned to).
+
+A fabric caches one KV layout. Several can run on one cluster, each in a Ray namespace
+of its own: the default one, or the one its layout's fingerprint names
+(`layout_namespace`), where engines of that KV identity find or start theirs."""
 
 from __future__ import annotations
 
@@ -7,6 +11,11 @@ NAMESPACE = "kvfabric"
 DIRECTORY = "kvf-directory"
 CALL_TIMEOUT_S = 10.0  # the bound on a control call to a fabric actor
 NODE_PREFIX = "kvf-node-"
+
+
+def layout_namespace(fingerprint: bytes, base: str = NAMESPACE) -> str:
+    """The Ray namespace of the fabric caching the layout with this fingerprint."""
+    return f"{base}.{fingerprint.hex()[:16]}"
 
 
 def shard_name(i: int) -> str:

@@ -15,14 +15,15 @@ from .node_actor import NodeCacheActor, NodeConfig
 log = logging.getLogger(__name__)
 
 
-def place_node_actor(ray_node_id: str, config: NodeConfig, cpus: float):
-    """A detached node actor pinned to one Ray node (hard affinity: it dies with the node)."""
+def place_node_actor(ray_node_id: str, config: NodeConfig, cpus: float, namespace: str = NAMESPACE):
+    """A detached node actor of the fabric in `namespace`, pinned to one Ray node (hard
+    affinity: it dies with the node)."""
     strategy = NodeAffinitySchedulingStrategy(ray_node_id, soft=False)
     name = node_actor_name(ray_node_id)
     # Ray restarts a killed node actor (a new epoch); the directory's watcher rejoins it.
     return name, NodeCacheActor.options(  # type: ignore[attr-defined]  # @ray.remote made it an ActorClass
         name=name,
-        namespace=NAMESPACE,
+        namespace=namespace,
         lifetime="detached",
         max_restarts=-1,
         num_cpus=cpus,
@@ -38,7 +39,12 @@ def join(directory, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
 
 
 def connect_peers(
-    name: str, actor, meta: bytes, others: dict[str, bytes], timeout_s: float
+    name: str,
+    actor,
+    meta: bytes,
+    others: dict[str, bytes],
+    timeout_s: float,
+    namespace: str = NAMESPACE,
 ) -> None:
     """Connect `name` and each of `others` both ways. A peer that cannot be reached (one
     dying as this runs) is skipped: fetches between that pair fail and recompute."""
@@ -47,7 +53,7 @@ def connect_peers(
             ray.get(
                 [
                     actor.connect.remote(peer, peer_meta),
-                    ray.get_actor(peer, namespace=NAMESPACE).connect.remote(name, meta),
+                    ray.get_actor(peer, namespace=namespace).connect.remote(name, meta),
                 ],
                 timeout=timeout_s,
             )
@@ -62,8 +68,8 @@ def dead_hosts() -> set[str]:
     return {node_actor_name(n["NodeID"]) for n in nodes if not n["Alive"]} - alive
 
 
-def existing(name: str):
+def existing(name: str, namespace: str = NAMESPACE):
     try:
-        return ray.get_actor(name, namespace=NAMESPACE)
+        return ray.get_actor(name, namespace=namespace)
     except ValueError:
         return None
