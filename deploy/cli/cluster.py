@@ -144,27 +144,30 @@ def wait_healthy(endpoint: Endpoint, wait_s: float, path: str = "/healthz") -> N
 
 
 def down(timeout_s: float = 30.0) -> list[str]:
-    """Delete the Serve app and kill every fabric actor on the connected cluster;
-    returns the actors killed."""
+    """Delete the Serve app and kill every fabric's actors on the connected cluster (the
+    default one's and each KV identity's, actors/names.py); returns the actors killed."""
     import ray
-    from kvfabric.actors.directory import DIRECTORY, NAMESPACE, shard_name
+    from kvfabric.actors.directory import DIRECTORY, NAMESPACE
+    from kvfabric.actors.served import forget_all
     from ray import serve
     from ray.exceptions import RayError
+    from ray.serve.exceptions import RayServeException
 
-    with contextlib.suppress(RayError, RuntimeError):
+    with contextlib.suppress(RayError, RuntimeError, RayServeException):
         serve.delete(APP_NAME)
-    names: list[str] = []
-    with contextlib.suppress(ValueError, RayError):
-        directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
-        ray.get(directory.stop_watching.remote(), timeout=timeout_s)
-        config_shards = ray.get(directory.get_routes.remote(), timeout=timeout_s)
-        names = ray.get(directory.node_names.remote(), timeout=timeout_s) + [DIRECTORY]
-        from kvfabric.fabric import RouteTable
-
-        names += [shard_name(i) for i in range(RouteTable.decode(config_shards).shards)]
+    fabrics: dict[str, list[str]] = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        ns = actor["namespace"]
+        if ns == NAMESPACE or ns.startswith(NAMESPACE + "."):
+            fabrics.setdefault(ns, []).append(actor["name"])
     killed = []
-    for name in names:
-        with contextlib.suppress(ValueError, RayError):
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
-            killed.append(name)
+    for ns, names in sorted(fabrics.items()):
+        with contextlib.suppress(ValueError, RayError):  # its watcher adds no node meanwhile
+            directory = ray.get_actor(DIRECTORY, namespace=ns)
+            ray.get(directory.stop_watching.remote(), timeout=timeout_s)
+        for name in sorted(names):
+            with contextlib.suppress(ValueError, RayError):
+                ray.kill(ray.get_actor(name, namespace=ns))
+                killed.append(name)
+    forget_all()  # no fabric serves any model now
     return killed

@@ -79,6 +79,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="vllm: engines on CUDA, every simulated node given this machine's GPU 0 "
         "(they share it; each engine may take 0.8/nodes of its memory)",
     )
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="vllm: each engine's tensor-parallel ranks (on CPU one core each)",
+    )
     ap.add_argument("--plot", default=DEFAULT_PLOT, help="where to write the PNG")
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
     args = ap.parse_args(argv)
@@ -86,11 +92,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name, default in zip(names, DEFAULTS[args.engine]):
         if getattr(args, name) is None:
             setattr(args, name, default)
-    for name in names + ("kv_cache_mib",):
+    for name in names + ("kv_cache_mib", "tp"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.gpu and (args.engine != "vllm" or args.address):
         ap.error("--gpu is for the vllm engine on the embedded cluster")
+    if args.tp > 1 and args.engine != "vllm":
+        ap.error("--tp is for the vllm engine")
     return args
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import ray
-from kvfabric.actors import NodeConfig, start
-from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE
+from kvfabric.actors import NodeConfig
+from kvfabric.actors.fabric import FabricMismatch, ensure
 from kvfabric.deploy.chaos.faults import NodeChaos
 from kvfabric.deploy.reference.model import ModelConfig
 from kvfabric.fabric import PoolCapacity, PoolName, TierConfig, WritePolicy
@@ -132,25 +132,12 @@ class AppArgs:
 
 
 def ensure_fabric(args: AppArgs, timeout_s: float = 180.0) -> bool:
-    """Start the fabric for the reference model unless one runs (see `ensure_fabric_for`)."""
-    return ensure_fabric_for(args.node_config(), args.shards, timeout_s)
-
-
-def ensure_fabric_for(config: NodeConfig, shards: int, timeout_s: float = 180.0) -> bool:
-    """Start the fabric on the connected cluster unless one runs; returns whether it
-    started one. A running fabric of another model layout is an error, not a mix."""
+    """Start the fabric for the reference model unless one runs; returns whether it
+    started one. A running fabric of another layout is an AppArgsError naming what differs."""
     try:
-        directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
-    except ValueError:
-        start(config, shards=shards, timeout_s=timeout_s)
-        return True
-    running = cast(NodeConfig, ray.get(directory.get_config.remote(), timeout=CALL_TIMEOUT_S))
-    if running.layout != config.layout:
-        raise AppArgsError(
-            f"the running fabric caches layout {running.layout.to_dict()}, "
-            f"not this model's {config.layout.to_dict()}"
-        )
-    return False
+        return ensure(args.node_config(), shards=args.shards, timeout_s=timeout_s)
+    except FabricMismatch as e:
+        raise AppArgsError(str(e)) from None
 
 
 def build_app(args: AppArgs) -> serve.Application:
@@ -161,7 +148,7 @@ def build_app(args: AppArgs) -> serve.Application:
     # The field is Union[str, Callable]: mypy reads the __init__ of Ray's pydantic shim instead.
     router = RequestRouterConfig(
         request_router_class=FabricRequestRouter,  # type: ignore[arg-type]
-        request_router_kwargs={"layout": args.model_config.layout().to_dict()},
+        request_router_kwargs={},
     )
     # @serve.deployment made these Deployments: mypy sees the classes.
     server = ModelServer.options(  # type: ignore[attr-defined]

@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from kvfabric.actors import FabricClient
-from kvfabric.actors.directory import node_actor_name
+from kvfabric.actors.directory import NAMESPACE, node_actor_name
 from kvfabric.deploy.placement import CostModel, FabricScore, NodeView, PageBytes, Prompt, Request
 from kvfabric.deploy.vllm.engine_identity import node_actor_of
-from kvfabric.fabric import KVLayout
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from .protocol import GenerateRequest
 
 log = logging.getLogger(__name__)
+RETRY_S = 2.0  # how often a router looks again for a fabric it has not found
 
 
 @dataclass(frozen=True)
@@ -46,21 +46,24 @@ class FabricRanking(RequestRouter):
 
     def init_ranking(
         self,
-        layout: KVLayout,
         prefill_tokens_per_s: float = 10_000.0,
         transfer_bytes_per_s: float = 10e9,
         fetch_overhead_s: float = 2e-3,
         overhead_s: float = 5e-3,
     ) -> None:
         """The cost model's figures and a request's fixed overhead (a replica measures its
-        own; the router ranks by ratios of these, so nominal figures serve)."""
-        self._page_size = layout.page_size
-        self._placement = FabricScore(
-            CostModel(prefill_tokens_per_s, transfer_bytes_per_s, fetch_overhead_s),
-            PageBytes.of(layout),
-            overhead_s,
-        )
+        own; the router ranks by ratios of these, so nominal figures serve). The page
+        geometry comes from the fabric, once found."""
+        self._cost = CostModel(prefill_tokens_per_s, transfer_bytes_per_s, fetch_overhead_s)
+        self._overhead_s = overhead_s
         self._client: FabricClient | None = None
+        self._placement: FabricScore | None = None
+        self._page_size = 0
+        self._next_try = 0.0  # when to look for a fabric not found yet
+
+    def ray_namespace(self) -> str | None:
+        """The Ray namespace of the fabric to ask; None while it is not known."""
+        return NAMESPACE
 
     @abstractmethod
     async def prompt_of(self, pending: PendingRequest) -> RoutedPrompt | None:
@@ -81,7 +84,7 @@ class FabricRanking(RequestRouter):
         if prompt is None or not prompt.tokens:
             return [candidate_replicas]
         cached = await self._cached_pages(prompt)
-        if cached is None:
+        if cached is None or self._placement is None:
             return [candidate_replicas]  # the index cannot say: Serve's own choice
         views = [
             NodeView(
@@ -99,8 +102,9 @@ class FabricRanking(RequestRouter):
     async def _cached_pages(self, prompt: RoutedPrompt) -> dict[str, int] | None:
         """Node actor name -> usable cached pages of the prompt; None when the index cannot say."""
         try:
-            if self._client is None:
-                self._client = await asyncio.to_thread(FabricClient.connect)
+            if self._client is None and not await self._connect():
+                return None
+            assert self._client is not None
             found = await self._client.lookup_async(prompt.tokens, prompt.namespace)
         except Exception as e:  # routing must never fail a request
             log.warning("fabric lookup failed, routing without it: %s", e)
@@ -112,6 +116,20 @@ class FabricRanking(RequestRouter):
             node = node_actor_of(m.node)
             cached[node] = max(cached.get(node, 0), m.pages)
         return cached
+
+    async def _connect(self) -> bool:
+        """Find the fabric (at most every RETRY_S while it is not there)."""
+        if time.monotonic() < self._next_try:
+            return False
+        self._next_try = time.monotonic() + RETRY_S
+        namespace = await asyncio.to_thread(self.ray_namespace)
+        if namespace is None:
+            return False
+        client = await asyncio.to_thread(FabricClient.connect, 2.0, namespace)
+        self._page_size = client.layout.page_size
+        self._placement = FabricScore(self._cost, PageBytes.of(client.layout), self._overhead_s)
+        self._client = client
+        return True
 
 
 class GenerateRequestPrompts:
@@ -126,6 +144,6 @@ class GenerateRequestPrompts:
 
 class FabricRequestRouter(GenerateRequestPrompts, FIFOMixin, FabricRanking):
     # Ray declares the hook as **kwargs and calls it with the deployment's request_router_kwargs.
-    def initialize_state(self, layout: dict, **cost: float) -> None:  # type: ignore[override]
-        """`layout`: the model's KVLayout as a dict; `cost`: see `FabricRanking.init_ranking`."""
-        self.init_ranking(KVLayout.from_dict(layout), **cost)
+    def initialize_state(self, **cost: float) -> None:  # type: ignore[override]
+        """`cost`: see `FabricRanking.init_ranking`."""
+        self.init_ranking(**cost)

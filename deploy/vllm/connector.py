@@ -4,6 +4,12 @@ Load it with `kv_transfer_config(...)` below, i.e. kv_connector="FabricConnector
 kv_connector_module_path="kvfabric.deploy.vllm.connector", kv_role="kv_both". It supports the
 hybrid allocator (SupportsHMA), so full and sliding-window layers keep separate KV cache
 groups, and they land in the fabric's FULL and SWA pools.
+
+At the engine's start the scheduler side establishes the engine's KV identity
+(kv_identity.py) and connects to the fabric of that identity, starting it if none runs
+(node_link.py); what it cannot serve correctly fails the start with the reason
+(plan.py, kv_identity.py). Workers learn their tensor-parallel rank and copy their
+own KV heads of each page.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from .block_format import BlockFormat
 from .index_sink import FeedSpec
 from .jobs import FabricMeta, FabricSettings
+from .kv_identity import KVIdentity
+from .namespaces import RequestNamespaces
 from .plan import plan_from_kv_cache_config
 from .scheduler_side import SchedulerSide
 from .worker_side import WorkerSide
@@ -50,22 +58,29 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
         self.settings = FabricSettings.from_extra(tc.kv_connector_extra_config)
-        self.plan = plan_from_kv_cache_config(
-            kv_cache_config, vllm_config.model_config.model, vllm_config.device_config.device_type
-        )
-        # Both sides (two processes) name the same staging files after the engine.
+        self.plan = plan_from_kv_cache_config(kv_cache_config, vllm_config)
+        # Every side (a process each) names the same staging files after the engine.
         spec = StagingSpec(f"kvf-vllm-{tc.engine_id}", self.settings.staging_pages)
-        feed = FeedSpec.of(
-            vllm_config.kv_events_config, self.settings.engine_slot, self.plan.group_pools
-        )
-        self.scheduler = (
-            SchedulerSide(self.plan, self.settings, spec, feed)
-            if role == KVConnectorRole.SCHEDULER
-            else None
-        )
-        self.worker = (
-            WorkerSide(self.plan, self.settings, spec) if role == KVConnectorRole.WORKER else None
-        )
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            identity = KVIdentity.of(vllm_config, self.settings.model_digest)
+            self.plan = self.plan.with_tag(identity.tag())
+            namespaces = RequestNamespaces()
+            feed = FeedSpec.of(
+                vllm_config.kv_events_config,
+                self.settings.engine_slot,
+                self.plan.group_pools,
+                namespaces.adapter_named,
+            )
+            self.scheduler = SchedulerSide(self.plan, self.settings, spec, feed, namespaces)
+            self.scheduler.node.served = _served_name(vllm_config.model_config)
+            self.scheduler.node.start()
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank() if self.plan.ranks > 1 else 0
+            self.worker = WorkerSide(self.plan, self.settings, spec, rank)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -156,3 +171,10 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request, block_ids: list[int]):
         return self._scheduler().finished(request, (block_ids,))
+
+
+def _served_name(model_config) -> str:
+    name = model_config.served_model_name
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else ""
+    return str(name or model_config.model)

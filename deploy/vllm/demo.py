@@ -35,8 +35,9 @@ CPUS_PER_NODE = 3  # an engine's bundle takes 2: one engine per node; the fabric
 REPORT_WAIT_S = 60.0
 
 
-def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False):
-    """The demo's app; with `gpu`, every engine on the one GPU the simulated nodes share."""
+def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False, tp: int = 1):
+    """The demo's app; with `gpu`, every engine on the one GPU the simulated nodes share;
+    `tp`: each engine's tensor-parallel ranks."""
     from .model import DEMO_SPEC, ensure_tiny_model
     from .serve_llm import LLMAppArgs
 
@@ -50,6 +51,7 @@ def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False):
         device_pages=256,
         host_pages=4096,
         cpus_per_replica=2.0,
+        tensor_parallel_size=tp,
     )
     return (
         dataclasses.replace(app, gpus_per_replica=1.0, gpu_memory_utilization=round(0.8 / nodes, 3))
@@ -88,13 +90,14 @@ def main(args: argparse.Namespace) -> int:
         import ray
 
         nodes = sum(1 for node in ray.nodes() if node["Alive"])
-        app = app_args(nodes, args.kv_cache_mib << 20, args.gpu)
+        app = app_args(nodes, args.kv_cache_mib << 20, args.gpu, args.tp)
         print(
             f"{len(texts)} conversations, {n} requests ({sum(map(len, sum(texts, [])))} prompt "
             "tokens), "
             f"{args.concurrency} conversations at a time, on {nodes} nodes with one vLLM engine "
             "each "
-            f"(own KV cache {args.kv_cache_mib} MiB, on {app.device()})",
+            f"(own KV cache {args.kv_cache_mib} MiB, on {app.device()}, "
+            f"tensor parallel {app.tensor_parallel_size})",
             file=sys.stderr,
         )
         try:
@@ -104,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
                 from ray import serve
 
                 serve.shutdown()
-    report = Report.of(passes, fabric_counts, nodes)
+    report = Report.of(passes, fabric_counts, nodes, args.tp)
     plot = _plot(passes, args.plot)
     report.print(plot)
     if args.json:
@@ -146,10 +149,10 @@ def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[d
     endpoint = up(dataclasses.asdict(app), port=port, engine="vllm", wait_s=600.0)
     print(f"  up in {time.monotonic() - started:.0f} s", file=sys.stderr)
     warmups = warm_up(endpoint, app)
-    before = fabric_counters(warmups)
+    before = fabric_counters(app.model_id, warmups)
     store_before = object_store_created_bytes()
     passes["fabric"] = go("fabric", endpoint)
-    after = fabric_counters(warmups + len(passes["fabric"].turns))
+    after = fabric_counters(app.model_id, warmups + len(passes["fabric"].turns))
     store_after = object_store_created_bytes()
     counts: dict[str, int | None] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     print(
@@ -184,17 +187,21 @@ def warm_up(endpoint, app) -> int:
     return n
 
 
-def fabric_counters(finished: int) -> dict[str, int]:
-    """The engines' connector counters summed over every node (engine_reports), once they
-    account for `finished` requests (reports are sent as requests finish)."""
+def fabric_counters(model_id: str, finished: int) -> dict[str, int]:
+    """The engines' connector counters summed over every node of their fabric
+    (engine_reports), once they account for `finished` requests (reports are sent as
+    requests finish)."""
     import ray
-    from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE
+    from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY
+    from kvfabric.actors.served import fabrics_of
 
-    directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
     deadline = time.monotonic() + REPORT_WAIT_S
     while True:
-        names = cast(list[str], ray.get(directory.node_names.remote(), timeout=CALL_TIMEOUT_S))
-        actors = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
+        actors: list = []
+        for namespace in fabrics_of(model_id):
+            directory = ray.get_actor(DIRECTORY, namespace=namespace)
+            names = cast(list[str], ray.get(directory.node_names.remote(), timeout=CALL_TIMEOUT_S))
+            actors += [ray.get_actor(name, namespace=namespace) for name in names]
         reports = [
             r
             for a in actors
@@ -248,9 +255,10 @@ class Report:
     nocache_ttft_p50_ms: float
     wall_s: dict[str, float]
     first_errors: dict[str, str]
+    tensor_parallel_size: int = 1
 
     @classmethod
-    def of(cls, passes: dict, counts: dict, nodes: int) -> "Report":
+    def of(cls, passes: dict, counts: dict, nodes: int, tp: int = 1) -> "Report":
         ref = passes["caching off"].outputs()
         fabric, base = passes["fabric"], passes["baseline"]
 
@@ -284,6 +292,7 @@ class Report:
                 for i in [next((i for i, t in enumerate(p.turns) if t.error), -1)]
                 if i >= 0
             },
+            tensor_parallel_size=tp,
         )
 
     @property
@@ -344,6 +353,7 @@ class Report:
             "engine": "vllm",
             "requests": self.requests,
             "nodes": self.nodes,
+            "tensor_parallel_size": self.tensor_parallel_size,
             "output_mismatches": self.output_mismatches,
             "hit_rate": round(self.hit_rate, 4),
             "device_hit_tokens": self.device_hit_tokens,

@@ -7,11 +7,13 @@ block's key follows from its parent's key and its tokens: a bounded map from vLL
 to page remembers the keys of blocks seen. A block whose parent is not in the map
 (evicted from it, or never seen) has no key and is skipped (counted).
 
-Tenant: vLLM puts a request's cache_salt in the first block's extra keys; it becomes
-the namespace by the connector's own rule (namespaces.py), and a child block inherits
-its parent's namespace. Any other extra key (LoRA, multimodal inputs, prompt embeds)
-is an input the fabric's keys do not cover: such blocks are skipped, never keyed as
-plain text. Two tenants' identical prompts thus get different keys.
+Namespace: vLLM puts a request's cache_salt in the first block's extra keys, and a
+LoRA adapter's name in every block's; they become the namespace by the connector's own
+rule (namespaces.py: the adapter named by the identity the connector read from its
+files), and a child block inherits its parent's namespace. Any other extra key
+(multimodal inputs, prompt embeds), or an adapter the connector has not identified, is
+skipped, never keyed as plain text. Two tenants' identical prompts, or a base and an
+adapter request, thus get different keys.
 
 Mask: FULL_DEVICE when every full-attention group holds the block, SWA_DEVICE when
 every sliding-window group does (their events list only in-window blocks). A page's
@@ -30,7 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Iterable
+from typing import Callable, Iterable
 
 from kvfabric.fabric import (
     EventBatch,
@@ -148,7 +150,10 @@ class EnginePages:
         max_entries: int = 1 << 17,
         max_depth: int = 1 << 14,
         pending_floor: int = 1024,
+        adapters: Callable[[str], str | None] | None = None,
     ) -> None:
+        """`adapters`: a LoRA adapter's identity by name (RequestNamespaces.adapter_named);
+        None: blocks of adapters are skipped."""
         if not group_pools or max_entries < 1 or max_depth < 1:
             raise ValueError("an engine needs KV cache groups, max_entries >= 1 and max_depth >= 1")
         self.node, self.epoch, self.layout = node, epoch, layout
@@ -165,6 +170,7 @@ class EnginePages:
         self._restate = True
         self.shards = ShardBatches(node, epoch, layout.fingerprint)
         self.stats = EngineStats()
+        self.adapters = adapters
 
     # --- vLLM's events -----------------------------------------------------------------
     def apply(self, events: Iterable[KVEvent]) -> None:
@@ -194,9 +200,12 @@ class EnginePages:
         if ev.block_size != self.layout.page_size:
             self._skip(Skip.BLOCK_SIZE, len(ev.block_hashes))
             return
-        if ev.lora_id is not None or ev.lora_name is not None:
-            self._skip(Skip.EXTRA_KEYS, len(ev.block_hashes))
-            return
+        lora = None
+        if ev.lora_name is not None or ev.lora_id is not None:
+            lora = self.adapters(ev.lora_name) if self.adapters and ev.lora_name else None
+            if lora is None:
+                self._skip(Skip.EXTRA_KEYS, len(ev.block_hashes))
+                return
         keys = _EventKeys(encode_tokens(ev.token_ids))
         # A group that skipped blocks of the range (out of its window) does not say which
         # tokens are whose: its blocks are held, their keys come from a full group's event.
@@ -210,7 +219,9 @@ class EnginePages:
             else:
                 self._entries.move_to_end(h)
             if entry.page is None and whole:
-                self._translate(entry, h, parent_hash, extra, keys, j)
+                self._translate(
+                    entry, h, parent_hash, _strip_adapter(extra, ev.lora_name), keys, j, lora
+                )
             elif entry.page is None:
                 self._skip(Skip.PARTIAL_RANGE)
             # Held even without a key yet: a later event (another group's) may bring it.
@@ -229,11 +240,14 @@ class EnginePages:
         extra: tuple | None,
         keys: _EventKeys,
         block: int,
+        lora: str | None,
     ) -> bool:
+        if extra is _FOREIGN:
+            return self._skip(Skip.EXTRA_KEYS)
         if parent_hash is None:
             if extra is not None and not (len(extra) == 1 and type(extra[0]) is str):
                 return self._skip(Skip.EXTRA_KEYS)
-            namespace = fabric_namespace(extra[0] if extra else None)
+            namespace = fabric_namespace(extra[0] if extra else None, lora)
             keyer, up = self._keyers.get(namespace), None
             parent_key, depth = keyer.root, 0
         else:
@@ -342,6 +356,19 @@ class EnginePages:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+_FOREIGN = ("foreign",)  # extra keys that name another adapter than the event's
+
+
+def _strip_adapter(extra: tuple | None, lora_name: str | None) -> tuple | None:
+    """A block's extra keys without the adapter's name vLLM puts first in each; _FOREIGN
+    if they do not start with it."""
+    if lora_name is None:
+        return extra
+    if not extra or extra[0] != lora_name:
+        return _FOREIGN
+    return extra[1:] or None
 
 
 class _Paths:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from kvfabric.actors.directory import CALL_TIMEOUT_S, NAMESPACE, shard_name
@@ -31,10 +31,16 @@ class FeedSpec:
     group_pools: tuple[PoolName, ...]
     endpoint: str
     replay_endpoint: str | None = None
+    # A LoRA adapter's identity by name (namespaces.RequestNamespaces.adapter_named).
+    adapters: Callable[[str], str | None] | None = None
 
     @classmethod
     def of(
-        cls, kv_events_config: Any, slot: str, group_pools: tuple[PoolName, ...]
+        cls,
+        kv_events_config: Any,
+        slot: str,
+        group_pools: tuple[PoolName, ...],
+        adapters: Callable[[str], str | None] | None = None,
     ) -> "FeedSpec | None":
         """From vLLM's KVEventsConfig: None unless a slot is named and the engine
         publishes its events over ZMQ."""
@@ -43,10 +49,16 @@ class FeedSpec:
             return None
         replay = cfg.replay_endpoint
         return cls(
-            slot, group_pools, _subscriber(cfg.endpoint), _subscriber(replay) if replay else None
+            slot,
+            group_pools,
+            _subscriber(cfg.endpoint),
+            _subscriber(replay) if replay else None,
+            adapters,
         )
 
-    def start(self, directory, node_actor: str, layout: KVLayout) -> EngineEventFeed:
+    def start(
+        self, directory, node_actor: str, layout: KVLayout, namespace: str = NAMESPACE
+    ) -> EngineEventFeed:
         return start_engine_feed(
             directory,
             node_actor,
@@ -55,6 +67,8 @@ class FeedSpec:
             self.group_pools,
             self.endpoint,
             self.replay_endpoint,
+            namespace=namespace,
+            adapters=self.adapters,
         )
 
 
@@ -65,15 +79,22 @@ def _subscriber(endpoint: str) -> str:
 
 class ShardSink:
     def __init__(
-        self, directory, timeout_s: float = CALL_TIMEOUT_S, refresh_s: float = 2.0
+        self,
+        directory,
+        timeout_s: float = CALL_TIMEOUT_S,
+        refresh_s: float = 2.0,
+        namespace: str = NAMESPACE,
     ) -> None:
         self.directory, self.timeout_s, self.refresh_s = directory, timeout_s, refresh_s
+        self.namespace = namespace  # the fabric's
         self.link: IndexLink[EnginePages] | None = None
         self._refreshed = 0.0
 
     def attach(self, pages: EnginePages) -> None:
         routes = self._routes()
-        shards = [ray.get_actor(shard_name(i), namespace=NAMESPACE) for i in range(routes.shards)]
+        shards = [
+            ray.get_actor(shard_name(i), namespace=self.namespace) for i in range(routes.shards)
+        ]
         ray.get([s.admit.remote(pages.node, pages.epoch) for s in shards], timeout=self.timeout_s)
         self.link = IndexLink(pages)
         self.link.attach(shards, routes)
@@ -104,13 +125,18 @@ def start_engine_feed(
     group_pools: tuple[PoolName, ...],
     endpoint: str,
     replay_endpoint: str | None = None,
+    namespace: str = NAMESPACE,
+    adapters: Callable[[str], str | None] | None = None,
     **feed_args,
 ) -> EngineEventFeed:
-    """Feed the index from one engine's KV events, as `<node_actor>/engine/<slot>` under a
-    new epoch (engine_identity.py), from a process connected to the Ray cluster."""
+    """Feed the index of the fabric in `namespace` from one engine's KV events, as
+    `<node_actor>/engine/<slot>` under a new epoch (engine_identity.py), from a process
+    connected to the Ray cluster."""
     identity = engine_index_node(node_actor, slot)
-    pages = EnginePages(identity, GcsEpochs().claim(identity), layout, group_pools)
-    sink = ShardSink(directory)
+    pages = EnginePages(
+        identity, GcsEpochs().claim(identity), layout, group_pools, adapters=adapters
+    )
+    sink = ShardSink(directory, namespace=namespace)
     sink.attach(pages)
     feed = EngineEventFeed(pages, sink, endpoint, replay_endpoint, **feed_args)
     feed.start()

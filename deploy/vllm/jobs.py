@@ -11,13 +11,16 @@ import importlib
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvfabric.fabric import PoolName
+from kvfabric.fabric import KVLayout, PoolCapacity, PoolName
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+if TYPE_CHECKING:
+    from kvfabric.actors.node.node_actor import NodeConfig
 
 
 @dataclass
@@ -51,16 +54,21 @@ class FabricMeta(KVConnectorMetadata):
 
 @dataclass
 class FabricWorkerMeta(KVConnectorWorkerMetadata):
-    """Save jobs the worker has copied to staging, and those that failed."""
+    """Save jobs workers have copied to staging (job -> how many workers: each
+    tensor-parallel rank copies its own heads), and those that failed."""
 
-    saved: set[str] = field(default_factory=set)
+    saved: dict[str, int] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, FabricWorkerMeta)
-        # With several workers, a job is saved only if every worker saved its part.
+        if not isinstance(other, FabricWorkerMeta):
+            raise TypeError(f"cannot aggregate {type(other).__name__} with FabricWorkerMeta")
+        # A job is saved once every worker has copied its part; one failure fails it.
         failed = self.failed | other.failed
-        return FabricWorkerMeta((self.saved | other.saved) - failed, failed)
+        saved = dict(self.saved)
+        for key, n in other.saved.items():
+            saved[key] = saved.get(key, 0) + n
+        return FabricWorkerMeta({k: n for k, n in saved.items() if k not in failed}, failed)
 
 
 class ConnectorStep(str, Enum):
@@ -82,11 +90,18 @@ class StepHook(Protocol):
 _HOOK_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
+def _at_least(low: int, default: int) -> Any:
+    return field(default=default, metadata={"min": low})
+
+
 @dataclass(frozen=True)
 class FabricSettings:
     """`kv_connector_extra_config` of the FabricConnector."""
 
     ray_address: str = ""
+    # The engine caches in the fabric of its KV identity, in Ray namespace
+    # `<ray_namespace>.<layout fingerprint>` (actors/names.py), started by the first
+    # engine of that identity with the node pools below.
     ray_namespace: str = "kvfabric"
     node_actor: str = ""  # the NodeCacheActor of this engine's node
     staging_pages: int = 512  # per pool
@@ -100,6 +115,21 @@ class FabricSettings:
     # Feed the fabric's index from this engine's KV events (its kv_events_config) as
     # `<node_actor>/engine/<engine_slot>`; empty: no feed.
     engine_slot: str = ""
+    # The model's content digest as the deployer names it (a registry version it
+    # guarantees names these weights): skips reading the files. "": read them once.
+    model_digest: str = ""
+    # The fabric this engine starts when none of its KV identity runs: each node's pools
+    # (full attention; sliding window: 0 gives a quarter of the full pool's, at least 1),
+    # its index shards, the CPUs each fabric actor takes, the membership watch period.
+    device_pages: int = 64
+    host_pages: int = _at_least(0, 4096)
+    swa_device_pages: int = _at_least(0, 0)
+    swa_host_pages: int = _at_least(0, 0)
+    shards: int = 2
+    node_cpus: float = 0.25
+    watch_s: float = 2.0
+    # Tests, chaos: "module:name" of the node actors' hooks (NodeConfig.hooks).
+    node_hooks: str = ""
 
     def __post_init__(self) -> None:
         # Settings come from a deployment's config: a wrong type fails here, with its name.
@@ -110,18 +140,19 @@ class FabricSettings:
             elif f.type == "str":
                 ok = isinstance(v, str) and len(v) <= 4096
             elif f.type == "int":
-                ok = type(v) is int and 1 <= v <= 1 << 20
-            else:  # seconds
+                ok = type(v) is int and f.metadata.get("min", 1) <= v <= 1 << 24
+            else:  # seconds, CPUs
                 ok = type(v) in (int, float) and 0 <= v <= 3600
             if not ok:
                 raise ValueError(
                     f"FabricConnector setting {f.name} must be a {f.type} in range, got {v!r:.80}"
                 )
-        if self.step_hook and not _HOOK_SPEC.fullmatch(self.step_hook):
-            raise ValueError(
-                "FabricConnector setting step_hook must be 'module:name', got "
-                f"{self.step_hook!r:.80}"
-            )
+        for name in ("step_hook", "node_hooks"):
+            spec = getattr(self, name)
+            if spec and not _HOOK_SPEC.fullmatch(spec):
+                raise ValueError(
+                    f"FabricConnector setting {name} must be 'module:name', got {spec!r:.80}"
+                )
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "FabricSettings":
@@ -138,10 +169,27 @@ class FabricSettings:
         """The hook `step_hook` names, built with `step_hook_arg` (None when unset)."""
         if not self.step_hook:
             return None
-        module, _, name = self.step_hook.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"FabricConnector setting step_hook {self.step_hook!r}: {e}") from None
-        hook: StepHook = factory(self.step_hook_arg)
+        hook: StepHook = _named("step_hook", self.step_hook)(self.step_hook_arg)
         return hook
+
+    def node_config(self, layout: KVLayout) -> NodeConfig:
+        """The node actors' config of the fabric this engine starts for `layout`."""
+        from kvfabric.actors.node.node_actor import NodeConfig  # Ray's side: not in workers
+
+        caps = {PoolName.FULL: PoolCapacity(self.device_pages, self.host_pages)}
+        if PoolName.SWA in layout.pools:
+            caps[PoolName.SWA] = PoolCapacity(
+                self.swa_device_pages or max(1, self.device_pages // 4),
+                self.swa_host_pages or self.host_pages // 4,
+            )
+        caps = {p: caps[p] for p in layout.pools}
+        hooks = _named("node_hooks", self.node_hooks) if self.node_hooks else None
+        return NodeConfig(layout, caps, device="cpu", hooks=hooks)
+
+
+def _named(setting: str, spec: str) -> Any:
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"FabricConnector setting {setting} {spec!r}: {e}") from None

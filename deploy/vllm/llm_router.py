@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from kvfabric.actors.served import fabrics_of
 from kvfabric.deploy.serve.router import FabricRanking, RoutedPrompt
 from ray.serve.request_router import FIFOMixin, PendingRequest
 
 from .namespaces import fabric_namespace
-from .plan import layout_for_model
 
 MAX_PROMPT_CHARS = (
     1 << 20
@@ -79,11 +79,16 @@ def _plain_message(message: Any) -> dict[str, str] | None:
 
 class FabricLLMRouter(OpenAIPrompts, FIFOMixin, FabricRanking):
     # Ray declares the hook as **kwargs and calls it with the deployment's request_router_kwargs.
-    def initialize_state(  # type: ignore[override]
-        self, model_dir: str, block_size: int, device: str = "cpu", **cost: float
-    ) -> None:
-        """`model_dir`: the model's local folder (its config gives the KV layout, its
-        tokenizer the token ids); `block_size`: the engines' KV block size; `device`:
-        where they compute; `cost`: see `FabricRanking.init_ranking`."""
-        self.init_ranking(layout_for_model(model_dir, block_size, device), **cost)
+    def initialize_state(self, model_dir: str, model_id: str, **cost: float) -> None:  # type: ignore[override]
+        """`model_dir`: the model's local folder (its tokenizer gives the token ids);
+        `model_id`: the name the engines serve, under which they announce their fabric
+        (actors/served.py); `cost`: see `FabricRanking.init_ranking`."""
+        self.model_id = model_id
+        self.init_ranking(**cost)
         self.load_tokenizer(model_dir)
+
+    def ray_namespace(self) -> str | None:
+        # Engines of one name but another KV identity (other CPU kernels) have another
+        # fabric; the router asks the first (a miss there only costs a routing choice).
+        found = fabrics_of(self.model_id)
+        return found[0] if found else None

@@ -31,6 +31,7 @@ class TinyModelSpec:
     window: int = 256  # sliding window in tokens
     max_positions: int = 4096
     seed: int = 0
+    full_every: int = 2  # every n-th layer is full attention, the others windowed; 0: none
 
     @property
     def head_dim(self) -> int:
@@ -38,8 +39,13 @@ class TinyModelSpec:
 
     @property
     def layer_types(self) -> list[str]:
-        # SWA first, full attention every second layer (as Gemma-style hybrids do).
-        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.layers)]
+        # SWA first, full attention every `full_every`-th layer (as Gemma-style hybrids
+        # do); with 0, every layer windowed (as Mistral's first models).
+        n = self.full_every
+        return [
+            "full_attention" if n and i % n == n - 1 else "sliding_attention"
+            for i in range(self.layers)
+        ]
 
     @property
     def name(self) -> str:

@@ -1,10 +1,18 @@
 """The scheduler side's handle on its node's NodeCacheActor and on the fabric's index:
-every call bounded, or started without waiting and polled."""
+every call bounded, or started without waiting and polled.
+
+It connects when the engine starts (`start`), to the fabric of the engine's KV
+identity: in the Ray namespace the layout's fingerprint names, started by the first
+engine of that identity (actors/fabric.py's `ensure`), so the node's layout is the one
+the engine announced, never one guessed from its config files. A node that caches
+another layout, or none reachable, fails the engine's start with an error that says
+why: an engine is never served silently uncached, nor from another model's pages."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Sequence, cast
 
 from kvfabric.actors.node.engine_process import EngineProcess
@@ -23,10 +31,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class FabricUnavailable(RuntimeError):
+    """The engine's fabric cannot be reached or caches another layout: it does not start."""
+
+
 class NodeLink:
-    """Connects at first use. A node that cannot be reached, or whose layout's
-    fingerprint differs from the engine's (another model, dtype or KV tensor layout),
-    leaves the connector off: the engine computes everything itself."""
+    """`start` connects (tests connect at first use, `ready`). Once connected, a failed
+    call costs that request its hit; the engine keeps serving."""
 
     def __init__(
         self,
@@ -34,9 +45,12 @@ class NodeLink:
         layout: KVLayout,
         feed: FeedSpec | None = None,
         staging: StagingSpec | None = None,
+        served: str = "",
     ) -> None:
         self.settings = settings
         self.layout = layout
+        self.served = served  # the model name the engine serves (announced for routers)
+        self.namespace = settings.ray_namespace  # the fabric's, once connected
         self.staging = staging  # the engine's staging pages, announced to the node
         self.feed_spec = feed  # the engine's KV events, fed to the index once connected
         self.feed: EngineEventFeed | None = None
@@ -49,21 +63,37 @@ class NodeLink:
         self.index_off = "" if settings.remote else "remote hits not asked for"
         self._peers: dict[str, Any] = {}
 
+    def start(self, timeout_s: float = 180.0) -> None:
+        """Connect now, the fabric of this engine's identity started if none runs; raise
+        FabricUnavailable (saying why) if that cannot be done."""
+        if self.disabled:
+            raise FabricUnavailable(f"FabricConnector: {self.disabled}")
+        try:
+            self._connect(timeout_s)
+        except Exception as e:
+            self.disabled = f"cannot use the fabric: {e}"
+            raise FabricUnavailable(
+                f"FabricConnector: node actor {self.settings.node_actor!r} in Ray namespace "
+                f"{self.namespace!r}: {e}"
+            ) from e
+
     def ready(self) -> bool:
         if self.actor is not None:
             return True
         if self.disabled:
             return False
         try:
-            self._connect()
-        except Exception as e:  # unreachable: serve without the fabric
-            self.disabled = f"cannot reach {self.settings.node_actor}: {e!r}"
-        if self.disabled:
+            self._connect(self.settings.timeout_s)
+        except Exception as e:  # unreachable: this request computes its prefix itself
+            self.disabled = f"cannot use the fabric: {e!r}"
             log.warning("FabricConnector off: %s", self.disabled)
         return self.actor is not None
 
-    def _connect(self) -> None:
+    def _connect(self, timeout_s: float) -> None:
         import ray
+        from kvfabric.actors.fabric import ensure
+        from kvfabric.actors.names import layout_namespace
+        from kvfabric.actors.served import announce
 
         if not ray.is_initialized():
             ray.init(
@@ -72,15 +102,24 @@ class NodeLink:
                 log_to_driver=False,
                 logging_level=logging.WARNING,
             )
-        actor = ray.get_actor(self.settings.node_actor, namespace=self.settings.ray_namespace)
-        theirs = cast(KVLayout, ray.get(actor.layout.remote(), timeout=self.settings.timeout_s))
-        if theirs.fingerprint != self.layout.fingerprint:
-            self.disabled = (
-                f"{self.settings.node_actor} holds layout {theirs.to_dict()}, "
-                f"this engine needs {self.layout.to_dict()}"
-            )
-            return
+        s = self.settings
+        self.namespace = layout_namespace(self.layout.fingerprint, s.ray_namespace)
+        ensure(
+            s.node_config(self.layout),
+            shards=s.shards,
+            cpus_per_actor=s.node_cpus,
+            timeout_s=timeout_s,
+            watch_s=s.watch_s,
+            namespace=self.namespace,
+        )
+        actor = self._node_actor(timeout_s)
+        theirs = cast(KVLayout, ray.get(actor.layout.remote(), timeout=timeout_s))
+        differences = self.layout.differences(theirs)
+        if differences:
+            raise ValueError("it caches another KV layout: " + "; ".join(differences))
         self.actor = actor
+        if self.served:
+            announce(self.served, self.namespace)
         if self.feed_spec is not None:
             self._start_feed(self.feed_spec)
         if self.staging is not None:
@@ -94,13 +133,29 @@ class NodeLink:
                 ),
             )
 
+    def _node_actor(self, timeout_s: float) -> Any:
+        """This node's actor of the fabric, waited for a while: a node that joined the
+        cluster after the fabric started gets one at the directory's next watch."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return ray.get_actor(self.settings.node_actor, namespace=self.namespace)
+            except ValueError:
+                if time.monotonic() >= deadline:
+                    raise ValueError(
+                        f"no node actor {self.settings.node_actor!r} after {timeout_s:.0f} s"
+                    ) from None
+                time.sleep(0.2)
+
     def _start_feed(self, spec: FeedSpec) -> None:
         import ray
         from kvfabric.actors.directory import DIRECTORY
 
         try:
-            directory = ray.get_actor(DIRECTORY, namespace=self.settings.ray_namespace)
-            self.feed = spec.start(directory, self.name, self.layout)
+            directory = ray.get_actor(DIRECTORY, namespace=self.namespace)
+            self.feed = spec.start(directory, self.name, self.layout, self.namespace)
         except Exception as e:  # no feed: the index does not know this engine's own cache
             log.warning("FabricConnector: the engine's KV events do not reach the index: %r", e)
 
@@ -154,7 +209,7 @@ class NodeLink:
     def _connect_index(self) -> None:
         from kvfabric.actors.fabric import FabricClient
 
-        client = FabricClient.connect(timeout_s=self.settings.timeout_s)
+        client = FabricClient.connect(timeout_s=self.settings.timeout_s, namespace=self.namespace)
         if client.layout.fingerprint != self.layout.fingerprint:
             self.index_off = f"the fabric's index is for layout {client.layout.to_dict()}"
             return
@@ -169,13 +224,12 @@ class NodeLink:
         """Start this node's fetch of `peer`'s longer prefix of `tokens` (the node's
         transaction: it commits whole or not at all); answers a FetchOutcome value."""
         import ray
-        from kvfabric.actors.directory import NAMESPACE
 
         if self.actor is None:
             raise RuntimeError("not connected to the node (ready first)")
         handle = self._peers.get(peer)
         if handle is None:
-            handle = self._peers[peer] = ray.get_actor(peer, namespace=NAMESPACE)
+            handle = self._peers[peer] = ray.get_actor(peer, namespace=self.namespace)
         return self.actor.fetch.remote(handle, peer, list(tokens), namespace)
 
     def wait_any(self, calls: list, timeout_s: float) -> int:

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 class StagedSave:
     """A save the worker is copying to staging, or the node is storing."""
 
-    tokens: list[int]
+    tokens: list[int]  # those whose KV the engine computed, a partial last page included
     namespace: str
     slots: dict[PoolName, list[int]]
     # Each pool's first staged page: full KV before it is the node's already (or queued
@@ -59,6 +59,7 @@ class SchedulerSaves:
     spec: StagingSpec
     node: NodeLink
     saving: dict[str, StagedSave]
+    copied: dict[str, int]
     storing: list
     prompts: dict[str, tuple[list[int], str]]
     fabric_has: dict[str, int]
@@ -102,16 +103,21 @@ class SchedulerSaves:
                 self.fabric_has[rid] = pages  # the end's save copies only what follows
 
     def _saves_reported(self, report: FabricWorkerMeta) -> None:
-        """The worker copied these saves to staging (or failed to): the node stores them."""
+        """The workers copied these saves to staging (or one failed to): once every
+        tensor-parallel rank has copied its heads, the node stores the pages whole."""
         for key in report.failed:
             save = self.saving.pop(key, None)
+            self.copied.pop(key, None)
             if save is not None:
                 self.stats.save_failures += 1
                 self._free(save.slots)
-        for key in report.saved:
-            save = self.saving.pop(key, None)
-            if save is not None:
-                self._store(key, save)
+        for key, ranks in report.saved.items():
+            if key not in self.saving:
+                continue
+            copied = self.copied[key] = self.copied.get(key, 0) + ranks
+            if copied >= self.plan.ranks:
+                del self.copied[key]
+                self._store(key, self.saving.pop(key))
 
     def _store(self, key: str, save: StagedSave) -> None:
         """Ask the node to store staged pages without waiting: the engine keeps stepping,
@@ -191,7 +197,12 @@ class SchedulerSaves:
                     {g: list(block_ids[g][first:n]) for g in self.plan.groups_of(pool)},
                 )
             )
-        self.saving[key] = StagedSave(tokens[: n * self.plan.page_size], namespace, slots, first_of)
+        # The computed tokens as they are: ending on a page, the node keeps the window a
+        # repeat of them needs too (NodeCache.put); cut short here, they end on one.
+        kept = (
+            tokens if n == len(tokens) // self.plan.page_size else tokens[: n * self.plan.page_size]
+        )
+        self.saving[key] = StagedSave(kept, namespace, slots, first_of)
         self.meta.saves.append(job)
         return True
 

@@ -24,7 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .index_sink import FeedSpec
 from .jobs import ConnectorStep, CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove
-from .namespaces import fabric_namespace
+from .namespaces import RequestNamespaces
 from .node_link import NodeLink
 from .plan import NULL_BLOCK, EnginePlan
 from .remote_fetch import RemoteFetches, RemoteStats
@@ -48,6 +48,8 @@ class ConnectorStats:
     save_failures: int = 0
     node_errors: int = 0
     finished_requests: int = 0
+    # Requests never cached: prompt embeddings, or a LoRA adapter whose files cannot be read.
+    uncacheable_requests: int = 0
     remote: RemoteStats = field(default_factory=RemoteStats)
 
 
@@ -69,8 +71,11 @@ class SchedulerSide(SchedulerSaves):
         settings: FabricSettings,
         spec: StagingSpec,
         feed: FeedSpec | None = None,
+        namespaces: RequestNamespaces | None = None,
     ) -> None:
         self.plan = plan
+        self.namespaces = namespaces or RequestNamespaces()
+        self.request_ns: dict[str, str | None] = {}  # each live request's, computed once
         self.settings = settings
         self.step_hook = settings.make_step_hook()  # tests, chaos: fail a load or save here
         self.spec = spec
@@ -80,6 +85,7 @@ class SchedulerSide(SchedulerSaves):
         self.planned: dict[str, _Load] = {}  # admitted lookups, before block allocation
         self.loading: dict[str, _Load] = {}  # copies the worker has not reported yet
         self.saving: dict[str, StagedSave] = {}  # by save job key
+        self.copied: dict[str, int] = {}  # save job key -> ranks that copied their heads
         self.storing: list = []  # (call, key, save, deadline): node stores in flight
         self.prompts: dict[str, tuple[list[int], str]] = {}  # requests whose prompt is unsaved
         # Usable pages the node said it holds for a request at admission: a save of no
@@ -107,8 +113,10 @@ class SchedulerSide(SchedulerSaves):
         if load is not None and load.skip == skip:
             return (load.hit.pages - skip) * ps, True
         self._drop_plan(rid)
+        namespace = self._namespace(request)
         if (
-            rid in self.no_load
+            namespace is None
+            or rid in self.no_load
             or not self.node.ready()
             or self.fabric_has.get(rid, skip + 1) <= skip
         ):
@@ -117,7 +125,7 @@ class SchedulerSide(SchedulerSaves):
         need = len(tokens) // ps - skip
         if need <= 0:
             return 0, False
-        if not self.remote.ready(rid, tokens, _namespace(request), skip):
+        if not self.remote.ready(rid, tokens, namespace, skip):
             return None, False
         self.stats.lookups += 1
         held = self.remote.node_holds(rid)
@@ -137,7 +145,7 @@ class SchedulerSide(SchedulerSaves):
         try:
             if self.step_hook is not None:
                 self.step_hook(ConnectorStep.NODE_LOAD)
-            hit = self.node.call("load_staged", self.spec, tokens, _namespace(request), skip, slots)
+            hit = self.node.call("load_staged", self.spec, tokens, namespace, skip, slots)
         except Exception as e:  # any failure: this request computes its prefix itself
             self.stats.node_errors += 1
             log.warning("fabric lookup failed for %s: %r", rid, e)
@@ -196,10 +204,9 @@ class SchedulerSide(SchedulerSaves):
 
     # --- each step ---------------------------------------------------------------------
     def on_new_request(self, request) -> None:
-        self.prompts[request.request_id] = (
-            list(request.prompt_token_ids or []),
-            _namespace(request),
-        )
+        namespace = self._namespace(request)
+        if namespace is not None:
+            self.prompts[request.request_id] = (list(request.prompt_token_ids or []), namespace)
 
     def hit_sources_of(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         sources = self.hit_sources.pop(request.request_id, {})
@@ -245,22 +252,36 @@ class SchedulerSide(SchedulerSaves):
         self.remote.forget(rid)
         self.hit_sources.pop(rid, None)
         has = self.fabric_has.pop(rid, 0)
+        namespace = self._namespace(request)
+        self.request_ns.pop(rid, None)
         self.stats.finished_requests += 1
         if not self.node.ready():
             return False, None
         self.node.report(self.spec.prefix, self.stats)
-        tokens = list(request.all_token_ids)
-        n = min(request.num_computed_tokens, len(tokens)) // self.plan.page_size
-        if n <= has:
+        # The tokens whose KV was computed: the last sampled one has none yet.
+        tokens = list(request.all_token_ids)[: request.num_computed_tokens]
+        n = len(tokens) // self.plan.page_size
+        if n <= has or namespace is None:
             return False, None
         return self._save(
-            rid, f"{rid}/end", tokens, _namespace(request), block_ids, n, ends_request=True, has=has
+            rid, f"{rid}/end", tokens, namespace, block_ids, n, ends_request=True, has=has
         ), None
 
     def shutdown(self) -> None:
         """The engine is going: its node unmaps the staging pages (the worker unlinks them)."""
         if self.node.actor is not None:
             self.node.tell("drop_staging", self.spec)
+
+    # --- namespaces --------------------------------------------------------------------
+    def _namespace(self, request) -> str | None:
+        """The request's namespace (namespaces.py), once per request; None: never cached."""
+        rid = request.request_id
+        if rid in self.request_ns:
+            return self.request_ns[rid]
+        namespace = self.request_ns[rid] = self.namespaces.of(request)
+        if namespace is None:
+            self.stats.uncacheable_requests += 1
+        return namespace
 
     # --- staging slots -----------------------------------------------------------------
     def _alloc(self, want: dict[PoolName, int]) -> dict[PoolName, list[int]] | None:
@@ -293,7 +314,3 @@ class SchedulerSide(SchedulerSaves):
         for until, slots in [q for q in self.quarantined if q[0] <= now]:
             self._free(slots)
         self.quarantined = [q for q in self.quarantined if q[0] > now]
-
-
-def _namespace(request) -> str:
-    return fabric_namespace(request.cache_salt)

@@ -4,8 +4,9 @@ engine's KV events.
 
 `llm_app_builder(args)` is the entry point for Serve configs (`import_path:
 kvfabric.deploy.vllm.serve_llm:llm_app_builder`, as `kvfabric up --engine vllm` and the
-manifests use): it validates the args, starts the fabric for the model's KV layout
-(or checks a running one caches that layout) and returns the bound app.
+manifests use): it validates the args and returns the bound app. The engines start the
+fabric of their KV identity themselves (its layout is the one they announce), with the
+node pools the args give; the router finds it by the served model's name.
 
 Serve places the replicas; an LLMConfig is written before that. So a callback
 (`FabricNodeCallback`) runs in each replica before its engine starts and points the
@@ -21,11 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from kvfabric.actors import NodeConfig
 from kvfabric.actors.directory import node_actor_name
-from kvfabric.deploy.serve.app import AppArgsError, args_of, ensure_fabric_for
+from kvfabric.deploy.serve.app import AppArgsError, args_of
 from kvfabric.deploy.serve.tenants import load_tenants
-from kvfabric.fabric import KVLayout, PoolCapacity, PoolName
 from ray import serve
 from ray.llm._internal.common.callbacks.base import CallbackBase
 from ray.serve.llm import LLMConfig, build_openai_app
@@ -34,9 +33,9 @@ from .connector import kv_transfer_config
 from .llm_ingress import FabricLLMIngress
 from .llm_router import FabricLLMRouter
 from .model import ensure_tiny_model
-from .plan import layout_for_model
 
 INGRESS_CPUS = 0.25
+DTYPES = ("", "auto", "float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -46,6 +45,9 @@ class LLMAppArgs:
     )
     model_id: str = "kvfabric-tiny-vllm"
     replicas: int = 0  # engines; 0: one per alive Ray node
+    tensor_parallel_size: int = 1  # each engine's ranks (pages hold every head whatever it is)
+    # The engines' dtype: "" takes the bundled model's (float32), else vLLM's choice ("auto").
+    dtype: str = ""
     block_size: int = 32  # vLLM's KV block: one fabric page (a multiple of 32 on CPU, 16 on GPU)
     max_model_len: int = 2048
     kv_cache_bytes: int = 12 << 20  # each engine's own (device) KV cache
@@ -74,6 +76,7 @@ class LLMAppArgs:
             raise AppArgsError(f"model_id must be a non-empty string, got {self.model_id!r}")
         for f, low in (
             ("replicas", 0),
+            ("tensor_parallel_size", 1),
             ("block_size", 16),
             ("max_model_len", 64),
             ("kv_cache_bytes", 1 << 20),
@@ -98,6 +101,8 @@ class LLMAppArgs:
                 f"block_size must be a multiple of {multiple} on {self.device()}, got "
                 f"{self.block_size}"
             )
+        if self.dtype not in DTYPES:
+            raise AppArgsError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for f in ("remote", "index_events"):
             if not isinstance(getattr(self, f), bool):
                 raise AppArgsError(f"{f} must be a bool, got {getattr(self, f)!r}")
@@ -119,20 +124,23 @@ class LLMAppArgs:
         """Where the engines compute (the node actors' pools stay in host memory)."""
         return "cuda" if self.gpus_per_replica else "cpu"
 
-    def layout(self) -> KVLayout:
-        return layout_for_model(self.model(), self.block_size, self.device())
+    def engine_dtype(self) -> str:
+        return self.dtype or ("auto" if self.model_dir else "float32")
 
     def bundle(self) -> dict[str, float]:
         """One engine's placement group bundle."""
         gpus = {"GPU": self.gpus_per_replica} if self.gpus_per_replica else {}
         return {"CPU": self.cpus_per_replica, **gpus}
 
-    def node_config(self) -> NodeConfig:
-        layout = self.layout()
-        caps = {PoolName.FULL: PoolCapacity(self.device_pages, self.host_pages)}
-        if PoolName.SWA in layout.pools:
-            caps[PoolName.SWA] = PoolCapacity(max(1, self.device_pages // 4), self.host_pages // 4)
-        return NodeConfig(layout, caps, device="cpu")
+    def fabric_settings(self) -> dict[str, Any]:
+        """The connector's settings for the fabric its engine starts (FabricSettings):
+        each node's pools (SWA pools: a quarter) and index shards."""
+        return {
+            "device_pages": self.device_pages,
+            "host_pages": self.host_pages,
+            "shards": self.shards,
+            "remote": self.remote,
+        }
 
 
 class FabricNodeCallback(CallbackBase):
@@ -156,17 +164,13 @@ class FabricNodeCallback(CallbackBase):
 
 def llm_config(args: LLMAppArgs) -> LLMConfig:
     """Engines with the FabricConnector and KV events, ranked by FabricLLMRouter."""
-    engine = {"kv_transfer_config": kv_transfer_config("", "", remote=args.remote)}
+    engine = {"kv_transfer_config": kv_transfer_config("", "", **args.fabric_settings())}
     # The node actor and the Ray address are filled in on the replica's node.
     if args.index_events:
         engine["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq"}
     router = {
         "request_router_class": FabricLLMRouter,
-        "request_router_kwargs": {
-            "model_dir": args.model(),
-            "block_size": args.block_size,
-            "device": args.device(),
-        },
+        "request_router_kwargs": {"model_dir": args.model(), "model_id": args.model_id},
     }
     return _config(args, engine, router, callback_config={"callback_class": FabricNodeCallback})
 
@@ -185,7 +189,8 @@ def _config(args: LLMAppArgs, engine: dict, router: dict, **extra) -> LLMConfig:
     # only on a GPU (the CPU backend runs eager).
     engine = {
         "enforce_eager": not args.gpus_per_replica,
-        "dtype": args.layout().dtype,
+        "dtype": args.engine_dtype(),
+        "tensor_parallel_size": args.tensor_parallel_size,
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,
         "kv_cache_memory_bytes": args.kv_cache_bytes,
@@ -196,6 +201,10 @@ def _config(args: LLMAppArgs, engine: dict, router: dict, **extra) -> LLMConfig:
     }
     if args.gpus_per_replica:
         engine["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.tensor_parallel_size > 1 and not args.gpus_per_replica:
+        # vLLM's CPU workers each bind their OpenMP threads to the cores listed: one a rank.
+        binds = "|".join(str(i) for i in range(args.tensor_parallel_size))
+        extra.setdefault("runtime_env", {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": binds}})
     return LLMConfig(
         model_loading_config={"model_id": args.model_id, "model_source": args.model()},
         engine_kwargs=engine,
@@ -212,7 +221,7 @@ def _config(args: LLMAppArgs, engine: dict, router: dict, **extra) -> LLMConfig:
 
 
 def build_llm_app(args: LLMAppArgs) -> serve.Application:
-    """The fabric's app (the fabric must be up for the model's layout): its engines, and
+    """The fabric's app: its engines (which start the fabric of their KV identity), and
     the OpenAI ingress with the tenant table when there is one."""
     ingress = {
         "ingress_cls": FabricLLMIngress,
@@ -238,9 +247,8 @@ def _app(config: LLMConfig, **builder: Any) -> serve.Application:
 
 
 def llm_app_builder(args: dict) -> serve.Application:
-    """Serve's application builder: validated args -> fabric up -> the app."""
+    """Serve's application builder: validated args -> the app."""
     parsed = LLMAppArgs.from_dict(args)
     if parsed.tenants_file:
         load_tenants(parsed.tenants_file)  # a bad table fails the deploy, not each replica
-    ensure_fabric_for(parsed.node_config(), parsed.shards)
     return build_llm_app(parsed)

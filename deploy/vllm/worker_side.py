@@ -2,7 +2,9 @@
 
 vLLM gives one tensor per layer, which block_format.py views as [blocks, kv_heads, 2,
 block_size, head_dim] whatever the backend; a fabric page of a pool is [layers, 2, page,
-kv_heads, head_dim], in host memory shared with the node actor. On a GPU the blocks are
+kv_heads, head_dim], in host memory shared with the node actor. A page holds every KV
+head: under tensor parallelism each rank's worker copies its own heads (plan.HeadShard)
+into and out of the same staging page, so ranks write disjoint bytes. On a GPU the blocks are
 in device memory and each copy crosses to the host once per layer and job. All copies of a
 step's jobs happen in start_load_kv (loads, for requests waiting outside the batch) and
 wait_for_save (saves
@@ -20,14 +22,17 @@ from kvfabric.transport.staging import SharedPages, StagingSpec
 
 from .block_format import BlockFormat
 from .jobs import ConnectorStep, CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta
-from .plan import EnginePlan, LayerSlot
+from .plan import EnginePlan, HeadShard, LayerSlot
 
 log = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, plan: EnginePlan, settings: FabricSettings, spec: StagingSpec) -> None:
+    def __init__(
+        self, plan: EnginePlan, settings: FabricSettings, spec: StagingSpec, rank: int = 0
+    ) -> None:
         self.plan = plan
+        self.shard: HeadShard = plan.shard(rank)
         self.settings = settings
         self.step_hook = settings.make_step_hook()  # tests, chaos: fail a load or save here
         self.spec = spec
@@ -39,7 +44,7 @@ class WorkerSide:
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
         self.finished_sending: set[str] = set()
-        self.saved: set[str] = set()
+        self.saved: dict[str, int] = {}
         self.failed_saves: set[str] = set()
 
     def register(self, kv_caches: dict[str, torch.Tensor], fmt: BlockFormat) -> None:
@@ -47,7 +52,7 @@ class WorkerSide:
         for slot in self.plan.layers:
             try:
                 self.views[slot.name] = fmt.view(
-                    kv_caches[slot.name], lay.kv_heads, lay.page_size, lay.head_dim
+                    kv_caches[slot.name], self.shard.count, lay.page_size, lay.head_dim
                 )
             except RuntimeError as e:
                 raise RuntimeError(f"{slot.name} ({fmt.value}): {e}") from None
@@ -74,7 +79,7 @@ class WorkerSide:
                 if self.step_hook is not None:
                     self.step_hook(ConnectorStep.WORKER_SAVE)
                 self._copy(job, to_blocks=False)
-                self.saved.add(job.key)
+                self.saved[job.key] = 1
             except Exception as e:  # nothing stored; the blocks are freed all the same
                 log.warning("fabric save failed for %s: %r", job.key, e)
                 self.failed_saves.add(job.key)
@@ -83,6 +88,9 @@ class WorkerSide:
 
     def _copy(self, job: CopyJob, to_blocks: bool) -> None:
         assert self.shared is not None, "register_kv_caches comes first"
+        s = self.shard
+        if not to_blocks and not s.writes:
+            return  # another rank writes these heads (replicated over ranks)
         for move in job.moves:
             staging = self.shared.pools[move.pool]
             for slot in self.by_pool[move.pool]:
@@ -95,7 +103,8 @@ class WorkerSide:
                     [blocks[i] for i in keep], dtype=torch.long, device=view.device
                 )
                 slot_idx = torch.tensor([move.slots[i] for i in keep], dtype=torch.long)
-                layer_pages = staging[:, slot.index]  # [slots, 2, page, H, D]
+                # [slots, 2, page, heads, D]: this rank's heads of every page, in place
+                layer_pages = staging[:, slot.index, :, :, s.first : s.first + s.count]
                 if to_blocks:
                     pages = layer_pages.index_select(0, slot_idx).permute(0, 3, 1, 2, 4)
                     view.index_copy_(0, block_idx, pages.to(view.device))
@@ -113,5 +122,5 @@ class WorkerSide:
         if not self.saved and not self.failed_saves:
             return None
         meta = FabricWorkerMeta(self.saved, self.failed_saves)
-        self.saved, self.failed_saves = set(), set()
+        self.saved, self.failed_saves = {}, set()
         return meta

@@ -16,20 +16,20 @@ from functools import partial
 from typing import Iterator
 
 import ray
-from kvfabric.actors import FabricClient, start, stop
-from kvfabric.actors.directory import NAMESPACE as FABRIC_NS
+from kvfabric.actors import FabricClient, stop
 from kvfabric.actors.directory import node_actor_name
-from kvfabric.actors.node.node_actor import NodeConfig
-from kvfabric.deploy.chaos.faults import ChaosAction, NodeChaos, StepFaultFile
+from kvfabric.actors.fabric import running
+from kvfabric.actors.served import fabrics_of
+from kvfabric.deploy.chaos.faults import ChaosAction, StepFaultFile
 from kvfabric.deploy.vllm.connector import kv_transfer_config
 from kvfabric.deploy.vllm.model import ensure_tiny_model
-from kvfabric.deploy.vllm.plan import layout_for_model
-from kvfabric.fabric import NodeMatch, PoolCapacity, PoolName
+from kvfabric.fabric import NodeMatch
 from ray.cluster_utils import Cluster
 
 from tests.waiting import eventually as wait_for
 
 NAMESPACE = "kvf-vllm-test"
+NODE_HOOKS = "kvfabric.deploy.chaos.faults:NodeChaos"
 TENANT = "default"  # the fabric namespace of requests without a cache_salt
 BLOCK = 32
 PROMPT_CHARS = 1200  # one token per byte: 1,200 tokens, longer than the 256-token window
@@ -46,6 +46,7 @@ class Engine:
     ) -> None:
         self.llm = llm
         self.fabric = fabric
+        self.namespace = fabric.namespace  # the Ray namespace of the engine's fabric
         self.here, self.there = here, there  # the engine's node actor, the remote one
         self.node, self.peer = fabric.nodes[here], fabric.nodes[there]
         self.fault_file = fault_file
@@ -107,7 +108,7 @@ class Engine:
         have = eventually(
             lambda: (n := self.pages(self.node, ids)) >= want and n, "the prompt saved here"
         )
-        client = FabricClient.connect(timeout_s=CALL_TIMEOUT_S)
+        client = self.client()
         assert (
             client.fetch(ids, TENANT, into=self.there, source=NodeMatch(self.here, have, True))
             >= want
@@ -123,6 +124,9 @@ class Engine:
         )
         assert found
         return have
+
+    def client(self) -> FabricClient:
+        return FabricClient.connect(timeout_s=CALL_TIMEOUT_S, namespace=self.namespace)
 
     def quiet(self) -> None:
         """No fault armed and no quarantined page left on this node (a hung or dead
@@ -147,6 +151,14 @@ class Engine:
             return json.load(f)
 
 
+def engine_fabric(served: str):
+    """The fabric the engine serving `served` started (it announced its namespace)."""
+    (namespace,) = fabrics_of(served)
+    fab = running(namespace)
+    assert fab is not None, namespace
+    return fab
+
+
 @contextmanager
 def running_engine(fault_file: str) -> Iterator[Engine]:
     """A cluster of two nodes with the fabric on it and one engine on the head node's
@@ -165,23 +177,7 @@ def running_engine(fault_file: str) -> Iterator[Engine]:
     cluster.wait_for_nodes()
     llm = fab = None
     try:
-        layout = layout_for_model(path, BLOCK)
-        # The node's device tier holds about one prompt: the others move to its host
-        # tier (write-back) and are loaded back from there. chaos: transport faults
-        # can be armed on a node's next read from its peer.
-        caps = {
-            PoolName.FULL: PoolCapacity(device=48, host=2048),
-            PoolName.SWA: PoolCapacity(device=16, host=512),
-        }
-        fab = start(
-            NodeConfig(layout, caps, device="cpu", hooks=NodeChaos),
-            shards=1,
-            cpus_per_actor=0.25,
-            timeout_s=CALL_TIMEOUT_S,
-            watch_s=1.0,
-        )
         here = node_actor_name(ray.get_runtime_context().get_node_id())
-        (there,) = set(fab.nodes) - {here}
         from vllm import LLM
         from vllm.config import KVEventsConfig
 
@@ -195,8 +191,21 @@ def running_engine(fault_file: str) -> Iterator[Engine]:
             block_size=BLOCK,
             kv_cache_memory_bytes=12 << 20,
             disable_log_stats=False,
+            # The engine starts the fabric of its KV identity. The node's device tier holds
+            # about one prompt: the others move to its host tier (write-back) and are
+            # loaded back from there. chaos: transport faults can be armed on a node's
+            # next read from its peer.
             kv_transfer_config=kv_transfer_config(
-                here, cluster.address, ray_namespace=FABRIC_NS, **StepFaultFile.settings(fault_file)
+                here,
+                cluster.address,
+                device_pages=48,
+                host_pages=2048,
+                swa_device_pages=16,
+                swa_host_pages=512,
+                shards=1,
+                watch_s=1.0,
+                node_hooks=NODE_HOOKS,
+                **StepFaultFile.settings(fault_file),
             ),
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True,
@@ -205,6 +214,9 @@ def running_engine(fault_file: str) -> Iterator[Engine]:
                 replay_endpoint=events + "-replay",
             ),
         )
+        fab = engine_fabric(str(path))
+        (there,) = set(fab.nodes) - {here}
+        layout = FabricClient.connect(CALL_TIMEOUT_S, fab.namespace).layout
         print(f"\ncluster, fabric and engine up in {time.monotonic() - started:.1f} s")
         yield Engine(llm, fab, here, there, fault_file, layout, events)
     finally:

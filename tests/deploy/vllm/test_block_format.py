@@ -138,7 +138,7 @@ def round_trip(saver_fmt, saver_order, loader_fmt, loader_order, device: str) ->
     try:
         src, dst, slots = [3, 9, 4], [12, 0, 7], [5, 1, 2]
         saver.save(FabricMeta(saves=[copy_job(src, slots)]))
-        assert saver.worker_meta().saved == {"k"}
+        assert saver.worker_meta().saved == {"k": 1}
         loader.start_load(FabricMeta(loads=[copy_job(dst, slots)]))
         _, recving, failed = loader.transfer_results()
         assert recving == {"r"} and not failed
@@ -164,3 +164,73 @@ def test_a_page_means_the_same_k_and_v_in_every_format(saver, loader):
 def test_cuda_blocks_round_trip_through_host_staging():
     # A flash-attention engine's blocks in VRAM, staging in host memory, both ways.
     round_trip(BlockFormat.KV_CHANNELS, ORDERS[1], BlockFormat.KV_CHANNELS, ORDERS[0], "cuda")
+
+
+# --- tensor parallelism: ranks write their heads of one page --------------------------------
+
+
+def split_engine(spec: StagingSpec, heads: int, ranks: int, seed: int) -> list[tuple]:
+    """One engine's workers: a WorkerSide per tensor-parallel rank, each holding its
+    heads' blocks (vLLM's split: heads // ranks each, or one replicated head)."""
+    layout = KVLayout(layers=("full", "swa"), kv_heads=heads, head_dim=D, page_size=PS, window=8)
+    plan = EnginePlan(layout, PLAN.layers, PLAN.group_pools, ranks)
+    gen = torch.Generator().manual_seed(seed)
+    sides = []
+    for rank in range(ranks):
+        side = WorkerSide(plan, FabricSettings(node_actor="local"), spec, rank)
+        kv = {n: layer_tensor(NB, side.shard.count, PS, 2 * D, ORDERS[0], gen) for n in NAMES}
+        side.register(kv, BlockFormat.KV_ROWS)
+        sides.append((side, kv))
+    return sides
+
+
+def heads_of(sides: list[tuple], name: str, blocks: list[int]) -> torch.Tensor:
+    """The engine's K/V of `blocks` with every KV head, as one unsplit engine holds them:
+    [blocks, heads, rows, 2 * D], each replicated head once."""
+    parts = [kv[name][blocks] for side, kv in sides if side.shard.writes]
+    return torch.cat(parts, dim=1)
+
+
+@pytest.mark.parametrize(
+    "heads,saver_ranks,loader_ranks",
+    [(2, 2, 1), (2, 1, 2), (4, 2, 4), (4, 4, 1), (1, 2, 1), (1, 1, 2), (2, 4, 2)],
+)
+def test_a_page_holds_every_head_whatever_the_split(heads, saver_ranks, loader_ranks):
+    """Each rank of a split engine copies its own heads into the same staging page (a
+    replicated head by one rank only), so the page holds what an unsplit engine's would:
+    an engine split another way loads it, each rank its own heads. A job is saved once
+    every rank reports it."""
+    spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", 8)
+    savers = split_engine(spec, heads, saver_ranks, 1)
+    loaders = split_engine(spec, heads, loader_ranks, 2)
+    try:
+        src, dst, slots = [3, 9, 4], [12, 0, 7], [5, 1, 2]
+        reports = []
+        for side, _ in savers:
+            side.save(FabricMeta(saves=[copy_job(src, slots)]))
+            reports.append(side.worker_meta())
+        total = reports[0]
+        for r in reports[1:]:
+            total = total.aggregate(r)
+        assert total.saved == {"k": saver_ranks} and not total.failed
+        for side, _ in loaders:
+            side.start_load(FabricMeta(loads=[copy_job(dst, slots)]))
+            assert side.transfer_results()[1:] == ({"r"}, set())
+        for name in NAMES:
+            assert torch.equal(heads_of(loaders, name, dst), heads_of(savers, name, src)), name
+        for side, kv in loaders:  # a replicated head reaches every rank that holds it
+            s = side.shard
+            want = heads_of(savers, NAMES[0], src)[:, s.first : s.first + s.count]
+            assert torch.equal(kv[NAMES[0]][dst], want)
+    finally:
+        savers[0][0].shared.unlink()
+
+
+def test_one_failed_rank_fails_the_save_for_all():
+    from kvfabric.deploy.vllm.jobs import FabricWorkerMeta
+
+    ok, failed = FabricWorkerMeta({"k": 1, "j": 1}), FabricWorkerMeta({"j": 1}, {"k"})
+    both = ok.aggregate(failed)
+    assert both.saved == {"j": 2} and both.failed == {"k"}
+    with pytest.raises(TypeError):
+        ok.aggregate(object())  # type: ignore[arg-type]

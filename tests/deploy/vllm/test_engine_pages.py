@@ -270,3 +270,29 @@ def test_an_events_new_blocks_are_keyed_by_one_native_call(monkeypatch):
     assert calls == [0, 0]
     keyer = PageKeyer(fabric_namespace(None), LAYOUT.fingerprint, PS)
     assert sorted(pages.held()) == sorted(keyer.keys(tokens))
+
+
+def test_an_adapters_blocks_are_keyed_in_the_connectors_namespace():
+    """vLLM names a LoRA adapter in every block's extra keys (with the salt on the first):
+    the feed keys them under the namespace the connector stores them in, the adapter
+    named by the identity the connector read from its files; an adapter the connector
+    has not identified, or a block naming another adapter, is skipped."""
+    identity = "a1@0123abcd"
+    pages = EnginePages(NODE, 1, LAYOUT, GROUPS, adapters={"a1": identity}.get)
+    tokens = tuple(range(500, 500 + 2 * PS))
+    h = [vllm_hash("a1", tokens[: (i + 1) * PS]) for i in range(2)]
+    common = (PS, "GPU", 1, None, None, None, "a1")
+    pages.apply(
+        [
+            BlockStored((h[0],), None, tokens[:PS], *common, (("a1", "t1"),)),
+            BlockStored((h[1],), h[0], tokens[PS:], *common, (("a1",),)),
+        ]
+    )
+    keyer = PageKeyer(fabric_namespace("t1", identity), LAYOUT.fingerprint, PS)
+    assert set(pages.held()) == set(keyer.keys(list(tokens)))
+    for name, extra in (("a2", (("a2", "t1"),)), ("a1", (("a2", "t1"),))):
+        other = EnginePages(NODE, 1, LAYOUT, GROUPS, adapters={"a1": identity}.get)
+        other.apply(
+            [BlockStored((h[0],), None, tokens[:PS], PS, "GPU", 1, None, None, None, name, extra)]
+        )
+        assert other.held() == {} and other.stats.skipped[Skip.EXTRA_KEYS] == 1

@@ -1,8 +1,9 @@
 """The vLLM app's args (LLMAppArgs) as a Serve config or `kvfabric up --args` gives them:
 bad values are refused with the field's name, good ones become the LLMConfig Serve
 deploys. GPU engines (`gpus_per_replica`) are configured here without a GPU: their
-bundle asks Ray for the GPU, the engine runs CUDA graphs, and the layout the nodes, the
-router and the connector agree on names CUDA, so CPU- and GPU-computed pages never mix."""
+bundle asks Ray for the GPU and the engine runs CUDA graphs. The fabric's layout is not
+configured here at all: each engine announces it (kv_identity.py names the device, so
+CPU- and GPU-computed pages never mix)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ from hypothesis import strategies as st
 pytest.importorskip("vllm")
 
 from kvfabric.deploy.serve.app import AppArgsError  # noqa: E402
-from kvfabric.deploy.vllm.model import ensure_tiny_model  # noqa: E402
-from kvfabric.deploy.vllm.plan import PlanError, layout_for_model  # noqa: E402
 from kvfabric.deploy.vllm.serve_llm import LLMAppArgs, baseline_llm_config, llm_config  # noqa: E402
 
 FIELDS = {f.name for f in dataclasses.fields(LLMAppArgs)}
@@ -59,16 +58,21 @@ def test_block_sizes_follow_the_engines_device():
 
 
 def test_cpu_engines_config():
-    args = LLMAppArgs(replicas=2, cpus_per_replica=2.0)
+    args = LLMAppArgs(replicas=2, cpus_per_replica=2.0, tensor_parallel_size=2)
     cfg = llm_config(args)
     assert cfg.placement_group_config == {"bundles": [{"CPU": 2.0}]}
     assert cfg.engine_kwargs["enforce_eager"] is True
+    assert cfg.engine_kwargs["tensor_parallel_size"] == 2
     assert "gpu_memory_utilization" not in cfg.engine_kwargs
-    assert cfg.engine_kwargs["dtype"] == args.layout().dtype == "float32"
-    assert cfg.engine_kwargs["kv_transfer_config"]["kv_connector"] == "FabricConnector"
-    router = cfg.deployment_config["request_router_config"]
-    assert router["request_router_kwargs"]["device"] == "cpu"
-    assert args.layout().tag.startswith("vllm:cpu:")
+    assert cfg.engine_kwargs["dtype"] == "float32"  # the bundled model's
+    assert LLMAppArgs(model_dir="/models/m").engine_dtype() == "auto"
+    transfer = cfg.engine_kwargs["kv_transfer_config"]
+    assert transfer["kv_connector"] == "FabricConnector"
+    # The node pools of the fabric the engines start travel in the connector's settings.
+    extra = transfer["kv_connector_extra_config"]
+    assert (extra["device_pages"], extra["host_pages"], extra["shards"]) == (64, 4096, 2)
+    router = cfg.deployment_config["request_router_config"]["request_router_kwargs"]
+    assert router == {"model_dir": args.model(), "model_id": args.model_id}
 
 
 def test_gpu_engines_config():
@@ -78,20 +82,5 @@ def test_gpu_engines_config():
     assert cfg.engine_kwargs["enforce_eager"] is False
     assert cfg.engine_kwargs["block_size"] == 16
     assert cfg.engine_kwargs["gpu_memory_utilization"] == 0.9
-    assert (
-        cfg.deployment_config["request_router_config"]["request_router_kwargs"]["device"] == "cuda"
-    )
-    layout = args.layout()
-    assert layout.tag.startswith("vllm:cuda:") and layout.page_size == 16
-    # Pages a GPU computed are not the CPU engines' pages: the layouts differ.
-    cpu = LLMAppArgs(block_size=32).layout()
-    assert dataclasses.replace(layout, page_size=32) != cpu
-    # The nodes keep their pools in host memory: the engines' own caches are the device tier.
-    assert args.node_config().device == "cpu"
     # The stock app on the same GPU engines, for the comparison users would make.
     assert baseline_llm_config(args).placement_group_config == cfg.placement_group_config
-
-
-def test_devices_the_fabric_does_not_serve_are_refused():
-    with pytest.raises(PlanError, match="xpu"):
-        layout_for_model(ensure_tiny_model(), 32, "xpu")

@@ -20,7 +20,8 @@ pytest.importorskip("vllm")
 
 import ray  # noqa: E402
 from kvfabric.actors import FabricClient  # noqa: E402
-from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE  # noqa: E402
+from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY  # noqa: E402
+from kvfabric.actors.served import fabrics_of  # noqa: E402
 from kvfabric.deploy.cli.cluster import free_port, local_cluster, up  # noqa: E402
 from kvfabric.deploy.vllm.engine_identity import is_engine, node_actor_of  # noqa: E402
 from kvfabric.deploy.vllm.llm_router import OpenAIPrompts  # noqa: E402
@@ -79,10 +80,19 @@ class App:
         return self.prompts.tokens_of(prompt, None)
 
 
+def fabric() -> str:
+    """The Ray namespace of the fabric the engines started (they announce it under the
+    model's name): one, since both engines have one KV identity."""
+    (namespace,) = fabrics_of(MODEL_ID)
+    return namespace
+
+
+def node(name: str):
+    return ray.get_actor(name, namespace=fabric())
+
+
 def node_names() -> list[str]:
-    return ray.get(
-        ray.get_actor(DIRECTORY, namespace=NAMESPACE).node_names.remote(), timeout=CALL_TIMEOUT_S
-    )
+    return ray.get(node(DIRECTORY).node_names.remote(), timeout=CALL_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +128,7 @@ def test_outputs_through_the_fabric_equal_uncached_outputs(app):
     for _ in range(3):
         for p, w in zip(prompts, want):
             assert app.complete(p) == w
-    stats = [
-        ray.get(ray.get_actor(n, namespace=NAMESPACE).cache_stats.remote(), timeout=CALL_TIMEOUT_S)
-        for n in node_names()
-    ]
+    stats = [ray.get(node(n).cache_stats.remote(), timeout=CALL_TIMEOUT_S) for n in node_names()]
     assert sum(s.inserted_pages for s in stats) > 0, (
         "the engines stored nothing in their nodes' pools"
     )
@@ -147,9 +154,7 @@ def engine_reports() -> list[dict]:
     return [
         r
         for n in node_names()
-        for r in ray.get(
-            ray.get_actor(n, namespace=NAMESPACE).engine_reports.remote(), timeout=CALL_TIMEOUT_S
-        ).values()
+        for r in ray.get(node(n).engine_reports.remote(), timeout=CALL_TIMEOUT_S).values()
     ]
 
 
@@ -159,7 +164,7 @@ def test_the_index_names_the_engine_that_holds_a_prompt(app):
     prompt, salt = app.text(), f"tenant-{uuid.uuid4().hex[:8]}"
     tokens = app.request(prompt, salt=salt)["prompt_token_ids"]
     assert app.tokens(prompt) == tokens  # the router reads the prompt as the engine does
-    client = FabricClient.connect(timeout_s=CALL_TIMEOUT_S)
+    client = FabricClient.connect(timeout_s=CALL_TIMEOUT_S, namespace=fabric())
 
     def engines(namespace: str) -> list[str]:
         return [

@@ -20,20 +20,16 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 import ray  # noqa: E402
-from kvfabric.actors import FabricClient  # noqa: E402
-from kvfabric.actors.directory import NAMESPACE as FABRIC_NS  # noqa: E402
-from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig  # noqa: E402
+from kvfabric.actors import start, stop  # noqa: E402
+from kvfabric.actors.node.node_actor import NodeConfig  # noqa: E402
 from kvfabric.deploy.chaos.faults import ChaosAction, Fault, FaultKind  # noqa: E402
-from kvfabric.deploy.vllm.model import ensure_tiny_model  # noqa: E402
 from kvfabric.deploy.vllm.namespaces import fabric_namespace  # noqa: E402
-from kvfabric.deploy.vllm.plan import layout_for_model  # noqa: E402
 from kvfabric.fabric import PoolCapacity  # noqa: E402
 
 from tests.deploy.vllm.connector_engine import (  # noqa: E402
     BLOCK,
     CALL_TIMEOUT_S,
     MAX_TOKENS,
-    NAMESPACE,
     PROMPT_CHARS,
     running_engine,
 )
@@ -123,37 +119,44 @@ def test_tenants_never_share(engine):
     assert got == want and engine.external_hits() > before
 
 
-def test_a_node_with_another_layout_is_not_used(engine):
-    """A node whose layout fingerprint differs (here: another model tag) leaves the
-    connector off rather than loading bytes of another layout."""
+def test_a_fabric_of_another_layout_fails_the_start_naming_what_differs(engine):
+    """A fabric running where the engine's identity would find its own, but caching
+    another layout (here: another model's content), is never used: the connector's
+    start fails, and the error names the part of the identity that differs."""
     from dataclasses import replace
 
+    from kvfabric.actors.names import layout_namespace
     from kvfabric.deploy.vllm.jobs import FabricSettings
-    from kvfabric.deploy.vllm.node_link import NodeLink
+    from kvfabric.deploy.vllm.node_link import FabricUnavailable, NodeLink
 
-    layout = layout_for_model(ensure_tiny_model(), BLOCK)
-    other = replace(layout, tag=layout.tag + "-other")
-    name = f"other-{uuid.uuid4().hex[:6]}"
+    layout = engine.layout
+    parts = layout.tag.split(";")
+    other = replace(
+        layout,
+        tag=";".join(p if not p.startswith("model=") else "model=0123456789abcdef" for p in parts),
+    )
+    base = f"kvf-mismatch-{uuid.uuid4().hex[:6]}"
     caps = {p: PoolCapacity(device=4, host=4) for p in layout.pools}
-    actor = NodeCacheActor.options(name=name, namespace=NAMESPACE, num_cpus=0).remote(
-        name, NodeConfig(other, caps, device="cpu")
+    fab = start(
+        NodeConfig(other, caps, device="cpu"),
+        shards=1,
+        timeout_s=CALL_TIMEOUT_S,
+        watch_s=0,
+        namespace=layout_namespace(layout.fingerprint, base),
     )
     try:
-        assert ray.get(actor.ping.remote(), timeout=CALL_TIMEOUT_S) == name
         link = NodeLink(
-            FabricSettings(node_actor=name, ray_namespace=NAMESPACE, timeout_s=CALL_TIMEOUT_S),
+            FabricSettings(node_actor=engine.here, ray_namespace=base, timeout_s=CALL_TIMEOUT_S),
             layout,
         )
-        assert not link.ready() and "layout" in link.disabled
-        same = NodeLink(
-            FabricSettings(
-                node_actor=engine.here, ray_namespace=FABRIC_NS, timeout_s=CALL_TIMEOUT_S
-            ),
-            layout,
-        )
-        assert same.ready()
+        with pytest.raises(FabricUnavailable, match="tag model: '[0-9a-f]+' vs '0123456789abcdef'"):
+            link.start(CALL_TIMEOUT_S)
+        assert not link.ready()
+        same = NodeLink(FabricSettings(node_actor=engine.here, timeout_s=CALL_TIMEOUT_S), layout)
+        same.start(CALL_TIMEOUT_S)  # the engine's own fabric: connects
+        assert same.ready() and same.namespace == engine.namespace
     finally:
-        ray.kill(actor)
+        stop(fab)
 
 
 def test_remote_hit_from_another_node_equals_uncached(engine):
@@ -221,11 +224,18 @@ def test_kv_events_name_the_engine_in_the_index_until_it_evicts(engine):
         engine.llm.llm_engine.engine_core.call_utility("get_kv_cache_group_metadata")
     )
     feed = start_engine_feed(
-        directory, engine.here, "0", layout, pools, engine.events, engine.events + "-replay"
+        directory,
+        engine.here,
+        "0",
+        layout,
+        pools,
+        engine.events,
+        engine.events + "-replay",
+        namespace=engine.namespace,
     )
     me = engine_index_node(engine.here, "0")
     try:
-        client = FabricClient(directory, timeout_s=CALL_TIMEOUT_S)
+        client = engine.client()
 
         def engine_pages(tokens: list[int], salt: str) -> int:
             return max(
