@@ -151,6 +151,35 @@ class Engine:
             return json.load(f)
 
 
+def engine_args(here: str, address: str, **settings) -> dict:
+    """A test engine's vLLM arguments: fp32, block 32, its own KV cache 12 MiB (3k
+    tokens), the FabricConnector of node actor `here`. The engine starts the fabric of its
+    KV identity: the node's device tier holds about one prompt, the others move to its
+    host tier (write-back) and are loaded back from there; chaos hooks on the nodes
+    (transport faults can be armed on a node's next read from its peer)."""
+    return dict(
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=2048,
+        block_size=BLOCK,
+        kv_cache_memory_bytes=12 << 20,
+        disable_log_stats=False,
+        kv_transfer_config=kv_transfer_config(
+            here,
+            address,
+            device_pages=48,
+            host_pages=2048,
+            swa_device_pages=16,
+            swa_host_pages=512,
+            shards=1,
+            watch_s=1.0,
+            node_hooks=NODE_HOOKS,
+            **settings,
+        ),
+    )
+
+
 def engine_fabric(served: str):
     """The fabric the engine serving `served` started (it announced its namespace)."""
     (namespace,) = fabrics_of(served)
@@ -184,29 +213,7 @@ def running_engine(fault_file: str) -> Iterator[Engine]:
         events = f"ipc:///tmp/kvf-events-{uuid.uuid4().hex[:12]}"
         llm = LLM(
             model=str(path),
-            enforce_eager=True,
-            dtype="float32",
-            seed=0,
-            max_model_len=2048,
-            block_size=BLOCK,
-            kv_cache_memory_bytes=12 << 20,
-            disable_log_stats=False,
-            # The engine starts the fabric of its KV identity. The node's device tier holds
-            # about one prompt: the others move to its host tier (write-back) and are
-            # loaded back from there. chaos: transport faults can be armed on a node's
-            # next read from its peer.
-            kv_transfer_config=kv_transfer_config(
-                here,
-                cluster.address,
-                device_pages=48,
-                host_pages=2048,
-                swa_device_pages=16,
-                swa_host_pages=512,
-                shards=1,
-                watch_s=1.0,
-                node_hooks=NODE_HOOKS,
-                **StepFaultFile.settings(fault_file),
-            ),
+            **engine_args(here, cluster.address, **StepFaultFile.settings(fault_file)),
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True,
                 publisher="zmq",

@@ -37,7 +37,6 @@ from kvfabric.actors import FabricClient, stop  # noqa: E402
 from kvfabric.actors.directory import node_actor_name  # noqa: E402
 from kvfabric.actors.fabric import running  # noqa: E402
 from kvfabric.actors.served import fabrics_of  # noqa: E402
-from kvfabric.deploy.vllm.connector import kv_transfer_config  # noqa: E402
 from kvfabric.deploy.vllm.model import TinyModelSpec, ensure_tiny_model  # noqa: E402
 from kvfabric.fabric import PoolName  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -46,9 +45,9 @@ from tests.deploy.vllm.connector_engine import (  # noqa: E402
     BLOCK,
     CALL_TIMEOUT_S,
     MAX_TOKENS,
-    NODE_HOOKS,
     PROMPT_CHARS,
     Engine,
+    engine_args,
 )
 from tests.deploy.vllm.lora import write_adapter  # noqa: E402
 from tests.waiting import eventually  # noqa: E402
@@ -96,24 +95,7 @@ def deployed(site: Site, served: str, model: Path, **llm_args) -> Iterator[Engin
     llm = LLM(
         model=str(model),
         served_model_name=served,
-        enforce_eager=True,
-        seed=0,
-        max_model_len=2048,
-        block_size=BLOCK,
-        kv_cache_memory_bytes=12 << 20,
-        disable_log_stats=False,
-        kv_transfer_config=kv_transfer_config(
-            site.here,
-            site.address,
-            device_pages=48,
-            host_pages=2048,
-            swa_device_pages=16,
-            swa_host_pages=512,
-            shards=1,
-            watch_s=1.0,
-            node_hooks=NODE_HOOKS,
-        ),
-        **{"dtype": "float32", **llm_args},
+        **{**engine_args(site.here, site.address), **llm_args},
     )
     engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
     try:
