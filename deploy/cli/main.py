@@ -17,6 +17,7 @@ BENCHES = {
     "radix": "benchmarks.radix_bench",
     "transport": "benchmarks.transport_bench",
     "index": "benchmarks.index_bench",
+    "tp-drift": "benchmarks.tp_drift",
 }
 
 
