@@ -52,6 +52,7 @@ def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False, tp: int = 1):
         host_pages=4096,
         cpus_per_replica=2.0,
         tensor_parallel_size=tp,
+        dtype="float32",  # the model's own (vLLM's CPU "auto" would compute in bfloat16)
     )
     return (
         dataclasses.replace(app, gpus_per_replica=1.0, gpu_memory_utilization=round(0.8 / nodes, 3))
