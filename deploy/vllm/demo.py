@@ -47,7 +47,9 @@ def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False, tp: int = 1):
         model_id="kvfabric-demo-vllm",
         replicas=nodes,
         max_model_len=2048,
-        kv_cache_bytes=kv_cache_bytes,
+        # Per rank: each holds its share of the heads, so the engine holds as many tokens
+        # whatever its split.
+        kv_cache_bytes=kv_cache_bytes // tp,
         device_pages=256,
         host_pages=4096,
         cpus_per_replica=2.0,
