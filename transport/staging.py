@@ -5,14 +5,22 @@ An engine process (vLLM's worker) and the node actor both map the same files in
 dim]). The engine copies its KV blocks in or out; the node actor copies between
 these pages and its cache. Bytes never go through Ray's object store or pickling:
 a Ray call carries only token ids and page numbers.
+
+The files' space is reserved when they are made (posix_fallocate): a tmpfs that cannot
+hold them fails that step with an error naming the size, instead of a SIGBUS at the
+first write into a page it never backed. What a caller names (a spec, slots, first
+pages) is checked at each entry before any file is touched.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from kvfabric.fabric import KVLayout, NodeCache, PoolName
@@ -20,17 +28,90 @@ from kvfabric.fabric.cache.pages import pack, unpack
 from kvfabric.fabric.wire import is_int
 
 SHM_DIR = Path("/dev/shm")
+MAX_PAGES = 1 << 20
+_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,159}")
+
+
+class StagingError(ValueError):
+    """A staging spec, slot list or first page that is not valid; nothing was touched."""
+
+
+class StagingSpaceError(OSError):
+    """The staging files do not fit in the shared-memory folder."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)  # the sizes and what to do, without "[Errno 28]"
 
 
 @dataclass(frozen=True)
 class StagingSpec:
     """Where the staging files are and how many pages each holds."""
 
-    prefix: str  # file name prefix under SHM_DIR
+    prefix: str  # file name prefix under SHM_DIR: letters, digits, ".", "_", "-"
     pages: int
+
+    def __post_init__(self) -> None:
+        check_spec(self)
 
     def path(self, pool: PoolName) -> Path:
         return SHM_DIR / f"{self.prefix}-{pool.name.lower()}"
+
+    def bytes_needed(self, layout: KVLayout) -> int:
+        return sum(self.pages * layout.page_bytes(pool) for pool in layout.pools)
+
+
+def check_spec(spec: Any) -> StagingSpec:
+    """`spec` as a valid StagingSpec (a spec that came through pickling skipped its
+    constructor's check: every entry that takes one from outside calls this)."""
+    if not isinstance(spec, StagingSpec):
+        raise StagingError(f"expected a StagingSpec, got {type(spec).__name__}")
+    prefix, pages = spec.prefix, spec.pages
+    if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+        raise StagingError(
+            f"a staging prefix is 1-160 letters, digits, '.', '_' or '-' (not first), "
+            f"got {prefix!r:.80}"
+        )
+    if type(pages) is not int or not 0 < pages <= MAX_PAGES:
+        raise StagingError(f"staging pages must be an int in 1..{MAX_PAGES}, got {pages!r:.40}")
+    return spec
+
+
+def check_slots(
+    slots: Any, spec: StagingSpec, pools: Sequence[PoolName]
+) -> dict[PoolName, list[int]]:
+    """Slots a caller names: for pools of the layout, distinct ints in [0, spec.pages)."""
+    if not isinstance(slots, Mapping):
+        raise StagingError(f"slots must map pools to slot lists, got {type(slots).__name__}")
+    out = {}
+    for pool, idx in slots.items():
+        if pool not in pools:
+            raise StagingError(f"slots for {pool!r:.40}, not a pool of this layout")
+        if not isinstance(idx, (list, tuple)) or len(idx) > spec.pages:
+            raise StagingError(f"{pool.name} slots must be a list of at most {spec.pages}")
+        if not all(is_int(i) and 0 <= i < spec.pages for i in idx) or len(set(idx)) != len(idx):
+            raise StagingError(
+                f"{pool.name} slots must be distinct ints in [0, {spec.pages}), got {idx!r:.80}"
+            )
+        out[pool] = list(idx)
+    return out
+
+
+def check_space(spec: StagingSpec, layout: KVLayout) -> None:
+    """Refuse, naming the size and how to raise it, staging that the shared-memory folder
+    cannot hold beside what is there (an engine calls this before it starts)."""
+    need = spec.bytes_needed(layout)
+    have = sum(spec.path(p).stat().st_size for p in layout.pools if spec.path(p).exists())
+    free = shutil.disk_usage(SHM_DIR).free
+    if need - have > free:
+        raise StagingSpaceError(errno.ENOSPC, _space_message(need, free))
+
+
+def _space_message(need: int, free: int) -> str:
+    return (
+        f"staging needs {need / 2**20:.1f} MiB in {SHM_DIR}, {free / 2**20:.1f} MiB free: "
+        "make it larger (Docker: --shm-size; Kubernetes: an emptyDir with medium: Memory "
+        "and a sizeLimit mounted at /dev/shm) or lower the connector's staging_pages"
+    )
 
 
 class SharedPages:
@@ -59,12 +140,23 @@ class SharedPages:
 
 
 def _ensure_file(path: Path, size: int) -> None:
-    # O_CREAT without O_EXCL: the engine's two processes and the node actor may race to
-    # create it; ftruncate to the same size is idempotent.
+    # O_CREAT without O_EXCL: the engine's processes and the node actor may race to
+    # create it; ftruncate to the same size and fallocate are idempotent.
+    made = not path.exists()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         if os.fstat(fd).st_size != size:
             os.ftruncate(fd, size)
+        # tmpfs backs a page at its first write, and a full one answers that write with
+        # SIGBUS: reserve every page now, where running out is an error that says so.
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if made:
+            path.unlink(missing_ok=True)
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            free = shutil.disk_usage(path.parent).free
+            raise StagingSpaceError(e.errno, _space_message(size, free)) from None
+        raise
     finally:
         os.close(fd)
 
@@ -94,6 +186,9 @@ def load_to_staging(
     (the pool's i-th staged page goes to slots[pool][i]); nothing if they are too few."""
     layout = cache.layout
     ps = layout.page_size
+    slots = check_slots(slots, shared.spec, layout.pools)
+    if not is_int(skip_pages) or skip_pages < 0:
+        raise StagingError(f"skip_pages must be an int >= 0, got {skip_pages!r:.40}")
     hit = cache.get(tokens, namespace)
     n = hit.tokens // ps
     held = {pool: start // ps for pool, start in hit.starts.items()}  # the hit's rows start there
@@ -138,9 +233,14 @@ def save_from_staging(
     layout = cache.layout
     ps = layout.page_size
     n = len(tokens) // ps
-    if set(firsts) - set(layout.pools) or not all(is_int(f) and f >= 0 for f in firsts.values()):
-        raise ValueError(
-            f"first pages must be ints >= 0 for pools of the layout, got {dict(firsts)!r}"
+    slots = check_slots(slots, shared.spec, layout.pools)
+    if (
+        not isinstance(firsts, Mapping)
+        or set(firsts) - set(layout.pools)
+        or not all(is_int(f) and f >= 0 for f in firsts.values())
+    ):
+        raise StagingError(
+            f"first pages must be ints >= 0 for pools of the layout, got {firsts!r:.80}"
         )
     kv: list[torch.Tensor | None] = [None] * len(layout.layers)
     starts: dict[PoolName, int] = {}
@@ -148,7 +248,7 @@ def save_from_staging(
         first = firsts.get(pool, 0)
         idx = slots.get(pool, [])
         if len(idx) != n - first:
-            raise ValueError(f"{pool.name}: {len(idx)} staged pages for positions [{first}, {n})")
+            raise StagingError(f"{pool.name}: {len(idx)} staged pages for positions [{first}, {n})")
         starts[pool] = first * ps  # rows before it were never staged: not stored
         staged = shared.pools[pool].index_select(0, torch.tensor(idx, dtype=torch.long))
         for li, t in zip(layout.layers_of(pool), unpack(staged)):  # [2, (n - first) * ps, H, D]

@@ -14,7 +14,9 @@ from kvfabric.fabric import PoolName
 from kvfabric.transport.staging import (
     SharedPages,
     StagedHit,
+    StagingError,
     StagingSpec,
+    check_spec,
     load_to_staging,
     save_from_staging,
 )
@@ -144,13 +146,17 @@ class EngineHost:
 
     def drop_staging(self, spec: StagingSpec) -> bool:
         """Unmap an engine's staging pages (the engine is shutting down)."""
-        shared = self._shared.pop(spec.prefix, None)
+        shared = self._shared.pop(check_spec(spec).prefix, None)
         if shared is not None:
             shared.unlink()
         return shared is not None
 
     def _staging(self, spec: StagingSpec) -> SharedPages:
-        shared = self._shared.get(spec.prefix)
+        """The engine's staging pages, mapped at first use (`spec` comes from outside:
+        checked before any file is named from it)."""
+        shared = self._shared.get(check_spec(spec).prefix)
+        if shared is not None and shared.spec != spec:
+            raise StagingError(f"{spec.prefix} is mapped with {shared.spec.pages} pages")
         if shared is None:
             shared = self._shared[spec.prefix] = SharedPages(spec, self.config.layout)
         return shared

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfabric.transport.staging import StagingSpec
+from kvfabric.transport.staging import StagingError, StagingSpec, check_spec
 
 MAX_NAME = 256
 PROC = Path("/proc")
@@ -73,15 +73,10 @@ class EngineProcess:
             raise EngineProcessError(
                 f"pid and start must be ints > 0 and >= 0, got {self.pid!r}, {self.started!r}"
             )
-        if (
-            not isinstance(self.staging, StagingSpec)
-            or not isinstance(self.staging.prefix, str)
-            or not 0 < len(self.staging.prefix) <= MAX_NAME
-            or "/" in self.staging.prefix
-        ):
-            raise EngineProcessError(
-                f"staging must be a StagingSpec with a file-name prefix, got {self.staging!r:.80}"
-            )
+        try:
+            check_spec(self.staging)
+        except StagingError as e:
+            raise EngineProcessError(f"staging: {e}") from None
         name = self.index_name
         if (
             not isinstance(name, str)

@@ -11,6 +11,7 @@ The API description (/openapi.json, /docs, /redoc) needs a key like the API does
 from __future__ import annotations
 
 import json
+from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -18,7 +19,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from .openai_errors import APIError
 from .tenants import OPEN, Tenant, TenantTable
 
-__all__ = ["Authorizer"]
+__all__ = ["Authorizer", "KeyGuard"]
 
 SWAGGER = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5"
 REDOC = "https://cdn.jsdelivr.net/npm/redoc@2/bundles/redoc.standalone.js"
@@ -97,3 +98,27 @@ class Authorizer:
                 f'<script>Redoc.init({spec_js()}, {{}}, document.getElementById("doc"))</script>'
                 f"</body></html>"
             )
+
+
+ASGIApp = Callable[
+    [dict, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]
+]
+
+
+class KeyGuard:
+    """An ASGI app in front of another: every HTTP request needs a key of the table
+    (401 otherwise), whatever its route, the API description included. What a key may
+    do beyond that (its namespaces) is the routes' own rule."""
+
+    def __init__(self, app: ASGIApp, auth: Authorizer) -> None:
+        self.app = app
+        self.auth = auth
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            try:
+                self.auth.tenant(Request(scope))
+            except APIError as e:
+                await e.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfabric.transport.staging import StagingSpec
+from kvfabric.transport.staging import StagingSpec, check_space
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -64,6 +64,9 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # The workers reserve the staging files (posix_fallocate); say first, and in
+            # full, what /dev/shm lacks for them.
+            check_space(spec, self.plan.layout)
             identity = KVIdentity.of(vllm_config, self.settings.model_digest)
             self.plan = self.plan.with_tag(identity.tag())
             namespaces = RequestNamespaces()

@@ -6,8 +6,9 @@ hashes with it, and the fabric keys its pages by it (namespaces.py). With a tena
 completion or chat carries one of the table's API keys ("Authorization: Bearer <key>";
 401 otherwise), its `cache_salt` must be a namespace the key grants (403 otherwise),
 and one it leaves out becomes the key's default. Two keys that share no namespace never
-share cached KV: not in vLLM's cache, the node pools or the index. Without a table it is
-Ray's ingress as it is.
+share cached KV: not in vLLM's cache, the node pools or the index. Every other route
+(models, embeddings, tokenize, the API description, ...) needs a key of the table too
+(KeyGuard, in front of the whole app). Without a table it is Ray's ingress as it is.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
-from kvfabric.deploy.serve.ingress_auth import Authorizer
+from kvfabric.deploy.serve.ingress_auth import ASGIApp, Authorizer, KeyGuard
 from kvfabric.deploy.serve.openai_errors import APIError
 from kvfabric.deploy.serve.tenants import load_tenants
 from ray.llm._internal.serve.core.configs.openai_api_models import (
@@ -32,6 +33,13 @@ class FabricLLMIngress(OpenAiIngress):
     ) -> None:
         super().__init__(llm_deployments, model_cards, **kwargs)
         self._auth = Authorizer(load_tenants(tenants_file)) if tenants_file else None
+
+    def _set_asgi_app(self, app: ASGIApp) -> None:
+        # Serve's replica wrapper (ASGIAppReplicaWrapper, after this class in the
+        # ingress's MRO) sets the app it serves here, once this constructor has run: the
+        # one place the whole route table, FastAPI's own /docs included, can be guarded.
+        guarded = KeyGuard(app, self._auth) if self._auth is not None else app
+        super()._set_asgi_app(guarded)  # type: ignore[misc]
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         return await self._as_tenant(body, request, super().completions)

@@ -27,7 +27,7 @@ from kvfabric.actors.node.engine_process import (
     process_start,
 )
 from kvfabric.fabric import PoolCapacity, PoolName
-from kvfabric.transport.staging import SharedPages, StagingSpec
+from kvfabric.transport.staging import SHM_DIR, SharedPages, StagingSpec
 
 from tests.waiting import eventually as wait_for
 
@@ -97,12 +97,26 @@ def test_a_reused_pid_is_another_process(layout):
         proc.kill()
 
 
+def unchecked_spec(prefix, pages) -> StagingSpec:
+    """A StagingSpec as unpickling makes one from a caller's bytes: no constructor check."""
+    spec = object.__new__(StagingSpec)
+    object.__setattr__(spec, "prefix", prefix)
+    object.__setattr__(spec, "pages", pages)
+    return spec
+
+
 ANNOUNCEMENTS = st.builds(
     EngineProcess,
     pid=st.one_of(st.integers(-5, 1 << 40), st.none(), st.booleans(), st.text(max_size=3)),
     started=st.one_of(st.integers(-5, 1 << 40), st.floats(), st.none()),
     staging=st.one_of(
-        st.builds(StagingSpec, st.text(max_size=12), st.integers(1, 4)), st.none(), st.just("x")
+        st.builds(
+            unchecked_spec,
+            st.one_of(st.text(max_size=12), st.just("../../tmp/x"), st.just("kvf-ok")),
+            st.one_of(st.integers(-1, 4), st.none()),
+        ),
+        st.none(),
+        st.just("x"),
     ),
     index_name=st.one_of(
         st.just(""),
@@ -125,8 +139,10 @@ def test_an_announcement_is_validated_and_a_refused_one_changes_nothing(ann):
     except EngineProcessError:
         assert host.watched_engines() == []
         return
-    # Accepted: an engine of this node, watched under its pid.
+    # Accepted: an engine of this node, watched under its pid, its staging a file of
+    # the shared-memory folder.
     assert isinstance(ann, EngineProcess) and host.watched_engines() == [ann.pid]
+    assert ann.staging.path(PoolName.FULL).parent == SHM_DIR and ann.staging.pages > 0
     assert ann.index_name == "" or ann.index_name.startswith(NODE_NAME + "/")
     assert ann.pid > 0 and ann.started >= 0 and ann.index_epoch >= 0
 

@@ -234,3 +234,137 @@ def test_layout_tag_is_part_of_the_fingerprint():
     assert "tag" not in plain.to_dict() and KVLayout.from_dict(plain.to_dict()) == plain
     with pytest.raises(ValueError):
         KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=1, tag=3)
+
+
+# --- what a caller names is checked; space is reserved where it is made ----------------------
+
+
+def test_specs_that_would_name_other_files_are_refused():
+    from kvfabric.transport.staging import StagingError, check_spec
+
+    for prefix in ("../../tmp/x", "a/b", "", ".hidden", "x" * 161, "kvf\x00", 7):
+        with pytest.raises(StagingError, match="prefix"):
+            StagingSpec(prefix, 4)  # type: ignore[arg-type]
+    for pages in (0, -1, 1 << 21, 2.0, None, True):
+        with pytest.raises(StagingError, match="pages"):
+            StagingSpec("kvf-ok", pages)  # type: ignore[arg-type]
+    forged = object.__new__(StagingSpec)  # as unpickling makes one: no constructor check
+    object.__setattr__(forged, "prefix", "../../tmp/x")
+    object.__setattr__(forged, "pages", 4)
+    with pytest.raises(StagingError):
+        check_spec(forged)
+
+
+@given(
+    slots=st.dictionaries(
+        st.one_of(st.sampled_from(list(PoolName)), st.integers(), st.text(max_size=2)),
+        st.one_of(
+            st.lists(st.integers(-3, SLOTS + 3), max_size=6),
+            st.lists(st.one_of(st.floats(), st.none(), st.booleans()), max_size=2),
+            st.none(),
+            st.text(max_size=3),
+        ),
+        max_size=3,
+    ),
+    skip=st.one_of(st.integers(-2, 4), st.none(), st.floats()),
+)
+def test_bad_slots_are_refused_before_any_byte_moves(shared, slots, skip):
+    """Slots a caller names must be distinct ints below the spec's pages, for the layout's
+    pools; anything else is a StagingError and neither the cache nor staging changes."""
+    from kvfabric.transport.staging import StagingError
+
+    cache = new_cache()
+    tokens = list(range(8 * LAYOUT.page_size))
+    stage_slots = stage(shared, tokens, 8 - W)
+    save_from_staging(cache, shared, tokens, "t", stage_slots, {PoolName.SWA: 8 - W})
+    before, staged = cache.snapshot(), {p: t.clone() for p, t in shared.pools.items()}
+    valid = (
+        type(skip) is int
+        and skip >= 0
+        and all(
+            p in LAYOUT.pools
+            and isinstance(v, list)
+            and all(type(i) is int and 0 <= i < SLOTS for i in v)
+            and len(set(v)) == len(v)
+            for p, v in slots.items()
+        )
+    )
+    try:
+        load_to_staging(cache, shared, tokens, "t", skip, slots)
+    except StagingError:
+        assert not valid
+        assert cache.snapshot() == before
+        assert all(torch.equal(shared.pools[p], staged[p]) for p in staged)
+        return
+    assert valid
+
+
+def test_a_failed_reservation_is_an_error_naming_the_size_and_leaves_no_file(monkeypatch):
+    """posix_fallocate answering ENOSPC (a full /dev/shm) fails the mapping with the size
+    needed and how to raise it; the file it started is gone."""
+    import errno
+
+    from kvfabric.transport import staging
+    from kvfabric.transport.staging import StagingSpaceError
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(staging.os, "posix_fallocate", full)
+    spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", SLOTS)
+    with pytest.raises(StagingSpaceError, match="--shm-size"):
+        SharedPages(spec, LAYOUT)
+    assert not any(spec.path(p).exists() for p in LAYOUT.pools)
+
+
+FILL = """
+import sys
+from kvfabric.fabric import KVLayout
+from kvfabric.transport import staging
+from kvfabric.transport.staging import SharedPages, StagingSpaceError, StagingSpec, check_space
+staging.SHM_DIR = staging.Path(sys.argv[1])
+layout = KVLayout(layers=("full",), kv_heads=1, head_dim=64, page_size=32)  # 16 KiB pages
+big = StagingSpec("kvf-big", 256)  # 4 MiB: more than the folder holds
+try:
+    check_space(big, layout)
+    sys.exit("check_space let it through")
+except StagingSpaceError as e:
+    print("checked:", e)
+try:
+    SharedPages(big, layout)
+    sys.exit("the mapping was made")
+except StagingSpaceError as e:
+    print("refused:", e)
+small = SharedPages(StagingSpec("kvf-small", 32), layout)  # 512 KiB fits
+for t in small.pools.values():
+    t.fill_(1.0)  # every page written: none unbacked
+print("wrote", sum(t.numel() for t in small.pools.values()))
+"""
+
+
+def test_staging_on_a_full_tmpfs_is_refused_not_a_sigbus(tmp_path):
+    """On a real 1 MiB tmpfs: staging that does not fit is refused up front and at
+    creation, naming the size; staging that fits is written whole. Without the
+    reservation, the first write into an unbacked page killed the process (SIGBUS): the
+    check runs in a child, so such a death fails this test rather than the run."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", FILL, str(folder)], capture_output=True, text=True, timeout=120
+        )
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-2000:])
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("checked: staging needs 4.0 MiB") and "--shm-size" in lines[0]
+    assert lines[1].startswith("refused: staging needs")
+    assert "wrote" in run.stdout

@@ -83,3 +83,47 @@ def test_a_bad_table_fails_the_app_args(tmp_path):
     bad.write_text('{"short": {"namespaces": ["a"]}}')
     with pytest.raises(TenantsError):
         llm_app_builder({"tenants_file": str(bad)})
+
+
+def test_every_route_of_the_served_app_needs_a_key(tmp_path):
+    """The ingress as Serve builds and runs it (make_fastapi_ingress, then the replica's
+    wrapper): with a tenant table, every route of its table, FastAPI's API description
+    included, answers 401 with no key or a wrong one, and lets a key of the table through
+    (to whatever the route then says: no engine stands behind it here, nor the replica
+    Serve's routes call into; which namespaces a key may use is the test above's)."""
+    from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
+    from starlette.testclient import TestClient
+
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps(TABLE_YAML))
+    served = make_fastapi_ingress(FabricLLMIngress)
+    replica = object.__new__(served)
+    asyncio.run(served.__init__(replica, {}, {}, tenants_file=str(path)))
+    routes = [
+        (method, r.path.replace("{model:path}", "m"))
+        for r in replica.app.app.routes
+        for method in sorted(getattr(r, "methods", None) or {"GET"})
+        if method != "HEAD"
+    ]
+    paths = {p for _, p in routes}
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"} <= paths
+    assert {"/docs", "/openapi.json", "/redoc", "/v1/embeddings", "/v1/score"} <= paths
+    with TestClient(replica.app, raise_server_exceptions=False) as client:
+        for method, route in routes:
+            for headers in ({}, {"Authorization": "Bearer sk-not-a-tenant-0000"}):
+                answer = client.request(method, route, headers=headers, json={})
+                assert answer.status_code == 401, (method, route, headers)
+                assert answer.json()["error"]["code"] == "invalid_api_key"
+            ok = client.request(method, route, headers={"Authorization": f"Bearer {KEY_B}"})
+            assert ok.status_code != 401, (method, route)
+
+
+def test_without_a_table_no_route_asks_for_a_key():
+    from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
+    from starlette.testclient import TestClient
+
+    served = make_fastapi_ingress(FabricLLMIngress)
+    replica = object.__new__(served)
+    asyncio.run(served.__init__(replica, {}, {}))
+    with TestClient(replica.app, raise_server_exceptions=False) as client:
+        assert client.get("/openapi.json").status_code == 200
