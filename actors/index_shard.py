@@ -108,6 +108,10 @@ class IndexShardActor:
         """The directory's word that `node` belongs, publishing from `epoch` on."""
         self.index.admit(node, epoch)
 
+    def retire(self, node: str, epoch: int) -> None:
+        """The directory's word that life `epoch` of `node` (an engine) ended."""
+        self.index.retire(node, epoch)
+
     def noop(self, *payload: object) -> None:
         """Does nothing: the baseline a lookup's latency is measured against."""
         return None

@@ -86,15 +86,15 @@ class MembershipPasses:
         return done
 
     def _retire_engines(self, beats: dict[str, Beat | None], timeout_s: float) -> list[str]:
-        """Clear the index entries of engines whose node saw their process end, each life
-        by its epoch: admitted from the next epoch on, that life and its late events are
-        gone, a later life of the name keeps its own. Then tell the node."""
+        """Retire the engines whose node saw their process end, each life by its epoch, in
+        every shard: that life's entries, slot and late events are gone, a later life of
+        the name keeps its own. Then tell the node."""
         retired: list[str] = []
         for name, beat in ((n, b) for n, b in beats.items() if b is not None and b.gone_engines):
             try:
                 ray.get(
                     [
-                        s.admit.remote(engine, epoch + 1)
+                        s.retire.remote(engine, epoch)
                         for s in self._shards()
                         for engine, epoch in beat.gone_engines.items()
                     ],

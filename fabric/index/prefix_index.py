@@ -197,6 +197,17 @@ class PrefixIndex:
         self._slots[st.slot] = None
         self._presence.close(st.slot)
 
+    def retire(self, node: str, epoch: int) -> None:
+        """Life `epoch` of `node` ended: what it published goes, its late events are
+        refused, and unless a later life already publishes, its slot is free again."""
+        check_header(node, epoch, 0)
+        self.admission.retire(node, epoch)
+        st = self._nodes.get(node)
+        if st is not None and st.epoch <= epoch:
+            del self._nodes[node]
+            self._slots[st.slot] = None
+            self._presence.close(st.slot)
+
     def admit(self, node: str, epoch: int) -> None:
         """The directory's word that `node` belongs, publishing from `epoch` on: a dropped
         node is accepted again, and what an older epoch of it published is gone."""
@@ -208,6 +219,7 @@ class PrefixIndex:
             st.epoch, st.seq = floor, None
 
     def _add_node(self, node: str, epoch: int) -> _NodeState:
+        self.admission.alive(node)
         if None not in self._slots:  # reuse a dropped node's slot: ints stay short
             self._slots.append(None)
         slot = self._slots.index(None)
@@ -277,6 +289,8 @@ class PrefixIndex:
         return {
             "keys": len(self._presence),
             "nodes": len(self._nodes),
+            "slots": len(self._slots),  # open or free: a table's width
+            "floors": len(self.admission),
             "node_pages": sum(map(self._presence.count, (st.slot for st in self._nodes.values()))),
             "out_of_sync": sorted(n for n, st in self._nodes.items() if st.seq is None),
             "dropped_nodes": self.admission.dropped(),

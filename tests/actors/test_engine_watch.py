@@ -223,6 +223,11 @@ def test_a_killed_engine_leaves_the_index_and_its_next_life_stays(fabric):
         proc.kill()
         proc.wait(timeout=T)
         eventually(lambda: name not in holders(tokens), "the ended engine's entries cleared")
+        # Retired, not only cleared: no shard keeps a slot for that life.
+        eventually(
+            lambda: all(name not in ray.get(s.holders.remote(), timeout=T) for s in fabric.shards),
+            "the ended life's slot freed",
+        )
         eventually(
             lambda: ray.get(actor.reap_engines.remote(), timeout=T) == {},
             "the node told it was retired",

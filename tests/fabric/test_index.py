@@ -302,3 +302,54 @@ def test_apply_chain_rejects_bad_input(args):
         ix.apply_chain(**{**ok, **args})
     assert len(ix) == 0 and ix.nodes() == [] and ix.stats()["applied"] == 0
     assert ix.apply_chain(**ok) is R.APPLIED and ix.lookup(KEYS) == [NodeMatch("a", 6, True)]
+
+
+def test_twenty_thousand_engine_lives_leave_one_shard_as_it_was():
+    """Engines are named per life (the Serve replica id): each life admitted, publishing
+    pages that node actors hold too, then retired. The shard's slots stay those of the
+    publishers alive, its memory stops growing once the retired names it remembers reach
+    their bound (and its tables their size under this churn: the C table's held keys keep
+    their order in an array that doubles until it holds twice the live keys, here within
+    12,000 lives), and lookups answer as before."""
+    import tracemalloc
+
+    from kvfabric.fabric.index.admission import Admission
+
+    ix = PrefixIndex(MatchRule(2))
+    ix.admission = Admission(max_retired=512)
+    keyer = PageKeyer("tenant", b"f" * 16, 2)
+    held = list(range(40_000))  # two node actors hold 10,000 pages (of 2 tokens) each
+    keys = keyer.keys(held)
+    parents = [keyer.root] + keys[:-1]
+    for node, part in (("kvf-node-a", slice(0, 10_000)), ("kvf-node-b", slice(10_000, 20_000))):
+        pages = [PageState(k, p, d, FULL_ALL) for d, (k, p) in enumerate(zip(keys, parents))]
+        ix.apply(batch(node, 1, 0, pages[part]))
+    probe = keys[:1024]
+    want = ix.lookup(probe)
+    slots, marks = ix.stats()["slots"], {}
+    tracemalloc.start()
+    try:
+        for life in range(20_000):
+            name = f"kvf-node-a/engine/replica-{life}"
+            ix.admit(name, 1)
+            d = life % 1000
+            own = PageState(KEYER.keys([life, life])[0], KEYER.root, 0, FULL_ALL)
+            shared = [PageState(keys[i], parents[i], i, FULL_ALL) for i in range(d, d + 8)]
+            assert ix.apply(batch(name, 1, 0, [own, *shared])) is R.APPLIED
+            if life % 3 == 0:  # a life that dies with a late batch still in flight
+                late = batch(name, 1, 1, [own])
+            ix.retire(name, 1)
+            if life % 3 == 0:
+                assert ix.apply(late) is R.STALE_EPOCH
+            if life in (14_000, 19_999):
+                marks[life] = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    s = ix.stats()
+    assert s["slots"] <= slots + 1 and s["nodes"] == 2 and s["floors"] <= 512 + 2
+    assert marks[19_999] - marks[14_000] < 16 << 10, marks  # flat, not 6,000 lives more
+    assert ix.lookup(probe) == want and len(ix) == 20_000
+    # A later life of a retired name (a stable slot name) is a publisher again.
+    ix.admit("kvf-node-a/engine/replica-7", 2)
+    ix.apply(batch("kvf-node-a/engine/replica-7", 2, 0, PAGES[:1]))
+    assert ix.node_pages("kvf-node-a/engine/replica-7")
