@@ -74,6 +74,11 @@ class EngineHost:
         self._reports: OrderedDict[str, dict] = OrderedDict()
         self._engines: dict[int, EngineProcess] = {}  # by pid: the engines to watch
         self._gone: dict[str, int] = {}  # ended engines' index names -> epoch, until retired
+        # A restarted actor knew no engine: its engines' records say who they were. The
+        # ones still running are watched again; the others are reaped at the next beat.
+        fabric = self.config.layout.fingerprint.hex()
+        for proc in EngineProcess.read_records(self.name, fabric)[:MAX_ENGINES]:
+            self._engines[proc.pid] = proc
 
     def engine_started(self, proc: EngineProcess) -> None:
         """An engine on this host announces itself; what the node keeps for it is dropped
@@ -94,6 +99,7 @@ class EngineHost:
             self.drop_staging(proc.staging)
             for pool in self.config.layout.pools:  # files the node never mapped too
                 proc.staging.path(pool).unlink(missing_ok=True)
+            proc.record_path().unlink(missing_ok=True)
             if proc.index_name:
                 self._gone[proc.index_name] = max(
                     proc.index_epoch, self._gone.get(proc.index_name, 0)

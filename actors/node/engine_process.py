@@ -5,17 +5,34 @@ device cache holds under the engine's name. An engine that stops cleanly says so
 that crashes does not, so its node watches the process itself (same host, same PID
 namespace): a process gone, or its PID reused by another (the start time differs),
 means the engine is gone, and the node drops what it kept for it.
+
+A node actor restarts (Ray restarts it, with nothing of its former life): so an engine
+also leaves its announcement beside its staging files (`<prefix>.engine` in /dev/shm,
+`write_record`), and a node actor that starts adopts the records of its own engines
+(`read_records`): one that is still running is watched again, one that ended while the
+node was down is reaped at the next heartbeat, its staging and index entries with it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import logging
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvfabric.transport import staging
 from kvfabric.transport.staging import StagingError, StagingSpec, check_spec
+
+log = logging.getLogger(__name__)
 
 MAX_NAME = 256
 PROC = Path("/proc")
+_HEX = re.compile(r"(?:[0-9a-f]{2}){0,32}")
+RECORD = ".engine"  # an engine's record: its staging prefix and this suffix
+MAX_RECORDS = 1024  # records a starting node reads (more: the rest are ignored)
 
 
 def process_start(pid: int) -> int | None:
@@ -39,6 +56,17 @@ class EngineProcessError(ValueError):
     """An engine's announcement that is not a process of this host's engines."""
 
 
+RECORD_FIELDS = {
+    "pid",
+    "started",
+    "staging",
+    "index_name",
+    "index_epoch",
+    "node",
+    "fabric",
+}
+
+
 @dataclass(frozen=True)
 class EngineProcess:
     pid: int
@@ -46,15 +74,61 @@ class EngineProcess:
     staging: StagingSpec
     index_name: str = ""  # its device cache's publisher in the index; "": not fed
     index_epoch: int = 0  # the epoch that publisher claimed (this life of the name)
+    node: str = ""  # the node actor it announced itself to (its record says so)
+    fabric: str = ""  # the fingerprint (hex) of the layout that node caches
 
     @classmethod
     def this_process(
-        cls, staging: StagingSpec, index_name: str = "", index_epoch: int = 0
+        cls,
+        staging: StagingSpec,
+        index_name: str = "",
+        index_epoch: int = 0,
+        node: str = "",
+        fabric: str = "",
     ) -> "EngineProcess":
-        import os
-
         pid = os.getpid()
-        return cls(pid, process_start(pid) or 0, staging, index_name, index_epoch)
+        return cls(pid, process_start(pid) or 0, staging, index_name, index_epoch, node, fabric)
+
+    def record_path(self) -> Path:
+        return staging.SHM_DIR / f"{check_spec(self.staging).prefix}{RECORD}"
+
+    def write_record(self) -> Path:
+        """Leave this announcement where a restarted node actor finds it (atomically: a
+        reader sees the whole record or none)."""
+        path = self.record_path()
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".kvf-record-")
+        with os.fdopen(fd, "w") as f:
+            json.dump({**asdict(self), "staging": asdict(self.staging)}, f)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def read_records(cls, node: str, fabric: str) -> list["EngineProcess"]:
+        """The records of `node`'s engines in `fabric`; one that does not parse or check is
+        skipped (logged), never trusted."""
+        found = []
+        paths = sorted(staging.SHM_DIR.glob(f"*{RECORD}"))
+        for path in paths[:MAX_RECORDS]:
+            try:
+                if path.stat().st_size > 4096:
+                    raise ValueError("larger than a record")
+                d = json.loads(path.read_text())
+                if not isinstance(d, dict) or set(d) != RECORD_FIELDS:
+                    raise ValueError(f"fields {sorted(d) if isinstance(d, dict) else d!r:.80}")
+                s = d["staging"]
+                if not isinstance(s, dict) or set(s) != {"prefix", "pages"}:
+                    raise ValueError(f"staging {s!r:.80}")
+                proc = cls(**{**d, "staging": StagingSpec(s["prefix"], s["pages"])})
+                if proc.node != node or proc.fabric != fabric:
+                    continue  # another node's engine (nodes may share a host), or fabric's
+                proc.check(node)
+                if path != proc.record_path():
+                    raise ValueError("its name is not its staging prefix's")
+            except (OSError, ValueError, TypeError, EngineProcessError) as e:
+                log.warning("ignoring engine record %s: %s", path, e)
+                continue
+            found.append(proc)
+        return found
 
     def alive(self) -> bool:
         if not can_watch():
@@ -87,4 +161,10 @@ class EngineProcess:
         if type(self.index_epoch) is not int or not 0 <= self.index_epoch < 1 << 62:
             raise EngineProcessError(
                 f"index epoch must be an int >= 0, got {self.index_epoch!r:.40}"
+            )
+        if not isinstance(self.node, str) or self.node not in ("", node):
+            raise EngineProcessError(f"announced to {self.node!r:.80}, not to {node}")
+        if not isinstance(self.fabric, str) or not _HEX.fullmatch(self.fabric):
+            raise EngineProcessError(
+                f"fabric must be a layout fingerprint, got {self.fabric!r:.80}"
             )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence, cast
 
 from kvfabric.actors.node.engine_process import EngineProcess
@@ -62,6 +63,7 @@ class NodeLink:
         )
         self.index_off = "" if settings.remote else "remote hits not asked for"
         self._peers: dict[str, Any] = {}
+        self.record: Path | None = None  # this engine's record for its node (engine_process.py)
 
     def start(self, timeout_s: float = 180.0) -> None:
         """Connect now, the fabric of this engine's identity started if none runs; raise
@@ -124,14 +126,18 @@ class NodeLink:
             self._start_feed(self.feed_spec)
         if self.staging is not None:
             # The node watches this process: if it ends without a word, the node drops its
-            # staging pages and the index its entries (actors/node/engine_process.py).
+            # staging pages and the index its entries (actors/node/engine_process.py). The
+            # record beside the staging files tells a restarted node the same.
             pages = self.feed.pages if self.feed is not None else None
-            self.tell(
-                "engine_started",
-                EngineProcess.this_process(
-                    self.staging, pages.node if pages else "", pages.epoch if pages else 0
-                ),
+            proc = EngineProcess.this_process(
+                self.staging,
+                pages.node if pages else "",
+                pages.epoch if pages else 0,
+                self.settings.node_actor,
+                self.layout.fingerprint.hex(),
             )
+            self.record = proc.write_record()
+            self.tell("engine_started", proc)
 
     def _node_actor(self, timeout_s: float) -> Any:
         """This node's actor of the fabric, waited for a while: a node that joined the

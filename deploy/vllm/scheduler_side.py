@@ -271,6 +271,8 @@ class SchedulerSide(SchedulerSaves):
         """The engine is going: its node unmaps the staging pages (the worker unlinks them)."""
         if self.node.actor is not None:
             self.node.tell("drop_staging", self.spec)
+        if self.node.record is not None:
+            self.node.record.unlink(missing_ok=True)  # a clean stop: nothing to reap
 
     # --- namespaces --------------------------------------------------------------------
     def _namespace(self, request) -> str | None:

@@ -10,6 +10,7 @@ entries, a second life of the same name publishes and stays, a node's engines go
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -133,7 +134,7 @@ ANNOUNCEMENTS = st.builds(
 @settings(max_examples=200, deadline=None)
 @given(ann=st.one_of(ANNOUNCEMENTS, st.none(), st.integers(), st.text(max_size=4)))
 def test_an_announcement_is_validated_and_a_refused_one_changes_nothing(ann):
-    host = Host(SimpleNamespace(pools=(PoolName.FULL,)))
+    host = Host(SimpleNamespace(pools=(PoolName.FULL,), fingerprint=b"\0" * 16))
     try:
         host.engine_started(ann)
     except EngineProcessError:
@@ -264,3 +265,88 @@ def test_a_nodes_engines_go_with_it(fabric):
     eventually(
         lambda: name not in holders(tokens), "the engine of a node that is not a member dropped"
     )
+
+
+def test_a_restarted_node_adopts_its_engines_and_reaps_the_ones_that_ended(fabric):
+    """A node actor killed and restarted by Ray knows no engine; its engines' records
+    beside their staging files tell it. One engine still runs: watched again. One ended
+    while the node was down: its staging files and record go, and its index life is
+    retired (a later life of its name would stay)."""
+    import ray
+    from kvfabric.actors.directory import NAMESPACE
+
+    node = sorted(fabric.nodes)[-1]
+    actor = fabric.nodes[node]
+    fingerprint = ray.get(actor.layout.remote(), timeout=T).fingerprint.hex()
+    alive, ended = sleeper(), sleeper()
+    tokens = list(range(300, 316))
+    procs, staged = [], []
+    try:
+        for proc, slot in ((alive, "alive"), (ended, "ended")):
+            name = f"{node}/engine/{slot}-{uuid.uuid4().hex[:6]}"
+            life = publish_engine(fabric, name, tokens)
+            s = spec()
+            staged.append(SharedPages(s, ray.get(actor.layout.remote(), timeout=T)))
+            announced = EngineProcess(
+                proc.pid, process_start(proc.pid), s, name, life.epoch, node, fingerprint
+            )
+            announced.write_record()
+            ray.get(actor.engine_started.remote(announced), timeout=T)
+            procs.append(announced)
+        eventually(lambda: {p.index_name for p in procs} <= holders(tokens), "both indexed")
+        epoch = ray.get(actor.stats.remote(), timeout=T)["epoch"]
+        ray.kill(actor, no_restart=False)
+        ended.kill()  # while its node is down: no one watches it
+        ended.wait(timeout=T)
+        restarted = ray.get_actor(node, namespace=NAMESPACE)
+
+        def new_life() -> bool:
+            try:
+                return ray.get(restarted.stats.remote(), timeout=T)["epoch"] > epoch
+            except ray.exceptions.RayError:
+                return False  # not back yet
+
+        eventually(new_life, "the node actor restarted")
+        eventually(
+            lambda: ray.get(restarted.watched_engines.remote(), timeout=T) == [alive.pid],
+            "the running engine watched again, the ended one reaped",
+        )
+        gone = procs[1]
+        assert not gone.record_path().exists() and procs[0].record_path().exists()
+        assert not any(gone.staging.path(p).exists() for p in LAYOUT_POOLS(fabric, restarted))
+        eventually(lambda: gone.index_name not in holders(tokens), "the ended life retired")
+        assert procs[0].index_name in holders(tokens)
+    finally:
+        for proc in (alive, ended):
+            proc.kill()
+        for p in procs:
+            p.record_path().unlink(missing_ok=True)
+        for pages in staged:
+            pages.unlink()
+
+
+def LAYOUT_POOLS(fabric, actor) -> tuple:
+    import ray
+
+    return ray.get(actor.layout.remote(), timeout=T).pools
+
+
+def test_records_that_do_not_check_are_ignored(tmp_path, monkeypatch, layout):
+    """A record a starting node reads is validated as an announcement is: another node's
+    or fabric's is not adopted, a malformed one is skipped, never trusted."""
+    import json
+
+    from kvfabric.transport import staging
+
+    monkeypatch.setattr(staging, "SHM_DIR", tmp_path)
+    fp = layout.fingerprint.hex()
+    good = EngineProcess(os.getpid(), process_start(os.getpid()), spec(), "", 0, NODE_NAME, fp)
+    good.write_record()
+    EngineProcess(1, 0, spec(), "", 0, "kvf-node-ffffffffffff", fp).write_record()
+    EngineProcess(2, 0, spec(), "", 0, NODE_NAME, "00" * 16).write_record()
+    for i, bad in enumerate(["not json", json.dumps([1]), json.dumps({"pid": 1}), "x" * 5000]):
+        (tmp_path / f"kvf-bad-{i}.engine").write_text(bad)
+    forged = {**json.loads(good.record_path().read_text()), "index_name": "kvf-node-x/engine/a"}
+    (tmp_path / "kvf-forged.engine").write_text(json.dumps(forged))
+    assert EngineProcess.read_records(NODE_NAME, fp) == [good]
+    assert Host(layout).watched_engines() == [os.getpid()]

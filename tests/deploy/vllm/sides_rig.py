@@ -50,6 +50,7 @@ class LocalNode:
         self.shared = SharedPages(spec, LAYOUT)
         self.disabled = ""
         self.name = "local"
+        self.record = None  # no engine record: nothing here restarts
         self.reports: dict[str, dict] = {}  # the connector's counters, as the node keeps them
 
     def report(self, engine: str, stats) -> None:
