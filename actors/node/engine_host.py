@@ -74,11 +74,15 @@ class EngineHost:
         self._reports: OrderedDict[str, dict] = OrderedDict()
         self._engines: dict[int, EngineProcess] = {}  # by pid: the engines to watch
         self._gone: dict[str, int] = {}  # ended engines' index names -> epoch, until retired
-        # A restarted actor knew no engine: its engines' records say who they were. The
-        # ones still running are watched again; the others are reaped at the next beat.
+
+    def adopt_engines(self) -> list[int]:
+        """At the actor's start: a restarted actor knew no engine, its engines' records say
+        who they were. The ones still running are watched again, the others are reaped at
+        the next beat. Returns the pids adopted."""
         fabric = self.config.layout.fingerprint.hex()
         for proc in EngineProcess.read_records(self.name, fabric)[:MAX_ENGINES]:
             self._engines[proc.pid] = proc
+        return sorted(self._engines)
 
     def engine_started(self, proc: EngineProcess) -> None:
         """An engine on this host announces itself; what the node keeps for it is dropped

@@ -100,6 +100,7 @@ class NodeCacheActor(PeerFetch, EngineHost):
             None if hooks is None else hooks.send,
         )
         self.init_engine_host()
+        self.adopt_engines()
         # What lives now (torch, Ray, this actor's fixed parts) lives as long as the process:
         # out of the collector's reach, a full collection walks what requests made, not ~170k
         # import-time objects (~100 ms a pass here). The radix tree is never tracked.

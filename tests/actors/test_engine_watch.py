@@ -349,4 +349,5 @@ def test_records_that_do_not_check_are_ignored(tmp_path, monkeypatch, layout):
     forged = {**json.loads(good.record_path().read_text()), "index_name": "kvf-node-x/engine/a"}
     (tmp_path / "kvf-forged.engine").write_text(json.dumps(forged))
     assert EngineProcess.read_records(NODE_NAME, fp) == [good]
-    assert Host(layout).watched_engines() == [os.getpid()]
+    host = Host(layout)
+    assert host.watched_engines() == [] and host.adopt_engines() == [os.getpid()]
