@@ -6,6 +6,11 @@ RadixTree (radix.py) calls one of the two through these functions and keeps what
 they leave out: the journal (undo), the change log and the node count. The functions
 take the tree's containers explicitly (roots, by_first_key, the owned/protected counters),
 so both implementations share one RadixTree.
+
+Both refuse the same arguments the same way, before any change: offsets, positions, pages
+and split counts that are not ints, keys that are not bytes, tiers and pools out of range
+(a negative one would wrap), as the C side must, where another type's __index__ or __eq__
+could run Python code mid-primitive (test_native_hostile.py).
 """
 
 from __future__ import annotations
@@ -121,6 +126,8 @@ def walk(
 
 
 def walk_keys(by_first_key: dict[bytes, TreeNode], keys: list[bytes]) -> tuple[list[TreeNode], int]:
+    if not all(type(k) is bytes for k in keys):
+        raise TypeError("keys must be bytes")
     path: list[TreeNode] = []
     i, total = 0, len(keys)
     while i < total:
@@ -165,6 +172,8 @@ def attach(
 
 
 def split(node: TreeNode, k: int, step: int, by_first_key: dict[bytes, TreeNode]) -> TreeNode:
+    if type(k) is not int:
+        raise TypeError("split needs an int count of pages")
     assert 0 < k < node.n, (node, k)
     parent = node.up
     head = TreeNode(node.keys[:k], node.tokens[: k * step], parent, node.start)
@@ -198,7 +207,9 @@ def set_pages(
     owned: Counters,
     protected: Counters,
 ) -> None:
-    current = node.slots[tier][pool]
+    _ints(offsets, "offsets")
+    _ints(pages, "pages")
+    current = _row(node, tier, pool)[pool]
     if current is None and len(offsets) == node.n:  # a whole run, in order
         node.slots[tier][pool] = list(pages)
     else:
@@ -220,6 +231,8 @@ def clear_pages(
     owned: Counters,
     protected: Counters,
 ) -> list[int]:
+    _ints(offsets, "offsets")
+    _row(node, tier, pool)
     current = node.pages_of(tier, pool)
     pages = [current[off] for off in offsets]
     assert ABSENT not in pages, (node, tier, pool, offsets)
@@ -235,6 +248,11 @@ def lock(nodes: Sequence[TreeNode], pool: PoolName, delta: int, protected: Count
     # Runs per node of every locked path (gets, evicting puts): index lists by a
     # plain int (an IntEnum index is slower) and count pages inline.
     at = int(pool)
+    if type(delta) is not int:
+        raise TypeError("a lock's delta must be an int")
+    for node in nodes:  # a pool out of range: no change
+        if not 0 <= at < len(node.locks):
+            raise IndexError(f"no pool {at} in a TreeNode's locks")
     for node in nodes:
         before = node.locks[at]
         after = before + delta
@@ -254,12 +272,14 @@ def missing(
     path: Sequence[TreeNode], positions: Sequence[int], pool: PoolName, tiers: Sequence[Tier]
 ) -> list[int]:
     """Which of sorted `positions` have a page in `pool` on none of `tiers`: all past the path."""
+    if type(positions) is not range:
+        _ints(positions, "positions")
     out: list[int] = []
     i = 0
     for node in path:
         j = bisect_left(positions, node.end, i)
         if j > i:
-            slots = [node.slots[t][pool] for t in tiers]
+            slots = [_row(node, t, pool)[pool] for t in tiers]
             if all(pages is None for pages in slots):
                 out.extend(positions[i:j])
             elif not any(pages is not None and ABSENT not in pages for pages in slots):
@@ -287,6 +307,8 @@ def place_runs(
     done: list[tuple[TreeNode, PoolName, list[int]]] = []
     try:
         for pool, positions, pages in placements:
+            if type(positions) is not range:
+                _ints(positions, "positions")
             if len(positions) != len(pages):
                 raise ValueError(f"{len(positions)} positions for {len(pages)} pages")
             _check_rising(positions)
@@ -314,6 +336,24 @@ def place_runs(
             clear_pages(node, tier, pool, offsets, owned, protected)
         raise
     return done
+
+
+def _ints(values: Sequence[int], what: str) -> None:
+    """Ints only (not a subclass): as the C side, which must run no Python code mid-change."""
+    if not all(type(v) is int for v in values):
+        raise TypeError(f"{what} must be ints")
+
+
+def _row(node: TreeNode, tier: Tier, pool: PoolName) -> list[list[int] | None]:
+    """node.slots[tier], where `pool` is: an index out of range is an IndexError, not a
+    negative index's wrap (C's messages)."""
+    t, p = int(tier), int(pool)
+    if not 0 <= t < len(node.slots):
+        raise IndexError(f"no tier {t} in a TreeNode's slots")
+    row = node.slots[t]
+    if not 0 <= p < len(row):
+        raise IndexError(f"no pool {p} in a TreeNode's slots")
+    return row
 
 
 def _check_rising(positions: Sequence[int]) -> None:

@@ -146,48 +146,58 @@ static int touch_all(TreeState *tree, PyObject *nodes) {
     return 0;
 }
 
+/* PyDict_Next over `todo` as a Python loop over todo.items() goes: each (pool,
+ * positions) held while Python code runs (an allocator's property, the hook: it may
+ * replace the very list), and a dict whose size changed meanwhile an error, as there. */
+static int todo_next(PyObject *todo, Py_ssize_t size, Py_ssize_t *at, PyObject **pool, PyObject **positions) {
+    if (PyDict_GET_SIZE(todo) != size) {
+        PyErr_SetString(PyExc_RuntimeError, "dictionary changed size during iteration");
+        return -1;
+    }
+    if (!PyDict_Next(todo, at, pool, positions)) return 0;
+    Py_INCREF(*pool), Py_INCREF(*positions);
+    return 1;
+}
+
 /* Whether every allocator has the free pages `todo` asks of it: 1, 0, or -1 on error. */
 static int fits(PyObject *todo, PyObject *allocators) {
-    Py_ssize_t at = 0;
+    Py_ssize_t at = 0, size = PyDict_GET_SIZE(todo);
     PyObject *pool, *positions;
-    while (PyDict_Next(todo, &at, &pool, &positions)) {
+    int more = 0, room = 1;
+    while (room == 1 && (more = todo_next(todo, size, &at, &pool, &positions)) > 0) {
         PyObject *alloc = PyDict_GetItemWithError(allocators, pool);
-        if (alloc == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pool);
-            return -1;
-        }
-        PyObject *count = PyObject_GetAttr(alloc, S_free_count);
+        if (alloc == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pool);
+        PyObject *count = alloc ? PyObject_GetAttr(alloc, S_free_count) : NULL;
         Py_ssize_t free = count ? PyLong_AsSsize_t(count) : -1;
         Py_XDECREF(count);
         Py_ssize_t want = free == -1 && PyErr_Occurred() ? -1 : PyObject_Length(positions);
-        if (want < 0) return -1;
-        if (free < want) return 0;
+        room = want < 0 ? -1 : free >= want;
+        Py_DECREF(pool), Py_DECREF(positions);
     }
-    return 1;
+    return more < 0 ? -1 : room;
 }
 
 /* Each pool's pages into got[(pool, tier)], the hook called first where it asks any. */
 static int take(PyObject *todo, PyObject *tier, PyObject *allocators, PyObject *hook, PyObject *got) {
-    Py_ssize_t at = 0;
+    Py_ssize_t at = 0, size = PyDict_GET_SIZE(todo);
     PyObject *pool, *positions;
-    while (PyDict_Next(todo, &at, &pool, &positions)) {
+    int more = 0, err = 0;
+    while (!err && (more = todo_next(todo, size, &at, &pool, &positions)) > 0) {
         int any = hook == Py_None ? 0 : PyObject_IsTrue(positions);
         PyObject *out = any > 0 ? PyObject_CallFunctionObjArgs(hook, pool, tier, NULL) : NULL;
-        if (any < 0 || (any > 0 && out == NULL)) return -1;
+        err = any < 0 || (any > 0 && out == NULL);
         Py_XDECREF(out);
-        PyObject *alloc = PyDict_GetItemWithError(allocators, pool);
+        PyObject *alloc = err ? NULL : PyDict_GetItemWithError(allocators, pool);
         Py_ssize_t want = alloc ? PyObject_Length(positions) : -1;
         PyObject *n = want >= 0 ? PyLong_FromSsize_t(want) : NULL;
         PyObject *pages = n ? call(alloc, S_alloc, n, NULL) : NULL;
         PyObject *key = pages ? PyTuple_Pack(2, pool, tier) : NULL;
-        int err = key == NULL || PyDict_SetItem(got, key, pages) < 0;
+        err = err || key == NULL || PyDict_SetItem(got, key, pages) < 0;
         Py_XDECREF(n), Py_XDECREF(pages), Py_XDECREF(key);
-        if (err) {
-            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pool);
-            return -1;
-        }
+        if (err && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pool);
+        Py_DECREF(pool), Py_DECREF(positions);
     }
-    return 0;
+    return err || more < 0 ? -1 : 0;
 }
 
 /* The finally: pages left in `got` back to their allocators (primitives.free_all). A free
@@ -209,7 +219,8 @@ static int free_left(PyObject *got, PyObject *allocators) {
     return -1;
 }
 
-/* The new run's parent (borrowed) and keys (new reference), as RadixTree.new_run. */
+/* The new run's parent and keys (new references: the keyer's chain, Python code, could
+ * drop the caller's last reference to the parent), as RadixTree.new_run. */
 static Node *new_run(TreeState *tree, PyObject *path, PyObject *tokens, PyObject *keyer, PyObject **keys) {
     Py_ssize_t np = PyList_GET_SIZE(path);
     Node *parent;
@@ -226,8 +237,12 @@ static Node *new_run(TreeState *tree, PyObject *path, PyObject *tokens, PyObject
         PyErr_SetString(PyExc_IndexError, "a node without keys");
         return NULL;
     }
-    *keys = call(keyer, S_chain, tokens, PyList_GET_ITEM(parent->keys, nk - 1));
-    return *keys ? parent : NULL;
+    Py_INCREF(parent);
+    PyObject *last = Py_NewRef(PyList_GET_ITEM(parent->keys, nk - 1));
+    *keys = call(keyer, S_chain, tokens, last);
+    Py_DECREF(last);
+    if (*keys == NULL) Py_CLEAR(parent);
+    return parent;
 }
 
 /* insert_free(path, tokens, keyer, todo, tier, allocators, hook, fill, hold, got): see
@@ -249,7 +264,8 @@ PyObject *insert_free(TreeState *tree, PyObject *const *args, Py_ssize_t nargs) 
     int room = fits(todo, allocators);
     if (room <= 0) return room < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *result = NULL, *keys = NULL, *nodes = NULL, *placements = NULL, *given = NULL;
-    Node *node = NULL; /* the new run's node, once attached and counted */
+    Node *node = NULL;   /* the new run's node, once attached and counted */
+    Node *parent = NULL; /* where it hangs (held: the keyer's chain runs Python code) */
     if (take(todo, tier, allocators, hook, got) < 0) goto done;
     if (fill != Py_None) {
         PyObject *failed = PyObject_CallFunctionObjArgs(fill, got, hold, NULL);
@@ -263,7 +279,6 @@ PyObject *insert_free(TreeState *tree, PyObject *const *args, Py_ssize_t nargs) 
         }
         Py_DECREF(failed);
     }
-    Node *parent = NULL;
     if (PyBytes_GET_SIZE(tokens) && (parent = new_run(tree, path, tokens, keyer, &keys)) == NULL) goto done;
     placements = PyList_New(0);
     Py_ssize_t at = 0;
@@ -321,5 +336,6 @@ done:
     Py_XDECREF(placements);
     Py_XDECREF(given);
     Py_XDECREF(node);
+    Py_XDECREF(parent);
     return result;
 }

@@ -10,12 +10,15 @@
 PyObject *ABSENT_PAGE, *ZERO;
 
 int is_absent(PyObject *page) {
-    if (PyLong_CheckExact(page)) {
-        int overflow;
-        long v = PyLong_AsLongAndOverflow(page, &overflow);
-        return !overflow && v == -1;
+    /* Only ints: a page of another type could run Python code that frees what the
+     * caller holds borrowed (the tree never stores one; one planted by hand is refused). */
+    if (!PyLong_CheckExact(page)) {
+        PyErr_Format(PyExc_TypeError, "pages must be ints, got %.80s", Py_TYPE(page)->tp_name);
+        return -1;
     }
-    return PyObject_RichCompareBool(page, ABSENT_PAGE, Py_EQ);
+    int overflow;
+    long v = PyLong_AsLongAndOverflow(page, &overflow);
+    return !overflow && v == -1;
 }
 
 PyObject *untrack_leaf(PyObject *list) {
@@ -34,12 +37,13 @@ static int check_field(const char *name, PyObject *value) {
         PyErr_Format(PyExc_AttributeError, "TreeNode.%s cannot be deleted", name);
         return -1;
     }
+    /* Exact types: a subclass's methods would run Python code inside the primitives. */
     switch (name[0]) {
-    case 'k': ok = PyList_Check(value), want = "a list"; break;      /* keys */
-    case 't': ok = PyBytes_Check(value), want = "bytes"; break;      /* tokens */
+    case 'k': ok = PyList_CheckExact(value), want = "a list"; break;      /* keys */
+    case 't': ok = PyBytes_CheckExact(value), want = "bytes"; break;      /* tokens */
     case 'p': ok = value == Py_None || IS_NODE(value), want = "a TreeNode or None"; break;
-    case 'c': ok = PyDict_Check(value), want = "a dict"; break;      /* children */
-    default: ok = PyList_Check(value), want = "a list"; break;       /* slots, locks */
+    case 'c': ok = PyDict_CheckExact(value), want = "a dict"; break;      /* children */
+    default: ok = PyList_CheckExact(value), want = "a list"; break;       /* slots, locks */
     }
     if (!ok) {
         PyErr_Format(PyExc_TypeError, "TreeNode.%s must be %s, got %.80s", name, want,
@@ -176,7 +180,7 @@ PyObject *node_tier(Node *node, Py_ssize_t tier) {
         return NULL;
     }
     PyObject *row = PyList_GET_ITEM(node->slots, tier);
-    if (!PyList_Check(row)) {
+    if (!PyList_CheckExact(row)) {
         PyErr_SetString(PyExc_TypeError, "a TreeNode's slots must be lists per tier");
         return NULL;
     }
@@ -246,6 +250,10 @@ static int any_tier(Node *self, PyObject *pool, PyObject *tiers,
 static int holds_some(PyObject *pages, Py_ssize_t unused) { return 1; }
 
 static int held_at(PyObject *pages, Py_ssize_t offset) {
+    if (!PyList_CheckExact(pages)) {
+        PyErr_SetString(PyExc_TypeError, "page lists must be lists");
+        return -1;
+    }
     PyObject *page = PySequence_GetItem(pages, offset);
     if (page == NULL) return -1;
     int absent = is_absent(page);

@@ -67,8 +67,11 @@ int add(PyObject *grid, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta); /* grid[t
 Py_ssize_t held(PyObject *pages);            /* pages not ABSENT, -1 on error */
 int count(Node *node, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta, PyObject *owned,
           PyObject *protected);              /* RadixTree._count */
+Py_ssize_t lock_of(Node *node, Py_ssize_t p); /* node.locks[p]: an int >= 0, or -1 with an error */
 /* slots.c's per-node page moves, shared with insert.c. */
 PyObject *slot_row(Node *node, PyObject *tier, PyObject *pool, Py_ssize_t *t, Py_ssize_t *p);
+PyObject *slot_row_at(Node *node, Py_ssize_t t, Py_ssize_t p);
+int all_ints(PyObject *seq, const char *what);
 int give_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *tier,
                PyObject *pool, PyObject *offsets, PyObject *pages, PyObject *owned,
                PyObject *protected);

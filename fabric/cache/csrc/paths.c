@@ -3,11 +3,21 @@
  * fabric/cache/nodes.py's functions of the same names do, in the same order. */
 #include "node.h"
 
-/* Sorted positions as C integers (a PySequence_Fast `seq`), or NULL with an error set. */
+/* n C integers, or NULL with a MemoryError where n of them cannot be: the size in bytes
+ * would wrap (a range of 2**62 positions), or there is no such memory. */
+static long long *positions_alloc(Py_ssize_t n) {
+    if (n < 0 || (size_t)n > PY_SSIZE_T_MAX / sizeof(long long)) return (long long *)PyErr_NoMemory();
+    long long *out = PyMem_Malloc(sizeof(long long) * (size_t)(n ? n : 1));
+    return out == NULL ? (long long *)PyErr_NoMemory() : out;
+}
+
+/* Sorted positions as C integers (a PySequence_Fast `seq` of ints), or NULL with an error
+ * set. Ints only: another type's __index__ would run Python code mid-primitive. */
 static long long *as_positions(PyObject *seq) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    long long *out = PyMem_Malloc(sizeof(long long) * (size_t)(n ? n : 1));
-    if (out == NULL) return (long long *)PyErr_NoMemory();
+    if (all_ints(seq, "positions") < 0) return NULL;
+    long long *out = positions_alloc(n);
+    if (out == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
         if (out[i] == -1 && PyErr_Occurred()) {
@@ -52,8 +62,8 @@ static long long *positions_of(PyObject *obj, Py_ssize_t *n) {
         Py_XDECREF(last);
         if (PyErr_Occurred()) return NULL;
         if (len == 0 || b - a == len - 1) { /* step 1 (or a single item) */
-            long long *out = PyMem_Malloc(sizeof(long long) * (size_t)(len ? len : 1));
-            if (out == NULL) return (long long *)PyErr_NoMemory();
+            long long *out = positions_alloc(len);
+            if (out == NULL) return NULL;
             for (Py_ssize_t i = 0; i < len; i++)
                 out[i] = a + i;
             *n = len;
@@ -73,20 +83,26 @@ static long long *positions_of(PyObject *obj, Py_ssize_t *n) {
 /* missing(path, positions, pool, tiers) -> positions with a page in `pool` on none of `tiers` */
 PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(4, "missing");
-    Py_ssize_t npos = 0, count = 0, i = 0;
+    Py_ssize_t npos = 0, count = 0, i = 0, ntiers = 0, pool = -1, tier[MAX_TIERS];
     PyObject *path = PySequence_Fast(args[0], "path must be a sequence");
     long long *at = path ? positions_of(args[1], &npos) : NULL;
     PyObject *tiers = at ? PySequence_Fast(args[3], "tiers must be a sequence") : NULL;
-    /* indices into `at` of the missing ones, made into the list once counted */
-    Py_ssize_t *picked = tiers ? PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(npos ? npos : 1)) : NULL;
+    Py_ssize_t *picked = NULL; /* indices into `at` of the missing ones, made into a list once counted */
     PyObject *out = NULL;
-    if (picked == NULL) {
-        if (tiers != NULL) PyErr_NoMemory();
-        goto done;
-    }
-    Py_ssize_t ntiers = PySequence_Fast_GET_SIZE(tiers);
+    if (tiers == NULL) goto done;
+    ntiers = PySequence_Fast_GET_SIZE(tiers);
     if (ntiers > MAX_TIERS) {
         PyErr_Format(PyExc_ValueError, "at most %d tiers", MAX_TIERS);
+        goto done;
+    }
+    /* Every argument an index before any node is read: no __index__ runs in the loop. */
+    pool = as_index(args[2]);
+    for (Py_ssize_t x = 0; x < ntiers && !PyErr_Occurred(); x++)
+        tier[x] = as_index(PySequence_Fast_GET_ITEM(tiers, x));
+    if (PyErr_Occurred()) goto done;
+    picked = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(npos ? npos : 1)); /* npos: checked */
+    if (picked == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(path); k++) {
@@ -94,21 +110,18 @@ PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         if (node == NULL) goto done;
         Py_ssize_t j = bisect_left(at, node->end, i, npos);
         if (j > i) {
-            PyObject *slots[MAX_TIERS]; /* borrowed: the node's page lists (or None) per tier */
+            PyObject *slots[MAX_TIERS]; /* borrowed: the node's page lists (or None) per tier;
+                                           nothing below runs Python code that could free them */
             int all_none = 1, any_whole = 0;
             for (Py_ssize_t x = 0; x < ntiers; x++) {
-                Py_ssize_t t, p;
-                PyObject *row = slot_row(node, PySequence_Fast_GET_ITEM(tiers, x), args[2], &t, &p);
+                PyObject *row = slot_row_at(node, tier[x], pool);
                 if (row == NULL) goto done;
-                slots[x] = PyList_GET_ITEM(row, p);
+                slots[x] = PyList_GET_ITEM(row, pool);
                 all_none &= slots[x] == Py_None;
             }
             for (Py_ssize_t x = 0; x < ntiers && !all_none && !any_whole; x++) {
-                int w = slots[x] == Py_None ? 0 : PyList_Check(slots[x]) ? whole(slots[x]) : -1;
-                if (w < 0) {
-                    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "page lists must be lists");
-                    goto done;
-                }
+                int w = slots[x] == Py_None ? 0 : whole(slots[x]);
+                if (w < 0) goto done;
                 any_whole = w;
             }
             for (Py_ssize_t y = i; y < j && !any_whole; y++) {
@@ -161,6 +174,8 @@ static int place_one(PyObject *nodes, PyObject *tier, PyObject *placement, PyObj
     at = pages ? as_positions(pos) : NULL;
     if (at == NULL) goto out;
     Py_ssize_t npos = PySequence_Fast_GET_SIZE(pos), i = 0;
+    Py_ssize_t t = as_index(tier), p = t == -1 && PyErr_Occurred() ? -1 : as_index(pool);
+    if (PyErr_Occurred()) goto out; /* indices first: no __index__ runs once nodes are read */
     if (PySequence_Fast_GET_SIZE(pages) != npos) {
         PyErr_Format(PyExc_ValueError, "%zd positions for %zd pages", npos, PySequence_Fast_GET_SIZE(pages));
         goto out;
@@ -188,8 +203,7 @@ static int place_one(PyObject *nodes, PyObject *tier, PyObject *placement, PyObj
             if (o == NULL) Py_CLEAR(offsets);
             else PyList_SET_ITEM(offsets, y - i, o);
         }
-        Py_ssize_t t, p;
-        PyObject *row = offsets ? slot_row(node, tier, pool, &t, &p) : NULL;
+        PyObject *row = offsets ? slot_row_at(node, t, p) : NULL;
         chunk = row ? PySequence_GetSlice(pages, i, j) : NULL;
         /* recorded first: whatever fails after, the caller can undo what was given */
         record = chunk ? PyTuple_Pack(3, (PyObject *)node, pool, offsets) : NULL;

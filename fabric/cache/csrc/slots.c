@@ -3,16 +3,39 @@
  * tree.c's primitives and the TreeNode type. Same order of effects as fabric/cache/nodes.py. */
 #include "node.h"
 
-/* node.slots[tier] (borrowed) and the pool's index in it, or NULL with an error. */
-PyObject *slot_row(Node *node, PyObject *tier, PyObject *pool, Py_ssize_t *t, Py_ssize_t *p) {
-    *t = as_index(tier), *p = as_index(pool);
-    if ((*t == -1 || *p == -1) && PyErr_Occurred()) return NULL;
-    PyObject *row = node_tier(node, *t);
-    if (row != NULL && (*p < 0 || *p >= PyList_GET_SIZE(row))) {
-        PyErr_Format(PyExc_IndexError, "no pool %zd in a TreeNode's slots", *p);
+/* node.slots[t] (borrowed), where pool p is, or NULL with an error; a page list there
+ * must be a list (or None). Runs no Python code. */
+PyObject *slot_row_at(Node *node, Py_ssize_t t, Py_ssize_t p) {
+    PyObject *row = node_tier(node, t);
+    if (row != NULL && (p < 0 || p >= PyList_GET_SIZE(row))) {
+        PyErr_Format(PyExc_IndexError, "no pool %zd in a TreeNode's slots", p);
+        return NULL;
+    }
+    PyObject *pages = row ? PyList_GET_ITEM(row, p) : NULL;
+    if (pages != NULL && pages != Py_None && !PyList_CheckExact(pages)) {
+        PyErr_SetString(PyExc_TypeError, "page lists must be lists");
         return NULL;
     }
     return row;
+}
+
+/* node.slots[tier] (borrowed) and the pool's index in it, or NULL with an error. Tier
+ * and pool become indices first: their __index__ runs before any node state is read. */
+PyObject *slot_row(Node *node, PyObject *tier, PyObject *pool, Py_ssize_t *t, Py_ssize_t *p) {
+    *t = as_index(tier), *p = as_index(pool);
+    if ((*t == -1 || *p == -1) && PyErr_Occurred()) return NULL;
+    return slot_row_at(node, *t, *p);
+}
+
+/* Every item of a PySequence_Fast `seq` an int (not a subclass, whose __index__ or __eq__
+ * could run Python code mid-change): 0, or -1 with a TypeError naming `what`. */
+int all_ints(PyObject *seq, const char *what) {
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++)
+        if (!PyLong_CheckExact(PySequence_Fast_GET_ITEM(seq, i))) {
+            PyErr_Format(PyExc_TypeError, "%s must be ints", what);
+            return -1;
+        }
+    return 0;
 }
 
 /* Gives `pages` to node's slots[t][pool] (`row`; `tier` and `pool` as given, for errors) at
@@ -22,7 +45,7 @@ int give_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *
                PyObject *pool, PyObject *offsets, PyObject *pages, PyObject *owned,
                PyObject *protected) {
     Py_ssize_t n = node_n(node);
-    if (n < 0) return -1;
+    if (n < 0 || all_ints(offsets, "offsets") < 0 || all_ints(pages, "pages") < 0) return -1;
     PyObject *current = PyList_GET_ITEM(row, p);
     Py_ssize_t given = PySequence_Fast_GET_SIZE(pages), at = PySequence_Fast_GET_SIZE(offsets);
     if (current == Py_None && at == n) { /* a whole run, in order */
@@ -61,11 +84,14 @@ int give_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *
 static PyObject *set_pages(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(7, "set_pages");
     Node *node = as_node(args[0]);
-    Py_ssize_t t, p, n = node ? node_n(node) : -1;
-    PyObject *row = n >= 0 ? slot_row(node, args[1], args[2], &t, &p) : NULL;
-    PyObject *offsets = row ? PySequence_Fast(args[3], "offsets must be a sequence") : NULL;
+    Py_ssize_t t, p;
+    /* The arguments first (iterating or indexing them may run Python code), the node's
+     * state after: nothing between reading it and writing it runs any. */
+    PyObject *offsets = node ? PySequence_Fast(args[3], "offsets must be a sequence") : NULL;
     PyObject *pages = offsets ? PySequence_Fast(args[4], "pages must be a sequence") : NULL;
-    int err = pages == NULL || give_pages(node, row, t, p, args[1], args[2], offsets, pages, args[5], args[6]) < 0;
+    int ints = pages && all_ints(offsets, "offsets") == 0 && all_ints(pages, "pages") == 0;
+    PyObject *row = ints ? slot_row(node, args[1], args[2], &t, &p) : NULL;
+    int err = row == NULL || give_pages(node, row, t, p, args[1], args[2], offsets, pages, args[5], args[6]) < 0;
     Py_XDECREF(offsets);
     Py_XDECREF(pages);
     if (err) return NULL;
@@ -84,6 +110,7 @@ PyObject *take_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyOb
     }
     Py_INCREF(current);
     PyObject *offsets = PySequence_Fast(offsets_in, "offsets must be a sequence");
+    if (offsets != NULL && all_ints(offsets, "offsets") < 0) Py_CLEAR(offsets);
     Py_ssize_t at = offsets ? PySequence_Fast_GET_SIZE(offsets) : 0, i, left;
     PyObject *pages = offsets ? PyList_New(at) : NULL;
     for (i = 0; pages && i < at; i++) {
@@ -118,24 +145,41 @@ static PyObject *clear_pages(PyObject *m, PyObject *const *args, Py_ssize_t narg
     ARGS(6, "clear_pages");
     Node *node = as_node(args[0]);
     Py_ssize_t t, p;
-    PyObject *row = node ? slot_row(node, args[1], args[2], &t, &p) : NULL;
-    if (row == NULL) return NULL;
-    return take_pages(node, row, t, p, args[1], args[2], args[3], args[4], args[5]);
+    PyObject *offsets = node ? PySequence_Fast(args[3], "offsets must be a sequence") : NULL;
+    int ints = offsets && all_ints(offsets, "offsets") == 0;
+    PyObject *row = ints ? slot_row(node, args[1], args[2], &t, &p) : NULL;
+    PyObject *out = row ? take_pages(node, row, t, p, args[1], args[2], offsets, args[4], args[5]) : NULL;
+    Py_XDECREF(offsets);
+    return out;
 }
 
 /* lock(nodes, pool, delta, protected): add delta to each node's lock on pool */
 static PyObject *lock(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(4, "lock");
     Py_ssize_t at = as_index(args[1]);
+    if (at == -1 && PyErr_Occurred()) return NULL;
+    if (!PyLong_CheckExact(args[2])) return PyErr_Format(PyExc_TypeError, "a lock's delta must be an int");
     long long delta = PyLong_AsLongLong(args[2]);
     PyObject *nodes = PyErr_Occurred() ? NULL : PySequence_Fast(args[0], "nodes must be a sequence");
     if (nodes == NULL) return NULL;
+    /* Checked before any change: a pool out of range, and the page lists a lock that
+     * comes or goes will count (lists of ints: counting them runs no Python code). */
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(nodes); i++) {
         Node *node = as_node(PySequence_Fast_GET_ITEM(nodes, i));
-        PyObject *was = node ? PySequence_GetItem(node->locks, at) : NULL;
-        long long before = was ? PyLong_AsLongLong(was) : -1, after = before + delta;
-        Py_XDECREF(was);
-        if (PyErr_Occurred()) goto fail;
+        Py_ssize_t before = node ? lock_of(node, at) : -1;
+        if (before < 0) goto fail;
+        if ((before == 0) == (before + delta == 0)) continue;
+        for (Py_ssize_t t = 0; t < PyList_GET_SIZE(node->slots); t++) {
+            PyObject *row = slot_row_at(node, t, at);
+            PyObject *pages = row ? PyList_GET_ITEM(row, at) : NULL;
+            if (pages == NULL || (pages != Py_None && held(pages) < 0)) goto fail;
+        }
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(nodes); i++) {
+        Node *node = (Node *)PySequence_Fast_GET_ITEM(nodes, i);
+        Py_ssize_t was = lock_of(node, at);
+        long long before = was, after = before + delta;
+        if (was < 0) goto fail;
         if (after < 0) {
             PyErr_Format(PyExc_RuntimeError, "unlock of an unlocked node: %S", (PyObject *)node);
             goto fail;

@@ -35,8 +35,9 @@ static PyObject *cut(PyObject *bytes, Py_ssize_t lo, Py_ssize_t hi) {
 
 /* grid[t][p] += delta, for the tree's [tier][pool] counters. */
 int add(PyObject *grid, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta) {
-    PyObject *row = PyList_Check(grid) ? PySequence_GetItem(grid, t) : NULL;
-    if (row == NULL || !PyList_Check(row) || p >= PyList_GET_SIZE(row)) {
+    /* t and p are checked: a negative one would wrap, as a Python index does */
+    PyObject *row = PyList_Check(grid) && t >= 0 ? PySequence_GetItem(grid, t) : NULL;
+    if (row == NULL || !PyList_Check(row) || p < 0 || p >= PyList_GET_SIZE(row)) {
         Py_XDECREF(row);
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "counters must be [tier][pool] lists");
         return -1;
@@ -51,24 +52,36 @@ int add(PyObject *grid, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta) {
 
 /* How many pages of a page list are held (not ABSENT); -1 on error. */
 Py_ssize_t held(PyObject *pages) {
-    Py_ssize_t n = PyObject_Length(pages), count = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *page = PySequence_GetItem(pages, i);
-        int a = page ? is_absent(page) : -1;
-        Py_XDECREF(page);
+    if (!PyList_CheckExact(pages)) {
+        PyErr_SetString(PyExc_TypeError, "page lists must be lists");
+        return -1;
+    }
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pages); i++) { /* is_absent runs no Python */
+        int a = is_absent(PyList_GET_ITEM(pages, i));
         if (a < 0) return -1;
         count += !a;
     }
-    return n < 0 ? -1 : count;
+    return count;
+}
+
+Py_ssize_t lock_of(Node *node, Py_ssize_t p) {
+    if (p < 0 || p >= PyList_GET_SIZE(node->locks)) {
+        PyErr_Format(PyExc_IndexError, "no pool %zd in a TreeNode's locks", p);
+        return -1;
+    }
+    PyObject *lock = PyList_GET_ITEM(node->locks, p);
+    Py_ssize_t n = PyLong_CheckExact(lock) ? PyLong_AsSsize_t(lock) : -1;
+    if (n < 0 && !PyErr_Occurred())
+        PyErr_Format(PyExc_TypeError, "locks must be ints >= 0, got %R", lock);
+    return n;
 }
 
 /* The owned/protected counters follow `delta` pages given to or taken from a node. */
 int count(Node *node, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta, PyObject *owned,
                  PyObject *protected) {
     if (add(owned, t, p, delta) < 0) return -1;
-    PyObject *lock = PySequence_GetItem(node->locks, p);
-    int locked = lock ? PyObject_IsTrue(lock) : -1;
-    Py_XDECREF(lock);
+    Py_ssize_t locked = lock_of(node, p);
     return locked < 0 ? -1 : locked ? add(protected, t, p, delta) : 0;
 }
 
@@ -120,6 +133,13 @@ PyObject *walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *path = keys ? PyList_New(0) : NULL;
     if (path == NULL) goto fail;
     Py_ssize_t total = PySequence_Fast_GET_SIZE(keys), i = 0;
+    /* bytes only, the chain's and the nodes': their compares and hashes run no Python
+     * code, which could replace a node's keys under the loop */
+    for (Py_ssize_t x = 0; x < total; x++)
+        if (!PyBytes_CheckExact(PySequence_Fast_GET_ITEM(keys, x))) {
+            PyErr_SetString(PyExc_TypeError, "keys must be bytes");
+            goto fail;
+        }
     PyObject *tail = NULL; /* the last node on the path, borrowed from it */
     while (i < total) {
         PyObject *found = PyDict_GetItemWithError(args[0], PySequence_Fast_GET_ITEM(keys, i));
@@ -136,12 +156,15 @@ PyObject *walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         if (PyList_Append(path, (PyObject *)node) < 0) goto fail;
         tail = (PyObject *)node;
         Py_ssize_t j = 1;
-        for (; j < n && i + j < total; j++) {
-            /* the path holds the node: a compare that runs Python code cannot free it */
-            int same = PyObject_RichCompareBool(PyList_GET_ITEM(node->keys, j),
-                                                PySequence_Fast_GET_ITEM(keys, i + j), Py_EQ);
-            if (same < 0) goto fail;
-            if (!same) break;
+        for (; j < n && j < PyList_GET_SIZE(node->keys) && i + j < total; j++) {
+            PyObject *mine = PyList_GET_ITEM(node->keys, j), *theirs = PySequence_Fast_GET_ITEM(keys, i + j);
+            if (!PyBytes_CheckExact(mine)) {
+                PyErr_SetString(PyExc_TypeError, "keys must be bytes");
+                goto fail;
+            }
+            if (PyBytes_GET_SIZE(mine) != PyBytes_GET_SIZE(theirs) ||
+                memcmp(PyBytes_AS_STRING(mine), PyBytes_AS_STRING(theirs), PyBytes_GET_SIZE(mine)))
+                break;
         }
         i += j;
         if (j < n) break;
@@ -213,7 +236,21 @@ static PyObject *none_if_empty(PyObject *pages) {
     return Py_NewRef(Py_None);
 }
 
-/* Moves the first k pages of each of node's page lists to head's. */
+/* 0 where every page list of `node` is a list of ints (or None): moving them runs no
+ * Python code and cannot stop halfway; -1 with an error where one is not. */
+static int check_slots(Node *node) {
+    for (Py_ssize_t t = 0; t < PyList_GET_SIZE(node->slots); t++) {
+        PyObject *row = node_tier(node, t);
+        if (row == NULL) return -1;
+        for (Py_ssize_t p = 0; p < PyList_GET_SIZE(row); p++) {
+            PyObject *pages = PyList_GET_ITEM(row, p);
+            if (pages != Py_None && held(pages) < 0) return -1;
+        }
+    }
+    return 0;
+}
+
+/* Moves the first k pages of each of node's page lists to head's (check_slots first). */
 static int split_slots(Node *head, Node *node, Py_ssize_t k) {
     for (Py_ssize_t t = 0; t < PyList_GET_SIZE(head->slots) && t < PyList_GET_SIZE(node->slots); t++) {
         PyObject *head_row = node_tier(head, t), *row = node_tier(node, t);
@@ -221,6 +258,10 @@ static int split_slots(Node *head, Node *node, Py_ssize_t k) {
         for (Py_ssize_t p = 0; p < PyList_GET_SIZE(row); p++) {
             PyObject *pages = PyList_GET_ITEM(row, p);
             if (pages == Py_None) continue;
+            if (!PyList_CheckExact(pages)) { /* its slicing could run Python code */
+                PyErr_SetString(PyExc_TypeError, "page lists must be lists");
+                return -1;
+            }
             Py_INCREF(pages);
             PyObject *front = none_if_empty(untrack_leaf(PySequence_GetSlice(pages, 0, k)));
             PyObject *back = none_if_empty(untrack_leaf(PySequence_GetSlice(pages, k, PY_SSIZE_T_MAX)));
@@ -240,6 +281,7 @@ static int split_slots(Node *head, Node *node, Py_ssize_t k) {
 PyObject *split(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(4, "split");
     Node *node = as_node(args[0]);
+    if (!PyLong_CheckExact(args[1])) return PyErr_Format(PyExc_TypeError, "split needs an int count of pages");
     Py_ssize_t k = PyLong_AsSsize_t(args[1]), step = PyLong_AsSsize_t(args[2]);
     PyObject *by_first_key = args[3];
     if (node == NULL || PyErr_Occurred()) return NULL;
@@ -250,6 +292,9 @@ PyObject *split(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         fail_assert(Py_BuildValue("(On)", node, k));
         return NULL;
     }
+    if (check_slots(node) < 0) return NULL;
+    if (!PyBytes_CheckExact(PyList_GET_ITEM(node->keys, 0)) || !PyBytes_CheckExact(PyList_GET_ITEM(node->keys, k)))
+        return PyErr_Format(PyExc_TypeError, "keys must be bytes"); /* hashed below: no Python */
     PyObject *parent = node->parent, *tokens = node->tokens;
     PyObject *head_keys = PyList_GetSlice(node->keys, 0, k), *head_tokens = cut(tokens, 0, k * step);
     Node *head = head_keys && head_tokens ? node_new(head_keys, head_tokens, parent, node->start) : NULL;
