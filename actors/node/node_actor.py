@@ -94,7 +94,7 @@ class NodeCacheActor(PeerFetch, EngineHost):
         self._probing: asyncio.Task | None = None  # the heartbeat's probe of quarantined peers
         # A restarted actor starts a new epoch, above every earlier one of this name:
         # the index drops what the old one said (see actors/epochs.py: no clock).
-        self.epoch = config.epochs.claim(name)
+        self.epoch = config.epochs.claim()
         self.link = IndexLink(
             EventPublisher(self.cache, name, epoch=self.epoch),
             None if hooks is None else hooks.send,

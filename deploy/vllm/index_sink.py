@@ -133,9 +133,7 @@ def start_engine_feed(
     `<node_actor>/engine/<slot>` under a new epoch (engine_identity.py), from a process
     connected to the Ray cluster."""
     identity = engine_index_node(node_actor, slot)
-    pages = EnginePages(
-        identity, GcsEpochs().claim(identity), layout, group_pools, adapters=adapters
-    )
+    pages = EnginePages(identity, GcsEpochs().claim(), layout, group_pools, adapters=adapters)
     sink = ShardSink(directory, namespace=namespace)
     sink.attach(pages)
     feed = EngineEventFeed(pages, sink, endpoint, replay_endpoint, **feed_args)

@@ -10,6 +10,7 @@ from functools import partial
 import pytest
 import ray
 import torch
+from kvfabric.actors.epochs import PREFIX, GcsKV
 from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
 from kvfabric.fabric import KVLayout, PoolCapacity, PoolName
 from ray.cluster_utils import Cluster
@@ -143,7 +144,8 @@ def test_a_fetch_that_gives_up_releases_the_late_lease(cluster):
 
 
 def test_epochs_rise_across_restarts_without_a_clock(cluster):
-    """A node actor Ray restarts claims its epoch from the GCS: above the old one."""
+    """A node actor Ray restarts claims its epoch from the GCS: above the old one. The
+    GCS keeps one epoch key however many lives claimed (actors/epochs.py)."""
     _, nodes = cluster
     strategy = NodeAffinitySchedulingStrategy(nodes[2].node_id, soft=False)
     actor = NodeCacheActor.options(
@@ -156,6 +158,8 @@ def test_epochs_rise_across_restarts_without_a_clock(cluster):
             eventually(lambda: _epoch(actor) not in (None, epochs[-1]))
             epochs.append(_epoch(actor))
         assert epochs == sorted(set(epochs))
+        [stored] = GcsKV().keys(PREFIX)  # the latest claim of any actor in this cluster
+        assert int(stored[len(PREFIX) :]) >= epochs[-1]
     finally:
         ray.kill(actor)
 

@@ -185,7 +185,7 @@ def publish_engine(fabric, name: str, tokens: list[int]):
 
     from tests.deploy.vllm.test_engine_pages import GROUPS, LAYOUT, PS, Engine
 
-    pages = EnginePages(name, GcsEpochs().claim(name), LAYOUT, GROUPS)
+    pages = EnginePages(name, GcsEpochs().claim(), LAYOUT, GROUPS)
     sink = ShardSink(fabric.directory)
     sink.attach(pages)
     pages.apply(
