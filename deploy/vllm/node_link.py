@@ -166,13 +166,18 @@ class NodeLink:
             log.warning("FabricConnector: the engine's KV events do not reach the index: %r", e)
 
     def call(self, method: str, *args: Any) -> Any:
-        import ray
-
-        return ray.get(getattr(self.actor, method).remote(*args), timeout=self.settings.timeout_s)
+        return self.answer(self.submit(method, *args))
 
     def submit(self, method: str, *args: Any) -> Any:
         """Start a call; `finished` says when it has answered, `result` gives the answer."""
         return getattr(self.actor, method).remote(*args)
+
+    def answer(self, call: Any) -> Any:
+        """A submitted call's answer, waited for up to the deadline (then TimeoutError:
+        the call may still run; `finished` says when it has)."""
+        import ray
+
+        return ray.get(call, timeout=self.settings.timeout_s)
 
     def tell(self, method: str, *args: Any) -> None:
         """A call whose answer nobody waits for (lost: the next one says it again)."""

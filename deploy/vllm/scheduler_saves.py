@@ -4,7 +4,7 @@ blocks to staging (the worker copies them), then the node actor stores them.
 A prompt is saved in the step that computes its last token, a request's pages when it
 finishes, each only from the pages the node does not hold yet. The node's store is not
 waited for: the engine keeps stepping and the slots come back when the node answers
-(or, past the deadline, after a quarantine).
+(past the deadline, when the late call has ended: `SchedulerSide._quarantine`).
 
 A mixin of SchedulerSide: it uses the side's plan, settings, node link, staging slots,
 bookkeeping and stats.
@@ -68,7 +68,7 @@ class SchedulerSaves:
     stats: ConnectorStats
     _alloc: Callable[[dict[PoolName, int]], dict[PoolName, list[int]] | None]
     _free: Callable[[dict[PoolName, list[int]]], None]
-    _quarantine: Callable[[dict[PoolName, list[int]]], None]
+    _quarantine: Callable[[dict[PoolName, list[int]], Any], None]
 
     def _save_finished_prompts(self, out) -> None:
         """Save each prompt in the step that computes its last token: the worker copies
@@ -129,7 +129,7 @@ class SchedulerSaves:
                 "save_staged", self.spec, save.tokens, save.namespace, save.slots, save.firsts
             )
         except Exception as e:
-            self._store_failed(key, save, e)
+            self._store_failed(key, save, e, None)
             return
         self.storing.append((call, key, save, time.monotonic() + self.settings.timeout_s))
 
@@ -143,25 +143,25 @@ class SchedulerSaves:
                 try:
                     stored = self.node.result(call)
                 except Exception as e:
-                    self._store_failed(key, save, e)
+                    self._store_failed(key, save, e, call)
                     continue
                 self._free(save.slots)
                 self.stats.saved_requests += 1
                 self.stats.stored_pages += stored
             elif now >= deadline:
                 self._store_failed(
-                    key, save, TimeoutError(f"no answer in {self.settings.timeout_s} s")
+                    key, save, TimeoutError(f"no answer in {self.settings.timeout_s} s"), call
                 )
             else:
                 waiting.append((call, key, save, deadline))
         self.storing = waiting
 
-    def _store_failed(self, key: str, save: StagedSave, error: BaseException) -> None:
-        # The node may still read the slots (a late call): they stay out of use a while.
+    def _store_failed(self, key: str, save: StagedSave, error: BaseException, call: Any) -> None:
+        # The node may still read the slots (a late call): out of use until it has ended.
         self.stats.save_failures += 1
         self.stats.node_errors += 1
         log.warning("fabric save failed for %s: %r", key, error)
-        self._quarantine(save.slots)
+        self._quarantine(save.slots, call)
 
     def _save(
         self,

@@ -15,8 +15,8 @@ Before that load, a prefix another node holds longer is first fetched into the n
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvfabric.fabric import OutOfPages, PageAllocator, PoolName
 from kvfabric.transport.staging import StagedHit, StagingSpec
@@ -31,8 +31,6 @@ from .remote_fetch import RemoteFetches, RemoteStats
 from .scheduler_saves import SchedulerSaves, StagedSave
 
 log = logging.getLogger(__name__)
-# Slots of a call that timed out may still be written by the node actor: kept out of use.
-QUARANTINE_S = 60.0
 
 
 @dataclass
@@ -93,7 +91,8 @@ class SchedulerSide(SchedulerSaves):
         self.fabric_has: dict[str, int] = {}
         self.kv_cache_manager = None
         self.no_load: set[str] = set()  # a load failed: recompute, never retry
-        self.quarantined: list[tuple[float, dict[PoolName, list[int]]]] = []
+        # Slots a node call the engine gave up on may still use: (the call, its slots).
+        self.quarantined: list[tuple[Any, dict[PoolName, list[int]]]] = []
         self.meta = FabricMeta()
         self.stats = ConnectorStats()
         self.remote = RemoteFetches(self.node, settings, self.stats.remote)
@@ -142,14 +141,16 @@ class SchedulerSide(SchedulerSaves):
         slots = self._alloc(want)
         if slots is None:
             return 0, False
+        call = None
         try:
             if self.step_hook is not None:
                 self.step_hook(ConnectorStep.NODE_LOAD)
-            hit = self.node.call("load_staged", self.spec, tokens, namespace, skip, slots)
+            call = self.node.submit("load_staged", self.spec, tokens, namespace, skip, slots)
+            hit = self.node.answer(call)
         except Exception as e:  # any failure: this request computes its prefix itself
             self.stats.node_errors += 1
             log.warning("fabric lookup failed for %s: %r", rid, e)
-            self._quarantine(slots)
+            self._quarantine(slots, call)
             return 0, False
         self.fabric_has[rid] = hit.pages
         if hit.pages <= skip:
@@ -306,13 +307,22 @@ class SchedulerSide(SchedulerSaves):
         if load is not None:
             self._free(load.slots)
 
-    def _quarantine(self, slots: dict[PoolName, list[int]]) -> None:
-        self.quarantined.append((time.monotonic() + QUARANTINE_S, slots))
+    def _quarantine(self, slots: dict[PoolName, list[int]], call: Any) -> None:
+        """Slots of a node call the engine gave up on (`call`: None if it was never sent):
+        the node actor may still write or read them, however late. They come back when the
+        call has ended (answered, failed, or its actor died: Ray ends it either way), never
+        after a fixed time; a node that never answers keeps them (the engine then skips
+        loads and saves it has no slots for, and computes)."""
+        if call is None:
+            self._free(slots)
+        else:
+            self.quarantined.append((call, slots))
 
     def _release_quarantine(self) -> None:
         if not self.quarantined:
             return
-        now = time.monotonic()
-        for until, slots in [q for q in self.quarantined if q[0] <= now]:
-            self._free(slots)
-        self.quarantined = [q for q in self.quarantined if q[0] > now]
+        ended = set(self.node.finished([call for call, _ in self.quarantined]))
+        for call, slots in self.quarantined:
+            if call in ended:
+                self._free(slots)
+        self.quarantined = [q for q in self.quarantined if q[0] not in ended]

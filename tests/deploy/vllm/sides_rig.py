@@ -52,6 +52,7 @@ class LocalNode:
         self.name = "local"
         self.record = None  # no engine record: nothing here restarts
         self.reports: dict[str, dict] = {}  # the connector's counters, as the node keeps them
+        self.stalled: list[Answer] | None = None  # while a list: calls wait there, unrun
 
     def report(self, engine: str, stats) -> None:
         self.reports[engine] = dataclasses.asdict(stats)
@@ -72,14 +73,35 @@ class LocalNode:
         return fn(self.cache, self.shared, *args[1:])  # args[0]: the staging spec
 
     def submit(self, method: str, *args) -> "Answer":
-        """A call that has answered by the time anyone asks."""
+        """A call that has answered by the time anyone asks, or, while the node is stalled,
+        one that runs (late: after the engine gave up on it) at `resume`."""
+        call = Answer(None, None, (method, args))
+        if self.stalled is None:
+            self._run(call)
+        else:
+            self.stalled.append(call)
+        return call
+
+    def resume(self) -> None:
+        """Run the calls a stalled node held, in order, and stop stalling."""
+        calls, self.stalled = self.stalled or [], None
+        for call in calls:
+            self._run(call)
+
+    def _run(self, call: "Answer") -> None:
         try:
-            return Answer(self.call(method, *args), None)
+            call.value = self.call(*call.what[:1], *call.what[1])
         except Exception as e:
-            return Answer(None, e)
+            call.error = e
+        call.what = None
+
+    def answer(self, call: "Answer"):
+        if call.what is not None:
+            raise TimeoutError("the node did not answer in time")
+        return self.result(call)
 
     def finished(self, calls: list) -> list:
-        return list(calls)
+        return [c for c in calls if c.what is None]
 
     def result(self, call: "Answer"):
         if call.error is not None:
@@ -91,6 +113,7 @@ class LocalNode:
 class Answer:
     value: object
     error: BaseException | None
+    what: tuple | None = None  # (method, args) until it has run
 
 
 @dataclass

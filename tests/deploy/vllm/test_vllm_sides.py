@@ -9,8 +9,10 @@ staging slot leaks. The rig they run on: tests/deploy/vllm/sides_rig.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import time
 import uuid
 
 import pytest
@@ -210,19 +212,71 @@ def test_any_failure_becomes_recomputation(tmp_path_factory, point, exception):
         node.shared.unlink()
 
 
-def test_a_node_that_never_answers_a_store_costs_slots_only_for_a_while(rig):
-    """A store past its deadline is given up: its slots stay quarantined (the node may
-    still read them), the engine never waits, and nothing is counted as stored."""
-    rig.node.finished = lambda calls: []  # the node never answers
-    rig.sched.settings = FabricSettings(
-        node_actor="local", **StepFaultFile.settings(rig.fault_file), timeout_s=0.0
-    )
+def held_slots(rig: Rig) -> set[tuple[PoolName, int]]:
+    return {(pool, i) for pool, a in rig.sched.allocators.items() for i in a.used_indices()}
+
+
+def quarantined_slots(rig: Rig) -> set[tuple[PoolName, int]]:
+    return {(p, i) for _, q in rig.sched.quarantined for p, s in q.items() for i in s}
+
+
+def test_slots_of_a_store_given_up_on_stay_out_of_use_until_the_late_call_ends(rig, monkeypatch):
+    """A store past its deadline is given up (the engine never waits), and its slots stay
+    out of use however much time passes, while the node may still read them; the late
+    store then reads what the worker copied, and its slots come back."""
+    rig.sched.settings = dataclasses.replace(rig.sched.settings, timeout_s=0.0)
+    rig.node.stalled = []
     finish_first(rig)
     rig.sched._collect_stores()
     assert rig.sched.stats.save_failures == 1 and rig.sched.stats.saved_requests == 0
     assert not rig.sched.storing
-    held = sum(len(s) for _, q in rig.sched.quarantined for s in q.values())
-    assert held and sum(a.capacity - a.free_count for a in rig.sched.allocators.values()) == held
+    held = quarantined_slots(rig)
+    assert held and held_slots(rig) == held
+    later = time.monotonic() + 86_400.0
+    monkeypatch.setattr(time, "monotonic", lambda: later)  # a day on: no timer frees them
+    rig.step()
+    assert quarantined_slots(rig) == held_slots(rig) == held
+    rig.node.resume()  # the late store runs: it reads intact slots
+    rig.step()
+    assert not rig.sched.quarantined and not held_slots(rig)
+    n, out = admit(rig, "r2", [0] * 8 + [40, 41, 42])
+    assert n == 40 and out.finished_recving == {"r2"} and not out.failed_recving
+    for name in NAMES[1::2]:
+        assert torch.equal(
+            layer_blocks(rig, name, list(range(30, 40))), layer_blocks(rig, name, FULL_BLOCKS[:10])
+        )
+
+
+def test_slots_of_a_load_given_up_on_are_not_handed_out_until_the_late_call_ends(rig, monkeypatch):
+    """A load past its deadline: the request computes; the slots the node may still write
+    go to no other request (r3's load stages elsewhere and arrives exact although r2's late
+    load writes meanwhile), and come back once the late call has ended."""
+    finish_first(rig)
+    rig.node.stalled = []
+    assert rig.sched.num_new_matched_tokens(Req("r2", PROMPT, PROMPT, 0), 0) == (0, False)
+    assert rig.sched.stats.node_errors == 1
+    held = quarantined_slots(rig)
+    assert held and held_slots(rig) == held
+    later = time.monotonic() + 86_400.0
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    rig.step()
+    assert quarantined_slots(rig) == held
+    late, rig.node.stalled = rig.node.stalled, None
+    req = Req("r3", PROMPT, PROMPT, 0)
+    n, _ = rig.sched.num_new_matched_tokens(req, 0)
+    assert n == 40
+    assert not (held_slots(rig) - held) & held  # r3 staged in other slots
+    rig.node.stalled = late
+    rig.node.resume()  # r2's late load writes its own slots now
+    rig.sched.after_alloc(req, Blocks(([0] * 8 + [40, 41, 42], list(range(30, 41)))), n)
+    out = rig.step()
+    assert out.finished_recving == {"r3"} and not out.failed_recving
+    for name in NAMES[1::2]:
+        assert torch.equal(
+            layer_blocks(rig, name, list(range(30, 40))), layer_blocks(rig, name, FULL_BLOCKS[:10])
+        )
+    rig.step()
+    assert not rig.sched.quarantined and not held_slots(rig)
 
 
 SETTING_VALUES = st.one_of(
