@@ -33,17 +33,16 @@ class TransferError(Exception):
 
     They may even be written *later*: with UCX over tcp, bytes of a READ aborted while
     the peer was stopped landed once it resumed, after the abort and after a
-    disconnect. Keep such pages out of circulation until the peer is known dead (its
-    process gone), or until a read from the same peer posted after it completes.
-
-    That second rule rests on an assumption, not a NIXL guarantee: UCX completes one
-    endpoint's transfers in the order they were posted (true of its tcp and rc
-    transports, which run one endpoint over one ordered connection). A transport
-    that breaks it must not use a later read to release earlier pages."""
+    disconnect. So a transport never cancels a read it gives up on: it keeps its
+    requests and `Transport.drained` says once all of a peer's have completed; until
+    then, or until the peer is known dead (its process gone), keep their pages out of
+    circulation. A later read completing proves nothing about an earlier one (UCX
+    orders one lane, and a transfer may take several)."""
 
 
 class TransferTimeout(TransferError):
-    """The deadline passed before the transfer completed; it has been aborted."""
+    """The deadline passed before the transfer completed; it is given up, not cancelled
+    (its requests stay held: `Transport.drained` says when they end)."""
 
 
 class PeerDisconnected(TransferError):
@@ -65,7 +64,8 @@ class BackendError(TransferError):
 class TransferState(enum.Enum):
     PENDING = "pending"
     DONE = "done"
-    FAILED = "failed"
+    FAILED = "failed"  # a request failed; held (the others may still run) until disconnect
+    GIVEN_UP = "given_up"  # the deadline passed; held until `drained` sees it complete
     ABORTED = "aborted"
 
 
@@ -246,12 +246,22 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def poll(self, handle: TransferHandle, deadline: float | None = None) -> bool:
         """True once done. `deadline` is a time.monotonic() instant: past it the transfer
-        is aborted and TransferTimeout raised."""
+        is given up (held, see `drained`) and TransferTimeout raised."""
+
+    @abc.abstractmethod
+    def drained(self, peer: str) -> bool:
+        """Whether every read from `peer` that no one waits for any more (given up at its
+        deadline, or left when its waiter failed) has completed, so writes no more pages;
+        polls them and frees those that have. One whose request failed never drains:
+        a failed request does not say its transfer's other requests stopped; only
+        `disconnect`, once the peer's process is gone, ends it. The owner calls this
+        while it waits on no read from `peer`."""
 
     @abc.abstractmethod
     def abort(self, handle: TransferHandle) -> None:
         """Stop waiting for the transfer and free its resources; never raises, idempotent.
-        The backend may still write the destination pages afterwards (see TransferError)."""
+        The backend may still write the destination pages afterwards (see TransferError):
+        for a peer that is gone (`disconnect`) or a transport closing."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -48,20 +48,9 @@ class TransportReader:
         except PeerNotConnected as e:
             raise ReadFailed(str(e)) from e  # raised before anything was posted
         except TransferError as e:
-            # Abandoned, not known finished: NIXL may still land its bytes later. That
-            # includes PeerDisconnected: an endpoint error does not prove the peer's
-            # process gone (a stopped peer's bytes landed after a disconnect).
+            # Given up, not known finished: NIXL may still land its bytes later (the
+            # transport holds it: `drained`). That includes PeerDisconnected: an endpoint
+            # error does not prove the peer's process gone.
             raise ReadFailed(str(e), may_still_write=True) from e
         except ValueError as e:  # indices the peer's pools cannot hold: a bad grant
             raise ReadFailed(f"rejected read: {e}") from e
-
-
-def probe(transport: Transport, peer: str, pool: PoolName, page: int, deadline_s: float) -> bool:
-    """Read `peer`'s page 0 of `pool` into our device page `page` (a quarantined one:
-    poisoned already); True if it completed within the deadline. Posted after every
-    abandoned read from `peer`, so its completion means they drained (see base.py)."""
-    try:
-        transport.wait(transport.read(peer, {pool_name(pool): ([0], [page])}), deadline_s)
-        return True
-    except TransferError:
-        return False

@@ -7,8 +7,10 @@ descriptor validation. Pairs are ordered so that pages contiguous on both sides 
 adjacent, which NIXL (>= 1.5) merges into one descriptor (each costs ~8 µs to post).
 
 NIXL has no timeout: a transfer towards a hung peer stays "in progress" forever, so
-`poll` enforces the caller's deadline and aborts (releasing a live request cancels it).
-A peer killed mid-transfer leaves the destination pages partly written.
+`poll` enforces the caller's deadline by giving the transfer up, not by releasing it
+(releasing a live request cancels it, and cancelled bytes were seen to land later): its
+requests stay held, and `drained` polls them until they complete. A peer killed
+mid-transfer leaves the destination pages partly written.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class _Pool:
 
 @dataclass
 class _Peer:
+    metadata: bytes  # as connected: another process under the name brings others
     pools: dict[str, PoolLayout]
     dlists: dict[str, int] = field(default_factory=dict)  # prepared remote lists
 
@@ -172,8 +175,11 @@ class NixlTransport(Transport):
             ours, theirs = self._pools[pool].layout.page_bytes, meta.pools[pool].page_bytes
             if ours != theirs:
                 raise ValueError(f"pool {pool!r}: peer pages are {theirs} B, ours {ours} B")
+        known = self._peers.get(peer_name)
+        if known is not None and known.metadata == metadata:
+            return  # the same process again: its held reads stay tracked (see drained)
         self.disconnect(peer_name)  # a restarted peer comes back under its old name
-        peer = _Peer(meta.pools)
+        peer = _Peer(metadata, meta.pools)
         try:
             self._agent.loadRemoteMD(meta.backend_blob)
             self._peers[peer_name] = peer
@@ -219,7 +225,7 @@ class NixlTransport(Transport):
             for plan in plans:
                 self._post(handle, plan)
         except TransferError:
-            self.abort(handle)
+            self._fail(handle)
             raise
         return handle
 
@@ -272,18 +278,46 @@ class NixlTransport(Transport):
             for req in handle.requests:
                 req.done = req.done or self._check(req, handle.peer)
         except TransferError:
-            self.abort(handle, TransferState.FAILED)
+            self._fail(handle)
             raise
         if all(r.done for r in handle.requests):
             self._complete(handle)
             return True
         if deadline is not None and time.monotonic() >= deadline:
-            self.abort(handle)
+            handle.state, handle.finished = TransferState.GIVEN_UP, time.monotonic()
             raise TransferTimeout(
                 f"{handle.pages} pages from {handle.peer!r} not done after "
-                f"{time.monotonic() - handle.started:.3f} s; aborted"
+                f"{time.monotonic() - handle.started:.3f} s; given up (still held)"
             )
         return False
+
+    def drained(self, peer: str) -> bool:
+        ended = True
+        for handle in [h for h in self._inflight.values() if h.peer == peer]:
+            if handle.state is TransferState.FAILED:
+                ended = False
+                continue
+            try:
+                for req in handle.requests:
+                    req.done = req.done or self._check(req, peer)
+            except TransferError:
+                self._fail(handle)
+                ended = False
+                continue
+            if all(r.done for r in handle.requests):
+                self._release(handle)  # complete: nothing more lands
+            else:
+                ended = False
+        return ended
+
+    def _fail(self, handle: TransferHandle) -> None:
+        """A request failed (or could not be posted): the others may still run, so the
+        handle stays held, never drained, until its peer is disconnected. With nothing
+        posted, there is nothing to hold."""
+        if handle.state is TransferState.PENDING or handle.state is TransferState.GIVEN_UP:
+            handle.state, handle.finished = TransferState.FAILED, time.monotonic()
+        if not handle.requests:
+            self._release(handle)
 
     def _check(self, req: _Req, peer: str) -> bool:
         try:

@@ -1,7 +1,8 @@
 """How a node actor fetches a prefix from a peer: ask the peer to export it under a
 lease, import it through fabric's fetch transaction (the read runs in the import
-thread), release the lease, late or not; and probe peers whose abandoned reads left
-pages quarantined. Every failure becomes a FetchOutcome, never an exception.
+thread), release the lease, late or not; and free the pages quarantined for a peer once
+the reads from it that were given up have completed. Every failure becomes a
+FetchOutcome, never an exception.
 
 A mixin of NodeCacheActor: it uses the actor's `config`, `cache`, `gate`, `transport`,
 `link`, `peers` and fetch counters.
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import ray
 from kvfabric.fabric import ExportGrant, FetchOutcome, GrantError, import_prefix
-from kvfabric.transport.fetch import TransportReader, probe
+from kvfabric.transport.fetch import TransportReader
 
 if TYPE_CHECKING:
     from kvfabric.fabric import EventPublisher, NodeCache
@@ -114,21 +115,18 @@ class PeerFetch:
             self.late_releases += 1
 
     async def probe_quarantine(self) -> list[str]:
-        """For each connected peer with quarantined pages, read one page from it into
-        one of those pages, under the fetch deadline: if it completes, the abandoned
-        reads posted before it drained, and that peer's quarantine is freed. A peer
-        still stopped fails the probe and stays quarantined (until it resumes or dies).
-        Returns the peers released."""
+        """For each connected peer with quarantined pages, ask the transport whether every
+        read from it that was given up has completed since (it polls them): if so, those
+        pages change no more and are freed. A peer still stopped keeps them (until it
+        resumes or dies). Returns the peers released."""
         with self.gate.mutex:
             peers = sorted(self.cache.quarantined_peers() & self.peers)
         return [p for p in peers if await self.gate.run_wire(functools.partial(self._probe, p))]
 
     def _probe(self, peer: str) -> bool:
-        """In the import thread: the page is picked there, so no release (a forget or
-        another probe, both behind this in that thread) frees it while the read runs."""
-        with self.gate.mutex:
-            target = self.cache.quarantined_page(peer)
-        if target is None or not probe(self.transport, peer, *target, self.config.fetch_deadline_s):
+        """In the import thread, where reads run: none from `peer` is being waited on, and
+        no new one starts (its quarantine refuses fetches from it) before the release."""
+        if not self.transport.drained(peer):
             return False
         with self.gate.mutex:
             self.cache.release_quarantine(peer)

@@ -328,7 +328,7 @@ def _action(kind: ChaosKind, rng: random.Random) -> ChaosAction:
     return ChaosAction(
         transport={
             ChaosKind.TRANSFER_FAIL_AFTER: Fault(FaultKind.FAIL_AFTER, after=rng.randrange(4)),
-            ChaosKind.TRANSFER_HANG: Fault(FaultKind.HANG),
+            ChaosKind.TRANSFER_HANG: Fault(FaultKind.HANG, delay_s=rng.uniform(0.1, 1.0)),
             ChaosKind.TRANSFER_CORRUPT: Fault(FaultKind.CORRUPT),
             ChaosKind.SLOW_PEER: Fault(FaultKind.DELAY, delay_s=rng.uniform(0.05, 0.5)),
         }[kind]

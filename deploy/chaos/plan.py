@@ -34,7 +34,9 @@ DESCRIPTIONS = {
     ),
     ChaosKind.KILL_SHARD: "kill an index shard actor; it restarts empty and the nodes refill it",
     ChaosKind.TRANSFER_FAIL_AFTER: "a fetch's read fails after k pages were written",
-    ChaosKind.TRANSFER_HANG: "a fetch's read never completes: the deadline must abort it",
+    ChaosKind.TRANSFER_HANG: (
+        "a fetch's read is not done by its deadline: given up, its pages held until it ends"
+    ),
     ChaosKind.TRANSFER_CORRUPT: (
         "a fetch's read completes with a flipped byte: checksums must catch it"
     ),

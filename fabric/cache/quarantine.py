@@ -21,7 +21,8 @@ class Quarantines:
     ) -> None:
         """Keep pages out of use: an abandoned transfer from `peer` may still write them.
         No time releases them (a stopped peer resumes when it likes): only
-        `release_quarantine`, once the peer is dead or a later read from it completed."""
+        `release_quarantine`, once the peer is dead or its transport says every read
+        from it that was given up has completed (Transport.drained)."""
         self.quarantined.append(Quarantine(self.clock(), peer, pages))
 
     def quarantines(self, peer: str) -> bool:
@@ -31,20 +32,10 @@ class Quarantines:
     def quarantined_peers(self) -> set[str]:
         return {q.peer for q in self.quarantined if q.peer is not None}
 
-    def quarantined_page(self, peer: str) -> tuple[PoolName, int] | None:
-        """One quarantined device page of `peer`'s: poisoned already, so a probe read may land
-        there."""
-        for q in self.quarantined:
-            if q.peer == peer:
-                for (pool, tier), indices in q.pages.items():
-                    if tier == Tier.DEVICE and indices:
-                        return pool, indices[0]
-        return None
-
     def release_quarantine(self, peer: str | None = None, force: bool = False) -> int:
-        """Free the pages quarantined for `peer`: it is dead, or a read from it posted
-        after theirs completed (one endpoint's transfers complete in order, see
-        transport/base.py). `force` frees all (tests, shutdown). Returns pages freed."""
+        """Free the pages quarantined for `peer`: it is dead, or the reads that may
+        still write them have completed (Transport.drained). `force` frees all (tests,
+        shutdown). Returns pages freed."""
         keep, freed = [], 0
         for q in self.quarantined:
             if force or (peer is not None and q.peer == peer):

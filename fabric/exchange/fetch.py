@@ -28,7 +28,7 @@ class ReadFailed(Exception):
 
     `may_still_write`: the transfer was abandoned, not known finished (a deadline
     passed on a hung peer), so its destination pages stay quarantined until that
-    peer is known dead or a later read from it completes."""
+    peer is known dead or the transfer is known complete (Transport.drained)."""
 
     def __init__(self, message: str, may_still_write: bool = False) -> None:
         super().__init__(message)
@@ -60,7 +60,7 @@ def import_prefix(
     While pages an abandoned read from `peer` may still write are quarantined, no
     new read from it starts: a hung peer holds one fetch's pages, not one per
     fetch. The caller frees it (NodeCache.release_quarantine) once the peer is dead
-    or a later read from it completed (a probe: see actors/node/node_actor.py)."""
+    or its given-up reads completed (a probe: see actors/node/peer_fetch.py)."""
     if peer is not None and cache.quarantines(peer):
         return FetchOutcome.PEER_QUARANTINED
     if grant.fingerprint != cache.layout.fingerprint:

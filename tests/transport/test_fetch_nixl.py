@@ -27,9 +27,10 @@ from kvfabric.fabric import (
     import_prefix,
 )
 from kvfabric.transport import NixlTransport
-from kvfabric.transport.fetch import TransportReader, probe, register_device_pools
+from kvfabric.transport.fetch import TransportReader, register_device_pools
 
 from tests.kvgen import prefix_kv
+from tests.waiting import eventually
 
 LAYOUT = KVLayout(layers=("full", "swa", "full"), kv_heads=2, head_dim=64, page_size=16, window=32)
 CAPS = {PoolName.FULL: PoolCapacity(64, 0), PoolName.SWA: PoolCapacity(32, 0)}
@@ -180,9 +181,9 @@ def test_each_fault_rolls_back_then_retry_succeeds(source, name):
         assert fetch(cache, transport, source, deadline_s=0.5) == expected
         assert plan.injected
         if expected != FetchOutcome.COMMITTED:
-            if cache.quarantined:  # abandoned: refused until a later read from the peer completes
+            if cache.quarantined:  # given up: refused until the transport says it ended
                 assert fetch(cache, transport, source) == FetchOutcome.PEER_QUARANTINED
-                assert probe(transport, source.name, *cache.quarantined_page(source.name), 5.0)
+                eventually(lambda: transport.drained(source.name), "drained", deadline_s=5.0)
                 cache.release_quarantine(source.name)
             assert cache.snapshot() == before and not cache.quarantined
             cache.check()
@@ -190,6 +191,29 @@ def test_each_fault_rolls_back_then_retry_succeeds(source, name):
             assert fetch(cache, transport, source) == FetchOutcome.COMMITTED
         assert_fetched(cache)
         cache.check()
+    finally:
+        transport.close()
+
+
+def test_a_hung_read_holds_its_pages_until_it_ends(source):
+    """A read given up at its deadline keeps its pages quarantined, whatever the clock says,
+    until the transport sees it end (the hang's peer resumes a second later)."""
+    now = [0.0]
+    cache, transport, _ = destination(
+        source, [Fault(FaultKind.HANG, delay_s=1.0)], clock=lambda: now[0]
+    )
+    try:
+        before = cache.snapshot()
+        assert fetch(cache, transport, source, deadline_s=0.2) == FetchOutcome.TRANSFER_FAILED
+        held = sum(len(i) for q in cache.quarantined for i in q.pages.values())
+        now[0] += 3600.0
+        assert held and not transport.drained(source.name)
+        assert fetch(cache, transport, source) == FetchOutcome.PEER_QUARANTINED
+        eventually(lambda: transport.drained(source.name), "the hang ended", deadline_s=10.0)
+        assert cache.release_quarantine(source.name) == held
+        assert cache.snapshot() == before
+        assert fetch(cache, transport, source) == FetchOutcome.COMMITTED
+        assert_fetched(cache)
     finally:
         transport.close()
 
@@ -211,10 +235,11 @@ def test_peer_killed_mid_fetch_leaves_destination_clean():
         src.stop()
 
 
-def test_stopped_source_keeps_pages_quarantined_until_a_probe_after_it_resumes(monkeypatch):
-    """A hung peer may land an abandoned read's bytes whenever it resumes (seen over UCX
-    tcp): its pages stay quarantined however long it stays stopped, fetches from it are
-    refused meanwhile, and a probe read posted after it resumes releases them."""
+def test_stopped_source_keeps_pages_quarantined_until_its_reads_complete(monkeypatch):
+    """A hung peer may land a given-up read's bytes whenever it resumes (seen over UCX
+    tcp): its pages stay quarantined however long it stays stopped (connecting it again
+    with the same metadata changes nothing), fetches from it are refused meanwhile, and
+    once it resumes the transport sees the read itself complete and they are freed."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # shared memory would read a stopped peer's pages
     src = Source(env={"UCX_TLS": "tcp"})
     now = [0.0]
@@ -234,8 +259,9 @@ def test_stopped_source_keeps_pages_quarantined_until_a_probe_after_it_resumes(m
         assert held and cache.snapshot() == before
         now[0] += 3600.0  # far past any hold time: still quarantined
         assert cache.release_quarantine() == 0 and [q.pages for q in cache.quarantined] == held
-        target = cache.quarantined_page(src.name)
-        assert not probe(transport, src.name, *target, 0.5)  # still stopped: no release
+        assert not transport.drained(src.name)  # still stopped: no release
+        transport.connect(src.name, src.metadata)  # the same process: its reads stay held
+        assert not transport.drained(src.name)
         assert (
             import_prefix(
                 cache, TOKENS, NS, grant, TransportReader(transport, src.name, 0.5), peer=src.name
@@ -251,7 +277,7 @@ def test_stopped_source_keeps_pages_quarantined_until_a_probe_after_it_resumes(m
             p: cache.registry.pool(p, Tier.DEVICE).data[i].clone() for p, i in outside.items()
         }
         os.kill(src.proc.pid, signal.SIGCONT)
-        assert probe(transport, src.name, *target, 30.0)  # posted after the abandoned reads
+        eventually(lambda: transport.drained(src.name), "the given-up reads ended", deadline_s=30.0)
         assert cache.release_quarantine(src.name) == sum(len(i) for p in held for i in p.values())
         for pool, indices in outside.items():  # late bytes landed only in quarantine
             assert torch.equal(

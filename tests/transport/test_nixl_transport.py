@@ -30,6 +30,8 @@ from kvfabric.transport import (
     copy_pages,
 )
 
+from tests.waiting import eventually
+
 DEVICE = os.environ.get("KVF_TEST_DEVICE", "cpu")
 # Two pools with different page sizes and dtypes; bytes are random, so compared as bits.
 POOLS = {"kv": ((48, 2, 16, 64), torch.float16), "ssm": ((24, 3000), torch.float32)}
@@ -241,7 +243,10 @@ def test_connect_validates_metadata(peer: Peer, local) -> None:
     assert t.peers() == []
 
 
-def test_stopped_peer_times_out_and_aborts(tcp) -> None:
+def test_a_stopped_peers_read_is_given_up_and_held_until_it_completes(tcp) -> None:
+    """Past its deadline a read is given up, not cancelled: the transport holds it and
+    says it is not drained while the peer stays stopped; once it resumes, the read lands
+    whole and `drained` says so."""
     t, pools, p = tcp
     spec = {"kv": (range(48), range(48))}
     t.wait(t.read(p.name, spec), 10.0)  # connection warmed up
@@ -251,12 +256,16 @@ def test_stopped_peer_times_out_and_aborts(tcp) -> None:
     with pytest.raises(TransferTimeout):
         t.wait(h, 0.5)
     assert time.monotonic() - start >= 0.5  # not before its deadline (and it did return)
-    assert h.state is TransferState.ABORTED
+    assert h.state is TransferState.GIVEN_UP
     with pytest.raises(TransferAborted):
         t.poll(h)
-    p.signal(signal.SIGCONT)
+    assert not t.drained(p.name)
     pools["kv"].zero_()
-    h = t.read(p.name, spec)  # the connection survived the abort
+    p.signal(signal.SIGCONT)
+    eventually(lambda: t.drained(p.name), "the given-up read drained", deadline_s=10.0)
+    assert torch.equal(bits(pools["kv"]), bits(make_pools("cpu", SEED)["kv"]))  # it landed
+    pools["kv"].zero_()
+    h = t.read(p.name, spec)  # the connection survived
     t.wait(h, 10.0)
     assert torch.equal(bits(pools["kv"]), bits(make_pools("cpu", SEED)["kv"]))
 
@@ -275,9 +284,11 @@ def test_killed_peer_raises_peer_disconnected_and_can_rejoin(tcp) -> None:
     assert h.state is TransferState.FAILED  # the death, not the 10 s deadline
     with pytest.raises(PeerDisconnected):
         t.wait(t.read(p.name, spec), 5.0)
+    assert not t.drained(p.name)  # a failed request: held until the peer is disconnected
     reborn = Peer(env={"UCX_TLS": TCP_TLS}, name=p.name)  # restarted under its old name
     try:
-        t.connect(reborn.name, reborn.metadata)
+        t.connect(reborn.name, reborn.metadata)  # another process: the old one's reads end
+        assert t.drained(p.name)
         pools["ssm"].zero_()
         t.wait(t.read(reborn.name, spec), 10.0)
         assert torch.equal(bits(pools["ssm"]), bits(make_pools("cpu", SEED)["ssm"]))

@@ -28,6 +28,8 @@ class FaultyTransport(Transport):
         self.inner, self.plan, self.kill_peer = inner, plan, kill_peer
         self._pools: dict[str, torch.Tensor] = {}
         self._faults: dict[int, tuple[Fault, dict[str, list[int]]]] = {}
+        # Hung or delayed reads given up at their deadline: (handle, when it ends).
+        self._given_up: dict[int, tuple[TransferHandle, float]] = {}
 
     # --- plain delegation ---------------------------------------------------------------
     def register_pool(self, name: str, tensor: torch.Tensor) -> None:
@@ -42,9 +44,13 @@ class FaultyTransport(Transport):
 
     def disconnect(self, peer_name: str) -> None:
         self.inner.disconnect(peer_name)
+        for key, (handle, _) in list(self._given_up.items()):
+            if handle.peer == peer_name:  # the peer is gone: so are its reads
+                del self._given_up[key]
 
     def close(self) -> None:
         self._faults.clear()
+        self._given_up.clear()
         self.inner.close()
 
     # --- reads with faults ----------------------------------------------------------------
@@ -73,13 +79,16 @@ class FaultyTransport(Transport):
         fault, local = self._faults.get(id(handle), (None, {}))
         if fault is None or fault.kind == FaultKind.PEER_DEATH:
             return self.inner.poll(handle, deadline)
-        if fault.kind == FaultKind.HANG or (
-            fault.kind == FaultKind.DELAY and time.monotonic() < handle.started + fault.delay_s
-        ):
-            if deadline is not None and time.monotonic() >= deadline:
-                self.abort(handle)
+        now = time.monotonic()
+        due = handle.started + fault.delay_s  # a delayed read's end
+        if fault.kind == FaultKind.HANG or (fault.kind == FaultKind.DELAY and now < due):
+            if deadline is not None and now >= deadline:
+                end = now + fault.delay_s if fault.kind == FaultKind.HANG else due
+                self._faults.pop(id(handle), None)
+                self._given_up[id(handle)] = (handle, end)
+                handle.state = TransferState.GIVEN_UP
                 raise TransferTimeout(
-                    f"injected {fault.kind.value}: not done by the deadline; aborted"
+                    f"injected {fault.kind.value}: not done by the deadline; given up"
                 )
             return False
         if (
@@ -99,8 +108,17 @@ class FaultyTransport(Transport):
         handle.state = TransferState.DONE
         return True
 
+    def drained(self, peer: str) -> bool:
+        inner = self.inner.drained(peer)  # polls a delayed read's real requests too
+        now = time.monotonic()
+        for key, (handle, end) in list(self._given_up.items()):
+            if handle.peer == peer and now >= end:
+                del self._given_up[key]
+        return inner and not any(h.peer == peer for h, _ in self._given_up.values())
+
     def abort(self, handle: TransferHandle) -> None:
         self._faults.pop(id(handle), None)
+        self._given_up.pop(id(handle), None)
         if handle.state is TransferState.PENDING:
             handle.state = TransferState.ABORTED
         if handle.requests:

@@ -12,7 +12,9 @@ from typing import Sequence
 class FaultKind(str, Enum):
     FAIL_AFTER = "fail_after"  # copy the first `after` pages, then fail
     DELAY = "delay"  # complete, but only after `delay_s`
-    HANG = "hang"  # never complete: the caller's deadline must abort it
+    # Not complete by the caller's deadline, then given up; it ends `delay_s` later (a
+    # stopped peer that resumed): until then `drained` says its pages may still change.
+    HANG = "hang"
     CORRUPT = "corrupt"  # complete with one byte flipped in every pool read
     PEER_DEATH = "peer_death"  # the peer dies as the read starts
 

@@ -61,7 +61,9 @@ def test_source_killed_mid_fetch_leaves_the_destination_clean(fabric):
     source_name = sorted(fabric.nodes)[0]
     tokens = list(range(300, 300 + 4 * 16))
     ray.get(fabric.nodes[source_name].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
-    hanging = dataclasses.replace(CONFIG, hooks=partial(NodeChaos, script=[Fault(FaultKind.HANG)]))
+    hanging = dataclasses.replace(
+        CONFIG, hooks=partial(NodeChaos, script=[Fault(FaultKind.HANG, delay_s=3600.0)])
+    )
     dest = NodeCacheActor.options(name="kvf-node-chaos", namespace="kvfabric", num_cpus=0.1).remote(
         "kvf-node-chaos", hanging
     )
