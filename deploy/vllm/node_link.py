@@ -131,8 +131,8 @@ class NodeLink:
             pages = self.feed.pages if self.feed is not None else None
             proc = EngineProcess.this_process(
                 self.staging,
-                pages.node if pages else "",
-                pages.epoch if pages else 0,
+                pages.node if pages is not None else "",  # (an empty EnginePages is falsy)
+                pages.epoch if pages is not None else 0,
                 self.settings.node_actor,
                 self.layout.fingerprint.hex(),
             )

@@ -48,6 +48,8 @@ class ConnectorStats:
     finished_requests: int = 0
     # Requests never cached: prompt embeddings, or a LoRA adapter whose files cannot be read.
     uncacheable_requests: int = 0
+    # Staging slots out of use now: held for node calls given up on that have not ended.
+    quarantined_slots: int = 0
     remote: RemoteStats = field(default_factory=RemoteStats)
 
 
@@ -258,6 +260,7 @@ class SchedulerSide(SchedulerSaves):
         self.stats.finished_requests += 1
         if not self.node.ready():
             return False, None
+        self.stats.quarantined_slots = sum(len(s) for _, q in self.quarantined for s in q.values())
         self.node.report(self.spec.prefix, self.stats)
         # The tokens whose KV was computed: the last sampled one has none yet.
         tokens = list(request.all_token_ids)[: request.num_computed_tokens]

@@ -3,19 +3,23 @@ loads and saves where a JSON file says, read at each step: the connector runs in
 vLLM's engine and worker processes, which a test reaches only through a file.
 
 The file maps a step ("node_load", "worker_load", "worker_save", "node_save") to an
-exception class name; a fault that fired is taken out of the file, so the test sees
-that it did."""
+exception class name, or to "SIGKILL": the process running that step is killed there
+(-9: vLLM's engine core, where the scheduler side and a TP=1 worker run, or a TP worker),
+as a crash or the OOM killer would. A fault that fired is taken out of the file first, so
+the test sees that it did."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # deploy/vllm imports vLLM: only its type is needed here
     from kvfabric.deploy.vllm.jobs import ConnectorStep
 
 HOOK = "kvfabric.deploy.chaos.faults.step_file:StepFaultFile"
+KILL = "SIGKILL"
 
 
 class InjectedFault(Exception):
@@ -61,4 +65,6 @@ class StepFaultFile:
         with open(tmp, "w") as f:
             json.dump(armed, f)
         os.replace(tmp, self.path)
+        if name == KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
         raise _EXCEPTIONS.get(name, InjectedFault)(f"injected at {step.value}")

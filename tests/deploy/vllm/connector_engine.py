@@ -235,5 +235,5 @@ def running_engine(fault_file: str) -> Iterator[Engine]:
             stop(fab)
         ray.shutdown()
         cluster.shutdown()
-        for f in glob.glob(f"/dev/shm/kvf-vllm-{engine_id}-*") if engine_id else []:
+        for f in glob.glob(f"/dev/shm/kvf-vllm-{engine_id}[-.]*") if engine_id else []:
             os.unlink(f)

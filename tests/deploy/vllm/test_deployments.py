@@ -112,7 +112,7 @@ def deployed(site: Site, served: str, model: Path, **llm_args) -> Iterator[Engin
             for namespace in found:
                 if (fab := running(namespace)) is not None and not shared(namespace):
                     stop(fab)
-        for f in glob.glob(f"/dev/shm/kvf-vllm-{engine_id}-*"):
+        for f in glob.glob(f"/dev/shm/kvf-vllm-{engine_id}[-.]*"):
             os.unlink(f)
 
 

@@ -12,6 +12,8 @@ The engine and what the tests do with it: tests/deploy/vllm/connector_engine.py.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 
@@ -31,6 +33,7 @@ from tests.deploy.vllm.connector_engine import (  # noqa: E402
     CALL_TIMEOUT_S,
     MAX_TOKENS,
     PROMPT_CHARS,
+    eventually,
     running_engine,
 )
 
@@ -103,6 +106,38 @@ def test_injected_failure_becomes_recomputation(engine, point, exception):
     # so the next turn computes and saves again; a load that failed left the pages there).
     engine.evict()
     assert engine.generate(prompt)[0] == want
+
+
+def test_a_node_stalled_past_the_deadline_costs_no_wait_and_keeps_its_slots_until_it_ends(
+    engine,
+):
+    """The node actor stops (SIGSTOP) as the engine asks it for a load: the call's deadline
+    (timeout_s, 5 s) passes, the request computes and equals uncached, nothing hangs. The
+    call's staging slots stay out of use while the node may still write them, and come
+    back once it resumed and the late call ended."""
+    prompt = engine.text()
+    want = engine.reference(prompt)
+    assert engine.generate(prompt)[0] == want  # saved to the node
+    engine.evict()
+    pid = ray.get(engine.node.__ray_call__.remote(lambda self: os.getpid()), timeout=CALL_TIMEOUT_S)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        got = engine.generate(prompt)[0]
+        assert engine.generate(engine.text(), salt="stalled")[0]  # another finished: a report
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert got == want
+
+    def report() -> dict:
+        engine.generate(engine.text(), salt=f"after-{uuid.uuid4().hex}")  # reports at its end
+        (counters,) = ray.get(engine.node.engine_reports.remote(), timeout=CALL_TIMEOUT_S).values()
+        return counters
+
+    first = report()
+    assert first["node_errors"] >= 1, first
+    eventually(lambda: report()["quarantined_slots"] == 0, "the late call's slots came back")
+    engine.evict()
+    assert engine.generate(prompt)[0] == want  # the fabric serves again
 
 
 def test_tenants_never_share(engine):
