@@ -7,6 +7,7 @@ A mixin of NodeCacheActor: it uses the actor's `cache`, `gate`, `link`, `config`
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from .cache_gate import CacheGate
     from .index_link import IndexLink
     from .node_actor import NodeConfig
+
+log = logging.getLogger(__name__)
 
 MAX_ENGINES = 64  # reports kept, newest first: engines restart under new names
 
@@ -78,10 +81,14 @@ class EngineHost:
     def adopt_engines(self) -> list[int]:
         """At the actor's start: a restarted actor knew no engine, its engines' records say
         who they were. The ones still running are watched again, the others are reaped at
-        the next beat. Returns the pids adopted."""
+        the next beat; other nodes' engines that ended lose their staging files. Returns
+        the pids adopted."""
         fabric = self.config.layout.fingerprint.hex()
         for proc in EngineProcess.read_records(self.name, fabric)[:MAX_ENGINES]:
             self._engines[proc.pid] = proc
+        freed = EngineProcess.free_dead_staging(self.name, fabric)
+        if freed:
+            log.info("unlinked the staging files of %d ended engines of other nodes", len(freed))
         return sorted(self._engines)
 
     def engine_started(self, proc: EngineProcess) -> None:

@@ -11,6 +11,8 @@ also leaves its announcement beside its staging files (`<prefix>.engine` in /dev
 `write_record`), and a node actor that starts adopts the records of its own engines
 (`read_records`): one that is still running is watched again, one that ended while the
 node was down is reaped at the next heartbeat, its staging and index entries with it.
+The staging files of other nodes' engines that ended are unlinked too
+(`free_dead_staging`): their node may never start again.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvfabric.fabric import PoolName
 from kvfabric.transport import staging
 from kvfabric.transport.staging import StagingError, StagingSpec, check_spec
 
@@ -106,6 +109,28 @@ class EngineProcess:
     def read_records(cls, node: str, fabric: str) -> list["EngineProcess"]:
         """The records of `node`'s engines in `fabric`; one that does not parse or check is
         skipped (logged), never trusted."""
+        return [p for p in cls._records() if p.node == node and p.fabric == fabric]
+
+    @classmethod
+    def free_dead_staging(cls, node: str, fabric: str) -> list[str]:
+        """Unlink the staging files of other nodes' and fabrics' engines on this host that
+        ended: a record whose node never starts again (its Ray node was replaced, or its
+        fabric stopped) would keep them for good, gigabytes an engine on a real model. The
+        record stays for its own node, which retires the engine's index life if it comes
+        back. Returns the prefixes freed."""
+        freed = []
+        for proc in cls._records():
+            if (proc.node, proc.fabric) == (node, fabric) or proc.alive():
+                continue
+            paths = [proc.staging.path(pool) for pool in PoolName]
+            if any(p.exists() for p in paths):
+                for path in paths:
+                    path.unlink(missing_ok=True)
+                freed.append(proc.staging.prefix)
+        return freed
+
+    @classmethod
+    def _records(cls) -> list["EngineProcess"]:
         found = []
         paths = sorted(staging.SHM_DIR.glob(f"*{RECORD}"))
         for path in paths[:MAX_RECORDS]:
@@ -119,9 +144,7 @@ class EngineProcess:
                 if not isinstance(s, dict) or set(s) != {"prefix", "pages"}:
                     raise ValueError(f"staging {s!r:.80}")
                 proc = cls(**{**d, "staging": StagingSpec(s["prefix"], s["pages"])})
-                if proc.node != node or proc.fabric != fabric:
-                    continue  # another node's engine (nodes may share a host), or fabric's
-                proc.check(node)
+                proc.check(proc.node)
                 if path != proc.record_path():
                     raise ValueError("its name is not its staging prefix's")
             except (OSError, ValueError, TypeError, EngineProcessError) as e:

@@ -351,3 +351,46 @@ def test_records_that_do_not_check_are_ignored(tmp_path, monkeypatch, layout):
     assert EngineProcess.read_records(NODE_NAME, fp) == [good]
     host = Host(layout)
     assert host.watched_engines() == [] and host.adopt_engines() == [os.getpid()]
+
+
+def test_other_nodes_ended_engines_lose_their_staging_files_not_their_records(
+    tmp_path, monkeypatch, layout
+):
+    """A starting node unlinks the staging files of engines of other nodes or fabrics on its
+    host whose process ended (their node may never start again); a running one's files,
+    and every record, stay (a record's own node retires its engine's index life)."""
+    from kvfabric.transport import staging
+
+    monkeypatch.setattr(staging, "SHM_DIR", tmp_path)
+    fp = layout.fingerprint.hex()
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    gone = int(done.stdout)  # a process that ended (were its pid reused, the start differs)
+    live = sleeper()
+    try:
+        procs = {
+            "ended, another node": EngineProcess(
+                gone, 1, spec(), "", 0, "kvf-node-ffffffffffff", fp
+            ),
+            "ended, another fabric": EngineProcess(gone, 1, spec(), "", 0, NODE_NAME, "00" * 16),
+            "running, another node": EngineProcess(
+                live.pid, process_start(live.pid), spec(), "", 0, "kvf-node-eeeeeeeeeeee", fp
+            ),
+        }
+        for proc in procs.values():
+            proc.write_record()
+            for pool in PoolName:
+                proc.staging.path(pool).write_bytes(b"x")
+        host = Host(layout)
+        assert host.adopt_engines() == []
+        for what, proc in procs.items():
+            left = [proc.staging.path(pool).exists() for pool in PoolName]
+            assert left == [what.startswith("running")] * len(left), what
+            assert proc.record_path().exists(), what
+    finally:
+        live.kill()
+        live.wait(timeout=T)
