@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from kvfabric.fabric import EventPublisher, NodeCache
 
     from .cache_gate import CacheGate
+    from .hooks import NodeHooks
     from .index_link import IndexLink
     from .node_actor import NodeConfig
 
@@ -70,6 +71,7 @@ class EngineHost:
     cache: NodeCache
     gate: CacheGate
     link: IndexLink[EventPublisher]
+    hooks: NodeHooks | None
     _family: Callable[[Sequence[int], str], bytes | None]
 
     def init_engine_host(self) -> None:
@@ -140,6 +142,8 @@ class EngineHost:
                 hit = load_to_staging(
                     self.cache, self._staging(spec), tokens, namespace, skip_pages, slots
                 )
+                if self.hooks is not None:
+                    self.hooks.after_get(self.cache)
                 self.link.publish()
         return hit
 

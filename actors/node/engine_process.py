@@ -109,7 +109,7 @@ class EngineProcess:
     def read_records(cls, node: str, fabric: str) -> list["EngineProcess"]:
         """The records of `node`'s engines in `fabric`; one that does not parse or check is
         skipped (logged), never trusted."""
-        return [p for p in cls._records() if p.node == node and p.fabric == fabric]
+        return [p for p in cls.records() if p.node == node and p.fabric == fabric]
 
     @classmethod
     def free_dead_staging(cls, node: str, fabric: str) -> list[str]:
@@ -119,7 +119,7 @@ class EngineProcess:
         record stays for its own node, which retires the engine's index life if it comes
         back. Returns the prefixes freed."""
         freed = []
-        for proc in cls._records():
+        for proc in cls.records():
             if (proc.node, proc.fabric) == (node, fabric) or proc.alive():
                 continue
             paths = [proc.staging.path(pool) for pool in PoolName]
@@ -130,7 +130,9 @@ class EngineProcess:
         return freed
 
     @classmethod
-    def _records(cls) -> list["EngineProcess"]:
+    def records(cls) -> list["EngineProcess"]:
+        """Every engine record on this host that parses and checks (each against the node
+        it names)."""
         found = []
         paths = sorted(staging.SHM_DIR.glob(f"*{RECORD}"))
         for path in paths[:MAX_RECORDS]:

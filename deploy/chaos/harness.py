@@ -28,11 +28,12 @@ from kvfabric.actors.directory import (
     shard_name,
 )
 from kvfabric.deploy.cli.cluster import Endpoint
+from kvfabric.deploy.vllm.engine_identity import is_engine
 from kvfabric.fabric import RouteTable
 from ray.exceptions import GetTimeoutError, RayError
 
 from .faults import ChaosAction, EventFault, Fault, FaultKind
-from .plan import ChaosKind, schedule
+from .plan import ENGINE_KINDS, ChaosKind, schedule
 from .report import ChaosReport
 from .workload import Workload
 
@@ -46,6 +47,8 @@ class ChaosHarness:
     `cluster`: a `ray.cluster_utils.Cluster` for node removal, or None (that fault
     is then skipped)."""
 
+    engine = "reference"  # what the app runs: which faults it can suffer (plan.ENGINE_KINDS)
+
     def __init__(
         self,
         endpoint: Endpoint,
@@ -55,11 +58,16 @@ class ChaosHarness:
         cluster=None,
         node_args: dict | None = None,
         log: Callable[[str], None] = lambda _: None,
+        namespace: str = NAMESPACE,
+        tenant: str = "chaos",
     ) -> None:
+        """`namespace`: the fabric's Ray namespace; `tenant`: the fabric namespace the
+        workload's cached requests run in."""
         self.endpoint, self.model, self.prompts = endpoint, model, prompts
         self.cluster, self.node_args, self.log = cluster, node_args or {}, log
-        self.client = FabricClient.connect(timeout_s=5.0)
-        self.directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
+        self.namespace, self.tenant = namespace, tenant
+        self.client = FabricClient.connect(timeout_s=5.0, namespace=namespace)
+        self.directory = ray.get_actor(DIRECTORY, namespace=namespace)
         self.injected: dict[str, int] = {}
         self.fire_wait_s = 5.0  # how long an armed fault may wait for the step it hits
 
@@ -68,7 +76,7 @@ class ChaosHarness:
         self,
         seed: int,
         faults: int,
-        kinds: Sequence[ChaosKind] = tuple(ChaosKind),
+        kinds: Sequence[ChaosKind] | None = None,
         interval_s: float = 0.3,
         quiet_s: float = 3.0,
         threads: int = 2,
@@ -79,11 +87,11 @@ class ChaosHarness:
         later in the schedule, not counted; at most `attempts_per_fault` tries each."""
         rng = random.Random(seed)
         self.injected = {}
-        plan = deque(schedule(seed, faults, kinds))
+        plan = deque(schedule(seed, faults, kinds or ENGINE_KINDS[self.engine]))
         attempts, limit = 0, attempts_per_fault * faults
         started = time.monotonic()
         last_fault = started
-        work = Workload(self.endpoint, self.model, self.prompts, threads)
+        work = self._workload(threads)
         work.start()
         try:
             while plan and attempts < limit:
@@ -115,9 +123,13 @@ class ChaosHarness:
             audit["double_owned"],
             audit["leases_overdue"],
             converged,
+            self._leaked_staging_files(),
             round(time.monotonic() - started, 1),
             dict(self.injected),
         )
+
+    def _workload(self, threads: int) -> Workload:
+        return Workload(self.endpoint, self.model, self.prompts, threads)
 
     # --- faults ----------------------------------------------------------------------------
     def _inject(self, kind: ChaosKind, rng: random.Random, work: Workload) -> bool:
@@ -140,7 +152,7 @@ class ChaosHarness:
                 ray.kill(actor, no_restart=False)
             elif kind is ChaosKind.KILL_SHARD:
                 shard = shard_name(rng.randrange(_shard_count(self.directory)))
-                ray.kill(ray.get_actor(shard, namespace=NAMESPACE), no_restart=False)
+                ray.kill(ray.get_actor(shard, namespace=self.namespace), no_restart=False)
             elif kind is ChaosKind.REMOVE_READD_NODE:
                 return self._remove_readd(rng)
             elif kind is ChaosKind.KILL_DIRECTORY_MID_REBALANCE:
@@ -166,7 +178,7 @@ class ChaosHarness:
         if kind in _TRANSFER:
             # A prompt the node already holds reads nothing: try others until one does.
             for tokens in rng.sample(held, min(len(held), 4)):
-                self.client.fetch(tokens, "chaos", into=name)
+                self.client.fetch(tokens, self.tenant, into=name)
                 if self._fired_since(actor, before, 0.0):
                     return True
         if self._fired_since(actor, before, self.fire_wait_s):
@@ -194,7 +206,7 @@ class ChaosHarness:
                     threading.Thread(
                         target=self.client.fetch,
                         daemon=True,
-                        args=(rng.choice(ks), "chaos"),
+                        args=(rng.choice(ks), self.tenant),
                         kwargs={"into": into},
                     )
                     for into, ks in ((a, into_a), (b, into_b))
@@ -247,7 +259,7 @@ class ChaosHarness:
         out = {}
         for name in names:
             try:
-                out[name] = ray.get_actor(name, namespace=NAMESPACE)
+                out[name] = ray.get_actor(name, namespace=self.namespace)
             except ValueError:
                 pass  # died since the directory listed it: nothing to inject into
         return out
@@ -275,13 +287,17 @@ class ChaosHarness:
                     for n, p in zip(
                         nodes,
                         ray.get(
-                            [a.match.remote(tokens, "chaos") for a in nodes.values()],
+                            [a.match.remote(tokens, self.tenant) for a in nodes.values()],
                             timeout=CALL_TIMEOUT_S,
                         ),
                     )
                     if p
                 }
-                index = {m.node: m.pages for m in self.client.lookup(tokens, "chaos")}
+                index = {
+                    m.node: m.pages
+                    for m in self.client.lookup(tokens, self.tenant)
+                    if not is_engine(m.node)  # engines' own caches: not the nodes'
+                }
                 if index != truth:
                     return (
                         f"prompt {k}: the index says {index}, the nodes hold {truth} "
@@ -290,6 +306,10 @@ class ChaosHarness:
         except (RayError, GetTimeoutError) as e:
             return f"{type(e).__name__}: {e}"
         return ""
+
+    def _leaked_staging_files(self) -> int:
+        """Staging files no running engine owns (the reference engine stages nothing)."""
+        return 0
 
     def _audit(self) -> dict:
         total = {"leaked": 0, "double_owned": 0, "leases_overdue": 0}

@@ -23,6 +23,11 @@ class ChaosKind(str, Enum):
     CROSS_FETCH = "cross_fetch"
     EVICT_MID_REQUEST = "evict_mid_request"
     KILL_DIRECTORY_MID_REBALANCE = "kill_directory_mid_rebalance"
+    # vLLM engines (`--engine vllm`) only:
+    WORKER_KILL_MID_LOAD = "worker_kill_mid_load"
+    WORKER_KILL_MID_SAVE = "worker_kill_mid_save"
+    NODE_KILL_MID_LOAD = "node_kill_mid_load"
+    NODE_STALL = "node_stall"
 
 
 DESCRIPTIONS = {
@@ -50,12 +55,44 @@ DESCRIPTIONS = {
     ChaosKind.KILL_DIRECTORY_MID_REBALANCE: (
         "the directory is killed while it moves the route table"
     ),
+    ChaosKind.WORKER_KILL_MID_LOAD: (
+        "a vLLM worker is killed (-9) as it copies a load from staging; Serve restarts it"
+    ),
+    ChaosKind.WORKER_KILL_MID_SAVE: (
+        "a vLLM worker is killed (-9) as it copies a save to staging; Serve restarts it"
+    ),
+    ChaosKind.NODE_KILL_MID_LOAD: (
+        "a node actor is killed (-9) with an engine's load staged, before it answers"
+    ),
+    ChaosKind.NODE_STALL: "a node actor stops (SIGSTOP) past the engines' call deadline",
+}
+# What each engine can suffer: the reference engine's requests go through the node
+# actors' get and put; a vLLM engine's through staging, with its own processes.
+ENGINE_KINDS = {
+    "reference": tuple(k for k in ChaosKind if not k.name.startswith(("WORKER_", "NODE_"))),
+    "vllm": (
+        ChaosKind.WORKER_KILL_MID_LOAD,
+        ChaosKind.WORKER_KILL_MID_SAVE,
+        ChaosKind.NODE_KILL_MID_LOAD,
+        ChaosKind.NODE_STALL,
+        ChaosKind.KILL_NODE_ACTOR,
+        ChaosKind.KILL_SHARD,
+        ChaosKind.ALLOC_FAIL,
+        ChaosKind.EVICT_MID_REQUEST,
+        ChaosKind.EVENT_DROP,
+        ChaosKind.EVENT_DUPLICATE,
+        ChaosKind.EVENT_REORDER,
+    ),
 }
 _RARE = {
     ChaosKind.REMOVE_READD_NODE: 25,
     ChaosKind.KILL_NODE_ACTOR: 6,
     ChaosKind.KILL_SHARD: 6,
     ChaosKind.KILL_DIRECTORY_MID_REBALANCE: 10,
+    # An engine restarts in about a minute on CPU: a few at a time.
+    ChaosKind.WORKER_KILL_MID_LOAD: 8,
+    ChaosKind.WORKER_KILL_MID_SAVE: 8,
+    ChaosKind.NODE_KILL_MID_LOAD: 6,
 }
 
 

@@ -8,7 +8,8 @@ Installed with the package (entry point `pytest11`), so any test can ask for
         report = kvfabric_chaos.run(seed=3, faults=20)
         assert report.ok()
 
-A module may set `kvfabric_chaos_options = {"nodes": 4, "prompts": 8}`.
+A module may set `kvfabric_chaos_options = {"nodes": 4, "prompts": 8}`, and
+`"engine": "vllm"` for vLLM engines under Ray Serve LLM (`kvfabric chaos --engine vllm`).
 Nothing here imports Ray until the fixture is used.
 """
 
@@ -22,9 +23,10 @@ def kvfabric_chaos(request):
     from kvfabric.deploy.cli.cluster import keep_auth_on
 
     keep_auth_on()  # before Ray loads, unless the suite already chose
-    from kvfabric.deploy.chaos.run import session
+    from kvfabric.deploy.chaos.run import session, vllm_session
 
     options = dict(getattr(request.module, "kvfabric_chaos_options", {}))
+    started = vllm_session if options.get("engine") == "vllm" else session
     # Its log goes to stdout: pytest shows it with a failing test.
-    with session(options.get("nodes", 3), options.get("prompts", 12), log=print) as harness:
+    with started(options.get("nodes", 3), options.get("prompts", 12), log=print) as harness:
         yield harness

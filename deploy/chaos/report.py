@@ -21,6 +21,7 @@ class ChaosReport:
     double_owned_pages: int
     expired_leases_unreleased: int
     index_converged_s: float  # from the last fault until the index agreed with every node
+    leaked_staging_files: int  # vLLM engines': files in /dev/shm no running engine owns
     wall_s: float
     by_kind: dict = field(default_factory=dict)
 
@@ -34,6 +35,7 @@ class ChaosReport:
                 or self.leaked_pages
                 or self.double_owned_pages
                 or self.expired_leases_unreleased
+                or self.leaked_staging_files
             )
             and self.index_converged_s <= converge_limit_s
             and (faults is None or self.faults_injected == faults)

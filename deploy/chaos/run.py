@@ -3,6 +3,7 @@
 kvfabric chaos --list                       every fault it can inject
 kvfabric chaos --seed 7 --faults 200 --json
 kvfabric chaos --kinds kill_shard,event_drop --faults 20
+kvfabric chaos --engine vllm --seed 7 --faults 100 --json
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from kvfabric.deploy.cli.cluster import keep_auth_on
 
-from .plan import DESCRIPTIONS, ChaosKind
+from .plan import DESCRIPTIONS, ENGINE_KINDS, ChaosKind
 
 if TYPE_CHECKING:
     from .harness import ChaosHarness
@@ -37,13 +38,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=os.environ.get("RAY_ADDRESS"),
         help="an existing cluster whose fabric runs with chaos on (default: an embedded one)",
     )
+    ap.add_argument(
+        "--engine",
+        choices=sorted(ENGINE_KINDS),
+        default="reference",
+        help="the app's engines: the reference model, or vLLM under Ray Serve LLM "
+        "(an embedded cluster only)",
+    )
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--faults", type=int, default=50)
     ap.add_argument(
         "--kinds",
-        default=",".join(k.value for k in ChaosKind),
-        help="comma-separated faults to choose from (see --list)",
+        default="",
+        help="comma-separated faults to choose from (see --list); default: all the engine's",
     )
     ap.add_argument("--interval-s", type=float, default=0.3, help="time between faults")
     ap.add_argument("--quiet-s", type=float, default=3.0, help="quiet period after the last fault")
@@ -57,6 +65,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.kinds = [ChaosKind(k.strip()) for k in args.kinds.split(",") if k.strip()]
     except ValueError as e:
         ap.error(f"--kinds: {e}; see --list")
+    allowed = ENGINE_KINDS[args.engine]
+    args.kinds = args.kinds or list(allowed)
+    wrong = [k.value for k in args.kinds if k not in allowed]
+    if wrong:
+        ap.error(f"--kinds: {', '.join(wrong)} cannot be injected with --engine {args.engine}")
+    if args.engine == "vllm" and args.address:
+        ap.error("--engine vllm runs on an embedded cluster (its faults signal local processes)")
     for name in ("nodes", "faults", "threads", "prompts"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name} must be positive")
@@ -69,12 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.list:
         for kind in ChaosKind:
-            print(f"{kind.value:22} {DESCRIPTIONS[kind]}")
+            engines = [e for e, kinds in ENGINE_KINDS.items() if kind in kinds]
+            print(f"{kind.value:30} {DESCRIPTIONS[kind]} ({', '.join(engines)})")
         return 0
     if not args.address:
         keep_auth_on()
     log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
-    with session(args.nodes, args.prompts, args.address, log) as harness:
+    started = session if args.engine == "reference" else vllm_session
+    with started(args.nodes, args.prompts, args.address, log) as harness:
         report = harness.run(
             args.seed, args.faults, args.kinds, args.interval_s, args.quiet_s, args.threads
         )
@@ -90,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{report.wrong_outputs}"
     )
     print(
-        f"leaked pages {report.leaked_pages}, doubly owned {report.double_owned_pages}, overdue "
-        "leases "
+        f"leaked pages {report.leaked_pages}, doubly owned {report.double_owned_pages}, "
+        f"leaked staging files {report.leaked_staging_files}, overdue leases "
         f"{report.expired_leases_unreleased}; index converged {report.index_converged_s} s after "
         "the last fault"
     )
@@ -132,3 +149,66 @@ def session(
                 from ray import serve
 
                 serve.shutdown()
+
+
+@contextlib.contextmanager
+def vllm_session(
+    nodes: int = 3, prompts: int = 12, address: str | None = None, log=lambda _: None
+) -> Iterator["ChaosHarness"]:
+    """The vLLM app (one engine a node, the FabricConnector in each, chaos on) on an
+    embedded cluster of `nodes`, and a harness over it with trace prompts as token ids."""
+    import tempfile
+    import time
+
+    from kvfabric.actors.served import fabrics_of
+    from kvfabric.deploy.cli.cluster import free_port, local_cluster, up
+    from kvfabric.deploy.cli.http_replay import multi_turn_slice
+    from kvfabric.deploy.sim.trace import load_trace, request_tokens
+    from kvfabric.deploy.vllm.llm_router import OpenAIPrompts
+    from kvfabric.deploy.vllm.namespaces import fabric_namespace
+    from kvfabric.deploy.vllm.serve_llm import LLMAppArgs
+
+    from .vllm_harness import SALT, VllmChaosHarness, orphans, remove_orphans
+
+    if address:
+        raise ValueError("--engine vllm runs on an embedded cluster")
+    with tempfile.TemporaryDirectory(prefix="kvf-chaos-") as tmp:
+        chaos_file = os.path.join(tmp, "steps.json")
+        app = LLMAppArgs(
+            replicas=nodes,
+            device_pages=64,
+            host_pages=2048,
+            cpus_per_replica=2.0,
+            chaos_file=chaos_file,
+        )
+        vocab = OpenAIPrompts()
+        vocab.load_tokenizer(app.model())
+        size = len(vocab.tokenizer)
+        tokens = [
+            request_tokens(r, 32, vocab_size=size)[: app.max_model_len // 2]
+            for r in multi_turn_slice(load_trace(), prompts)
+        ]
+        earlier = orphans()
+        # An engine's bundle takes 2 of a node's 3 CPUs, the fabric's actors the rest.
+        with local_cluster(nodes, cpus_per_node=3):
+            from ray import serve
+
+            try:
+                endpoint = up(dataclasses.asdict(app), port=free_port(), engine="vllm", wait_s=900)
+                deadline = time.monotonic() + 120
+                while not fabrics_of(app.model_id) and time.monotonic() < deadline:
+                    time.sleep(0.5)  # the engines announce the fabric they started
+                (namespace,) = fabrics_of(app.model_id)
+                yield VllmChaosHarness(
+                    endpoint,
+                    app.model_id,
+                    tokens,
+                    cluster=None,  # removing a Ray node would take an engine's bundle
+                    log=log,
+                    namespace=namespace,
+                    tenant=fabric_namespace(SALT),
+                    chaos_file=chaos_file,
+                )
+            finally:
+                serve.shutdown()
+        remove_orphans(keep=earlier)

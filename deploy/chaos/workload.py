@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import Any, Callable
 
 from kvfabric.deploy.cli.cluster import Endpoint
 from kvfabric.deploy.cli.http_replay import Client, Served
@@ -24,8 +25,12 @@ class Workload:
         prompts: list[list[int]],
         threads: int = 2,
         retries: int = 4,
+        connect: Callable[[], Any] | None = None,
     ) -> None:
+        """`connect`: a thread's client of the app (`complete`, `reconnect`, `close` as
+        http_replay.Client's); the reference app's by default."""
         self.endpoint, self.model, self.prompts, self.retries = endpoint, model, prompts, retries
+        self.connect = connect or (lambda: Client(endpoint, None, timeout_s=120))
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.requests = self.failed = self.retried = self.app_retried = self.wrong = 0
@@ -62,7 +67,7 @@ class Workload:
             return [t for n, t in self.served.values() if n == node]
 
     def _run(self, offset: int) -> None:
-        client, i = Client(self.endpoint, None, timeout_s=120), offset
+        client, i = self.connect(), offset
         try:
             while not self._stop.is_set():
                 k = i % len(self.prompts)
@@ -91,7 +96,7 @@ class Workload:
         start = (i * page) % max(1, len(source) - page)
         return list(source[start : start + page])
 
-    def _call(self, client: Client, tokens: list[int], cache: bool) -> Served | None:
+    def _call(self, client: Any, tokens: list[int], cache: bool) -> Served | None:
         for attempt in range(self.retries + 1):
             try:
                 return client.complete(self.model, tokens, 2, cache, "chaos")

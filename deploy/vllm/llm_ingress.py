@@ -9,10 +9,19 @@ and one it leaves out becomes the key's default. Two keys that share no namespac
 share cached KV: not in vLLM's cache, the node pools or the index. Every other route
 (models, embeddings, tokenize, the API description, ...) needs a key of the table too
 (KeyGuard, in front of the whole app). Without a table it is Ray's ingress as it is.
+
+A completion or chat whose engine died under it (vLLM's EngineDeadError: a worker
+crashed or was killed; or the replica's actor gone) runs again, on whichever replica
+Serve then routes it to: nothing of it reached the client, so the client sees only the
+delay (and the `x-kvfabric-retries` header). Serve stops routing to a replica whose
+engine died once its health checks fail (about half a minute), so the retries wait
+longer each time. A stream is not retried (its first chunk may be out).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any, Awaitable, Callable
 
 from fastapi import Request
@@ -20,11 +29,18 @@ from fastapi.responses import Response
 from kvfabric.deploy.serve.ingress_auth import ASGIApp, Authorizer, KeyGuard
 from kvfabric.deploy.serve.openai_errors import APIError
 from kvfabric.deploy.serve.tenants import load_tenants
+from ray.exceptions import RayActorError
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     ChatCompletionRequest,
     CompletionRequest,
 )
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
+
+log = logging.getLogger(__name__)
+
+RETRIES = 6  # waits of 1, 2, 4, 8, 16 and 32 s: past Serve's health checks of a dead engine
+BACKOFF_S = 1.0
+RETRIES_HEADER = "x-kvfabric-retries"
 
 
 class FabricLLMIngress(OpenAiIngress):
@@ -55,7 +71,37 @@ class FabricLLMIngress(OpenAiIngress):
                 body.cache_salt = tenant_salt(self._auth, request, body.cache_salt)
             except APIError as e:
                 return e.response()
-        return await serve(body, request)
+        if getattr(body, "stream", False):
+            return await serve(body, request)
+        for attempt in range(RETRIES + 1):
+            try:
+                response = await serve(body, request)
+            except Exception as e:
+                if attempt == RETRIES or not engine_gone(e):
+                    raise
+                log.warning("an engine died under a request (%s); running it again", e)
+                await asyncio.sleep(BACKOFF_S * 2**attempt)
+                continue
+            if attempt:
+                response.headers[RETRIES_HEADER] = str(attempt)
+            return response
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def engine_gone(error: BaseException) -> bool:
+    """Whether `error` (or what caused it) says the request's engine died: vLLM's
+    EngineDeadError, as raised or as the error response Ray's ingress turns it into,
+    or the replica's actor gone."""
+    seen: BaseException | None = error
+    for _ in range(8):  # a chain of causes, bounded
+        if seen is None:
+            return False
+        if isinstance(seen, RayActorError) or "EngineDeadError" in (
+            type(seen).__name__ + str(seen) + str(getattr(seen, "type", ""))
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def tenant_salt(auth: Authorizer, request: Request, asked: str | None) -> str:

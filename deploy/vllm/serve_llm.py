@@ -23,6 +23,8 @@ from typing import Any
 
 import ray
 from kvfabric.actors.directory import node_actor_name
+from kvfabric.deploy.chaos.faults import HOOKS as NODE_CHAOS
+from kvfabric.deploy.chaos.faults import StepFaultFile
 from kvfabric.deploy.serve.app import AppArgsError, args_of
 from kvfabric.deploy.serve.tenants import load_tenants
 from ray import serve
@@ -64,6 +66,10 @@ class LLMAppArgs:
     # API keys -> the cache_salts (namespaces) each may use (deploy/serve/tenants.py); an absolute
     # path on every node, read when the ingress starts. "": any client picks its salt.
     tenants_file: str = ""
+    # Chaos runs (`kvfabric chaos --engine vllm`): the nodes take NodeChaos actions, and
+    # every engine's connector fails or kills its process at the steps this file names
+    # (StepFaultFile; a path on each engine's host). Empty: off.
+    chaos_file: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str) or (
@@ -106,12 +112,10 @@ class LLMAppArgs:
         for f in ("remote", "index_events"):
             if not isinstance(getattr(self, f), bool):
                 raise AppArgsError(f"{f} must be a bool, got {getattr(self, f)!r}")
-        if not isinstance(self.tenants_file, str) or (
-            self.tenants_file and not Path(self.tenants_file).is_absolute()
-        ):
-            raise AppArgsError(
-                f"tenants_file must be an absolute path or empty, got {self.tenants_file!r}"
-            )
+        for f in ("tenants_file", "chaos_file"):
+            v = getattr(self, f)
+            if not isinstance(v, str) or (v and not Path(v).is_absolute()):
+                raise AppArgsError(f"{f} must be an absolute path or empty, got {v!r}")
 
     @classmethod
     def from_dict(cls, args: dict | None) -> "LLMAppArgs":
@@ -135,11 +139,17 @@ class LLMAppArgs:
     def fabric_settings(self) -> dict[str, Any]:
         """The connector's settings for the fabric its engine starts (FabricSettings):
         each node's pools (SWA pools: a quarter) and index shards."""
+        chaos = (
+            {"node_hooks": NODE_CHAOS, **StepFaultFile.settings(self.chaos_file)}
+            if self.chaos_file
+            else {}
+        )
         return {
             "device_pages": self.device_pages,
             "host_pages": self.host_pages,
             "shards": self.shards,
             "remote": self.remote,
+            **chaos,
         }
 
 

@@ -4,13 +4,13 @@ fault lands while requests flow, and afterwards nothing is lost or wrong."""
 from __future__ import annotations
 
 import pytest
-from kvfabric.deploy.chaos.plan import ChaosKind, schedule
+from kvfabric.deploy.chaos.plan import ENGINE_KINDS, ChaosKind, schedule
 
 kvfabric_chaos_options = {"nodes": 3, "prompts": 6}
 
 
 def test_every_fault_kind_leaves_the_fabric_whole(kvfabric_chaos):
-    kinds = [k for k in ChaosKind if k is not ChaosKind.REMOVE_READD_NODE]
+    kinds = [k for k in ENGINE_KINDS["reference"] if k is not ChaosKind.REMOVE_READD_NODE]
     faults = 2 * len(kinds)
     report = kvfabric_chaos.run(seed=5, faults=faults, kinds=kinds, interval_s=0.2, quiet_s=2.0)
     assert report.requests > 0
@@ -45,7 +45,17 @@ def test_the_schedule_is_seeded_and_spaces_restarts():
     assert set(plan) == set(kinds)
 
 
-@pytest.mark.parametrize("argv", [["--kinds", "nope"], ["--faults", "0"], ["--interval-s", "-1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--kinds", "nope"],
+        ["--faults", "0"],
+        ["--interval-s", "-1"],
+        ["--kinds", "node_stall"],  # a vLLM engine's fault, with the reference engine
+        ["--engine", "vllm", "--kinds", "transfer_hang"],
+        ["--engine", "vllm", "--address", "auto"],
+    ],
+)
 def test_bad_chaos_arguments_exit_with_usage(argv):
     from kvfabric.deploy.cli.main import main
 

@@ -6,7 +6,7 @@ from .action import ChaosAction
 from .allocation import AllocationFaults
 from .events import EventFault, EventMangler
 from .faulty_transport import FaultyTransport
-from .node import NodeChaos
+from .node import HOOKS, NodeChaos
 from .step_file import InjectedFault, StepFaultFile
 from .transfer import Fault, FaultKind, FaultPlan
 
@@ -19,6 +19,7 @@ __all__ = [
     "FaultKind",
     "FaultPlan",
     "FaultyTransport",
+    "HOOKS",
     "InjectedFault",
     "NodeChaos",
     "StepFaultFile",

@@ -15,3 +15,4 @@ class ChaosAction:
     alloc_point: int = 0  # fail the k-th reservation point from now (0: none)
     events: EventFault | None = None  # what happens to the next batches it sends
     evict_after_get: bool = False  # evict all it can right after answering its next get
+    exit_after_get: bool = False  # die (-9) once its next get or load has its answer

@@ -8,6 +8,8 @@ script=[Fault(...)])`, picklable like the class itself."""
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import TYPE_CHECKING, Sequence
 
 from kvfabric.fabric import EventBatch, NodeCache, PoolName, Tier
@@ -23,6 +25,9 @@ if TYPE_CHECKING:  # the actors layer imports Ray: only its types are needed her
     from kvfabric.actors import NodeConfig
 
 
+HOOKS = "kvfabric.deploy.chaos.faults:NodeChaos"  # as a connector setting names it (node_hooks)
+
+
 class NodeChaos:
     def __init__(self, config: NodeConfig, script: Sequence[Fault | None] = ()) -> None:
         self.capacities = config.capacities
@@ -31,6 +36,7 @@ class NodeChaos:
         self.faulty: FaultyTransport | None = None
         self._plan = FaultPlan(script)
         self._evict_after_get = False
+        self._exit_after_get = False
         self._evictions = 0
         self._transport_done = 0  # faults of transport plans since replaced
 
@@ -47,7 +53,10 @@ class NodeChaos:
 
     def after_get(self, cache: NodeCache) -> None:
         """Evict every unlocked page when armed: what happens to a request's match when
-        other requests and peers' exports crowd the pools between its get and its put."""
+        other requests and peers' exports crowd the pools between its get and its put.
+        Or kill this process (-9) there: a node actor dying mid-load, its answer unsent."""
+        if self._exit_after_get:
+            os.kill(os.getpid(), signal.SIGKILL)
         if not self._evict_after_get:
             return
         self._evict_after_get = False
@@ -68,13 +77,14 @@ class NodeChaos:
         if action.events is not None:
             self.events.arm(action.events)
         self._evict_after_get = action.evict_after_get
+        self._exit_after_get = action.exit_after_get
 
     def calm(self) -> None:
         """Disarm every fault (held-back events go out with the next send)."""
         self._replace_plan(FaultPlan())
         self.allocation.disarm()
         self.events.armed = None
-        self._evict_after_get = False
+        self._evict_after_get = self._exit_after_get = False
 
     def fired(self) -> int:
         """How many injected faults have acted so far (armed ones count once they hit)."""

@@ -20,7 +20,7 @@ from kvfabric.actors import FabricClient, stop
 from kvfabric.actors.directory import node_actor_name
 from kvfabric.actors.fabric import running
 from kvfabric.actors.served import fabrics_of
-from kvfabric.deploy.chaos.faults import ChaosAction, StepFaultFile
+from kvfabric.deploy.chaos.faults import HOOKS, ChaosAction, StepFaultFile
 from kvfabric.deploy.vllm.connector import kv_transfer_config
 from kvfabric.deploy.vllm.model import ensure_tiny_model
 from kvfabric.fabric import NodeMatch
@@ -29,7 +29,7 @@ from ray.cluster_utils import Cluster
 from tests.waiting import eventually as wait_for
 
 NAMESPACE = "kvf-vllm-test"
-NODE_HOOKS = "kvfabric.deploy.chaos.faults:NodeChaos"
+NODE_HOOKS = HOOKS
 TENANT = "default"  # the fabric namespace of requests without a cache_salt
 BLOCK = 32
 PROMPT_CHARS = 1200  # one token per byte: 1,200 tokens, longer than the 256-token window

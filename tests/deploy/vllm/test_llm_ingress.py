@@ -127,3 +127,77 @@ def test_without_a_table_no_route_asks_for_a_key():
     asyncio.run(served.__init__(replica, {}, {}))
     with TestClient(replica.app, raise_server_exceptions=False) as client:
         assert client.get("/openapi.json").status_code == 200
+
+
+def died() -> Exception:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return EngineDeadError()
+
+
+def run_with(engine, stream: bool = False):
+    body = CompletionRequest(model="m", prompt="hello", stream=stream)
+    return asyncio.run(FabricLLMIngress({}, {})._as_tenant(body, request({}), engine))
+
+
+@pytest.fixture
+def no_backoff(monkeypatch):
+    from kvfabric.deploy.vllm import llm_ingress
+
+    monkeypatch.setattr(llm_ingress, "BACKOFF_S", 0.0)
+    return llm_ingress
+
+
+def test_a_request_whose_engine_died_runs_again_and_says_so(no_backoff):
+    from fastapi.responses import JSONResponse
+
+    calls: list[int] = []
+
+    async def engine(body, req):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise died()
+        return JSONResponse({"choices": []})
+
+    answer = run_with(engine)
+    assert len(calls) == 3 and answer.headers[no_backoff.RETRIES_HEADER] == "2"
+
+
+@pytest.mark.parametrize(
+    "what", ["another failure", "a stream", "an engine that stays dead"], ids=str
+)
+def test_what_is_not_run_again(no_backoff, what):
+    """A failure of a live engine is the answer; a stream may have sent its first chunk;
+    and retries end."""
+    calls: list[int] = []
+
+    async def engine(body, req):
+        calls.append(1)
+        raise ValueError("a live engine's error") if what == "another failure" else died()
+
+    with pytest.raises(Exception) as raised:
+        run_with(engine, stream=what == "a stream")
+    want = no_backoff.RETRIES + 1 if what == "an engine that stays dead" else 1
+    assert len(calls) == want
+    assert no_backoff.engine_gone(raised.value) == (what != "another failure")
+
+
+def test_which_errors_say_the_engine_died():
+    from kvfabric.deploy.vllm.llm_ingress import engine_gone
+    from ray.exceptions import ActorDiedError
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+
+    def chained() -> Exception:
+        try:
+            raise died()
+        except Exception as e:
+            try:
+                raise RuntimeError("the replica's generator failed") from e
+            except RuntimeError as outer:
+                return outer
+
+    assert engine_gone(died()) and engine_gone(chained()) and engine_gone(ActorDiedError())
+    as_response = OpenAIHTTPException(message="dead", status_code=500, type="EngineDeadError")
+    assert engine_gone(as_response)
+    assert not engine_gone(OpenAIHTTPException(message="bad", status_code=400, type="BadRequest"))
+    assert not engine_gone(RuntimeError("out of memory"))

@@ -1,0 +1,41 @@
+"""`kvfabric chaos --engine vllm` through its pytest fixture: vLLM engines with the
+FabricConnector under Ray Serve LLM (two nodes, an engine on each), requests flowing
+through the OpenAI API, and each fault of the vLLM path once: a worker killed (-9) as
+it copies a load from staging and as it copies a save to it (vLLM ends the engine,
+Serve starts another, the app runs the requests that died with it again), a node actor
+killed with a load staged, a node actor stopped past the engines' call deadline.
+Afterwards every answer equalled the uncached one, no client retried, and no page,
+lease or staging file was left behind."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvfabric.deploy.chaos.plan import ChaosKind  # noqa: E402
+
+kvfabric_chaos_options = {"engine": "vllm", "nodes": 2, "prompts": 4}
+
+KINDS = [
+    ChaosKind.WORKER_KILL_MID_LOAD,
+    ChaosKind.WORKER_KILL_MID_SAVE,
+    ChaosKind.NODE_KILL_MID_LOAD,
+    ChaosKind.NODE_STALL,
+]
+
+
+def test_each_fault_of_the_vllm_path_leaves_the_app_whole(kvfabric_chaos):
+    reports = [
+        kvfabric_chaos.run(seed=i, faults=1, kinds=[kind], interval_s=0.5, quiet_s=2.0)
+        for i, kind in enumerate(KINDS)
+    ]
+    for kind, report in zip(KINDS, reports):
+        assert report.by_kind == {kind.value: 1}, report
+        assert report.requests > 0
+        assert report.failed_requests == report.retried_requests == report.wrong_outputs == 0
+        assert report.leaked_pages == report.double_owned_pages == 0
+        assert report.expired_leases_unreleased == 0 and report.leaked_staging_files == 0
+        assert report.ok(1), report
+    # The request whose load killed the worker was run again by the app, not failed.
+    assert reports[0].app_retried_requests > 0
