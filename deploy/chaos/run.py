@@ -89,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.address:
         keep_auth_on()
-    log = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
     started = session if args.engine == "reference" else vllm_session
-    with started(args.nodes, args.prompts, args.address, log) as harness:
+    with started(args.nodes, args.prompts, args.address, _log) as harness:
         report = harness.run(
             args.seed, args.faults, args.kinds, args.interval_s, args.quiet_s, args.threads
         )
@@ -115,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out))
     return 0 if report.ok(args.faults) else 1
+
+
+def _log(message: str) -> None:
+    """Progress on stderr (stdout carries the results, and the JSON line)."""
+    print(message, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
