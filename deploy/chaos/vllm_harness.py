@@ -142,8 +142,7 @@ class VllmChaosHarness(ChaosHarness):
         """Arm a SIGKILL at `step` for whichever engine reaches it first; True once one did
         (the file no longer names it) and Serve has started another in its place (the
         next fault then finds the app whole), False (disarmed) if none did in time."""
-        nodes = set(self._nodes())  # other apps' engines on this host are not ours to count
-        engines = _running_engines(nodes)
+        engines = _running_engines()
         self._write_chaos_file({step: KILL})
         deadline = time.monotonic() + self.fire_wait_s
         while step in self._read_chaos_file() and time.monotonic() < deadline:
@@ -153,7 +152,7 @@ class VllmChaosHarness(ChaosHarness):
             return False
         deadline = time.monotonic() + self.restart_wait_s
         while time.monotonic() < deadline:
-            now = _running_engines(nodes)
+            now = _running_engines()
             if len(now) >= len(engines) and now != engines:
                 return True
             time.sleep(1.0)
@@ -213,7 +212,7 @@ class VllmChaosHarness(ChaosHarness):
         nodes had `wait_s` to reap them (a node restarted by a fault reaps at its start)."""
         deadline = time.monotonic() + wait_s
         while True:
-            leaked = orphans(set(self._nodes())) - self.earlier
+            leaked = orphans() - self.earlier
             if not leaked or time.monotonic() >= deadline:
                 if leaked:
                     self.log(f"staging files no running engine owns: {sorted(leaked)[:8]}")
@@ -221,30 +220,19 @@ class VllmChaosHarness(ChaosHarness):
             time.sleep(1.0)
 
 
-def orphans(nodes: set[str] | None = None) -> set[str]:
-    """Staging files and records in /dev/shm of engines that are not running; with
-    `nodes`, only those of engines announced to these node actors (another app's engines
-    may share the host)."""
-    records = EngineProcess.records()
-    live = _running_engines(None, records)
-    mine = None if nodes is None else {p.staging.prefix for p in records if p.node in nodes}
+def orphans() -> set[str]:
+    """Staging files and records in /dev/shm of engines that are not running."""
+    live = _running_engines()
     return {
         f.name
         for f in staging.SHM_DIR.glob("kvf-vllm-*")
         if not any(f.name.startswith(prefix) for prefix in live)
-        and (mine is None or any(f.name.startswith(prefix) for prefix in mine))
     }
 
 
-def _running_engines(
-    nodes: set[str] | None = None, records: list[EngineProcess] | None = None
-) -> set[str]:
-    """The staging prefixes of the engines running on this host (of `nodes`, if given)."""
-    return {
-        p.staging.prefix
-        for p in (EngineProcess.records() if records is None else records)
-        if p.alive() and (nodes is None or p.node in nodes)
-    }
+def _running_engines() -> set[str]:
+    """The staging prefixes of the engines running on this host (their records)."""
+    return {p.staging.prefix for p in EngineProcess.records() if p.alive()}
 
 
 def remove_orphans(keep: set[str]) -> None:
