@@ -121,15 +121,24 @@ class SharedPages:
         self.spec = spec
         self.layout = layout
         self.pools: dict[PoolName, torch.Tensor] = {}
-        for pool in layout.pools:
-            shape = (spec.pages, *layout.page_shape(pool))
-            numel = 1
-            for d in shape:
-                numel *= d
-            path = spec.path(pool)
-            _ensure_file(path, numel * layout.torch_dtype.itemsize)
-            flat = torch.from_file(str(path), shared=True, size=numel, dtype=layout.torch_dtype)
-            self.pools[pool] = flat.view(shape)
+        made: list[Path] = []  # a later pool that does not fit takes these back with it
+        try:
+            for pool in layout.pools:
+                shape = (spec.pages, *layout.page_shape(pool))
+                numel = 1
+                for d in shape:
+                    numel *= d
+                path = spec.path(pool)
+                if _ensure_file(path, numel * layout.torch_dtype.itemsize):
+                    made.append(path)
+                flat = torch.from_file(
+                    str(path), shared=True, size=numel, dtype=layout.torch_dtype
+                )
+                self.pools[pool] = flat.view(shape)
+        except BaseException:
+            for path in made:
+                path.unlink(missing_ok=True)
+            raise
 
     def unlink(self) -> None:
         for pool in self.pools:
@@ -139,7 +148,8 @@ class SharedPages:
                 continue  # already gone: unlinking is idempotent
 
 
-def _ensure_file(path: Path, size: int) -> None:
+def _ensure_file(path: Path, size: int) -> bool:
+    """Make `path` hold `size` reserved bytes; True if this call created it."""
     # O_CREAT without O_EXCL: the engine's processes and the node actor may race to
     # create it; ftruncate to the same size and fallocate are idempotent.
     made = not path.exists()
@@ -159,6 +169,7 @@ def _ensure_file(path: Path, size: int) -> None:
         raise
     finally:
         os.close(fd)
+    return made
 
 
 @dataclass

@@ -317,6 +317,39 @@ def test_a_failed_reservation_is_an_error_naming_the_size_and_leaves_no_file(mon
     assert not any(spec.path(p).exists() for p in LAYOUT.pools)
 
 
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_pool_that_does_not_fit_takes_back_the_files_this_mapping_made(monkeypatch, existing):
+    """The full pool fits, the SWA pool does not: the full pool's file goes too if this
+    mapping made it (nothing is left for no engine), and stays if another process of the
+    engine had made it (it maps it still)."""
+    import errno
+
+    from kvfabric.transport import staging
+    from kvfabric.transport.staging import StagingSpaceError
+
+    reserve = staging.os.posix_fallocate
+    spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", SLOTS)
+    assert len(LAYOUT.pools) == 2
+    first, second = (spec.path(p) for p in LAYOUT.pools)
+
+    def second_full(fd, offset, size):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(second):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        reserve(fd, offset, size)
+
+    if existing:
+        SharedPages(StagingSpec(spec.prefix, SLOTS), LAYOUT)
+        second.unlink()
+    monkeypatch.setattr(staging.os, "posix_fallocate", second_full)
+    try:
+        with pytest.raises(StagingSpaceError, match="--shm-size"):
+            SharedPages(spec, LAYOUT)
+        assert first.exists() == existing and not second.exists()
+    finally:
+        first.unlink(missing_ok=True)
+
+
 FILL = """
 import sys
 from kvfabric.fabric import KVLayout
