@@ -72,12 +72,14 @@ class FabricWorkerMeta(KVConnectorWorkerMetadata):
 
 
 class ConnectorStep(str, Enum):
-    """The connector's steps where a load or a save can fail (see StepHook)."""
+    """The connector's steps where a load, a save or an engine's start can fail (see
+    StepHook)."""
 
     NODE_LOAD = "node_load"  # the scheduler side asks the node actor to stage a prefix
     WORKER_LOAD = "worker_load"  # the worker copies staged pages into vLLM's blocks
     WORKER_SAVE = "worker_save"  # the worker copies vLLM's blocks to staging
     NODE_SAVE = "node_save"  # the scheduler side asks the node actor to store them
+    STAGING = "staging"  # a worker reserves its staging files (vLLM registers its KV caches)
 
 
 class StepHook(Protocol):

@@ -56,6 +56,8 @@ class WorkerSide:
                 )
             except RuntimeError as e:
                 raise RuntimeError(f"{slot.name} ({fmt.value}): {e}") from None
+        if self.step_hook is not None:
+            self.step_hook(ConnectorStep.STAGING)  # raising here fails the engine's start
         self.shared = SharedPages(self.spec, lay)
 
     # --- loads -------------------------------------------------------------------------

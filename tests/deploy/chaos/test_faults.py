@@ -3,7 +3,9 @@ it did, and calming disarms it. The node actor only forwards to NodeChaos."""
 
 from __future__ import annotations
 
+import errno
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -138,3 +140,53 @@ def test_the_step_fault_file_fires_once_what_it_names(tmp_path):
     assert json.loads(path.read_text()) == {}
     with pytest.raises(ValueError, match="path"):
         StepFaultFile("")
+
+
+def test_a_step_fault_is_either_fired_or_disarmed_never_both_nor_lost(tmp_path):
+    """Engines take faults at their steps while the harness disarms: each armed fault is
+    raised by exactly one step or handed back by `disarm`, over many interleavings."""
+    pytest.importorskip("vllm")
+    from kvfabric.deploy.chaos.faults import InjectedFault, StepFaultFile
+    from kvfabric.deploy.vllm.jobs import ConnectorStep
+
+    steps = [ConnectorStep.NODE_LOAD, ConnectorStep.WORKER_LOAD, ConnectorStep.WORKER_SAVE]
+    harness = StepFaultFile(str(tmp_path / "faults.json"))
+    for round_ in range(60):
+        harness.arm({s.value: "InjectedFault" for s in steps})
+        fired: list[str] = []
+        go = threading.Barrier(len(steps) + 1)
+
+        def engine(step: ConnectorStep) -> None:
+            hook = StepFaultFile(harness.path)  # a process of its own would open its own
+            go.wait()
+            for _ in range(round_ % 5):
+                try:
+                    hook(step)
+                except InjectedFault:
+                    fired.append(step.value)
+
+        threads = [threading.Thread(target=engine, args=(s,)) for s in steps]
+        for t in threads:
+            t.start()
+        go.wait()
+        left = harness.disarm()
+        for t in threads:
+            t.join(timeout=30)
+        assert sorted(fired + list(left)) == sorted(s.value for s in steps)
+        assert harness.armed() == {}
+
+
+def test_the_step_fault_file_fails_a_step_as_a_full_shm_would(tmp_path):
+    pytest.importorskip("vllm")
+    from kvfabric.deploy.chaos.faults import StepFaultFile
+    from kvfabric.deploy.chaos.faults.step_file import FULL
+    from kvfabric.deploy.vllm.jobs import ConnectorStep
+    from kvfabric.transport.staging import StagingSpaceError
+
+    path = tmp_path / "faults.json"
+    path.write_text(json.dumps({"staging": FULL}))
+    hook = StepFaultFile(str(path))
+    with pytest.raises(StagingSpaceError, match="staging: /dev/shm is full") as e:
+        hook(ConnectorStep.STAGING)
+    assert e.value.errno == errno.ENOSPC
+    hook(ConnectorStep.STAGING)  # once

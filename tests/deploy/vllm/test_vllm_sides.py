@@ -212,6 +212,31 @@ def test_any_failure_becomes_recomputation(tmp_path_factory, point, exception):
         node.shared.unlink()
 
 
+def test_an_engine_whose_staging_does_not_fit_fails_its_start_and_leaves_no_file(tmp_path):
+    """A full /dev/shm as a worker registers its KV caches: the start fails (vLLM ends the
+    engine; Serve starts another) with the space error, and no staging file is made."""
+    from kvfabric.deploy.chaos.faults.step_file import FULL
+    from kvfabric.transport.staging import StagingSpaceError
+
+    spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", 64)
+    fault_file = tmp_path / "faults.json"
+    fault_file.write_text(json.dumps({"staging": FULL}))
+    worker = WorkerSide(
+        PLAN, FabricSettings(node_actor="local", **StepFaultFile.settings(str(fault_file))), spec
+    )
+    kv = {n: torch.randn(NB, H, PS, 2 * D) for n in NAMES}
+    with pytest.raises(StagingSpaceError):
+        worker.register(kv, BlockFormat.KV_ROWS)
+    assert worker.shared is None
+    assert not any(spec.path(p).exists() for p in PLAN.layout.pools)
+    worker.register(kv, BlockFormat.KV_ROWS)  # the next start, with room, maps them
+    try:
+        assert all(spec.path(p).exists() for p in PLAN.layout.pools)
+    finally:
+        assert worker.shared is not None
+        worker.shared.unlink()
+
+
 def held_slots(rig: Rig) -> set[tuple[PoolName, int]]:
     return {(pool, i) for pool, a in rig.sched.allocators.items() for i in a.used_indices()}
 
