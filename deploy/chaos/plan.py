@@ -28,6 +28,7 @@ class ChaosKind(str, Enum):
     WORKER_KILL_MID_SAVE = "worker_kill_mid_save"
     NODE_KILL_MID_LOAD = "node_kill_mid_load"
     NODE_STALL = "node_stall"
+    SHM_FULL = "shm_full"
 
 
 DESCRIPTIONS = {
@@ -65,16 +66,24 @@ DESCRIPTIONS = {
         "a node actor is killed (-9) with an engine's load staged, before it answers"
     ),
     ChaosKind.NODE_STALL: "a node actor stops (SIGSTOP) past the engines' call deadline",
+    ChaosKind.SHM_FULL: (
+        "a vLLM worker is killed (-9); /dev/shm is full as its replacement reserves its "
+        "staging, so that start fails; Serve's next one starts"
+    ),
 }
 # What each engine can suffer: the reference engine's requests go through the node
 # actors' get and put; a vLLM engine's through staging, with its own processes.
+_VLLM_PATH = (
+    ChaosKind.WORKER_KILL_MID_LOAD,
+    ChaosKind.WORKER_KILL_MID_SAVE,
+    ChaosKind.NODE_KILL_MID_LOAD,
+    ChaosKind.NODE_STALL,
+    ChaosKind.SHM_FULL,
+)
 ENGINE_KINDS = {
-    "reference": tuple(k for k in ChaosKind if not k.name.startswith(("WORKER_", "NODE_"))),
+    "reference": tuple(k for k in ChaosKind if k not in _VLLM_PATH),
     "vllm": (
-        ChaosKind.WORKER_KILL_MID_LOAD,
-        ChaosKind.WORKER_KILL_MID_SAVE,
-        ChaosKind.NODE_KILL_MID_LOAD,
-        ChaosKind.NODE_STALL,
+        *_VLLM_PATH,
         ChaosKind.KILL_NODE_ACTOR,
         ChaosKind.KILL_SHARD,
         ChaosKind.ALLOC_FAIL,
@@ -93,6 +102,7 @@ _RARE = {
     ChaosKind.WORKER_KILL_MID_LOAD: 8,
     ChaosKind.WORKER_KILL_MID_SAVE: 8,
     ChaosKind.NODE_KILL_MID_LOAD: 6,
+    ChaosKind.SHM_FULL: 8,
 }
 
 

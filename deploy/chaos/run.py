@@ -212,6 +212,7 @@ def vllm_session(
                     namespace=namespace,
                     tenant=fabric_namespace(SALT),
                     chaos_file=chaos_file,
+                    engine_cache_bytes=app.kv_cache_bytes,
                 )
             finally:
                 serve.shutdown()

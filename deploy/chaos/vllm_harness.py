@@ -20,18 +20,20 @@ import random
 import signal
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ray
 from kvfabric.actors.directory import CALL_TIMEOUT_S
 from kvfabric.actors.node.engine_process import EngineProcess
 from kvfabric.deploy.cli.cluster import Endpoint
+from kvfabric.deploy.vllm.jobs import ConnectorStep
 from kvfabric.deploy.vllm.llm_ingress import RETRIES_HEADER
 from kvfabric.transport import staging
 from ray.exceptions import GetTimeoutError, RayError
 
-from .faults import ChaosAction
-from .faults.step_file import KILL
+from .faults import ChaosAction, StepFaultFile
+from .faults.step_file import FULL, KILL
 from .harness import ChaosHarness
 from .plan import ChaosKind
 from .workload import Workload
@@ -41,7 +43,9 @@ STALL_MARGIN_S = 1.0  # a stall lasts the engines' call deadline and this much m
 _WORKER_STEP = {
     ChaosKind.WORKER_KILL_MID_LOAD: "worker_load",
     ChaosKind.WORKER_KILL_MID_SAVE: "worker_save",
+    ChaosKind.SHM_FULL: "worker_save",  # then the replacement's start finds /dev/shm full
 }
+FLUSH_THREADS = 8  # requests at once that evict the engines' own caches (one batch)
 
 
 @dataclass(frozen=True)
@@ -104,13 +108,24 @@ class LLMClient:
 
 class VllmChaosHarness(ChaosHarness):
     """ChaosHarness over the vLLM app (`chaos_file`: the app's LLMAppArgs.chaos_file;
+    `engine_cache_bytes`: its engines' own KV cache, LLMAppArgs.kv_cache_bytes;
     `call_timeout_s`: the engines' node call deadline, FabricSettings.timeout_s)."""
 
     engine = "vllm"
 
-    def __init__(self, *args, chaos_file: str, call_timeout_s: float = 5.0, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        chaos_file: str,
+        engine_cache_bytes: int,
+        call_timeout_s: float = 5.0,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.chaos_file, self.call_timeout_s = chaos_file, call_timeout_s
+        self.engine_cache_bytes = engine_cache_bytes  # each engine's own KV cache
+        self._flush: list[list[int]] = []  # prompts that evict the engines' own caches
+        self.faults = StepFaultFile(chaos_file)  # what the engines' connectors read
         self.earlier = orphans()  # left by runs before this one: not this run's to count
         self.fire_wait_s = 30.0  # a load or save comes when a request reaches that step
         self.restart_wait_s = 900.0  # Serve replaces an engine whose worker died
@@ -127,7 +142,7 @@ class VllmChaosHarness(ChaosHarness):
     def _inject(self, kind: ChaosKind, rng: random.Random, work: Workload) -> bool:
         try:
             if kind in _WORKER_STEP:
-                return self._kill_worker(_WORKER_STEP[kind])
+                return self._kill_worker(_WORKER_STEP[kind], shm_full=kind is ChaosKind.SHM_FULL)
             if kind is ChaosKind.NODE_KILL_MID_LOAD:
                 return self._kill_node_mid_load(rng)
             if kind is ChaosKind.NODE_STALL:
@@ -138,26 +153,78 @@ class VllmChaosHarness(ChaosHarness):
         return super()._inject(kind, rng, work)
 
     # --- the vLLM path's faults -----------------------------------------------------------
-    def _kill_worker(self, step: str) -> bool:
-        """Arm a SIGKILL at `step` for whichever engine reaches it first; True once one did
-        (the file no longer names it) and Serve has started another in its place (the
-        next fault then finds the app whole), False (disarmed) if none did in time."""
-        engines = _running_engines()
-        self._write_chaos_file({step: KILL})
-        deadline = time.monotonic() + self.fire_wait_s
-        while step in self._read_chaos_file() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self._write_chaos_file({})
-        if step in self._read_chaos_file():
+    def _kill_worker(self, step: str, shm_full: bool = False) -> bool:
+        """Arm a SIGKILL at `step` for whichever engine reaches it first (with `shm_full`,
+        also a full /dev/shm where the engine Serve starts in its place reserves its
+        staging: that start fails, and Serve's next must start). True once it fired and an
+        engine runs in its place (the next fault then finds the app whole); False,
+        disarmed, if no engine reached the step in time."""
+        engines = self._engines()
+        full = {ConnectorStep.STAGING.value: FULL} if shm_full else {}
+        self.faults.arm({step: KILL, **full})
+        if not self._fired(step, provoke=step == ConnectorStep.WORKER_LOAD.value):
+            self.faults.disarm()
             return False
+        if shm_full and not self._fired(ConnectorStep.STAGING.value, self.restart_wait_s):
+            self.log(f"  no engine start reserved staging in {self.restart_wait_s} s")
+        self.faults.disarm()
         deadline = time.monotonic() + self.restart_wait_s
         while time.monotonic() < deadline:
-            now = _running_engines()
+            now = self._engines()
             if len(now) >= len(engines) and now != engines:
                 return True
             time.sleep(1.0)
         self.log(f"  no engine replaced the one killed at {step} in {self.restart_wait_s} s")
         return True
+
+    def _fired(self, step: str, wait_s: float | None = None, provoke: bool = False) -> bool:
+        """Whether the fault armed at `step` fired within `wait_s` (fire_wait_s); with
+        `provoke`, loads are brought on meanwhile (`_provoke_loads`)."""
+        deadline = time.monotonic() + (self.fire_wait_s if wait_s is None else wait_s)
+        while step in self.faults.armed():
+            if time.monotonic() >= deadline:
+                return False
+            if provoke:
+                self._provoke_loads()
+            else:
+                time.sleep(0.05)
+        return True
+
+    def _provoke_loads(self) -> None:
+        """Bring on loads from the nodes. The engines' own caches hold the workload's
+        prompts and answer them without the fabric: so first fill those caches twice over,
+        at once, with requests under fresh salts (nothing cached matches them), which
+        evicts the cached prompts' blocks; then send the cached prompts, which the engines
+        now load from their nodes. A request that fails here is not the run's to count."""
+        flush = self._flush_prompts()
+        with ThreadPoolExecutor(FLUSH_THREADS) as pool:
+            list(pool.map(lambda tokens: self._send(tokens, cache=False), flush))
+            list(pool.map(lambda tokens: self._send(tokens, cache=True), self.prompts))
+
+    def _flush_prompts(self) -> list[list[int]]:
+        """Prompts as long as the workload's longest, of the workload's tokens, that fill
+        every engine's own cache twice (its bytes over a token's KV in the nodes' layout,
+        which is the engines' own)."""
+        if not self._flush:
+            layout = ray.get(next(iter(self._nodes().values())).layout.remote(), timeout=30)
+            token_bytes = sum(layout.page_bytes(p) for p in layout.pools) // layout.page_size
+            engines = max(1, len(self._engines()))
+            need = 2 * engines * self.engine_cache_bytes // token_bytes
+            length = max(len(p) for p in self.prompts)
+            stream = [t for p in self.prompts for t in p]
+            for i in range(-(-need // length)):
+                start = (i * 7) % len(stream)
+                self._flush.append((stream[start:] + stream[:start])[:length])
+        return self._flush
+
+    def _send(self, tokens: list[int], cache: bool) -> None:
+        client = LLMClient(self.endpoint, timeout_s=120.0)
+        try:
+            client.complete(self.model, tokens, 1, cache=cache, namespace=SALT)
+        except (OSError, RuntimeError, ValueError) as e:
+            self.log(f"  a request bringing on loads failed: {e}")
+        finally:
+            client.close()
 
     def _kill_node_mid_load(self, rng: random.Random) -> bool:
         """A node dies (-9) once its next load is staged, before it answers; True once its
@@ -172,8 +239,8 @@ class VllmChaosHarness(ChaosHarness):
                 if _pid(nodes[name]) != before:
                     return True
             except RayError:
-                pass  # restarting
-            time.sleep(0.1)
+                continue  # restarting
+            self._provoke_loads()
         ray.get(nodes[name].calm.remote(), timeout=CALL_TIMEOUT_S)
         return False
 
@@ -189,30 +256,23 @@ class VllmChaosHarness(ChaosHarness):
             os.kill(pid, signal.SIGCONT)
         return True
 
-    def _write_chaos_file(self, armed: dict) -> None:
-        tmp = f"{self.chaos_file}.harness"
-        with open(tmp, "w") as f:
-            json.dump(armed, f)
-        os.replace(tmp, self.chaos_file)
-
-    def _read_chaos_file(self) -> dict:
-        try:
-            with open(self.chaos_file) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return {}  # being replaced: read again
+    def _engines(self) -> set[str]:
+        """The staging prefixes of this app's running engines (those announced to its node
+        actors: another app's engines may share the host)."""
+        return _running_engines(set(self._nodes()))
 
     # --- checks -----------------------------------------------------------------------------
     def _calm(self) -> None:
-        self._write_chaos_file({})
+        self.faults.disarm()
         super()._calm()
 
     def _leaked_staging_files(self, wait_s: float = 120.0) -> int:
-        """Staging files and records in /dev/shm of engines that are not running, once the
-        nodes had `wait_s` to reap them (a node restarted by a fault reaps at its start)."""
+        """Staging files and records in /dev/shm of this app's engines that are not
+        running, once the nodes had `wait_s` to reap them (a node restarted by a fault
+        reaps at its start)."""
         deadline = time.monotonic() + wait_s
         while True:
-            leaked = orphans() - self.earlier
+            leaked = orphans(set(self._nodes())) - self.earlier
             if not leaked or time.monotonic() >= deadline:
                 if leaked:
                     self.log(f"staging files no running engine owns: {sorted(leaked)[:8]}")
@@ -220,19 +280,26 @@ class VllmChaosHarness(ChaosHarness):
             time.sleep(1.0)
 
 
-def orphans() -> set[str]:
-    """Staging files and records in /dev/shm of engines that are not running."""
-    live = _running_engines()
+def orphans(nodes: set[str] | None = None) -> set[str]:
+    """Staging files and records in /dev/shm of engines that are not running; with
+    `nodes`, not those of other node actors' engines (files of no record, an engine whose
+    start failed before it wrote one, count as anyone's)."""
+    records = EngineProcess.records()
+    owned = {
+        p.staging.prefix
+        for p in records
+        if p.alive() or (nodes is not None and p.node not in nodes)
+    }
     return {
         f.name
         for f in staging.SHM_DIR.glob("kvf-vllm-*")
-        if not any(f.name.startswith(prefix) for prefix in live)
+        if not any(f.name.startswith(prefix) for prefix in owned)
     }
 
 
-def _running_engines() -> set[str]:
-    """The staging prefixes of the engines running on this host (their records)."""
-    return {p.staging.prefix for p in EngineProcess.records() if p.alive()}
+def _running_engines(nodes: set[str]) -> set[str]:
+    """The staging prefixes of the running engines announced to `nodes` on this host."""
+    return {p.staging.prefix for p in EngineProcess.records() if p.alive() and p.node in nodes}
 
 
 def remove_orphans(keep: set[str]) -> None:

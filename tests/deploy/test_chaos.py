@@ -52,6 +52,7 @@ def test_the_schedule_is_seeded_and_spaces_restarts():
         ["--faults", "0"],
         ["--interval-s", "-1"],
         ["--kinds", "node_stall"],  # a vLLM engine's fault, with the reference engine
+        ["--kinds", "shm_full"],
         ["--engine", "vllm", "--kinds", "transfer_hang"],
         ["--engine", "vllm", "--address", "auto"],
     ],
