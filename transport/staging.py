@@ -131,9 +131,7 @@ class SharedPages:
                 path = spec.path(pool)
                 if _ensure_file(path, numel * layout.torch_dtype.itemsize):
                     made.append(path)
-                flat = torch.from_file(
-                    str(path), shared=True, size=numel, dtype=layout.torch_dtype
-                )
+                flat = torch.from_file(str(path), shared=True, size=numel, dtype=layout.torch_dtype)
                 self.pools[pool] = flat.view(shape)
         except BaseException:
             for path in made:

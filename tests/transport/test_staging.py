@@ -317,7 +317,6 @@ def test_a_failed_reservation_is_an_error_naming_the_size_and_leaves_no_file(mon
     assert not any(spec.path(p).exists() for p in LAYOUT.pools)
 
 
-
 @pytest.mark.parametrize("existing", [False, True])
 def test_a_pool_that_does_not_fit_takes_back_the_files_this_mapping_made(monkeypatch, existing):
     """The full pool fits, the SWA pool does not: the full pool's file goes too if this
