@@ -263,7 +263,12 @@ class NixlTransport(Transport):
             handle.requests.append(req)
             status = self._agent.postXferReq(xfer, "")
         except _NIXL_ERRORS as e:
-            raise map_nixl_error(e, where) from e
+            error = map_nixl_error(e, where)
+            if isinstance(error, PeerNotConnected):
+                # We hold the peer as connected: NIXL dropped it as its connection died
+                # (NIXL 1.3 says so with NOT_FOUND; 1.5 with a disconnect error).
+                error = PeerDisconnected(str(error))
+            raise error from e
         if status == _nb.NIXL_SUCCESS:
             req.done = True
         elif status != _nb.NIXL_IN_PROG:
