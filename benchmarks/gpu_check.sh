@@ -3,7 +3,7 @@
 # Runs the transport tests and the benchmark with every pool in device memory (VRAM
 # registered with NIXL/UCX, LocalTransport copies through pinned memory on a side
 # stream), the vLLM connector's block copies between VRAM and host staging, and, when
-# vLLM's CUDA build is installed (pip install '.[vllm-cuda]'), the vLLM demo with its
+# vLLM's CUDA build is installed (pip install '.[vllm]'), the vLLM demo with its
 # engines on the GPU; each under a hard time limit, whole script under 10 minutes.
 # Usage: benchmarks/gpu_check.sh [output-dir]     (from the repository root)
 # On a bare GPU machine (a python with CUDA torch but no Ray or vLLM, NIXL installed by
@@ -63,6 +63,6 @@ if "$PY" -c "from vllm.platforms import current_platform as p; raise SystemExit(
         --plot "$OUT/demo.png" 2>&1 | tee "$OUT/demo.txt"
     tail -n 1 "$OUT/demo.txt" > "$OUT/demo.json"
 else
-    echo "skipped: vLLM's CUDA build is not installed here (pip install '.[vllm-cuda]')" | tee "$OUT/demo.txt"
+    echo "skipped: vLLM's CUDA build is not installed here (pip install '.[vllm]')" | tee "$OUT/demo.txt"
 fi
 echo "results in $OUT"

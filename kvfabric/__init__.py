@@ -13,6 +13,8 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+from ._version import __version__
+
 # In a source tree on sys.path without an install (a Ray runtime_env working_dir, or
 # PYTHONPATH=checkout), the layers are this folder's siblings: look for subpackages there
 # too. An installed wheel has them inside this folder; an editable install maps them.
@@ -57,7 +59,7 @@ _PUBLIC = {
 }
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 
-__all__ = sorted(_WHERE)
+__all__ = ["__version__", *sorted(_WHERE)]
 
 
 def __getattr__(name: str) -> Any:

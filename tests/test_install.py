@@ -3,6 +3,7 @@ repository's layer folders; a user's environment that already has `fabric` (the 
 library) keeps it, and gets ours beside it."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,8 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "kvfabric" / "_version.py").read_text())[1]
 LAYERS = ("fabric", "transport", "actors", "deploy")
-SOURCES = ("kvfabric", *LAYERS, "pyproject.toml", "setup.py", "README.md")
+SOURCES = ("kvfabric", *LAYERS, "pyproject.toml", "setup.py", "README.md", "LICENSE")
 
 
 def _pyproject() -> dict:
@@ -168,7 +170,119 @@ def test_installs_beside_the_fabric_ssh_library(wheel, tmp_path):
     assert ours.returncode == 0, ours.stderr[-3000:]
     checked = _run([py, "-c", CHECK], cwd=tmp_path)
     assert checked.returncode == 0 and checked.stdout.strip() == "ok", checked.stderr[-3000:]
+    version = _run([venv / "bin" / "kvfabric", "--version"], cwd=tmp_path)
+    assert version.returncode == 0 and version.stdout.split() == ["kvfabric", VERSION], version
+    assert wheel.name.startswith(f"ray_kv_fabric-{VERSION}-"), wheel.name
     helped = _run([venv / "bin" / "kvfabric", "--help"], cwd=tmp_path)
     assert helped.returncode == 0 and "demo" in helped.stdout, helped.stderr[-2000:]
     bench = _run([venv / "bin" / "kvfabric", "bench", "radix"], cwd=tmp_path)
     assert bench.returncode == 2 and "source checkout" in bench.stderr, bench.stderr[-2000:]
+
+
+# -- as users install it ------------------------------------------------------------------
+def _requirements(wheel: Path, extra: str = "") -> list[str]:
+    """The wheel's declared requirements (those of `extra`, if given), markers dropped."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(z.read(n).decode() for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    out = []
+    for line in meta.splitlines():
+        if line.startswith("Requires-Dist: "):
+            req, _, marker = line[len("Requires-Dist: ") :].partition(";")
+            if (f'extra == "{extra}"' in marker) if extra else not marker.strip():
+                out.append(req.strip())
+    return out
+
+
+def _need_the_index(tmp: Path) -> None:
+    """Skip unless the package index answers (a small download)."""
+    got = _run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp / "probe"]
+        + ["six==1.16.0"],
+        cwd=tmp,
+        timeout=120,
+    )
+    if got.returncode != 0:
+        pytest.skip(f"the package index is out of reach: {got.stderr.strip()[-300:]}")
+
+
+def _dry_run(reqs: list[str], python: str, tmp: Path) -> subprocess.CompletedProcess:
+    """pip's resolution of `reqs` for CPython `python` (wheels only, nothing installed)."""
+    return _run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q"]
+        + ["--python-version", python, "--only-binary=:all:", "--target", tmp / "none", *reqs],
+        cwd=tmp,
+        timeout=600,
+    )
+
+
+def test_it_resolves_beside_ray_llm_and_beside_vllm_on_python_312(wheel, tmp_path):
+    """The dry run a user's `pip install` does, on Python 3.12 (the usual vLLM image):
+    the package beside `ray[llm]` (which brings NIXL 1.3.2 and its own vLLM), and its
+    `vllm` extra beside `ray[serve]` (the connector's vLLM window)."""
+    core = _requirements(wheel)
+    assert any(r.startswith("nixl-cu12") for r in core) and "numpy>=1.24" in core, core
+    _need_the_index(tmp_path)
+    beside_llm = _dry_run(["ray[llm]==2.60.0", *core], "3.12", tmp_path)
+    assert beside_llm.returncode == 0, beside_llm.stderr[-3000:]
+    vllm = _requirements(wheel, "vllm")
+    assert any(r.startswith("vllm") for r in vllm), vllm
+    beside_serve = _dry_run(["ray[serve]==2.60.0", *core, *vllm], "3.12", tmp_path)
+    assert beside_serve.returncode == 0, beside_serve.stderr[-3000:]
+
+
+_LOAD = """
+import glob, importlib.machinery, importlib.util, sys
+found = sorted(glob.glob("kvfabric/fabric/*/_*.so"))
+assert len(found) == 4, found
+for path in found:
+    name = path[:-len(path.split("/")[-1])].replace("/", ".") + path.split("/")[-1].split(".")[0]
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+    loader.exec_module(module)
+print(sys.version_info[:2])
+"""
+
+
+def _python(version: str) -> str | None:
+    """An interpreter of CPython `version` that runs (a pyenv shim may name one that is
+    not active), or None."""
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    for found in [*sorted(pyenv.glob(f"{version}.*/bin/python")), shutil.which(f"python{version}")]:
+        if found is None:
+            continue
+        ran = _run([found, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], ROOT, 30)
+        if ran.returncode == 0 and ran.stdout.strip() == version:
+            return str(found)
+    return None
+
+
+@pytest.mark.parametrize("version", ["3.12", "3.13"])
+def test_the_c_extensions_build_without_warnings_and_load_on_python(version, tmp_path):
+    """requires-python admits 3.12 and 3.13: the C core builds there as users build it (pip,
+    an isolated build environment), with no compiler warning, and each module loads."""
+    python = _python(version)
+    if python is None:
+        pytest.skip(f"no Python {version} on this machine")
+    _need_the_index(tmp_path)  # pip builds in an isolated environment, setuptools from it
+    src = tmp_path / "src"
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        else:
+            src.mkdir(exist_ok=True)
+            shutil.copy2(path, src / name)
+    built = _run(
+        [python, "-m", "pip", "wheel", "-v", "--no-deps", "-w", tmp_path / "dist", src],
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert built.returncode == 0, (built.stdout + built.stderr)[-3000:]
+    warnings = re.findall(r"\S+\.[ch]:\d+:\d+: warning: .*", built.stdout + built.stderr)
+    assert not warnings, warnings[:5]
+    (whl,) = (tmp_path / "dist").glob("*.whl")
+    with zipfile.ZipFile(whl) as z:
+        z.extractall(tmp_path / "unpacked")
+    loaded = _run([python, "-c", _LOAD], cwd=tmp_path / "unpacked")
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.strip() == f"({version.replace('.', ', ')})"

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="kvfabric", description="Cluster-wide KV-cache fabric on Ray."
     )
+    ap.add_argument("--version", action="version", version=f"%(prog)s {kvfabric.__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "demo",

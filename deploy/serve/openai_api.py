@@ -25,6 +25,8 @@ from kvfabric.deploy.reference.tokenizer import ByteTokenizer
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvfabric._version import __version__
+
 from .backend import HandleBackend
 from .ingress_auth import Authorizer
 from .openai_bodies import (
@@ -101,7 +103,7 @@ def build_fastapi(
     app = FastAPI(
         title="ray-kv-fabric",
         description="OpenAI-compatible completions over a cluster-wide KV-cache fabric",
-        version="0.1.0",
+        version=__version__,
         openapi_url=None,
         docs_url=None,
         redoc_url=None,

@@ -39,9 +39,17 @@ def project_deps(pyproject, extras: tuple[str, ...] = ()) -> dict[str, Requireme
 
 
 def ray_version(pyproject) -> str:
-    spec = [s for s in project_deps(pyproject)["ray"].specifier if s.operator == "=="]
-    assert len(spec) == 1, "pyproject pins ray with =="
-    return spec[0].version
+    """The Ray the development environment pins (requirements/constraints.txt): the release
+    the images run, within the package's range."""
+    pins = [
+        Requirement(line.split("#")[0].strip())
+        for line in (ROOT / "requirements" / "constraints.txt").read_text().splitlines()
+        if line.split("#")[0].strip()
+    ]
+    (ray,) = [r for r in pins if canonicalize_name(r.name) == "ray"]
+    (spec,) = [s for s in ray.specifier if s.operator == "=="]
+    assert project_deps(pyproject)["ray"].specifier.contains(spec.version), (spec, pyproject)
+    return spec.version
 
 
 def py_tag(pyproject) -> str:

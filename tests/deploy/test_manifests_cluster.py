@@ -63,15 +63,15 @@ def test_cluster_installs_the_project_from_its_file_mount(cluster):
     mounts = cluster["file_mounts"]
     (remote,) = [r for r, local in mounts.items() if (ROOT / local).resolve() == ROOT]
     setup = " && ".join(cluster["setup_commands"])
-    # With vLLM's CUDA build: the extra pyproject.toml declares for GPU nodes.
-    assert re.search(rf"cd {re.escape(remote)} && pip install -e '\.\[vllm-cuda\]'", setup), setup
+    # With vLLM: the extra pyproject.toml declares for it (its CUDA build from PyPI).
+    assert re.search(rf"cd {re.escape(remote)} && pip install -e '\.\[vllm\]'", setup), setup
 
 
 def test_cluster_vllm_app_args_fit_its_nodes_and_model(cluster, pyproject):
     from kvfabric.deploy.cli.main import read_app_args
     from kvfabric.deploy.vllm.serve_llm import LLMAppArgs
 
-    assert "vllm-cuda" in pyproject["project"]["optional-dependencies"]
+    assert "vllm" in pyproject["project"]["optional-dependencies"]
     (repo,) = [r for r, local in cluster["file_mounts"].items() if (ROOT / local).resolve() == ROOT]
     ups = re.findall(r"kvfabric up --engine vllm --args @(\S+)", CLUSTER.read_text())
     assert ups, "cluster.yaml tells the user how to start the vLLM app"
