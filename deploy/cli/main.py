@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "demo",
-        help="the fabric and its Serve app on a 3-node cluster, fed a real trace",
+        help="vLLM engines on the fabric against vLLM's own prefix cache, fed a real trace "
+        "(an embedded cluster unless --address)",
         add_help=False,
     )
     sub.add_parser(
@@ -44,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
     )
     up = sub.add_parser(
-        "up", help="deploy the fabric and the Serve app onto a running cluster; leave them up"
+        "up",
+        help="deploy the fabric and the Serve app onto a running cluster; leave them up",
+        description="Deploy the fabric and its Serve app (the reference model's, or vLLM "
+        "engines under Ray Serve LLM with the fabric as their KV layer) onto a running Ray "
+        "cluster, print the OpenAI endpoint, and leave them up (`kvfabric down` removes them).",
     )
     up.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
     up.add_argument(
@@ -69,10 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the tenant table: API keys and the namespaces "
         "each may use (JSON or YAML; deploy/serve/tenants.py); the same path on every node",
     )
-    down = sub.add_parser("down", help="remove the Serve app and the fabric from a running cluster")
+    down = sub.add_parser(
+        "down",
+        help="remove the Serve app and the fabric from a running cluster",
+        description="Remove the Serve app and the fabric's actors from a running Ray cluster.",
+    )
     down.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
+    # Each benchmark parses its own options (`kvfabric bench NAME --help`).
     bench = sub.add_parser("bench", help="benchmarks against peers and limits", add_help=False)
-    bench.add_argument("name", choices=sorted(BENCHES))
+    bench.add_argument("name", nargs="?", choices=sorted(BENCHES))
     args, rest = ap.parse_known_args(argv)
     if args.command == "demo":
         from kvfabric.deploy.cli.demo import main as demo
@@ -88,13 +98,35 @@ def main(argv: list[str] | None = None) -> int:
         return chaos(rest)
     if args.command in ("up", "down"):
         if rest:
-            ap.error(f"unrecognized arguments: {' '.join(rest)}")
-        return _up(ap, args) if args.command == "up" else _down(args)
+            (up if args.command == "up" else down).error(
+                f"unrecognized arguments: {' '.join(rest)}"
+            )
+        return _up(up, args) if args.command == "up" else _down(args)
+    if args.name is None:
+        if rest and rest[0] in ("-h", "--help"):
+            print(_bench_usage())
+            return 0
+        bench.error(f"which benchmark? one of: {', '.join(sorted(BENCHES))}")
     try:
         _benchmarks()
     except FileNotFoundError as e:
         ap.error(str(e))
     return importlib.import_module(BENCHES[args.name]).main(rest) or 0
+
+
+def _bench_usage() -> str:
+    """Each benchmark with the first line of its module's docstring (read, not imported:
+    a benchmark imports its peers)."""
+    import ast
+
+    folder = Path(kvfabric.__file__).resolve().parent.parent / "benchmarks"
+    lines = ["usage: kvfabric bench NAME [options]  (kvfabric bench NAME --help: its options)", ""]
+    width = max(map(len, BENCHES))
+    for name, module in sorted(BENCHES.items()):
+        path = folder / f"{module.split('.')[-1]}.py"
+        doc = ast.get_docstring(ast.parse(path.read_text())) if path.is_file() else None
+        lines.append(f"  {name:<{width}}  {(doc or module).splitlines()[0]}")
+    return "\n".join(lines)
 
 
 def _benchmarks() -> ModuleType:

@@ -45,6 +45,7 @@ def test_demo_serves_a_trace_slice_on_three_nodes_and_matches_uncached_output(ca
         ["demo", "--max-tokens", "0"],
         ["demo", "--engine", "tiny"],
         ["bench", "nothing"],
+        ["bench"],
         ["frobnicate"],
         ["up", "--args", "not json"],
         ["up", "--args", "[1]"],
@@ -64,6 +65,28 @@ def test_bad_arguments_exit_with_usage(argv):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
+
+
+def test_a_subcommand_error_prints_that_subcommand_s_usage(capsys):
+    with pytest.raises(SystemExit):
+        main(["up", "--args", "[1]"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvfabric up ") and "kvfabric up: error: --args" in err, err
+
+
+def test_help_and_version_exit_zero_and_say_what_they_list(capsys):
+    import kvfabric
+    from kvfabric.deploy.cli.main import BENCHES
+
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in BENCHES), out
+    for argv in (["--version"], ["up", "--help"], ["down", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0, argv
+    out = capsys.readouterr().out
+    assert f"kvfabric {kvfabric.__version__}" in out and "Deploy the fabric" in out
 
 
 def test_app_args_from_a_file(tmp_path):
