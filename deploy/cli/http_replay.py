@@ -18,6 +18,7 @@ from kvfabric.deploy.serve.protocol import PrefixFetch
 from kvfabric.deploy.sim.trace import TraceRequest
 from kvfabric.deploy.stats import percentile
 from pydantic import ValidationError
+from tqdm import tqdm
 
 from .cluster import Endpoint
 
@@ -196,32 +197,25 @@ def each_in_threads(
 
 
 class Progress:
-    """A progress bar on stderr that threads tick."""
+    """A progress bar on stderr that threads tick (tqdm: off when stderr is not a
+    terminal, or with `show` False)."""
 
     def __init__(self, total: int, label: str = "", show: bool = True) -> None:
-        self.total, self.label, self.show = total, label, show
-        self.done = 0
         self.lock = threading.Lock()
+        self.bar = tqdm(
+            total=total,
+            desc=label.strip() or None,
+            file=sys.stderr,
+            mininterval=0.25,
+            disable=None if show else True,
+        )
 
     def tick(self) -> None:
         with self.lock:
-            self.done += 1
-            if self.show:
-                progress_bar(self.done, self.total, self.label)
+            self.bar.update(1)
 
     def end(self) -> None:
-        if self.show:
-            print(file=sys.stderr)
-
-
-def progress_bar(done: int, total: int, label: str = "", width: int = 40) -> None:
-    filled = width * done // max(1, total)
-    print(
-        f"\r  {label}[{'#' * filled}{'.' * (width - filled)}] {done}/{total}",
-        end="",
-        file=sys.stderr,
-        flush=True,
-    )
+        self.bar.close()
 
 
 @dataclass

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
 from kvfabric.deploy.stats import percentile
+from tqdm import tqdm
 
 from .cluster import Cluster, Mode, SimConfig, SimRequest, make_cluster, prepare
 
@@ -242,30 +243,29 @@ def replay(
 
 
 class Bar:
-    """A one-line progress bar on stderr, redrawn at most a few times a second."""
+    """A progress bar on stderr per run (tqdm: redrawn a few times a second on a terminal,
+    off when stderr is a file or a pipe)."""
 
-    def __init__(self, total: int, stream: TextIO | None = None, width: int = 30) -> None:
-        self.total, self.width = max(total, 1), width
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+        self.total = max(total, 1)
         self.stream = sys.stderr if stream is None else stream
-        self._last = 0.0
+        self._bar: tqdm | None = None
 
     def for_run(self, label: str) -> Progress:
+        self.close()
+        bar = self._bar = tqdm(
+            total=self.total, desc=label, file=self.stream, mininterval=0.25, disable=None
+        )
+
         def update(done: int) -> None:
-            now = time.monotonic()
-            if done != self.total and now - self._last < 0.25:
-                return
-            self._last = now
-            filled = self.width * done // self.total
-            self.stream.write(
-                f"\r{label} [{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total}\033[K"
-            )
-            self.stream.flush()
+            bar.update(done - bar.n)
 
         return update
 
     def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,7 +72,27 @@ def test_replay_command_prints_table_and_json(tmp_path, capsys):
         and "40,960 tokens per node" in captured.out
     )
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "150/150" in captured.err  # the progress bar
+    assert captured.err == ""  # a progress bar only on a terminal: a log gets no redraws
+
+
+def test_the_progress_bar_counts_each_run_to_its_end():
+    import io
+
+    from kvfabric.deploy.sim.replay import Bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    bar = Bar(150, stream=out)
+    for label in ("global", "pooled"):
+        update = bar.for_run(label)
+        for done in (1, 75, 150):
+            update(done)
+    bar.close()
+    text = out.getvalue()
+    assert "global" in text and "pooled" in text and text.count("150/150") == 2, text
 
 
 def test_modes_pick_what_runs(tmp_path, capsys):
