@@ -75,8 +75,9 @@ def test_a_subcommand_error_prints_that_subcommand_s_usage(capsys):
 
 
 def test_help_and_version_exit_zero_and_say_what_they_list(capsys):
-    import kvfabric
     from kvfabric.deploy.cli.main import BENCHES
+
+    import kvfabric
 
     assert main(["bench", "--help"]) == 0
     out = capsys.readouterr().out
