@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .block_format import BlockFormat
+from .connector_metrics import FabricPromMetrics, FabricStats, StatsReader
 from .index_sink import FeedSpec
 from .jobs import FabricMeta, FabricSettings
 from .kv_identity import KVIdentity
@@ -63,6 +64,7 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
         spec = StagingSpec(f"kvf-vllm-{tc.engine_id}", self.settings.staging_pages)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self.stats_reader = StatsReader()  # what get_kv_connector_stats reported last
         if role == KVConnectorRole.SCHEDULER:
             # The workers reserve the staging files (posix_fallocate); say first, and in
             # full, what /dev/shm lacks for them.
@@ -174,6 +176,29 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request, block_ids: list[int]):
         return self._scheduler().finished(request, (block_ids,))
+
+    # --- metrics (connector_metrics.py) -------------------------------------------------
+    def get_kv_connector_stats(self) -> FabricStats | None:
+        """The scheduler side's counters' increments since the last call (vLLM asks each
+        step, on both sides: the workers count nothing of their own)."""
+        if self.scheduler is None:
+            return None
+        changed = self.stats_reader.since_last(self.scheduler.stats)
+        return FabricStats(data=changed) if changed else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> FabricStats:
+        return FabricStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> FabricPromMetrics:
+        return FabricPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 def _served_name(model_config) -> str:

@@ -83,6 +83,17 @@ class Engine:
             )
         )
 
+    def metric(self, name: str, **labels: str) -> int:
+        """A counter of vLLM's registry (the connector's own too), summed over the
+        children whose labels include `labels`."""
+        return int(
+            sum(
+                m.value
+                for m in self.llm.get_metrics()
+                if m.name == name and labels.items() <= m.labels.items()
+            )
+        )
+
     def remote_hits(self) -> int:
         """Tokens the connector loaded after fetching them from another node (vLLM's
         cached-tokens-by-source counter, source p2p)."""

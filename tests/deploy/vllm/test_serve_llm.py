@@ -150,6 +150,28 @@ def test_outputs_through_the_fabric_equal_uncached_outputs(app):
     assert sum(r["load_failures"] + r["save_failures"] for r in reports) == 0
 
 
+def test_the_connectors_counters_are_exported_through_ray_s_metrics(app):
+    """Under Ray Serve LLM, vLLM records each engine's connector metrics with Ray's metrics
+    (connector_metrics.py): every node's Prometheus export shows the fabric's counters, as
+    `ray_vllm_kvfabric_*_total`, with the replica's id."""
+    for _ in range(2):
+        app.complete(app.text())
+    ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
+
+    def lookups() -> float | None:
+        total, seen = 0.0, False
+        for port in ports:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=T) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith("ray_vllm_kvfabric_lookups_total{"):
+                        assert 'ReplicaId="' in line, line
+                        total, seen = total + float(line.rsplit(" ", 1)[1]), True
+        return total if seen and total > 0 else None
+
+    # Ray's agents export what the replicas reported at their last interval (seconds).
+    assert eventually(lookups, "the fabric's lookups exported", deadline_s=180) >= 2
+
+
 def engine_reports() -> list[dict]:
     return [
         r

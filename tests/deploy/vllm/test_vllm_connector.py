@@ -57,6 +57,8 @@ def test_host_tier_hit_after_device_eviction_equals_uncached(engine):
     assert engine.generate(prompt)[0] == want  # computed, then saved to the node
     engine.evict()
     before, host_before = engine.external_hits(), engine.node_host_hits()
+    counted = engine.metric("vllm:kvfabric_loaded_tokens")
+    counted_host = engine.metric("vllm:kvfabric_loaded_tokens", tier="host")
     got, cached = engine.generate(prompt)
     loaded = engine.external_hits() - before
     assert got == want
@@ -64,6 +66,10 @@ def test_host_tier_hit_after_device_eviction_equals_uncached(engine):
     # them loaded back from the node's host tier.
     assert loaded >= (PROMPT_CHARS - 1) // BLOCK * BLOCK - BLOCK, (loaded, cached)
     assert engine.node_host_hits() > host_before
+    # The connector's own metrics, in vLLM's registry, say the same, by tier.
+    assert engine.metric("vllm:kvfabric_loaded_tokens") - counted == loaded
+    assert engine.metric("vllm:kvfabric_loaded_tokens", tier="host") > counted_host
+    assert engine.metric("vllm:kvfabric_lookups") > 0
 
 
 def test_conversation_longer_than_the_window(engine):
