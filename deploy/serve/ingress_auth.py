@@ -49,8 +49,9 @@ class Authorizer:
         return found
 
     @staticmethod
-    def namespace(tenant: Tenant, requested: str | None) -> str:
-        """The namespace a request of `tenant` uses; a 403 for one its key does not grant."""
+    def namespace(tenant: Tenant, requested: str | None, field: str = "kvfabric.namespace") -> str:
+        """The namespace a request of `tenant` uses; a 403 for one its key does not grant,
+        naming the request's `field` that asked for it."""
         if requested is None:
             return tenant.default
         if not tenant.grants(requested):
@@ -59,7 +60,7 @@ class Authorizer:
                 f"this API key does not grant the namespace {requested!r}",
                 type="permission_error",
                 code="namespace_forbidden",
-                param="kvfabric.namespace",
+                param=field,
             )
         return requested
 

@@ -202,7 +202,7 @@ def build_fastapi(
         gen = GenerateRequest(
             tokens=tuple(ids),
             max_tokens=max_tokens,
-            namespace=auth.namespace(tenant, opts.namespace),
+            namespace=_namespace(auth, tenant, req.cache_salt, opts.namespace),
             use_cache=opts.cache,
             arrival_s=arrival,
             logits_digest=opts.logits_digest,
@@ -224,6 +224,16 @@ def build_fastapi(
         return JSONResponse(body.model_dump())
 
     return app
+
+
+def _namespace(auth: Authorizer, tenant: Any, salt: str | None, named: str | None) -> str:
+    """The namespace a request asked for, by `cache_salt` (as vLLM's clients name it) or
+    `kvfabric.namespace`, as its key grants it (403 naming the field it came in)."""
+    if salt is not None and named is not None and salt != named:
+        _bad("cache_salt and kvfabric.namespace name different namespaces: give one")
+    if salt is None:
+        return auth.namespace(tenant, named)
+    return auth.namespace(tenant, salt, field="cache_salt")
 
 
 # --- Ray Serve --------------------------------------------------------------------------

@@ -48,6 +48,9 @@ class CompletionRequest(BaseModel):
         default=None, max_length=MAX_NAME_CHARS
     )  # OpenAI's end-user id: not a namespace
     kvfabric: KVFabricOptions | None = None
+    # The tenant's namespace as vLLM's clients name it (the vLLM app's tenant field): the
+    # same as kvfabric.namespace, which it may be given instead of, never beside.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
     # OpenAI sampling parameters: accepted at the value that keeps decoding greedy
     # and single-choice (clients often send the defaults), refused otherwise rather
     # than silently ignored. Greedy decoding is deterministic, so any seed is fine.
@@ -86,10 +89,15 @@ class CompletionRequest(BaseModel):
         return v
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from a cache (kvfabric says from which)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionChoice(BaseModel):
@@ -234,6 +242,7 @@ def completion_response(
             prompt_tokens=result.prompt_tokens,
             completion_tokens=len(ids),
             total_tokens=result.prompt_tokens + len(ids),
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens),
         ),
         kvfabric=KVFabricInfo(
             cached_tokens=result.cached_tokens,

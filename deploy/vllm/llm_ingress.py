@@ -106,9 +106,4 @@ def engine_gone(error: BaseException) -> bool:
 
 def tenant_salt(auth: Authorizer, request: Request, asked: str | None) -> str:
     """The cache_salt a request runs with: its key's namespace (APIError 401 / 403)."""
-    try:
-        return auth.namespace(auth.tenant(request), asked)
-    except APIError as e:
-        if e.detail.param is not None:
-            e.detail.param = "cache_salt"  # what a vLLM client names its namespace with
-        raise
+    return auth.namespace(auth.tenant(request), asked, field="cache_salt")

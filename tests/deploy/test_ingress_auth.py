@@ -76,6 +76,27 @@ def test_a_namespace_the_key_does_not_grant_is_a_403(key, asked):
     assert backend.calls == []
 
 
+def test_cache_salt_names_the_namespace_as_under_vllm():
+    """The reference app takes the tenant field vLLM's clients send, cache_salt, as
+    kvfabric.namespace: granted the same, a 403 naming it, never beside another name."""
+    backend = FakeBackend()
+    client = client_for(backend, TABLE)
+    assert post(client, ok(cache_salt="a-eval"), headers=bearer(KEY_A)).status_code == 200
+    assert backend.calls[-1].namespace == "a-eval"
+    same = ok(cache_salt="a", kvfabric={"namespace": "a"})
+    assert post(client, same, headers=bearer(KEY_AB)).status_code == 200
+    assert backend.calls[-1].namespace == "a"
+    r = post(client, ok(cache_salt="b"), headers=bearer(KEY_A))
+    assert_error(r, 403, "namespace_forbidden", "'b'")
+    assert r.json()["error"]["param"] == "cache_salt"
+    both = ok(cache_salt="a", kvfabric={"namespace": "a-eval"})
+    r = post(client, both, headers=bearer(KEY_A))
+    assert r.status_code == 400 and "give one" in r.json()["error"]["message"], r.text
+    for bad in ("", 7, ["a"], "x" * 10_000):
+        assert post(client, ok(cache_salt=bad), headers=bearer(KEY_A)).status_code == 400
+    assert len(backend.calls) == 2
+
+
 BAD_AUTH = (
     {},
     {"Authorization": "Bearer wrong"},

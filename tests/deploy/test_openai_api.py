@@ -72,6 +72,7 @@ def test_string_prompt_matches_the_engine():
         "prompt_tokens": len(prompt),
         "completion_tokens": 5,
         "total_tokens": len(prompt) + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},  # as OpenAI's and vLLM's answers
     }
     [req] = backend.calls
     assert req.tokens == tuple(prompt) and req.max_tokens == 5
