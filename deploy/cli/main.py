@@ -187,10 +187,8 @@ def _up(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     connect(args.address)
     endpoint = up(app_args, host=args.host, port=args.port, engine=args.engine)
-    print(
-        f"kvfabric is up: {endpoint.base_url}/v1/completions (models: "
-        f"{endpoint.base_url}/v1/models)"
-    )
+    routes = "/v1/completions" + (", /v1/chat/completions" if args.engine == "vllm" else "")
+    print(f"kvfabric is up at {endpoint.base_url}: {routes} (models: /v1/models)")
     return 0
 
 

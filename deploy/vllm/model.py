@@ -18,7 +18,7 @@ import torch
 
 MODEL_CACHE_ENV = "KVF_MODEL_CACHE"
 # Bump when the files written change, so an old folder is not reused.
-FORMAT = 1
+FORMAT = 2  # 2: a chat template
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,14 @@ def ensure_tiny_model(
     return folder
 
 
+# Each message as `<|role|>content` on its own line, then the assistant's turn: so that
+# /v1/chat/completions serves the bundled model as /v1/completions does.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
 def _write_tokenizer(folder: Path) -> int:
     """A byte-level tokenizer (one token per byte, no merges): any text encodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -117,6 +125,7 @@ def _write_tokenizer(folder: Path) -> int:
                 "pad_token": "<pad>",
                 "add_bos_token": False,
                 "model_max_length": 1 << 20,
+                "chat_template": CHAT_TEMPLATE,
             }
         )
     )

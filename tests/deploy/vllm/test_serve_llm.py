@@ -150,6 +150,30 @@ def test_outputs_through_the_fabric_equal_uncached_outputs(app):
     assert sum(r["load_failures"] + r["save_failures"] for r in reports) == 0
 
 
+def test_chat_completions_serve_the_bundled_model_as_completions_do(app):
+    """The bundled model ships a chat template: /v1/chat/completions answers, routed and
+    cached as completions are (the router tokenizes a chat through the same template),
+    and a cached answer equals the uncached one."""
+    messages = [
+        {"role": "system", "content": "answer in kind"},
+        {"role": "user", "content": app.text()},
+    ]
+
+    def chat(salt: str | None) -> str:
+        body = {"model": MODEL_ID, "messages": messages, "max_tokens": MAX_TOKENS}
+        body |= {"temperature": 0.0} | ({"cache_salt": salt} if salt else {})
+        req = urllib.request.Request(
+            app.endpoint.base_url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=T) as r:
+            return json.load(r)["choices"][0]["message"]["content"]
+
+    want = chat(f"ref-{uuid.uuid4().hex}")
+    assert [chat(None) for _ in range(3)] == [want] * 3
+
+
 def test_the_connectors_counters_are_exported_through_ray_s_metrics(app):
     """Under Ray Serve LLM, vLLM records each engine's connector metrics with Ray's metrics
     (connector_metrics.py): every node's Prometheus export shows the fabric's counters, as

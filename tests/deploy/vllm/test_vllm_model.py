@@ -52,3 +52,16 @@ def test_tokenizer_encodes_any_text_one_token_per_byte(tmp_path):
     text = "héllo, wörld ✓ 123"
     ids = tok.encode(text).ids
     assert len(ids) == len(text.encode()) and tok.decode(ids) == text
+
+
+def test_its_chat_template_renders_each_message_then_the_assistant_s_turn(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    spec = TinyModelSpec(layers=2, hidden=64, heads=2, kv_heads=1, intermediate=64)
+    folder = ensure_tiny_model(spec, root=tmp_path, say=lambda _: None)
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi ✓"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|system|>be brief\n<|user|>hi ✓\n<|assistant|>"
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert tok.decode(ids) == text
