@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument(
         "--engine",
         choices=("reference", "vllm"),
-        default="reference",
-        help="reference: the bit-exact reference model; vllm: vLLM under Ray Serve LLM",
+        default="vllm",
+        help="vllm (default): vLLM engines under Ray Serve LLM with the fabric as their KV "
+        "layer; reference: the bit-exact reference model's app",
     )
     up.add_argument(
         "--args",

@@ -1,7 +1,7 @@
 """The vLLM demo's own parts without engines: conversation texts from the trace, the
 streaming client against a real HTTP server speaking OpenAI's event stream, and the
-report's arithmetic. (The demo end to end is `kvfabric demo`; its figures are in the
-README.)"""
+report's arithmetic. (The demo end to end is `kvfabric demo`; its figures are in
+docs/internals.md.)"""
 
 from __future__ import annotations
 
