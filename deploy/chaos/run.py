@@ -168,9 +168,9 @@ def vllm_session(
     from kvfabric.deploy.cli.cluster import free_port, local_cluster, up
     from kvfabric.deploy.cli.http_replay import multi_turn_slice
     from kvfabric.deploy.sim.trace import load_trace, request_tokens
+    from kvfabric.deploy.vllm.app_args import LLMAppArgs
     from kvfabric.deploy.vllm.llm_router import OpenAIPrompts
     from kvfabric.deploy.vllm.namespaces import fabric_namespace
-    from kvfabric.deploy.vllm.serve_llm import LLMAppArgs
 
     from .vllm_harness import SALT, VllmChaosHarness, orphans, remove_orphans
 

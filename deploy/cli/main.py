@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         "--args",
         default="{}",
         help="app args as JSON, or @FILE of JSON (kvfabric.deploy.serve.app.AppArgs; "
-        "with --engine vllm, kvfabric.deploy.vllm.serve_llm.LLMAppArgs)",
+        "with --engine vllm, kvfabric.deploy.vllm.app_args.LLMAppArgs)",
     )
     up.add_argument(
         "--tenants",
@@ -201,7 +201,7 @@ def _check_app_args(ap: argparse.ArgumentParser, args: argparse.Namespace, app_a
         app_args["tenants_file"] = os.path.abspath(os.path.expanduser(args.tenants))
     if args.engine == "vllm":
         from kvfabric.deploy.serve.tenants import load_tenants
-        from kvfabric.deploy.vllm.serve_llm import LLMAppArgs
+        from kvfabric.deploy.vllm.app_args import LLMAppArgs
 
         parsed = LLMAppArgs.from_dict(app_args)
         if parsed.tenants_file:

@@ -38,8 +38,8 @@ REPORT_WAIT_S = 60.0
 def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False, tp: int = 1):
     """The demo's app; with `gpu`, every engine on the one GPU the simulated nodes share;
     `tp`: each engine's tensor-parallel ranks."""
+    from .app_args import LLMAppArgs
     from .model import DEMO_SPEC, ensure_tiny_model
-    from .serve_llm import LLMAppArgs
 
     model = ensure_tiny_model(DEMO_SPEC, say=lambda m: print(m, file=sys.stderr))
     app = LLMAppArgs(

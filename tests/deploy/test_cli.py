@@ -74,6 +74,26 @@ def test_a_subcommand_error_prints_that_subcommand_s_usage(capsys):
     assert err.startswith("usage: kvfabric up ") and "kvfabric up: error: --args" in err, err
 
 
+def test_up_refuses_bad_app_args_before_importing_vllm():
+    """Arguments are checked where they come in, at once: not after vLLM's import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from kvfabric.deploy.cli.main import main\n"
+        "try:\n"
+        "    main(['up', '--args', '{\"replicas\": -1}'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 2, e.code\n"
+        "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]\n"
+        "assert 'ray.serve.llm' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "ok" and "replicas must be an int" in out.stderr, out.stderr
+
+
 def test_help_and_version_exit_zero_and_say_what_they_list(capsys):
     from kvfabric.deploy.cli.main import BENCHES
 

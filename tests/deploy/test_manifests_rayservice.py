@@ -42,7 +42,7 @@ APPS = {
         "kvfabric.deploy.serve.app:AppArgs", (), "reference"
     ),
     "kvfabric.deploy.vllm.serve_llm:llm_app_builder": AppKind(
-        "kvfabric.deploy.vllm.serve_llm:LLMAppArgs", ("vllm",), "vllm"
+        "kvfabric.deploy.vllm.app_args:LLMAppArgs", ("vllm",), "vllm"
     ),
 }
 

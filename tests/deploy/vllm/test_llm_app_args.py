@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 pytest.importorskip("vllm")
 
 from kvfabric.deploy.serve.app import AppArgsError  # noqa: E402
-from kvfabric.deploy.vllm.serve_llm import LLMAppArgs, baseline_llm_config, llm_config  # noqa: E402
+from kvfabric.deploy.vllm.app_args import LLMAppArgs  # noqa: E402
+from kvfabric.deploy.vllm.serve_llm import baseline_llm_config, llm_config  # noqa: E402
 
 FIELDS = {f.name for f in dataclasses.fields(LLMAppArgs)}
 JUNK = st.one_of(
