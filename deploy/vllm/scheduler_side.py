@@ -272,9 +272,13 @@ class SchedulerSide(SchedulerSaves):
         ), None
 
     def shutdown(self) -> None:
-        """The engine is going: its node unmaps the staging pages (the worker unlinks them)."""
+        """The engine is going: its node unmaps the staging pages, and the files go (the
+        worker unlinks them too, unless it was killed: vLLM then ends the engine cleanly
+        here, and a record gone with its files left would leave them for no one to reap)."""
         if self.node.actor is not None:
             self.node.tell("drop_staging", self.spec)
+        for pool in self.plan.layout.pools:
+            self.spec.path(pool).unlink(missing_ok=True)
         if self.node.record is not None:
             self.node.record.unlink(missing_ok=True)  # a clean stop: nothing to reap
 

@@ -51,6 +51,7 @@ class LocalNode:
         self.disabled = ""
         self.name = "local"
         self.record = None  # no engine record: nothing here restarts
+        self.actor = None  # no Ray actor: nothing to tell
         self.reports: dict[str, dict] = {}  # the connector's counters, as the node keeps them
         self.stalled: list[Answer] | None = None  # while a list: calls wait there, unrun
 

@@ -237,6 +237,16 @@ def test_an_engine_whose_staging_does_not_fit_fails_its_start_and_leaves_no_file
         worker.shared.unlink()
 
 
+def test_a_stopping_engine_takes_its_staging_files_along_though_its_worker_died(rig):
+    """A worker killed (-9) never unlinks the staging files, and vLLM then stops the rest
+    of the engine cleanly, record and all: the scheduler side's stop unlinks them."""
+    paths = [rig.sched.spec.path(p) for p in PLAN.layout.pools]
+    assert all(p.exists() for p in paths)
+    rig.sched.shutdown()
+    assert not any(p.exists() for p in paths)
+    rig.sched.shutdown()  # again: nothing left, nothing raised
+
+
 def held_slots(rig: Rig) -> set[tuple[PoolName, int]]:
     return {(pool, i) for pool, a in rig.sched.allocators.items() for i in a.used_indices()}
 
