@@ -58,9 +58,11 @@ class OpenAIPrompts:
             plain = [m for m in read if m is not None]
             if len(plain) < len(read) or sum(len(m["content"]) for m in plain) > MAX_PROMPT_CHARS:
                 return None
-            return list(
-                self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(
+                plain, add_generation_prompt=True, tokenize=True
             )
+            # transformers 5 answers an encoding (a mapping), 4 a list of ids
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return None
 
 

@@ -78,10 +78,24 @@ def test_what_the_router_does_not_read_is_left_to_serve(openai, prompt):
     "messages",
     [[{"role": "user", "content": "hi"}], [{"role": "user", "content": [1]}], "hi", None],
 )
-def test_a_chat_without_a_template_is_left_to_serve(openai, messages):
-    # The small model's tokenizer has no chat template: the engine would refuse the chat.
-    assert getattr(openai.tokenizer, "chat_template", None) is None
-    assert read(openai, Chat(messages)) is None
+def test_a_chat_without_a_template_is_left_to_serve(messages):
+    # A model whose tokenizer has no chat template (the bundled one has one): the engine
+    # would refuse the chat, so the router does not read it either.
+    reader = OpenAIPrompts()
+    reader.load_tokenizer(str(ensure_tiny_model()))
+    reader.tokenizer.chat_template = None
+    assert read(reader, Chat(messages)) is None
+
+
+def test_the_bundled_model_s_chat_is_read_through_its_own_template(openai):
+    messages = [{"role": "user", "content": "hi"}]
+    routed = read(openai, Chat(messages))
+    assert routed is not None
+    text = openai.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<|user|>hi\n<|assistant|>"
+    assert list(routed.tokens) == openai.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def test_a_chat_is_read_through_the_chat_template():
@@ -91,6 +105,10 @@ def test_a_chat_is_read_through_the_chat_template():
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     )
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    want = reader.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    text = reader.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<system>be brief<user>hello"
+    want = reader.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert read(reader, Chat(messages, "a")) == RoutedPrompt(list(want), fabric_namespace("a"))
     assert read(reader, Chat([{"role": "user", "content": [{"type": "image_url"}]}])) is None
