@@ -55,19 +55,24 @@ def _run(
     )
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """Our wheel, built from a copy of the sources (the checkout gets no build folders; a
-    module built in place there is left behind: the wheel builds its own)."""
-    tmp = tmp_path_factory.mktemp("wheel")
-    src = tmp / "src"
+def _copy_sources(src: Path) -> Path:
+    """What a wheel is built from, copied to `src` without build outputs."""
+    src.mkdir(parents=True)
     for name in SOURCES:
         path = ROOT / name
         if path.is_dir():
             shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
         else:
-            src.mkdir(exist_ok=True)
             shutil.copy2(path, src / name)
+    return src
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """Our wheel, built from a copy of the sources (the checkout gets no build folders; a
+    module built in place there is left behind: the wheel builds its own)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = _copy_sources(tmp / "src")
     out = _run(
         [
             sys.executable,
@@ -264,14 +269,7 @@ def test_the_c_extensions_build_without_warnings_and_load_on_python(version, tmp
     if python is None:
         pytest.skip(f"no Python {version} on this machine")
     _need_the_index(tmp_path)  # pip builds in an isolated environment, setuptools from it
-    src = tmp_path / "src"
-    for name in SOURCES:
-        path = ROOT / name
-        if path.is_dir():
-            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-        else:
-            src.mkdir(exist_ok=True)
-            shutil.copy2(path, src / name)
+    src = _copy_sources(tmp_path / "src")
     built = _run(
         [python, "-m", "pip", "wheel", "-v", "--no-deps", "-w", tmp_path / "dist", src],
         cwd=tmp_path,

@@ -239,7 +239,8 @@ class VllmChaosHarness(ChaosHarness):
                 if _pid(nodes[name]) != before:
                     return True
             except RayError:
-                continue  # restarting
+                time.sleep(0.1)  # restarting
+                continue
             self._provoke_loads()
         ray.get(nodes[name].calm.remote(), timeout=CALL_TIMEOUT_S)
         return False

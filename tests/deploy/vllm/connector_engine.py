@@ -75,13 +75,7 @@ class Engine:
             self.generate(self.text(), salt=f"filler-{uuid.uuid4().hex}")
 
     def external_hits(self) -> int:
-        return int(
-            sum(
-                m.value
-                for m in self.llm.get_metrics()
-                if m.name == "vllm:external_prefix_cache_hits"
-            )
-        )
+        return self.metric("vllm:external_prefix_cache_hits")
 
     def metric(self, name: str, **labels: str) -> int:
         """A counter of vLLM's registry (the connector's own too), summed over the
@@ -97,14 +91,7 @@ class Engine:
     def remote_hits(self) -> int:
         """Tokens the connector loaded after fetching them from another node (vLLM's
         cached-tokens-by-source counter, source p2p)."""
-        return int(
-            sum(
-                m.value
-                for m in self.llm.get_metrics()
-                if m.name == "vllm:prompt_tokens_cached_by_source"
-                and m.labels.get("source") == "p2p"
-            )
-        )
+        return self.metric("vllm:prompt_tokens_cached_by_source", source="p2p")
 
     def pages(self, node, ids: list[int]) -> int:
         return ray.get(node.match.remote(ids, TENANT), timeout=CALL_TIMEOUT_S)
