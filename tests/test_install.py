@@ -2,6 +2,7 @@
 repository's layer folders; a user's environment that already has `fabric` (the SSH
 library) keeps it, and gets ours beside it."""
 
+import importlib.util
 import os
 import re
 import shutil
@@ -68,11 +69,23 @@ def _copy_sources(src: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """Our wheel, built from a copy of the sources (the checkout gets no build folders; a
-    module built in place there is left behind: the wheel builds its own)."""
-    tmp = tmp_path_factory.mktemp("wheel")
+def sdist(tmp_path_factory) -> Path:
+    """Our sdist, built from a copy of the sources through setuptools' PEP 517 hook (what
+    `python -m build --sdist` calls)."""
+    tmp = tmp_path_factory.mktemp("sdist")
     src = _copy_sources(tmp / "src")
+    hook = f"from setuptools import build_meta; build_meta.build_sdist({str(tmp / 'dist')!r})"
+    out = _run([sys.executable, "-c", hook], cwd=src)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (built,) = (tmp / "dist").glob("*.tar.gz")
+    return built
+
+
+@pytest.fixture(scope="module")
+def wheel(sdist, tmp_path_factory) -> Path:
+    """Our wheel, built from the sdist as pip builds one for a user who downloads it: a
+    file the sdist lacks fails this build (the checkout gets no build folders)."""
+    tmp = tmp_path_factory.mktemp("wheel")
     out = _run(
         [
             sys.executable,
@@ -84,13 +97,26 @@ def wheel(tmp_path_factory) -> Path:
             "--no-build-isolation",
             "-w",
             tmp / "dist",
-            src,
+            sdist,
         ],
         cwd=tmp,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     (built,) = (tmp / "dist").glob("*.whl")
     return built
+
+
+def test_the_sdist_holds_the_sources_and_nothing_built(sdist):
+    import tarfile
+
+    with tarfile.open(sdist) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    csrc = {str(p.relative_to(ROOT)) for p in ROOT.glob("fabric/*/csrc/*.[ch]")}
+    assert csrc and csrc <= names, sorted(csrc - names)
+    assert {"LICENSE", "README.md", "pyproject.toml", "setup.py", "PKG-INFO"} <= names
+    assert "deploy/sim/traces/conversation_trace.jsonl" in names
+    assert not [n for n in names if n.endswith((".so", ".pyc"))]
+    assert not [n for n in names if n.startswith(("tests/", "benchmarks/", ".venv/"))]
 
 
 def test_the_wheel_holds_kvfabric_only(wheel):
@@ -182,6 +208,24 @@ def test_installs_beside_the_fabric_ssh_library(wheel, tmp_path):
     assert helped.returncode == 0 and "demo" in helped.stdout, helped.stderr[-2000:]
     bench = _run([venv / "bin" / "kvfabric", "bench", "radix"], cwd=tmp_path)
     assert bench.returncode == 2 and "source checkout" in bench.stderr, bench.stderr[-2000:]
+    if importlib.util.find_spec("vllm") is not None:
+        # Under the vLLM this machine runs (the test environment's, as the user's own).
+        under = _run([py, "-c", CHECK_VLLM], cwd=tmp_path, timeout=600)
+        assert under.returncode == 0 and under.stdout.split()[-1] == "ok", under.stderr[-3000:]
+
+
+CHECK_VLLM = """
+import kvfabric
+from kvfabric import with_fabric, FabricLLMServer
+from kvfabric.deploy.vllm.connector import FabricConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from ray.serve.llm import LLMConfig
+assert issubclass(FabricConnector, KVConnectorBase_V1)
+assert "site-packages" in kvfabric.__file__, kvfabric.__file__
+config = with_fabric(LLMConfig(model_loading_config={"model_id": "m", "model_source": "org/m"}))
+assert config.server_cls is FabricLLMServer
+print(kvfabric.__version__, "ok")
+"""
 
 
 # -- as users install it ------------------------------------------------------------------

@@ -70,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         "with --engine vllm, kvfabric.deploy.vllm.app_args.LLMAppArgs)",
     )
     up.add_argument(
+        "--config",
+        metavar="FILE",
+        help="your own engines: a YAML file of Ray Serve LLM's LLMConfig (model, engine_kwargs, "
+        "deployment_config, ...), served with the fabric as its KV layer (--engine vllm); "
+        "--args then gives only the fabric's settings",
+    )
+    up.add_argument(
         "--tenants",
         metavar="FILE",
         help="the tenant table: API keys and the namespaces "
@@ -175,9 +182,31 @@ def read_app_args(value: str) -> dict:
     return app_args
 
 
+def read_llm_config(path: str) -> dict:
+    """`--config`: a YAML file holding one mapping (Ray's LLMConfig; validated by the app
+    builder, which imports Ray Serve LLM); a ValueError saying which when it is not."""
+    import yaml
+
+    path = os.path.expanduser(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f.read(1 << 20))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"--config file {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config file {path} must hold a mapping (an LLMConfig)")
+    return config
+
+
 def _up(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         app_args = read_app_args(args.args)
+        if args.config is not None:
+            if args.engine != "vllm":
+                raise ValueError("--config gives vLLM engines' LLMConfig: use --engine vllm")
+            if "llm_config" in app_args:
+                raise ValueError("give the LLMConfig with --config or in --args, not both")
+            app_args["llm_config"] = read_llm_config(args.config)
     except ValueError as e:
         ap.error(str(e))
     try:

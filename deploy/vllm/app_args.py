@@ -13,6 +13,20 @@ from kvfabric.deploy.serve.app import AppArgsError, args_of
 from .model import ensure_tiny_model
 
 DTYPES = ("", "auto", "float32", "float16", "bfloat16")
+# What an LLMConfig says about the engines (the rest are the fabric's settings).
+ENGINE_FIELDS = (
+    "model_dir",
+    "model_id",
+    "replicas",
+    "tensor_parallel_size",
+    "dtype",
+    "block_size",
+    "max_model_len",
+    "kv_cache_bytes",
+    "cpus_per_replica",
+    "gpus_per_replica",
+    "gpu_memory_utilization",
+)
 
 
 @dataclass(frozen=True)
@@ -45,8 +59,22 @@ class LLMAppArgs:
     # every engine's connector fails or kills its process at the steps this file names
     # (StepFaultFile; a path on each engine's host). Empty: off.
     chaos_file: str = ""
+    # The user's own engines: Ray's LLMConfig as a mapping (its YAML, `kvfabric up
+    # --config`), served with the fabric (serve_llm.with_fabric). The engine fields above
+    # then stay unset: the LLMConfig says them.
+    llm_config: dict | None = None
 
     def __post_init__(self) -> None:
+        if self.llm_config is not None:
+            if not isinstance(self.llm_config, dict):
+                raise AppArgsError(
+                    f"llm_config must be a mapping (Ray's LLMConfig), got "
+                    f"{type(self.llm_config).__name__}"
+                )
+            default = LLMAppArgs()
+            both = [f for f in ENGINE_FIELDS if getattr(self, f) != getattr(default, f)]
+            if both:
+                raise AppArgsError(f"with llm_config, set {both} in the LLMConfig instead")
         if not isinstance(self.model_dir, str) or (
             self.model_dir and not Path(self.model_dir).is_absolute()
         ):

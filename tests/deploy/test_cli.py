@@ -129,3 +129,34 @@ def test_app_args_from_a_file(tmp_path):
     with pytest.raises(SystemExit) as e:  # a bad file's args fail before any cluster is reached
         main(["up", "--engine", "vllm", "--args", f"@{f}"])
     assert e.value.code == 2
+
+
+def test_up_config_takes_a_yaml_llm_config_and_refuses_bad_ones(tmp_path):
+    """`up --config FILE`: the user's own LLMConfig as YAML, read into the app args; a file
+    that is not a mapping, or one given twice, fails before any cluster is reached."""
+    from kvfabric.deploy.cli.main import read_llm_config
+
+    good = tmp_path / "llm.yaml"
+    good.write_text(
+        "model_loading_config:\n  model_id: my-llama\n  model_source: org/llama\n"
+        "engine_kwargs:\n  tensor_parallel_size: 2\n"
+    )
+    assert read_llm_config(str(good)) == {
+        "model_loading_config": {"model_id": "my-llama", "model_source": "org/llama"},
+        "engine_kwargs": {"tensor_parallel_size": 2},
+    }
+    bad = tmp_path / "bad.yaml"
+    for text in ("- a\n- b\n", "key: [unclosed\n", ""):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match="bad.yaml"):
+            read_llm_config(str(bad))
+    for argv in (
+        ["up", "--config", str(bad)],
+        ["up", "--config", str(tmp_path / "missing.yaml")],
+        ["up", "--engine", "reference", "--config", str(good)],
+        ["up", "--config", str(good), "--args", '{"llm_config": {}}'],
+        ["up", "--config", str(good), "--args", '{"replicas": 2}'],
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2, argv

@@ -122,6 +122,41 @@ def test_app_args_build_the_apps_args(serve_config):
     assert "shards" in args
     assert set(args) <= fields, f"unknown app args: {sorted(set(args) - fields)}"
     cls.from_dict(args)  # validated as the app builder validates them
+    if "llm_config" in args:
+        pytest.importorskip("vllm")
+        from kvfabric.deploy.vllm.serve_llm import with_fabric
+        from ray.serve.llm import LLMConfig
+
+        with_fabric(LLMConfig.model_validate(args["llm_config"]))  # Ray's own validator
+
+
+@dataclasses.dataclass(frozen=True)
+class Engines:
+    """What a vLLM app's args say about its engines, in either form (LLMAppArgs' own
+    fields, or the user's LLMConfig under `llm_config`)."""
+
+    replicas: int
+    gpus: float
+    cpus: float
+    model_dir: str
+
+    @classmethod
+    def of(cls, args: dict) -> "Engines":
+        own = args.get("llm_config")
+        if own is None:
+            return cls(
+                args["replicas"],
+                args["gpus_per_replica"],
+                args["cpus_per_replica"],
+                args["model_dir"],
+            )
+        (bundle,) = own["placement_group_config"]["bundles"]
+        return cls(
+            own["deployment_config"]["num_replicas"],
+            bundle.get("GPU", 0),
+            bundle["CPU"],
+            own["model_loading_config"]["model_source"],
+        )
 
 
 def _workers(rayservice) -> list[dict]:
@@ -139,11 +174,12 @@ def test_model_server_replicas_fit_the_cluster(serve_config, rayservice):
         )
         return
     # One vLLM engine per GPU worker (the head has none), each within its worker's GPUs and CPUs.
-    assert args["replicas"] == workers
+    engines = Engines.of(args)
+    assert engines.replicas == workers
     for g in _workers(rayservice):
         (c,) = g["template"]["spec"]["containers"]
-        assert 0 < args["gpus_per_replica"] <= int(c["resources"]["limits"][GPU]), g["groupName"]
-        assert args["cpus_per_replica"] < float(c["resources"]["limits"]["cpu"]), g["groupName"]
+        assert 0 < engines.gpus <= int(c["resources"]["limits"][GPU]), g["groupName"]
+        assert engines.cpus < float(c["resources"]["limits"]["cpu"]), g["groupName"]
 
 
 def test_app_args_carry_no_secret(serve_config):
@@ -194,7 +230,7 @@ def test_the_model_folder_is_on_every_pod(serve_config, rayservice):
     app, kind = _app(serve_config)
     if kind.engine != "vllm":
         pytest.skip("the reference model is built in")
-    path = app["args"]["model_dir"]
+    path = Engines.of(app["args"]).model_dir
     for group, spec in _pod_specs(rayservice):
         for c in spec["containers"]:
             found = [

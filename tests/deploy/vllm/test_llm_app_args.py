@@ -17,7 +17,17 @@ pytest.importorskip("vllm")
 
 from kvfabric.deploy.serve.app import AppArgsError  # noqa: E402
 from kvfabric.deploy.vllm.app_args import LLMAppArgs  # noqa: E402
-from kvfabric.deploy.vllm.serve_llm import baseline_llm_config, llm_config  # noqa: E402
+from kvfabric.deploy.vllm.llm_router import FabricLLMRouter  # noqa: E402
+from kvfabric.deploy.vllm.serve_llm import (  # noqa: E402
+    FabricError,
+    FabricLLMServer,
+    baseline_llm_config,
+    llm_app_builder,
+    llm_config,
+    with_fabric,
+)
+from ray.serve.llm import LLMConfig  # noqa: E402
+from ray.serve.llm.deployment import LLMServer  # noqa: E402
 
 FIELDS = {f.name for f in dataclasses.fields(LLMAppArgs)}
 JUNK = st.one_of(
@@ -85,3 +95,111 @@ def test_gpu_engines_config():
     assert cfg.engine_kwargs["gpu_memory_utilization"] == 0.9
     # The stock app on the same GPU engines, for the comparison users would make.
     assert baseline_llm_config(args).placement_group_config == cfg.placement_group_config
+
+
+# --- the user's own LLMConfig -----------------------------------------------------------------
+
+
+def plain_config(**over) -> LLMConfig:
+    """An LLMConfig as a user writes it for Ray Serve LLM, with nothing of the fabric."""
+    fields = {
+        "model_loading_config": {"model_id": "my-llama", "model_source": "org/llama-3-8b"},
+        "engine_kwargs": {
+            "tensor_parallel_size": 2,
+            "max_model_len": 8192,
+            "hf_overrides": {"rope_theta": 5e5},
+        },
+        "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}},
+        "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1"}},
+    }
+    for k, v in over.items():
+        fields[k] = {**fields.get(k, {}), **v}
+    return LLMConfig(**fields)
+
+
+def test_with_fabric_keeps_the_users_config_and_adds_the_fabric():
+    mine = plain_config()
+    before = mine.model_dump()
+    cfg = with_fabric(mine, host_pages=8192, shards=4)
+    assert mine.model_dump() == before  # the user's config is not changed
+    engine = cfg.engine_kwargs
+    assert engine["tensor_parallel_size"] == 2 and engine["max_model_len"] == 8192
+    assert engine["hf_overrides"] == {"rope_theta": 5e5}
+    assert cfg.deployment_config["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4}
+    assert cfg.runtime_env == mine.runtime_env and cfg.model_id == "my-llama"
+    extra = engine["kv_transfer_config"]["kv_connector_extra_config"]
+    assert (extra["host_pages"], extra["shards"]) == (8192, 4)
+    assert engine["kv_events_config"]["enable_kv_cache_events"] is True
+    assert engine["enable_prefix_caching"] is True
+    router = cfg.deployment_config["request_router_config"]
+    assert router["request_router_class"] is FabricLLMRouter
+    # The router tokenizes as the engines do: the hub id (or tokenizer_source) is its source.
+    assert router["request_router_kwargs"] == {
+        "model_dir": "org/llama-3-8b",
+        "model_id": "my-llama",
+    }
+    assert cfg.server_cls is FabricLLMServer and issubclass(FabricLLMServer, LLMServer)
+    tokenizer = plain_config(model_loading_config={"tokenizer_source": "/tok"})
+    assert (
+        with_fabric(tokenizer).deployment_config["request_router_config"]["request_router_kwargs"][
+            "model_dir"
+        ]
+        == "/tok"
+    )
+    assert "kv_events_config" not in with_fabric(mine, index_events=False).engine_kwargs
+
+
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        (
+            {"engine_kwargs": {"kv_transfer_config": {"kv_connector": "LMCacheConnectorV1"}}},
+            "kv_transfer_config",
+        ),
+        ({"engine_kwargs": {"kv_events_config": {"publisher": "zmq"}}}, "kv_events_config"),
+        ({"engine_kwargs": {"enable_prefix_caching": False}}, "enable_prefix_caching"),
+        ({"server_cls": LLMServer}, "server_cls"),
+        (
+            {
+                "deployment_config": {
+                    "request_router_config": {"request_router_class": FabricLLMRouter}
+                }
+            },
+            "request_router_config",
+        ),
+    ],
+)
+def test_with_fabric_refuses_what_it_would_replace(over, field):
+    server = over.pop("server_cls", None)
+    mine = plain_config(**over)
+    if server is not None:
+        mine = mine.model_copy(update={"server_cls": server})
+    with pytest.raises(FabricError, match=field):
+        with_fabric(mine)
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        ({"host_pages": -1}, "host_pages"),
+        ({"shards": "4"}, "shards"),
+        ({"no_such_setting": 1}, "no_such_setting"),
+        ({"node_actor": "kvf-node-x"}, "node_actor"),
+        ({"index_events": "yes"}, "index_events"),
+    ],
+)
+def test_with_fabric_refuses_bad_settings(settings, match):
+    with pytest.raises(FabricError, match=match):
+        with_fabric(plain_config(), **settings)
+    with pytest.raises(FabricError, match="LLMConfig"):
+        with_fabric({"model_loading_config": {"model_id": "x"}})  # type: ignore[arg-type]
+
+
+def test_app_args_with_an_llm_config_leave_the_engine_to_it():
+    own = plain_config().model_dump(exclude_unset=True)
+    args = LLMAppArgs.from_dict({"llm_config": own, "host_pages": 512})
+    assert args.llm_config == own
+    with pytest.raises(AppArgsError, match="replicas"):
+        LLMAppArgs.from_dict({"llm_config": own, "replicas": 2})
+    with pytest.raises(AppArgsError, match="not a valid LLMConfig"):
+        llm_app_builder({"llm_config": {"model_loading_config": {"model_id": "x"}, "bogus": 1}})

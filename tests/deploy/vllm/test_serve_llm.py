@@ -1,11 +1,14 @@
-"""vLLM under Ray Serve LLM with the fabric as its KV layer, started as `kvfabric up
---engine vllm` starts it: `build_openai_app`, two engines on two Ray nodes, the
-FabricConnector in each, FabricLLMRouter ranking the replicas, the index fed by
-the engines' KV events. Outputs through the fabric equal outputs with no cache at
-all (a fresh cache_salt per reference run: nothing can match it)."""
+"""vLLM under Ray Serve LLM with the fabric as its KV layer, added as a user adds it to
+their own deployment: a plain `LLMConfig` naming a hub id (found in the local Hugging
+Face cache, as a download leaves it), wrapped by `with_fabric` and served by Ray's own
+`build_openai_app` and ingress. Two engines on two Ray nodes, the FabricConnector in
+each, FabricLLMRouter ranking the replicas, the index fed by the engines' KV events.
+Outputs through the fabric equal outputs with no cache at all (a fresh cache_salt per
+reference run: nothing can match it)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -13,6 +16,7 @@ import time
 import urllib.request
 import uuid
 from functools import partial
+from pathlib import Path
 
 import pytest
 
@@ -22,15 +26,18 @@ import ray  # noqa: E402
 from kvfabric.actors import FabricClient  # noqa: E402
 from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY  # noqa: E402
 from kvfabric.actors.served import fabrics_of  # noqa: E402
-from kvfabric.deploy.cli.cluster import free_port, local_cluster, up  # noqa: E402
+from kvfabric.deploy.cli.cluster import free_port, local_cluster, serve_app  # noqa: E402
 from kvfabric.deploy.vllm.engine_identity import is_engine, node_actor_of  # noqa: E402
 from kvfabric.deploy.vllm.llm_router import OpenAIPrompts  # noqa: E402
 from kvfabric.deploy.vllm.model import ensure_tiny_model  # noqa: E402
 from kvfabric.deploy.vllm.namespaces import fabric_namespace  # noqa: E402
+from kvfabric.deploy.vllm.serve_llm import with_fabric  # noqa: E402
+from ray.serve.llm import LLMConfig, build_openai_app  # noqa: E402
 
 from tests.waiting import eventually as wait_for
 
 MODEL_ID = "kvfabric-tiny-vllm"
+HUB_ID = "kvfabric-tests/tiny-llama-swa"
 PROMPT_CHARS = 900  # about 900 tokens (one per byte): 28 blocks of 32
 MAX_TOKENS = 8
 T = 180.0
@@ -95,27 +102,77 @@ def node_names() -> list[str]:
     return ray.get(node(DIRECTORY).node_names.remote(), timeout=CALL_TIMEOUT_S)
 
 
-@pytest.fixture(scope="module")
-def app():
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
-    model_dir = str(ensure_tiny_model())
-    started = time.monotonic()
-    # An engine's bundle takes 2 of a node's 3 CPUs; the fabric's actors take at most 1
-    # of a node (0.25 each): one engine per node, wherever the shards land.
-    with local_cluster(2, cpus_per_node=3):
-        from ray import serve
+def hub_cache(model_dir: Path, hub: Path, repo_id: str) -> None:
+    """Lay `model_dir` out as the Hugging Face cache holds a download of `repo_id`: blobs
+    named by their content's hash, a snapshot of links to them, `refs/main` naming it."""
+    repo = hub / f"models--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    (repo / "blobs").mkdir(parents=True)
+    for f in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = repo / "snapshots" / commit / f.relative_to(model_dir)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
 
-        try:
-            args = {"replicas": 2, "device_pages": 64, "host_pages": 2048, "cpus_per_replica": 2.0}
-            endpoint = up(args, port=free_port(), engine="vllm", wait_s=600.0)
-            print(
-                f"\ncluster, fabric and two vLLM engines under Ray Serve LLM up in "
-                f"{time.monotonic() - started:.1f} s"
-            )
-            yield App(endpoint, model_dir)
-        finally:
-            serve.shutdown()
+
+def users_llm_config() -> LLMConfig:
+    """What a user deploys on CPU nodes without the fabric: the hub id, vLLM's engine
+    kwargs, two replicas of an engine each."""
+    return LLMConfig(
+        model_loading_config={"model_id": MODEL_ID, "model_source": HUB_ID},
+        engine_kwargs={
+            "dtype": "float32",
+            "enforce_eager": True,
+            "max_model_len": 2048,
+            "block_size": 32,
+            "kv_cache_memory_bytes": 12 << 20,
+        },
+        deployment_config={"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}},
+        placement_group_config={"bundles": [{"CPU": 2.0}]},
+    )
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    hf_home = tmp_path_factory.mktemp("hf")
+    hub_cache(ensure_tiny_model(), hf_home / "hub", HUB_ID)
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(hf_home)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the cluster's processes inherit it
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+    started = time.monotonic()
+    try:
+        # An engine's bundle takes 2 of a node's 3 CPUs; the fabric's actors take at most 1
+        # of a node (0.25 each): one engine per node, wherever the shards land.
+        with local_cluster(2, cpus_per_node=3):
+            from ray import serve
+
+            try:
+                config = with_fabric(users_llm_config(), device_pages=64, host_pages=2048)
+                built = build_openai_app(
+                    {
+                        "llm_configs": [config],
+                        "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.25}},
+                    }
+                )
+                endpoint = serve_app(built, "/v1/models", port=free_port(), wait_s=600.0)
+                print(
+                    f"\ncluster, fabric and two vLLM engines under Ray Serve LLM up in "
+                    f"{time.monotonic() - started:.1f} s"
+                )
+                yield App(endpoint, HUB_ID)
+            finally:
+                serve.shutdown()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def test_outputs_through_the_fabric_equal_uncached_outputs(app):
