@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP ingress: /v1/completions and /v1/models over the fabric.
+"""The OpenAI-compatible HTTP ingress: /v1/completions, /v1/chat/completions (both also
+streamed) and /v1/models over the fabric, the API the vLLM app speaks.
 
 Untrusted input enters here, so every check happens before a GenerateRequest
 exists: a request failing one gets a 4xx with an OpenAI-style error body and never
@@ -13,12 +14,13 @@ Serve deployment that builds it per replica over a handle to the model servers.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvfabric.deploy.reference.engine import RequestError
 from kvfabric.deploy.reference.model import ModelConfig
 from kvfabric.deploy.reference.tokenizer import ByteTokenizer
@@ -30,16 +32,19 @@ from kvfabric._version import __version__
 from .backend import HandleBackend
 from .ingress_auth import Authorizer
 from .openai_bodies import (
-    DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     KVFabricOptions,
     ModelCard,
     ModelList,
+    SamplingRequest,
     check_supported,
     completion_response,
-    parse_completion,
+    parse_body,
     read_json,
+    stream_chunks,
 )
 from .openai_errors import APIError, ErrorResponse
 from .openai_errors import bad_request as _bad
@@ -163,21 +168,18 @@ def build_fastapi(
             _bad("prompt is empty", param="prompt")
         return ids
 
-    @app.post(
-        "/v1/completions",
-        response_model=CompletionResponse,
-        responses={
-            400: {"model": ErrorResponse},
-            401: {"model": ErrorResponse},
-            403: {"model": ErrorResponse},
-            404: {"model": ErrorResponse},
-            503: {"model": ErrorResponse},
-        },
-    )
-    async def completions(request: Request) -> JSONResponse:
+    errors: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 503)
+    }
+
+    async def answer(
+        request: Request, kind: type[SamplingRequest], prompt: Callable[[Any], list[int]]
+    ) -> Response:
+        """One path for both routes: who asks, the body, its checks, the model server's
+        answer (whole, or as a stream of its pieces)."""
         arrival = time.time()
         tenant = auth.tenant(request)  # before parsing: a stranger learns nothing
-        req = parse_completion(await read_json(request, max_body_bytes))
+        req = parse_body(await read_json(request, max_body_bytes), kind)
         if req.model != model_name:
             raise APIError(
                 404,
@@ -186,17 +188,21 @@ def build_fastapi(
                 param="model",
             )
         check_supported(req)
-        max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        if max_tokens > max_tokens_limit:
-            _bad(f"max_tokens is {max_tokens}, the limit is {max_tokens_limit}", param="max_tokens")
-        ids = prompt_ids(req.prompt)
-        room = model_config.max_positions - max_tokens
-        if len(ids) > room:
+        asked = req.token_limit()
+        if asked is not None and asked > max_tokens_limit:
+            _bad(f"max_tokens is {asked}, the limit is {max_tokens_limit}", param="max_tokens")
+        ids = prompt(req)
+        room = model_config.max_positions - len(ids)
+        max_tokens = asked if asked is not None else req.default_max_tokens
+        if max_tokens is None:  # a chat without a limit: as many as fit, at least one
+            max_tokens = max(1, min(max_tokens_limit, room))
+        if len(ids) + max_tokens > model_config.max_positions:
             _bad(
                 f"the prompt has {len(ids)} tokens; with max_tokens={max_tokens} the model's "
-                f"{model_config.max_positions} positions leave room for {room}",
+                f"{model_config.max_positions} positions leave room for "
+                f"{model_config.max_positions - max_tokens}",
                 code="context_length_exceeded",
-                param="prompt",
+                param="messages" if kind is ChatCompletionRequest else "prompt",
             )
         opts = req.kvfabric or KVFabricOptions()
         gen = GenerateRequest(
@@ -209,7 +215,9 @@ def build_fastapi(
         )
         try:
             result = await backend.generate(gen)
-            body = completion_response(result, model_name, tokenizer)
+            body = completion_response(
+                result, model_name, tokenizer, chat=kind is ChatCompletionRequest
+            )
         except Exception as e:  # never a 500: the client gets a retryable 503
             cause = getattr(e, "cause", e)  # a Ray task error wraps the replica's own
             if isinstance(cause, RequestError):  # the server refused it: the caller's fault
@@ -221,7 +229,30 @@ def build_fastapi(
                 type="server_error",
                 code="backend_unavailable",
             ) from None
-        return JSONResponse(body.model_dump())
+        if not req.stream:
+            return JSONResponse(body.model_dump())
+        # The reference engine answers a request whole: its stream comes at once, a
+        # chunk per token, in the shape OpenAI's clients read.
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        pieces = tokenizer.decode_pieces(result.tokens)
+        events = [f"data: {json.dumps(c)}\n\n" for c in stream_chunks(body, pieces, usage)]
+        return StreamingResponse(
+            iter([*events, "data: [DONE]\n\n"]), media_type="text/event-stream"
+        )
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=errors)
+    async def completions(request: Request) -> Response:
+        return await answer(request, CompletionRequest, lambda req: prompt_ids(req.prompt))
+
+    def chat_ids(req: ChatCompletionRequest) -> list[int]:
+        try:
+            return tokenizer.encode_chat(req.turns())
+        except ValueError as e:
+            _bad(f"messages: {e}", param="messages")
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=errors)
+    async def chat_completions(request: Request) -> Response:
+        return await answer(request, ChatCompletionRequest, chat_ids)
 
     return app
 

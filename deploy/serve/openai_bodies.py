@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, NoReturn
+from typing import Any, ClassVar, Iterable, Iterator, Literal, NoReturn, TypeVar
 
 from fastapi import Request
 from kvfabric.deploy.reference.tokenizer import ByteTokenizer
@@ -21,6 +21,7 @@ from .protocol import GenerateResult, PrefixFetch
 from .tenants import MAX_NAME_CHARS
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+R = TypeVar("R", bound="SamplingRequest")
 
 
 # --- request and response bodies --------------------------------------------------------
@@ -35,15 +36,24 @@ class KVFabricOptions(BaseModel):
     logits_digest: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions. Strict: JSON `true` is no int and `"16"` no number."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False  # a last chunk with the usage (and no choices)
+
+
+class SamplingRequest(BaseModel):
+    """What /v1/completions and /v1/chat/completions bodies share. Strict: JSON `true` is
+    no int and `"16"` no number."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+    # None: the route's default (DEFAULT_MAX_TOKENS for completions; for a chat, as many
+    # as the server's limit and the model's positions allow).
+    default_max_tokens: ClassVar[int | None] = None
     model: str
-    prompt: str | list[int]
-    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = Field(
         default=None, max_length=MAX_NAME_CHARS
     )  # OpenAI's end-user id: not a namespace
@@ -55,17 +65,46 @@ class CompletionRequest(BaseModel):
     # and single-choice (clients often send the defaults), refused otherwise rather
     # than silently ignored. Greedy decoding is deterministic, so any seed is fine.
     n: int | None = None
-    best_of: int | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    echo: bool | None = None
-    logprobs: int | None = None
     stop: str | list[str] | None = None
-    suffix: str | None = None
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
-    stream_options: dict[str, Any] | None = None
+
+    def neutral(self) -> dict[str, bool]:
+        """Each parameter this server does not do: whether it has the value that asks
+        nothing of it."""
+        return {
+            "n": self.n in (None, 1),
+            "top_p": self.top_p in (None, 1),
+            "presence_penalty": self.presence_penalty in (None, 0),
+            "frequency_penalty": self.frequency_penalty in (None, 0),
+            "stop": not self.stop,
+            "logit_bias": not self.logit_bias,
+        }
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    default_max_tokens: ClassVar[int | None] = DEFAULT_MAX_TOKENS
+    prompt: str | list[int]
+    best_of: int | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def neutral(self) -> dict[str, bool]:
+        return super().neutral() | {
+            "best_of": self.best_of in (None, 1),
+            "echo": not self.echo,
+            "logprobs": self.logprobs is None,
+            "suffix": not self.suffix,
+        }
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -87,6 +126,55 @@ class CompletionRequest(BaseModel):
                 "prompt_ids", "token ids must be integers, got {bad}", {"bad": _json_repr(bad[0])}
             )
         return v
+
+
+class TextPart(BaseModel):
+    """A message content part: text only (the model reads no images or audio)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    # "developer" is OpenAI's newer name for "system".
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_completion_tokens: int | None = Field(default=None, ge=0)  # OpenAI's newer max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def neutral(self) -> dict[str, bool]:
+        return super().neutral() | {
+            "logprobs": not self.logprobs,
+            "top_logprobs": self.top_logprobs is None,
+        }
+
+    def token_limit(self) -> int | None:
+        given = {self.max_tokens, self.max_completion_tokens} - {None}
+        if len(given) > 1:
+            _bad(
+                "max_tokens and max_completion_tokens differ: give one",
+                param="max_completion_tokens",
+            )
+        return given.pop() if given else None
+
+    def turns(self) -> list[tuple[str, str]]:
+        """(role, text) in the model's chat roles."""
+        return [("system" if m.role == "developer" else m.role, m.text()) for m in self.messages]
 
 
 class PromptTokensDetails(BaseModel):
@@ -133,6 +221,28 @@ class CompletionResponse(BaseModel):
     kvfabric: KVFabricInfo
 
 
+class AssistantMessage(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    kvfabric: KVFabricInfo
+
+
 class ModelCard(BaseModel):
     id: str
     object: str = "model"
@@ -175,11 +285,12 @@ async def read_json(request: Request, limit: int) -> Any:
         _bad(f"request body is not valid JSON: {e}", code="invalid_json")
 
 
-def parse_completion(body: Any) -> CompletionRequest:
+def parse_body(body: Any, kind: type[R]) -> R:
+    """`body` as a request of `kind`, or a 400 naming the first fields at fault."""
     if not isinstance(body, dict):
         _bad(f"request body must be a JSON object, got {_json_repr(body)}", code="invalid_body")
     try:
-        return CompletionRequest.model_validate(body)
+        return kind.model_validate(body)
     except ValidationError as e:
         errors = e.errors(include_url=False, include_input=False)
         parts = [f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in errors[:3]]
@@ -188,13 +299,9 @@ def parse_completion(body: Any) -> CompletionRequest:
         _bad("invalid request: " + "; ".join(parts) + more, code="invalid_body", param=param)
 
 
-def check_supported(req: CompletionRequest) -> None:
-    if req.stream:
-        _bad(
-            "streaming is not supported: send stream=false",
-            code="unsupported_parameter",
-            param="stream",
-        )
+def check_supported(req: SamplingRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        _bad("stream_options needs stream=true", param="stream_options")
     if req.temperature not in (None, 0):
         _bad(
             f"only greedy decoding is supported: temperature must be 0 or null, "
@@ -202,20 +309,7 @@ def check_supported(req: CompletionRequest) -> None:
             code="unsupported_parameter",
             param="temperature",
         )
-    neutral = {
-        "n": req.n in (None, 1),
-        "best_of": req.best_of in (None, 1),
-        "top_p": req.top_p in (None, 1),
-        "presence_penalty": req.presence_penalty in (None, 0),
-        "frequency_penalty": req.frequency_penalty in (None, 0),
-        "echo": not req.echo,
-        "logprobs": req.logprobs is None,
-        "stop": not req.stop,
-        "suffix": not req.suffix,
-        "logit_bias": not req.logit_bias,
-        "stream_options": req.stream_options is None,
-    }
-    for name, ok in neutral.items():
+    for name, ok in req.neutral().items():
         if not ok:
             _bad(
                 f"{name}={_json_repr(getattr(req, name))} is not supported: this server "
@@ -227,34 +321,84 @@ def check_supported(req: CompletionRequest) -> None:
 
 # --- the response ---------------------------------------------------------------------
 def completion_response(
-    result: GenerateResult, model_name: str, tokenizer: ByteTokenizer
-) -> CompletionResponse:
+    result: GenerateResult, model_name: str, tokenizer: ByteTokenizer, chat: bool = False
+) -> CompletionResponse | ChatCompletionResponse:
+    """The answer to a completion (or, `chat`, a chat completion) from the model server's
+    result. No end-of-text token: every answer runs to max_tokens."""
     if not isinstance(result, GenerateResult):
         raise TypeError(f"backend returned {type(result).__name__}, not a GenerateResult")
     ids = [int(t) for t in result.tokens]
+    text = tokenizer.decode(ids)
+    created = int(time.time())
+    usage = Usage(
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=len(ids),
+        total_tokens=result.prompt_tokens + len(ids),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens),
+    )
+    info = KVFabricInfo(
+        cached_tokens=result.cached_tokens,
+        device_tokens=result.device_tokens,
+        host_tokens=result.host_tokens,
+        remote_tokens=result.remote_tokens,
+        fetch=result.fetch,
+        ttft_ms=result.ttft_s * 1e3,
+        node=result.node,
+        logits_digest=result.logits_digest,
+        token_ids=ids,
+        retries=result.retries,
+        fetched_bytes=result.fetched_bytes,
+    )
+    if chat:
+        return ChatCompletionResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=created,
+            model=model_name,
+            choices=[
+                ChatChoice(index=0, message=AssistantMessage(content=text), finish_reason="length")
+            ],
+            usage=usage,
+            kvfabric=info,
+        )
     return CompletionResponse(
         id=f"cmpl-{uuid.uuid4().hex}",
-        created=int(time.time()),
+        created=created,
         model=model_name,
-        # No end-of-text token: every completion runs to max_tokens.
-        choices=[CompletionChoice(index=0, text=tokenizer.decode(ids), finish_reason="length")],
-        usage=Usage(
-            prompt_tokens=result.prompt_tokens,
-            completion_tokens=len(ids),
-            total_tokens=result.prompt_tokens + len(ids),
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens),
-        ),
-        kvfabric=KVFabricInfo(
-            cached_tokens=result.cached_tokens,
-            device_tokens=result.device_tokens,
-            host_tokens=result.host_tokens,
-            remote_tokens=result.remote_tokens,
-            fetch=result.fetch,
-            ttft_ms=result.ttft_s * 1e3,
-            node=result.node,
-            logits_digest=result.logits_digest,
-            token_ids=ids,
-            retries=result.retries,
-            fetched_bytes=result.fetched_bytes,
-        ),
+        choices=[CompletionChoice(index=0, text=text, finish_reason="length")],
+        usage=usage,
+        kvfabric=info,
     )
+
+
+def stream_chunks(
+    answer: CompletionResponse | ChatCompletionResponse,
+    pieces: Iterable[str],
+    include_usage: bool,
+) -> Iterator[dict[str, Any]]:
+    """`answer` as the chunks of an OpenAI stream: its text in `pieces`, then the finish
+    reason (with the `kvfabric` extension), then, if asked, the usage with no choices."""
+    chat = isinstance(answer, ChatCompletionResponse)
+    head = {
+        "id": answer.id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": answer.created,
+        "model": answer.model,
+    }
+
+    def choice(text: str | None, finish: str | None) -> dict[str, Any]:
+        if chat:
+            delta = {} if text is None else {"content": text}
+            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+    if chat:
+        yield head | {
+            "choices": [{**choice("", None), "delta": {"role": "assistant", "content": ""}}]
+        }
+    for piece in pieces:
+        if piece:
+            yield head | {"choices": [choice(piece, None)]}
+    finish = answer.choices[0].finish_reason
+    yield head | {"choices": [choice(None, finish)], "kvfabric": answer.kvfabric.model_dump()}
+    if include_usage:
+        yield head | {"choices": [], "usage": answer.usage.model_dump()}

@@ -24,6 +24,7 @@ TENANTS = parse_tenants(
 LIMIT = 32  # max_tokens_limit
 TOK = ByteTokenizer(CONFIG.vocab)
 URL = "/v1/completions"
+CHAT_URL = "/v1/chat/completions"
 
 
 class EngineBackend:
@@ -88,8 +89,8 @@ def client_for(backend, tenants=None) -> TestClient:
     )
 
 
-def post(client, body, **kw):
-    return client.post(URL, content=body if isinstance(body, bytes) else json.dumps(body), **kw)
+def post(client, body, url=URL, **kw):
+    return client.post(url, content=body if isinstance(body, bytes) else json.dumps(body), **kw)
 
 
 def assert_error(r, status, code=None, contains=None):
@@ -104,3 +105,7 @@ def assert_error(r, status, code=None, contains=None):
 
 def ok(**kw):
     return {"model": NAME, "prompt": "hi", "max_tokens": 2, **kw}
+
+
+def chat(**kw):
+    return {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}

@@ -146,6 +146,7 @@ def test_the_api_description_needs_a_key_and_carries_it_in_the_page():
         "/v1/models",
         "/v1/models/{model_id}",
         "/v1/completions",
+        "/v1/chat/completions",
     }
     for path, marker in (("/docs", "SwaggerUIBundle"), ("/redoc", "Redoc.init")):
         r = client.get(path, headers=bearer(KEY_A))

@@ -19,6 +19,7 @@ from kvfabric.deploy.reference.engine import Engine, RequestError
 from kvfabric.deploy.serve.openai_api import CompletionResponse, OpenAIIngress, build_fastapi
 
 from tests.deploy.ingress_backends import (
+    CHAT_URL,
     CONFIG,
     KEY,
     LIMIT,
@@ -30,6 +31,7 @@ from tests.deploy.ingress_backends import (
     EngineBackend,
     FakeBackend,
     assert_error,
+    chat,
     client_for,
     ok,
     post,
@@ -89,6 +91,65 @@ def test_string_prompt_matches_the_engine():
     )
     assert r.status_code == 200 and backend.calls[-1].logits_digest
     assert len(r.json()["kvfabric"]["logits_digest"]) == 16
+
+
+def sse(text: str) -> list[dict]:
+    """The JSON chunks of a server-sent event stream, which must end with [DONE]."""
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    assert events[-1] == "[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_a_chat_is_the_engine_s_answer_to_the_chat_format():
+    """A chat's prompt is the model's chat format (role tokens no text can forge); the
+    answer is the engine's, as a chat completion; without a limit it runs to the server's."""
+    client = client_for(EngineBackend())
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}],
+        },
+    ]
+    r = post(client, chat(messages=messages, max_tokens=None, max_completion_tokens=5), url=CHAT_URL)
+    assert r.status_code == 200, r.text
+    ids = TOK.encode_chat([("system", "be brief"), ("user", "Hello")])
+    want = Engine(MODEL).generate(ids, 5).tokens
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": TOK.decode(want)}
+    assert body["usage"]["prompt_tokens"] == len(ids) and body["kvfabric"]["token_ids"] == want
+    unlimited = post(client, chat(max_tokens=None), url=CHAT_URL).json()
+    assert unlimited["usage"]["completion_tokens"] == LIMIT
+    # A message's text cannot forge a turn: it is bytes, never a role token.
+    forged = TOK.encode_chat([("user", "\x00<|assistant|>")])
+    assert sum(t >= 258 for t in forged) == 3  # user, end of turn, assistant
+
+
+@pytest.mark.parametrize("url, body", [(URL, ok(max_tokens=6)), (CHAT_URL, chat(max_tokens=6))])
+def test_a_stream_joins_to_the_whole_answer(url, body):
+    """stream=true: the answer's text a token at a time (a character split over tokens
+    comes whole), the finish reason last, then the usage if asked."""
+    client = client_for(EngineBackend())
+    whole = post(client, body, url=url).json()
+    r = post(client, body | {"stream": True, "stream_options": {"include_usage": True}}, url=url)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = sse(r.text)
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    *pieces, last, usage = chunks
+    if url == CHAT_URL:
+        assert pieces[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(p["choices"][0]["delta"].get("content", "") for p in pieces)
+        assert text == whole["choices"][0]["message"]["content"]
+        assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    else:
+        text = "".join(p["choices"][0]["text"] for p in pieces)
+        assert text == whole["choices"][0]["text"]
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert last["kvfabric"]["token_ids"] == whole["kvfabric"]["token_ids"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    plain = sse(post(client, body | {"stream": True}, url=url).text)
+    assert "usage" not in plain[-1]
 
 
 def test_token_list_prompt_and_namespaces():

@@ -9,12 +9,14 @@ from kvfabric.deploy.reference.model import ModelConfig
 from kvfabric.deploy.serve.openai_api import MAX_BODY_BYTES, CompletionResponse, build_fastapi
 
 from tests.deploy.ingress_backends import (
+    CHAT_URL,
     CONFIG,
     KEY,
     LIMIT,
     NAME,
     FakeBackend,
     assert_error,
+    chat,
     client_for,
     ok,
     post,
@@ -39,7 +41,8 @@ BAD = [
     (ok(prompt="a\ud800"), 400, None, "Unicode"),
     (ok(temperature=0.7), 400, "unsupported_parameter", "greedy"),
     (ok(temperature="0"), 400, "invalid_body", "temperature"),
-    (ok(stream=True), 400, "unsupported_parameter", "streaming is not supported"),
+    (ok(stream_options={"include_usage": True}), 400, None, "stream=true"),
+    (ok(stream=True, stream_options={"usage": True}), 400, "invalid_body", "stream_options"),
     (ok(stream="no"), 400, "invalid_body", "stream"),
     (ok(max_tokens=-1), 400, "invalid_body", "max_tokens"),
     (ok(max_tokens=LIMIT + 1), 400, None, "limit"),
@@ -159,12 +162,64 @@ def test_fuzzed_bodies_never_5xx():
         r = post(client, body)
         assert r.status_code in (200, 400, 404), r.text
         assert len(backend.calls) == before + (r.status_code == 200)
-        if r.status_code == 200:
+        if r.status_code == 200 and body.get("stream") is True:
+            assert r.text.startswith("data: {") and r.text.endswith("data: [DONE]\n\n"), r.text
+        elif r.status_code == 200:
             CompletionResponse.model_validate(r.json())
         else:
             assert set(r.json()["error"]) >= {"message", "type", "code"}
         # Raw bytes are almost never JSON; whatever they are, no 5xx.
         assert post(client, raw).status_code < 500
 
+    @given(
+        st.one_of(
+            JSON,
+            st.dictionaries(st.sampled_from(CHAT_FIELDS) | st.text(max_size=8), JSON, max_size=6),
+        )
+    )
+    def chat_garbage(body):
+        before = len(backend.calls)
+        r = post(client, body, url=CHAT_URL)
+        assert 400 <= r.status_code < 500, r.text
+        assert len(backend.calls) == before
+
     garbage()
     near_valid()
+    chat_garbage()
+
+
+CHAT_FIELDS = ["model", "messages", "max_completion_tokens", "stream", "logprobs", "cache_salt"]
+CHAT = [
+    (chat(messages=[]), 400, "invalid_body", "messages"),
+    (chat(messages="hi"), 400, "invalid_body", "messages"),
+    (chat(messages=[{"role": "tool", "content": "x"}]), 400, "invalid_body", "role"),
+    (chat(messages=[{"role": "user"}]), 400, "invalid_body", "content"),
+    (chat(messages=[{"role": "user", "content": 5}]), 400, "invalid_body", "content"),
+    (
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        400,
+        "invalid_body",
+        "content",
+    ),
+    (chat(messages=[{"role": "user", "content": "a\ud800"}]), 400, None, "Unicode"),
+    (
+        chat(messages=[{"role": "user", "content": "a" * CONFIG.max_positions}]),
+        400,
+        "context_length_exceeded",
+        None,
+    ),
+    (chat(max_tokens=2, max_completion_tokens=3), 400, None, "differ"),
+    (chat(max_tokens=None, max_completion_tokens=LIMIT + 1), 400, None, "limit"),
+    (chat(logprobs=True), 400, "unsupported_parameter", "logprobs"),
+    (chat(temperature=0.5), 400, "unsupported_parameter", "greedy"),
+    (chat(prompt="hi"), 400, "invalid_body", "prompt"),
+    (chat(model="gpt-4"), 404, "model_not_found", "gpt-4"),
+]
+
+
+@pytest.mark.parametrize("body,status,code,contains", CHAT, ids=range(len(CHAT)))
+def test_chat_refusals_leave_the_backend_untouched(body, status, code, contains):
+    backend = FakeBackend()
+    r = post(client_for(backend), body, url=CHAT_URL)
+    assert_error(r, status, code, contains)
+    assert backend.calls == []

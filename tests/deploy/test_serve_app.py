@@ -17,6 +17,8 @@ from kvfabric.deploy.cli.http_replay import Client
 from kvfabric.deploy.serve.app import AppArgs, AppArgsError
 from ray import serve
 
+from tests.deploy import openai_script
+
 MODEL = "kvfabric-tiny"
 ARGS = {"device_pages": 256, "host_pages": 256, "max_positions": 1024}
 
@@ -108,7 +110,7 @@ def test_without_keys_every_caller_is_one_tenant(endpoint):
         ({"model": MODEL, "prompt": [1] * 1100, "max_tokens": 2}, 400),  # longer than the model
         ({"model": MODEL, "prompt": [100000], "max_tokens": 2}, 400),  # not a token id
         ({"model": "other", "prompt": "hi", "max_tokens": 2}, 404),
-        ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}, 400),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": "yes"}, 400),
     ],
 )
 def test_bad_requests_get_clear_4xx_answers(endpoint, body, status):
@@ -215,3 +217,11 @@ def test_down_removes_the_app_and_the_fabric_and_up_brings_them_back(endpoint):
     assert up(ARGS, port=endpoint.port) == endpoint
     with urllib.request.urlopen(endpoint.base_url + "/v1/models", timeout=60) as r:
         assert [m["id"] for m in json.loads(r.read())["data"]] == [MODEL]
+
+
+def test_the_openai_script_both_apps_pass(endpoint):
+    """tests/deploy/openai_script.py, which the vLLM app passes too
+    (tests/deploy/vllm/test_serve_llm.py)."""
+    cached = openai_script.run(endpoint.base_url, MODEL, "The fabric remembers " * 8)
+    assert cached["completion"] == 160  # whole pages of 16 of the prompt's 168 bytes
+    assert cached["chat"] >= 160

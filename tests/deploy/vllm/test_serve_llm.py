@@ -34,6 +34,7 @@ from kvfabric.deploy.vllm.namespaces import fabric_namespace  # noqa: E402
 from kvfabric.deploy.vllm.serve_llm import with_fabric  # noqa: E402
 from ray.serve.llm import LLMConfig, build_openai_app  # noqa: E402
 
+from tests.deploy import openai_script
 from tests.waiting import eventually as wait_for
 
 MODEL_ID = "kvfabric-tiny-vllm"
@@ -229,6 +230,14 @@ def test_chat_completions_serve_the_bundled_model_as_completions_do(app):
 
     want = chat(f"ref-{uuid.uuid4().hex}")
     assert [chat(None) for _ in range(3)] == [want] * 3
+
+
+def test_the_openai_script_both_apps_pass(app):
+    """tests/deploy/openai_script.py, which the reference app passes too
+    (tests/deploy/test_serve_app.py): completions, chat, streaming, cached tokens."""
+    prompt = app.text()[:300]
+    cached = openai_script.run(app.endpoint.base_url, MODEL_ID, prompt)
+    assert cached["completion"] >= 256 and cached["chat"] >= 256  # whole blocks of 32
 
 
 def test_the_connectors_counters_are_exported_through_ray_s_metrics(app):
