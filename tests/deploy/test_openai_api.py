@@ -111,7 +111,9 @@ def test_a_chat_is_the_engine_s_answer_to_the_chat_format():
             "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}],
         },
     ]
-    r = post(client, chat(messages=messages, max_tokens=None, max_completion_tokens=5), url=CHAT_URL)
+    r = post(
+        client, chat(messages=messages, max_tokens=None, max_completion_tokens=5), url=CHAT_URL
+    )
     assert r.status_code == 200, r.text
     ids = TOK.encode_chat([("system", "be brief"), ("user", "Hello")])
     want = Engine(MODEL).generate(ids, 5).tokens
