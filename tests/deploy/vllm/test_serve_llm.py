@@ -165,7 +165,8 @@ def app(tmp_path_factory):
                     f"\ncluster, fabric and two vLLM engines under Ray Serve LLM up in "
                     f"{time.monotonic() - started:.1f} s"
                 )
-                yield App(endpoint, HUB_ID)
+                # This process read its Hugging Face settings at import: the folder, not the id.
+                yield App(endpoint, str(ensure_tiny_model()))
             finally:
                 serve.shutdown()
     finally:
