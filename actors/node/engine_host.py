@@ -196,5 +196,10 @@ class EngineHost:
         while len(self._reports) > MAX_ENGINES:
             self._reports.popitem(last=False)
 
+    def staging_use(self) -> tuple[int, int]:
+        """The engines whose staging pages this node maps, and those pages' bytes."""
+        mapped = [t for shared in self._shared.values() for t in shared.pools.values()]
+        return len(self._shared), sum(t.numel() * t.element_size() for t in mapped)
+
     def engine_reports(self) -> dict[str, dict]:
         return dict(self._reports)

@@ -12,6 +12,7 @@ each other both get served. The cache is touched under `CacheGate` rules."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -19,6 +20,7 @@ from typing import Any, Callable, Sequence
 import ray
 import torch
 from kvfabric.actors.epochs import EpochSource, GcsEpochs
+from kvfabric.actors.names import NAMESPACE
 from kvfabric.fabric import (
     CachedKV,
     CacheStats,
@@ -38,6 +40,7 @@ from .cache_gate import CacheGate
 from .engine_host import EngineHost
 from .hooks import NodeHooks
 from .index_link import IndexLink
+from .node_metrics import NodeMetrics, NodeSample
 from .peer_fetch import PeerFetch
 
 
@@ -68,8 +71,11 @@ class Beat:
 
 @ray.remote
 class NodeCacheActor(PeerFetch, EngineHost):
-    def __init__(self, name: str, config: NodeConfig) -> None:
+    def __init__(self, name: str, config: NodeConfig, fabric: str = NAMESPACE) -> None:
+        """`fabric`: the Ray namespace of the fabric this node belongs to (its metrics'
+        label; an actor's runtime context names its job's namespace, not its own)."""
         self.name = name
+        self.fabric = fabric
         self.config = config
         self.hooks = hooks = None if config.hooks is None else config.hooks(config)
         self.cache = NodeCache(
@@ -92,6 +98,7 @@ class NodeCacheActor(PeerFetch, EngineHost):
         self.late_failures = 0  # replies that came after it and held no grant
         self.fetched_bytes = 0  # read from peers over the transport (NIXL)
         self._probing: asyncio.Task | None = None  # the heartbeat's probe of quarantined peers
+        self.metrics: NodeMetrics | None = None  # made at the first heartbeat (in Ray)
         # A restarted actor starts a new epoch, above every earlier one of this name:
         # the index drops what the old one said (see actors/epochs.py: no clock).
         self.epoch = config.epochs.claim()
@@ -215,6 +222,12 @@ class NodeCacheActor(PeerFetch, EngineHost):
             self.link.publish(every_shard=True)
             routes = self.link.routes
             probing = bool(self.cache.quarantined_peers())
+            sample = NodeSample(
+                dataclasses.replace(self.cache.stats()), self.fetched_bytes, *self.staging_use()
+            )
+        if self.metrics is None:
+            self.metrics = NodeMetrics(self.fabric, self.name)
+        self.metrics.publish(sample)
         if probing and (self._probing is None or self._probing.done()):
             self._probing = asyncio.create_task(self.probe_quarantine())
         gone = self.reap_engines()

@@ -28,7 +28,7 @@ def place_node_actor(ray_node_id: str, config: NodeConfig, cpus: float, namespac
         max_restarts=-1,
         num_cpus=cpus,
         scheduling_strategy=strategy,
-    ).remote(name, config)
+    ).remote(name, config, namespace)
 
 
 def join(directory, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:

@@ -44,6 +44,8 @@ class CacheStats:
     inserted_pages: int = 0
     put_failures: int = 0
     load_back_failures: int = 0
+    evicted_pages: int = 0  # dropped from a tier by eviction (written back or not)
+    written_back_pages: int = 0  # copied from device to host as they were evicted
     nodes: int = 0
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -351,6 +353,8 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
     def stats(self) -> CacheStats:
         s = self._stats
         s.nodes = self.tree.node_count
+        s.evicted_pages = sum(e.evicted for e in self.evictors.values())
+        s.written_back_pages = sum(e.written_back for e in self.evictors.values())
         s.pools = {
             f"{e.name.name}/{t.name}": {
                 "capacity": e.tier(t).capacity,

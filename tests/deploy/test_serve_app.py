@@ -17,7 +17,8 @@ from kvfabric.deploy.cli.http_replay import Client
 from kvfabric.deploy.serve.app import AppArgs, AppArgsError
 from ray import serve
 
-from tests.deploy import openai_script
+from tests.deploy import openai_script, ray_metrics
+from tests.waiting import eventually
 
 MODEL = "kvfabric-tiny"
 ARGS = {"device_pages": 256, "host_pages": 256, "max_positions": 1024}
@@ -225,3 +226,23 @@ def test_the_openai_script_both_apps_pass(endpoint):
     cached = openai_script.run(endpoint.base_url, MODEL, "The fabric remembers " * 8)
     assert cached["completion"] == 160  # whole pages of 16 of the prompt's 168 bytes
     assert cached["chat"] >= 160
+
+
+def test_the_node_actors_counters_are_exported_through_ray_s_metrics(endpoint):
+    """The reference app's nodes export the same node metrics as vLLM's (node_metrics.py):
+    each pool's fill by tier and what the caches stored, as Prometheus reads them."""
+    openai_script.run(endpoint.base_url, MODEL, "Exported " * 20)
+
+    def exported() -> dict | None:
+        pages = ray_metrics.samples("ray_kvfabric_node_pages")
+        stored = ray_metrics.samples("ray_kvfabric_node_inserted_pages_total")
+        nodes = {labels["node"] for labels, _ in pages}
+        if len(nodes) < 3 or not stored or sum(v for _, v in stored) <= 0:
+            return None
+        return {(t["node"], t["pool"], t["tier"], t["state"]): v for t, v in pages}
+
+    pages = eventually(exported, "three nodes' metrics exported", deadline_s=180)
+    capacity = {k[1:3]: v for k, v in pages.items() if k[3] == "capacity"}
+    assert capacity[("full", "device")] == ARGS["device_pages"]
+    assert capacity[("full", "host")] == ARGS["host_pages"]
+    assert all(v <= pages[k[:3] + ("capacity",)] for k, v in pages.items() if k[3] == "used")

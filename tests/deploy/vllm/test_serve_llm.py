@@ -34,7 +34,7 @@ from kvfabric.deploy.vllm.namespaces import fabric_namespace  # noqa: E402
 from kvfabric.deploy.vllm.serve_llm import with_fabric  # noqa: E402
 from ray.serve.llm import LLMConfig, build_openai_app  # noqa: E402
 
-from tests.deploy import openai_script
+from tests.deploy import openai_script, ray_metrics
 from tests.waiting import eventually as wait_for
 
 MODEL_ID = "kvfabric-tiny-vllm"
@@ -241,26 +241,39 @@ def test_the_openai_script_both_apps_pass(app):
     assert cached["completion"] >= 256 and cached["chat"] >= 256  # whole blocks of 32
 
 
-def test_the_connectors_counters_are_exported_through_ray_s_metrics(app):
+def test_the_connectors_and_the_nodes_counters_are_exported_through_ray_s_metrics(app):
     """Under Ray Serve LLM, vLLM records each engine's connector metrics with Ray's metrics
     (connector_metrics.py): every node's Prometheus export shows the fabric's counters, as
-    `ray_vllm_kvfabric_*_total`, with the replica's id."""
+    `ray_vllm_kvfabric_*_total`, with the replica's id; the node actors' own
+    (node_metrics.py) as `ray_kvfabric_node_*`, with the fabric and the node."""
     for _ in range(2):
         app.complete(app.text())
-    ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
 
     def lookups() -> float | None:
-        total, seen = 0.0, False
-        for port in ports:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=T) as r:
-                for line in r.read().decode().splitlines():
-                    if line.startswith("ray_vllm_kvfabric_lookups_total{"):
-                        assert 'ReplicaId="' in line, line
-                        total, seen = total + float(line.rsplit(" ", 1)[1]), True
-        return total if seen and total > 0 else None
+        found = ray_metrics.samples("ray_vllm_kvfabric_lookups_total")
+        assert all("ReplicaId" in labels for labels, _ in found), found
+        total = sum(v for _, v in found)
+        return total if total > 0 else None
 
     # Ray's agents export what the replicas reported at their last interval (seconds).
     assert eventually(lookups, "the fabric's lookups exported", deadline_s=180) >= 2
+
+    def node_pages() -> list | None:
+        found = [
+            (labels["node"], labels["pool"], labels["tier"], v)
+            for labels, v in ray_metrics.samples("ray_kvfabric_node_pages")
+            if labels["fabric"] == fabric() and labels["state"] == "capacity"
+        ]
+        return found if {n for n, *_ in found} == set(node_names()) else None
+
+    pages = eventually(node_pages, "every node's pools exported", deadline_s=180)
+    assert ("full", "device", 64.0) in [(p, t, v) for _, p, t, v in pages]
+    stored = eventually(
+        lambda: sum(v for _, v in ray_metrics.samples("ray_kvfabric_node_inserted_pages_total")),
+        "the pages the nodes stored exported",
+        deadline_s=180,
+    )
+    assert stored > 0
 
 
 def engine_reports() -> list[dict]:
