@@ -28,6 +28,18 @@ def fabrics_of(model: str) -> list[str]:
     return sorted(k[len(prefix) :].decode() for k in keys)
 
 
+def announced() -> list[tuple[str, str]]:
+    """Every (model, fabric namespace) announced, sorted."""
+    from ray.experimental import internal_kv
+
+    out = []
+    for key in internal_kv._internal_kv_list(_PREFIX.encode(), namespace=NAMESPACE):
+        size, _, rest = key.decode()[len(_PREFIX) :].partition(":")
+        if size.isdigit() and rest[int(size) : int(size) + 1] == "\n":
+            out.append((rest[: int(size)], rest[int(size) + 1 :]))
+    return sorted(out)
+
+
 def forget_all() -> int:
     """Forget every announcement (the fabrics are gone: `kvfabric down`); how many."""
     from ray.experimental import internal_kv

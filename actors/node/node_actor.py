@@ -328,6 +328,7 @@ class NodeCacheActor(PeerFetch, EngineHost):
                 "late_failures": self.late_failures,
                 "epoch": self.epoch,
                 "fetched_bytes": self.fetched_bytes,
+                "staging_engines": self.staging_use()[0],
             }
 
     async def shutdown(self) -> None:

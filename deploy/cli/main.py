@@ -88,6 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         description="Remove the Serve app and the fabric's actors from a running Ray cluster.",
     )
     down.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
+    status = sub.add_parser(
+        "status",
+        help="each fabric on a running cluster: nodes, pool fill by tier, hit rates",
+        description="Print every fabric on a running Ray cluster: its nodes, each pool's fill "
+        "by tier, lookups and hit rates, stored and evicted pages, bytes fetched from other "
+        "nodes, the engines staged for, and the models served from it.",
+    )
+    status.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
+    status.add_argument("--json", action="store_true", help="one JSON document instead of tables")
     # Each benchmark parses its own options (`kvfabric bench NAME --help`).
     bench = sub.add_parser("bench", help="benchmarks against peers and limits", add_help=False)
     bench.add_argument("name", nargs="?", choices=sorted(BENCHES))
@@ -104,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvfabric.deploy.chaos.run import main as chaos
 
         return chaos(rest)
+    if args.command == "status":
+        if rest:
+            status.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _status(args)
     if args.command in ("up", "down"):
         if rest:
             (up if args.command == "up" else down).error(
@@ -239,6 +252,16 @@ def _check_app_args(ap: argparse.ArgumentParser, args: argparse.Namespace, app_a
     from kvfabric.deploy.serve.app import AppArgs
 
     AppArgs.from_dict(app_args).tenants()
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kvfabric.deploy.cli.cluster import connect
+    from kvfabric.deploy.cli.status import as_json, fabric_status, render
+
+    connect(args.address)
+    fabrics = fabric_status()
+    print(json.dumps(as_json(fabrics)) if args.json else render(fabrics))
+    return 0
 
 
 def _down(args: argparse.Namespace) -> int:

@@ -160,3 +160,28 @@ def test_up_config_takes_a_yaml_llm_config_and_refuses_bad_ones(tmp_path):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2, argv
+
+
+def test_status_renders_each_node_and_an_unreachable_one():
+    from kvfabric.deploy.cli.status import FabricStatus, NodeStatus, PoolFill, as_json, render
+
+    up = NodeStatus(
+        "kvf-node-a",
+        True,
+        (PoolFill("full", "device", 3, 64), PoolFill("swa", "device", 1, 16)),
+        lookups=4,
+        lookup_pages=10,
+        hit_pages_device=4,
+        hit_pages_host=1,
+        inserted_pages=7,
+        fetched_bytes=3 << 20,
+        engines=1,
+    )
+    fabrics = [FabricStatus("kvfabric.abc", ("m",), (up, NodeStatus("kvf-node-b", False)))]
+    text = render(fabrics)
+    assert "fabric kvfabric.abc: 2 nodes; models: m" in text
+    assert "3/64" in text and "1/16" in text and "50.0%" in text and "3.0" in text
+    assert "kvf-node-b" in text and "unreachable" in text
+    (doc,) = as_json(fabrics)
+    assert doc["nodes"][0]["hit_rate"] == 0.5 and doc["nodes"][1]["reachable"] is False
+    assert render([]).startswith("no fabric")

@@ -246,3 +246,30 @@ def test_the_node_actors_counters_are_exported_through_ray_s_metrics(endpoint):
     assert capacity[("full", "device")] == ARGS["device_pages"]
     assert capacity[("full", "host")] == ARGS["host_pages"]
     assert all(v <= pages[k[:3] + ("capacity",)] for k, v in pages.items() if k[3] == "used")
+
+
+def test_status_prints_every_node_s_pools_and_hits(endpoint):
+    """`kvfabric status` in another process, against this cluster, as an operator runs
+    it: the fabric's three nodes, their pools at the app's sizes, lookups and hits."""
+    import subprocess
+    import sys
+
+    import ray
+
+    openai_script.run(endpoint.base_url, MODEL, "Status " * 30)
+    address = ray.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "kvfabric.deploy.cli.main", "status", "--address", address]
+    out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (fabric,) = json.loads(out.stdout.strip().splitlines()[-1])
+    assert fabric["namespace"] == "kvfabric" and len(fabric["nodes"]) == 3
+    assert all(n["reachable"] for n in fabric["nodes"])
+    fills = {(p["pool"], p["tier"]): p["capacity"] for p in fabric["nodes"][0]["pools"]}
+    assert fills[("full", "device")] == ARGS["device_pages"]
+    assert fills[("full", "host")] == ARGS["host_pages"]
+    nodes = fabric["nodes"]
+    assert sum(n["lookups"] for n in nodes) > 0 and sum(n["inserted_pages"] for n in nodes) > 0
+    assert max(n["hit_rate"] for n in nodes) > 0
+    table = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert table.returncode == 0, table.stderr[-3000:]
+    assert "fabric kvfabric: 3 nodes" in table.stdout and "full/device" in table.stdout
