@@ -16,6 +16,17 @@ from kvfabric.fabric import CacheStats
 from ray.util import metrics
 
 _KEYS = ("fabric", "node")
+# Counter -> what it counts (exported as ray_kvfabric_node_<name>_total).
+COUNTERS = (
+    ("lookups", "Lookups of a prompt in this node's cache."),
+    ("lookup_pages", "Pages of prompts looked up in this node's cache."),
+    ("hit_pages", "Pages this node's cache served, by the tier they came from."),
+    ("inserted_pages", "Pages stored in this node's cache."),
+    ("evicted_pages", "Pages evicted from a tier of this node's cache."),
+    ("written_back_pages", "Pages written back from device to host as evicted."),
+    ("fetched_bytes", "KV bytes this node read from other nodes."),
+)
+GAUGES = ("kvfabric_node_pages", "kvfabric_node_staging_bytes", "kvfabric_node_staging_engines")
 
 
 @dataclass(frozen=True)
@@ -36,30 +47,23 @@ class NodeMetrics:
 
     def __post_init__(self) -> None:
         self.pages = metrics.Gauge(
-            "kvfabric_node_pages",
+            GAUGES[0],
             "Pages of a node's pool on a tier: its capacity, and those in use.",
             tag_keys=(*_KEYS, "pool", "tier", "state"),
         )
         self.staging = metrics.Gauge(
-            "kvfabric_node_staging_bytes",
+            GAUGES[1],
             "Bytes of the staging pages (/dev/shm) this node maps for its engines.",
             tag_keys=_KEYS,
         )
         self.engines = metrics.Gauge(
-            "kvfabric_node_staging_engines",
+            GAUGES[2],
             "Engines whose staging pages this node maps.",
             tag_keys=_KEYS,
         )
         self.counters = {
             name: metrics.Counter(f"kvfabric_node_{name}", about, tag_keys=(*_KEYS, "tier"))
-            for name, about in (
-                ("lookups", "Lookups of a prompt in this node's cache."),
-                ("hit_pages", "Pages this node's cache served, by the tier they came from."),
-                ("inserted_pages", "Pages stored in this node's cache."),
-                ("evicted_pages", "Pages evicted from a tier of this node's cache."),
-                ("written_back_pages", "Pages written back from device to host as evicted."),
-                ("fetched_bytes", "KV bytes this node read from other nodes."),
-            )
+            for name, about in COUNTERS
         }
 
     def publish(self, sample: NodeSample) -> None:
@@ -67,6 +71,7 @@ class NodeMetrics:
         s = sample.stats
         for name, tier, total in (
             ("lookups", "", s.lookups),
+            ("lookup_pages", "", s.lookup_pages),
             ("hit_pages", "device", s.hit_pages_device),
             ("hit_pages", "host", s.hit_pages_host),
             ("inserted_pages", "", s.inserted_pages),
