@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile $(REQ)/constraints.txt $(REQ)/vllm.txt $(REQ)/
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/kvfabric demo
+	$(VENV)/bin/kvfabric demo --json
 
 # The suite runs on the native path (KVF_NATIVE's default); the core's tests run again on
 # the pure-Python reference.

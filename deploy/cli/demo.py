@@ -23,6 +23,7 @@ from pathlib import Path
 from .cluster import keep_auth_on
 
 DEFAULT_PLOT = "kvfabric-demo.png"
+DEFAULT_LOG = "kvfabric-demo.log"
 
 
 # Per engine: (nodes, requests, tokens per trace block, max tokens, concurrency).
@@ -86,6 +87,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="vllm: each engine's tensor-parallel ranks (on CPU one core each)",
     )
     ap.add_argument("--plot", default=DEFAULT_PLOT, help="where to write the PNG")
+    ap.add_argument(
+        "--log",
+        default=DEFAULT_LOG,
+        help="where Ray's, Serve's and vLLM's log lines go (the console keeps the demo's own)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
     args = ap.parse_args(argv)
     names = ("nodes", "requests", "tokens_per_block", "max_tokens", "concurrency")
@@ -128,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         connect(args.address)
     cm = local_cluster(args.nodes) if not args.address else contextlib.nullcontext()
     with cm:
+        log = send_logs_to(Path(args.log))
+        print(f"Ray and Serve logs: {log}", file=sys.stderr)
         print(
             f"starting the fabric and the Serve app on "
             f"{args.address or f'an embedded cluster of {args.nodes} nodes'} ...",
@@ -190,17 +198,48 @@ def _plot(pairs, where: str) -> Path | None:
         "fabric": [p.fabric.ttft_ms for p in done],
         "caching off": [p.baseline.ttft_ms for p in done],
     }
-    return write_plot(Path(where), rates, ttfts)
+    prompt = sum(p.fabric.prompt_tokens for p in done)
+    hit = {
+        tier: sum(getattr(p.fabric, f"{tier}_tokens") for p in done)
+        for tier in ("device", "host", "remote")
+    }
+    tiers = {
+        "fabric": {**hit, "computed": prompt - sum(hit.values())},
+        "caching off": {"computed": prompt},
+    }
+    title = f"kvfabric demo, reference model: {len(done)} requests, the fabric vs caching off"
+    return write_plot(Path(where), rates, ttfts, title, tiers)
 
 
-def write_plot(where: Path, rates: dict, ttfts: dict) -> Path | None:
+def write_plot(
+    where: Path, rates: dict, ttfts: dict, title: str = "", tiers: dict | None = None
+) -> Path | None:
     from .plots import write_png
 
     try:
-        return write_png(where, rates, ttfts).resolve()
+        return write_png(where, rates, ttfts, title, tiers).resolve()
     except OSError as e:
         print(f"could not write the plot to {where}: {e}", file=sys.stderr)
         return None
+
+
+def send_logs_to(path: Path) -> Path:
+    """Ray's, Serve's and vLLM's log lines in this process go to `path`, not the console,
+    so the demo's own lines stand out (the cluster's processes log to Ray's session
+    folder already)."""
+    import logging
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, mode="w", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    for name in ("ray", "ray.serve", "ray.llm", "vllm", "transformers", "nixl"):
+        logger = logging.getLogger(name)
+        for h in list(logger.handlers):
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                logger.removeHandler(h)
+        logger.addHandler(handler)
+        logger.propagate = False
+    return path
 
 
 def print_report(r, plot: Path | None) -> None:

@@ -91,7 +91,12 @@ def main(args: argparse.Namespace) -> int:
     )
     with cm:
         import ray
+        from kvfabric.deploy.cli.demo import send_logs_to
 
+        from . import serve_llm  # noqa: F401  # vLLM's loggers exist from its import on
+
+        log = send_logs_to(Path(args.log))
+        print(f"Ray, Serve and vLLM logs: {log}", file=sys.stderr)
         nodes = sum(1 for node in ray.nodes() if node["Alive"])
         app = app_args(nodes, args.kv_cache_mib << 20, args.gpu, args.tp)
         print(
@@ -111,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
 
                 serve.shutdown()
     report = Report.of(passes, fabric_counts, nodes, args.tp)
-    plot = _plot(passes, args.plot)
+    plot = _plot(passes, report, args.plot)
     report.print(plot)
     if args.json:
         print(json.dumps(report.as_json()))
@@ -377,7 +382,7 @@ class Report:
         }
 
 
-def _plot(passes: dict, where: str) -> Path | None:
+def _plot(passes: dict, report: "Report", where: str) -> Path | None:
     from kvfabric.deploy.cli.demo import write_plot
     from kvfabric.deploy.cli.plots import cumulative_rate
 
@@ -385,6 +390,18 @@ def _plot(passes: dict, where: str) -> Path | None:
         name: cumulative_rate([t.cached_tokens for t in p.done], [t.prompt_tokens for t in p.done])
         for name, p in passes.items()
     }
-    return write_plot(
-        Path(where), rates, {name: [t.ttft_ms for t in p.done] for name, p in passes.items()}
-    )
+    ttfts = {name: [t.ttft_ms for t in p.done] for name, p in passes.items()}
+    tiers = {}
+    for name, p in passes.items():
+        prompt = sum(t.prompt_tokens for t in p.done)
+        cached = sum(t.cached_tokens for t in p.done)
+        tiers[name] = {"engine's cache": cached, "computed": prompt - cached}
+    tiers["fabric"] = {
+        "engine's cache": report.device_hit_tokens,
+        "node's pools": report.host_hit_tokens,
+        "other nodes": report.remote_hit_tokens,
+        "computed": report.prompt_tokens - report.cached_tokens,
+    }
+    done = max((len(p.done) for p in passes.values()), default=0)
+    title = f"kvfabric demo, vLLM: {done} requests a pass, the fabric vs {BASELINE}"
+    return write_plot(Path(where), rates, ttfts, title, tiers)

@@ -19,11 +19,14 @@ def test_demo_serves_a_trace_slice_on_three_nodes_and_matches_uncached_output(ca
                 "--json",
                 "--plot",
                 str(plot),
+                "--log",
+                str(tmp_path / "demo.log"),
             ]
         )
         == 0
     )
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr()
+    out = json.loads(printed.out.strip().splitlines()[-1])
     assert out["requests"] == 9 and out["failed_requests"] == 0 and out["output_mismatches"] == 0
     hits = out["device_hit_tokens"] + out["host_hit_tokens"] + out["remote_hit_tokens"]
     assert 0 < hits <= out["prompt_tokens"] and out["hit_rate"] == pytest.approx(
@@ -36,6 +39,9 @@ def test_demo_serves_a_trace_slice_on_three_nodes_and_matches_uncached_output(ca
     assert out["ttft_ratio"] == pytest.approx(ratio, abs=2e-3)
     assert 1 <= out["nodes_used"] <= 3
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The console keeps the demo's own lines; Ray's and Serve's went to the log it named.
+    assert f"logs: {tmp_path / 'demo.log'}" in printed.err
+    assert "serve" in (tmp_path / "demo.log").read_text()
 
 
 @pytest.mark.parametrize(
