@@ -12,9 +12,11 @@ import contextlib
 import os
 import secrets
 import socket
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
@@ -75,9 +77,39 @@ def local_cluster(
 
 
 def connect(address: str) -> None:
+    """Join the cluster at `address`. "auto" (Ray's pick: the cluster started last on this
+    machine) is refused when several run here: the command would act on one silently."""
     import ray
 
+    if address == "auto":
+        sessions = local_sessions()
+        if len(sessions) > 1:
+            raise SystemExit(
+                f"kvfabric: {len(sessions)} Ray clusters run on this machine "
+                f"({', '.join(sessions)}): say which with --address HOST:PORT or RAY_ADDRESS"
+            )
     ray.init(address=address, log_to_driver=False)
+    print(
+        f"connected to the Ray cluster at {ray.get_runtime_context().gcs_address}", file=sys.stderr
+    )
+
+
+def local_sessions(proc: Path = Path("/proc")) -> list[str]:
+    """The session folders of the Ray clusters whose GCS runs on this machine (one GCS
+    process a cluster), read from the processes' command lines."""
+    found = set()
+    for cmdline in proc.glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone, or not ours to read
+        if not args or not args[0].endswith(b"/gcs_server"):
+            continue
+        for arg in args:
+            if arg.startswith(b"--stdout_filepath="):
+                log = Path(arg.split(b"=", 1)[1].decode(errors="replace"))
+                found.add(log.parent.parent.name)  # <session>/logs/gcs_server.out
+    return sorted(found)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -191,3 +191,24 @@ def test_status_renders_each_node_and_an_unreachable_one():
     (doc,) = as_json(fabrics)
     assert doc["nodes"][0]["hit_rate"] == 0.5 and doc["nodes"][1]["reachable"] is False
     assert render([]).startswith("no fabric")
+
+
+def test_address_auto_is_refused_where_several_clusters_run(tmp_path, monkeypatch):
+    """`--address auto` is Ray's pick of the cluster started last; with several on the
+    machine, up/down/status refuse it and name the clusters instead of acting on one."""
+    from kvfabric.deploy.cli import cluster
+
+    for pid, session in ((11, "session_a"), (12, "session_b"), (13, None)):
+        (tmp_path / str(pid)).mkdir()
+        args = (
+            [b"/x/ray/core/src/ray/gcs/gcs_server", b"--gcs_server_port=0"]
+            + [f"--stdout_filepath=/tmp/ray/{session}/logs/gcs_server.out".encode()]
+            if session
+            else [b"/usr/bin/python3", b"-c", b"gcs_server"]
+        )
+        (tmp_path / str(pid) / "cmdline").write_bytes(b"\0".join(args) + b"\0")
+    (tmp_path / "self").mkdir()
+    assert cluster.local_sessions(tmp_path) == ["session_a", "session_b"]
+    monkeypatch.setattr(cluster, "local_sessions", lambda: ["session_a", "session_b"])
+    with pytest.raises(SystemExit, match="2 Ray clusters run on this machine"):
+        cluster.connect("auto")
