@@ -212,3 +212,35 @@ def test_address_auto_is_refused_where_several_clusters_run(tmp_path, monkeypatc
     monkeypatch.setattr(cluster, "local_sessions", lambda: ["session_a", "session_b"])
     with pytest.raises(SystemExit, match="2 Ray clusters run on this machine"):
         cluster.connect("auto")
+
+
+def test_the_readme_documents_every_setting_users_give():
+    """README "Configuration" lists each FabricSettings field a deployer sets, with its
+    default (the per-replica, test and chaos ones are not theirs to set)."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from kvfabric.deploy.vllm.jobs import FabricSettings
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    rows = {
+        name: default
+        for names, default in re.findall(r"^\| (`[^|]+`) \| ([^|]+) \|", section, re.M)
+        for name in re.findall(r"`(\w+)`", names)
+    }
+    internal = {
+        "ray_address",
+        "node_actor",
+        "engine_slot",
+        "step_hook",
+        "step_hook_arg",
+        "node_hooks",
+    }
+    for f in dataclasses.fields(FabricSettings):
+        if f.name in internal:
+            continue
+        assert f.name in rows, f"README Configuration lacks {f.name}"
+        shown = rows[f.name].strip().strip('"')
+        assert shown.lower() == str(f.default).lower() or (shown == "" and f.default == ""), f.name
