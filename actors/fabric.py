@@ -69,7 +69,7 @@ def start(
     # refill it (their next batch shows a gap; they answer with a snapshot).
     shard_actors = [
         IndexShardActor.options(name=shard_name(i), max_restarts=-1, **opts).remote(  # type: ignore[attr-defined]
-            i, shards, rule, fingerprint
+            i, shards, rule, fingerprint, namespace
         )
         for i in range(shards)
     ]

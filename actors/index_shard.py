@@ -18,13 +18,25 @@ from kvfabric.fabric.cache.keys import KEY_BYTES
 from kvfabric.fabric.index.regions import entries_by_region
 from kvfabric.fabric.wire import is_int
 
+from .index_metrics import IndexMetrics
+from .names import NAMESPACE
+
 
 @ray.remote
 class IndexShardActor:
     def __init__(
-        self, shard: int, shards: int, rule: MatchRule, fingerprint: bytes | None = None
+        self,
+        shard: int,
+        shards: int,
+        rule: MatchRule,
+        fingerprint: bytes | None = None,
+        fabric: str = NAMESPACE,
     ) -> None:
+        """`fabric`: the Ray namespace of the fabric this shard belongs to (its metrics'
+        label)."""
         self.shard, self.shard_count = shard, shards
+        self.fabric = fabric
+        self.metrics: IndexMetrics | None = None  # made at the first report, in Ray
         self.index = PrefixIndex(rule, fingerprint)
         self.load = LoadTracker(shards)
         self.route_version = 0
@@ -84,6 +96,10 @@ class IndexShardActor:
         """Lookups since the last report, per region, and keys held; starts a new count."""
         report, self.load = self.load, LoadTracker(self.shard_count)
         report.entries[self.shard] = len(self.index)
+        if ray.is_initialized():  # the directory's pass: a time to publish the metrics too
+            if self.metrics is None:
+                self.metrics = IndexMetrics(self.fabric, self.shard)
+            self.metrics.publish(self.lookups, len(self.index), len(self.index.nodes()))
         return report
 
     def entry_regions(self, routes: bytes) -> dict:

@@ -1,5 +1,6 @@
 """deploy/manifests/grafana-dashboard.json stays true to the code: every metric it
-queries is one the fabric exports under that name (the node actors' node_metrics.py,
+queries is one the fabric exports under that name (the node actors' node_metrics.py, the
+index shards' index_metrics.py,
 the vLLM connector's connector_metrics.py, the reference app's serving.py, as Ray's
 Prometheus export names them), every panel has a query, and the fabric variable reads
 a metric that exists. A renamed metric fails here, not on an operator's empty graph."""
@@ -10,6 +11,7 @@ import json
 import re
 from pathlib import Path
 
+from kvfabric.actors import index_metrics
 from kvfabric.actors.node import node_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +23,8 @@ def exported() -> set[str]:
     """The Prometheus names Ray gives each metric the fabric records."""
     names = {f"ray_{g}" for g in node_metrics.GAUGES}
     names |= {f"ray_kvfabric_node_{c}_total" for c, _ in node_metrics.COUNTERS}
+    names |= {f"ray_{g}" for g in index_metrics.GAUGES}
+    names |= {f"ray_{c}_total" for c in index_metrics.COUNTERS}
     connector = (ROOT / "deploy" / "vllm" / "connector_metrics.py").read_text()
     names |= {f"ray_vllm_{n}_total" for n in re.findall(r'"vllm:(kvfabric_\w+)"', connector)}
     serving = (ROOT / "deploy" / "serve" / "serving.py").read_text()

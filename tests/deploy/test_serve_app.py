@@ -230,7 +230,8 @@ def test_the_openai_script_both_apps_pass(endpoint):
 
 def test_the_node_actors_counters_are_exported_through_ray_s_metrics(endpoint):
     """The reference app's nodes export the same node metrics as vLLM's (node_metrics.py):
-    each pool's fill by tier and what the caches stored, as Prometheus reads them."""
+    each pool's fill by tier and what the caches stored, as Prometheus reads them; so do
+    the index shards (index_metrics.py)."""
     openai_script.run(endpoint.base_url, MODEL, "Exported " * 20)
 
     def exported() -> dict | None:
@@ -242,6 +243,13 @@ def test_the_node_actors_counters_are_exported_through_ray_s_metrics(endpoint):
         return {(t["node"], t["pool"], t["tier"], t["state"]): v for t, v in pages}
 
     pages = eventually(exported, "three nodes' metrics exported", deadline_s=180)
+    # The index shards publish at the directory's rebalance pass (every 10 s).
+    lookups = eventually(
+        lambda: sum(v for _, v in ray_metrics.samples("ray_kvfabric_index_lookups_total")),
+        "the index shards' lookups exported",
+        deadline_s=180,
+    )
+    assert lookups > 0
     capacity = {k[1:3]: v for k, v in pages.items() if k[3] == "capacity"}
     assert capacity[("full", "device")] == ARGS["device_pages"]
     assert capacity[("full", "host")] == ARGS["host_pages"]
