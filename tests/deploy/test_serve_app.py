@@ -232,7 +232,8 @@ def test_the_node_actors_counters_are_exported_through_ray_s_metrics(endpoint):
     """The reference app's nodes export the same node metrics as vLLM's (node_metrics.py):
     each pool's fill by tier and what the caches stored, as Prometheus reads them; so do
     the index shards (index_metrics.py)."""
-    openai_script.run(endpoint.base_url, MODEL, "Exported " * 20)
+    client = openai.OpenAI(base_url=endpoint.base_url + "/v1", api_key="-", max_retries=0)
+    client.completions.create(model=MODEL, prompt="Exported " * 20, max_tokens=2)
 
     def exported() -> dict | None:
         pages = ray_metrics.samples("ray_kvfabric_node_pages")
