@@ -44,14 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         help="seeded faults over a running fabric and workload, then checks",
         add_help=False,
     )
-    up = sub.add_parser(
+    up = _on_a_cluster(
+        sub,
         "up",
         help="deploy the fabric and the Serve app onto a running cluster; leave them up",
         description="Deploy the fabric and its Serve app (the reference model's, or vLLM "
         "engines under Ray Serve LLM with the fabric as their KV layer) onto a running Ray "
         "cluster, print the OpenAI endpoint, and leave them up (`kvfabric down` removes them).",
     )
-    up.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
     up.add_argument(
         "--host", default="127.0.0.1", help="HTTP bind address (default: localhost only)"
     )
@@ -82,20 +82,20 @@ def main(argv: list[str] | None = None) -> int:
         help="the tenant table: API keys and the namespaces "
         "each may use (JSON or YAML; deploy/serve/tenants.py); the same path on every node",
     )
-    down = sub.add_parser(
+    down = _on_a_cluster(
+        sub,
         "down",
         help="remove the Serve app and the fabric from a running cluster",
         description="Remove the Serve app and the fabric's actors from a running Ray cluster.",
     )
-    down.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
-    status = sub.add_parser(
+    status = _on_a_cluster(
+        sub,
         "status",
         help="each fabric on a running cluster: nodes, pool fill by tier, hit rates",
         description="Print every fabric on a running Ray cluster: its nodes, each pool's fill "
         "by tier, lookups and hit rates, stored and evicted pages, bytes fetched from other "
         "nodes, the engines staged for, and the models served from it.",
     )
-    status.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
     status.add_argument("--json", action="store_true", help="one JSON document instead of tables")
     # Each benchmark parses its own options (`kvfabric bench NAME --help`).
     bench = sub.add_parser("bench", help="benchmarks against peers and limits", add_help=False)
@@ -133,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         ap.error(str(e))
     return importlib.import_module(BENCHES[args.name]).main(rest) or 0
+
+
+def _on_a_cluster(sub, name: str, **kw: str) -> argparse.ArgumentParser:
+    """A subcommand that acts on a running Ray cluster: it takes `--address`."""
+    parser = sub.add_parser(name, **kw)
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"))
+    return parser
 
 
 def _bench_usage() -> str:
