@@ -2,8 +2,10 @@
 
 Batches go out under the node's route table without waiting; a shard that saw a
 gap answers need_snapshot (a restarted shard answers nothing: its call failed)
-and gets this node's snapshot of its part with the next publish. Replies are
-read from their futures once they are done: nothing here waits on a shard."""
+and gets this node's snapshot of its part at the next publish, or as soon as its
+owner acts on `on_behind` (called, from whatever thread completes the reply, when
+one says so). Replies are read from their futures once they are done: nothing
+here waits on a shard."""
 
 from __future__ import annotations
 
@@ -26,9 +28,18 @@ class IndexLink(Generic[P]):
     """Generic in its publisher, so that its owner reads back what it gave (a node
     actor drains its EventPublisher directly when no index is attached)."""
 
-    def __init__(self, publisher: P, send_filter: SendFilter | None = None) -> None:
+    def __init__(
+        self,
+        publisher: P,
+        send_filter: SendFilter | None = None,
+        on_behind: Callable[[bool], None] | None = None,
+    ) -> None:
+        """`on_behind(failed)`: a reply said its shard fell behind (`failed`: the call
+        failed, the shard may still be restarting); the owner calls `resync_behind` soon,
+        on its own thread, under its lock."""
         self.publisher = publisher
         self.send_filter = send_filter
+        self.on_behind = on_behind
         self.shards: list = []
         self.routes: RouteTable | None = None
         self._sent: list[tuple[int, object, Future]] = []  # (shard, ref kept alive, its future)
@@ -84,4 +95,14 @@ class IndexLink(Generic[P]):
         return [reply for _, _, reply in self._sent if not reply.done()]
 
     def _send(self, shard: int, ref) -> None:
-        self._sent.append((shard, ref, ref.future()))
+        reply = ref.future()
+        self._sent.append((shard, ref, reply))
+        if self.on_behind is not None:
+            reply.add_done_callback(self._answered)
+
+    def _answered(self, reply: Future) -> None:
+        if reply.cancelled() or self.on_behind is None:
+            return
+        failed = reply.exception() is not None
+        if failed or reply.result() is ApplyResult.NEED_SNAPSHOT:
+            self.on_behind(failed)

@@ -107,6 +107,9 @@ class ChaosHarness:
         finally:
             work.stop()
         self._calm()
+        # The index cannot agree before the nodes stop changing: the split says how much of
+        # the convergence was the workload's in-flight requests ending.
+        drained = round(time.monotonic() - last_fault, 3)
         converged = self._converged_after(since=last_fault)
         time.sleep(quiet_s)  # leases of the last fetches run out or are released
         audit = self._audit()
@@ -123,6 +126,7 @@ class ChaosHarness:
             audit["double_owned"],
             audit["leases_overdue"],
             converged,
+            drained,
             self._leaked_staging_files(),
             round(time.monotonic() - started, 1),
             dict(self.injected),

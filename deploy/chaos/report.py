@@ -21,6 +21,7 @@ class ChaosReport:
     double_owned_pages: int
     expired_leases_unreleased: int
     index_converged_s: float  # from the last fault until the index agreed with every node
+    workload_drained_s: float  # of that, until the workload's last requests had ended
     leaked_staging_files: int  # vLLM engines': files in /dev/shm no running engine owns
     wall_s: float
     by_kind: dict = field(default_factory=dict)

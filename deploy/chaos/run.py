@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         f"leaked pages {report.leaked_pages}, doubly owned {report.double_owned_pages}, "
         f"leaked staging files {report.leaked_staging_files}, overdue leases "
         f"{report.expired_leases_unreleased}; index converged {report.index_converged_s} s after "
-        "the last fault"
+        f"the last fault (the workload's requests ended {report.workload_drained_s} s after it)"
     )
     if args.json:
         print(json.dumps(out))

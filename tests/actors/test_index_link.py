@@ -45,3 +45,73 @@ def test_a_reroute_before_attach_is_ignored_until_attach():
     assert link.attached and sum(len(s.sent) for s in shards) > 0
     link.reroute(RouteTable(3))  # attached: snapshots go to every shard
     assert all(s.sent for s in shards)
+
+
+class Pending:
+    """A reply the test completes later, from another thread as Ray does."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import Future
+
+        self.done: Future = Future()
+
+    def future(self):
+        return self.done
+
+
+class HeldShard(Shard):
+    def __init__(self) -> None:
+        super().__init__()
+        self.replies: list[Pending] = []
+
+    def remote(self, data: bytes):
+        self.sent.append(data)
+        self.replies.append(Pending())
+        return self.replies[-1]
+
+
+def _answer(reply: Pending, result=None, error: Exception | None = None) -> None:
+    import threading
+
+    t = threading.Thread(
+        target=reply.done.set_exception if error else reply.done.set_result, args=(error or result,)
+    )
+    t.start()
+    t.join(timeout=10)
+
+
+def test_a_shard_that_fell_behind_is_named_when_its_reply_comes_not_at_the_next_publish():
+    from kvfabric.fabric import ApplyResult
+
+    calls: list[bool] = []
+    cache = make()
+    link = IndexLink(EventPublisher(cache, "n", epoch=1), on_behind=calls.append)
+    shard = HeldShard()
+    link.attach([shard], RouteTable(1))
+    tokens = seq(2)
+    cache.put(tokens, prefix_kv(MIXED, tokens), "ns")
+    assert link.publish() == 1
+    first, second = shard.replies[-2:]
+    _answer(first, ApplyResult.APPLIED)
+    assert calls == []  # in step: nothing to do
+    _answer(second, ApplyResult.NEED_SNAPSHOT)
+    assert calls == [False]  # at once, from the thread that completed the reply
+    sent = len(shard.sent)
+    link.resync_behind()  # what the owner then does
+    assert len(shard.sent) == sent + 1  # the snapshot
+    _answer(shard.replies[-1], error=RuntimeError("the shard died"))
+    assert calls == [False, True]  # failed: the owner retries a moment later
+
+
+def test_without_an_owner_to_tell_a_gap_waits_for_the_next_publish():
+    from kvfabric.fabric import ApplyResult
+
+    cache = make()
+    link = IndexLink(EventPublisher(cache, "n", epoch=1))
+    shard = HeldShard()
+    link.attach([shard], RouteTable(1))
+    for reply in shard.replies:
+        _answer(reply, ApplyResult.NEED_SNAPSHOT)
+    sent = len(shard.sent)
+    link.publish(every_shard=True)
+    assert len(shard.sent) == sent + 2  # the snapshot, then the heartbeat's batch
