@@ -9,12 +9,16 @@ here waits on a shard."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from concurrent.futures import Future
 from typing import Callable, Generic, TypeVar
 
 from kvfabric.fabric import ApplyResult, EventBatch, RouteTable, ShardPublisher
 
 MAX_UNANSWERED = 4096  # event sends a node remembers until their shard answers
+CONFIRM_AFTER_S = 0.25  # batches out: every shard hears where the sequence is this much later
+RESYNC_AFTER_FAILURE_S = 0.5  # a failed send's snapshot is resent this much later
 
 P = TypeVar("P", bound=ShardPublisher)
 
@@ -40,6 +44,7 @@ class IndexLink(Generic[P]):
         self.publisher = publisher
         self.send_filter = send_filter
         self.on_behind = on_behind
+        self.unconfirmed = False  # batches went out since every shard last heard the sequence
         self.shards: list = []
         self.routes: RouteTable | None = None
         self._sent: list[tuple[int, object, Future]] = []  # (shard, ref kept alive, its future)
@@ -62,6 +67,7 @@ class IndexLink(Generic[P]):
         sends = batches if self.send_filter is None else self.send_filter(batches)
         for shard, batch in sends:
             self._send(shard, self.shards[shard].apply.remote(batch.encode()))
+        self.unconfirmed = not every_shard and (self.unconfirmed or bool(batches))
         return len(batches)
 
     def resync_behind(self) -> None:
@@ -106,3 +112,55 @@ class IndexLink(Generic[P]):
         failed = reply.exception() is not None
         if failed or reply.result() is ApplyResult.NEED_SNAPSHOT:
             self.on_behind(failed)
+
+
+class LinkPacer:
+    """Runs an attached IndexLink's follow-ups on its owner's event loop, under the
+    owner's lock, so the index catches up in a round trip, not a heartbeat: a snapshot
+    as soon as a reply says a shard fell behind (a moment later after a failed call:
+    the shard may still be restarting), and CONFIRM_AFTER_S after batches went out, a
+    mark of the sequence to every shard (so a lost last batch shows as a gap then)."""
+
+    def __init__(self, link: IndexLink, lock: threading.Lock) -> None:
+        self.link, self.lock = link, lock
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._confirming: asyncio.Task | None = None
+        self._retry_due = False  # a resend after a failed call is scheduled
+
+    def start(self) -> None:
+        """On the owner's loop: follow up from now on (again after stop)."""
+        self._loop = asyncio.get_running_loop()
+        self.link.on_behind = self._behind
+        if self._confirming is None or self._confirming.done():
+            self._confirming = self._loop.create_task(self._confirm())
+
+    def stop(self) -> None:
+        self.link.on_behind = None
+        if self._confirming is not None:
+            self._confirming.cancel()
+
+    def _behind(self, failed: bool) -> None:
+        """From whatever thread completed the reply."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            if not failed:
+                loop.call_soon_threadsafe(self._catch_up)
+            elif not self._retry_due:
+                self._retry_due = True  # however many calls failed: one resend
+                loop.call_soon_threadsafe(loop.call_later, RESYNC_AFTER_FAILURE_S, self._catch_up)
+        except RuntimeError:
+            pass  # the loop is closed: the owner is ending
+
+    def _catch_up(self) -> None:
+        self._retry_due = False
+        with self.lock:
+            self.link.resync_behind()
+
+    async def _confirm(self) -> None:
+        while True:
+            await asyncio.sleep(CONFIRM_AFTER_S)
+            if self.link.unconfirmed:
+                with self.lock:
+                    self.link.publish(every_shard=True)

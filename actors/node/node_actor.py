@@ -39,11 +39,9 @@ from kvfabric.transport.fetch import register_device_pools
 from .cache_gate import CacheGate
 from .engine_host import EngineHost
 from .hooks import NodeHooks
-from .index_link import IndexLink
+from .index_link import IndexLink, LinkPacer
 from .node_metrics import NodeMetrics, NodeSample
 from .peer_fetch import PeerFetch
-
-RESYNC_AFTER_FAILURE_S = 0.5  # a failed send's snapshot is resent this much later
 
 
 @dataclass(frozen=True)
@@ -100,7 +98,6 @@ class NodeCacheActor(PeerFetch, EngineHost):
         self.late_failures = 0  # replies that came after it and held no grant
         self.fetched_bytes = 0  # read from peers over the transport (NIXL)
         self._probing: asyncio.Task | None = None  # the heartbeat's probe of quarantined peers
-        self._catching_up = False  # a snapshot resend after a failed call is scheduled
         self.metrics: NodeMetrics | None = None  # made at the first heartbeat (in Ray)
         # A restarted actor starts a new epoch, above every earlier one of this name:
         # the index drops what the old one said (see actors/epochs.py: no clock).
@@ -109,6 +106,7 @@ class NodeCacheActor(PeerFetch, EngineHost):
             EventPublisher(self.cache, name, epoch=self.epoch),
             None if hooks is None else hooks.send,
         )
+        self.pacer = LinkPacer(self.link, self.gate.mutex)
         self.init_engine_host()
         self.adopt_engines()
         # What lives now (torch, Ray, this actor's fixed parts) lives as long as the process:
@@ -207,28 +205,9 @@ class NodeCacheActor(PeerFetch, EngineHost):
     async def attach_index(self, shards: list, routes: bytes) -> None:
         """Publish to these index shards under this route table (from now on). The
         directory admits this node's epoch to the shards first."""
-        loop = asyncio.get_running_loop()
         with self.gate.mutex:
-            self.link.on_behind = lambda failed: self._catch_up_soon(loop, failed)
             self.link.attach(shards, RouteTable.decode(routes))
-
-    def _catch_up_soon(self, loop: asyncio.AbstractEventLoop, failed: bool) -> None:
-        """A shard fell behind (any thread): send its snapshot from the loop now, not at
-        the next heartbeat; after a failed call, a moment later (the shard may still be
-        restarting), once however many calls failed."""
-        try:
-            if not failed:
-                loop.call_soon_threadsafe(self._catch_up)
-            elif not self._catching_up:
-                self._catching_up = True
-                loop.call_soon_threadsafe(loop.call_later, RESYNC_AFTER_FAILURE_S, self._catch_up)
-        except RuntimeError:
-            pass  # the loop is closed: the actor is ending
-
-    def _catch_up(self) -> None:
-        self._catching_up = False
-        with self.gate.mutex:
-            self.link.resync_behind()
+        self.pacer.start()
 
     def publish(self, every_shard: bool = False) -> int:
         """Send what changed since the last call (see IndexLink.publish)."""
@@ -355,5 +334,6 @@ class NodeCacheActor(PeerFetch, EngineHost):
             }
 
     async def shutdown(self) -> None:
+        self.pacer.stop()
         await self.gate.run_wire(self.transport.close)
         self.gate.close()

@@ -115,3 +115,48 @@ def test_without_an_owner_to_tell_a_gap_waits_for_the_next_publish():
     sent = len(shard.sent)
     link.publish(every_shard=True)
     assert len(shard.sent) == sent + 2  # the snapshot, then the heartbeat's batch
+
+
+def test_the_pacer_marks_the_sequence_after_changes_and_resends_a_snapshot_on_a_gap():
+    """A lost last batch shows as a gap at the pacer's mark, and the shard's
+    need_snapshot brings the snapshot at once: no heartbeat, no later change."""
+    import asyncio
+    import threading
+
+    from kvfabric.actors.node.index_link import CONFIRM_AFTER_S, LinkPacer
+    from kvfabric.fabric import ApplyResult, EventBatch, Snapshot
+    from kvfabric.fabric import decode_events as decode
+
+    cache = make()
+    link = IndexLink(EventPublisher(cache, "n", epoch=1))
+    shard = HeldShard()
+    pacer = LinkPacer(link, threading.Lock())
+
+    async def until(condition, what: str, limit_s: float = 10.0) -> None:
+        deadline = asyncio.get_running_loop().time() + limit_s
+        while not condition():
+            assert asyncio.get_running_loop().time() < deadline, what
+            await asyncio.sleep(0.01)
+
+    async def run() -> None:
+        link.attach([shard], RouteTable(1))
+        pacer.start()
+        link.send_filter = lambda sends: []  # the next batch is lost on the way
+        tokens = seq(2)
+        cache.put(tokens, prefix_kv(MIXED, tokens), "ns")
+        assert link.publish() == 1 and link.unconfirmed
+        link.send_filter = None
+        sent = len(shard.sent)
+        await until(lambda: len(shard.sent) > sent, "no mark of the sequence")
+        mark = decode(shard.sent[-1])
+        assert isinstance(mark, EventBatch) and not mark.pages and not link.unconfirmed
+        threading.Thread(
+            target=shard.replies[-1].done.set_result, args=(ApplyResult.NEED_SNAPSHOT,)
+        ).start()
+        await until(lambda: len(shard.sent) > sent + 1, "no snapshot after need_snapshot")
+        assert isinstance(decode(shard.sent[-1]), Snapshot)
+        await asyncio.sleep(2 * CONFIRM_AFTER_S)
+        assert len(shard.sent) == sent + 2  # nothing new: no further marks
+        pacer.stop()
+
+    asyncio.run(run())
