@@ -149,14 +149,44 @@ def serve_app(
     app, ready: str, host: str = "127.0.0.1", port: int = 8000, wait_s: float = 300.0
 ) -> Endpoint:
     """Run a bound Serve app as APP_NAME at `/` on the connected cluster; its endpoint once
-    `ready` (a path) answers."""
+    Serve says it runs (serve.run waits on Serve's status) and `ready` (a path) answers
+    through the proxy. An app Serve could not deploy raises DeployFailed (`deploy`)."""
     from ray import serve
 
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    deploy(app, APP_NAME, "/")
     endpoint = Endpoint("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)
     wait_healthy(endpoint, wait_s, ready)
     return endpoint
+
+
+class DeployFailed(RuntimeError):
+    """Serve could not deploy the app (its message says why)."""
+
+
+def deploy(app, name: str, route_prefix: str) -> None:
+    """serve.run, with DeployFailed naming each failed deployment's cause."""
+    from ray import serve
+
+    try:
+        serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+    except RuntimeError as e:
+        raise DeployFailed(f"{e}\n{failed_deployments(name)}".rstrip()) from None
+
+
+def failed_deployments(app: str) -> str:
+    """What Serve's status API says of each unhealthy deployment of `app`, a line each."""
+    from ray import serve
+    from ray.serve.schema import DeploymentStatus
+
+    status = serve.status().applications.get(app)
+    if status is None:
+        return ""
+    return "\n".join(
+        f"{name}: {d.status.value}: {d.message.strip()}"
+        for name, d in sorted(status.deployments.items())
+        if d.status != DeploymentStatus.HEALTHY
+    )
 
 
 def wait_healthy(endpoint: Endpoint, wait_s: float, path: str = "/healthz") -> None:

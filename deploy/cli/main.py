@@ -233,10 +233,14 @@ def _up(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         _check_app_args(ap, args, app_args)
     except (ValueError, TypeError) as e:  # bad args fail here, not in a replica
         ap.error(str(e))
-    from kvfabric.deploy.cli.cluster import connect, up
+    from kvfabric.deploy.cli.cluster import DeployFailed, connect, up
 
     connect(args.address)
-    endpoint = up(app_args, host=args.host, port=args.port, engine=args.engine)
+    try:
+        endpoint = up(app_args, host=args.host, port=args.port, engine=args.engine)
+    except (DeployFailed, TimeoutError) as e:  # Serve's own words: no traceback of ours
+        print(f"kvfabric up: {e}", file=sys.stderr)
+        return 1
     routes = "/v1/completions" + (", /v1/chat/completions" if args.engine == "vllm" else "")
     print(f"kvfabric is up at {endpoint.base_url}: {routes} (models: /v1/models)")
     return 0

@@ -10,8 +10,6 @@ the demo's model makes one token of each character.
 from __future__ import annotations
 
 import contextlib
-import http.client
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -79,72 +77,51 @@ class PassResult:
 
 
 class StreamingClient:
-    """A keep-alive HTTP client of /v1/completions that streams each answer."""
+    """The `openai` client of /v1/completions, streaming each answer. It does not retry:
+    a failed request is the pass's to count."""
 
     def __init__(self, endpoint: Endpoint, model: str, timeout_s: float = 300.0) -> None:
-        self.endpoint, self.model, self.timeout_s = endpoint, model, timeout_s
-        self.conn = self._connect()
+        import openai
 
-    def _connect(self) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(
-            self.endpoint.host, self.endpoint.port, timeout=self.timeout_s
+        self.model = model
+        self.client = openai.OpenAI(
+            base_url=f"http://{endpoint.host}:{endpoint.port}/v1",
+            api_key="unused",  # the demo's apps take no key
+            timeout=timeout_s,
+            max_retries=0,
         )
-
-    def reconnect(self) -> None:
-        self.conn.close()
-        self.conn = self._connect()
 
     def complete(self, prompt: str, max_tokens: int, salt: str | None, into: Turn) -> None:
         """Greedy completion of `prompt`; fills `into` (TTFT: the first chunk with a token)."""
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "return_token_ids": True,
-            "ignore_eos": True,
-        }
+        extra: dict = {"return_token_ids": True, "ignore_eos": True}
         if salt is not None:
-            body["cache_salt"] = salt
+            extra["cache_salt"] = salt
         start = time.perf_counter()
-        self.conn.request(
-            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        stream = self.client.completions.create(
+            model=self.model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
         )
-        resp = self.conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-        for chunk in _events(resp):
-            for choice in chunk.get("choices") or ():
-                ids = choice.get("token_ids") or []
-                if (ids or choice.get("text")) and not into.ttft_ms:
-                    into.ttft_ms = (time.perf_counter() - start) * 1000
-                into.token_ids += ids
-            usage = chunk.get("usage")
-            if usage:
-                into.prompt_tokens = int(usage["prompt_tokens"])
-                into.cached_tokens = int(
-                    (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                )
+        with stream:
+            for chunk in stream:
+                for choice in chunk.choices:
+                    ids = getattr(choice, "token_ids", None) or []  # vLLM's field
+                    if (ids or choice.text) and not into.ttft_ms:
+                        into.ttft_ms = (time.perf_counter() - start) * 1000
+                    into.token_ids += ids
+                if chunk.usage is not None:
+                    into.prompt_tokens = chunk.usage.prompt_tokens
+                    details = chunk.usage.prompt_tokens_details
+                    into.cached_tokens = (details.cached_tokens if details else 0) or 0
         if not into.token_ids or not into.prompt_tokens:
             raise ValueError("the stream ended without tokens or usage")
 
     def close(self) -> None:
-        self.conn.close()
-
-
-def _events(resp: http.client.HTTPResponse):
-    """The JSON objects of a server-sent event stream, until `[DONE]`."""
-    for raw in resp:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            resp.read()  # the stream's end, so the connection can take the next request
-            return
-        yield json.loads(data)
+        self.client.close()
 
 
 def replay_conversations(
@@ -176,7 +153,6 @@ def replay_conversations(
                     client.complete(texts[c][t.turn], max_tokens, salt, t)
                 except Exception as e:  # any failure is this request's, counted, not the run's
                     t.error = repr(e)[:300]
-                    client.reconnect()
                 bar.tick()
 
         try:

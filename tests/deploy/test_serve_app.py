@@ -12,7 +12,7 @@ import urllib.request
 
 import openai
 import pytest
-from kvfabric.deploy.cli.cluster import free_port, local_cluster, up
+from kvfabric.deploy.cli.cluster import APP_NAME, free_port, local_cluster, up
 from kvfabric.deploy.cli.http_replay import Client
 from kvfabric.deploy.serve.app import AppArgs, AppArgsError
 from ray import serve
@@ -282,3 +282,22 @@ def test_status_prints_every_node_s_pools_and_hits(endpoint):
     table = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert table.returncode == 0, table.stderr[-3000:]
     assert "fabric kvfabric: 3 nodes" in table.stdout and "full/device" in table.stdout
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class NeverStarts:
+    def __init__(self) -> None:
+        raise RuntimeError("this replica refuses to start")
+
+
+def test_an_app_serve_cannot_deploy_is_an_error_with_serve_s_causes(endpoint):
+    """`kvfabric up` of an app Serve cannot deploy says why: each failed deployment's
+    cause from Serve's status API, not only that some deployment failed."""
+    from kvfabric.deploy.cli.cluster import DeployFailed, deploy
+
+    try:
+        with pytest.raises(DeployFailed, match="(?s)NeverStarts: DEPLOY_FAILED: .*this replica refuses to start"):
+            deploy(NeverStarts.bind(), "kvf-never", "/never")
+    finally:
+        serve.delete("kvf-never")
+    assert serve.status().applications[APP_NAME].status.value == "RUNNING"

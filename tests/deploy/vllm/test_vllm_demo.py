@@ -107,7 +107,7 @@ def test_a_failed_request_is_counted_and_the_rest_go_on(server):
     result = replay_conversations(
         "t", server, "m", texts, 2, concurrency=2, uncached=True, progress=False
     )
-    assert result.failed == 1 and "HTTP 400" in result.turns[1].error
+    assert result.failed == 1 and "Error code: 400" in result.turns[1].error
     assert {(t.conversation, t.turn) for t in result.done} == {(0, 0), (0, 2), (1, 0)}
     assert result.cached_tokens == 0  # every request had a fresh cache_salt
 
