@@ -136,14 +136,14 @@ def session(
 
     app = AppArgs(max_positions=1024, device_pages=512, host_pages=512, chaos=True)
     tokens = [
-        request_tokens(r, 16, vocab_size=app.model_config.vocab)[:1000]
+        request_tokens(r, 16, vocab_size=app.reference_model.vocab)[:1000]
         for r in multi_turn_slice(load_trace(), prompts)
     ]
     embedded = local_cluster(nodes) if not address else contextlib.nullcontext(None)
     with embedded as cluster:
         if address:  # no embedded cluster: the given one
             connect(address)
-        endpoint = up(dataclasses.asdict(app), port=free_port())
+        endpoint = up(app.as_dict(), port=free_port())
         try:
             yield ChaosHarness(
                 endpoint, app.model_name, tokens, cluster=cluster, node_args=NODE_ARGS, log=log
@@ -198,7 +198,7 @@ def vllm_session(
             from ray import serve
 
             try:
-                endpoint = up(dataclasses.asdict(app), port=free_port(), engine="vllm", wait_s=900)
+                endpoint = up(app.as_dict(), port=free_port(), engine="vllm", wait_s=900)
                 deadline = time.monotonic() + 120
                 while not fabrics_of(app.model_id) and time.monotonic() < deadline:
                     time.sleep(0.5)  # the engines announce the fabric they started

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.address or f'an embedded cluster of {args.nodes} nodes'} ...",
             file=sys.stderr,
         )
-        endpoint = up(dataclass_args(app), port=free_port())
+        endpoint = up(app.as_dict(), port=free_port())
         try:
             report, pairs = run(args, app, trace, endpoint)
         finally:
@@ -156,19 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if report.output_mismatches or report.failed_requests else 0
 
 
-def dataclass_args(app) -> dict:
-    import dataclasses
-
-    return {f.name: getattr(app, f.name) for f in dataclasses.fields(app)}
-
-
 def run(args: argparse.Namespace, app, trace, endpoint):
     from kvfabric.deploy.sim.trace import request_tokens
 
     from .http_replay import multi_turn_slice, replay, summarize
 
     requests = multi_turn_slice(trace, args.requests)
-    cfg = app.model_config
+    cfg = app.reference_model
     limit = cfg.max_positions - args.max_tokens
     prompts = [
         request_tokens(r, args.tokens_per_block, vocab_size=cfg.vocab)[:limit] for r in requests

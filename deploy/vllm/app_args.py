@@ -4,15 +4,13 @@ nor Ray Serve LLM, so a bad argument is refused at once (serve_llm.py builds the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, Self
 
-from kvfabric.deploy.serve.app import AppArgsError, args_of
+from kvfabric.deploy.serve.args import AbsolutePathOrEmpty, Args
+from pydantic import Field, model_validator
 
 from .model import ensure_tiny_model
 
-DTYPES = ("", "auto", "float32", "float16", "bfloat16")
 # What an LLMConfig says about the engines (the rest are the fabric's settings).
 ENGINE_FIELDS = (
     "model_dir",
@@ -29,100 +27,56 @@ ENGINE_FIELDS = (
 )
 
 
-@dataclass(frozen=True)
-class LLMAppArgs:
-    model_dir: str = (
-        ""  # a local HF model folder; "": the small full+SWA model, written at first use
-    )
-    model_id: str = "kvfabric-tiny-vllm"
-    replicas: int = 0  # engines; 0: one per alive Ray node
-    tensor_parallel_size: int = 1  # each engine's ranks (pages hold every head whatever it is)
+class LLMAppArgs(Args):
+    # A local HF model folder; "": the small full+SWA model, written at first use.
+    model_dir: AbsolutePathOrEmpty = ""
+    model_id: Annotated[str, Field(min_length=1)] = "kvfabric-tiny-vllm"
+    replicas: Annotated[int, Field(ge=0)] = 0  # engines; 0: one per alive Ray node
+    # Each engine's ranks (pages hold every head whatever it is).
+    tensor_parallel_size: Annotated[int, Field(ge=1)] = 1
     # The engines' dtype: "" takes the bundled model's (float32), else vLLM's choice ("auto").
-    dtype: str = ""
-    block_size: int = 32  # vLLM's KV block: one fabric page (a multiple of 32 on CPU, 16 on GPU)
-    max_model_len: int = 2048
-    kv_cache_bytes: int = 12 << 20  # each engine's own (device) KV cache
-    device_pages: int = 64  # the node actor's pools, per pool (SWA pools: a quarter)
-    host_pages: int = 4096
-    shards: int = 2
+    dtype: Literal["", "auto", "float32", "float16", "bfloat16"] = ""
+    # vLLM's KV block: one fabric page (a multiple of 32 on CPU, 16 on GPU).
+    block_size: Annotated[int, Field(ge=16)] = 32
+    max_model_len: Annotated[int, Field(ge=64)] = 2048
+    kv_cache_bytes: Annotated[int, Field(ge=1 << 20)] = 12 << 20  # each engine's own KV cache
+    device_pages: Annotated[int, Field(ge=1)] = 64  # the node actor's pools (SWA: a quarter)
+    host_pages: Annotated[int, Field(ge=0)] = 4096
+    shards: Annotated[int, Field(ge=1)] = 2
     remote: bool = True  # engines fetch longer prefixes from other nodes
     index_events: bool = True  # engines feed the index their own caches' contents
-    cpus_per_replica: float = (
-        1.0  # Ray places engines by it: more than half a node's CPUs, one per node
-    )
-    gpus_per_replica: float = 0.0  # 0: engines on CPU; else each engine's GPUs (vLLM's CUDA build)
-    gpu_memory_utilization: float = 0.9  # GPU engines: the share of a GPU's memory each may take
+    # Ray places engines by it: more than half a node's CPUs, one per node.
+    cpus_per_replica: Annotated[float, Field(gt=0, le=64)] = 1.0
+    # 0: engines on CPU; else each engine's GPUs (vLLM's CUDA build).
+    gpus_per_replica: Annotated[float, Field(ge=0, le=8)] = 0.0
+    # GPU engines: the share of a GPU's memory each may take.
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
     # API keys -> the cache_salts (namespaces) each may use (deploy/serve/tenants.py); an absolute
     # path on every node, read when the ingress starts. "": any client picks its salt.
-    tenants_file: str = ""
+    tenants_file: AbsolutePathOrEmpty = ""
     # Chaos runs (`kvfabric chaos --engine vllm`): the nodes take NodeChaos actions, and
     # every engine's connector fails or kills its process at the steps this file names
     # (StepFaultFile; a path on each engine's host). Empty: off.
-    chaos_file: str = ""
+    chaos_file: AbsolutePathOrEmpty = ""
     # The user's own engines: Ray's LLMConfig as a mapping (its YAML, `kvfabric up
     # --config`), served with the fabric (serve_llm.with_fabric). The engine fields above
     # then stay unset: the LLMConfig says them.
     llm_config: dict | None = None
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
         if self.llm_config is not None:
-            if not isinstance(self.llm_config, dict):
-                raise AppArgsError(
-                    f"llm_config must be a mapping (Ray's LLMConfig), got "
-                    f"{type(self.llm_config).__name__}"
-                )
-            default = LLMAppArgs()
-            both = [f for f in ENGINE_FIELDS if getattr(self, f) != getattr(default, f)]
+            default = LLMAppArgs.model_fields
+            both = [f for f in ENGINE_FIELDS if getattr(self, f) != default[f].default]
             if both:
-                raise AppArgsError(f"with llm_config, set {both} in the LLMConfig instead")
-        if not isinstance(self.model_dir, str) or (
-            self.model_dir and not Path(self.model_dir).is_absolute()
-        ):
-            raise AppArgsError(
-                f"model_dir must be an absolute path or empty, got {self.model_dir!r}"
-            )
-        if not isinstance(self.model_id, str) or not self.model_id:
-            raise AppArgsError(f"model_id must be a non-empty string, got {self.model_id!r}")
-        for f, low in (
-            ("replicas", 0),
-            ("tensor_parallel_size", 1),
-            ("block_size", 16),
-            ("max_model_len", 64),
-            ("kv_cache_bytes", 1 << 20),
-            ("device_pages", 1),
-            ("host_pages", 0),
-            ("shards", 1),
-        ):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise AppArgsError(f"{f} must be an int >= {low}, got {v!r}")
-        c, g = self.cpus_per_replica, self.gpus_per_replica
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 64:
-            raise AppArgsError(f"cpus_per_replica must be a number in (0, 64], got {c!r}")
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 8:
-            raise AppArgsError(f"gpus_per_replica must be a number in [0, 8], got {g!r}")
-        u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
-            raise AppArgsError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
-        multiple = 16 if g else 32  # vLLM's CUDA and CPU kernels' block sizes
+                raise ValueError(f"with llm_config, set {both} in the LLMConfig instead")
+        multiple = 16 if self.gpus_per_replica else 32  # vLLM's CUDA and CPU kernels' blocks
         if self.block_size % multiple:
-            raise AppArgsError(
+            raise ValueError(
                 f"block_size must be a multiple of {multiple} on {self.device()}, got "
                 f"{self.block_size}"
             )
-        if self.dtype not in DTYPES:
-            raise AppArgsError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for f in ("remote", "index_events"):
-            if not isinstance(getattr(self, f), bool):
-                raise AppArgsError(f"{f} must be a bool, got {getattr(self, f)!r}")
-        for f in ("tenants_file", "chaos_file"):
-            v = getattr(self, f)
-            if not isinstance(v, str) or (v and not Path(v).is_absolute()):
-                raise AppArgsError(f"{f} must be an absolute path or empty, got {v!r}")
-
-    @classmethod
-    def from_dict(cls, args: dict | None) -> "LLMAppArgs":
-        return args_of(cls, args)
+        return self
 
     def model(self) -> str:
         return self.model_dir or str(ensure_tiny_model())

@@ -57,9 +57,7 @@ def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False, tp: int = 1):
         dtype="float32",  # the model's own (vLLM's CPU "auto" would compute in bfloat16)
     )
     return (
-        dataclasses.replace(app, gpus_per_replica=1.0, gpu_memory_utilization=round(0.8 / nodes, 3))
-        if gpu
-        else app
+        app.but(gpus_per_replica=1.0, gpu_memory_utilization=round(0.8 / nodes, 3)) if gpu else app
     )
 
 
@@ -154,7 +152,7 @@ def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[d
         file=sys.stderr,
     )
     started = time.monotonic()
-    endpoint = up(dataclasses.asdict(app), port=port, engine="vllm", wait_s=600.0)
+    endpoint = up(app.as_dict(), port=port, engine="vllm", wait_s=600.0)
     print(f"  up in {time.monotonic() - started:.0f} s", file=sys.stderr)
     warmups = warm_up(endpoint, app)
     before = fabric_counters(app.model_id, warmups)

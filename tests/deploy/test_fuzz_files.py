@@ -186,7 +186,7 @@ def test_layout_dicts_are_accepted_iff_valid(d: Any) -> None:
     assert layout_ok(d) and layout.to_dict() == {"window": 0, "dtype": "float32"} | d
 
 
-APP_FIELDS = {f.name: f.default for f in dataclasses.fields(AppArgs)}
+APP_FIELDS = {name: f.default for name, f in AppArgs.model_fields.items()}
 
 
 def app_args_ok(d: object) -> bool:
@@ -233,8 +233,8 @@ APP_ARGS = st.fixed_dictionaries(
 @given(APP_ARGS.filter(app_args_ok))
 def test_app_args_round_trip_exactly(d: dict) -> None:
     args = AppArgs.from_dict(json.loads(json.dumps(d)))
-    assert dataclasses.asdict(args) == APP_FIELDS | d
-    assert AppArgs.from_dict(dataclasses.asdict(args)) == args
+    assert args.as_dict() == APP_FIELDS | d
+    assert AppArgs.from_dict(args.as_dict()) == args
 
 
 @fuzz
@@ -257,7 +257,7 @@ def test_app_args_are_accepted_iff_valid(d: Any) -> None:
     except AppArgsError:
         assert not app_args_ok(d), d
         return
-    assert app_args_ok(d) and dataclasses.asdict(args) == APP_FIELDS | (d or {})
+    assert app_args_ok(d) and args.as_dict() == APP_FIELDS | (d or {})
 
 
 MODEL_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

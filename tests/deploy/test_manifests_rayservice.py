@@ -117,7 +117,7 @@ def test_serve_config_is_one_valid_serve_application(serve_config):
 def test_app_args_build_the_apps_args(serve_config):
     app, kind = _app(serve_config)
     cls = resolve(kind.args_class)
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = set(cls.model_fields)
     args = app.get("args", {})
     assert "shards" in args
     assert set(args) <= fields, f"unknown app args: {sorted(set(args) - fields)}"

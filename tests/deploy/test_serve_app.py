@@ -296,7 +296,9 @@ def test_an_app_serve_cannot_deploy_is_an_error_with_serve_s_causes(endpoint):
     from kvfabric.deploy.cli.cluster import DeployFailed, deploy
 
     try:
-        with pytest.raises(DeployFailed, match="(?s)NeverStarts: DEPLOY_FAILED: .*this replica refuses to start"):
+        with pytest.raises(
+            DeployFailed, match="(?s)NeverStarts: DEPLOY_FAILED: .*this replica refuses to start"
+        ):
             deploy(NeverStarts.bind(), "kvf-never", "/never")
     finally:
         serve.delete("kvf-never")

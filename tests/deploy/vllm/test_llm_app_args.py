@@ -7,8 +7,6 @@ CPU- and GPU-computed pages never mix)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,7 +27,7 @@ from kvfabric.deploy.vllm.serve_llm import (  # noqa: E402
 from ray.serve.llm import LLMConfig  # noqa: E402
 from ray.serve.llm.deployment import LLMServer  # noqa: E402
 
-FIELDS = {f.name for f in dataclasses.fields(LLMAppArgs)}
+FIELDS = set(LLMAppArgs.model_fields)
 JUNK = st.one_of(
     st.none(),
     st.booleans(),

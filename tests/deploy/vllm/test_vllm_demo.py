@@ -5,7 +5,6 @@ docs/internals.md.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -168,6 +167,4 @@ def test_the_gpu_demo_shares_the_one_gpu_among_its_engines():
     assert (cpu.gpus_per_replica, cpu.gpu_memory_utilization, cpu.device()) == (0.0, 0.9, "cpu")
     assert (gpu.gpus_per_replica, gpu.gpu_memory_utilization, gpu.device()) == (1.0, 0.267, "cuda")
     # Nothing else differs.
-    assert dataclasses.replace(
-        gpu, gpus_per_replica=0.0, gpu_memory_utilization=0.9
-    ) == dataclasses.replace(cpu, replicas=3)
+    assert gpu.but(gpus_per_replica=0.0, gpu_memory_utilization=0.9) == cpu.but(replicas=3)
