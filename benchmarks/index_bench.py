@@ -203,9 +203,9 @@ def actor_latency(all_keys: list[list[bytes]], calls: int = 400) -> tuple[float,
             return statistics.median(times[calls // 10 :]) * 1e3
 
         blobs = [b"".join(k) for k in all_keys[:500]]
-        lookup = p50(lambda i: shard.lookup.remote(blobs[i % 500], 0))
+        lookup = p50(lambda i: shard.lookup.remote(blobs[i % len(blobs)], 0))
         # The same call shape (same arguments) doing nothing: what remains is the lookup.
-        noop = p50(lambda i: shard.noop.remote(blobs[i % 500], 0))
+        noop = p50(lambda i: shard.noop.remote(blobs[i % len(blobs)], 0))
         bare = p50(lambda i: shard.noop.remote())
         print(f"(a no-op call without arguments: {bare:.3f} ms)")
         return lookup, noop

@@ -177,8 +177,10 @@ def memcpy_copiers(
     return [gather_scatter, per_page]
 
 
-def bench_nixl_and_memcpy(metadata: bytes, device: str) -> tuple[dict, dict]:
-    """Best-of-ROUNDS medians; the two alternate so that both see the same host load."""
+def bench_nixl_and_memcpy(
+    metadata: bytes, device: str, rows: list[tuple[int, int]], rounds: int
+) -> tuple[dict, dict]:
+    """Best-of-`rounds` medians; the two alternate so that both see the same host load."""
     from kvfabric.transport import NixlTransport
 
     nixl: dict[tuple[int, int], float] = {}
@@ -189,15 +191,15 @@ def bench_nixl_and_memcpy(metadata: bytes, device: str) -> tuple[dict, dict]:
         for name, tensor in pools.items():
             transport.register_pool(name, tensor)
         transport.connect(PEER, metadata)
-        for _ in range(ROUNDS):
-            for key in ROWS:
+        for _ in range(rounds):
+            for key in rows:
                 nbytes = key[0] * key[1]
                 gbps = median_gbps(nbytes, time_reps(nixl_reader(transport, pools, *key)))
                 nixl[key] = max(nixl.get(key, 0.0), gbps)
                 for copy in memcpy_copiers(src, dst, *key):
                     gbps = median_gbps(nbytes, time_reps(copy))
                     memcpy[key] = max(memcpy.get(key, 0.0), gbps)
-        if not all(bool(t.any()) for t in pools.values()):
+        if not all(bool(pools[pool_name(page_bytes)].any()) for page_bytes, _ in rows):
             raise AssertionError("NIXL reads did not land in the reader's pools")
     return nixl, memcpy
 
@@ -229,7 +231,7 @@ def local_ray() -> Iterator[None]:
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
-def bench_ray() -> dict[tuple[int, int], float]:
+def bench_ray(rows: list[tuple[int, int]], rounds: int) -> dict[tuple[int, int], float]:
     import ray
 
     @ray.remote(num_cpus=1)
@@ -256,8 +258,8 @@ def bench_ray() -> dict[tuple[int, int], float]:
 
     holder, fetcher = Holder.remote(), Fetcher.remote()
     results: dict[tuple[int, int], float] = {}
-    for _ in range(ROUNDS):
-        for key in ROWS:
+    for _ in range(rounds):
+        for key in rows:
             times = ray.get(
                 fetcher.fetch.remote(holder, pool_name(key[0]), index_sets(key[1], seed=key[1])),
                 timeout=300,
@@ -290,28 +292,33 @@ def ratio_at(rows: list[Row], page_bytes: int, field: str) -> float:
     return round(statistics.mean(r.nixl_gbps / getattr(r, field) for r in sel), 3)
 
 
-def run(json_out: bool, object_store: bool = True) -> dict:
+def run(
+    json_out: bool,
+    object_store: bool = True,
+    rows: list[tuple[int, int]] = ROWS,
+    rounds: int = ROUNDS,
+) -> dict:
     """Measure every row, print the table (and, with json_out, a final JSON line).
     Without `object_store` (a host without Ray) the object store's column is left out."""
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("KVF_TEST_DEVICE=cuda but CUDA is not available")
     with nixl_peer(DEVICE) as metadata:
-        nixl, memcpy = bench_nixl_and_memcpy(metadata, DEVICE)
+        nixl, memcpy = bench_nixl_and_memcpy(metadata, DEVICE, rows, rounds)
     ray_os: dict[tuple[int, int], float] = {}
     if object_store:
         with local_ray():
-            ray_os = bench_ray()
-    rows = [Row(p, n, nixl[(p, n)], memcpy[(p, n)], ray_os.get((p, n))) for p, n in ROWS]
+            ray_os = bench_ray(rows, rounds)
+    measured = [Row(p, n, nixl[(p, n)], memcpy[(p, n)], ray_os.get((p, n))) for p, n in rows]
     result = {
         "name": "transport",
         "device": DEVICE,
-        "rows": [asdict(r) for r in rows],
-        "ratio_vs_object_store_64k": ratio_at(rows, 64 << 10, "ray_object_store_gbps")
+        "rows": [asdict(r) for r in measured],
+        "ratio_vs_object_store_64k": ratio_at(measured, 64 << 10, "ray_object_store_gbps")
         if object_store
         else None,
-        "ratio_vs_memcpy_64k": ratio_at(rows, 64 << 10, "memcpy_gbps"),
+        "ratio_vs_memcpy_64k": ratio_at(measured, 64 << 10, "memcpy_gbps"),
     }
-    print_table(rows)
+    print_table(measured)
     if json_out:
         print(json.dumps(result), flush=True)
     return result
@@ -328,8 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave out the Ray object store (a host without Ray, e.g. a bare GPU machine)",
     )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="one row (64 KiB x 64) and one round: that the bench runs, not a figure",
+    )
     args = ap.parse_args(argv)
-    run(json_out=args.json, object_store=not args.no_object_store)
+    rows, rounds = ([(64 << 10, 64)], 1) if args.quick else (ROWS, ROUNDS)
+    run(json_out=args.json, object_store=not args.no_object_store, rows=rows, rounds=rounds)
     return 0
 
 

@@ -178,6 +178,10 @@ def _benchmarks() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules["benchmarks"] = module
     spec.loader.exec_module(module)
+    # A bench's spawned processes (the transport bench's NIXL peer) import `benchmarks` by
+    # name: they get this process's sys.path. Last, so nothing installed is shadowed.
+    if str(folder.parent) not in sys.path:
+        sys.path.append(str(folder.parent))
     return module
 
 
