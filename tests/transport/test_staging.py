@@ -400,3 +400,37 @@ def test_staging_on_a_full_tmpfs_is_refused_not_a_sigbus(tmp_path):
     assert lines[0].startswith("checked: staging needs 4.0 MiB") and "--shm-size" in lines[0]
     assert lines[1].startswith("refused: staging needs")
     assert "wrote" in run.stdout
+
+
+def _resident_kib(path: str) -> int:
+    """Rss of this process's mappings of `path` (/proc/self/smaps): what its page table maps."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's header line
+                inside = line.rstrip().endswith(path)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+def test_staging_is_mapped_in_before_the_first_copy_and_keeps_its_bytes():
+    """Pre-faulted at start (MADV_POPULATE_WRITE): the first hit or save copies at the
+    speed of later ones. Mapping it again (the other side) keeps what was written."""
+    from kvfabric.transport.staging import _populate
+
+    spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", 256)
+    first = SharedPages(spec, LAYOUT)
+    try:
+        full = first.pools[PoolName.FULL]
+        nbytes = full.numel() * full.element_size()
+        resident = _resident_kib(str(spec.path(PoolName.FULL))) * 1024
+        if not _populate(full):
+            pytest.skip("this kernel cannot pre-fault a mapping (Linux < 5.14)")
+        assert resident >= nbytes  # mapped in before any byte was written
+        full.fill_(1.5)
+        second = SharedPages(spec, LAYOUT)  # the engine's side, mapped while in use
+        assert bool((second.pools[PoolName.FULL] == 1.5).all())
+    finally:
+        first.unlink()
