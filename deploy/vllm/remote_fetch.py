@@ -124,7 +124,7 @@ class RemoteFetches:
             if rec.stage is not Stage.LOOKING or self.clock() >= settle_by:
                 break
             calls = rec.pending()  # none: answered, not read yet
-            if calls and not self._wait(calls, settle_by - self.clock()):
+            if calls and not self.wait_for(calls, settle_by - self.clock()):
                 break
         if rec.stage is not Stage.READY and self.clock() >= rec.deadline:
             self._give_up(rec, f"{rec.stage.value} past its deadline")
@@ -148,7 +148,7 @@ class RemoteFetches:
     def forget(self, rid: str) -> None:
         self.requests.pop(rid, None)
 
-    def _wait(self, calls: list, timeout_s: float) -> bool:
+    def wait_for(self, calls: list, timeout_s: float) -> bool:
         """Whether one of `calls` answered within `timeout_s`."""
         try:
             return bool(self.link.wait_any(calls, timeout_s))
@@ -156,13 +156,14 @@ class RemoteFetches:
             log.debug("waiting on the fabric failed: %r", e)
             return False
 
-    def wait_if_idle(self, scheduled_tokens: int) -> None:
-        """With nothing scheduled, wait a little for the first fabric answer."""
+    def wait_if_idle(self, scheduled_tokens: int, others: Sequence[Any] = ()) -> None:
+        """With nothing scheduled, wait a little for the first fabric answer (of these
+        requests' lookups and fetches, or `others`: the admission's load calls)."""
         if scheduled_tokens:
             return
-        calls = [c for rec in self.requests.values() for c in rec.pending()]
+        calls = [c for rec in self.requests.values() for c in rec.pending()] + list(others)
         if calls:
-            self._wait(calls, IDLE_WAIT_S)
+            self.wait_for(calls, IDLE_WAIT_S)
 
     # --- stages --------------------------------------------------------------------------
     def _start(self, tokens: Sequence[int], namespace: str) -> RemoteFetch:

@@ -1,8 +1,11 @@
 """The FabricConnector's scheduler side (vLLM's EngineCore process).
 
 One Ray call to the node actor per request and operation: at admission it asks for
-the usable cached prefix beyond vLLM's own hit and has it copied into staging slots
-(then the worker copies slots into the request's blocks, asynchronously for vLLM:
+the usable cached prefix beyond vLLM's own hit and has it copied into staging slots,
+without waiting on it past `lookup_wait_s`: vLLM asks again at its next steps (the
+answer None) until the node answered or the call's deadline passed, so the engine's
+loop never waits a node's copy out (then the worker copies slots into the request's
+blocks, asynchronously for vLLM:
 the request waits in WAITING_FOR_REMOTE_KVS, and a failed copy is reported as a
 failed receive, which vLLM recomputes). When a request finishes, its whole pages are
 copied by the worker into staging, and the node actor stores them (scheduler_saves.py,
@@ -15,6 +18,7 @@ Before that load, a prefix another node holds longer is first fetched into the n
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +58,16 @@ class ConnectorStats:
 
 
 @dataclass
+class _Asked:
+    """A load call the node has not answered yet (its slots are the node's meanwhile)."""
+
+    call: Any
+    skip: int  # vLLM's own hit (pages) it was asked for
+    slots: dict[PoolName, list[int]]
+    deadline: float
+
+
+@dataclass
 class _Load:
     hit: StagedHit
     skip: int  # vLLM's own hit (pages) it was planned for
@@ -82,6 +96,7 @@ class SchedulerSide(SchedulerSaves):
         self.node = NodeLink(settings, plan.layout, feed, spec)
         self.allocators = {p: PageAllocator(spec.pages) for p in plan.layout.pools}
         self.window_pages = plan.layout.window_pages
+        self.asked: dict[str, _Asked] = {}  # load calls in flight, by request
         self.planned: dict[str, _Load] = {}  # admitted lookups, before block allocation
         self.loading: dict[str, _Load] = {}  # copies the worker has not reported yet
         self.saving: dict[str, StagedSave] = {}  # by save job key
@@ -113,6 +128,9 @@ class SchedulerSide(SchedulerSaves):
         load = self.planned.get(rid)
         if load is not None and load.skip == skip:
             return (load.hit.pages - skip) * ps, True
+        asked = self.asked.get(rid)
+        if asked is not None:
+            return self._answered(request, asked, skip)
         self._drop_plan(rid)
         namespace = self._namespace(request)
         if (
@@ -143,24 +161,52 @@ class SchedulerSide(SchedulerSaves):
         slots = self._alloc(want)
         if slots is None:
             return 0, False
-        call = None
         try:
             if self.step_hook is not None:
                 self.step_hook(ConnectorStep.NODE_LOAD)
             call = self.node.submit("load_staged", self.spec, tokens, namespace, skip, slots)
-            hit = self.node.answer(call)
         except Exception as e:  # any failure: this request computes its prefix itself
-            self.stats.node_errors += 1
-            log.warning("fabric lookup failed for %s: %r", rid, e)
-            self._quarantine(slots, call)
+            self._load_failed(rid, slots, None, e)
+            return 0, False
+        asked = self.asked[rid] = _Asked(
+            call, skip, slots, time.monotonic() + self.settings.timeout_s
+        )
+        # A node answers in milliseconds when idle: worth that wait, not an engine step.
+        self.remote.wait_for([call], self.settings.lookup_wait_s)
+        return self._answered(request, asked, skip)
+
+    def _answered(self, request, asked: _Asked, skip: int) -> tuple[int | None, bool]:
+        """The admission's answer once its load call has ended (None before, until the
+        deadline: then the request computes, and the call keeps its slots until it ends)."""
+        rid = request.request_id
+        if not self.node.finished([asked.call]):
+            if time.monotonic() < asked.deadline:
+                return None, False
+            del self.asked[rid]
+            self._load_failed(rid, asked.slots, asked.call, TimeoutError("past its deadline"))
+            return 0, False
+        del self.asked[rid]
+        try:
+            hit = self.node.result(asked.call)
+        except Exception as e:  # any failure: this request computes its prefix itself
+            self._load_failed(rid, asked.slots, asked.call, e)
             return 0, False
         self.fabric_has[rid] = hit.pages
-        if hit.pages <= skip:
-            self._free(slots)
-            return 0, False
-        self._free({p: s[len(hit.slots.get(p, [])) :] for p, s in slots.items()})
+        if hit.pages <= skip or asked.skip != skip:
+            # Nothing to load, or vLLM's own hit changed meanwhile: staged for another
+            # hit, asked again for this one.
+            self._free(asked.slots)
+            if hit.pages <= skip:
+                return 0, False
+            return self.num_new_matched_tokens(request, skip * self.plan.page_size)
+        self._free({p: s[len(hit.slots.get(p, [])) :] for p, s in asked.slots.items()})
         self.planned[rid] = _Load(hit, skip, hit.slots)
-        return (hit.pages - skip) * ps, True
+        return (hit.pages - skip) * self.plan.page_size, True
+
+    def _load_failed(self, rid: str, slots, call: Any, e: BaseException) -> None:
+        self.stats.node_errors += 1
+        log.warning("fabric lookup failed for %s: %r", rid, e)
+        self._quarantine(slots, call)
 
     def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -220,7 +266,8 @@ class SchedulerSide(SchedulerSaves):
         )
 
     def build_meta(self, scheduler_output) -> FabricMeta:
-        self.remote.wait_if_idle(scheduler_output.total_num_scheduled_tokens)
+        loads = [a.call for a in self.asked.values()]
+        self.remote.wait_if_idle(scheduler_output.total_num_scheduled_tokens, loads)
         self._collect_stores()
         self._save_finished_prompts(scheduler_output)
         meta, self.meta = self.meta, FabricMeta()
@@ -313,6 +360,9 @@ class SchedulerSide(SchedulerSaves):
         load = self.planned.pop(rid, None)
         if load is not None:
             self._free(load.slots)
+        asked = self.asked.pop(rid, None)
+        if asked is not None:  # the node may still write them: back once the call ended
+            self._quarantine(asked.slots, asked.call)
 
     def _quarantine(self, slots: dict[PoolName, list[int]], call: Any) -> None:
         """Slots of a node call the engine gave up on (`call`: None if it was never sent):

@@ -288,12 +288,15 @@ def test_slots_of_a_load_given_up_on_are_not_handed_out_until_the_late_call_ends
     load writes meanwhile), and come back once the late call has ended."""
     finish_first(rig)
     rig.node.stalled = []
-    assert rig.sched.num_new_matched_tokens(Req("r2", PROMPT, PROMPT, 0), 0) == (0, False)
+    r2 = Req("r2", PROMPT, PROMPT, 0)
+    assert rig.sched.num_new_matched_tokens(r2, 0) == (None, False)  # asked again next step
+    assert rig.sched.stats.node_errors == 0
+    later = time.monotonic() + 86_400.0
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert rig.sched.num_new_matched_tokens(r2, 0) == (0, False)  # past its deadline: computes
     assert rig.sched.stats.node_errors == 1
     held = quarantined_slots(rig)
     assert held and held_slots(rig) == held
-    later = time.monotonic() + 86_400.0
-    monkeypatch.setattr(time, "monotonic", lambda: later)
     rig.step()
     assert quarantined_slots(rig) == held
     late, rig.node.stalled = rig.node.stalled, None
@@ -322,6 +325,39 @@ SETTING_VALUES = st.one_of(
     st.text(max_size=5),
     st.lists(st.integers(), max_size=2),
 )
+
+
+def test_admission_never_waits_a_load_out_and_an_abort_keeps_its_slots_until_it_ends(rig):
+    """The node's copy into staging runs while the engine steps: admission answers None
+    (ask again) until the call answered, then the load; a request that ends while its load
+    is in flight gives its slots back only once the node's call has ended."""
+    finish_first(rig)
+    rig.node.stalled = []  # the node copies, slowly
+    req = Req("r2", PROMPT, PROMPT, 0)
+    for _ in range(3):  # engine steps go on meanwhile
+        assert rig.sched.num_new_matched_tokens(req, 0) == (None, False)
+    rig.node.resume()
+    assert rig.sched.num_new_matched_tokens(req, 0) == (40, True)
+    rig.sched.after_alloc(req, Blocks(([0] * 8 + [40, 41, 42], list(range(30, 41)))), 40)
+    out = rig.step()
+    assert out.finished_recving == {"r2"} and not out.failed_recving
+    for name in NAMES[1::2]:
+        assert torch.equal(
+            layer_blocks(rig, name, list(range(30, 40))), layer_blocks(rig, name, FULL_BLOCKS[:10])
+        )
+    assert rig.sched.stats.node_errors == 0 and not held_slots(rig)
+    # Aborted (vLLM finishes a waiting request) while its load is in flight.
+    rig.node.stalled = []
+    r3 = Req("r3", PROMPT, PROMPT, 0)
+    assert rig.sched.num_new_matched_tokens(r3, 0) == (None, False)
+    assert rig.sched.finished(r3, ([], [])) == (False, None)
+    held = quarantined_slots(rig)
+    assert held and held_slots(rig) == held
+    rig.step()
+    assert quarantined_slots(rig) == held  # the node may still write them
+    rig.node.resume()
+    rig.step()
+    assert not held_slots(rig)
 
 
 @settings(max_examples=200, deadline=None)
