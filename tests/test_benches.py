@@ -37,6 +37,7 @@ def bench(args: list[str], cwd: Path, timeout_s: float = 300) -> dict:
         (["transport", "--quick", "--no-object-store", "--json"], "transport"),
         (["index", "--requests", "20", "--repeat", "1", "--json"], "index"),
         (["radix", "--capacity", "0.5", "--requests", "20", "--repeat", "1", "--json"], None),
+        (["staging", "--tokens", "2048", "--repeat", "2", "--json"], "staging"),
     ],
 )
 def test_each_bench_runs_from_outside_the_checkout(args, name, tmp_path):
@@ -45,12 +46,14 @@ def test_each_bench_runs_from_outside_the_checkout(args, name, tmp_path):
     if name == "transport":
         (row,) = result["rows"]
         assert row["nixl_gbps"] > 0 and row["memcpy_gbps"] > 0
+    if name == "staging":
+        assert result["tokens"] == 2048 and result["ratio_vs_memcpy"] > 0
 
 
 def test_every_bench_is_covered_here_or_lists_its_options(tmp_path):
     from kvfabric.deploy.cli.main import BENCHES
 
-    assert set(BENCHES) == {"transport", "index", "radix", "tp-drift"}
+    assert set(BENCHES) == {"transport", "index", "radix", "tp-drift", "staging"}
     out = subprocess.run(
         [KVFABRIC, "bench", "tp-drift", "--help"],
         cwd=tmp_path,

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from kvfabric.fabric import KVLayout, NodeCache, PoolName
-from kvfabric.fabric.cache.pages import pack, unpack
+from kvfabric.fabric.cache.pages import unpack
 from kvfabric.fabric.wire import is_int
 
 SHM_DIR = Path("/dev/shm")
@@ -248,9 +248,9 @@ def load_to_staging(
     for pool, rows in wanted.items():
         if not rows:
             continue
-        positions = list(rows)
-        dst = slots[pool][: len(positions)]
-        pages = pack(layout, pool, hit.layers, positions)
+        dst = slots[pool][: len(rows)]
+        # The hit's pages are already page-shaped: one scatter into the slots.
+        pages = hit.pages[pool][rows.start : rows.stop]
         shared.pools[pool].index_copy_(0, torch.tensor(dst, dtype=torch.long), pages.to("cpu"))
         out.slots[pool] = dst
     return out

@@ -161,7 +161,7 @@ class NodeCacheActor(PeerFetch, EngineHost):
                 if self.hooks is not None:
                     self.hooks.after_get(self.cache)
                 self.link.publish()  # load-backs and evictions change what the index should know
-                hit.layers = [None if t is None else t.cpu() for t in hit.layers]
+                hit.pages = {pool: t.cpu() for pool, t in hit.pages.items()}
         return hit
 
     def release_hold(self, hold_id: int) -> bool:

@@ -18,6 +18,7 @@ BENCHES = {
     "transport": "benchmarks.transport_bench",
     "index": "benchmarks.index_bench",
     "tp-drift": "benchmarks.tp_drift",
+    "staging": "benchmarks.staging_bench",
 }
 
 

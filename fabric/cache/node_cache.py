@@ -18,7 +18,7 @@ from .insert import Fill, InsertPlan, Inserts
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
 from .page_views import PageViews
-from .pages import LayerKV, PageCopier, TorchCopier, unpack
+from .pages import LayerKV, PageCopier, TorchCopier
 from .paths import groups, within
 from .policies import AttentionPolicy, policies_for
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
@@ -319,7 +319,7 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
 
     def _gather(self, path: list[TreeNode], n: int) -> CachedKV:
         ps = self.layout.page_size
-        layers: list[torch.Tensor | None] = [None] * len(self.layout.layers)
+        pages: dict[PoolName, torch.Tensor] = {}
         for pool, policy in self.policies.items():
             src = self.registry.pool(pool, Tier.DEVICE)
             if src.data is None or n == 0:
@@ -328,15 +328,19 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
             for x, offs in groups(path, policy.needed(n)):
                 held = x.pages_of(Tier.DEVICE, pool)
                 indices.extend(held[j] for j in offs)
-            pages = src.data.index_select(0, src.index_tensor(indices))
-            for li, t in zip(self.layout.layers_of(pool), unpack(pages)):
-                layers[li] = t
-        return CachedKV(
-            n * ps, {p: pol.needed(n).start * ps for p, pol in self.policies.items()}, layers
+            pages[pool] = src.data.index_select(0, src.index_tensor(indices))
+        return self._cached(
+            n * ps, {p: pol.needed(n).start * ps for p, pol in self.policies.items()}, pages
         )
 
     def _empty(self) -> CachedKV:
-        return CachedKV(0, dict.fromkeys(self.policies, 0), [None] * len(self.layout.layers))
+        return self._cached(0, dict.fromkeys(self.policies, 0), {})
+
+    def _cached(
+        self, tokens: int, starts: dict[PoolName, int], pages: dict[PoolName, torch.Tensor]
+    ) -> CachedKV:
+        pools = {p: self.layout.layers_of(p) for p in self.policies}
+        return CachedKV(tokens, starts, pages, pools, len(self.layout.layers))
 
     def _check_kv(self, kv: LayerKV | None, pages: int, first: dict[PoolName, int]) -> None:
         if kv is None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from .layout import PoolName, Tier
+from .pages import unpack
 from .radix import TreeNode
 
 
@@ -49,17 +51,30 @@ class NodeGuard:
 class CachedKV:
     """K/V of a cached prefix. A pool's layers cover tokens [starts[pool], tokens): what
     its policy needs (full layers from 0, SWA layers the window before the end).
-    `layers[i]` is [2, n_tokens, kv_heads, head_dim]; a put of rows that start there
-    passes `starts` on.
+    `pages[pool]` holds them as gathered from the pool, [n, L, 2, page, kv_heads,
+    head_dim] over the pool's layers (`pool_layers[pool]`, in order): a copy into
+    page-shaped memory (staging) takes them as they are. `layers[i]` is layer i as
+    [2, n_tokens, kv_heads, head_dim], unpacked at first use; a put of rows that start
+    there passes `starts` on.
     `host_tokens`: how many of the tokens were loaded back from the host tier.
     `hold`: the id of the hold pinning this prefix until the caller's put
     (NodeCache.get with `hold_s`), 0 for none."""
 
     tokens: int
     starts: dict[PoolName, int]
-    layers: list[torch.Tensor | None]
+    pages: dict[PoolName, torch.Tensor]
+    pool_layers: dict[PoolName, tuple[int, ...]]
+    n_layers: int
     host_tokens: int = 0
     hold: int = 0
+
+    @functools.cached_property
+    def layers(self) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = [None] * self.n_layers
+        for pool, pages in self.pages.items():
+            for li, t in zip(self.pool_layers[pool], unpack(pages)):
+                out[li] = t
+        return out
 
 
 @dataclass
