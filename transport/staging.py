@@ -228,32 +228,36 @@ def load_to_staging(
     slots = check_slots(slots, shared.spec, layout.pools)
     if not is_int(skip_pages) or skip_pages < 0:
         raise StagingError(f"skip_pages must be an int >= 0, got {skip_pages!r:.40}")
-    hit = cache.get(tokens, namespace)
+    # Pools whose slots are one run get the pages copied straight into them (one pass).
+    runs = {p: shared.pools[p][s[0] : s[0] + len(s)] for p, s in slots.items() if _one_run(s)}
+    hit = cache.get(tokens, namespace, first_page=skip_pages, into=runs)
     n = hit.tokens // ps
-    held = {pool: start // ps for pool, start in hit.starts.items()}  # the hit's rows start there
-    out = StagedHit(
-        pages=n,
-        first_page=skip_pages,
-        firsts={p: max(skip_pages, held[p]) for p in layout.pools},
-        host_pages=hit.host_tokens // ps,
-    )
     if n <= skip_pages:
         return StagedHit()
-    # Each pool stages pages [firsts[pool], n): all of them for full attention, the window
-    # before n for SWA. A shorter load than the hit would need the SWA window before its
-    # own end, which the hit does not carry: a pool with too few slots loads nothing.
-    wanted = {p: range(out.firsts[p] - held[p], n - held[p]) for p in layout.pools}
-    if any(len(slots.get(p, ())) < len(rows) for p, rows in wanted.items()):
+    # Each pool stages pages [firsts[pool], n): from skip_pages for full attention, the
+    # window before n for SWA. A shorter load than the hit would need the SWA window before
+    # its own end, which the hit does not carry: a pool with too few slots loads nothing.
+    firsts = {pool: start // ps for pool, start in hit.starts.items()}
+    if any(len(slots.get(p, ())) < n - first for p, first in firsts.items()):
         return StagedHit()
-    for pool, rows in wanted.items():
-        if not rows:
+    out = StagedHit(n, skip_pages, firsts, hit.host_tokens // ps)
+    for pool, first in firsts.items():
+        if first == n:
             continue
-        dst = slots[pool][: len(rows)]
-        # The hit's pages are already page-shaped: one scatter into the slots.
-        pages = hit.pages[pool][rows.start : rows.stop]
-        shared.pools[pool].index_copy_(0, torch.tensor(dst, dtype=torch.long), pages.to("cpu"))
+        dst = slots[pool][: n - first]
+        pages, staged = hit.pages[pool], shared.pools[pool]
+        if pages.data_ptr() != staged[dst[0]].data_ptr():  # gathered elsewhere: one scatter
+            staged.index_copy_(0, torch.tensor(dst, dtype=torch.long), pages.to("cpu"))
         out.slots[pool] = dst
     return out
+
+
+def _one_run(slots: list[int]) -> bool:
+    return (
+        bool(slots)
+        and slots[-1] - slots[0] == len(slots) - 1
+        and slots == list(range(slots[0], slots[0] + len(slots)))
+    )
 
 
 def save_from_staging(

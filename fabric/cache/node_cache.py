@@ -285,12 +285,24 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         dst.data.index_copy_(0, dst.index_tensor(pages), rows.to(dst.data.device))
 
     # --- get -------------------------------------------------------------------------
-    def get(self, tokens: Sequence[int], namespace: str, hold_s: float | None = None) -> CachedKV:
+    def get(
+        self,
+        tokens: Sequence[int],
+        namespace: str,
+        hold_s: float | None = None,
+        *,
+        first_page: int = 0,
+        into: Mapping[PoolName, torch.Tensor] | None = None,
+    ) -> CachedKV:
         """The usable cached prefix of `tokens` and its K/V, loaded to device first.
 
         With `hold_s`, what the hit needs stays pinned (`CachedKV.hold`) until
         the caller's put releases it, or `release_hold`, or `hold_s` seconds pass:
-        eviction between a request's get and its put cannot take its prefix."""
+        eviction between a request's get and its put cannot take its prefix.
+        `first_page`: the caller holds the pages before it: their K/V is not copied
+        (`starts` say where each pool's rows begin). `into[pool]`: page-shaped memory of
+        the caller's (staging) that pool's pages are copied into, from its row 0, where it
+        has the rows: `pages[pool]` is then a view of it, and no other copy is made."""
         match = self.match(tokens, namespace)
         self._stats.lookups += 1
         self._stats.lookup_pages += match.request_pages
@@ -306,7 +318,7 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
             n, host_pages = loaded.pages, loaded.from_host
             self._stats.hit_pages_host += host_pages
             self._stats.hit_pages_device += n - host_pages
-            out = self._gather(path, n)
+            out = self._gather(path, n, first_page, into or {})
             out.host_tokens = host_pages * self.layout.page_size
             if hold_s is not None and n:
                 out.hold = self.hold(match, n, hold_s)
@@ -317,21 +329,29 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         self.tiers.after_hit(used)
         return out
 
-    def _gather(self, path: list[TreeNode], n: int) -> CachedKV:
+    def _gather(
+        self, path: list[TreeNode], n: int, first: int, into: Mapping[PoolName, torch.Tensor]
+    ) -> CachedKV:
         ps = self.layout.page_size
         pages: dict[PoolName, torch.Tensor] = {}
+        starts: dict[PoolName, int] = {}
         for pool, policy in self.policies.items():
+            rows = range(min(max(policy.needed(n).start, first), n), n)
+            starts[pool] = rows.start * ps
             src = self.registry.pool(pool, Tier.DEVICE)
             if src.data is None or n == 0:
                 continue
             indices: list[int] = []
-            for x, offs in groups(path, policy.needed(n)):
+            for x, offs in groups(path, rows):
                 held = x.pages_of(Tier.DEVICE, pool)
                 indices.extend(held[j] for j in offs)
-            pages[pool] = src.data.index_select(0, src.index_tensor(indices))
-        return self._cached(
-            n * ps, {p: pol.needed(n).start * ps for p, pol in self.policies.items()}, pages
-        )
+            picked = src.index_tensor(indices)
+            sink = into.get(pool)
+            if sink is not None and _fits(sink, src.data, len(indices)):
+                pages[pool] = torch.index_select(src.data, 0, picked, out=sink[: len(indices)])
+            else:
+                pages[pool] = src.data.index_select(0, picked)
+        return self._cached(n * ps, starts, pages)
 
     def _empty(self) -> CachedKV:
         return self._cached(0, dict.fromkeys(self.policies, 0), {})
@@ -379,3 +399,14 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
 
     def snapshot(self) -> tuple:
         return cache_snapshot(self)
+
+
+def _fits(sink: torch.Tensor, pool: torch.Tensor, rows: int) -> bool:
+    """Whether `sink` can take `rows` pages of `pool` as they are."""
+    return (
+        sink.shape[0] >= rows
+        and sink.shape[1:] == pool.shape[1:]
+        and sink.dtype == pool.dtype
+        and sink.device == pool.device
+        and sink[:rows].is_contiguous()
+    )

@@ -58,7 +58,10 @@ def loaded(shared: SharedPages, hit, pool: PoolName) -> torch.Tensor:
     return shared.pools[pool][hit.slots[pool]]
 
 
-def test_staged_pages_come_back_equal(shared):
+@pytest.mark.parametrize("one_run", [True, False])
+def test_staged_pages_come_back_equal(shared, one_run):
+    """Slots in one run take the pool's pages straight in; scattered ones by a scatter:
+    the same bytes either way."""
     cache = new_cache()
     tokens = list(range(100, 100 + 10 * LAYOUT.page_size))
     n = len(tokens) // LAYOUT.page_size
@@ -71,6 +74,8 @@ def test_staged_pages_come_back_equal(shared):
     shared.pools[PoolName.FULL].zero_()
     shared.pools[PoolName.SWA].zero_()
     slots = {PoolName.FULL: list(range(20, 40)), PoolName.SWA: list(range(40, 40 + W))}
+    if not one_run:
+        slots = {p: s[::-1] for p, s in slots.items()}
     hit = load_to_staging(cache, shared, tokens + [1], "t", 3, slots)
     assert (hit.pages, hit.first_page, hit.firsts) == (
         n,
