@@ -409,3 +409,38 @@ def test_a_put_branching_where_a_node_holds_nothing_leaves_no_empty_leaf(room):
     assert shapes == ([(0, 2), (2, 2)] if room else [(0, 2), (0, 4), (4, 2)])  # lock cut it
     if lock is not None:
         cache.unlock(lock)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pages=st.integers(1, 10),
+    first=st.integers(0, 12),
+    sink_rows=st.integers(0, 12),
+    offset=st.integers(0, 3),
+)
+def test_a_get_from_a_first_page_into_caller_memory_gives_the_same_kv(
+    pages, first, sink_rows, offset
+):
+    """get(first_page=, into=) against a plain get of the same prefix: each pool's rows
+    from max(its start, first_page) on, equal; copied into the caller's rows where they fit
+    (a view of them), into new memory where they do not; the caller's other rows untouched."""
+    c = make()
+    tokens = seq(pages)
+    c.put(tokens, prefix_kv(MIXED, tokens), "ns")
+    plain = c.get(tokens, "ns")
+    ps = MIXED.page_size
+    sinks = {p: torch.full((sink_rows + offset, *MIXED.page_shape(p)), 7.0) for p in MIXED.pools}
+    into = {p: t[offset:] for p, t in sinks.items()}
+    hit = c.get(tokens, "ns", first_page=first, into=into)
+    assert hit.tokens == plain.tokens
+    n = hit.tokens // ps
+    for pool in MIXED.pools:
+        start = plain.starts[pool] // ps
+        assert hit.starts[pool] // ps == min(max(start, first), n)
+        rows = hit.pages[pool]
+        assert torch.equal(rows, plain.pages[pool][hit.starts[pool] // ps - start :])
+        straight = len(rows) <= sink_rows
+        if len(rows):  # (empty tensors share no memory to compare)
+            assert (rows.data_ptr() == into[pool].data_ptr()) == straight
+        assert bool((sinks[pool][:offset] == 7.0).all())  # before the caller's rows: untouched
+        assert bool((into[pool][len(rows) if straight else 0 :] == 7.0).all())
