@@ -9,6 +9,7 @@ from .cache.pages import PageCopier, TorchCopier, page_checksums
 from .cache.policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
 from .cache.pools import PagePool, PoolCapacity, PoolEntry, PoolRegistry
 from .cache.radix import RadixTree, TreeNode
+from .cache.rows import PagedKV
 from .cache.tiers import TierConfig, TierController, WritePolicy
 from .cache.txn import ReservationFailed, ReservationHook, Transaction, TransactionClosed
 from .exchange.export import export_prefix
@@ -51,6 +52,7 @@ __all__ = [
     "Lease",
     "LeaseTable",
     "CachedKV",
+    "PagedKV",
     "CacheStats",
     "Match",
     "NodeCache",

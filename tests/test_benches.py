@@ -48,6 +48,7 @@ def test_each_bench_runs_from_outside_the_checkout(args, name, tmp_path):
         assert row["nixl_gbps"] > 0 and row["memcpy_gbps"] > 0
     if name == "staging":
         assert result["tokens"] == 2048 and result["ratio_vs_memcpy"] > 0
+        assert result["save_ratio_vs_memcpy"] > 0
 
 
 def test_every_bench_is_covered_here_or_lists_its_options(tmp_path):

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from kvfabric.fabric import KVLayout, NodeCache, PoolName
-from kvfabric.fabric.cache.pages import unpack
+from kvfabric.fabric import KVLayout, NodeCache, PagedKV, PoolName
 from kvfabric.fabric.wire import is_int
 
 SHM_DIR = Path("/dev/shm")
@@ -285,7 +284,7 @@ def save_from_staging(
         raise StagingError(
             f"first pages must be ints >= 0 for pools of the layout, got {firsts!r:.80}"
         )
-    kv: list[torch.Tensor | None] = [None] * len(layout.layers)
+    pages: dict[PoolName, torch.Tensor] = {}
     starts: dict[PoolName, int] = {}
     for pool in layout.pools:
         first = firsts.get(pool, 0)
@@ -293,7 +292,11 @@ def save_from_staging(
         if len(idx) != n - first:
             raise StagingError(f"{pool.name}: {len(idx)} staged pages for positions [{first}, {n})")
         starts[pool] = first * ps  # rows before it were never staged: not stored
-        staged = shared.pools[pool].index_select(0, torch.tensor(idx, dtype=torch.long))
-        for li, t in zip(layout.layers_of(pool), unpack(staged)):  # [2, (n - first) * ps, H, D]
-            kv[li] = t
-    return cache.put(tokens, kv, namespace, starts=starts)
+        # Slots in one run are read in place: the put copies the pages it stores once.
+        staged = shared.pools[pool]
+        pages[pool] = (
+            staged[idx[0] : idx[0] + len(idx)]
+            if _one_run(idx)
+            else staged.index_select(0, torch.tensor(idx, dtype=torch.long))
+        )
+    return cache.put(tokens, PagedKV(pages), namespace, starts=starts)

@@ -25,7 +25,7 @@ from .pools import PoolCapacity, PoolEntry, PoolRegistry
 from .quarantine import Quarantines
 from .radix import DEVICE, DEVICE_ONLY, TIERS, RadixTree, TreeNode
 from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
-from .rows import check_kv, first_pages, pack_rows
+from .rows import PagedKV, check_kv, first_pages, pack_rows
 from .tiers import TierConfig, TierController
 from .txn import ReservationFailed, ReservationHook, Transaction
 from .walks import Walk, WalkMemo
@@ -234,7 +234,7 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
     def put(
         self,
         tokens: Sequence[int],
-        kv: LayerKV | None,
+        kv: LayerKV | PagedKV | None,
         namespace: str,
         *,
         starts: Mapping[PoolName, int] | None = None,
@@ -243,7 +243,8 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         """Store the whole pages of `tokens`; returns pages newly stored (0 if no room).
 
         `kv[i]` holds layer i's rows from the token position `starts` gives for
-        its pool (default 0) to the end of the sequence. Pages before a pool's
+        its pool (default 0) to the end of the sequence (or a PagedKV: each pool's
+        pages from there, copied in one pass). Pages before a pool's
         start are never written: SWA pages stay tombstoned, and full KV, which
         must be whole, grows the tree only where it has rows for every new page.
         `release`: a hold from `get`, released once the put is done, whatever happens."""
@@ -264,7 +265,7 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
             if release:
                 self.release_hold(release)
 
-    def _writer(self, plan: InsertPlan, kv: LayerKV, first: dict[PoolName, int]) -> Fill:
+    def _writer(self, plan: InsertPlan, kv: LayerKV | PagedKV, first: dict[PoolName, int]) -> Fill:
         """The insert's fill for a put: each pool's rows into its reserved device pages."""
 
         def write(got: dict[tuple[PoolName, Tier], list[int]], hold: Callable[[], None]) -> None:
@@ -274,7 +275,12 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         return write
 
     def _write(
-        self, pool: PoolName, pages: list[int], kv: LayerKV, positions: list[int], first: int
+        self,
+        pool: PoolName,
+        pages: list[int],
+        kv: LayerKV | PagedKV,
+        positions: list[int],
+        first: int,
     ) -> None:
         if not pages:
             return
@@ -362,7 +368,9 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         pools = {p: self.layout.layers_of(p) for p in self.policies}
         return CachedKV(tokens, starts, pages, pools, len(self.layout.layers))
 
-    def _check_kv(self, kv: LayerKV | None, pages: int, first: dict[PoolName, int]) -> None:
+    def _check_kv(
+        self, kv: LayerKV | PagedKV | None, pages: int, first: dict[PoolName, int]
+    ) -> None:
         if kv is None:
             if pages and self.stores_bytes:
                 raise ValueError("this cache stores bytes: put needs kv tensors")

@@ -444,3 +444,54 @@ def test_a_get_from_a_first_page_into_caller_memory_gives_the_same_kv(
             assert (rows.data_ptr() == into[pool].data_ptr()) == straight
         assert bool((sinks[pool][:offset] == 7.0).all())  # before the caller's rows: untouched
         assert bool((into[pool][len(rows) if straight else 0 :] == 7.0).all())
+
+
+@settings(max_examples=40, deadline=None)
+@given(pages=st.integers(1, 8), swa_first=st.integers(0, 8), held=st.integers(0, 8))
+def test_a_put_of_paged_kv_stores_what_a_put_of_layer_rows_does(pages, swa_first, held):
+    """PagedKV (staging's page shape) against the per-layer rows of the same K/V, onto a
+    cache that already holds a shorter prefix: the same pages stored, the same bytes read
+    back."""
+    from kvfabric.fabric import PagedKV
+    from kvfabric.fabric.cache.pages import pack
+
+    tokens = seq(pages)
+    kv = prefix_kv(MIXED, tokens)
+    first = {PoolName.FULL: 0, PoolName.SWA: min(swa_first, pages)}
+    starts = {p: f * MIXED.page_size for p, f in first.items()}
+    rows = {p: pack(MIXED, p, kv, list(range(first[p], pages))) for p in MIXED.pools}
+    by_layer, by_page = make(), make()
+    if held:
+        before = seq(min(held, pages))
+        for c in (by_layer, by_page):
+            c.put(before, prefix_kv(MIXED, before), "ns")
+    layer_rows = [
+        t[:, first[PoolName.FULL if k.value == "full" else PoolName.SWA] * MIXED.page_size :]
+        for t, k in zip(kv, MIXED.layers)
+    ]
+    stored = by_layer.put(tokens, layer_rows, "ns", starts=starts)
+    assert by_page.put(tokens, PagedKV(rows), "ns", starts=starts) == stored
+    a, b = by_layer.get(tokens, "ns"), by_page.get(tokens, "ns")
+    assert a.tokens == b.tokens and a.starts == b.starts
+    assert all(torch.equal(a.pages[p], b.pages[p]) for p in a.pages)
+    by_page.check()
+
+
+def test_paged_kv_of_the_wrong_shape_is_refused_and_changes_nothing():
+    from kvfabric.fabric import PagedKV
+    from kvfabric.fabric.cache.pages import pack
+
+    c = make()
+    tokens = seq(4)
+    kv = prefix_kv(MIXED, tokens)
+    good = {p: pack(MIXED, p, kv, list(range(4))) for p in MIXED.pools}
+    for bad in (
+        {PoolName.FULL: good[PoolName.FULL]},  # a pool missing
+        {**good, PoolName.SWA: good[PoolName.SWA][:2]},  # too few pages
+        {**good, PoolName.FULL: good[PoolName.FULL].double()},  # another dtype
+        {**good, PoolName.FULL: good[PoolName.FULL].reshape(4, -1)},  # not page-shaped
+    ):
+        with pytest.raises(ValueError):
+            c.put(tokens, PagedKV(bad), "ns")
+        assert c.match(tokens, "ns").present_pages == 0
+    c.check()
