@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from kvfabric.fabric import KVLayout, NodeCache, PagedKV, PoolName
+from kvfabric.fabric.cache.pages import run_view
 from kvfabric.fabric.wire import is_int
 
 SHM_DIR = Path("/dev/shm")
@@ -228,7 +229,8 @@ def load_to_staging(
     if not is_int(skip_pages) or skip_pages < 0:
         raise StagingError(f"skip_pages must be an int >= 0, got {skip_pages!r:.40}")
     # Pools whose slots are one run get the pages copied straight into them (one pass).
-    runs = {p: shared.pools[p][s[0] : s[0] + len(s)] for p, s in slots.items() if _one_run(s)}
+    views = {p: run_view(shared.pools[p], s) for p, s in slots.items()}
+    runs = {p: v for p, v in views.items() if v is not None}
     hit = cache.get(tokens, namespace, first_page=skip_pages, into=runs)
     n = hit.tokens // ps
     if n <= skip_pages:
@@ -249,14 +251,6 @@ def load_to_staging(
             staged.index_copy_(0, torch.tensor(dst, dtype=torch.long), pages.to("cpu"))
         out.slots[pool] = dst
     return out
-
-
-def _one_run(slots: list[int]) -> bool:
-    return (
-        bool(slots)
-        and slots[-1] - slots[0] == len(slots) - 1
-        and slots == list(range(slots[0], slots[0] + len(slots)))
-    )
 
 
 def save_from_staging(
@@ -293,10 +287,8 @@ def save_from_staging(
             raise StagingError(f"{pool.name}: {len(idx)} staged pages for positions [{first}, {n})")
         starts[pool] = first * ps  # rows before it were never staged: not stored
         # Slots in one run are read in place: the put copies the pages it stores once.
-        staged = shared.pools[pool]
-        pages[pool] = (
-            staged[idx[0] : idx[0] + len(idx)]
-            if _one_run(idx)
-            else staged.index_select(0, torch.tensor(idx, dtype=torch.long))
-        )
+        view = run_view(shared.pools[pool], idx)
+        if view is None:
+            view = shared.pools[pool].index_select(0, torch.tensor(idx, dtype=torch.long))
+        pages[pool] = view
     return cache.put(tokens, PagedKV(pages), namespace, starts=starts)

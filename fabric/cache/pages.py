@@ -45,6 +45,14 @@ def keep_bytes(pool: PagePool, indices: list[int]) -> Callable[[], None]:
 LayerKV = Sequence[torch.Tensor | None]
 
 
+def run_view(t: torch.Tensor, indices: Sequence[int]) -> torch.Tensor | None:
+    """Rows `indices` of `t` as a view, where they are one ascending run (no copy);
+    None where they are not (the caller gathers)."""
+    if not indices or list(indices) != list(range(indices[0], indices[0] + len(indices))):
+        return None
+    return t[indices[0] : indices[0] + len(indices)]
+
+
 def pack(layout: KVLayout, pool: PoolName, kv: LayerKV, positions: list[int]) -> torch.Tensor:
     """Pages at `positions` of per-layer kv [2, T, H, D] -> [n, *page_shape(pool)]."""
     ps = layout.page_size

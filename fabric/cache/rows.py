@@ -15,7 +15,7 @@ from typing import Mapping
 import torch
 
 from .layout import KVLayout, PoolName
-from .pages import LayerKV, pack
+from .pages import LayerKV, pack, run_view
 
 
 def first_pages(layout: KVLayout, starts: Mapping[PoolName, int] | None) -> dict[PoolName, int]:
@@ -110,6 +110,7 @@ def pack_rows(
     if not isinstance(kv, PagedKV):
         return pack(layout, pool, kv, rel)
     src = kv.pages[pool]
-    if rel and rel == list(range(rel[0], rel[0] + len(rel))):
-        return src[rel[0] : rel[0] + len(rel)]
+    view = run_view(src, rel)
+    if view is not None:
+        return view
     return src.index_select(0, torch.tensor(rel, dtype=torch.long, device=src.device))
