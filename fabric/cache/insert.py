@@ -131,7 +131,7 @@ class Inserts:
         committed, or fill's failure with nothing changed. Raises ReservationFailed (nothing
         changed) when eviction cannot make room. `writer`: the peer whose transfer may still
         write pages that fill holds."""
-        tree, hold = self.tree, None
+        tree, hold, guard = self.tree, None, None
         got: Reserved = {}
         if fill is not None:
 
@@ -139,20 +139,27 @@ class Inserts:
                 self.quarantine({k: sorted(v) for k, v in got.items() if v}, writer)
                 got.clear()
 
-        done = tree.insert_free(  # the common case: free pages cover it, so one step
-            plan.path,
-            plan.tokens,
-            plan.keyer,
-            plan.todo,
-            DEVICE,
-            self.registry.device_allocators,
-            self.reserve_hook,
-            fill,
-            hold,
-            got,
-        )
-        if done is None:
-            done = self._insert_evicting(plan, fill, writer)
+            # A fill may give up the caller's lock while bytes move (an import's read, a
+            # save's copy): an eviction for another prefix then must not prune the path.
+            guard = self._guard(plan.path, plan.keep)
+        try:
+            done = tree.insert_free(  # the common case: free pages cover it, so one step
+                plan.path,
+                plan.tokens,
+                plan.keyer,
+                plan.todo,
+                DEVICE,
+                self.registry.device_allocators,
+                self.reserve_hook,
+                fill,
+                hold,
+                got,
+            )
+            if done is None:
+                done = self._insert_evicting(plan, fill, writer)
+        finally:
+            if guard is not None:
+                self.unlock_nodes(guard)
         nodes, failed = done
         if failed is not None:
             return failed  # the reserved pages may be half written: freed (or held), never read

@@ -194,6 +194,32 @@ def test_every_fault_rolls_back_whole_and_a_retry_succeeds(name):
     dst.check()
 
 
+@pytest.mark.parametrize("during_read", [1, 2])
+@pytest.mark.parametrize("other_pages", [1, 3, 6])
+def test_a_put_that_evicts_during_a_read_leaves_the_import_whole(during_read, other_pages):
+    """The node actor gives up the cache's lock while a read moves bytes: a put of another
+    prefix may run then and evict. It must not take the pages or the path the import
+    grows from (its read-in pages are reserved; its path is locked)."""
+    src, t = cache(), tokens(6)
+    src.put(t, prefix_kv(LAYOUT, t), NS)
+    dst = cache(full=(8, 0), swa=(8, 0))  # the import takes 6 pages: the put must evict
+    dst.put(t[:8], prefix_kv(LAYOUT, t[:8]), NS)
+    grant = export_prefix(src, LeaseTable(src), dst.keys(t, NS), 2, 5.0)
+    other = tokens(other_pages, 1000)
+    base, stored = reader(src, dst), []
+
+    def read(pool, refs, pages):
+        base(pool, refs, pages)
+        if len(base.calls) == during_read:
+            stored.append(dst.put(other, prefix_kv(LAYOUT, other), NS))
+
+    assert import_prefix(dst, t, NS, grant, read) == FetchOutcome.COMMITTED
+    dst.check()
+    assert_kv(dst, t, 6)
+    hit = dst.get(other, NS)  # whatever the put stored is whole and right
+    assert hit.tokens == stored[0] * LAYOUT.page_size or stored[0] == 0
+
+
 def test_export_without_device_room_ends_at_the_device_prefix():
     src, dst, t = setup_pair(src_on_host=True)
     blocker = tokens(4, 500)
