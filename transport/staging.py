@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from kvfabric.fabric import KVLayout, NodeCache, PagedKV, PoolName
+from kvfabric.fabric.cache.insert import Unlocked
 from kvfabric.fabric.cache.pages import run_view
 from kvfabric.fabric.wire import is_int
 
@@ -260,12 +261,14 @@ def save_from_staging(
     namespace: str,
     slots: dict[PoolName, list[int]],
     firsts: Mapping[PoolName, int],
+    unlocked: Unlocked | None = None,
 ) -> int:
     """Store the whole pages of `tokens` from staging: a pool's KV of page firsts[pool] + i
     in slots[pool][i] (pools not in `firsts` from page 0). Full KV from a later page grows
     the cache only where it holds every page before (NodeCache.put). `tokens` are those
     the engine computed, a partial last page included: on a page end, the put keeps the
-    window a repeat of them needs too (NodeCache.put). Returns pages newly stored."""
+    window a repeat of them needs too (NodeCache.put). `unlocked` wraps the copy
+    (NodeCache.put). Returns pages newly stored."""
     layout = cache.layout
     ps = layout.page_size
     n = len(tokens) // ps
@@ -291,4 +294,4 @@ def save_from_staging(
         if view is None:
             view = shared.pools[pool].index_select(0, torch.tensor(idx, dtype=torch.long))
         pages[pool] = view
-    return cache.put(tokens, PagedKV(pages), namespace, starts=starts)
+    return cache.put(tokens, PagedKV(pages), namespace, starts=starts, unlocked=unlocked)

@@ -7,7 +7,8 @@ from a peer, which may take up to the fetch deadline; it runs in a thread so the
 loop keeps serving. Two rules keep the cache (not thread-safe) consistent:
 
 - `mutex`: every touch of the cache holds it, and nothing waits while holding it,
-  except an import's thread, which gives it up for the length of each read.
+  except an import's thread, which gives it up for the length of each read, and a
+  save's, which gives it up while it copies the staged bytes into reserved pages.
 - `family`: an import's open transaction holds nodes of one prefix family (the
   subtree under its first page); a split or an insert there would invalidate them.
   Calls that change the tree's shape in a family (put, get, export) wait while an
@@ -30,6 +31,8 @@ class CacheGate:
         self.mutex = threading.Lock()
         # One import thread: the transport is not thread-safe, and reads are short.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvf-import")
+        # One save thread: a save never waits behind a read from a slow peer.
+        self._saves = ThreadPoolExecutor(1, thread_name_prefix="kvf-save")
         self._families: dict[bytes, tuple[asyncio.Lock, int]] = {}
 
     @contextlib.asynccontextmanager
@@ -54,8 +57,17 @@ class CacheGate:
     async def run_import(self, key: bytes | None, work: Callable[[], T]) -> T:
         """Run `work` (one cache call) in the import thread, holding `mutex` there and
         the family on the loop; `released` wraps the reads it makes."""
+        return await self._run_locked(self._pool, key, work)
+
+    async def run_save(self, key: bytes | None, work: Callable[[], T]) -> T:
+        """As run_import, in the save thread; `released` wraps the copy it makes."""
+        return await self._run_locked(self._saves, key, work)
+
+    async def _run_locked(
+        self, pool: ThreadPoolExecutor, key: bytes | None, work: Callable[[], T]
+    ) -> T:
         async with self.family(key):
-            future = asyncio.get_running_loop().run_in_executor(self._pool, self._locked, work)
+            future = asyncio.get_running_loop().run_in_executor(pool, self._locked, work)
             try:
                 return await asyncio.shield(future)
             except asyncio.CancelledError:
@@ -85,3 +97,4 @@ class CacheGate:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._saves.shutdown(wait=False, cancel_futures=True)

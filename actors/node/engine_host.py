@@ -156,13 +156,17 @@ class EngineHost:
         firsts: dict[PoolName, int],
     ) -> int:
         """Store the whole pages of `tokens` that the engine wrote to its staging pages
-        (each pool's from page `firsts[pool]` on: see save_from_staging)."""
-        async with self.gate.family(self._family(tokens, namespace)):
-            with self.gate.mutex:
-                stored = save_from_staging(
-                    self.cache, self._staging(spec), tokens, namespace, slots, firsts
-                )
-                self.link.publish()
+        (each pool's from page `firsts[pool]` on: see save_from_staging). The copy runs
+        in the save thread without the cache's lock: the loop serves other calls."""
+        shared = self._staging(spec)
+        stored = await self.gate.run_save(
+            self._family(tokens, namespace),
+            lambda: save_from_staging(
+                self.cache, shared, tokens, namespace, slots, firsts, self.gate.released
+            ),
+        )
+        with self.gate.mutex:
+            self.link.publish()
         return stored
 
     def drop_staging(self, spec: StagingSpec) -> bool:

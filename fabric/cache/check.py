@@ -84,6 +84,11 @@ def check_invariants(cache: "NodeCache") -> None:
             for index in taken:
                 claim(pool, tier, index, f"open transaction {id(txn):x}")
 
+    for got in cache.filling.values():
+        for (pool, tier), taken in got.items():
+            for index in taken:
+                claim(pool, tier, index, "an insert filling them")
+
     for entry in registry:
         for tier in TIERS:
             alloc = entry.tier(tier).allocator
@@ -136,6 +141,9 @@ def page_audit(cache: "NodeCache") -> PageAudit:
             owners[key].update(indices)
     for txn in cache.open_txns:
         for key, taken in txn.pages().items():
+            owners[key].update(taken)
+    for got in cache.filling.values():
+        for key, taken in got.items():
             owners[key].update(taken)
     leaked = double = unallocated = 0
     for (pool, tier), held in owners.items():

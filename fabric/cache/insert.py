@@ -36,6 +36,8 @@ T = TypeVar("T")
 # None once written, or a failure, which the insert returns after rolling back. It calls
 # hold() first when a transfer may still write the pages: they are quarantined, not freed.
 Fill = Callable[[Reserved, Callable[[], None]], "T | None"]
+# unlocked(copy) is `copy` run with the caller's lock given up (the node actor's gate).
+Unlocked = Callable[[Callable[[], None]], Callable[[], None]]
 
 
 @dataclass(slots=True)  # one is made per put
@@ -67,6 +69,7 @@ class Inserts:
     unlock_nodes: Callable[[NodeGuard], None]
     quarantine: Callable[[Reserved, str | None], None]
     reserve_hook: ReservationHook | None
+    filling: dict[int, Reserved]
 
     def plan_store(
         self, tokens: Sequence[int], namespace: str, first: dict[PoolName, int]
@@ -142,6 +145,7 @@ class Inserts:
             # A fill may give up the caller's lock while bytes move (an import's read, a
             # save's copy): an eviction for another prefix then must not prune the path.
             guard = self._guard(plan.path, plan.keep)
+            self.filling[id(got)] = got  # so check() counts them meanwhile
         try:
             done = tree.insert_free(  # the common case: free pages cover it, so one step
                 plan.path,
@@ -159,6 +163,7 @@ class Inserts:
                 done = self._insert_evicting(plan, fill, writer)
         finally:
             if guard is not None:
+                del self.filling[id(got)]
                 self.unlock_nodes(guard)
         nodes, failed = done
         if failed is not None:

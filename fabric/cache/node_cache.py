@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -14,7 +15,7 @@ from .check import PageAudit, check_invariants, page_audit
 from .check import snapshot as cache_snapshot
 from .eviction import Evictor, drop_cut_leaf, prune_unlocked
 from .exports import Exports
-from .insert import Fill, InsertPlan, Inserts
+from .insert import Fill, InsertPlan, Inserts, Unlocked
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
 from .page_views import PageViews
@@ -23,7 +24,7 @@ from .paths import groups, within
 from .policies import AttentionPolicy, policies_for
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
 from .quarantine import Quarantines
-from .radix import DEVICE, DEVICE_ONLY, TIERS, RadixTree, TreeNode
+from .radix import DEVICE, DEVICE_ONLY, TIERS, RadixTree, Reserved, TreeNode
 from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
 from .rows import PagedKV, check_kv, first_pages, pack_rows
 from .tiers import TierConfig, TierController
@@ -81,6 +82,9 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         self.copier = copier or TorchCopier()
         self.reserve_hook = reserve_hook  # tests and chaos fail reservations through it
         self.open_txns: set[Transaction] = set()
+        # Pages an insert took off the free lists and fills, its caller's lock perhaps
+        # given up meanwhile (Inserts.insert): owned by that insert.
+        self.filling: dict[int, Reserved] = {}
         self.tiers = TierController(self.registry, tier, self.transaction)
         candidates = Candidates(self.tree) if incremental_eviction else None
         self.evictors = {
@@ -239,6 +243,7 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         *,
         starts: Mapping[PoolName, int] | None = None,
         release: int = 0,
+        unlocked: Unlocked | None = None,
     ) -> int:
         """Store the whole pages of `tokens`; returns pages newly stored (0 if no room).
 
@@ -247,7 +252,10 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         pages from there, copied in one pass). Pages before a pool's
         start are never written: SWA pages stay tombstoned, and full KV, which
         must be whole, grows the tree only where it has rows for every new page.
-        `release`: a hold from `get`, released once the put is done, whatever happens."""
+        `release`: a hold from `get`, released once the put is done, whatever happens.
+        `unlocked`: wraps the copy of the bytes, for a caller that gives up its lock
+        meanwhile (the node actor: CacheGate.released); the pages are reserved and the
+        path locked, so other prefixes' calls may run then."""
         try:
             first = self._from_zero if starts is None else first_pages(self.layout, starts)
             self._check_kv(kv, len(tokens) // self.layout.page_size, first)
@@ -255,8 +263,9 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
             if plan.empty:
                 self.tree.touch(plan.path)
                 return 0
+            fill = None if kv is None else self._writer(plan, kv, first, unlocked)
             try:
-                self.insert(plan, None if kv is None else self._writer(plan, kv, first))
+                self.insert(plan, fill)
             except ReservationFailed:
                 self._stats.put_failures += 1
                 return 0
@@ -265,14 +274,30 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
             if release:
                 self.release_hold(release)
 
-    def _writer(self, plan: InsertPlan, kv: LayerKV | PagedKV, first: dict[PoolName, int]) -> Fill:
+    def _writer(
+        self,
+        plan: InsertPlan,
+        kv: LayerKV | PagedKV,
+        first: dict[PoolName, int],
+        unlocked: Unlocked | None,
+    ) -> Fill:
         """The insert's fill for a put: each pool's rows into its reserved device pages."""
 
         def write(got: dict[tuple[PoolName, Tier], list[int]], hold: Callable[[], None]) -> None:
-            for pool, positions in plan.todo.items():
-                self._write(pool, got[(pool, DEVICE)], kv, positions, first[pool])
+            copy = functools.partial(self._write_all, plan, got, kv, first)
+            (copy if unlocked is None else unlocked(copy))()
 
         return write
+
+    def _write_all(
+        self,
+        plan: InsertPlan,
+        got: dict[tuple[PoolName, Tier], list[int]],
+        kv: LayerKV | PagedKV,
+        first: dict[PoolName, int],
+    ) -> None:
+        for pool, positions in plan.todo.items():
+            self._write(pool, got[(pool, DEVICE)], kv, positions, first[pool])
 
     def _write(
         self,

@@ -5,7 +5,9 @@ only holds the SWA window never gets placeholder bytes stored as SWA KV."""
 from __future__ import annotations
 
 import os
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -91,6 +93,57 @@ def test_staged_pages_come_back_equal(shared, one_run):
     )
     # Another namespace (tenant) never sees it.
     assert load_to_staging(cache, shared, tokens + [1], "u", 0, slots).pages == 0
+
+
+def test_a_save_copies_without_the_lock_and_other_prefixes_are_served_meanwhile(shared):
+    """The node actor's save gives up the cache's lock while it copies (CacheGate.released):
+    another thread then checks the cache (the pages being filled count as owned), stores and
+    reads another prefix, and the save still commits whole."""
+    cache, lock, copying, resume = (
+        new_cache(),
+        threading.Lock(),
+        threading.Event(),
+        threading.Event(),
+    )
+    tokens = list(range(100, 100 + 10 * LAYOUT.page_size))
+    other = list(range(900, 900 + 6 * LAYOUT.page_size))
+    n = len(tokens) // LAYOUT.page_size
+    slots = stage(shared, tokens, n - W)
+
+    def unlocked(copy):
+        def run():
+            lock.release()
+            try:
+                copying.set()
+                assert resume.wait(30)
+                copy()
+            finally:
+                lock.acquire()
+
+        return run
+
+    def save():
+        with lock:
+            return save_from_staging(
+                cache, shared, tokens, "t", slots, {PoolName.SWA: n - W}, unlocked
+            )
+
+    with ThreadPoolExecutor(1) as pool:
+        stored = pool.submit(save)
+        assert copying.wait(30)
+        with lock:  # what the node actor's loop does meanwhile
+            cache.check()
+            assert cache.put(other, prefix_kv(LAYOUT, other), "t") == 6
+            assert cache.get(other + [1], "t").tokens == len(other)
+            assert cache.get(tokens + [1], "t").tokens == 0  # not there until committed
+        resume.set()
+        assert stored.result(timeout=30) == n
+    cache.check()
+    hit = load_to_staging(cache, shared, tokens + [1], "t", 0, slots)
+    kv = prefix_kv(LAYOUT, tokens)
+    assert torch.equal(
+        loaded(shared, hit, PoolName.FULL), pack(LAYOUT, PoolName.FULL, kv, list(range(n)))
+    )
 
 
 def test_too_few_slots_load_nothing(shared):
