@@ -115,7 +115,7 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker().start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole before the step (the requests wait outside it)
+        return  # a load's request waits outside the batch until its copy is reported
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # saves copy finished requests' blocks once, in wait_for_save
@@ -138,8 +138,10 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         # The staging files go with the engine, and the node unmaps them.
-        if self.worker is not None and self.worker.shared is not None:
-            self.worker.shared.unlink()
+        if self.worker is not None:
+            self.worker.close()
+            if self.worker.shared is not None:
+                self.worker.shared.unlink()
         if self.scheduler is not None:
             self.scheduler.shutdown()
 

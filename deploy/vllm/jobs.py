@@ -50,6 +50,7 @@ class CopyJob:
 class FabricMeta(KVConnectorMetadata):
     loads: list[CopyJob] = field(default_factory=list)  # staging -> vLLM blocks
     saves: list[CopyJob] = field(default_factory=list)  # vLLM blocks -> staging
+    idle: bool = False  # the step runs no forward: nothing for the loads to overlap
 
 
 @dataclass

@@ -158,7 +158,8 @@ class RemoteFetches:
 
     def wait_if_idle(self, scheduled_tokens: int, others: Sequence[Any] = ()) -> None:
         """With nothing scheduled, wait a little for the first fabric answer (of these
-        requests' lookups and fetches, or `others`: the admission's load calls)."""
+        requests' lookups and fetches, or `others`: the admission's load calls and the
+        saves' store calls)."""
         if scheduled_tokens:
             return
         calls = [c for rec in self.requests.values() for c in rec.pending()] + list(others)

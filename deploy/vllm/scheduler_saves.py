@@ -4,7 +4,9 @@ blocks to staging (the worker copies them), then the node actor stores them.
 A prompt is saved in the step that computes its last token, a request's pages when it
 finishes, each only from the pages the node does not hold yet. The node's store is not
 waited for: the engine keeps stepping and the slots come back when the node answers
-(past the deadline, when the late call has ended: `SchedulerSide._quarantine`).
+(past the deadline, when the late call has ended: `SchedulerSide._quarantine`). A
+request whose prefix a save in flight holds waits for that save (admission answers "not
+yet") instead of computing what the node is about to hold.
 
 A mixin of SchedulerSide: it uses the side's plan, settings, node link, staging slots,
 bookkeeping and stats.
@@ -101,6 +103,22 @@ class SchedulerSaves:
                 has=self.fabric_has.get(rid, 0),
             ):
                 self.fabric_has[rid] = pages  # the end's save copies only what follows
+
+    def _save_in_flight(self, tokens: list[int], namespace: str, skip: int) -> bool:
+        """Whether a save the worker copies or the node stores holds page `skip` of
+        `tokens` (and so every page before): a request asking for it waits for the
+        store rather than compute what the node is about to hold."""
+        head = (skip + 1) * self.plan.page_size
+        if len(tokens) < head:
+            return False
+        want = tokens[:head]
+        for save in self.saving.values():
+            if save.namespace == namespace and save.tokens[:head] == want:
+                return True
+        for _, _, save, _ in self.storing:
+            if save.namespace == namespace and save.tokens[:head] == want:
+                return True
+        return False
 
     def _saves_reported(self, report: FabricWorkerMeta) -> None:
         """The workers copied these saves to staging (or one failed to): once every

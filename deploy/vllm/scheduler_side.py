@@ -144,7 +144,9 @@ class SchedulerSide(SchedulerSaves):
         need = len(tokens) // ps - skip
         if need <= 0:
             return 0, False
-        if not self.remote.ready(rid, tokens, namespace, skip):
+        if not self.remote.ready(rid, tokens, namespace, skip) or self._save_in_flight(
+            tokens, namespace, skip
+        ):
             return None, False
         self.stats.lookups += 1
         held = self.remote.node_holds(rid)
@@ -266,11 +268,12 @@ class SchedulerSide(SchedulerSaves):
         )
 
     def build_meta(self, scheduler_output) -> FabricMeta:
-        loads = [a.call for a in self.asked.values()]
-        self.remote.wait_if_idle(scheduler_output.total_num_scheduled_tokens, loads)
+        waited = [a.call for a in self.asked.values()] + [c for c, *_ in self.storing]
+        self.remote.wait_if_idle(scheduler_output.total_num_scheduled_tokens, waited)
         self._collect_stores()
         self._save_finished_prompts(scheduler_output)
         meta, self.meta = self.meta, FabricMeta()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         self._release_quarantine()
         return meta
 

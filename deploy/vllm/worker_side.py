@@ -5,16 +5,24 @@ block_size, head_dim] whatever the backend; a fabric page of a pool is [layers, 
 kv_heads, head_dim], in host memory shared with the node actor. A page holds every KV
 head: under tensor parallelism each rank's worker copies its own heads (plan.HeadShard)
 into and out of the same staging page, so ranks write disjoint bytes. On a GPU the blocks are
-in device memory and each copy crosses to the host once per layer and job. All copies of a
-step's jobs happen in start_load_kv (loads, for requests waiting outside the batch) and
-wait_for_save (saves
-of finished requests, whose blocks vLLM keeps until we report them sent), so no
-layer hook does any work.
+in device memory and each copy crosses to the host once per layer and job, on a stream of
+its own.
+
+Copies run in one background thread, off the engine's step, and are reported when done
+(get_finished, the worker meta): a load's request waits outside the batch until then and
+vLLM keeps a finished request's blocks until its save is reported sent, so neither is
+touched meanwhile. A prompt's save (its request still running) is the exception: vLLM
+may free blocks of a preempted request or outside a sliding window at the next step, so
+that step's start_load waits for it before the forward can write them. No layer hook
+does any work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 
 import torch
 from kvfabric.fabric import PoolName
@@ -46,6 +54,11 @@ class WorkerSide:
         self.finished_sending: set[str] = set()
         self.saved: dict[str, int] = {}
         self.failed_saves: set[str] = set()
+        # One copy thread: jobs run in the order the steps gave them.
+        self._copies = ThreadPoolExecutor(1, thread_name_prefix="kvf-copy")
+        self._loads: list[tuple[CopyJob, Future[BaseException | None]]] = []
+        self._saves: list[tuple[CopyJob, Future[BaseException | None]]] = []
+        self._stream = None  # a CUDA stream for the copies, where the blocks are on a GPU
 
     def register(self, kv_caches: dict[str, torch.Tensor], fmt: BlockFormat) -> None:
         lay = self.plan.layout
@@ -59,33 +72,74 @@ class WorkerSide:
         if self.step_hook is not None:
             self.step_hook(ConnectorStep.STAGING)  # raising here fails the engine's start
         self.shared = SharedPages(self.spec, lay)
+        device = next(iter(self.views.values())).device if self.views else None
+        if device is not None and device.type == "cuda":
+            self._stream = torch.cuda.Stream(device)
 
     # --- loads -------------------------------------------------------------------------
     def start_load(self, meta: FabricMeta) -> None:
-        for job in meta.loads:
-            try:
-                if job.doomed:
-                    raise RuntimeError(job.doomed)
-                if self.step_hook is not None:
-                    self.step_hook(ConnectorStep.WORKER_LOAD)
-                self._copy(job, to_blocks=True)
-            except Exception as e:  # reported as a failed receive: vLLM recomputes
-                log.warning("fabric load failed for %s: %r", job.req_id, e)
-                self.failed_recving.add(job.req_id)
-            self.finished_recving.add(job.req_id)
+        """Before the forward: the prompts' saves still copying end first (the forward
+        may write blocks vLLM freed since), then this step's loads start."""
+        wait_futures([f for job, f in self._saves if not job.ends_request])
+        self._loads.extend((job, self._submit(job, to_blocks=True)) for job in meta.loads)
+        if meta.idle:  # no forward to overlap: every copy started is reported this step
+            wait_futures([f for _, f in self._loads + self._saves])
 
     # --- saves -------------------------------------------------------------------------
     def save(self, meta: FabricMeta) -> None:
-        for job in meta.saves:
-            try:
-                if self.step_hook is not None:
-                    self.step_hook(ConnectorStep.WORKER_SAVE)
-                self._copy(job, to_blocks=False)
+        """After the forward: this step's saves start."""
+        self._saves.extend((job, self._submit(job, to_blocks=False)) for job in meta.saves)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for every copy started; False if some still run."""
+        pending = [f for _, f in self._loads + self._saves]
+        return not wait_futures(pending, timeout=timeout).not_done
+
+    def close(self) -> None:
+        """Let the copies started end (they read or write the staging pages), then stop."""
+        self._copies.shutdown(wait=True, cancel_futures=False)
+
+    def _submit(self, job: CopyJob, to_blocks: bool) -> Future[BaseException | None]:
+        after = None
+        if self._stream is not None and not to_blocks:  # a save reads what the forward wrote
+            after = torch.cuda.current_stream(self._stream.device).record_event()
+        return self._copies.submit(self._run, job, to_blocks, after)
+
+    def _run(self, job: CopyJob, to_blocks: bool, after) -> BaseException | None:
+        """In the copy thread: the job's copies; the failure, if any, is its result."""
+        try:
+            if job.doomed:
+                raise RuntimeError(job.doomed)
+            if self.step_hook is not None:
+                self.step_hook(
+                    ConnectorStep.WORKER_LOAD if to_blocks else ConnectorStep.WORKER_SAVE
+                )
+            stream = self._stream
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if after is not None:
+                    stream.wait_event(after)
+                self._copy(job, to_blocks)
+                if stream is not None:
+                    stream.synchronize()  # done means the bytes are there
+            return None
+        except Exception as e:  # a load: vLLM recomputes; a save: nothing stored
+            log.warning(
+                "fabric %s failed for %s: %r", "load" if to_blocks else "save", job.req_id, e
+            )
+            return e
+
+    def _collect(self) -> None:
+        """Report the copies that have ended, in the order they started."""
+        for job, done in _take_done(self._loads):
+            if done.result() is not None:
+                self.failed_recving.add(job.req_id)
+            self.finished_recving.add(job.req_id)
+        for job, done in _take_done(self._saves):
+            if done.result() is None:
                 self.saved[job.key] = 1
-            except Exception as e:  # nothing stored; the blocks are freed all the same
-                log.warning("fabric save failed for %s: %r", job.key, e)
+            else:
                 self.failed_saves.add(job.key)
-            if job.ends_request:
+            if job.ends_request:  # the blocks are vLLM's again, whatever happened
                 self.finished_sending.add(job.req_id)
 
     def _copy(self, job: CopyJob, to_blocks: bool) -> None:
@@ -109,20 +163,34 @@ class WorkerSide:
                 layer_pages = staging[:, slot.index, :, :, s.first : s.first + s.count]
                 if to_blocks:
                     pages = layer_pages.index_select(0, slot_idx).permute(0, 3, 1, 2, 4)
-                    view.index_copy_(0, block_idx, pages.to(view.device))
+                    view.index_copy_(0, block_idx, pages.to(view.device, non_blocking=True))
                 else:
                     pages = view.index_select(0, block_idx).permute(0, 2, 3, 1, 4)
                     layer_pages.index_copy_(0, slot_idx, pages.to("cpu"))
 
     # --- reporting -----------------------------------------------------------------------
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        self._collect()
         out = (self.finished_sending, self.finished_recving, self.failed_recving)
         self.finished_sending, self.finished_recving, self.failed_recving = set(), set(), set()
         return out
 
     def worker_meta(self) -> FabricWorkerMeta | None:
+        self._collect()
         if not self.saved and not self.failed_saves:
             return None
         meta = FabricWorkerMeta(self.saved, self.failed_saves)
         self.saved, self.failed_saves = {}, set()
         return meta
+
+
+def _take_done(
+    started: list[tuple[CopyJob, Future[BaseException | None]]],
+) -> list[tuple[CopyJob, Future[BaseException | None]]]:
+    """The leading run of ended copies, taken out of `started` (reports keep their order)."""
+    n = 0
+    while n < len(started) and started[n][1].done():
+        n += 1
+    done = started[:n]
+    del started[:n]
+    return done

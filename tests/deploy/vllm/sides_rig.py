@@ -158,6 +158,7 @@ class Rig:
         )
         self.worker.start_load(meta)
         self.worker.save(meta)
+        assert self.worker.wait(30)  # vLLM steps until the copies are reported: here, one step
         sending, recving, failed = self.worker.transfer_results()
         out = SimpleNamespace(
             finished_sending=sending,

@@ -138,8 +138,10 @@ def round_trip(saver_fmt, saver_order, loader_fmt, loader_order, device: str) ->
     try:
         src, dst, slots = [3, 9, 4], [12, 0, 7], [5, 1, 2]
         saver.save(FabricMeta(saves=[copy_job(src, slots)]))
+        assert saver.wait(30)
         assert saver.worker_meta().saved == {"k": 1}
         loader.start_load(FabricMeta(loads=[copy_job(dst, slots)]))
+        assert loader.wait(30)
         _, recving, failed = loader.transfer_results()
         assert recving == {"r"} and not failed
         for name in NAMES:
@@ -208,6 +210,7 @@ def test_a_page_holds_every_head_whatever_the_split(heads, saver_ranks, loader_r
         reports = []
         for side, _ in savers:
             side.save(FabricMeta(saves=[copy_job(src, slots)]))
+            assert side.wait(30)
             reports.append(side.worker_meta())
         total = reports[0]
         for r in reports[1:]:
@@ -215,6 +218,7 @@ def test_a_page_holds_every_head_whatever_the_split(heads, saver_ranks, loader_r
         assert total.saved == {"k": saver_ranks} and not total.failed
         for side, _ in loaders:
             side.start_load(FabricMeta(loads=[copy_job(dst, slots)]))
+            assert side.wait(30)
             assert side.transfer_results()[1:] == ({"r"}, set())
         for name in NAMES:
             assert torch.equal(heads_of(loaders, name, dst), heads_of(savers, name, src)), name
