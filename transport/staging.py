@@ -229,10 +229,9 @@ def load_to_staging(
     slots = check_slots(slots, shared.spec, layout.pools)
     if not is_int(skip_pages) or skip_pages < 0:
         raise StagingError(f"skip_pages must be an int >= 0, got {skip_pages!r:.40}")
-    # Pools whose slots are one run get the pages copied straight into them (one pass).
-    views = {p: run_view(shared.pools[p], s) for p, s in slots.items()}
-    runs = {p: v for p, v in views.items() if v is not None}
-    hit = cache.get(tokens, namespace, first_page=skip_pages, into=runs)
+    # The pool's pages are copied straight into the slots (one pass).
+    sinks = {p: (shared.pools[p], s) for p, s in slots.items()}
+    hit = cache.get(tokens, namespace, first_page=skip_pages, into=sinks)
     n = hit.tokens // ps
     if n <= skip_pages:
         return StagedHit()
@@ -247,9 +246,9 @@ def load_to_staging(
         if first == n:
             continue
         dst = slots[pool][: n - first]
-        pages, staged = hit.pages[pool], shared.pools[pool]
-        if pages.data_ptr() != staged[dst[0]].data_ptr():  # gathered elsewhere: one scatter
-            staged.index_copy_(0, torch.tensor(dst, dtype=torch.long), pages.to("cpu"))
+        if pool not in hit.sinks:  # gathered elsewhere (device memory): one scatter
+            staged = shared.pools[pool]
+            staged.index_copy_(0, torch.tensor(dst, dtype=torch.long), hit.pages[pool].to("cpu"))
         out.slots[pool] = dst
     return out
 

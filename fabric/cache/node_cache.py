@@ -19,7 +19,7 @@ from .insert import Fill, InsertPlan, Inserts, Unlocked
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
 from .page_views import PageViews
-from .pages import LayerKV, PageCopier, TorchCopier
+from .pages import LayerKV, PageCopier, TorchCopier, copy_rows
 from .paths import groups, within
 from .policies import AttentionPolicy, policies_for
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
@@ -323,7 +323,7 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         hold_s: float | None = None,
         *,
         first_page: int = 0,
-        into: Mapping[PoolName, torch.Tensor] | None = None,
+        into: Mapping[PoolName, tuple[torch.Tensor, Sequence[int]]] | None = None,
     ) -> CachedKV:
         """The usable cached prefix of `tokens` and its K/V, loaded to device first.
 
@@ -332,8 +332,9 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         eviction between a request's get and its put cannot take its prefix.
         `first_page`: the caller holds the pages before it: their K/V is not copied
         (`starts` say where each pool's rows begin). `into[pool]`: page-shaped memory of
-        the caller's (staging) that pool's pages are copied into, from its row 0, where it
-        has the rows: `pages[pool]` is then a view of it, and no other copy is made."""
+        the caller's (staging) and its rows, that pool's i-th page copied into the i-th
+        row, in one pass, where there are rows enough: the hit's `sinks` say so, and no
+        other copy is made."""
         match = self.match(tokens, namespace)
         self._stats.lookups += 1
         self._stats.lookup_pages += match.request_pages
@@ -361,10 +362,15 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         return out
 
     def _gather(
-        self, path: list[TreeNode], n: int, first: int, into: Mapping[PoolName, torch.Tensor]
+        self,
+        path: list[TreeNode],
+        n: int,
+        first: int,
+        into: Mapping[PoolName, tuple[torch.Tensor, Sequence[int]]],
     ) -> CachedKV:
         ps = self.layout.page_size
         pages: dict[PoolName, torch.Tensor] = {}
+        sinks: dict[PoolName, tuple[torch.Tensor, list[int]]] = {}
         starts: dict[PoolName, int] = {}
         for pool, policy in self.policies.items():
             rows = range(min(max(policy.needed(n).start, first), n), n)
@@ -376,13 +382,16 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
             for x, offs in groups(path, rows):
                 held = x.pages_of(Tier.DEVICE, pool)
                 indices.extend(held[j] for j in offs)
-            picked = src.index_tensor(indices)
             sink = into.get(pool)
             if sink is not None and _fits(sink, src.data, len(indices)):
-                pages[pool] = torch.index_select(src.data, 0, picked, out=sink[: len(indices)])
+                rows = list(sink[1][: len(indices)])
+                copy_rows(src.data, indices, sink[0], rows)
+                sinks[pool] = (sink[0], rows)
             else:
-                pages[pool] = src.data.index_select(0, picked)
-        return self._cached(n * ps, starts, pages)
+                pages[pool] = src.data.index_select(0, src.index_tensor(indices))
+        out = self._cached(n * ps, starts, pages)
+        out.sinks = sinks
+        return out
 
     def _empty(self) -> CachedKV:
         return self._cached(0, dict.fromkeys(self.policies, 0), {})
@@ -434,12 +443,14 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         return cache_snapshot(self)
 
 
-def _fits(sink: torch.Tensor, pool: torch.Tensor, rows: int) -> bool:
-    """Whether `sink` can take `rows` pages of `pool` as they are."""
+def _fits(sink: tuple[torch.Tensor, Sequence[int]], pool: torch.Tensor, pages: int) -> bool:
+    """Whether the sink's rows can take `pages` pages of `pool` as they are."""
+    data, rows = sink
     return (
-        sink.shape[0] >= rows
-        and sink.shape[1:] == pool.shape[1:]
-        and sink.dtype == pool.dtype
-        and sink.device == pool.device
-        and sink[:rows].is_contiguous()
+        len(rows) >= pages
+        and data.shape[1:] == pool.shape[1:]
+        and data.dtype == pool.dtype
+        and data.device == pool.device
+        and data.is_contiguous()
+        and all(0 <= r < data.shape[0] for r in rows[:pages])
     )

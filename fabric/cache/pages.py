@@ -53,6 +53,21 @@ def run_view(t: torch.Tensor, indices: Sequence[int]) -> torch.Tensor | None:
     return t[indices[0] : indices[0] + len(indices)]
 
 
+def copy_rows(
+    src: torch.Tensor, src_rows: Sequence[int], dst: torch.Tensor, dst_rows: Sequence[int]
+) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] in one pass over the bytes: one copy_ per
+    stretch where both row lists count up by one (no gathered temporary)."""
+    i, n = 0, len(src_rows)
+    while i < n:
+        j = i + 1
+        while j < n and src_rows[j] == src_rows[j - 1] + 1 and dst_rows[j] == dst_rows[j - 1] + 1:
+            j += 1
+        s, d = src_rows[i], dst_rows[i]
+        dst[d : d + j - i].copy_(src[s : s + j - i])
+        i = j
+
+
 def pack(layout: KVLayout, pool: PoolName, kv: LayerKV, positions: list[int]) -> torch.Tensor:
     """Pages at `positions` of per-layer kv [2, T, H, D] -> [n, *page_shape(pool)]."""
     ps = layout.page_size

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,8 @@ class CachedKV:
     page-shaped memory (staging) takes them as they are. `layers[i]` is layer i as
     [2, n_tokens, kv_heads, head_dim], unpacked at first use; a put of rows that start
     there passes `starts` on.
+    A pool copied into the caller's memory (NodeCache.get's `into`) is in `sinks`
+    instead: (that memory, its rows), page i in row i.
     `host_tokens`: how many of the tokens were loaded back from the host tier.
     `hold`: the id of the hold pinning this prefix until the caller's put
     (NodeCache.get with `hold_s`), 0 for none."""
@@ -67,12 +69,16 @@ class CachedKV:
     n_layers: int
     host_tokens: int = 0
     hold: int = 0
+    sinks: dict[PoolName, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
 
     @functools.cached_property
     def layers(self) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = [None] * self.n_layers
-        for pool, pages in self.pages.items():
-            for li, t in zip(self.pool_layers[pool], unpack(pages)):
+        pages = dict(self.pages)
+        for pool, (data, rows) in self.sinks.items():
+            pages[pool] = data.index_select(0, torch.tensor(rows, dtype=torch.long))
+        for pool, held in pages.items():
+            for li, t in zip(self.pool_layers[pool], unpack(held)):
                 out[li] = t
         return out
 

@@ -415,35 +415,39 @@ def test_a_put_branching_where_a_node_holds_nothing_leaves_no_empty_leaf(room):
 @given(
     pages=st.integers(1, 10),
     first=st.integers(0, 12),
-    sink_rows=st.integers(0, 12),
-    offset=st.integers(0, 3),
+    rows=st.lists(st.integers(0, 15), unique=True, max_size=12),
 )
-def test_a_get_from_a_first_page_into_caller_memory_gives_the_same_kv(
-    pages, first, sink_rows, offset
-):
+def test_a_get_from_a_first_page_into_caller_memory_gives_the_same_kv(pages, first, rows):
     """get(first_page=, into=) against a plain get of the same prefix: each pool's rows
-    from max(its start, first_page) on, equal; copied into the caller's rows where they fit
-    (a view of them), into new memory where they do not; the caller's other rows untouched."""
+    from max(its start, first_page) on, equal; copied into the caller's rows (in any order,
+    page i into rows[i]) where there are enough, into new memory where not; the caller's
+    other rows untouched."""
     c = make()
     tokens = seq(pages)
     c.put(tokens, prefix_kv(MIXED, tokens), "ns")
     plain = c.get(tokens, "ns")
     ps = MIXED.page_size
-    sinks = {p: torch.full((sink_rows + offset, *MIXED.page_shape(p)), 7.0) for p in MIXED.pools}
-    into = {p: t[offset:] for p, t in sinks.items()}
-    hit = c.get(tokens, "ns", first_page=first, into=into)
+    sinks = {p: torch.full((16, *MIXED.page_shape(p)), 7.0) for p in MIXED.pools}
+    hit = c.get(tokens, "ns", first_page=first, into={p: (t, rows) for p, t in sinks.items()})
     assert hit.tokens == plain.tokens
     n = hit.tokens // ps
     for pool in MIXED.pools:
         start = plain.starts[pool] // ps
         assert hit.starts[pool] // ps == min(max(start, first), n)
-        rows = hit.pages[pool]
-        assert torch.equal(rows, plain.pages[pool][hit.starts[pool] // ps - start :])
-        straight = len(rows) <= sink_rows
-        if len(rows):  # (empty tensors share no memory to compare)
-            assert (rows.data_ptr() == into[pool].data_ptr()) == straight
-        assert bool((sinks[pool][:offset] == 7.0).all())  # before the caller's rows: untouched
-        assert bool((into[pool][len(rows) if straight else 0 :] == 7.0).all())
+        want = plain.pages[pool][hit.starts[pool] // ps - start :]
+        straight = len(want) <= len(rows)
+        assert (pool in hit.sinks) == straight and (pool in hit.pages) != straight
+        used = rows[: len(want)] if straight else []
+        if straight:
+            assert hit.sinks[pool] == (sinks[pool], used)
+            assert torch.equal(sinks[pool][used], want)
+        else:
+            assert torch.equal(hit.pages[pool], want)
+        others = [r for r in range(16) if r not in used]
+        assert bool((sinks[pool][others] == 7.0).all())  # the caller's other rows: untouched
+    for got, expected in zip(hit.layers, plain.layers):  # the same K/V, however it was copied
+        if got is not None:
+            assert torch.equal(got, expected[:, expected.shape[1] - got.shape[1] :])
 
 
 @settings(max_examples=40, deadline=None)
