@@ -13,6 +13,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def bench_cpu() -> int:
+    """The CPU every timed side of a bench is pinned to: the last this process may use (the
+    same one for ours and the peer, so neither gets a quieter core)."""
+    return max(os.sched_getaffinity(0))
+
+
+def pin(cpu: int) -> None:
+    """Run this process, and the threads it starts from now on, on one CPU (-1: leave it be).
+    A peer that hands each call to a thread of its own pays a wake-up on another core
+    otherwise, and ours pays none: pinning both measures the work, not the hop."""
+    if cpu >= 0:
+        os.sched_setaffinity(0, {cpu})
+
+
 def run_worker(module: str, args: list, python: bool = False) -> dict:
     """`module.ours_worker(*args)` in a fresh process (args and result as JSON)."""
     env = {k: v for k, v in os.environ.items() if k != "KVF_NATIVE"}

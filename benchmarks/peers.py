@@ -1,11 +1,12 @@
 """Peers to benchmark against. Not runtime dependencies: each is installed on first use.
 
-SGLang 0.5.23's radix cache (``RadixCache.create_simulated``) is the peer of the radix benchmark.
-It is installed with ``pip install --target <cache>/sglang-0.5.23 --no-deps`` together with the
-packages it needs at import time (never the GPU stack), and runs in a subprocess
-(``benchmarks/sglang_worker.py``) that puts the folder *after* our own site-packages on
-``sys.path``, so our torch and numpy are the ones used and none of SGLang's import-time
-patches leak into the caller.
+SGLang 0.5.23's prefix caches are the peers of the radix benchmark (``SglangCache``): its
+default ``UnifiedRadixCache`` on the Rust TreeCore, that TreeCore's binding alone, and the
+pure-Python ``RadixCache``, all in the ``sglang`` wheel. It is installed with
+``pip install --target <cache>/sglang-0.5.23 --no-deps`` together with the packages it needs
+at import time (never the GPU stack), and runs in a subprocess (``benchmarks/sglang_worker.py``)
+that puts the folder *after* our own site-packages on ``sys.path``, so our torch and numpy are
+the ones used and none of SGLang's import-time patches leak into the caller.
 
 The cache root is ``$KVF_PEER_CACHE`` if set, else ``$XDG_CACHE_HOME/ray-kv-fabric/peers``
 (``~/.cache/ray-kv-fabric/peers``).
@@ -26,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from benchmarks.sglang_worker import pack_sequences, write_sequences
@@ -36,6 +38,7 @@ __all__ = [
     "PeerError",
     "PeerUnavailable",
     "RadixRun",
+    "SglangCache",
     "ensure_sglang",
     "peer_cache_root",
     "run_sglang_radix",
@@ -197,6 +200,22 @@ def ensure_sglang(log: Callable[[str], None] = _log) -> Path:
     return folder
 
 
+class SglangCache(Enum):
+    """Which of SGLang's prefix caches a run drives (the value is the worker's mode)."""
+
+    UNIFIED = "unified"  # UnifiedRadixCache, SGLang's default, on its Rust TreeCore
+    RUST_BINDING = "rust"  # that TreeCore's binding, called without the Python wrapper
+    PYTHON = "radix"  # RadixCache, pure Python (the scheduler's simulated tree)
+
+    @property
+    def label(self) -> str:
+        return {
+            SglangCache.UNIFIED: "sglang.UnifiedRadixCache",
+            SglangCache.RUST_BINDING: "sglang TreeCore binding",
+            SglangCache.PYTHON: "sglang.RadixCache",
+        }[self]
+
+
 # default: the full collection imports owe lands in the timed loop; collect: it runs first;
 # freeze: it runs first and the heap is then frozen out of the collector's reach.
 GC_MODES = ("default", "collect", "freeze")
@@ -204,12 +223,13 @@ GC_MODES = ("default", "collect", "freeze")
 
 @dataclass(frozen=True)
 class RadixRun:
-    """One pass of SGLang's radix cache over a request sequence (match_prefix, then insert)."""
+    """One pass of one of SGLang's caches over a request sequence (match_prefix, then insert)."""
 
     page_size: int
     match_lengths: tuple[int, ...]  # cached prefix length SGLang reported for each request
     elapsed_s: float  # the match+insert loop only
     gc_mode: str = "default"  # collector state before the loop: see GC_MODES
+    cache: SglangCache = SglangCache.PYTHON
 
     @property
     def requests(self) -> int:
@@ -229,11 +249,17 @@ def _run_worker(args: list[str]) -> None:
 
 
 def run_sglang_radix(
-    sequences: Sequence[Sequence[int]], page_size: int, *, gc_mode: str = "default"
+    sequences: Sequence[Sequence[int]],
+    page_size: int,
+    *,
+    gc_mode: str = "default",
+    cache: SglangCache = SglangCache.PYTHON,
+    cpu: int = -1,
 ) -> RadixRun:
-    """Drive SGLang's simulated radix cache: for each request match_prefix, then insert.
+    """Drive one of SGLang's caches: for each request match_prefix, then insert.
 
-    Runs in a fresh worker process, one pass over a fresh tree. By default the garbage collector
+    Runs in a fresh worker process, one pass over a fresh tree, pinned to `cpu` (-1: not
+    pinned). By default the garbage collector
     runs as in a stock SGLang scheduler; its full collections walk the whole heap SGLang's
     imports leave behind, which costs a single pass about 3x. ``collect`` runs the full
     collection the imports owe before the loop (steady state); ``freeze`` also moves that heap
@@ -243,18 +269,22 @@ def run_sglang_radix(
         raise ValueError(f"gc_mode must be one of {GC_MODES}, got {gc_mode!r}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if not isinstance(cache, SglangCache):
+        raise ValueError(f"cache must be a SglangCache, got {cache!r}")
     lengths, flat = pack_sequences(sequences)
     folder = ensure_sglang()
     with tempfile.TemporaryDirectory(prefix="kvf-peer-") as tmp:
         data, result = Path(tmp) / "sequences.bin", Path(tmp) / "result.json"
         write_sequences(data, lengths, flat)
-        _run_worker(["radix", str(folder), str(data), str(page_size), str(result), gc_mode])
+        args = [str(folder), str(data), str(page_size), str(result), gc_mode, str(cpu)]
+        _run_worker([cache.value, *args])
         out = json.loads(result.read_text())
     return RadixRun(
         page_size=page_size,
         match_lengths=tuple(out["match_lengths"]),
         elapsed_s=out["elapsed_s"],
         gc_mode=gc_mode,
+        cache=cache,
     )
 
 
@@ -276,18 +306,24 @@ def main(argv: list[str] | None = None) -> None:
         default="default",
         help="collector state before the timed loop (see run_sglang_radix)",
     )
+    parser.add_argument(
+        "--cache", choices=[c.value for c in SglangCache], default=SglangCache.PYTHON.value
+    )
     args = parser.parse_args(argv)
 
     from kvfabric.deploy.sim.trace import load_trace, request_tokens
 
     trace = load_trace(limit=args.requests)
     sequences = [request_tokens(r, args.tokens_per_block) for r in trace]
-    run = run_sglang_radix(sequences, args.page_size, gc_mode=args.gc)
+    run = run_sglang_radix(
+        sequences, args.page_size, gc_mode=args.gc, cache=SglangCache(args.cache)
+    )
     total = sum(map(len, sequences))
     print(
         json.dumps(
             {
                 "peer": f"sglang-{SGLANG_VERSION}",
+                "cache": run.cache.label,
                 "requests": run.requests,
                 "page_size": run.page_size,
                 "gc_mode": run.gc_mode,

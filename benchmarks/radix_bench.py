@@ -1,9 +1,12 @@
-"""`kvfabric bench radix`: our node cache against SGLang's RadixCache on the trace.
+"""`kvfabric bench radix`: our node cache against SGLang's prefix caches on the trace.
 
-Both sides replay the same token sequences (trace hash ids expanded into
-tokens), match then insert per request, in a fresh process each, with the
-same garbage-collector mode. Our side computes page keys (BLAKE2b) for every
-page it inserts; that hashing is inside the timed loop. Ours runs twice, with the
+The peers (peers.SglangCache): SGLang's default UnifiedRadixCache on its Rust TreeCore (the
+anchor: what SGLang serves with), that TreeCore's binding called directly (no Python wrapper),
+and the pure-Python RadixCache. Every side replays the same token sequences (trace hash ids
+expanded into tokens), match then insert per request, in a fresh process each pinned to the
+same CPU, with the same garbage-collector mode; every side's matched length for every request
+must agree. Our side computes page keys (BLAKE2b) for every page it inserts; SGLang keys its
+tree by the token ids themselves; that hashing is inside our timed loop. Ours runs twice, with the
 native extension (KVF_NATIVE's default) and with the pure-Python reference
 (KVF_NATIVE=0); each run also times packing and keying the trace's requests alone.
 Each side's figure is the best of `--repeat` runs (default 3), each a fresh process on a
@@ -31,7 +34,7 @@ from pathlib import Path
 from kvfabric.deploy.sim.trace import load_trace, request_tokens
 
 from benchmarks import peers
-from benchmarks.fresh import run_worker
+from benchmarks.fresh import bench_cpu, pin, run_worker
 from benchmarks.sglang_worker import pack_sequences, read_sequences, write_sequences
 from benchmarks.tree_memory import tree_bytes_per_page
 
@@ -44,9 +47,12 @@ class RadixFigures:
     gc_mode: str
     repeat: int
     native: bool  # whether the first run had the extension (else both are Python)
+    cpu: int  # every timed process ran pinned to this CPU
     ours_ops_per_s: float
     ours_python_ops_per_s: float
-    peer_ops_per_s: float
+    peer_ops_per_s: float  # sglang.RadixCache (pure Python)
+    unified_ops_per_s: float  # sglang.UnifiedRadixCache on the Rust TreeCore
+    rust_binding_ops_per_s: float  # the Rust TreeCore's binding alone
     ours_matched_tokens: int
     peer_matched_tokens: int
     pack_us: float  # per request: encode_tokens alone
@@ -64,6 +70,14 @@ class RadixFigures:
         return self.ours_ops_per_s / self.peer_ops_per_s
 
     @property
+    def ratio_vs_sglang_unified(self) -> float:
+        return self.ours_ops_per_s / self.unified_ops_per_s
+
+    @property
+    def ratio_vs_sglang_rust_binding(self) -> float:
+        return self.ours_ops_per_s / self.rust_binding_ops_per_s
+
+    @property
     def ratio_python(self) -> float:
         return self.ours_python_ops_per_s / self.peer_ops_per_s
 
@@ -76,8 +90,14 @@ def sequences(trace: str | None, requests: int, tokens_per_block: int) -> list[l
 
 
 def ours_worker(
-    data: str, page_size: int, gc_mode: str, capacity: float = 1.0, incremental: bool = True
+    data: str,
+    page_size: int,
+    gc_mode: str,
+    capacity: float = 1.0,
+    incremental: bool = True,
+    cpu: int = -1,
 ) -> dict:
+    pin(cpu)
     from kvfabric.fabric import (
         KVLayout,
         NodeCache,
@@ -102,13 +122,13 @@ def ours_worker(
         device="cpu",
         incremental_eviction=incremental,
     )
-    matched = 0
+    matched = [0] * len(seqs)  # pages per request
     clock = time.perf_counter
     each = [0.0] * len(seqs)
     start = clock()
     for i, s in enumerate(seqs):
         t = clock()
-        matched += cache.match(s, "bench").usable_pages
+        matched[i] = cache.match(s, "bench").usable_pages
         cache.put(s, None, "bench")
         each[i] = clock() - t
     elapsed = clock() - start
@@ -125,7 +145,8 @@ def ours_worker(
     keyed = time.perf_counter() - start
     return {
         "elapsed_s": elapsed,
-        "matched_tokens": matched * page_size,
+        "matched_tokens": sum(matched) * page_size,
+        "match_lengths": [m * page_size for m in matched],
         "native": native.ENABLED,
         "pack_us": packed / len(seqs) * 1e6,
         "keys_us": keyed / len(seqs) * 1e6,
@@ -151,12 +172,13 @@ def run_ours(
     python: bool = False,
     capacity: float = 1.0,
     incremental: bool = True,
+    cpu: int = -1,
 ) -> dict:
     """One run in a fresh process: the native path, or the pure-Python reference (`python`)."""
     with tempfile.TemporaryDirectory(prefix="kvf-radix-") as tmp:
         data = Path(tmp) / "seqs.bin"
         write_sequences(data, *pack_sequences(seqs))
-        args = [str(data), page_size, gc_mode, capacity, incremental]
+        args = [str(data), page_size, gc_mode, capacity, incremental, cpu]
         return run_worker("benchmarks.radix_bench", args, python)
 
 
@@ -240,17 +262,43 @@ def print_eviction(f: EvictionFigures, as_json: bool) -> None:
 
 
 def best_ours(
-    seqs: list[list[int]], page_size: int, gc_mode: str, repeat: int, python: bool = False
+    seqs: list[list[int]],
+    page_size: int,
+    gc_mode: str,
+    repeat: int,
+    python: bool = False,
+    cpu: int = -1,
 ) -> dict:
     """The fastest of `repeat` runs of ours."""
-    runs = [run_ours(seqs, page_size, gc_mode, python) for _ in range(repeat)]
+    runs = [run_ours(seqs, page_size, gc_mode, python, cpu=cpu) for _ in range(repeat)]
     return min(runs, key=lambda r: r["elapsed_s"])
 
 
-def best_peer(seqs: list[list[int]], page_size: int, gc_mode: str, repeat: int) -> peers.RadixRun:
-    """The fastest of `repeat` runs of SGLang's."""
-    runs = [peers.run_sglang_radix(seqs, page_size, gc_mode=gc_mode) for _ in range(repeat)]
+def best_peer(
+    seqs: list[list[int]],
+    page_size: int,
+    gc_mode: str,
+    repeat: int,
+    cache: peers.SglangCache = peers.SglangCache.PYTHON,
+    cpu: int = -1,
+) -> peers.RadixRun:
+    """The fastest of `repeat` runs of one of SGLang's caches."""
+    runs = [
+        peers.run_sglang_radix(seqs, page_size, gc_mode=gc_mode, cache=cache, cpu=cpu)
+        for _ in range(repeat)
+    ]
     return min(runs, key=lambda r: r.elapsed_s)
+
+
+def check_same_answers(ours: list[int], peer: peers.RadixRun) -> None:
+    """Every request's matched length must be the same on both sides: else they did
+    different work and the ratio means nothing."""
+    if list(peer.match_lengths) != ours:
+        bad = next(i for i, (a, b) in enumerate(zip(ours, peer.match_lengths)) if a != b)
+        raise RuntimeError(
+            f"{peer.cache.label} matched {peer.match_lengths[bad]} tokens for request {bad}, "
+            f"ours {ours[bad]}: the sides must agree on every request"
+        )
 
 
 def run(
@@ -266,18 +314,28 @@ def run(
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
     seqs = sequences(trace, requests, tokens_per_block)
-    ours = best_ours(seqs, page_size, gc_mode, repeat)
-    python = best_ours(seqs, page_size, gc_mode, repeat, python=True)
-    if python["matched_tokens"] != ours["matched_tokens"]:
+    cpu = bench_cpu()
+    ours = best_ours(seqs, page_size, gc_mode, repeat, cpu=cpu)
+    python = best_ours(seqs, page_size, gc_mode, repeat, python=True, cpu=cpu)
+    if python["match_lengths"] != ours["match_lengths"]:
         raise RuntimeError(
             f"the native and Python runs matched {ours['matched_tokens']} and "
-            f"{python['matched_tokens']} tokens: they must agree"
+            f"{python['matched_tokens']} tokens: they must agree on every request"
         )
-    peer = best_peer(seqs, page_size, gc_mode, repeat)
+    peer, unified, rust = (
+        best_peer(seqs, page_size, gc_mode, repeat, cache, cpu)
+        for cache in (
+            peers.SglangCache.PYTHON,
+            peers.SglangCache.UNIFIED,
+            peers.SglangCache.RUST_BINDING,
+        )
+    )
+    for run_ in (peer, unified, rust):
+        check_same_answers(ours["match_lengths"], run_)
     default_gc = None
     if gc_mode != "default":
-        ours_default = best_ours(seqs, page_size, "default", repeat)
-        peer_default = best_peer(seqs, page_size, "default", repeat)
+        ours_default = best_ours(seqs, page_size, "default", repeat, cpu=cpu)
+        peer_default = best_peer(seqs, page_size, "default", repeat, cpu=cpu)
         default_gc = len(seqs) / ours_default["elapsed_s"] / peer_default.ops_per_s
     return RadixFigures(
         len(seqs),
@@ -286,9 +344,12 @@ def run(
         gc_mode,
         repeat,
         ours["native"],
+        cpu,
         len(seqs) / ours["elapsed_s"],
         len(seqs) / python["elapsed_s"],
         peer.ops_per_s,
+        unified.ops_per_s,
+        rust.ops_per_s,
         ours["matched_tokens"],
         sum(peer.match_lengths),
         ours["pack_us"],
@@ -343,14 +404,23 @@ def main(argv: list[str] | None = None) -> int:
     f = run(args.requests, args.tokens_per_block, args.page_size, args.trace, args.gc, args.repeat)
     print(
         f"requests {f.requests}, {f.tokens_per_block} tokens/block, page {f.page_size}, gc "
-        f"{f.gc_mode}, best of {f.repeat} runs a side"
+        f"{f.gc_mode}, best of {f.repeat} runs a side, each pinned to CPU {f.cpu}"
     )
     print(f"{'':24}{'req/s':>12}{'matched tokens':>16}")
     ours = "ours (NodeCache, C keys)" if f.native else "ours (no extension!)"
     print(f"{ours:24}{f.ours_ops_per_s:>12.0f}{f.ours_matched_tokens:>16}")
     print(f"{'ours (pure Python)':24}{f.ours_python_ops_per_s:>12.0f}{f.ours_matched_tokens:>16}")
-    print(f"{'sglang.RadixCache':24}{f.peer_ops_per_s:>12.0f}{f.peer_matched_tokens:>16}")
-    print(f"ratio {f.ratio:.2f} (target >= 2), pure Python {f.ratio_python:.2f}")
+    for cache, rate in (
+        (peers.SglangCache.UNIFIED, f.unified_ops_per_s),
+        (peers.SglangCache.RUST_BINDING, f.rust_binding_ops_per_s),
+        (peers.SglangCache.PYTHON, f.peer_ops_per_s),
+    ):
+        print(f"{cache.label:24}{rate:>12.0f}{f.peer_matched_tokens:>16}")
+    print(
+        f"ratio vs UnifiedRadixCache {f.ratio_vs_sglang_unified:.2f} (target >= 1.5), vs its "
+        f"Rust binding {f.ratio_vs_sglang_rust_binding:.2f} (target >= 1.0), vs RadixCache "
+        f"{f.ratio:.2f} (target >= 2); pure Python vs RadixCache {f.ratio_python:.2f}"
+    )
     if f.ratio_default_gc is not None:
         print(f"ratio under the default collector (for the record) {f.ratio_default_gc:.2f}")
     print(
@@ -376,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                     "name": "radix",
                     "peer": "sglang.RadixCache",
                     "ratio": round(f.ratio, 3),
+                    "ratio_vs_sglang_unified": round(f.ratio_vs_sglang_unified, 3),
+                    "ratio_vs_sglang_rust_binding": round(f.ratio_vs_sglang_rust_binding, 3),
                     "ratio_python": round(f.ratio_python, 3),
                     **rounded,
                 }

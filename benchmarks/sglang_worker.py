@@ -5,9 +5,15 @@ benchmarks/ nor ``$PYTHONPATH`` comes ahead of our site-packages, and the SGLang
 appended after them (our torch and numpy win). Only the stdlib is imported at the top, so the
 caller can import the sequence file helpers without SGLang.
 
-``python -I sglang_worker.py check FOLDER``: import SGLang's radix cache from FOLDER and
-check one match. ``python -I sglang_worker.py radix FOLDER DATA PAGE_SIZE RESULT GC_MODE``:
-time match_prefix + insert over the sequences in DATA, write the result JSON to RESULT.
+``python -I sglang_worker.py check FOLDER``: import SGLang's caches from FOLDER and check
+one match on each. ``python -I sglang_worker.py CACHE FOLDER DATA PAGE_SIZE RESULT GC_MODE CPU``:
+time match_prefix + insert over the sequences in DATA on one CACHE (see CACHES), pinned to
+CPU (-1: not pinned), and write the result JSON to RESULT.
+
+The caches: ``radix`` is the pure-Python ``RadixCache`` (the simulated tree SGLang's scheduler
+keeps for its waiting queue); ``unified`` is ``UnifiedRadixCache``, SGLang's default prefix
+cache, on its Rust TreeCore, with a no-op allocator (the tree never owns real KV slots here);
+``rust`` is that TreeCore's binding called directly, without the Python wrapper.
 """
 
 from __future__ import annotations
@@ -75,14 +81,130 @@ def _tolerate_cpu_torchvision(folder: Path) -> None:
     sys.modules[name] = types.ModuleType(name)
 
 
+CACHES = ("radix", "unified", "rust")
+
+
+def pin(cpu: int) -> None:
+    """Run this process (and the threads it starts from now on) on one CPU; -1 leaves it be."""
+    if cpu >= 0:
+        import os
+
+        os.sched_setaffinity(0, {cpu})
+
+
 def _import_sglang(folder: Path):
     sys.path.append(str(folder))  # after our site-packages: our torch/numpy win
     _tolerate_cpu_torchvision(folder)
     import torch
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-    return torch, RadixCache, RadixKey, MatchPrefixParams, InsertParams
+    torch.set_num_threads(1)  # the caches' tensors are tiny: no intra-op pool to wake
+    import sglang.srt.mem_cache.base_prefix_cache as base
+    import sglang.srt.mem_cache.radix_cache as radix
+
+    return torch, base, radix
+
+
+class _NoOpAllocator:
+    """The KV slot allocator UnifiedRadixCache frees through: the values inserted here are
+    made up, so the slots the tree drops (an insert's overlap) go nowhere."""
+
+    device = "cpu"
+
+    def free(self, indices) -> None:
+        pass
+
+    def free_segment(self, indices, start_pos: int = 0) -> None:
+        pass
+
+    def free_full_segment(self, indices, start_pos: int = 0) -> None:
+        pass
+
+
+def _unified_cache(page_size: int):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=None,  # type: ignore[arg-type]  # unused without Mamba
+        token_to_kv_pool_allocator=_NoOpAllocator(),  # type: ignore[arg-type]
+        page_size=page_size,
+        tree_components=(ComponentType.FULL,),
+        tree_core_backend="rust",
+    )
+    cache = UnifiedRadixCache(params)
+    core = type(cache.tree_core).__name__
+    if core != "RustUnifiedTreeCore":  # SGLang falls back to Python quietly: say so loudly
+        raise SystemExit(f"UnifiedRadixCache runs on {core}, not the Rust TreeCore")
+    return cache
+
+
+def _rust_binding(page_size: int):
+    from sglang.srt.mem_cache.rust_tree_core.extension import bindings
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    init = bindings.TreeCoreInitParamsBinding(
+        eviction_policy="lru", page_size=page_size, device="cpu"
+    )
+    return bindings, bindings.RustUnifiedTreeCoreBinding(init, [int(ComponentType.FULL)])
+
+
+def _check(torch, base, radix) -> None:
+    ids = array("q", [1, 2, 3, 4, 5])
+    tree = radix.RadixCache.create_simulated(page_size=2)
+    tree.insert(
+        base.InsertParams(key=radix.RadixKey(token_ids=ids), value=torch.empty(5, dtype=torch.bool))
+    )
+    got = {"radix": tree.match_prefix(base.MatchPrefixParams(key=radix.RadixKey(token_ids=ids)))}
+    cache = _unified_cache(page_size=2)
+    value = torch.arange(5, dtype=torch.int64)
+    cache.insert(base.InsertParams(key=radix.RadixKey(token_ids=ids), value=value))
+    got["unified"] = cache.match_prefix(base.MatchPrefixParams(key=radix.RadixKey(token_ids=ids)))
+    bindings, core = _rust_binding(page_size=2)
+    core.insert(bindings.InsertParamsBinding(key=ids, value=value))
+    got["rust"] = core.match_prefix(bindings.MatchParamsBinding(key=ids))
+    for name, m in got.items():
+        if m.device_prefix_len != 4:
+            raise SystemExit(f"{name} self-check: matched {m.device_prefix_len} tokens, expected 4")
+
+
+def _replay(cache: str, sequences: list[array], page_size: int, torch, base, radix):
+    """(seconds, matched tokens per request) of match_prefix then insert per request.
+
+    As SGLang's scheduler drives a tree: match the request's ids, then insert them with a
+    value of the same length (the Python tree's simulated values are bools; the unified
+    cache's are int64 KV slot ids, made up here)."""
+    empty, clock = torch.empty, time.perf_counter
+    matched: list[int] = []
+    append = matched.append
+    if cache == "radix":
+        tree, boolean = radix.RadixCache.create_simulated(page_size=page_size), torch.bool
+        Key, Match, Insert = radix.RadixKey, base.MatchPrefixParams, base.InsertParams
+        start = clock()
+        for ids in sequences:
+            m = tree.match_prefix(Match(key=Key(token_ids=ids)))
+            tree.insert(Insert(key=Key(token_ids=ids), value=empty(len(ids), dtype=boolean)))
+            append(m.device_prefix_len)
+        return clock() - start, matched
+    int64 = torch.int64
+    if cache == "unified":
+        unified = _unified_cache(page_size)
+        Key, Match, Insert = radix.RadixKey, base.MatchPrefixParams, base.InsertParams
+        start = clock()
+        for ids in sequences:
+            m = unified.match_prefix(Match(key=Key(token_ids=ids)))
+            unified.insert(Insert(key=Key(token_ids=ids), value=empty(len(ids), dtype=int64)))
+            append(m.device_prefix_len)
+        return clock() - start, matched
+    bindings, core = _rust_binding(page_size)
+    MatchB, InsertB = bindings.MatchParamsBinding, bindings.InsertParamsBinding
+    start = clock()
+    for ids in sequences:
+        m = core.match_prefix(MatchB(key=ids))
+        core.insert(InsertB(key=ids, value=empty(len(ids), dtype=int64)))
+        append(m.device_prefix_len)
+    return clock() - start, matched
 
 
 def main(argv: list[str]) -> None:
@@ -90,20 +212,14 @@ def main(argv: list[str]) -> None:
 
     warnings.filterwarnings("ignore")
     mode, folder = argv[0], Path(argv[1])
-    torch, RadixCache, RadixKey, MatchPrefixParams, InsertParams = _import_sglang(folder)
     if mode == "check":
-        tree = RadixCache.create_simulated(page_size=2)
-        ids = array("q", [1, 2, 3, 4, 5])
-        tree.insert(
-            InsertParams(key=RadixKey(token_ids=ids), value=torch.empty(5, dtype=torch.bool))
-        )
-        got = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=ids))).device_prefix_len
-        if got != 4:
-            raise SystemExit(f"radix cache self-check: matched {got} tokens, expected 4")
+        _check(*_import_sglang(folder))
         return
-    if mode != "radix":
+    if mode not in CACHES:
         raise SystemExit(f"unknown worker mode {mode!r}")
     data, page_size, result, gc_mode = Path(argv[2]), int(argv[3]), Path(argv[4]), argv[5]
+    pin(int(argv[6]))  # before the imports start any thread
+    torch, base, radix = _import_sglang(folder)
     sequences = read_sequences(data)
     if gc_mode in ("collect", "freeze"):
         import gc
@@ -111,17 +227,7 @@ def main(argv: list[str]) -> None:
         gc.collect()
         if gc_mode == "freeze":
             gc.freeze()
-    tree = RadixCache.create_simulated(page_size=page_size)
-    empty, boolean = torch.empty, torch.bool
-    matched: list[int] = []
-    # As SGLang's scheduler drives its simulated tree (schedule_policy._compute_prefix_matches):
-    # match the request's ids, then insert them with a dummy value of the same length.
-    start = time.perf_counter()
-    for ids in sequences:
-        m = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=ids)))
-        tree.insert(InsertParams(key=RadixKey(token_ids=ids), value=empty(len(ids), dtype=boolean)))
-        matched.append(m.device_prefix_len)
-    elapsed = time.perf_counter() - start
+    elapsed, matched = _replay(mode, sequences, page_size, torch, base, radix)
     result.write_text(json.dumps({"elapsed_s": elapsed, "match_lengths": matched}))
 
 
