@@ -8,6 +8,10 @@ at import time (never the GPU stack), and runs in a subprocess (``benchmarks/sgl
 that puts the folder *after* our own site-packages on ``sys.path``, so our torch and numpy are
 the ones used and none of SGLang's import-time patches leak into the caller.
 
+Dynamo's KV router indexer (``dynamo.llm.RadixTree``, Rust) is the native peer of the index
+benchmark: the ``ai-dynamo-runtime`` wheel alone (abi3, no CUDA), installed the same way into
+``<cache>/ai-dynamo-runtime-1.6.1`` and run by ``benchmarks/dynamo_worker.py``.
+
 The cache root is ``$KVF_PEER_CACHE`` if set, else ``$XDG_CACHE_HOME/ray-kv-fabric/peers``
 (``~/.cache/ray-kv-fabric/peers``).
 
@@ -33,14 +37,20 @@ from pathlib import Path
 from benchmarks.sglang_worker import pack_sequences, write_sequences
 
 __all__ = [
+    "DYNAMO_PACKAGES",
+    "DYNAMO_VERSION",
+    "DynamoRun",
     "SGLANG_PACKAGES",
     "SGLANG_VERSION",
     "PeerError",
     "PeerUnavailable",
     "RadixRun",
     "SglangCache",
+    "dynamo_dir",
+    "ensure_dynamo",
     "ensure_sglang",
     "peer_cache_root",
+    "run_dynamo_rounds",
     "run_sglang_radix",
     "sglang_dir",
     "sglang_radix_ops_per_s",
@@ -79,6 +89,10 @@ SGLANG_PACKAGES: tuple[str, ...] = (
     "triton==3.9.0",
     "truststore==0.10.5",
 )
+
+# Dynamo's KV router indexer (dynamo.llm.RadixTree): the native peer of the index benchmark.
+DYNAMO_VERSION = "1.6.1"
+DYNAMO_PACKAGES: tuple[str, ...] = (f"ai-dynamo-runtime=={DYNAMO_VERSION}",)
 
 _COMPLETE = ".kvf-complete"  # written last; holds the package list the folder was built from
 
@@ -125,16 +139,27 @@ def sglang_dir() -> Path:
     return peer_cache_root() / f"sglang-{SGLANG_VERSION}"
 
 
-def _is_complete(folder: Path) -> bool:
-    marker = folder / _COMPLETE
-    return marker.is_file() and marker.read_text().split() == list(SGLANG_PACKAGES)
+@dataclass(frozen=True)
+class _PeerInstall:
+    """One peer's side folder: what goes in it, and how to check it works once it has."""
+
+    label: str  # as messages name it
+    folder: Path
+    packages: tuple[str, ...]
+    size: str  # what the user waits for, said once
+    check: Callable[[Path], None]  # raises PeerError when the folder's peer does not work
+
+
+def _is_complete(peer: _PeerInstall) -> bool:
+    marker = peer.folder / _COMPLETE
+    return marker.is_file() and marker.read_text().split() == list(peer.packages)
 
 
 def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def _pip_install(target: Path, packages: Sequence[str]) -> None:
+def _pip_install(target: Path, packages: Sequence[str], label: str = "SGLang") -> None:
     cmd = [
         sys.executable,
         "-m",
@@ -158,46 +183,75 @@ def _pip_install(target: Path, packages: Sequence[str]) -> None:
         raise PeerError(f"pip is not installed for {sys.executable}")
     if any(m in output for m in _UNAVAILABLE_MARKERS):
         raise PeerUnavailable(
-            f"cannot install SGLang {SGLANG_VERSION}: the package registry is unavailable "
+            f"cannot install {label}: the package registry is unavailable "
             f"(pip exited {proc.returncode}):\n{_tail(output, 8)}"
         )
     raise PeerError(
-        f"pip install of the SGLang peer failed (exit {proc.returncode}):\n{_tail(output)}"
+        f"pip install of the {label} peer failed (exit {proc.returncode}):\n{_tail(output)}"
     )
 
 
-def ensure_sglang(log: Callable[[str], None] = _log) -> Path:
-    """Return the folder holding SGLang, installing it there first if needed.
+def _ensure(peer: _PeerInstall, log: Callable[[str], None]) -> Path:
+    """Return the peer's folder, installing it there first if needed.
 
     Safe against concurrent callers (file lock) and interrupted installs (the folder is built
-    beside its final place, checked by importing the radix cache, then renamed).
+    beside its final place, checked by importing the peer, then renamed).
     Raises PeerUnavailable when the registry can't be reached, PeerError on other failures.
     """
-    folder = sglang_dir()
-    if _is_complete(folder):
+    folder = peer.folder
+    if _is_complete(peer):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f".{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _is_complete(folder):  # another process finished it while we waited
+        if _is_complete(peer):  # another process finished it while we waited
             return folder
         staging = folder.parent / f".{folder.name}.staging-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         log(
-            f"installing the SGLang {SGLANG_VERSION} peer into {folder} "
-            f"(once; {len(SGLANG_PACKAGES)} packages, about 1.5 GB) ..."
+            f"installing the {peer.label} peer into {folder} "
+            f"(once; {len(peer.packages)} packages, {peer.size}) ..."
         )
         start = time.perf_counter()
         try:
-            _pip_install(staging, SGLANG_PACKAGES)
-            _run_worker(["check", str(staging)])
-            (staging / _COMPLETE).write_text("\n".join(SGLANG_PACKAGES) + "\n")
+            _pip_install(staging, peer.packages, peer.label)
+            peer.check(staging)
+            (staging / _COMPLETE).write_text("\n".join(peer.packages) + "\n")
             shutil.rmtree(folder, ignore_errors=True)  # an outdated or broken earlier install
             staging.rename(folder)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        log(f"installed the SGLang peer in {time.perf_counter() - start:.0f} s")
+        log(f"installed the {peer.label} peer in {time.perf_counter() - start:.0f} s")
     return folder
+
+
+def ensure_sglang(log: Callable[[str], None] = _log) -> Path:
+    """Return the folder holding SGLang, installing it there first if needed (see _ensure)."""
+    peer = _PeerInstall(
+        f"SGLang {SGLANG_VERSION}",
+        sglang_dir(),
+        SGLANG_PACKAGES,
+        "about 1.5 GB",
+        lambda folder: _run_worker(["check", str(folder)]),
+    )
+    return _ensure(peer, log)
+
+
+def dynamo_dir() -> Path:
+    return peer_cache_root() / f"ai-dynamo-runtime-{DYNAMO_VERSION}"
+
+
+def ensure_dynamo(log: Callable[[str], None] = _log) -> Path:
+    """Return the folder holding Dynamo's runtime (its Rust KV indexer), installing it there
+    first if needed (see _ensure). One abi3 wheel, no CUDA, no dependencies at import."""
+    peer = _PeerInstall(
+        f"Dynamo {DYNAMO_VERSION}",
+        dynamo_dir(),
+        DYNAMO_PACKAGES,
+        "about 75 MB",
+        lambda folder: _run_script("dynamo_worker.py", ["check", str(folder)], "Dynamo"),
+    )
+    return _ensure(peer, log)
 
 
 class SglangCache(Enum):
@@ -240,12 +294,16 @@ class RadixRun:
         return self.requests / self.elapsed_s if self.elapsed_s > 0 else float("inf")
 
 
-def _run_worker(args: list[str]) -> None:
+def _run_script(script: str, args: list[str], label: str) -> None:
     # -I: don't put benchmarks/ (or $PYTHONPATH) ahead of our site-packages in the worker.
-    cmd = [sys.executable, "-I", str(Path(__file__).resolve().parent / "sglang_worker.py"), *args]
+    cmd = [sys.executable, "-I", str(Path(__file__).resolve().parent / script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise PeerError(f"the SGLang peer failed (exit {proc.returncode}):\n{_tail(proc.stderr)}")
+        raise PeerError(f"the {label} peer failed (exit {proc.returncode}):\n{_tail(proc.stderr)}")
+
+
+def _run_worker(args: list[str]) -> None:
+    _run_script("sglang_worker.py", args, "SGLang")
 
 
 def run_sglang_radix(
@@ -285,6 +343,38 @@ def run_sglang_radix(
         elapsed_s=out["elapsed_s"],
         gc_mode=gc_mode,
         cache=cache,
+    )
+
+
+@dataclass(frozen=True)
+class DynamoRun:
+    """Dynamo's RadixTree over the index bench's rounds (see dynamo_worker.py)."""
+
+    rounds_per_s: float  # events pre-built, block hashes given
+    hashing_rounds_per_s: float  # compute_block_hash_for_seq inside the loop too
+    answers: tuple[tuple[int, int], ...]  # per round: (worker routed to, pages it held)
+
+
+def run_dynamo_rounds(
+    sequences: Sequence[Sequence[int]], page: int, nodes: int, repeat: int, cpu: int = -1
+) -> DynamoRun:
+    """The best of `repeat` runs of Dynamo's indexer on the rounds, each on a fresh tree, in a
+    fresh worker process pinned to `cpu` (-1: not pinned)."""
+    for name, v in (("page", page), ("nodes", nodes), ("repeat", repeat)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    lengths, flat = pack_sequences(sequences)
+    folder = ensure_dynamo()
+    with tempfile.TemporaryDirectory(prefix="kvf-peer-") as tmp:
+        data, result = Path(tmp) / "sequences.bin", Path(tmp) / "result.json"
+        write_sequences(data, lengths, flat)
+        args = [str(folder), str(data), str(page), str(nodes), str(repeat), str(result), str(cpu)]
+        _run_script("dynamo_worker.py", ["rounds", *args], "Dynamo")
+        out = json.loads(result.read_text())
+    return DynamoRun(
+        out["rounds_per_s"],
+        out["hashing_rounds_per_s"],
+        tuple((w, have) for w, have in out["answers"]),
     )
 
 
