@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # -I leaves benchmarks/ out
+sys.path.append(str(Path(__file__).resolve().parent))  # -I leaves benchmarks/ out
 from sglang_worker import read_sequences  # noqa: E402
 
 Answer = tuple[int, int]  # (worker routed to, pages it already held)

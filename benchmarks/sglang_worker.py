@@ -127,8 +127,8 @@ def _unified_cache(page_size: int):
 
     params = CacheInitParams(
         disable=False,
-        req_to_token_pool=None,  # type: ignore[arg-type]  # unused without Mamba
-        token_to_kv_pool_allocator=_NoOpAllocator(),  # type: ignore[arg-type]
+        req_to_token_pool=None,  # only Mamba's component reads it
+        token_to_kv_pool_allocator=_NoOpAllocator(),
         page_size=page_size,
         tree_components=(ComponentType.FULL,),
         tree_core_backend="rust",
