@@ -233,6 +233,11 @@ def actor_latency(all_keys: list[list[bytes]], calls: int = 400) -> tuple[float,
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--scale" in argv:  # the table's memory and lookups over slot counts: its own module
+        from benchmarks.index_scale import main as scale
+
+        return scale(argv)
     ap = argparse.ArgumentParser(prog="kvfabric bench index", description=__doc__)
     ap.add_argument(
         "--trace", default=None, help="a Mooncake-format trace (default: the packaged one)"

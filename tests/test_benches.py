@@ -46,6 +46,11 @@ def need(ensure) -> None:
     "args, name",
     [
         (["transport", "--quick", "--no-object-store", "--json"], "transport"),
+        (
+            ["index", "--scale", "--conversations", "20", "--slots", "8", "40", "--python"]
+            + ["--repeat", "1", "--json"],
+            "index-scale",
+        ),
         (["radix", "--capacity", "0.5", "--requests", "20", "--repeat", "1", "--json"], None),
         (["staging", "--tokens", "2048", "--repeat", "2", "--json"], "staging"),
     ],
@@ -53,6 +58,14 @@ def need(ensure) -> None:
 def test_each_bench_runs_from_outside_the_checkout(args, name, tmp_path):
     result = bench(args, tmp_path)
     assert result["name"] == (name or "radix-eviction"), result
+    if name == "index-scale":  # a row per slot count, both cores, the ratios of the last
+        assert (
+            [r["slots"] for r in result["rows"]]
+            == [8, 40]
+            == [r["slots"] for r in result["python_rows"]]
+        )
+        assert all(r["cached_pages"] >= r["held_keys"] > 0 for r in result["rows"])
+        assert result["bytes_per_page_ratio_40_vs_8"] > 0 and result["lookup_ratio_40_vs_8"] > 0
     if name == "transport":
         (row,) = result["rows"]
         assert row["nixl_gbps"] > 0 and row["memcpy_gbps"] > 0
