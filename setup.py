@@ -40,6 +40,7 @@ setup(
                 f"{INDEX}/ordered.c",
                 f"{INDEX}/records.c",
                 f"{INDEX}/lookup.c",
+                f"{INDEX}/holders.c",
             ],
             depends=[f"{INDEX}/presence.h"],
             extra_compile_args=FLAGS,

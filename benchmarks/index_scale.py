@@ -3,7 +3,9 @@ as the node slots grow from 8 to 4,096, against itself at 8 slots.
 
 One seeded workload at every slot count: conversations of chained pages, each held by
 1-3 random slots, a quarter of them after one of 4 hot system prompts (8 pages each)
-that min(slots, 64) slots hold. Every slot is open. The presence table alone
+that `--hot-holders` random slots hold (default 8: the same workload at every slot
+count, all 8 slots at 8; more makes each hot lookup's answer longer, whatever the
+table). Every slot is open. The presence table alone
 (presence.new_presence, the C core or the reference), as PrefixIndex drives it: each
 holder publishes its chain with set_chain.
 
@@ -34,7 +36,7 @@ from kvfabric.fabric.index.presence import PresenceTable, new_presence
 from benchmarks.fresh import run_worker
 
 SLOTS = (8, 64, 512, 4096)
-PROMPTS, PROMPT_PAGES, HOT_HOLDERS = 4, 8, 64
+PROMPTS, PROMPT_PAGES = 4, 8
 ROOT = b"\x00" * 16
 
 
@@ -56,12 +58,12 @@ class Row:
 
 
 def workload(
-    slots: int, conversations: int, seed: int
+    slots: int, conversations: int, seed: int, hot_holders: int = 8
 ) -> tuple[list[list[bytes]], list[list[int]], list[Conversation]]:
     """The same keys at every slot count (one seed); holders drawn among `slots`."""
     keys_rng, rng = random.Random(seed), random.Random(seed * 7919 + slots)
     prompts = [[keys_rng.randbytes(16) for _ in range(PROMPT_PAGES)] for _ in range(PROMPTS)]
-    hot = [rng.sample(range(slots), min(slots, HOT_HOLDERS)) for _ in prompts]
+    hot = [rng.sample(range(slots), min(slots, hot_holders)) for _ in prompts]
     convs = []
     for i in range(conversations):
         prompt = keys_rng.randrange(PROMPTS) if i % 4 == 0 else -1
@@ -87,8 +89,8 @@ def publish(
             table.set_chain(s, c.keys, depth, parent, mask)
 
 
-def measure(slots: int, conversations: int, repeat: int, seed: int) -> Row:
-    prompts, hot, convs = workload(slots, conversations, seed)
+def measure(slots: int, conversations: int, repeat: int, seed: int, hot_holders: int) -> Row:
+    prompts, hot, convs = workload(slots, conversations, seed, hot_holders)
     rule = MatchRule(window_pages=0)
     gc.collect()
     tracemalloc.start()
@@ -121,11 +123,13 @@ def measure(slots: int, conversations: int, repeat: int, seed: int) -> Row:
     )
 
 
-def ours_worker(conversations: int, repeat: int, seed: int, slots: list[int]) -> dict:
+def ours_worker(
+    conversations: int, repeat: int, seed: int, slots: list[int], hot_holders: int
+) -> dict:
     """Every slot count's row, in this process's mode (KVF_NATIVE)."""
     from kvfabric.fabric.index import presence
 
-    rows = [asdict(measure(n, conversations, repeat, seed)) for n in slots]
+    rows = [asdict(measure(n, conversations, repeat, seed, hot_holders)) for n in slots]
     return {"native": presence.ENABLED, "rows": rows}
 
 
@@ -159,23 +163,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conversations", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=5, help="timed lookup passes; the best counts")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--hot-holders", type=int, default=8, help="slots holding each hot prompt")
     ap.add_argument(
         "--slots", type=int, nargs="+", default=list(SLOTS), help="slot counts, first the base"
     )
     ap.add_argument("--python", action="store_true", help="the pure-Python reference too")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    if args.repeat < 1 or args.conversations < 1 or min(args.slots) < 1:
-        ap.error("--repeat, --conversations and --slots must be >= 1")
-    work = [args.conversations, args.repeat, args.seed, args.slots]
+    if min(args.repeat, args.conversations, args.hot_holders, *args.slots) < 1:
+        ap.error("--repeat, --conversations, --hot-holders and --slots must be >= 1")
+    work = [args.conversations, args.repeat, args.seed, args.slots, args.hot_holders]
     fast = run_worker("benchmarks.index_scale", work)
     kind = "native" if fast["native"] else "no extension!"
     print(
         f"{args.conversations} conversations (1-3 holders; {PROMPTS} hot prompts of "
-        f"{PROMPT_PAGES} pages, min(slots, {HOT_HOLDERS}) holders); bytes by tracemalloc"
+        f"{PROMPT_PAGES} pages, min(slots, {args.hot_holders}) holders); bytes by tracemalloc"
     )
     show(f"presence table ({kind})", fast["rows"])
-    out = {"name": "index-scale", "native": fast["native"], "rows": fast["rows"]}
+    out = {"name": "index-scale", "native": fast["native"], "hot_holders": args.hot_holders}
+    out["rows"] = fast["rows"]
     out.update(ratios(fast["rows"]))
     if args.python:
         slow = run_worker("benchmarks.index_scale", work, python=True)

@@ -2,18 +2,21 @@
 match for a request's page keys, as (slot, pages, device); PrefixIndex names and ranks
 them. The reference for the native core's lookup (csrc/lookup.c).
 
-A node's masks along the keys are packed in one int per key, a 4-bit nibble per node
-slot (see prefix_index._code), so the running AND of the ints says, for all nodes at
-once, which hold every page so far, in which pool and tier. The work per page is done
-in C iterators; Python-level work is per distinct match length, not per page or node.
+A key's holders are kept sparse or dense (presence.py: pairs, or one int of packed
+nibbles); a lookup first picks its candidates, the slots that may match (with full
+layers the FULL holders of page 0, else every holder of any page), and packs the keys'
+nibbles for them alone, a 4-bit nibble per candidate (see presence.code), so that its
+cost goes with the holders, not the table's slot count. The running AND of the ints
+then says, for all candidates at once, which hold every page so far, in which pool and
+tier; Python-level work is per distinct match length, not per page or node.
 The rule itself is the MatchRule's: every page before the end for full attention (the
 running AND from page 0), the last `window_pages` for a window (ANDs over windows)."""
 
 from __future__ import annotations
 
-from functools import reduce
-from itertools import accumulate, count, repeat, takewhile
-from operator import and_
+from functools import partial, reduce
+from itertools import accumulate, count, takewhile
+from operator import and_, is_not
 from typing import Sequence
 
 from .events import KEY_BYTES
@@ -21,12 +24,26 @@ from .events import KEY_BYTES
 _BYTES, _KEY_LEN = {bytes}, {KEY_BYTES}
 
 Match = tuple[int, int, bool]  # (node slot, pages, device)
+Holders = bytes | int  # 3-byte (slot, nibble) pairs while few slots hold a key, else packed
+
+
+def pairs(held: Holders) -> list[tuple[int, int]]:
+    """(slot, nibble) of each holder: a dense key's in slot order."""
+    if isinstance(held, bytes):
+        it = iter(held)
+        return [(hi << 8 | lo, nib) for hi, lo, nib in zip(it, it, it)]
+    out, x = [], held
+    while x:
+        shift = (x & -x).bit_length() - 1 & ~3
+        out.append((shift >> 2, x >> shift & 15))
+        x &= ~(15 << shift)
+    return out
 
 
 class Lookups:
     """The presence table's queries; it owns the state they read."""
 
-    _bits: dict[bytes, int]  # key -> packed holders' nibbles (never 0)
+    _bits: dict[bytes, Holders]  # key -> its holders (never none)
     _ones: int  # bit 0 of every open slot's nibble
     window_pages: int
     has_full: bool
@@ -37,28 +54,61 @@ class Lookups:
             return []
         if set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN:
             raise ValueError(f"lookup keys must be {KEY_BYTES}-byte bytes")
-        if not self.window_pages:
-            return self._lookup_full(keys)
-        chain, prefix = self._walk(keys)
-        if not chain:
+        found = list(
+            takewhile(partial(is_not, None), map(self._bits.get, keys))  # a full match
+            if self.has_full  # needs every page: none goes past a key no slot holds
+            else map(self._bits.get, keys)
+        )
+        slots = self._candidates(found)
+        if not slots:
             return []
+        chain = self._local(found, slots)
+        ones = (1 << 4 * len(slots)) // 15  # bit 0 of every candidate's nibble
+        if not self.window_pages:
+            return self._lookup_full(chain, ones, slots)
+        prefix = list(accumulate(chain, and_))
         out: list[Match] = []
-        pending = 0 if self.has_full else self._ones  # without FULL runs, all scan from the end
-        for n, group in self._full_runs(prefix) if self.has_full else ():
-            pending |= self._match_group(chain, prefix, n, group, out)
+        pending = 0 if self.has_full else ones  # without FULL runs, all scan from the end
+        for n, group in self._full_runs(prefix, ones) if self.has_full else ():
+            pending |= self._match_group(chain, prefix, n, group, slots, out)
         if pending:
-            self._fall_back(chain, prefix, pending, out)
+            self._fall_back(chain, prefix, pending, slots, out)
         return out
 
-    def _lookup_full(self, keys: Sequence[bytes]) -> list[Match]:
+    def _candidates(self, found: list[Holders | None]) -> list[int]:
+        """The open slots that may match, ascending: with full layers the FULL holders of
+        page 0 (a match holds every page before its end), else any page's holders."""
+        ones, full = self._ones, self.has_full
+        seen: set[int] = set()
+        for held in found[:1] if full else found:
+            if held is not None:
+                seen.update(
+                    s for s, nib in pairs(held) if (nib & 1 or not full) and ones >> 4 * s & 1
+                )
+        return sorted(seen)
+
+    @staticmethod
+    def _local(found: list[Holders | None], slots: list[int]) -> list[int]:
+        """Each key's nibbles packed for the candidates alone: candidate i at nibble i."""
+        place = {s: 4 * i for i, s in enumerate(slots)}
+        chain = []
+        for held in found:
+            if held is None:
+                chain.append(0)
+            elif isinstance(held, int) and len(slots) < 4:  # a dense key: ask the few candidates
+                chain.append(sum((held >> 4 * s & 15) << place[s] for s in slots))
+            else:
+                chain.append(sum(nib << place[s] for s, nib in pairs(held) if s in place))
+        return chain
+
+    def _lookup_full(self, chain: list[int], ones: int, slots: list[int]) -> list[Match]:
         """`lookup` without SWA layers: a node's match is its FULL run from page 0, so the
-        runs are the answer. One C pipeline, no per-page list: holders of each page, their
-        running AND, stopping where it is 0 (a missing key, or no node holding every page
-        so far: no run goes further), and each distinct running value -> where it ends."""
-        ends = dict(
-            zip(takewhile(bool, accumulate(map(self._bits.get, keys, repeat(0)), and_)), count(1))
-        )
-        ones, out, inner = self._ones, [], 0
+        runs are the answer: holders of each page, their running AND, stopping where it is
+        0 (no candidate holding every page so far: no run goes further), and each
+        distinct running value -> where it ends."""
+        ends = dict(zip(takewhile(bool, accumulate(chain, and_)), count(1)))
+        out: list[Match] = []
+        inner = 0
         for v in reversed(ends):  # longest run first; the AND only loses bits
             held = v & ones
             nodes = held & ~inner
@@ -67,24 +117,16 @@ class Lookups:
                 while nodes:
                     low = nodes & -nodes
                     nodes ^= low
-                    out.append(((low.bit_length() - 1) >> 2, n, bool(v & (low << 1))))
+                    out.append((slots[(low.bit_length() - 1) >> 2], n, bool(v & (low << 1))))
             inner = held
         return out
 
-    def _walk(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
-        """The packed holders of each page a match may reach, and their running AND from
-        page 0; C-level iterators, as this is most of a lookup's work."""
-        if self.has_full:  # stop at the first key no node holds (held keys have bits != 0)
-            chain = list(takewhile(bool, map(self._bits.get, keys, repeat(0))))
-        else:  # without full layers only a window must be held: no stopping early
-            chain = list(map(self._bits.get, keys, repeat(0)))
-        return chain, list(accumulate(chain, and_))
-
-    def _full_runs(self, prefix: list[int]) -> list[tuple[int, int]]:
+    @staticmethod
+    def _full_runs(prefix: list[int], ones: int) -> list[tuple[int, int]]:
         """(F, nodes whose FULL run from page 0 is exactly F pages). The running AND only
         loses bits, so each distinct value is one run: the work is per run, not per page."""
         ends = dict(zip(prefix, count(1)))  # each run's value -> its end, in one C pass
-        ones, runs, inner = self._ones, [], 0
+        runs, inner = [], 0
         for v in reversed(ends):
             held = v & ones
             if held & ~inner:
@@ -93,7 +135,13 @@ class Lookups:
         return runs
 
     def _match_group(
-        self, chain: list[int], prefix: list[int], n: int, group: int, out: list[Match]
+        self,
+        chain: list[int],
+        prefix: list[int],
+        n: int,
+        group: int,
+        slots: list[int],
+        out: list[Match],
     ) -> int:
         """Nodes that may match up to n pages: those holding the SWA window there match n;
         the others are returned, for `_fall_back`."""
@@ -101,11 +149,12 @@ class Lookups:
         if w:
             win = prefix[n - 1] if n <= w else reduce(and_, chain[n - w : n])
         ok = group & (win >> 2)
-        self._emit(ok, n, (prefix[n - 1] >> 1 if self.has_full else -1) & (win >> 3), out)
+        device = (prefix[n - 1] >> 1 if self.has_full else -1) & (win >> 3)
+        self._emit(ok, n, device, slots, out)
         return group & ~ok
 
     def _fall_back(
-        self, chain: list[int], prefix: list[int], pending: int, out: list[Match]
+        self, chain: list[int], prefix: list[int], pending: int, slots: list[int], out: list[Match]
     ) -> None:
         """Nodes whose SWA window fails where their match could end (a tombstoned prefix the
         request leaves early, say): try shorter lengths, all such nodes in one downward scan."""
@@ -113,7 +162,8 @@ class Lookups:
         for m in range(len(chain), 0, -1):
             hits = pending & (wins[m - 1] >> 2) & (prefix[m - 1] if full else -1)
             if hits:
-                self._emit(hits, m, (prefix[m - 1] >> 1 if full else -1) & (wins[m - 1] >> 3), out)
+                device = (prefix[m - 1] >> 1 if full else -1) & (wins[m - 1] >> 3)
+                self._emit(hits, m, device, slots, out)
                 pending ^= hits
                 if not pending:
                     return
@@ -130,8 +180,8 @@ class Lookups:
         return prefix[: w - 1] + list(map(and_, runs, runs[w - k :]))
 
     @staticmethod
-    def _emit(nodes: int, n: int, device: int, out: list[Match]) -> None:
+    def _emit(nodes: int, n: int, device: int, slots: list[int], out: list[Match]) -> None:
         while nodes:
             low = nodes & -nodes
             nodes ^= low
-            out.append(((low.bit_length() - 1) >> 2, n, bool(device & low)))
+            out.append((slots[(low.bit_length() - 1) >> 2], n, bool(device & low)))

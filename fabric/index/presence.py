@@ -1,12 +1,17 @@
 """The prefix index's core table: per page key, which node slots hold it and how, and
 what each slot last published of it (its parent, depth and mask).
 
-Per key, a 4-bit nibble per node slot (see `code`), packed in one int in this
-pure-Python reference, in a bitset of 16 slots a word in the C core (csrc/, the
-`_presence.Presence` type: the same methods and results). Per slot, its pages in the
-order a dict keeps them; per key, the record of its last publication, kept while any
-slot holds it (`meta`). Held keys keep insertion order as a dict does. KVF_NATIVE
-picks the core once per process, as for page keys (fabric/cache/native.py);
+Per key, a 4-bit nibble per node slot that holds it (see `code`), kept as its holders'
+(slot, nibble) pairs while at most SPARSE_MAX slots hold it and as a bitset of every
+slot's nibble where more do: memory and lookups cost per holder, not per slot the table
+has. A dense key goes back to pairs when SPARSE_BACK slots hold it (not SPARSE_MAX, so
+that a slot joining and leaving at the boundary does not switch it each time). In this
+pure-Python reference pairs are a bytes of 3-byte (slot, nibble) entries and the bitset
+one int; in the C core (csrc/, the `_presence.Presence` type: the same methods and
+results, `dense` included) a 16-byte cell of inline pairs or a heap bitset. Per slot,
+its pages in the order a dict keeps them; per key, the record of its last publication,
+kept while any slot holds it (`meta`). Held keys keep insertion order as a dict does.
+KVF_NATIVE picks the core once per process, as for page keys (fabric/cache/native.py);
 `new_presence(rule, native=...)` picks one explicitly, as the differential tests do.
 The table knows slots, not node names, epochs or sequence numbers: PrefixIndex keeps
 those and validates every input before it calls here; the table checks its arguments
@@ -15,16 +20,17 @@ again (ValueError, nothing changed), as it cannot know its caller."""
 from __future__ import annotations
 
 from itertools import repeat
-from operator import and_, or_
 from types import ModuleType
 from typing import Protocol, Sequence
 
 from ..cache import native
 from .events import _MAX_MASK, KEY_BYTES, PageMask
-from .lookups import _BYTES, _KEY_LEN, Lookups, Match
+from .lookups import _BYTES, _KEY_LEN, Holders, Lookups, Match, pairs
 from .match_rule import MatchRule
 
 MAX_SLOTS = 1 << 16  # node slots a table may open (PrefixIndex reuses freed ones)
+SPARSE_MAX = 5  # holders a key keeps as pairs; one more makes it dense
+SPARSE_BACK = 3  # a dense key this few slots hold goes back to pairs
 
 # Bits of a slot's nibble: FULL on either tier, FULL on device, SWA on either, SWA on device.
 _F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8
@@ -71,6 +77,8 @@ class PresenceTable(Protocol):
 
     def get(self, key: bytes, /) -> int: ...
 
+    def dense(self, key: bytes, /) -> bool: ...
+
     def __len__(self) -> int: ...
 
 
@@ -91,13 +99,34 @@ def resolve(key: bytes, rec: Chain) -> tuple[bytes, int, int]:
     return keys[i - 1] if i else parent, depth + i, mask
 
 
+def _packed(held: Holders) -> int:
+    """A key's holders as one int of packed nibbles (slot s at bits 4s to 4s + 3)."""
+    if isinstance(held, int):
+        return held
+    return sum(nib << 4 * s for s, nib in pairs(held))
+
+
+def _count(bits: int) -> int:
+    """Slots with a nonzero nibble in packed nibbles."""
+    x = bits | bits >> 1 | bits >> 2 | bits >> 3
+    return (x & (1 << (x.bit_length() + 3 & ~3)) // 15).bit_count()
+
+
+def _find(held: bytes, slot: bytes) -> int:
+    """Where the pair of `slot` (2 bytes) starts in pairs, or -1."""
+    for i in range(0, len(held), 3):
+        if held[i : i + 2] == slot:
+            return i
+    return -1
+
+
 class Presence(Lookups):
-    """The pure-Python core: key -> packed nibbles (never 0: a key no slot holds is
+    """The pure-Python core: key -> its holders (never none: a key no slot holds is
     deleted), per open slot key -> its Chain record, and key -> its last record."""
 
     def __init__(self, window_pages: int, has_full: bool) -> None:
         self.window_pages, self.has_full = window_pages, has_full
-        self._bits: dict[bytes, int] = {}
+        self._bits: dict[bytes, Holders] = {}
         self._ones = 0
         self._pages: list[dict[bytes, Chain] | None] = []  # per slot; None: not open
         self._meta: dict[bytes, Chain] = {}
@@ -174,7 +203,14 @@ class Presence(Lookups):
         return list(self._bits)
 
     def get(self, key: bytes) -> int:
-        return self._bits.get(key, 0)
+        """The key's packed nibbles, whatever its form (0: not held)."""
+        return _packed(self._bits.get(key, 0))
+
+    def dense(self, key: bytes) -> bool:
+        """Whether the key's holders are a bitset, not pairs (False: not held)."""
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            raise ValueError(f"dense keys must be {KEY_BYTES}-byte bytes")
+        return isinstance(self._bits.get(key), int)
 
     def __len__(self) -> int:
         return len(self._bits)
@@ -186,33 +222,43 @@ class Presence(Lookups):
         return pages
 
     def _set(self, slot: int, keys: Sequence[bytes], code: int) -> list[bytes] | None:
-        """The slot's nibble `code` for each key, in order: C-level passes. Code 0 clears,
-        and returns the keys it deleted (no slot holds them any more)."""
-        shift, b = 4 * slot, self._bits
+        """The slot's nibble `code` for each key, in order. Code 0 clears, and returns the
+        keys it deleted (no slot holds them any more)."""
+        b, at = self._bits, bytes((slot >> 8, slot & 255))
+        shift = 4 * slot
         keep = ~(0xF << shift)
         if code:
-            b.update(
-                zip(
-                    keys,
-                    map(
-                        or_,
-                        map(and_, map(b.get, keys, repeat(0)), repeat(keep)),
-                        repeat(code << shift),
-                    ),
-                )
-            )
+            pair, put = at + bytes((code,)), code << shift
+            for key in keys:
+                held = b.get(key)
+                if held is None:
+                    b[key] = pair
+                elif isinstance(held, int):
+                    b[key] = held & keep | put
+                elif (i := _find(held, at)) >= 0:
+                    b[key] = held[:i] + pair + held[i + 3 :]
+                elif len(held) < 3 * SPARSE_MAX:
+                    b[key] = held + pair
+                else:  # one holder more than pairs keep: a bitset
+                    b[key] = _packed(held) | put
             return None
-        left = list(map(and_, map(b.get, keys, repeat(0)), repeat(keep)))
-        if all(left):  # every key held before, and by some other slot still
-            b.update(zip(keys, left))
-            return []
         removed = []
         for key in keys:  # in order: a key listed twice is deleted once
-            bits = b.get(key)
-            if bits is None:
+            held = b.get(key)
+            if held is None:
                 continue
-            if bits & keep:
-                b[key] = bits & keep
+            left: Holders
+            if isinstance(held, int):
+                bits = held & keep
+                left = bits
+                if bits != held and _count(bits) <= SPARSE_BACK:  # few hold it: pairs again
+                    left = b"".join(bytes((s >> 8, s & 255, nib)) for s, nib in pairs(bits))
+            elif (i := _find(held, at)) >= 0:
+                left = held[:i] + held[i + 3 :]
+            else:
+                continue
+            if left:
+                b[key] = left
             else:
                 del b[key]
                 removed.append(key)

@@ -1,8 +1,10 @@
 """The index core's two presence tables, C and pure Python, driven through the same random
 sequences of every PrefixIndex operation: equal results for every call, equal state after
 each (node_pages, held_keys in order, page_meta, sync points, stats, len, every key's
-packed nibbles). Many nodes (over 16 slots: the C bitset grows), drops and slot reuse,
-random MatchRules. The existing index tests run on both cores through KVF_NATIVE."""
+packed nibbles, and its form: pairs or bitset). Many nodes (over 16 slots, and over
+SPARSE_MAX holders a key: keys switch between pairs and bitset both ways, at the
+boundary), drops and slot reuse, random MatchRules. The existing index tests run on
+both cores through KVF_NATIVE."""
 
 import gc
 
@@ -66,6 +68,7 @@ def state(ix: PrefixIndex) -> tuple:
         [(n, ix.node_pages(n), ix.sync_point(n)) for n in nodes],
         [ix.page_meta(k) for k in KEYS],
         [ix._presence.get(k) for k in KEYS],
+        [ix._presence.dense(k) for k in KEYS],
     )
 
 
@@ -183,6 +186,7 @@ def table_state(table) -> tuple:
     return (
         table.keys(),
         [table.get(k) for k in KEYS],
+        [table.dense(k) for k in KEYS],
         [table.meta(k) for k in KEYS],
         [(table.pages(s), table.count(s)) for s in (0, 3, 70)],
     )
@@ -314,7 +318,89 @@ def test_native_and_python_tables_agree(rule, slots, ops):
         assert got == want, op
         assert c.keys() == py.keys() and len(c) == len(py), op
         assert [c.get(k) for k in KEYS] == [py.get(k) for k in KEYS], op
+        assert [c.dense(k) for k in KEYS] == [py.dense(k) for k in KEYS], op
         assert [c.meta(k) for k in KEYS] == [py.meta(k) for k in KEYS], op
         for s in range(slots):
             assert table_call(c, ("pages", s)) == table_call(py, ("pages", s)), (op, s)
             assert table_call(c, ("count", s)) == table_call(py, ("count", s)), (op, s)
+
+
+def test_the_sparse_and_dense_bounds_are_the_same_on_both_cores():
+    assert (presence.EXT.SPARSE_MAX, presence.EXT.SPARSE_BACK) == (
+        presence.SPARSE_MAX,
+        presence.SPARSE_BACK,
+    )
+    assert presence.SPARSE_BACK < presence.SPARSE_MAX
+
+
+def holders(table, key: bytes) -> int:
+    bits = table.get(key)
+    return sum(1 for s in range(0, bits.bit_length(), 4) if bits >> s & 15)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rule=rules,
+    slots=st.lists(st.integers(0, 5000), min_size=1, max_size=12, unique=True),
+    data=st.data(),
+)
+def test_keys_switch_forms_at_the_bounds_alike(rule, slots, data):
+    """Slots, near and far apart (past one word and past SPARSE_MAX of them), join and
+    leave a few keys one at a time: both cores answer alike after each step, and a key
+    is dense exactly when the rule says: past SPARSE_MAX holders, until SPARSE_BACK."""
+    py = presence.Presence(rule.window_pages, rule.has_full)
+    c = presence.EXT.Presence(rule.window_pages, rule.has_full)
+    for table in (py, c):
+        for s in slots:
+            table.open(s)
+    keys, dense = KEYS[:3], dict.fromkeys(KEYS[:3], False)
+    seen = set()
+    for _ in range(data.draw(st.integers(1, 60))):
+        slot = data.draw(st.sampled_from(slots))
+        first = data.draw(st.integers(0, 2))
+        run = keys[first : first + data.draw(st.integers(1, 3))]
+        mask = data.draw(st.sampled_from([0, 0, 1, 3, 5, 12, 15]))
+        for table in (py, c):
+            table.set_chain(slot, run, first, ROOT, mask)
+        for k in keys:
+            n = holders(py, k)
+            dense[k] = n > presence.SPARSE_MAX or (dense[k] and n > presence.SPARSE_BACK)
+            assert py.dense(k) == c.dense(k) == dense[k], (k, n)
+            assert py.get(k) == c.get(k)
+            seen.add((n, dense[k]))
+        assert c.keys() == py.keys()
+        for lookup in (keys, keys[1:], keys[::-1]):
+            assert sorted(c.lookup(lookup)) == sorted(py.lookup(lookup))
+        assert all(c.pages(s) == py.pages(s) for s in slots)
+    for table in (py, c):  # closing every slot empties every form
+        for s in slots:
+            table.close(s)
+        assert not table.keys() and not table.dense(KEYS[0])
+
+
+def test_a_key_crosses_each_bound_both_ways():
+    """One key, slots 0, 17, 300, .. joining then leaving: dense from SPARSE_MAX + 1
+    holders, still dense down to SPARSE_BACK + 1, pairs again at SPARSE_BACK; the same
+    holders and lookups on both cores at every count."""
+    slots = [0, 17, 300, 4095, 40, 2, 65535, 1000]
+    py, c = presence.Presence(0, True), presence.EXT.Presence(0, True)
+    for table in (py, c):
+        for s in slots:
+            table.open(s)
+    forms = []
+    for s in slots:
+        for table in (py, c):
+            table.set_chain(s, KEYS[:2], 0, ROOT, 1 + s % 15)
+        assert py.get(KEYS[0]) == c.get(KEYS[0]) and py.dense(KEYS[0]) == c.dense(KEYS[0])
+        assert sorted(py.lookup(KEYS[:2])) == sorted(c.lookup(KEYS[:2]))
+        forms.append(c.dense(KEYS[0]))
+    for s in slots[:-1]:
+        for table in (py, c):
+            table.set_chain(s, KEYS[:1], 0, ROOT, 0)
+        assert py.get(KEYS[0]) == c.get(KEYS[0]) and py.dense(KEYS[0]) == c.dense(KEYS[0])
+        assert sorted(py.lookup(KEYS[:2])) == sorted(c.lookup(KEYS[:2]))
+        forms.append(c.dense(KEYS[0]))
+    # holders 1..8 joining, then 7..1 leaving
+    assert forms == [False] * 5 + [True] * 3 + [True] * 4 + [False] * 3
+    assert c.get(KEYS[0]) == py.get(KEYS[0]) == presence.code(1 + 1000 % 15) << 4 * 1000
+    assert c.dense(KEYS[1]) and py.dense(KEYS[1])  # the other key kept all 8

@@ -1,7 +1,12 @@
 /* Presence.lookup: each node slot's usable match for chained page keys, by the rule of
  * fabric/index/lookups.py (the reference; the differential tests hold the two equal).
  *
- * Per page, the holders' nibbles (chain) and their running AND from page 0 (prefix). With
+ * The candidates first: the slots that may match, each given a place (a local slot): with
+ * full layers the FULL holders of page 0 (a match holds every page before its end), else
+ * every holder of any page. The walk's nibbles are theirs alone, in their places, so its
+ * cost goes with the keys' holders, not the table's slot count.
+ *
+ * Per page, the candidates' nibbles (chain) and their running AND from page 0 (prefix). With
  * full layers the walk stops where no open slot holds every page so far: no match goes
  * further. A node's FULL run from page 0 ends where its bit leaves the running AND; it
  * matches there if its SWA window holds too, else the fall-back scans shorter lengths
@@ -15,7 +20,8 @@
 
 typedef struct {
     Py_ssize_t W, len, window;
-    const uint64_t *ones;
+    const int32_t *order;                    /* local slot -> slot, ascending */
+    const uint64_t *ones;                    /* W: bit 0 of every candidate's nibble */
     uint64_t *chain, *prefix, *pre, *suf;    /* len * W each */
 } Walk;
 
@@ -43,12 +49,13 @@ static void blocks(Walk *k) {
             AT(k->suf, i)[j] = AT(k->chain, i)[j] & (i % w != w - 1 && i + 1 < k->len ? AT(k->suf, i + 1)[j] : ~0ULL);
 }
 
-/* (slot, pages, device) for every node bit of `nodes`. */
-static int emit(PyObject *out, const uint64_t *nodes, const uint64_t *device, Py_ssize_t W, Py_ssize_t pages) {
-    for (Py_ssize_t j = 0; j < W; j++)
+/* (slot, pages, device) for every candidate bit of `nodes`. */
+static int emit(const Walk *k, PyObject *out, const uint64_t *nodes, const uint64_t *device,
+                Py_ssize_t pages) {
+    for (Py_ssize_t j = 0; j < k->W; j++)
         for (uint64_t x = nodes[j]; x; x &= x - 1) {
             int b = __builtin_ctzll(x);
-            PyObject *t = Py_BuildValue("(nnO)", j * SLOTS_PER_WORD + b / 4, pages,
+            PyObject *t = Py_BuildValue("(inO)", k->order[j * SLOTS_PER_WORD + b / 4], pages,
                                         (device[j] >> b) & 1 ? Py_True : Py_False);
             if (t == NULL || PyList_Append(out, t) < 0) {
                 Py_XDECREF(t);
@@ -66,31 +73,98 @@ static int any(const uint64_t *a, Py_ssize_t W) {
     return 0;
 }
 
-/* The walk over the keys' nibbles: k->len pages may match (0: none). */
-static int walk(Presence *p, Walk *k, PyObject *const *items, Py_ssize_t n) {
-    Py_ssize_t W = p->words, need = (4 * n + 8) * W;
+static int is_open(const Presence *p, Py_ssize_t slot) {
+    return (int)(p->ones[slot / SLOTS_PER_WORD] >> 4 * (slot % SLOTS_PER_WORD)) & 1;
+}
+
+static int by_slot(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The cell of each key a match may reach, in p->found; how many. */
+static Py_ssize_t find_cells(Presence *p, PyObject *const *items, Py_ssize_t n) {
+    if (n > p->found_len) {
+        const Cell **f = PyMem_Realloc(p->found, (size_t)n * sizeof(*f));
+        if (f == NULL)
+            return PyErr_NoMemory(), -1;
+        p->found = f, p->found_len = n;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)  /* the keys' misses overlap, not one after another */
+        ord_prefetch(&p->held, (const uint8_t *)PyBytes_AS_STRING(items[i]));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        p->found[i] = kvf_find(p, (const uint8_t *)PyBytes_AS_STRING(items[i]));
+        if (p->found[i] == NULL && p->has_full)
+            return i;                    /* a full match needs every page: none goes further */
+    }
+    return n;
+}
+
+/* The candidates into p->order, ascending, and their places into p->local; how many. */
+static Py_ssize_t candidates(Presence *p, Py_ssize_t n) {
+    if (p->order_len < p->nslots) {      /* at most every slot, once */
+        int32_t *o = PyMem_Realloc(p->order, (size_t)p->nslots * sizeof(int32_t));
+        if (o == NULL)
+            return PyErr_NoMemory(), -1;
+        p->order = o, p->order_len = p->nslots;
+    }
+    Py_ssize_t nl = 0;
+    for (Py_ssize_t i = 0; i < (p->has_full ? (n ? 1 : 0) : n); i++) {
+        if (p->found[i] == NULL)
+            continue;
+        for (Holders h = holders_of(p->found[i]); holders_next(&h);)
+            if ((h.nib & 1 || !p->has_full) && is_open(p, h.slot) && p->local[h.slot] == -1) {
+                p->local[h.slot] = 0;    /* seen: its place comes after the sort */
+                p->order[nl++] = (int32_t)h.slot;
+            }
+    }
+    qsort(p->order, (size_t)nl, sizeof(int32_t), by_slot);
+    for (Py_ssize_t l = 0; l < nl; l++)
+        p->local[p->order[l]] = (int32_t)l;
+    return nl;
+}
+
+/* The candidates' nibbles of one cell into `row` (W words, zeroed). */
+static void local_row(const Presence *p, const Cell *c, Py_ssize_t nl, uint64_t *row) {
+    if (cell_dense(c) && nl < (Py_ssize_t)c->dense.holders) {  /* fewer candidates: ask each */
+        for (Py_ssize_t l = 0; l < nl; l++)
+            row[l / SLOTS_PER_WORD] |= (uint64_t)cell_get(c, p->order[l]) << 4 * (l % SLOTS_PER_WORD);
+        return;
+    }
+    for (Holders h = holders_of(c); holders_next(&h);) {
+        int32_t l = p->local[h.slot];
+        if (l >= 0)
+            row[l / SLOTS_PER_WORD] |= (uint64_t)h.nib << 4 * (l % SLOTS_PER_WORD);
+    }
+}
+
+/* The walk over the candidates' nibbles of `n` found cells: k->len pages may match. */
+static int walk(Presence *p, Walk *k, Py_ssize_t n, Py_ssize_t nl) {
+    Py_ssize_t W = (nl + SLOTS_PER_WORD - 1) / SLOTS_PER_WORD, need = (4 * n + 9) * W;
     if (need > p->scratch_len) {
         uint64_t *s = PyMem_Realloc(p->scratch, (size_t)need * 8);
         if (s == NULL)
             return PyErr_NoMemory(), -1;
         p->scratch = s, p->scratch_len = need;
     }
-    k->W = W, k->window = p->window, k->ones = p->ones, k->len = 0;
-    k->chain = p->scratch, k->prefix = k->chain + n * W, k->pre = k->prefix + n * W, k->suf = k->pre + n * W;
-    for (Py_ssize_t i = 0; i < n; i++)  /* the keys' misses overlap, not one after another */
-        ord_prefetch(&p->held, (const uint8_t *)PyBytes_AS_STRING(items[i]));
+    uint64_t *ones = p->scratch;
+    k->W = W, k->window = p->window, k->order = p->order, k->ones = ones, k->len = 0;
+    k->chain = ones + W, k->prefix = k->chain + n * W, k->pre = k->prefix + n * W, k->suf = k->pre + n * W;
+    for (Py_ssize_t j = 0; j < W; j++)
+        ones[j] = 0x1111111111111111ULL;
+    if (nl % SLOTS_PER_WORD)
+        ones[W - 1] &= (1ULL << 4 * (nl % SLOTS_PER_WORD)) - 1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        const uint64_t *bits = kvf_find(p, (const uint8_t *)PyBytes_AS_STRING(items[i]));
-        if (bits == NULL && p->has_full)
-            break;                       /* a full match needs every page: none goes further */
-        uint64_t live = 0;
+        uint64_t live = 0, *row = AT(k->chain, i), *pre = AT(k->prefix, i);
+        memset(row, 0, (size_t)W * 8);
+        if (p->found[i] != NULL)
+            local_row(p, p->found[i], nl, row);
         for (Py_ssize_t j = 0; j < W; j++) {
-            AT(k->chain, i)[j] = bits ? bits[j] : 0;
-            AT(k->prefix, i)[j] = AT(k->chain, i)[j] & (i ? AT(k->prefix, i - 1)[j] : ~0ULL);
-            live |= AT(k->prefix, i)[j] & p->ones[j];
+            pre[j] = row[j] & (i ? pre[j - W] : ~0ULL);
+            live |= pre[j] & ones[j];
         }
         if (p->has_full && !live)
-            break;                       /* no open slot holds every page so far */
+            break;                       /* no candidate holds every page so far */
         k->len = i + 1;
     }
     if (k->window && k->len > k->window)
@@ -108,7 +182,7 @@ static int match_group(const Walk *k, Py_ssize_t n, const uint64_t *group, uint6
         dev[j] = (AT(k->prefix, n - 1)[j] >> 1) & (win[j] >> 3);
         pending[j] |= group[j] & ~ok[j];
     }
-    return emit(out, ok, dev, k->W, n);
+    return emit(k, out, ok, dev, n);
 }
 
 /* Nodes whose window fails where their run ends: the longest shorter length that holds. */
@@ -122,7 +196,7 @@ static int fall_back(const Walk *k, int full, uint64_t *pending, uint64_t *win, 
             dev[j] = (pre >> 1) & (win[j] >> 3);
             pending[j] ^= hits[j];
         }
-        if (emit(out, hits, dev, k->W, m) < 0)
+        if (emit(k, out, hits, dev, m) < 0)
             return -1;
     }
     return 0;
@@ -134,7 +208,7 @@ static int rule(Presence *p, Walk *k, PyObject *out) {
     uint64_t *pending = t, *inner = t + W, *group = t + 2 * W, *win = t + 3 * W, *a = t + 4 * W,
              *b = t + 5 * W;
     for (Py_ssize_t j = 0; j < W; j++)
-        pending[j] = p->has_full ? 0 : p->ones[j], inner[j] = 0;
+        pending[j] = p->has_full ? 0 : k->ones[j], inner[j] = 0;
     for (Py_ssize_t i = k->len - 1; p->has_full && i >= 0;) {   /* each FULL run, longest first */
         const uint64_t *v = AT(k->prefix, i);
         Py_ssize_t start = i;
@@ -155,14 +229,17 @@ PyObject *kvf_lookup(Presence *p, PyObject *keys) {
     PyObject *seq = PySequence_Fast(keys, "lookup keys must be a sequence");
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), found, nl = 0;
     PyObject **items = PySequence_Fast_ITEMS(seq), *out = NULL;
     Walk k;
-    if (kvf_check_keys(items, n, "lookup") == 0 && walk(p, &k, items, n) == 0) {
+    if (kvf_check_keys(items, n, "lookup") == 0 && (found = find_cells(p, items, n)) >= 0 &&
+        (nl = candidates(p, found)) >= 0 && (nl == 0 || walk(p, &k, found, nl) == 0)) {
         out = PyList_New(0);
-        if (out != NULL && k.len && rule(p, &k, out) < 0)
+        if (out != NULL && nl && k.len && rule(p, &k, out) < 0)
             Py_CLEAR(out);
     }
+    for (Py_ssize_t l = 0; l < nl; l++)  /* the places are this lookup's alone */
+        p->local[p->order[l]] = -1;
     Py_DECREF(seq);
     return out;
 }

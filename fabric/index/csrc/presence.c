@@ -1,13 +1,15 @@
 /* kvfabric.fabric.index._presence: the native core of fabric/index/presence.py.
  *
- * Presence(window_pages, has_full): per page key, a nibble per node slot (a bitset
- * that grows with the slot count); per slot, the pages it published; per key, its last
- * publication. The same methods and results as presence.Presence:
+ * Presence(window_pages, has_full): per page key, a nibble per node slot that holds it
+ * (a Cell: inline pairs while few slots do, a bitset where many do; holders.c); per slot,
+ * the pages it published; per key, its last publication. The same methods and results
+ * as presence.Presence:
  *   open(slot) / close(slot): a slot takes a node / is cleared and freed.
  *   set_chain(slot, keys, first_depth, parent, mask): a chain's pages (records.c).
  *   check(keys, parent): PrefixIndex's check of a chain, before anything changes.
  *   clear(slot); pages(slot) -> [(key, parent, depth, mask)]; count(slot).
  *   meta(key) -> (parent, depth) | None; keys() in insertion order; get(key) -> int.
+ *   dense(key) -> bool: its holders are a bitset, not inline pairs.
  *   lookup(keys) -> [(slot, pages, device)]: the MatchRule's matches (lookup.c).
  * Every argument is checked before anything changes (ValueError). It holds no Python
  * objects, so the type is not tracked by the garbage collector. */
@@ -15,26 +17,20 @@
 
 #include <string.h>
 
-uint64_t *kvf_find(Presence *p, const uint8_t *key) {
+Cell *kvf_find(Presence *p, const uint8_t *key) {
     size_t pos;
     Py_ssize_t e = ord_find(&p->held, key, &pos);
-    return e < 0 ? NULL : p->bits + e * p->words;
+    return e < 0 ? NULL : p->cells + e;
 }
 
-/* Bits per key for `words` words: every entry widened with zero nibbles. */
+/* `ones` for `words` words (the keys' cells do not depend on the slot count). */
 static int widen(Presence *p, Py_ssize_t words) {
-    Py_ssize_t old = p->words, cap = p->held.cap;
-    uint64_t *bits = cap ? PyMem_Calloc((size_t)cap * (size_t)words, 8) : NULL;
     uint64_t *ones = PyMem_Calloc((size_t)words, 8);
-    if ((cap && !bits) || !ones) {
-        PyMem_Free(bits), PyMem_Free(ones);
+    if (!ones)
         return PyErr_NoMemory(), -1;
-    }
-    for (Py_ssize_t e = 0; e < p->held.used; e++)
-        memcpy(bits + e * words, p->bits + e * old, (size_t)old * 8);
-    memcpy(ones, p->ones, (size_t)old * 8);
-    PyMem_Free(p->bits), PyMem_Free(p->ones);
-    p->bits = bits, p->ones = ones, p->words = words;
+    memcpy(ones, p->ones, (size_t)p->words * 8);
+    PyMem_Free(p->ones);
+    p->ones = ones, p->words = words;
     return 0;
 }
 
@@ -138,10 +134,15 @@ static PyObject *py_open(Presence *p, PyObject *arg) {
     if (slot >= p->words * SLOTS_PER_WORD && widen(p, slot / SLOTS_PER_WORD + 1) < 0)
         return NULL;
     if (slot >= p->nslots) {
+        int32_t *local = PyMem_Realloc(p->local, (size_t)(slot + 1) * sizeof(int32_t));
+        if (local == NULL)
+            return PyErr_NoMemory();
+        p->local = local;               /* bigger, still valid for the old slot count */
         Pages *slots = PyMem_Realloc(p->slots, (size_t)(slot + 1) * sizeof(Pages));
         if (slots == NULL)
             return PyErr_NoMemory();
         memset(slots + p->nslots, 0, (size_t)(slot + 1 - p->nslots) * sizeof(Pages));
+        memset(local + p->nslots, 0xff, (size_t)(slot + 1 - p->nslots) * sizeof(int32_t));
         p->slots = slots, p->nslots = slot + 1;
     }
     p->slots[slot].open = 1;
@@ -202,12 +203,28 @@ static PyObject *py_keys(Presence *p, PyObject *unused) {
     return out;
 }
 
+/* The cell's nibbles as words (its highest holder's word the last), in *bits; the count. */
+static Py_ssize_t cell_words(const Cell *c, uint64_t **bits) {
+    Py_ssize_t n = 0;
+    for (Holders h = holders_of(c); holders_next(&h);)
+        n = h.slot / SLOTS_PER_WORD + 1 > n ? h.slot / SLOTS_PER_WORD + 1 : n;
+    if ((*bits = PyMem_Calloc((size_t)n + 1, 8)) == NULL)
+        return PyErr_NoMemory(), -1;
+    for (Holders h = holders_of(c); holders_next(&h);)
+        (*bits)[h.slot / SLOTS_PER_WORD] |= (uint64_t)h.nib << 4 * (h.slot % SLOTS_PER_WORD);
+    return n;
+}
+
 static PyObject *py_get(Presence *p, PyObject *key) {
     if (kvf_check_keys(&key, 1, "get") < 0)
         return NULL;
-    uint64_t *bits = kvf_find(p, (const uint8_t *)PyBytes_AS_STRING(key));
+    const Cell *c = kvf_find(p, (const uint8_t *)PyBytes_AS_STRING(key));
+    uint64_t *bits = NULL;
+    Py_ssize_t words = c == NULL ? 0 : cell_words(c, &bits);
+    if (words < 0)
+        return NULL;
     PyObject *out = PyLong_FromLong(0), *shift = PyLong_FromLong(64);
-    for (Py_ssize_t i = p->words - 1; bits != NULL && out != NULL && shift != NULL && i >= 0; i--) {
+    for (Py_ssize_t i = words - 1; out != NULL && shift != NULL && i >= 0; i--) {
         PyObject *word = PyLong_FromUnsignedLongLong(bits[i]), *up = PyNumber_Lshift(out, shift);
         Py_SETREF(out, up && word ? PyNumber_Or(up, word) : NULL);
         Py_XDECREF(up), Py_XDECREF(word);
@@ -215,7 +232,15 @@ static PyObject *py_get(Presence *p, PyObject *key) {
     if (shift == NULL)
         Py_CLEAR(out);
     Py_XDECREF(shift);
+    PyMem_Free(bits);
     return out;
+}
+
+static PyObject *py_dense(Presence *p, PyObject *key) {
+    if (kvf_check_keys(&key, 1, "dense") < 0)
+        return NULL;
+    const Cell *c = kvf_find(p, (const uint8_t *)PyBytes_AS_STRING(key));
+    return PyBool_FromLong(c != NULL && cell_dense(c));
 }
 
 static PyObject *py_lookup(Presence *p, PyObject *keys) { return kvf_lookup(p, keys); }
@@ -225,8 +250,9 @@ static size_t ordered_bytes(const Ordered *o, size_t row) {
 }
 
 static PyObject *py_sizeof(Presence *p, PyObject *unused) {
-    size_t n = sizeof(Presence) + ordered_bytes(&p->held, 8 * (size_t)p->words + KEY_BYTES + 8)
-               + 8 * (size_t)(p->words + p->scratch_len) + (size_t)p->nslots * sizeof(Pages);
+    size_t n = sizeof(Presence) + ordered_bytes(&p->held, sizeof(Cell) + KEY_BYTES + 8)
+               + 8 * (size_t)(p->dense_words + p->words + p->scratch_len + p->found_len)
+               + 4 * (size_t)p->order_len + (size_t)p->nslots * (sizeof(Pages) + sizeof(int32_t));
     for (Py_ssize_t s = 0; s < p->nslots; s++)
         n += ordered_bytes(&p->slots[s].set, 1) + ordered_bytes(&p->slots[s].own, KEY_BYTES + 8);
     return PyLong_FromSize_t(n);
@@ -258,7 +284,8 @@ static void presence_dealloc(Presence *p) {
     kvf_free_held(p);
     for (Py_ssize_t s = 0; s < p->nslots; s++)
         kvf_free_pages(&p->slots[s]);
-    PyMem_Free(p->slots), PyMem_Free(p->ones), PyMem_Free(p->scratch);
+    PyMem_Free(p->slots), PyMem_Free(p->ones), PyMem_Free(p->scratch), PyMem_Free(p->local);
+    PyMem_Free(p->found), PyMem_Free(p->order);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
@@ -275,6 +302,7 @@ static PyMethodDef presence_methods[] = {
     {"lookup", (PyCFunction)py_lookup, METH_O, "lookup(keys) -> [(slot, pages, device)]"},
     {"keys", (PyCFunction)py_keys, METH_NOARGS, "every held key, in insertion order"},
     {"get", (PyCFunction)py_get, METH_O, "get(key) -> the key's packed nibbles (0: not held)"},
+    {"dense", (PyCFunction)py_dense, METH_O, "dense(key) -> its holders are a bitset, not pairs"},
     {"__sizeof__", (PyCFunction)py_sizeof, METH_NOARGS, "bytes held"},
     {NULL, NULL, 0, NULL},
 };
@@ -306,6 +334,8 @@ PyMODINIT_FUNC PyInit__presence(void) {
         return NULL;
     if (PyModule_AddIntConstant(m, "KEY_BYTES", KEY_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) < 0 ||
+        PyModule_AddIntConstant(m, "SPARSE_MAX", SPARSE_MAX) < 0 ||
+        PyModule_AddIntConstant(m, "SPARSE_BACK", SPARSE_BACK) < 0 ||
         PyModule_AddObjectRef(m, "Presence", (PyObject *)&PresenceType) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -2,6 +2,7 @@
  *   ordered.c  an ordered set of 16-byte keys (insertion order, as a dict keeps it)
  *   presence.c the Presence type: the module, argument checks and the methods
  *   records.c  a chain's apply, a slot's clear, its pages and the keys' last records
+ *   holders.c  a key's holders: inline (slot, nibble) pairs while few, else a bitset
  *   lookup.c   the match rule over the keys' nibbles
  * See presence.c for what the module exports. */
 #ifndef KVF_PRESENCE_H
@@ -16,6 +17,9 @@
 #define SLOTS_PER_WORD 16            /* 4-bit nibbles in a uint64 */
 #define MAX_SLOTS (1 << 16)          /* presence.py's MAX_SLOTS */
 #define MAX_MASK 15                  /* PageMask.FULL | PageMask.SWA */
+#define SPARSE_MAX 5                 /* holders a key keeps inline (presence.py's) */
+#define SPARSE_BACK 3                /* a dense key this few hold goes back inline */
+#define DENSE 0xFF                   /* Cell.pairs.n of a dense cell */
 
 /* Keys in insertion order (an update keeps the place, a delete and insert moves to the
  * end). `index` maps hash -> entry by linear probing over at least twice the capacity;
@@ -58,24 +62,100 @@ typedef struct {
     uint64_t *depths;           /* own.cap */
 } Pages;
 
+/* Which slots hold a key and how, 16 bytes whoever they are: while at most SPARSE_MAX
+ * do, their (slot, nibble) pairs inline, in no order; past that, a bitset of nibbles on
+ * the heap, as wide as its highest holder needs (words beyond it are zeros). A dense
+ * key goes back inline when SPARSE_BACK hold it, not SPARSE_MAX: a key that a slot joins
+ * and leaves at the boundary does not allocate each time. The tag byte (pairs.n, or
+ * DENSE) is the last in both forms. */
+typedef union {
+    struct {
+        uint16_t slot[SPARSE_MAX];
+        uint8_t nib[SPARSE_MAX];
+        uint8_t n;
+    } pairs;
+    struct {
+        uint64_t *bits;
+        uint32_t holders;
+        uint16_t words;
+        uint8_t unused, tag;
+    } dense;
+} Cell;
+
+/* Each holder of a cell in turn: `slot` and `nib` after every holders_next that is 1. */
+typedef struct {
+    const Cell *c;
+    Py_ssize_t i, slot;
+    uint64_t x;
+    int nib;
+} Holders;
+
+static inline int cell_dense(const Cell *c) { return c->pairs.n == DENSE; }
+
+static inline Py_ssize_t cell_count(const Cell *c) {
+    return cell_dense(c) ? (Py_ssize_t)c->dense.holders : c->pairs.n;
+}
+
+static inline Holders holders_of(const Cell *c) {
+    Holders h = {c, -1, 0, 0, 0};
+    return h;
+}
+
+static inline int holders_next(Holders *h) {
+    const Cell *c = h->c;
+    if (!cell_dense(c)) {
+        if (++h->i >= c->pairs.n)
+            return 0;
+        h->slot = c->pairs.slot[h->i], h->nib = c->pairs.nib[h->i];
+        return 1;
+    }
+    while (!h->x) {
+        if (++h->i >= c->dense.words)
+            return 0;
+        h->x = c->dense.bits[h->i];
+    }
+    int b = __builtin_ctzll(h->x) & ~3;
+    h->slot = h->i * SLOTS_PER_WORD + b / 4, h->nib = (int)(h->x >> b) & 0xF;
+    h->x &= ~(0xFULL << b);
+    return 1;
+}
+
+/* holders.c: the slot's nibble (0: not a holder). */
+int cell_get(const Cell *c, Py_ssize_t slot);
+/* Room to give `slot` a nibble without allocating (dense, or wider, if need be); -1 with
+ * MemoryError, the cell's holders unchanged. */
+int cell_room(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words);
+/* The slot's nibble is `code` (nonzero): room made by cell_room first. */
+void cell_set(Cell *c, Py_ssize_t slot, int code);
+/* The slot holds the key no more; the holders left. Never allocates. */
+Py_ssize_t cell_drop(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words);
+/* The heap bits of a dense cell back (the cell is empty after). */
+void cell_free(Cell *c, Py_ssize_t *dense_words);
+
 typedef struct {
     PyObject_HEAD
     Py_ssize_t window;          /* the MatchRule's window_pages */
     int has_full;               /* the MatchRule's has_full */
-    Py_ssize_t words;           /* uint64 words per key: 16 node slots each */
+    Py_ssize_t words;           /* uint64 words of `ones`: 16 node slots each */
     Ordered held;               /* keys some slot holds */
-    uint64_t *bits;             /* held.cap * words: each slot's nibble */
+    Cell *cells;                /* held.cap: the key's holders */
+    Py_ssize_t dense_words;     /* words the dense cells hold on the heap */
     uint8_t *parents;           /* held.cap * KEY_BYTES: the key's last publication's parent */
     uint64_t *depths;           /* held.cap: and its depth */
     uint64_t *ones;             /* words: bit 0 of every open slot's nibble */
     Pages *slots;               /* nslots */
     Py_ssize_t nslots;
+    int32_t *local;             /* nslots: -1, or a slot's place among a lookup's candidates */
     uint64_t *scratch;          /* lookup's per-page arrays */
     Py_ssize_t scratch_len;
+    const Cell **found;         /* lookup's cell per page */
+    Py_ssize_t found_len;
+    int32_t *order;             /* lookup's candidate slots */
+    Py_ssize_t order_len;
 } Presence;
 
-/* The entry's bits for a 16-byte key, or NULL. */
-uint64_t *kvf_find(Presence *p, const uint8_t *key);
+/* The entry's cell for a 16-byte key, or NULL. */
+Cell *kvf_find(Presence *p, const uint8_t *key);
 
 /* `n` items of `items`, each exactly `bytes` of KEY_BYTES, or a ValueError with `what`. */
 int kvf_check_keys(PyObject *const *items, Py_ssize_t n, const char *what);

@@ -20,7 +20,7 @@ static int code_of(int mask) {
 }
 
 static int reserve_held(Presence *p, Py_ssize_t extra) {
-    Column cols[] = {{(void **)&p->bits, (size_t)p->words * 8}, {(void **)&p->parents, KEY_BYTES},
+    Column cols[] = {{(void **)&p->cells, sizeof(Cell)}, {(void **)&p->parents, KEY_BYTES},
                      {(void **)&p->depths, 8}};
     return ord_reserve(&p->held, extra, cols, 3);
 }
@@ -42,23 +42,12 @@ void kvf_free_pages(Pages *s) {
     ord_free(&s->own, own, 2);
 }
 
-static int is_zero(const uint64_t *w, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (w[i])
-            return 0;
-    return 1;
-}
-
 /* The slot's nibble of `key` cleared; the key is deleted when no slot holds it. */
-static void drop_holder(Presence *p, const uint8_t *key, Py_ssize_t word, uint64_t keep) {
+static void drop_holder(Presence *p, const uint8_t *key, Py_ssize_t slot) {
     size_t pos;
     Py_ssize_t e = ord_find(&p->held, key, &pos);
-    if (e < 0)
-        return;
-    uint64_t *bits = p->bits + e * p->words;
-    bits[word] &= keep;
-    if (is_zero(bits, p->words))
-        ord_remove(&p->held, pos);
+    if (e >= 0 && cell_drop(&p->cells[e], slot, &p->dense_words) == 0)
+        ord_remove(&p->held, pos);      /* an empty cell is inline: nothing to free */
 }
 
 /* The page of `key` leaves the slot (its own record too). */
@@ -76,9 +65,6 @@ static int differs(const Presence *p, Py_ssize_t e, const uint8_t *parent, uint6
     return p->depths[e] != depth || memcmp(p->parents + e * KEY_BYTES, parent, KEY_BYTES) != 0;
 }
 
-/* Bit 0 of every nonzero nibble: one bit per slot holding the key. */
-static uint64_t holders(uint64_t x) { return (x | x >> 1 | x >> 2 | x >> 3) & 0x1111111111111111ULL; }
-
 /* Room in every other holder's `own` for the records this chain would change under them
  * (an upper bound: a holder may have its own record already). */
 static int reserve_others(Presence *p, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n,
@@ -93,9 +79,8 @@ static int reserve_others(Presence *p, Py_ssize_t slot, PyObject *const *keys, P
             continue;
         if (need == NULL && (need = PyMem_Calloc((size_t)p->nslots, sizeof(Py_ssize_t))) == NULL)
             return PyErr_NoMemory(), -1;
-        for (Py_ssize_t j = 0; j < p->words; j++)
-            for (uint64_t x = holders(p->bits[e * p->words + j]); x; x &= x - 1)
-                need[j * SLOTS_PER_WORD + __builtin_ctzll(x) / 4]++;
+        for (Holders h = holders_of(&p->cells[e]); holders_next(&h);)
+            need[h.slot]++;
     }
     for (Py_ssize_t t = 0; need != NULL && rc == 0 && t < p->nslots; t++)
         if (t != slot && need[t])
@@ -106,28 +91,37 @@ static int reserve_others(Presence *p, Py_ssize_t slot, PyObject *const *keys, P
 
 /* Every other holder of entry e whose page relies on e's record keeps it as its own. */
 static void keep_old_record(Presence *p, Py_ssize_t e, Py_ssize_t slot, const uint8_t *key) {
-    for (Py_ssize_t j = 0; j < p->words; j++)
-        for (uint64_t x = holders(p->bits[e * p->words + j]); x; x &= x - 1) {
-            Py_ssize_t t = j * SLOTS_PER_WORD + __builtin_ctzll(x) / 4;
-            Pages *o = &p->slots[t];
-            size_t pos;
-            Py_ssize_t f = t == slot ? -1 : ord_find(&o->set, key, &pos);
-            if (f < 0 || o->masks[f] & OWN)
-                continue;
-            Py_ssize_t g = ord_find(&o->own, key, &pos);
-            if (g < 0)
-                g = ord_add(&o->own, pos, key);           /* reserved by reserve_others */
-            memcpy(o->parents + g * KEY_BYTES, p->parents + e * KEY_BYTES, KEY_BYTES);
-            o->depths[g] = p->depths[e];
-            o->masks[f] |= OWN;
-        }
+    for (Holders h = holders_of(&p->cells[e]); holders_next(&h);) {
+        Py_ssize_t t = h.slot;
+        Pages *o = &p->slots[t];
+        size_t pos;
+        Py_ssize_t f = t == slot ? -1 : ord_find(&o->set, key, &pos);
+        if (f < 0 || o->masks[f] & OWN)
+            continue;
+        Py_ssize_t g = ord_find(&o->own, key, &pos);
+        if (g < 0)
+            g = ord_add(&o->own, pos, key);           /* reserved by reserve_others */
+        memcpy(o->parents + g * KEY_BYTES, p->parents + e * KEY_BYTES, KEY_BYTES);
+        o->depths[g] = p->depths[e];
+        o->masks[f] |= OWN;
+    }
+}
+
+/* Room in every held key's cell for the slot's nibble: a cell that must go dense or
+ * wider does so now, before anything else changes (its holders stay the same). */
+static int room_in_cells(Presence *p, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        size_t pos;
+        Py_ssize_t e = ord_find(&p->held, (const uint8_t *)PyBytes_AS_STRING(keys[i]), &pos);
+        if (e >= 0 && cell_room(&p->cells[e], slot, &p->dense_words) < 0)
+            return -1;
+    }
+    return 0;
 }
 
 int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n,
                   uint64_t first_depth, const uint8_t *parent, int mask) {
-    Py_ssize_t word = slot / SLOTS_PER_WORD, w = p->words;
-    int shift = 4 * (int)(slot % SLOTS_PER_WORD);
-    uint64_t keep = ~(0xFULL << shift), put = (uint64_t)code_of(mask) << shift;
+    int code = code_of(mask);
     for (Py_ssize_t i = 0; i < n; i++) {  /* the keys' misses overlap, not one after another */
         ord_prefetch(&s->set, (const uint8_t *)PyBytes_AS_STRING(keys[i]));
         ord_prefetch(&p->held, (const uint8_t *)PyBytes_AS_STRING(keys[i]));
@@ -135,12 +129,12 @@ int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys,
     if (!mask) {
         for (Py_ssize_t i = 0; i < n; i++) {
             drop_page(s, (const uint8_t *)PyBytes_AS_STRING(keys[i]));
-            drop_holder(p, (const uint8_t *)PyBytes_AS_STRING(keys[i]), word, keep);
+            drop_holder(p, (const uint8_t *)PyBytes_AS_STRING(keys[i]), slot);
         }
         return 0;
     }
     if (reserve_held(p, n) < 0 || reserve_pages(s, n) < 0 ||
-        reserve_others(p, slot, keys, n, first_depth, parent) < 0)
+        reserve_others(p, slot, keys, n, first_depth, parent) < 0 || room_in_cells(p, slot, keys, n) < 0)
         return -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(keys[i]);
@@ -150,11 +144,11 @@ int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys,
         Py_ssize_t e = ord_find(&p->held, key, &pos);
         if (e < 0) {
             e = ord_add(&p->held, pos, key);
-            memset(p->bits + e * w, 0, (size_t)w * 8);
+            memset(&p->cells[e], 0, sizeof(Cell));  /* no holders: inline, room for one */
         } else if (differs(p, e, par, depth)) {
             keep_old_record(p, e, slot, key);
         }
-        p->bits[e * w + word] = (p->bits[e * w + word] & keep) | put;
+        cell_set(&p->cells[e], slot, code);
         memcpy(p->parents + e * KEY_BYTES, par, KEY_BYTES);
         p->depths[e] = depth;
         Py_ssize_t f = ord_find(&s->set, key, &pos);
@@ -171,11 +165,9 @@ int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys,
 }
 
 void kvf_clear(Presence *p, Pages *s, Py_ssize_t slot) {
-    Py_ssize_t word = slot / SLOTS_PER_WORD;
-    uint64_t keep = ~(0xFULL << 4 * (slot % SLOTS_PER_WORD));
     for (Py_ssize_t f = 0; f < s->set.used; f++)
         if (!s->set.dead[f])
-            drop_holder(p, s->set.keys + f * KEY_BYTES, word, keep);
+            drop_holder(p, s->set.keys + f * KEY_BYTES, slot);
     kvf_free_pages(s);                  /* a cleared node's memory goes back */
 }
 
@@ -218,7 +210,10 @@ PyObject *kvf_meta(Presence *p, const uint8_t *key) {
 }
 
 void kvf_free_held(Presence *p) {
-    Column cols[] = {{(void **)&p->bits, (size_t)p->words * 8}, {(void **)&p->parents, KEY_BYTES},
+    for (Py_ssize_t e = 0; e < p->held.used; e++)   /* dead entries' cells are empty */
+        if (!p->held.dead[e])
+            cell_free(&p->cells[e], &p->dense_words);
+    Column cols[] = {{(void **)&p->cells, sizeof(Cell)}, {(void **)&p->parents, KEY_BYTES},
                      {(void **)&p->depths, 8}};
     ord_free(&p->held, cols, 3);
 }
