@@ -96,10 +96,30 @@ def test_radix_bench_runs_against_sglangs_caches(tmp_path):
     assert result["ratio_vs_sglang_unified"] > 0 and result["ratio_vs_sglang_rust_binding"] > 0
 
 
+def test_connector_bench_runs_a_real_engine_with_and_without_the_fabric(tmp_path):
+    pytest.importorskip("vllm")
+    args = ["connector", "--tokens", "256", "--decoders", "2", "--stall-tokens", "64"]
+    args += ["--stall-s", "0.5", "--repeat", "1", "--json"]
+    result = bench(args, tmp_path, timeout_s=900)
+    assert result["name"] == "connector", result
+    # Each fabric hit loaded the whole cached prompt (the bench raises otherwise), and so
+    # did the request whose node was stopped as it asked.
+    assert result["stalled_request_hit"] is True
+    for key in (
+        "ttft_ratio_vs_device_hit",
+        "worker_load_ratio_vs_memcpy",
+        "node_load_ratio_vs_memcpy",
+    ):
+        assert result[key] > 0, key
+    assert (
+        result["decode_ratio_vs_no_connector"] > 0 and result["decode_ratio_with_stalled_load"] > 0
+    )
+
+
 def test_every_bench_is_covered_here_or_lists_its_options(tmp_path):
     from kvfabric.deploy.cli.main import BENCHES
 
-    assert set(BENCHES) == {"transport", "index", "radix", "tp-drift", "staging"}
+    assert set(BENCHES) == {"transport", "index", "radix", "tp-drift", "staging", "connector"}
     out = subprocess.run(
         [KVFABRIC, "bench", "tp-drift", "--help"],
         cwd=tmp_path,

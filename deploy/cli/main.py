@@ -19,6 +19,7 @@ BENCHES = {
     "index": "benchmarks.index_bench",
     "tp-drift": "benchmarks.tp_drift",
     "staging": "benchmarks.staging_bench",
+    "connector": "benchmarks.connector_bench",
 }
 
 

@@ -26,6 +26,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 from kvfabric.fabric import PoolName
+from kvfabric.fabric.cache.pages import copy_rows
 from kvfabric.transport.staging import SharedPages, StagingSpec
 
 from .block_format import BlockFormat
@@ -58,7 +59,7 @@ class WorkerSide:
         self._copies = ThreadPoolExecutor(1, thread_name_prefix="kvf-copy")
         self._loads: list[tuple[CopyJob, Future[BaseException | None]]] = []
         self._saves: list[tuple[CopyJob, Future[BaseException | None]]] = []
-        self._stream = None  # a CUDA stream for the copies, where the blocks are on a GPU
+        self._stream: torch.cuda.Stream | None = None  # for the copies, blocks on a GPU
 
     def register(self, kv_caches: dict[str, torch.Tensor], fmt: BlockFormat) -> None:
         lay = self.plan.layout
@@ -116,7 +117,7 @@ class WorkerSide:
                 )
             stream = self._stream
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                if after is not None:
+                if stream is not None and after is not None:
                     stream.wait_event(after)
                 self._copy(job, to_blocks)
                 if stream is not None:
@@ -154,19 +155,17 @@ class WorkerSide:
                 keep = [i for i, b in enumerate(blocks) if b >= 0]
                 if not keep:
                     continue
+                block_rows = [blocks[i] for i in keep]
+                slot_rows = [move.slots[i] for i in keep]
                 view = self.views[slot.name]
-                block_idx = torch.tensor(
-                    [blocks[i] for i in keep], dtype=torch.long, device=view.device
-                )
-                slot_idx = torch.tensor([move.slots[i] for i in keep], dtype=torch.long)
                 # [slots, 2, page, heads, D]: this rank's heads of every page, in place
                 layer_pages = staging[:, slot.index, :, :, s.first : s.first + s.count]
+                # Each stretch of consecutive blocks and slots is one strided copy_ (the
+                # permute is the reordering), across devices where the blocks are on a GPU.
                 if to_blocks:
-                    pages = layer_pages.index_select(0, slot_idx).permute(0, 3, 1, 2, 4)
-                    view.index_copy_(0, block_idx, pages.to(view.device, non_blocking=True))
+                    copy_rows(layer_pages, slot_rows, view, block_rows, _to_blocks)
                 else:
-                    pages = view.index_select(0, block_idx).permute(0, 2, 3, 1, 4)
-                    layer_pages.index_copy_(0, slot_idx, pages.to("cpu"))
+                    copy_rows(view, block_rows, layer_pages, slot_rows, _to_pages)
 
     # --- reporting -----------------------------------------------------------------------
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
@@ -182,6 +181,14 @@ class WorkerSide:
         meta = FabricWorkerMeta(self.saved, self.failed_saves)
         self.saved, self.failed_saves = {}, set()
         return meta
+
+
+def _to_blocks(pages: torch.Tensor) -> torch.Tensor:
+    return pages.permute(0, 3, 1, 2, 4)  # [n, 2, page, H, D] -> the blocks' [n, H, 2, page, D]
+
+
+def _to_pages(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.permute(0, 2, 3, 1, 4)  # the blocks' [n, H, 2, page, D] -> [n, 2, page, H, D]
 
 
 def _take_done(

@@ -85,8 +85,8 @@ def check_invariants(cache: "NodeCache") -> None:
                 claim(pool, tier, index, f"open transaction {id(txn):x}")
 
     for got in cache.filling.values():
-        for (pool, tier), taken in got.items():
-            for index in taken:
+        for (pool, tier), filled in got.items():
+            for index in filled:
                 claim(pool, tier, index, "an insert filling them")
 
     for entry in registry:
@@ -143,8 +143,8 @@ def page_audit(cache: "NodeCache") -> PageAudit:
         for key, taken in txn.pages().items():
             owners[key].update(taken)
     for got in cache.filling.values():
-        for key, taken in got.items():
-            owners[key].update(taken)
+        for key, filled in got.items():
+            owners[key].update(filled)
     leaked = double = unallocated = 0
     for (pool, tier), held in owners.items():
         used = cache.registry.pool(pool, tier).allocator.used_indices()

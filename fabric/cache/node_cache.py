@@ -384,9 +384,9 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
                 indices.extend(held[j] for j in offs)
             sink = into.get(pool)
             if sink is not None and _fits(sink, src.data, len(indices)):
-                rows = list(sink[1][: len(indices)])
-                copy_rows(src.data, indices, sink[0], rows)
-                sinks[pool] = (sink[0], rows)
+                slots = list(sink[1][: len(indices)])
+                copy_rows(src.data, indices, sink[0], slots)
+                sinks[pool] = (sink[0], slots)
             else:
                 pages[pool] = src.data.index_select(0, src.index_tensor(indices))
         out = self._cached(n * ps, starts, pages)

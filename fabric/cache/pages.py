@@ -54,17 +54,23 @@ def run_view(t: torch.Tensor, indices: Sequence[int]) -> torch.Tensor | None:
 
 
 def copy_rows(
-    src: torch.Tensor, src_rows: Sequence[int], dst: torch.Tensor, dst_rows: Sequence[int]
+    src: torch.Tensor,
+    src_rows: Sequence[int],
+    dst: torch.Tensor,
+    dst_rows: Sequence[int],
+    arrange: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
-    """dst[dst_rows[i]] = src[src_rows[i]] in one pass over the bytes: one copy_ per
-    stretch where both row lists count up by one (no gathered temporary)."""
+    """dst[dst_rows[i]] = arrange(src[src_rows[i]]) in one pass over the bytes: one copy_
+    per stretch where both row lists count up by one (no gathered temporary). `arrange`
+    views a stretch of `src` in `dst`'s layout (a permute: the copy does the reordering)."""
     i, n = 0, len(src_rows)
     while i < n:
         j = i + 1
         while j < n and src_rows[j] == src_rows[j - 1] + 1 and dst_rows[j] == dst_rows[j - 1] + 1:
             j += 1
         s, d = src_rows[i], dst_rows[i]
-        dst[d : d + j - i].copy_(src[s : s + j - i])
+        part = src[s : s + j - i]
+        dst[d : d + j - i].copy_(part if arrange is None else arrange(part))
         i = j
 
 

@@ -1,0 +1,362 @@
+"""A fabric hit in a real vLLM engine, against what the engine does without the fabric.
+
+One vLLM CPU engine with the FabricConnector, in this process (VLLM_ENABLE_V1_MULTIPROCESSING
+off, so both sides of the connector run here and the worker's copies can be timed), on the
+vLLM demo model stretched to a long prompt (8 layers, 2 KV heads x 64, fp32, blocks of 32,
+full and sliding-window layers alternating), on a one-node Ray cluster with the fabric. In
+one run, each figure against its limit:
+
+  ttft      a prompt of --tokens tokens (one request, one output token): computed (nothing
+            cached), hit in vLLM's own prefix cache (the device hit: the limit), and hit in
+            the fabric after vLLM's prefix cache was reset (loaded from the node's pools);
+            `ttft_ratio_vs_device_hit` = fabric hit / device hit.
+  worker    the worker's copies of those hits (staging -> vLLM's blocks) and of the save
+            (blocks -> staging), against one copy of the same bytes between two tensors of
+            this process (memcpy, same run): `worker_load_ratio_vs_memcpy`,
+            `worker_save_ratio_vs_memcpy`.
+  node      the node actor's copies for the same prompt (its load into staging, its save
+            from staging), by the code the actor runs (benchmarks/staging_bench.py, in this
+            process): `node_load_ratio_vs_memcpy`, `node_save_ratio_vs_memcpy`.
+  decode    --decoders requests whose prompt and output stay within one block (nothing to
+            load or save: what the connector costs a step), tokens/s against the same
+            engine arguments without the connector, in a second process after this one:
+            `decode_ratio_vs_no_connector`.
+  stall     the decoders again, with longer outputs, beside one request for the long prompt
+            whose node is stopped (SIGSTOP) for --stall-s seconds as it asks: the decoders'
+            tokens/s against the same decoders alone (`decode_ratio_with_stalled_load`;
+            1.0: the stalled load costs the others nothing), and the stalled request must
+            still be a fabric hit.
+
+Steady state: a warm-up request first, and three untimed decode runs before the timed
+ones on both engines (an engine's first decode runs are slower); Python's collector runs
+before each timed part; TTFT and the decode rates are medians of --repeat runs. Decode
+rates are the decoders' tokens after their first over the engine's timestamps of their
+first and last tokens. The engine uses both cores (vLLM's
+CPU backend); the node actor is another process, as in production.
+Run: .venv/bin/kvfabric bench connector [--tokens N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import replace
+from typing import Any, Callable
+
+BLOCK = 32
+ENGINE_KV_BYTES = 320 << 20
+WARM_RUNS = 3
+
+
+def engine_args(tokens: int, connector: dict | None) -> dict:
+    return dict(
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=tokens + 2 * BLOCK,
+        block_size=BLOCK,
+        kv_cache_memory_bytes=ENGINE_KV_BYTES,
+        disable_log_stats=False,
+        kv_transfer_config=connector,
+    )
+
+
+def model_path(tokens: int) -> str:
+    from kvfabric.deploy.vllm.model import DEMO_SPEC, ensure_tiny_model
+
+    spec = replace(DEMO_SPEC, max_positions=tokens + 4 * BLOCK)
+    return str(ensure_tiny_model(spec, say=lambda m: print(m, file=sys.stderr)))
+
+
+def median_s(fn: Callable[[], Any], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        gc.collect()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def decode_rate(llm, decoders: int, out_tokens: int, extra: list[Any] | None = None) -> float:
+    """Tokens/s of `decoders` requests after their first token (4-token prompts, each under
+    a salt of its own, so nothing is cached), `extra` requests beside them."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    items = [
+        TokensPrompt(prompt_token_ids=[7 + i, 8, 9, 10], cache_salt=uuid.uuid4().hex)
+        for i in range(decoders)
+    ]
+    params = [SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)] * decoders
+    for item in extra or []:
+        items.append(item)
+        params.append(SamplingParams(temperature=0, max_tokens=1))
+    gc.collect()
+    outs = llm.generate(items, params, use_tqdm=False)[:decoders]
+    # The decode phase: from the decoders' first tokens to their last (engine timestamps).
+    start = min(o.metrics.first_token_ts for o in outs)
+    end = max(o.metrics.last_token_ts for o in outs)
+    return sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (end - start)
+
+
+def reset_prefix_cache(llm) -> None:
+    """vLLM's own prefix cache emptied. A finished request's blocks stay vLLM's until its
+    save is reported copied, at a step: the offline engine steps only in generate."""
+    from vllm import SamplingParams
+
+    for _ in range(100):
+        if llm.reset_prefix_cache():
+            return
+        llm.generate(
+            [{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=1), use_tqdm=False
+        )
+    raise RuntimeError("vLLM's prefix cache could not be reset")
+
+
+class CopyClock:
+    """Times the worker's copies (WorkerSide._copy, in the copy thread) and counts the
+    bytes each moves: [(seconds, bytes, to_blocks)]."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.records: list[tuple[float, int, bool]] = []
+        copy = worker._copy
+
+        def timed(job, to_blocks: bool) -> None:
+            t = time.perf_counter()
+            copy(job, to_blocks)
+            self.records.append((time.perf_counter() - t, self._bytes(job), to_blocks))
+
+        worker._copy = timed
+
+    def _bytes(self, job) -> int:
+        n = 0
+        for move in job.moves:
+            layer_page = self.worker.shared.pools[move.pool][0, 0]
+            for slot in self.worker.by_pool[move.pool]:
+                pages = sum(1 for b in move.blocks[slot.group] if b >= 0)
+                n += pages * layer_page.numel() * layer_page.element_size()
+        return n
+
+    def take(self, to_blocks: bool) -> list[tuple[float, int]]:
+        out = [(s, b) for s, b, t in self.records if t == to_blocks]
+        self.records = [r for r in self.records if r[2] != to_blocks]
+        return out
+
+
+def memcpy_s(nbytes: int, repeat: int = 7) -> float:
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)  # page faults out of the timing
+    return median_s(lambda: dst.copy_(src), repeat)
+
+
+def with_connector(args: argparse.Namespace) -> dict:
+    import ray
+    from kvfabric.actors import stop
+    from kvfabric.actors.directory import node_actor_name
+    from kvfabric.actors.fabric import running
+    from kvfabric.actors.served import fabrics_of
+    from kvfabric.deploy.vllm.connector import FabricConnector, kv_transfer_config
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.metrics.reader import Counter
+
+    tokens, pages = args.tokens, args.tokens // BLOCK
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="kvf-bench")
+    llm = fab = None
+    try:
+        here = node_actor_name(ray.get_runtime_context().get_node_id())
+        # Room on the node for the prompt and every decoder's save: nothing is evicted.
+        room = pages + args.decoders * (args.stall_tokens // BLOCK + 2) * (2 * args.repeat + 3)
+        connector = kv_transfer_config(
+            here,
+            ray.get_runtime_context().gcs_address,
+            device_pages=room,
+            host_pages=0,
+            swa_device_pages=room,
+            swa_host_pages=0,
+            staging_pages=pages + 64,
+            shards=1,
+        )
+        path = model_path(tokens)
+        llm = LLM(model=path, **engine_args(tokens, connector))
+        (namespace,) = fabrics_of(path)
+        fab = running(namespace)
+        assert fab is not None
+        node = fab.nodes[here]
+        connector = get_kv_transfer_group()
+        assert isinstance(connector, FabricConnector) and connector.worker is not None
+        clock = CopyClock(connector.worker)
+
+        def loaded() -> int:
+            return sum(
+                m.value
+                for m in llm.get_metrics()
+                if isinstance(m, Counter) and m.name == "vllm:kvfabric_loaded_tokens"
+            )
+
+        prompt = TokensPrompt(prompt_token_ids=[(i * 7919) % 250 + 3 for i in range(tokens)])
+        short = TokensPrompt(prompt_token_ids=[3, 4, 5])
+        one = SamplingParams(temperature=0, max_tokens=1)
+        llm.generate([short], one, use_tqdm=False)  # warm-up
+        uncached_s = median_s(lambda: llm.generate([prompt], one, use_tqdm=False), 1)
+        want = (tokens - 1) // BLOCK
+        deadline = time.monotonic() + 120
+        while ray.get(node.match.remote(prompt["prompt_token_ids"], "default"), timeout=60) < want:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the prompt was never saved to the node")
+            llm.generate([short], one, use_tqdm=False)  # a step
+        device_s = median_s(lambda: llm.generate([prompt], one, use_tqdm=False), args.repeat)
+        clock.take(to_blocks=True)
+
+        def fabric_hit() -> None:
+            reset_prefix_cache(llm)
+            before = loaded()
+            llm.generate([prompt], one, use_tqdm=False)
+            if loaded() - before < want * BLOCK:
+                raise RuntimeError("the fabric hit loaded less than the cached prompt")
+
+        fabric_s = median_s(fabric_hit, args.repeat)
+        loads, saves = clock.take(to_blocks=True), clock.take(to_blocks=False)
+        load = max(loads, key=lambda r: r[1])  # the hits' loads (the warm-up's is tiny)
+        save = max(saves, key=lambda r: r[1])
+        worker_load_s = statistics.median(s for s, b in loads if b == load[1])
+        for _ in range(WARM_RUNS):  # the decode steps' first runs are slower
+            decode_rate(llm, args.decoders, BLOCK - 8)
+        rate = statistics.median(
+            decode_rate(llm, args.decoders, BLOCK - 8) for _ in range(args.repeat)
+        )
+        # A load held up by a stopped node, beside decoders that need nothing from it.
+        alone = statistics.median(
+            decode_rate(llm, args.decoders, args.stall_tokens) for _ in range(args.repeat)
+        )
+        pid = ray.get(node.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        reset_prefix_cache(llm)
+        before = loaded()
+        os.kill(pid, signal.SIGSTOP)
+        resume = threading.Timer(args.stall_s, os.kill, (pid, signal.SIGCONT))
+        resume.start()
+        try:
+            stalled = decode_rate(llm, args.decoders, args.stall_tokens, [prompt])
+        finally:
+            resume.cancel()
+            os.kill(pid, signal.SIGCONT)
+        stalled_hit = loaded() - before >= want * BLOCK
+        return {
+            "uncached_ttft_s": round(uncached_s, 3),
+            "device_hit_ttft_ms": round(device_s * 1e3, 1),
+            "fabric_hit_ttft_ms": round(fabric_s * 1e3, 1),
+            "ttft_ratio_vs_device_hit": round(fabric_s / device_s, 2),
+            "worker_load_ms": round(worker_load_s * 1e3, 2),
+            "worker_load_bytes": load[1],
+            "worker_load_ratio_vs_memcpy": round(worker_load_s / memcpy_s(load[1]), 2),
+            "worker_save_ms": round(save[0] * 1e3, 2),
+            "worker_save_bytes": save[1],
+            "worker_save_ratio_vs_memcpy": round(save[0] / memcpy_s(save[1]), 2),
+            "decode_tok_s": round(rate, 1),
+            "stall_s": args.stall_s,
+            "decode_alone_tok_s": round(alone, 1),
+            "decode_beside_stalled_load_tok_s": round(stalled, 1),
+            "decode_ratio_with_stalled_load": round(stalled / alone, 3),
+            "stalled_request_hit": stalled_hit,
+        }
+    finally:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        if fab is not None:
+            stop(fab)
+        ray.shutdown()
+
+
+def without_connector(args: argparse.Namespace) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model_path(args.tokens), **engine_args(args.tokens, None))
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5])], SamplingParams(max_tokens=1))
+        for _ in range(WARM_RUNS):  # as with the connector
+            decode_rate(llm, args.decoders, BLOCK - 8)
+        rate = statistics.median(
+            decode_rate(llm, args.decoders, BLOCK - 8) for _ in range(args.repeat)
+        )
+        return {"decode_tok_s": round(rate, 1)}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvfabric bench connector", description=__doc__)
+    ap.add_argument("--tokens", type=int, default=16384, help="the long prompt's length")
+    ap.add_argument("--decoders", type=int, default=8, help="requests decoding at once")
+    ap.add_argument("--stall-s", type=float, default=2.0, help="how long the node stops")
+    ap.add_argument("--stall-tokens", type=int, default=256, help="decoders' outputs then")
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs (the median counts)")
+    ap.add_argument("--json", action="store_true", help="print one JSON line last")
+    ap.add_argument("--no-connector", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.tokens < 4 * BLOCK or args.decoders < 1 or args.repeat < 1 or args.stall_s < 0:
+        ap.error(f"--tokens must be >= {4 * BLOCK}, --decoders and --repeat >= 1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # both connector sides in this process
+    if args.no_connector:
+        print(json.dumps(without_connector(args)))
+        return 0
+    from benchmarks import staging_bench
+
+    r: dict[str, Any] = {"name": "connector", "tokens": args.tokens}
+    r.update(with_connector(args))
+    # The baseline in a process of its own: vLLM keeps per-process state of its connector.
+    base = subprocess.run(
+        [sys.executable, "-m", "benchmarks.connector_bench", "--no-connector"]
+        + ["--tokens", str(args.tokens), "--decoders", str(args.decoders)]
+        + ["--repeat", str(args.repeat)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    if base.returncode != 0:
+        raise RuntimeError(f"the engine without the connector failed:\n{base.stderr[-3000:]}")
+    r["decode_no_connector_tok_s"] = json.loads(base.stdout.strip().splitlines()[-1])[
+        "decode_tok_s"
+    ]
+    r["decode_ratio_vs_no_connector"] = round(r["decode_tok_s"] / r["decode_no_connector_tok_s"], 3)
+    node = staging_bench.run(args.tokens, max(args.repeat, 5))
+    r["node_load_ms"] = node["node_load_ms"]
+    r["node_load_ratio_vs_memcpy"] = node["ratio_vs_memcpy_scattered"]
+    r["node_save_ms"] = node["node_save_ms"]
+    r["node_save_ratio_vs_memcpy"] = node["save_ratio_vs_memcpy"]
+    print(
+        f"{r['tokens']}-token prompt: TTFT computed {r['uncached_ttft_s']} s, vLLM device hit "
+        f"{r['device_hit_ttft_ms']} ms, fabric hit {r['fabric_hit_ttft_ms']} ms (ratio "
+        f"{r['ttft_ratio_vs_device_hit']}); worker copies vs memcpy: load "
+        f"{r['worker_load_ratio_vs_memcpy']}, save {r['worker_save_ratio_vs_memcpy']}; node "
+        f"copies vs memcpy: load {r['node_load_ratio_vs_memcpy']}, save "
+        f"{r['node_save_ratio_vs_memcpy']}; decode with nothing to move {r['decode_tok_s']} "
+        f"tok/s vs {r['decode_no_connector_tok_s']} without the connector (ratio "
+        f"{r['decode_ratio_vs_no_connector']}); decoders beside a load stalled "
+        f"{r['stall_s']} s: ratio {r['decode_ratio_with_stalled_load']} (hit: "
+        f"{r['stalled_request_hit']})"
+    )
+    if args.json:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
