@@ -114,6 +114,12 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, FabricMeta)
         self._worker().start_load(meta)
 
+    def has_connector_metadata(self) -> bool:
+        # vLLM asks this around every attention layer, to call the layer hooks below: they
+        # do nothing here (a step's copies run in the worker's copy thread), so no layer
+        # pays for them. The step hooks read the metadata as they are bound to it.
+        return False
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # a load's request waits outside the batch until its copy is reported
 

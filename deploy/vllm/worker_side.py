@@ -81,9 +81,11 @@ class WorkerSide:
     def start_load(self, meta: FabricMeta) -> None:
         """Before the forward: the prompts' saves still copying end first (the forward
         may write blocks vLLM freed since), then this step's loads start."""
-        wait_futures([f for job, f in self._saves if not job.ends_request])
+        running = [f for job, f in self._saves if not job.ends_request and not f.done()]
+        if running:
+            wait_futures(running)
         self._loads.extend((job, self._submit(job, to_blocks=True)) for job in meta.loads)
-        if meta.idle:  # no forward to overlap: every copy started is reported this step
+        if meta.idle and (self._loads or self._saves):  # no forward to overlap: reported now
             wait_futures([f for _, f in self._loads + self._saves])
 
     # --- saves -------------------------------------------------------------------------
