@@ -29,6 +29,7 @@ from kvfabric.transport import (
     coalesce_order,
     copy_pages,
 )
+from kvfabric.transport.runs import merge_runs, order_pairs
 
 from tests.waiting import eventually
 
@@ -199,6 +200,31 @@ def test_scattered_and_contiguous_reads_of_two_pools(peer: Peer, local) -> None:
     assert h.descriptors == 2 and h.backend_descriptors == 2
     assert_pages_equal(pools["kv"], range(32), expected["kv"], range(10, 42))
     assert torch.equal(bits(pools["ssm"]), bits(expected["ssm"]))
+
+
+def test_reads_of_page_runs_land_right_in_as_many_descriptors_as_merged(peer: Peer, local) -> None:
+    """Differential: NIXL's own merge of the ordered pages (its telemetry) against
+    merge_runs, over seeded lists of contiguous stretches, shuffled; bytes checked."""
+    t, pools = local
+    t.connect(peer.name, peer.metadata)
+    expected = make_pools("cpu", SEED)
+    rng = np.random.default_rng(7)
+    for _ in range(12):
+        pairs: dict[int, int] = {}
+        for _ in range(rng.integers(1, 6)):
+            r0, l0, n = rng.integers(0, 48), rng.integers(0, 48), rng.integers(1, 10)
+            for k in range(min(n, 48 - r0, 48 - l0)):
+                pairs.setdefault(int(l0 + k), int(r0 + k))
+        local_idx = rng.permutation(sorted(pairs))
+        remote_idx = np.array([pairs[i] for i in local_idx])
+        pools["kv"].zero_()
+        h = t.read(peer.name, {"kv": (remote_idx, local_idx)})
+        t.wait(h, 10.0)
+        assert_pages_equal(pools["kv"], local_idx, expected["kv"], remote_idx)
+        untouched = sorted(set(range(48)) - set(pairs))
+        assert not bits(pools["kv"][untouched]).any()
+        runs = merge_runs(*order_pairs(remote_idx, local_idx))
+        assert h.descriptors == len(runs) == h.backend_descriptors
 
 
 def test_empty_read_is_done_at_once(peer: Peer, local) -> None:
