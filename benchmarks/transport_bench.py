@@ -7,9 +7,19 @@ sides out of a 1024-page pool, as a fragmented cache holds them):
   memcpy   pages copied between two pools of this process: the faster of
            index_select + index_copy_ (what kvfabric.fabric.cache.pages.TorchCopier does) and a
            per-page copy_ loop;
+  page_copy  the per-page copy_ loop alone: the JSON's ratio_vs_page_copy_64k (64 KiB x 64)
+           and ratio_vs_page_copy_4k (4 KiB x 1024) are nixl / page_copy, same run;
   ray      one actor `ray.put`s the gathered pages, another `ray.get`s them and
            scatters them into its pool, timed inside the second actor.
 GB/s = bytes moved / median time of one batch, best of 3 rounds (the host is shared).
+Steady state: each row's first reps are discarded (warm-up), and so is a whole first
+round; GC is collected before each row's timing and disabled during it. Each side is
+pinned to one core (the reader's thread to its first allowed core, the peer to its
+last), and both run torch on one thread: a 64 KiB copy_ would otherwise fan out to
+OpenMP threads that share the pinned core (64 copies took 180 ms instead of 0.4 ms).
+The reader's NIXL threads (progress, UCX async) go to the peer's core: on the reader's
+core, the progress thread contends for the UCX worker's spinlock while the reader posts,
+and 16 MiB reads ran 3-4x slower (2.5 instead of 8-9 GB/s), an artefact of pinning.
 KVF_TEST_DEVICE=cuda puts the NIXL and memcpy pools on the GPU; Ray's stay in host
 memory (its actors here get no GPU). UCX_TLS=tcp makes the NIXL path mimic two hosts.
 Run: .venv/bin/python -m benchmarks.transport_bench
@@ -18,6 +28,7 @@ Run: .venv/bin/python -m benchmarks.transport_bench
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -32,10 +43,12 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-PAGE_SIZES = (16 << 10, 64 << 10, 256 << 10)
+PAGE_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10)
 BATCHES = (64, 256)
 CAPACITY = 1024
-ROWS = [(p, n) for p in PAGE_SIZES for n in BATCHES]
+ROW_64K = (64 << 10, 64)  # the rows the JSON's ratios name
+ROW_4K = (4 << 10, 1024)  # every page of the pool, permuted
+ROWS = [(p, n) for p in PAGE_SIZES for n in BATCHES] + [ROW_4K]
 INDEX_SETS = 8  # distinct scattered (remote, local) index sets, cycled
 ROUNDS = 3  # best of rounds: the host is shared, load comes and goes
 PEER = "bench-peer"
@@ -48,6 +61,7 @@ class Row:
     pages: int
     nixl_gbps: float
     memcpy_gbps: float
+    page_copy_gbps: float  # the per-page copy_ loop alone
     ray_object_store_gbps: float | None  # None: not measured (--no-object-store)
 
 
@@ -68,6 +82,31 @@ def index_sets(pages: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     ]
 
 
+def pin_to(core: int) -> None:
+    """This thread, and the threads it starts from now on, on `core`; torch on one."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+
+
+def thread_ids() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def pin_threads(tids: set[int], core: int) -> None:
+    """Move threads of this process (e.g. those a NIXL agent started) onto `core`."""
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, {core})
+        except ProcessLookupError:
+            pass  # a thread that has exited since it was listed
+
+
+def side_cores() -> tuple[int, int]:
+    """(reader's core, peer's core): apart when this process may use two."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[0], cores[-1]
+
+
 def median_gbps(nbytes: int, times: list[float]) -> float:
     return round(nbytes / statistics.median(times) / 1e9, 3)
 
@@ -79,27 +118,34 @@ def time_reps(
     max_reps: int = 400,
     budget_s: float = 0.25,
 ) -> list[float]:
-    """Durations of fn(i) after a warm-up; as many reps as `budget_s` allows."""
+    """Durations of fn(i) after a warm-up; as many reps as `budget_s` allows. GC is
+    collected first and kept off while timing (a collection in one rep would skew it)."""
     for i in range(warmup):
         fn(i)
+    gc.collect()
+    gc.disable()
     times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < max_reps and (
-        len(times) < min_reps or time.perf_counter() - start < budget_s
-    ):
-        t0 = time.perf_counter()
-        fn(len(times))
-        times.append(time.perf_counter() - t0)
+    try:
+        start = time.perf_counter()
+        while len(times) < max_reps and (
+            len(times) < min_reps or time.perf_counter() - start < budget_s
+        ):
+            t0 = time.perf_counter()
+            fn(len(times))
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
     return times
 
 
 # -- NIXL ------------------------------------------------------------------------------
 
 
-def serve_peer(conn, device: str) -> None:
+def serve_peer(conn, device: str, core: int) -> None:
     """Peer process: register filled pools, hand out metadata, idle until told to quit."""
     from kvfabric.transport import NixlTransport
 
+    pin_to(core)  # before the agent starts, so its progress thread is pinned too
     transport = NixlTransport(PEER)
     pools = make_pools(device, fill=True)
     for name, tensor in pools.items():
@@ -112,10 +158,10 @@ def serve_peer(conn, device: str) -> None:
 
 
 @contextmanager
-def nixl_peer(device: str) -> Iterator[bytes]:
+def nixl_peer(device: str, core: int) -> Iterator[bytes]:
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=serve_peer, args=(child, device), daemon=True)
+    proc = ctx.Process(target=serve_peer, args=(child, device, core), daemon=True)
     proc.start()
     child.close()  # so that a peer dying during start-up reads as EOF, not a long wait
     try:
@@ -170,38 +216,57 @@ def memcpy_copiers(
 
     def per_page(i: int) -> None:
         r, l_ = lists[i % INDEX_SETS]
+        s, d = src[name], dst[name]
         for a, b in zip(r, l_):
-            dst[name][b].copy_(src[name][a])
+            d[b].copy_(s[a])
         sync()
 
     return [gather_scatter, per_page]
 
 
+Figures = dict[tuple[int, int], float]
+
+
 def bench_nixl_and_memcpy(
-    metadata: bytes, device: str, rows: list[tuple[int, int]], rounds: int
-) -> tuple[dict, dict]:
-    """Best-of-`rounds` medians; the two alternate so that both see the same host load."""
+    metadata: bytes,
+    device: str,
+    rows: list[tuple[int, int]],
+    rounds: int,
+    warmup_round: bool,
+    agent_core: int,
+) -> tuple[Figures, Figures, Figures]:
+    """Best-of-`rounds` medians of (nixl, memcpy, page_copy); they alternate so that all
+    see the same host load. With `warmup_round`, a first round runs and is discarded.
+    The threads the reader's NIXL agent starts are moved to `agent_core`."""
     from kvfabric.transport import NixlTransport
 
-    nixl: dict[tuple[int, int], float] = {}
-    memcpy: dict[tuple[int, int], float] = {}
+    nixl: Figures = {}
+    memcpy: Figures = {}
+    page_copy: Figures = {}
     src, dst = make_pools(device, fill=True), make_pools(device, fill=False)
+    before = thread_ids()
     with NixlTransport("bench-reader") as transport:
+        pin_threads(thread_ids() - before, agent_core)
         pools = make_pools(device, fill=False)
         for name, tensor in pools.items():
             transport.register_pool(name, tensor)
         transport.connect(PEER, metadata)
-        for _ in range(rounds):
+        for round_ in range(rounds + warmup_round):
+            keep = round_ >= warmup_round
             for key in rows:
                 nbytes = key[0] * key[1]
                 gbps = median_gbps(nbytes, time_reps(nixl_reader(transport, pools, *key)))
-                nixl[key] = max(nixl.get(key, 0.0), gbps)
-                for copy in memcpy_copiers(src, dst, *key):
-                    gbps = median_gbps(nbytes, time_reps(copy))
-                    memcpy[key] = max(memcpy.get(key, 0.0), gbps)
+                if keep:
+                    nixl[key] = max(nixl.get(key, 0.0), gbps)
+                gather_scatter, per_page = memcpy_copiers(src, dst, *key)
+                gs_gbps = median_gbps(nbytes, time_reps(gather_scatter))
+                pp_gbps = median_gbps(nbytes, time_reps(per_page))
+                if keep:
+                    memcpy[key] = max(memcpy.get(key, 0.0), gs_gbps, pp_gbps)
+                    page_copy[key] = max(page_copy.get(key, 0.0), pp_gbps)
         if not all(bool(pools[pool_name(page_bytes)].any()) for page_bytes, _ in rows):
             raise AssertionError("NIXL reads did not land in the reader's pools")
-    return nixl, memcpy
+    return nixl, memcpy, page_copy
 
 
 # -- Ray object store ----------------------------------------------------------------------
@@ -274,15 +339,17 @@ def bench_ray(rows: list[tuple[int, int]], rounds: int) -> dict[tuple[int, int],
 def print_table(rows: list[Row]) -> None:
     print(
         f"{'page':>6} {'pages':>5} {'nixl GB/s':>10} {'memcpy GB/s':>12} "
-        f"{'ray GB/s':>9} {'nixl/ray':>9} {'nixl/memcpy':>12}"
+        f"{'page copy_':>11} {'ray GB/s':>9} {'nixl/ray':>9} {'nixl/memcpy':>12} "
+        f"{'nixl/page copy_':>16}"
     )
     for r in rows:
         ray_os = r.ray_object_store_gbps
         print(
             f"{r.page_bytes >> 10:>5}K {r.pages:>5} {r.nixl_gbps:>10.2f} "
-            f"{r.memcpy_gbps:>12.2f} {'-' if ray_os is None else f'{ray_os:.2f}':>9} "
+            f"{r.memcpy_gbps:>12.2f} {r.page_copy_gbps:>11.2f} "
+            f"{'-' if ray_os is None else f'{ray_os:.2f}':>9} "
             f"{'-' if ray_os is None else f'{r.nixl_gbps / ray_os:.2f}':>9} "
-            f"{r.nixl_gbps / r.memcpy_gbps:>12.2f}"
+            f"{r.nixl_gbps / r.memcpy_gbps:>12.2f} {r.nixl_gbps / r.page_copy_gbps:>16.2f}"
         )
 
 
@@ -292,23 +359,42 @@ def ratio_at(rows: list[Row], page_bytes: int, field: str) -> float:
     return round(statistics.mean(r.nixl_gbps / getattr(r, field) for r in sel), 3)
 
 
+def page_copy_ratio(rows: list[Row], key: tuple[int, int]) -> float | None:
+    """nixl / per-page copy_ at one row; None where the row was not measured."""
+    sel = [r for r in rows if (r.page_bytes, r.pages) == key]
+    return round(sel[0].nixl_gbps / sel[0].page_copy_gbps, 3) if sel else None
+
+
 def run(
     json_out: bool,
     object_store: bool = True,
     rows: list[tuple[int, int]] = ROWS,
     rounds: int = ROUNDS,
+    warmup_round: bool = True,
 ) -> dict:
     """Measure every row, print the table (and, with json_out, a final JSON line).
     Without `object_store` (a host without Ray) the object store's column is left out."""
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("KVF_TEST_DEVICE=cuda but CUDA is not available")
-    with nixl_peer(DEVICE) as metadata:
-        nixl, memcpy = bench_nixl_and_memcpy(metadata, DEVICE, rows, rounds)
+    reader_core, peer_core = side_cores()
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        with nixl_peer(DEVICE, peer_core) as metadata:
+            pin_to(reader_core)  # after the peer starts: it must not inherit this core
+            nixl, memcpy, page_copy = bench_nixl_and_memcpy(
+                metadata, DEVICE, rows, rounds, warmup_round, agent_core=peer_core
+            )
+    finally:  # Ray's workers below inherit this process's affinity
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
     ray_os: dict[tuple[int, int], float] = {}
     if object_store:
         with local_ray():
             ray_os = bench_ray(rows, rounds)
-    measured = [Row(p, n, nixl[(p, n)], memcpy[(p, n)], ray_os.get((p, n))) for p, n in rows]
+    measured = [
+        Row(p, n, nixl[(p, n)], memcpy[(p, n)], page_copy[(p, n)], ray_os.get((p, n)))
+        for p, n in rows
+    ]
     result = {
         "name": "transport",
         "device": DEVICE,
@@ -317,6 +403,12 @@ def run(
         if object_store
         else None,
         "ratio_vs_memcpy_64k": ratio_at(measured, 64 << 10, "memcpy_gbps"),
+        "ratio_vs_page_copy_64k": page_copy_ratio(measured, ROW_64K),
+        "ratio_vs_page_copy_4k": page_copy_ratio(measured, ROW_4K),
+        # How the figures are steady: warm-up reps are always discarded.
+        "warmup_round_discarded": warmup_round,
+        "gc": "collected before each timing, disabled during it",
+        "cores": {"reader": reader_core, "peer": peer_core, "reader_nixl_threads": peer_core},
     }
     print_table(measured)
     if json_out:
@@ -338,11 +430,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="one row (64 KiB x 64) and one round: that the bench runs, not a figure",
+        help="the ratios' two rows (64 KiB x 64, 4 KiB x 1024), one round, no warm-up "
+        "round: that the bench runs, not a figure",
     )
     args = ap.parse_args(argv)
-    rows, rounds = ([(64 << 10, 64)], 1) if args.quick else (ROWS, ROUNDS)
-    run(json_out=args.json, object_store=not args.no_object_store, rows=rows, rounds=rounds)
+    rows, rounds = ([ROW_64K, ROW_4K], 1) if args.quick else (ROWS, ROUNDS)
+    run(
+        json_out=args.json,
+        object_store=not args.no_object_store,
+        rows=rows,
+        rounds=rounds,
+        warmup_round=not args.quick,
+    )
     return 0
 
 

@@ -67,8 +67,11 @@ def test_each_bench_runs_from_outside_the_checkout(args, name, tmp_path):
         assert all(r["cached_pages"] >= r["held_keys"] > 0 for r in result["rows"])
         assert result["bytes_per_page_ratio_40_vs_8"] > 0 and result["lookup_ratio_40_vs_8"] > 0
     if name == "transport":
-        (row,) = result["rows"]
-        assert row["nixl_gbps"] > 0 and row["memcpy_gbps"] > 0
+        rows = {(r["page_bytes"], r["pages"]): r for r in result["rows"]}
+        assert set(rows) == {(64 << 10, 64), (4 << 10, 1024)}
+        for row in rows.values():
+            assert row["nixl_gbps"] > 0 and row["memcpy_gbps"] >= row["page_copy_gbps"] > 0
+        assert result["ratio_vs_page_copy_64k"] > 0 and result["ratio_vs_page_copy_4k"] > 0
     if name == "staging":
         assert result["tokens"] == 2048 and result["ratio_vs_memcpy"] > 0
         assert result["save_ratio_vs_memcpy"] > 0
