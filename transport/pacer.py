@@ -6,8 +6,8 @@ even for its expected duration, stalls it. But a spinning waiter burns a core th
 small host the peer's and our own NIXL progress threads need. So a waiter spins for a
 bounded budget, then backs off with doubling naps up to a cap. It does not yield
 (sched_yield) while spinning: on a loaded host that queues it behind every other
-runnable process on its core, a scheduler tick (4 ms) for a 200 µs read. Reads that complete as they are posted (UCX over CMA copies synchronously)
-never reach the pacer.
+runnable process on its core, a scheduler tick (4 ms) for a 200 µs read. Reads that
+complete as they are posted (UCX over CMA copies synchronously) never reach the pacer.
 """
 
 from __future__ import annotations
