@@ -47,7 +47,8 @@ sanitize: $(STAMP)
 	cd $(SAN) && CFLAGS="$(SAN_CFLAGS)" ../../$(VENV)/bin/python setup.py -q build_ext --inplace 2>build.log || (cat build.log; exit 1)
 	cd $(SAN) && KVF_SANITIZE=1 LD_PRELOAD=$(SAN_LIBS) PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=0 \
 		UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 timeout 900 ../../$(VENV)/bin/python \
-		-m pytest -q -p no:cacheprovider tests/fabric/test_native_*.py tests/fabric/test_sanitized.py
+		-m pytest -q -p no:cacheprovider tests/fabric/test_native_*.py tests/fabric/test_sanitized.py \
+		tests/transport/test_native_plan.py
 
 bench: $(STAMP)
 	$(VENV)/bin/kvfabric bench radix

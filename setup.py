@@ -1,10 +1,10 @@
 """The one thing pyproject.toml cannot declare without setuptools' experimental table: the
-C extensions behind fabric/cache/keys.py, radix.py, allocator.py and fabric/index/presence.py
-(built by `pip install`, `make` and CI alike)."""
+C extensions behind fabric/cache/keys.py, radix.py, allocator.py, fabric/index/presence.py
+and transport/base.py's read plan (built by `pip install`, `make` and CI alike)."""
 
 from setuptools import Extension, setup
 
-KEYS, INDEX = "fabric/cache/csrc", "fabric/index/csrc"
+KEYS, INDEX, TRANSPORT = "fabric/cache/csrc", "fabric/index/csrc", "transport/csrc"
 FLAGS = ["-O3", "-std=c11", "-Wall", "-Werror=implicit-function-declaration"]
 
 setup(
@@ -43,6 +43,11 @@ setup(
                 f"{INDEX}/holders.c",
             ],
             depends=[f"{INDEX}/presence.h"],
+            extra_compile_args=FLAGS,
+        ),
+        Extension(
+            "kvfabric.transport._plan",
+            sources=[f"{TRANSPORT}/plan.c"],
             extra_compile_args=FLAGS,
         ),
     ]

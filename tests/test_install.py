@@ -112,6 +112,7 @@ def test_the_sdist_holds_the_sources_and_nothing_built(sdist):
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     csrc = {str(p.relative_to(ROOT)) for p in ROOT.glob("fabric/*/csrc/*.[ch]")}
+    csrc |= {str(p.relative_to(ROOT)) for p in ROOT.glob("transport/csrc/*.[ch]")}
     assert csrc and csrc <= names, sorted(csrc - names)
     assert {"LICENSE", "README.md", "pyproject.toml", "setup.py", "PKG-INFO"} <= names
     assert "deploy/sim/traces/conversation_trace.jsonl" in names
@@ -139,6 +140,8 @@ def test_the_wheel_holds_kvfabric_only(wheel):
     assert len(tree) == 1, "the wheel must hold the built radix-tree extension"
     got = [n for n in names if n.startswith("kvfabric/fabric/cache/_alloc.") and n.endswith(".so")]
     assert len(got) == 1, "the wheel must hold the built page-allocator extension"
+    plan = [n for n in names if n.startswith("kvfabric/transport/_plan.") and n.endswith(".so")]
+    assert len(plan) == 1, "the wheel must hold the built read-plan extension"
     assert not any("/csrc/" in n for n in names), "C sources stay out of the wheel"
     assert not any(n.startswith(("benchmarks/", "tests/", "kvfabric/benchmarks/")) for n in names)
     assert "kvfabric = kvfabric.deploy.cli.main:main" in entry_points
@@ -158,6 +161,8 @@ assert presence.ENABLED and "site-packages" in presence.EXT.__file__, "the index
 assert type(PrefixIndex(MatchRule(0))._presence) is presence.EXT.Presence
 from kvfabric.fabric.cache import radix
 assert radix.ENABLED and "site-packages" in radix.EXT.__file__, "the tree loads from the wheel"
+from kvfabric.transport.native_plan import PLAN
+assert PLAN is not None and "site-packages" in PLAN.__file__, "the read plan loads from it"
 assert fabric.Connection.__module__.startswith("fabric."), "fabric is the SSH library"
 assert "site-packages" in kvfabric.fabric.__file__, kvfabric.fabric.__file__
 layout = KVLayout(layers=("full",), kv_heads=1, head_dim=4, page_size=2)

@@ -20,8 +20,9 @@ from typing import Any, Mapping, Sequence, Union
 import numpy as np
 import torch
 
+from .native_plan import PLAN
 from .pacer import PollPacer
-from .runs import PageRuns, merge_runs, order_pairs, run_starts
+from .runs import order_pairs, run_starts
 
 # Page indices as callers hold them: a list, a numpy array or a torch tensor of ints.
 Indices = Union[Sequence[int], np.ndarray, torch.Tensor]
@@ -174,7 +175,7 @@ class PoolRead:
     pool: str
     remote: np.ndarray  # int32, what NIXL's prepared-descriptor indices take
     local: np.ndarray
-    runs: PageRuns  # the descriptors the ordered pages merge into
+    descriptors: int  # runs contiguous on both sides, one descriptor each once merged
 
 
 def coalesce_order(remote: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
@@ -217,21 +218,45 @@ def has_duplicates(idx: np.ndarray, capacity: int) -> bool:
 
 
 def plan_pool_read(
-    pool: str, spec: tuple[Indices, Indices], local: PoolLayout, remote: PoolLayout
+    pool: str,
+    spec: tuple[Indices, Indices],
+    local: PoolLayout,
+    remote: PoolLayout,
+    native: bool | None = None,
 ) -> PoolRead:
-    """Validate one pool's index lists against both layouts; order them for coalescing."""
+    """Validate one pool's index lists against both layouts; order them for coalescing.
+    In C where it is built (`native`: None as KVF_NATIVE says, True: C, False: numpy)."""
     if not isinstance(spec, (tuple, list)) or len(spec) != 2:
         raise ValueError(f"pool {pool!r}: expected (remote_indices, local_indices)")
     r = as_index_array(spec[0], f"pool {pool!r} remote")
     l_ = as_index_array(spec[1], f"pool {pool!r} local")
     if len(r) != len(l_):
         raise ValueError(f"pool {pool!r}: {len(r)} remote indices but {len(l_)} local")
+    if native is None:
+        native = PLAN is not None
+    if native:
+        if PLAN is None:
+            raise RuntimeError("the native read plan asked for, but its extension is not loaded")
+        out_r, out_l = np.empty(len(r), dtype=np.int32), np.empty(len(r), dtype=np.int32)
+        runs = PLAN.order(
+            np.ascontiguousarray(r),
+            np.ascontiguousarray(l_),
+            remote.capacity,
+            local.capacity,
+            out_r,
+            out_l,
+        )
+        if runs >= 0:
+            return PoolRead(pool, out_r, out_l, runs)
+        # An index out of range or a local page twice: the reference below says which.
     check_range(r, remote.capacity, f"pool {pool!r} remote")
     check_range(l_, local.capacity, f"pool {pool!r} local")
     if has_duplicates(l_, local.capacity):
         raise ValueError(f"pool {pool!r}: a local page appears twice (two writes to one page)")
+    if native:
+        raise AssertionError(f"pool {pool!r}: the native plan rejected a read the reference takes")
     r, l_ = order_pairs(r, l_)
-    return PoolRead(pool, r.astype(np.int32), l_.astype(np.int32), merge_runs(r, l_))
+    return PoolRead(pool, r.astype(np.int32), l_.astype(np.int32), len(run_starts(r, l_)))
 
 
 class Transport(abc.ABC):

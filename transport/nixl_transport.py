@@ -215,7 +215,7 @@ class NixlTransport(Transport):
             peer=peer,
             pages=sum(len(p.local) for p in plans),
             nbytes=sum(len(p.local) * self._pools[p.pool].layout.page_bytes for p in plans),
-            descriptors=sum(len(p.runs) for p in plans),
+            descriptors=sum(p.descriptors for p in plans),
         )
         if not plans:
             handle.state, handle.finished = TransferState.DONE, time.monotonic()

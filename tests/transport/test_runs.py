@@ -110,7 +110,9 @@ def test_read_plan_keeps_the_pairs_and_counts_their_descriptors(case) -> None:
     )
     got = sorted(zip(plan.remote.tolist(), plan.local.tolist()))
     assert got == sorted(zip(remote.tolist(), local.tolist()))
-    assert expand(plan.runs) == list(zip(plan.remote.tolist(), plan.local.tolist()))
+    runs = merge_runs(plan.remote.astype(np.int64), plan.local.astype(np.int64))
+    assert expand(runs) == list(zip(plan.remote.tolist(), plan.local.tolist()))
+    assert plan.descriptors == len(runs)
 
 
 @given(st.lists(st.integers(0, 99), max_size=50), st.sampled_from([100, 1 << 22]))
