@@ -4,8 +4,10 @@ pages contiguous on *both* sides.
 A READ costs about as much per descriptor as per byte for small pages (UCX posts one
 get per descriptor), so pairs are ordered by remote page, which puts every run's pages
 next to each other, and each run then moves as one descriptor. NIXL (>= 1.5) merges
-adjacent prepared descriptors contiguous on both sides itself; `merge_runs` is the same
-merge done here, so that a read knows its descriptor count before posting.
+adjacent prepared descriptors contiguous on both sides itself, from the page-indexed
+lists prepared once per pool and peer; `merge_runs` is that merge written out: the model
+that a read plan's descriptor count (base.py, or its C twin) and NIXL's own count (its
+telemetry) are tested against.
 """
 
 from __future__ import annotations
