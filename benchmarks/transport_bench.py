@@ -9,6 +9,9 @@ sides out of a 1024-page pool, as a fragmented cache holds them):
            per-page copy_ loop;
   page_copy  the per-page copy_ loop alone: the JSON's ratio_vs_page_copy_64k (64 KiB x 64)
            and ratio_vs_page_copy_4k (4 KiB x 1024) are nixl / page_copy, same run;
+  cma      the kernel's limit for NIXL's path on one host (UCX picks CMA): the same pages
+           read from the peer by process_vm_readv itself, every page an iovec pair, up to
+           IOV_MAX pages a call (UCX makes one call per descriptor); host memory only;
   ray      one actor `ray.put`s the gathered pages, another `ray.get`s them and
            scatters them into its pool, timed inside the second actor.
 GB/s = bytes moved / median time of one batch, best of 3 rounds (the host is shared).
@@ -28,6 +31,7 @@ Run: .venv/bin/python -m benchmarks.transport_bench
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import multiprocessing as mp
@@ -62,6 +66,7 @@ class Row:
     nixl_gbps: float
     memcpy_gbps: float
     page_copy_gbps: float  # the per-page copy_ loop alone
+    cma_limit_gbps: float | None  # raw process_vm_readv; None: not measurable here
     ray_object_store_gbps: float | None  # None: not measured (--no-object-store)
 
 
@@ -158,7 +163,8 @@ def serve_peer(conn, device: str, core: int) -> None:
 
 
 @contextmanager
-def nixl_peer(device: str, core: int) -> Iterator[bytes]:
+def nixl_peer(device: str, core: int) -> Iterator[tuple[bytes, int]]:
+    """The peer's (metadata, process id) while it runs."""
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=serve_peer, args=(child, device, core), daemon=True)
@@ -171,7 +177,7 @@ def nixl_peer(device: str, core: int) -> Iterator[bytes]:
             metadata = conn.recv()
         except EOFError:
             raise RuntimeError(f"NIXL peer process died (exit code {proc.exitcode})") from None
-        yield metadata
+        yield metadata, proc.pid
     finally:
         if proc.is_alive():
             conn.send("quit")
@@ -191,6 +197,47 @@ def nixl_reader(
         r, l_ = sets[i % INDEX_SETS]
         transport.wait(transport.read(PEER, {name: (r, l_)}), 10.0)
 
+    return read
+
+
+class Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux's UIO_MAXIOV)
+
+
+def cma_reader(
+    pid: int, local_base: int, remote_base: int, page_bytes: int, pages: int
+) -> Callable[[int], None] | None:
+    """process_vm_readv of the same pages (ordered by remote page, as the transport posts
+    them), iovecs built outside the timing; None where the kernel refuses (ptrace scope)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    readv = libc.process_vm_readv
+    iov, count = ctypes.c_void_p, ctypes.c_ulong
+    readv.argtypes = [ctypes.c_int, iov, count, iov, count, ctypes.c_ulong]
+    readv.restype = ctypes.c_ssize_t
+    batches = []
+    for r, l_ in index_sets(pages, seed=pages):
+        order = np.argsort(r, kind="stable")
+        r, l_ = r[order], l_[order]
+        calls = []
+        for at in range(0, pages, IOV_MAX):
+            k = min(IOV_MAX, pages - at)
+            dst = (Iovec * k)(*[(local_base + int(j) * page_bytes, page_bytes) for j in l_[at:]])
+            src = (Iovec * k)(*[(remote_base + int(j) * page_bytes, page_bytes) for j in r[at:]])
+            calls.append((dst, src, k))
+        batches.append(calls)
+
+    def read(i: int) -> None:
+        for dst, src, k in batches[i % INDEX_SETS]:
+            if readv(pid, dst, k, src, k, 0) != k * page_bytes:
+                raise OSError(ctypes.get_errno(), "process_vm_readv fell short")
+
+    try:
+        read(0)
+    except OSError:
+        return None
     return read
 
 
@@ -229,20 +276,23 @@ Figures = dict[tuple[int, int], float]
 
 def bench_nixl_and_memcpy(
     metadata: bytes,
+    peer_pid: int,
     device: str,
     rows: list[tuple[int, int]],
     rounds: int,
     warmup_round: bool,
     agent_core: int,
-) -> tuple[Figures, Figures, Figures]:
-    """Best-of-`rounds` medians of (nixl, memcpy, page_copy); they alternate so that all
+) -> tuple[Figures, Figures, Figures, Figures]:
+    """Best-of-`rounds` medians of (nixl, memcpy, page_copy, cma); they alternate so that all
     see the same host load. With `warmup_round`, a first round runs and is discarded.
     The threads the reader's NIXL agent starts are moved to `agent_core`."""
-    from kvfabric.transport import NixlTransport
+    from kvfabric.transport import NixlTransport, PeerMetadata
 
     nixl: Figures = {}
     memcpy: Figures = {}
     page_copy: Figures = {}
+    cma: Figures = {}
+    peer_pools = PeerMetadata.from_bytes(metadata).pools
     src, dst = make_pools(device, fill=True), make_pools(device, fill=False)
     before = thread_ids()
     with NixlTransport("bench-reader") as transport:
@@ -264,9 +314,18 @@ def bench_nixl_and_memcpy(
                 if keep:
                     memcpy[key] = max(memcpy.get(key, 0.0), gs_gbps, pp_gbps)
                     page_copy[key] = max(page_copy.get(key, 0.0), pp_gbps)
+                name = pool_name(key[0])
+                raw = None
+                if device == "cpu":
+                    local_base = pools[name].data_ptr()
+                    raw = cma_reader(peer_pid, local_base, peer_pools[name].base, *key)
+                if raw is not None:
+                    gbps = median_gbps(nbytes, time_reps(raw))
+                    if keep:
+                        cma[key] = max(cma.get(key, 0.0), gbps)
         if not all(bool(pools[pool_name(page_bytes)].any()) for page_bytes, _ in rows):
             raise AssertionError("NIXL reads did not land in the reader's pools")
-    return nixl, memcpy, page_copy
+    return nixl, memcpy, page_copy, cma
 
 
 # -- Ray object store ----------------------------------------------------------------------
@@ -339,17 +398,19 @@ def bench_ray(rows: list[tuple[int, int]], rounds: int) -> dict[tuple[int, int],
 def print_table(rows: list[Row]) -> None:
     print(
         f"{'page':>6} {'pages':>5} {'nixl GB/s':>10} {'memcpy GB/s':>12} "
-        f"{'page copy_':>11} {'ray GB/s':>9} {'nixl/ray':>9} {'nixl/memcpy':>12} "
-        f"{'nixl/page copy_':>16}"
+        f"{'page copy_':>11} {'cma GB/s':>9} {'ray GB/s':>9} {'nixl/ray':>9} "
+        f"{'nixl/memcpy':>12} {'nixl/page copy_':>16} {'nixl/cma':>9}"
     )
     for r in rows:
-        ray_os = r.ray_object_store_gbps
+        ray_os, cma = r.ray_object_store_gbps, r.cma_limit_gbps
         print(
             f"{r.page_bytes >> 10:>5}K {r.pages:>5} {r.nixl_gbps:>10.2f} "
             f"{r.memcpy_gbps:>12.2f} {r.page_copy_gbps:>11.2f} "
+            f"{'-' if cma is None else f'{cma:.2f}':>9} "
             f"{'-' if ray_os is None else f'{ray_os:.2f}':>9} "
             f"{'-' if ray_os is None else f'{r.nixl_gbps / ray_os:.2f}':>9} "
-            f"{r.nixl_gbps / r.memcpy_gbps:>12.2f} {r.nixl_gbps / r.page_copy_gbps:>16.2f}"
+            f"{r.nixl_gbps / r.memcpy_gbps:>12.2f} {r.nixl_gbps / r.page_copy_gbps:>16.2f} "
+            f"{'-' if cma is None else f'{r.nixl_gbps / cma:.2f}':>9}"
         )
 
 
@@ -357,6 +418,12 @@ def ratio_at(rows: list[Row], page_bytes: int, field: str) -> float:
     """Mean over batch sizes of nixl / baseline at one page size."""
     sel = [r for r in rows if r.page_bytes == page_bytes]
     return round(statistics.mean(r.nixl_gbps / getattr(r, field) for r in sel), 3)
+
+
+def cma_ratio(rows: list[Row], key: tuple[int, int]) -> float | None:
+    """nixl / raw process_vm_readv at one row; None where either was not measured."""
+    sel = [r for r in rows if (r.page_bytes, r.pages) == key and r.cma_limit_gbps]
+    return round(sel[0].nixl_gbps / sel[0].cma_limit_gbps, 3) if sel else None
 
 
 def page_copy_ratio(rows: list[Row], key: tuple[int, int]) -> float | None:
@@ -379,10 +446,10 @@ def run(
     reader_core, peer_core = side_cores()
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     try:
-        with nixl_peer(DEVICE, peer_core) as metadata:
+        with nixl_peer(DEVICE, peer_core) as (metadata, peer_pid):
             pin_to(reader_core)  # after the peer starts: it must not inherit this core
-            nixl, memcpy, page_copy = bench_nixl_and_memcpy(
-                metadata, DEVICE, rows, rounds, warmup_round, agent_core=peer_core
+            nixl, memcpy, page_copy, cma = bench_nixl_and_memcpy(
+                metadata, peer_pid, DEVICE, rows, rounds, warmup_round, agent_core=peer_core
             )
     finally:  # Ray's workers below inherit this process's affinity
         os.sched_setaffinity(0, affinity)
@@ -392,7 +459,15 @@ def run(
         with local_ray():
             ray_os = bench_ray(rows, rounds)
     measured = [
-        Row(p, n, nixl[(p, n)], memcpy[(p, n)], page_copy[(p, n)], ray_os.get((p, n)))
+        Row(
+            p,
+            n,
+            nixl[(p, n)],
+            memcpy[(p, n)],
+            page_copy[(p, n)],
+            cma.get((p, n)),
+            ray_os.get((p, n)),
+        )
         for p, n in rows
     ]
     result = {
@@ -405,6 +480,8 @@ def run(
         "ratio_vs_memcpy_64k": ratio_at(measured, 64 << 10, "memcpy_gbps"),
         "ratio_vs_page_copy_64k": page_copy_ratio(measured, ROW_64K),
         "ratio_vs_page_copy_4k": page_copy_ratio(measured, ROW_4K),
+        "ratio_vs_cma_limit_64k": cma_ratio(measured, ROW_64K),
+        "ratio_vs_cma_limit_4k": cma_ratio(measured, ROW_4K),
         # How the figures are steady: warm-up reps are always discarded.
         "warmup_round_discarded": warmup_round,
         "gc": "collected before each timing, disabled during it",
