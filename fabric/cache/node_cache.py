@@ -134,7 +134,7 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         known = self._walks.recall(tokens, namespace, version)
         if known is not None:
             return known
-        keyer, raw = self.keyer(namespace), encode_tokens(tokens)
+        keyer, raw = self._keyers.get(namespace), encode_tokens(tokens)
         walk = Walk(keyer, raw, *self.tree.walk(keyer.root, raw))
         self._walks.remember(namespace, version, walk)
         return walk
@@ -258,7 +258,8 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         path locked, so other prefixes' calls may run then."""
         try:
             first = self._from_zero if starts is None else first_pages(self.layout, starts)
-            self._check_kv(kv, len(tokens) // self.layout.page_size, first)
+            if kv is not None or self.stores_bytes:  # else there is nothing to check
+                self._check_kv(kv, len(tokens) // self.layout.page_size, first)
             plan = self.plan_store(tokens, namespace, first)
             if plan.empty:
                 self.tree.touch(plan.path)

@@ -390,8 +390,13 @@ class RadixTree:
 
 if EXT is not None:
     _TreeState: Any = EXT.TreeState  # built C: mypy sees no source
+    _missing: Any = EXT.missing
 
     class _NativeRadixTree(RadixTree, _TreeState):
-        """RadixTree with its fields in C, where insert_free is one call."""
+        """RadixTree with its fields in C, where a request's calls are one C call each:
+        walk and insert_free on the state, missing the primitive itself (the Python
+        methods above add nothing to it)."""
 
+        walk = _TreeState.walk
         insert_free = _TreeState.insert_free
+        missing = staticmethod(_missing)

@@ -85,6 +85,13 @@ class Replacer:
         return hash(self.value)
 
 
+def test_a_walk_on_a_tree_never_initialised_is_refused():
+    """The native tree's walk reads its roots in C: before __init__ sets them, an error."""
+    tree = RadixTree.__new__(RadixTree, native=True)
+    with pytest.raises(TypeError):
+        tree.walk(b"root", bytes(STEP))
+
+
 def test_a_huge_range_of_positions_is_refused():
     """8 bytes a position times 2**62 wraps a size_t: C refused it as Python does."""
     twins = Twins()

@@ -243,6 +243,22 @@ def test_chain_continues_a_prefix(values, page, first):
 
 
 @needs_native
+@given(st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(*I32), max_size=12)), max_size=8))
+def test_chains_agree_with_keys_taking_turns(calls):
+    """The native path keeps the last key's keyed state: keys taking turns (two differing
+    in length only: the key length is hashed too) chain as hashlib does."""
+    key_bytes = (b"k", b"k\0", bytes(range(32)))
+    prev = bytes(16)
+    for which, values in calls:
+        key, raw = key_bytes[which], pack_py(values)
+        want, last = [], prev
+        for off in range(0, len(raw) - 7, 8):  # pages of 2 tokens
+            last = hashlib.blake2b(last + raw[off : off + 8], key=key, digest_size=16).digest()
+            want.append(last)
+        assert keys.EXT.chain(raw, key, prev, 0, 2) == want
+
+
+@needs_native
 @pytest.mark.parametrize(
     "raw",
     [

@@ -79,13 +79,16 @@ static Node *attach_counted(TreeState *tree, Node *parent, PyObject *keys, PyObj
     tree->node_count++;
     tree->page_count += PyList_GET_SIZE(keys);
     tree->version++;
-    PyObject *all = mark(tree, (PyObject *)node, (PyObject *)parent) < 0 ? NULL
-                    : PyObject_CallFunction((PyObject *)&PyRange_Type, "n", node_n(node));
-    if (all == NULL || touched(tree, node, all) < 0) {
+    int err = mark(tree, (PyObject *)node, (PyObject *)parent) < 0;
+    if (!err && has(tree->changes)) { /* range(node.n), built only for a change log */
+        PyObject *all = PyObject_CallFunction((PyObject *)&PyRange_Type, "n", node_n(node));
+        err = all == NULL || touched(tree, node, all) < 0;
+        Py_XDECREF(all);
+    }
+    if (err) {
         undo(tree, NULL, NULL, node);
         Py_CLEAR(node);
     }
-    Py_XDECREF(all);
     return node;
 }
 

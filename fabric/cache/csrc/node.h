@@ -80,6 +80,7 @@ PyObject *take_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyOb
 PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *place_runs(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *walk(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *walk_from(PyObject *roots, PyObject *root_key, PyObject *raw, Py_ssize_t step);
 PyObject *walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs);

@@ -34,6 +34,22 @@ typedef struct {
     Py_ssize_t page_bytes;
 } Chain;
 
+/* The keyed state of `key`, its key block compressed. The last key's is kept: requests come
+ * in runs of one namespace, and compressing the key block again would cost a page key a
+ * call. (Module state shared by every call: the GIL orders them.) */
+static void keyed_state(const char *key, Py_ssize_t len, kvf_blake2b *out) {
+    static kvf_blake2b last;
+    static char last_key[KVF_BLAKE2B_MAX_KEY];
+    static Py_ssize_t last_len = 0; /* 0: none kept (keys are 1 byte or more) */
+    if (len != last_len || memcmp(key, last_key, (size_t)len) != 0) {
+        kvf_blake2b_init(&last, KEY_BYTES, key, (size_t)len);
+        kvf_blake2b_settle(&last);
+        memcpy(last_key, key, (size_t)len);
+        last_len = len;
+    }
+    *out = last;
+}
+
 static int parse_chain(PyObject *const *args, Chain *c) {
     PyObject *key = args[0], *prev = args[1], *first = args[2], *page = args[3];
     if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) < 1 || PyBytes_GET_SIZE(key) > KVF_BLAKE2B_MAX_KEY) {
@@ -59,8 +75,7 @@ static int parse_chain(PyObject *const *args, Chain *c) {
     }
     c->page_bytes = (Py_ssize_t)size * 4;
     memcpy(c->prev, PyBytes_AS_STRING(prev), KEY_BYTES);
-    kvf_blake2b_init(&c->base, KEY_BYTES, PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key));
-    kvf_blake2b_settle(&c->base);
+    keyed_state(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), &c->base);
     return 0;
 }
 

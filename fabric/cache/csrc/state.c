@@ -1,5 +1,6 @@
 /* TreeState: RadixTree's own fields as a C type, the base of the native RadixTree
- * (radix.py), with its one native method, insert_free (insert.c). */
+ * (radix.py), with the methods a request calls natively: walk (tree.c) and insert_free
+ * (insert.c). */
 #include "node.h"
 #include <stddef.h>
 #include <structmember.h>
@@ -53,7 +54,15 @@ static PyMemberDef state_members[] = {
     {NULL},
 };
 
+/* RadixTree.walk(root_key, raw) on the tree's own roots and page size: one call. */
+static PyObject *state_walk(TreeState *self, PyObject *const *args, Py_ssize_t nargs) {
+    ARGS(2, "walk");
+    return walk_from(self->roots, args[0], args[1], self->page_bytes);
+}
+
 static PyMethodDef state_methods[] = {
+    {"walk", (PyCFunction)(void (*)(void))state_walk, METH_FASTCALL,
+     "walk(root_key, raw) -> (path, pages matched): RadixTree.walk in one call"},
     {"insert_free", (PyCFunction)(void (*)(void))insert_free, METH_FASTCALL,
      "insert_free(path, tokens, keyer, todo, tier, allocators, hook, fill, hold, got) -> "
      "None | (nodes, failed): RadixTree.insert_free in one call"},

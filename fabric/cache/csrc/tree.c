@@ -88,13 +88,18 @@ int count(Node *node, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta, PyObject *ow
 /* walk(roots, root_key, raw, step) -> (path, pages matched) */
 PyObject *walk(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(4, "walk");
-    PyObject *roots = args[0], *raw = args[2];
     Py_ssize_t step = PyLong_AsSsize_t(args[3]);
-    if (!PyDict_Check(roots) || !PyBytes_Check(raw) || step <= 0)
-        return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_TypeError, "walk(dict, key, bytes, step > 0)");
+    if (step == -1 && PyErr_Occurred()) return NULL;
+    return walk_from(args[0], args[1], args[2], step);
+}
+
+/* walk's work, for the module function and the tree's own method (state.c). */
+PyObject *walk_from(PyObject *roots, PyObject *root_key, PyObject *raw, Py_ssize_t step) {
+    if (roots == NULL || !PyDict_Check(roots) || !PyBytes_Check(raw) || step <= 0)
+        return PyErr_Format(PyExc_TypeError, "walk(dict, key, bytes, step > 0)");
     const char *buf = PyBytes_AS_STRING(raw);
     Py_ssize_t len = PyBytes_GET_SIZE(raw), end = len - len % step, off = 0, matched = -1;
-    PyObject *path = PyList_New(0), *node = PyDict_GetItemWithError(roots, args[1]);
+    PyObject *path = PyList_New(0), *node = PyDict_GetItemWithError(roots, root_key);
     while (path && node && off < end) {
         if (as_node(node) == NULL) goto fail;
         PyObject *first = PyBytes_FromStringAndSize(buf + off, step);
