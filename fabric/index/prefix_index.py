@@ -93,7 +93,34 @@ class PrefixIndex:
         admission rules (seq order, epochs, gaps, cleared), the same result and state, but
         without a PageState per page. Arguments are validated in bulk before anything is
         applied (keys: exact `bytes` of KEY_BYTES each; bad input raises EventError and
-        changes nothing), and the per-page work is the table's (C, or C-level passes)."""
+        changes nothing), and the per-page work is the table's (C, or C-level passes).
+
+        The common batch, the next of a node in sync, goes straight to the table, whose
+        `set_chain` checks every argument itself (exact types, ValueError, nothing
+        changed): its admission changes no state, so checking after it is as safe as
+        before. Anything it refuses takes the full path below, which says what is wrong
+        (or accepts an int subclass, such as a PageMask, the table's exact check does
+        not)."""
+        if (
+            type(node) is str
+            and (st := self._nodes.get(node)) is not None
+            and st.seq is not None
+            and type(seq) is int
+            and seq == st.seq + 1
+            and type(epoch) is int
+            and epoch == st.epoch
+            and cleared is False
+            and type(keys) is list
+            and self.admission.refuses(node, epoch) is None
+        ):
+            try:
+                self._presence.set_chain(st.slot, keys, first_depth, parent, mask)
+            except ValueError:
+                pass
+            else:
+                st.seq = seq
+                self._counts[ApplyResult.APPLIED] += 1
+                return ApplyResult.APPLIED
         if not (
             type(node) is str
             and node

@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Protocol, Sequence
 
 from ..cache import native
-from .events import _MAX_MASK, KEY_BYTES, PageMask
+from .events import _MAX_MASK, KEY_BYTES, MAX_DEPTH, PageMask
 from .lookups import _BYTES, _KEY_LEN, Holders, Lookups, Match, pairs
 from .match_rule import MatchRule
 
@@ -150,9 +150,27 @@ class Presence(Lookups):
         self, slot: int, keys: Sequence[bytes], first_depth: int, parent: bytes, mask: int
     ) -> None:
         """The slot publishes `keys` as consecutive pages from `first_depth` on, after
-        `parent`, all with `mask` (0: it no longer holds them). The C core checks every
-        argument (ValueError, nothing changed); this one trusts PrefixIndex's `check`."""
-        pages = self._open(slot)  # the arguments are PrefixIndex's, checked there
+        `parent`, all with `mask` (0: it no longer holds them). Every argument is checked
+        first, as the C core checks them (exact types, the same messages; ValueError,
+        nothing changed): PrefixIndex's fast path relies on it."""
+        pages = self._open(slot)
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)  # any sequence, as the C core takes one
+        if keys and (set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN):
+            raise ValueError(f"chain keys must be {KEY_BYTES}-byte bytes")
+        if (
+            type(first_depth) is not int
+            or first_depth < 0
+            or first_depth + max(len(keys), 1) > MAX_DEPTH  # the last page's depth fits u64
+        ):
+            raise ValueError(
+                f"first_depth must be an int from 0 to 2**64 - {max(len(keys), 1)}, "
+                f"got {first_depth!r}"
+            )
+        if type(parent) is not bytes or len(parent) != KEY_BYTES:
+            raise ValueError(f"chain parent must be {KEY_BYTES} bytes")
+        if type(mask) is not int or not 0 <= mask <= _MAX_MASK:
+            raise ValueError(f"mask must be an int from 0 to {_MAX_MASK}, got {mask!r}")
         if not mask:
             for key in keys:
                 pages.pop(key, None)

@@ -302,6 +302,30 @@ def test_apply_chain_rejects_bad_input(args):
         ix.apply_chain(**{**ok, **args})
     assert len(ix) == 0 and ix.nodes() == [] and ix.stats()["applied"] == 0
     assert ix.apply_chain(**ok) is R.APPLIED and ix.lookup(KEYS) == [NodeMatch("a", 6, True)]
+    # the next batch of a node in sync (the fast path: the table checks): refused alike
+    before = (ix.node_pages("a"), ix.sync_point("a"), ix.stats())
+    nxt = {**ok, "seq": 1, "keys": KEYS[:3], "mask": int(M.FULL_HOST)}
+    with pytest.raises(EventError):
+        ix.apply_chain(**{**nxt, **args})
+    assert (ix.node_pages("a"), ix.sync_point("a"), ix.stats()) == before
+    assert ix.apply_chain(**nxt) is R.APPLIED and ix.sync_point("a") == (1, 1)
+    assert ix.lookup(KEYS) == [NodeMatch("a", 6, False)]
+
+
+def test_apply_chain_in_sync_takes_int_subclasses():
+    """The table's own check takes exact ints; a PageMask or an IntFlag depth from a node
+    in sync still applies (the full path converts it), as for the first batch."""
+    ix, cx = PrefixIndex(MatchRule(0)), PrefixIndex(MatchRule(0))
+    assert ix.apply_chain("a", 1, 0, KEYS[:2], 0, KEYER.root, M.FULL_DEVICE) is R.APPLIED
+    assert ix.apply_chain("a", 1, 1, KEYS[2:4], M.FULL_HOST, KEYS[1], M.FULL_HOST) is R.APPLIED
+    cx.apply(
+        batch("a", 1, 0, [PageState(k, p.parent, p.depth, 1) for k, p in zip(KEYS[:2], PAGES)])
+    )
+    cx.apply(
+        batch("a", 1, 1, [PageState(k, p.parent, p.depth, 2) for k, p in zip(KEYS[2:4], PAGES[2:])])
+    )
+    assert ix.node_pages("a") == cx.node_pages("a") and ix.stats() == cx.stats()
+    assert ix.lookup(KEYS) == cx.lookup(KEYS) == [NodeMatch("a", 4, False)]
 
 
 def test_twenty_thousand_engine_lives_leave_one_shard_as_it_was():

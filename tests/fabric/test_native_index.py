@@ -404,3 +404,43 @@ def test_a_key_crosses_each_bound_both_ways():
     assert forms == [False] * 5 + [True] * 3 + [True] * 4 + [False] * 3
     assert c.get(KEYS[0]) == py.get(KEYS[0]) == presence.code(1 + 1000 % 15) << 4 * 1000
     assert c.dense(KEYS[1]) and py.dense(KEYS[1])  # the other key kept all 8
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (0, [KEYS[0], b"x"], 0, ROOT, 3),
+        (0, [KEYS[0], "x" * 16], 0, ROOT, 3),
+        (0, KEYS[:2], -1, ROOT, 3),
+        (0, KEYS[:2], True, ROOT, 3),
+        (0, KEYS[:2], 1.0, ROOT, 3),
+        (0, KEYS[:2], MAX_DEPTH - 1, ROOT, 3),
+        (0, [], MAX_DEPTH, ROOT, 3),
+        (0, KEYS[:2], 0, b"x" * 15, 3),
+        (0, KEYS[:2], 0, bytearray(16), 3),
+        (0, KEYS[:2], 0, ROOT, 16),
+        (0, KEYS[:2], 0, ROOT, True),
+        (0, KEYS[:2], 0, ROOT, presence.PageMask.FULL_DEVICE),
+        (1, KEYS[:2], 0, ROOT, 3),
+    ],
+)
+def test_set_chain_checks_alike(args):
+    """Both tables check every set_chain argument themselves, exact types, with the same
+    messages, and change nothing (PrefixIndex's fast path relies on it)."""
+    tables = [presence.new_presence(MatchRule(1), native) for native in (False, True)]
+    for t in tables:
+        t.open(0)
+        t.set_chain(0, KEYS[:3], 0, ROOT, 3)
+    errors = []
+    for t in tables:
+        with pytest.raises(ValueError) as e:
+            t.set_chain(*args)
+        errors.append(str(e.value))
+        assert t.pages(0) == [
+            (k, p, d, 3) for k, p, d in zip(KEYS[:3], [ROOT] + KEYS[:2], range(3))
+        ]
+    assert errors[0] == errors[1]
+    for t in tables:  # the edges that fit
+        t.set_chain(0, [], MAX_DEPTH - 1, ROOT, 0)
+        t.set_chain(0, KEYS[5:7], MAX_DEPTH - 2, ROOT, 15)
+    assert tables[0].pages(0) == tables[1].pages(0)

@@ -6,41 +6,6 @@
 
 #include <string.h>
 
-static uint64_t hash_key(const uint8_t *key) {
-    uint64_t a, b;
-    memcpy(&a, key, 8);
-    memcpy(&b, key + 8, 8);
-    uint64_t h = a ^ (b * 0x9E3779B97F4A7C15ULL);      /* keys may be chosen, not only hashed */
-    h ^= h >> 31;
-    h *= 0xBF58476D1CE4E5B9ULL;
-    return h ^ (h >> 29);
-}
-
-Py_ssize_t ord_find(const Ordered *o, const uint8_t *key, size_t *pos) {
-    if (o->index == NULL)
-        return -1;                      /* nothing ever added; ord_add needs a reserve first */
-    size_t i = hash_key(key) & o->mask, tomb = SIZE_MAX;
-    for (;; i = (i + 1) & o->mask) {
-        int32_t e = o->index[i];
-        if (e == -1) {
-            *pos = tomb != SIZE_MAX ? tomb : i;
-            return -1;
-        }
-        if (e == -2) {
-            if (tomb == SIZE_MAX)
-                tomb = i;
-        } else if (memcmp(o->keys + (size_t)e * KEY_BYTES, key, KEY_BYTES) == 0) {
-            *pos = i;
-            return e;
-        }
-    }
-}
-
-void ord_prefetch(const Ordered *o, const uint8_t *key) {
-    if (o->index != NULL)
-        __builtin_prefetch(o->index + (hash_key(key) & o->mask));
-}
-
 /* A fresh index over the entries 0..n-1 of `keys`, `size` positions; NULL if out of memory. */
 static int32_t *index_of(const uint8_t *keys, Py_ssize_t n, size_t size) {
     int32_t *index = PyMem_Malloc(size * sizeof(int32_t));
@@ -48,7 +13,7 @@ static int32_t *index_of(const uint8_t *keys, Py_ssize_t n, size_t size) {
         return NULL;
     memset(index, 0xff, size * sizeof(int32_t));
     for (Py_ssize_t e = 0; e < n; e++) {
-        size_t i = hash_key(keys + e * KEY_BYTES) & (size - 1);
+        size_t i = ord_hash(keys + e * KEY_BYTES) & (size - 1);
         while (index[i] != -1)
             i = (i + 1) & (size - 1);
         index[i] = (int32_t)e;

@@ -97,9 +97,9 @@ static PyObject *py_set_chain(Presence *p, PyObject *const *args, Py_ssize_t nar
     int64_t mask = -1;
     int ok = 0;
     uint64_t depth = 0;
-    if (kvf_check_keys(items, n, "set_chain") == 0 && (depth = depth_arg(args[2], n, &ok), ok)) {
+    if (kvf_check_keys(items, n, "chain") == 0 && (depth = depth_arg(args[2], n, &ok), ok)) {
         if (!is_key(args[3]))
-            PyErr_Format(PyExc_ValueError, "set_chain parent must be %d-byte bytes", KEY_BYTES);
+            PyErr_Format(PyExc_ValueError, "chain parent must be %d bytes", KEY_BYTES);
         else
             mask = int_arg(args[4], "mask", 0, MAX_MASK);
     }
@@ -252,7 +252,8 @@ static size_t ordered_bytes(const Ordered *o, size_t row) {
 static PyObject *py_sizeof(Presence *p, PyObject *unused) {
     size_t n = sizeof(Presence) + ordered_bytes(&p->held, sizeof(Cell) + KEY_BYTES + 8)
                + 8 * (size_t)(p->dense_words + p->words + p->scratch_len + p->found_len)
-               + 4 * (size_t)p->order_len + (size_t)p->nslots * (sizeof(Pages) + sizeof(int32_t));
+               + 4 * (size_t)p->order_len + sizeof(Place) * (size_t)p->places_len
+               + (size_t)p->nslots * (sizeof(Pages) + sizeof(int32_t));
     for (Py_ssize_t s = 0; s < p->nslots; s++)
         n += ordered_bytes(&p->slots[s].set, 1) + ordered_bytes(&p->slots[s].own, KEY_BYTES + 8);
     return PyLong_FromSize_t(n);
@@ -285,7 +286,7 @@ static void presence_dealloc(Presence *p) {
     for (Py_ssize_t s = 0; s < p->nslots; s++)
         kvf_free_pages(&p->slots[s]);
     PyMem_Free(p->slots), PyMem_Free(p->ones), PyMem_Free(p->scratch), PyMem_Free(p->local);
-    PyMem_Free(p->found), PyMem_Free(p->order);
+    PyMem_Free(p->found), PyMem_Free(p->order), PyMem_Free(p->places);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 

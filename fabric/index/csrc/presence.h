@@ -12,6 +12,7 @@
 #include <Python.h>
 
 #include <stdint.h>
+#include <string.h>
 
 #define KEY_BYTES 16
 #define SLOTS_PER_WORD 16            /* 4-bit nibbles in a uint64 */
@@ -39,10 +40,43 @@ typedef struct {
     size_t size;
 } Column;
 
+/* Inline: a lookup or a chain's apply finds each of its keys, several times for some. */
+static inline uint64_t ord_hash(const uint8_t *key) {
+    uint64_t a, b;
+    memcpy(&a, key, 8);
+    memcpy(&b, key + 8, 8);
+    uint64_t h = a ^ (b * 0x9E3779B97F4A7C15ULL);      /* keys may be chosen, not only hashed */
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ULL;
+    return h ^ (h >> 29);
+}
+
 /* The entry of `key`, or -1; *pos: its index position, else where it would go. */
-Py_ssize_t ord_find(const Ordered *o, const uint8_t *key, size_t *pos);
+static inline Py_ssize_t ord_find(const Ordered *o, const uint8_t *key, size_t *pos) {
+    if (o->index == NULL)
+        return -1;                      /* nothing ever added; ord_add needs a reserve first */
+    size_t i = ord_hash(key) & o->mask, tomb = SIZE_MAX;
+    for (;; i = (i + 1) & o->mask) {
+        int32_t e = o->index[i];
+        if (e == -1) {
+            *pos = tomb != SIZE_MAX ? tomb : i;
+            return -1;
+        }
+        if (e == -2) {
+            if (tomb == SIZE_MAX)
+                tomb = i;
+        } else if (memcmp(o->keys + (size_t)e * KEY_BYTES, key, KEY_BYTES) == 0) {
+            *pos = i;
+            return e;
+        }
+    }
+}
+
 /* Warms the cache for a coming ord_find of `key` (its index position). */
-void ord_prefetch(const Ordered *o, const uint8_t *key);
+static inline void ord_prefetch(const Ordered *o, const uint8_t *key) {
+    if (o->index != NULL)
+        __builtin_prefetch(o->index + (ord_hash(key) & o->mask));
+}
 /* Room for `extra` more entries (each column too); nothing changes if memory runs out. */
 int ord_reserve(Ordered *o, Py_ssize_t extra, const Column *cols, int ncols);
 /* A new entry for `key` at index position `pos` (from ord_find; room reserved). */
@@ -132,6 +166,13 @@ Py_ssize_t cell_drop(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words);
 /* The heap bits of a dense cell back (the cell is empty after). */
 void cell_free(Cell *c, Py_ssize_t *dense_words);
 
+/* Where a chain's apply found a key in Presence.held: its entry (-1: none), and its
+ * index position (where it would go, if none). */
+typedef struct {
+    Py_ssize_t entry;
+    size_t pos;
+} Place;
+
 typedef struct {
     PyObject_HEAD
     Py_ssize_t window;          /* the MatchRule's window_pages */
@@ -152,6 +193,8 @@ typedef struct {
     Py_ssize_t found_len;
     int32_t *order;             /* lookup's candidate slots */
     Py_ssize_t order_len;
+    Place *places;              /* a chain's apply: each key's place in `held` */
+    Py_ssize_t places_len;
 } Presence;
 
 /* The entry's cell for a 16-byte key, or NULL. */

@@ -65,30 +65,6 @@ static int differs(const Presence *p, Py_ssize_t e, const uint8_t *parent, uint6
     return p->depths[e] != depth || memcmp(p->parents + e * KEY_BYTES, parent, KEY_BYTES) != 0;
 }
 
-/* Room in every other holder's `own` for the records this chain would change under them
- * (an upper bound: a holder may have its own record already). */
-static int reserve_others(Presence *p, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n,
-                          uint64_t first_depth, const uint8_t *parent) {
-    Py_ssize_t *need = NULL;
-    int rc = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        size_t pos;
-        Py_ssize_t e = ord_find(&p->held, (const uint8_t *)PyBytes_AS_STRING(keys[i]), &pos);
-        const uint8_t *par = i ? (const uint8_t *)PyBytes_AS_STRING(keys[i - 1]) : parent;
-        if (e < 0 || !differs(p, e, par, first_depth + (uint64_t)i))
-            continue;
-        if (need == NULL && (need = PyMem_Calloc((size_t)p->nslots, sizeof(Py_ssize_t))) == NULL)
-            return PyErr_NoMemory(), -1;
-        for (Holders h = holders_of(&p->cells[e]); holders_next(&h);)
-            need[h.slot]++;
-    }
-    for (Py_ssize_t t = 0; need != NULL && rc == 0 && t < p->nslots; t++)
-        if (t != slot && need[t])
-            rc = reserve_own(&p->slots[t], need[t]);
-    PyMem_Free(need);
-    return rc;
-}
-
 /* Every other holder of entry e whose page relies on e's record keeps it as its own. */
 static void keep_old_record(Presence *p, Py_ssize_t e, Py_ssize_t slot, const uint8_t *key) {
     for (Holders h = holders_of(&p->cells[e]); holders_next(&h);) {
@@ -107,16 +83,58 @@ static void keep_old_record(Presence *p, Py_ssize_t e, Py_ssize_t slot, const ui
     }
 }
 
-/* Room in every held key's cell for the slot's nibble: a cell that must go dense or
- * wider does so now, before anything else changes (its holders stay the same). */
-static int room_in_cells(Presence *p, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        size_t pos;
-        Py_ssize_t e = ord_find(&p->held, (const uint8_t *)PyBytes_AS_STRING(keys[i]), &pos);
-        if (e >= 0 && cell_room(&p->cells[e], slot, &p->dense_words) < 0)
-            return -1;
+/* Each key's place in `held` (p->places), found once for the whole apply, and room made
+ * before anything changes: in every held key's cell for the slot's nibble (a cell that
+ * must go dense or wider does so now, its holders the same), and in every other holder's
+ * `own` for the records this chain would change under them (an upper bound: a holder
+ * may have its own record already). */
+static int find_places(Presence *p, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n,
+                       uint64_t first_depth, const uint8_t *parent) {
+    if (n > p->places_len) {
+        Place *at = PyMem_Realloc(p->places, (size_t)n * sizeof(Place));
+        if (at == NULL)
+            return PyErr_NoMemory(), -1;
+        p->places = at, p->places_len = n;
     }
-    return 0;
+    Py_ssize_t *need = NULL;
+    int rc = 0;
+    for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
+        Place *at = &p->places[i];
+        at->entry = ord_find(&p->held, (const uint8_t *)PyBytes_AS_STRING(keys[i]), &at->pos);
+        Py_ssize_t e = at->entry;
+        if (e < 0)
+            continue;
+        if (cell_room(&p->cells[e], slot, &p->dense_words) < 0)
+            rc = -1;
+        const uint8_t *par = i ? (const uint8_t *)PyBytes_AS_STRING(keys[i - 1]) : parent;
+        if (rc < 0 || !differs(p, e, par, first_depth + (uint64_t)i))
+            continue;
+        if (need == NULL && (need = PyMem_Calloc((size_t)p->nslots, sizeof(Py_ssize_t))) == NULL)
+            return PyErr_NoMemory(), -1;
+        for (Holders h = holders_of(&p->cells[e]); holders_next(&h);)
+            need[h.slot]++;
+    }
+    for (Py_ssize_t t = 0; need != NULL && rc == 0 && t < p->nslots; t++)
+        if (t != slot && need[t])
+            rc = reserve_own(&p->slots[t], need[t]);
+    PyMem_Free(need);
+    return rc;
+}
+
+/* The entry of key i of the chain, added if new, from its place found before the apply:
+ * an entry found stays (an apply removes none); a place found free stays right while it
+ * is free (adds only fill free positions, so the positions before it are as they were),
+ * else a key of this chain took it (this key itself, if listed twice) and we look again. */
+static Py_ssize_t entry_at(Presence *p, const Place *at, const uint8_t *key, int *added) {
+    size_t pos = at->pos;
+    Py_ssize_t e = at->entry;
+    *added = 0;
+    if (e >= 0)
+        return e;
+    if (p->held.index[pos] >= 0 && (e = ord_find(&p->held, key, &pos)) >= 0)
+        return e;
+    *added = 1;
+    return ord_add(&p->held, pos, key);
 }
 
 int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n,
@@ -133,24 +151,24 @@ int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys,
         }
         return 0;
     }
+    /* reserves first: they may compact or grow `held`, which moves entries and places */
     if (reserve_held(p, n) < 0 || reserve_pages(s, n) < 0 ||
-        reserve_others(p, slot, keys, n, first_depth, parent) < 0 || room_in_cells(p, slot, keys, n) < 0)
+        find_places(p, slot, keys, n, first_depth, parent) < 0)
         return -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(keys[i]);
         const uint8_t *par = i ? (const uint8_t *)PyBytes_AS_STRING(keys[i - 1]) : parent;
         uint64_t depth = first_depth + (uint64_t)i;
-        size_t pos;
-        Py_ssize_t e = ord_find(&p->held, key, &pos);
-        if (e < 0) {
-            e = ord_add(&p->held, pos, key);
+        int added;
+        Py_ssize_t e = entry_at(p, &p->places[i], key, &added);
+        if (added)
             memset(&p->cells[e], 0, sizeof(Cell));  /* no holders: inline, room for one */
-        } else if (differs(p, e, par, depth)) {
+        else if (differs(p, e, par, depth))
             keep_old_record(p, e, slot, key);
-        }
         cell_set(&p->cells[e], slot, code);
         memcpy(p->parents + e * KEY_BYTES, par, KEY_BYTES);
         p->depths[e] = depth;
+        size_t pos = 0;
         Py_ssize_t f = ord_find(&s->set, key, &pos);
         if (f < 0) {
             f = ord_add(&s->set, pos, key);
