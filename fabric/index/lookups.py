@@ -9,6 +9,9 @@ nibbles for them alone, a 4-bit nibble per candidate (see presence.code), so tha
 cost goes with the holders, not the table's slot count. The running AND of the ints
 then says, for all candidates at once, which hold every page so far, in which pool and
 tier; Python-level work is per distinct match length, not per page or node.
+Where every open slot is below 16, a key's packed nibbles are already one word and the
+slots their own places: the walk takes them as they are, from a memo of each holder set's
+packed int (the table's keys share few), with no Python loop per page.
 The rule itself is the MatchRule's: every page before the end for full attention (the
 running AND from page 0), the last `window_pages` for a window (ANDs over windows)."""
 
@@ -16,12 +19,16 @@ from __future__ import annotations
 
 from functools import partial, reduce
 from itertools import accumulate, count, takewhile
-from operator import and_, is_not
-from typing import Sequence
+from operator import and_, is_not, or_
+from typing import Iterable, Sequence
 
 from .events import KEY_BYTES
 
 _BYTES, _KEY_LEN = {bytes}, {KEY_BYTES}
+
+_WORD = 1 << 64  # open slots' bits below it: every slot's nibble in one 64-bit word
+_WORD_SLOTS = range(16)  # there, a nibble's place is its slot
+MEMO_MAX = 1 << 12  # distinct holder sets a table's PackedMemo keeps
 
 Match = tuple[int, int, bool]  # (node slot, pages, device)
 Holders = bytes | int  # 3-byte (slot, nibble) pairs while few slots hold a key, else packed
@@ -40,11 +47,30 @@ def pairs(held: Holders) -> list[tuple[int, int]]:
     return out
 
 
+def packed(held: Holders | None) -> int:
+    """A key's holders as one int of packed nibbles (slot s at bits 4s to 4s + 3)."""
+    if held is None or isinstance(held, int):
+        return held or 0
+    return sum(nib << 4 * s for s, nib in pairs(held))
+
+
+class PackedMemo(dict[Holders | None, int]):
+    """Holders -> their packed nibbles (`packed`), kept as asked for (up to MEMO_MAX, then
+    afresh): lookups of a table with few slots read them through a C-level map."""
+
+    def __missing__(self, held: Holders | None) -> int:
+        if len(self) >= MEMO_MAX:
+            self.clear()
+        bits = self[held] = packed(held)
+        return bits
+
+
 class Lookups:
     """The presence table's queries; it owns the state they read."""
 
     _bits: dict[bytes, Holders]  # key -> its holders (never none)
     _ones: int  # bit 0 of every open slot's nibble
+    _packed_of: PackedMemo
     window_pages: int
     has_full: bool
 
@@ -54,18 +80,27 @@ class Lookups:
             return []
         if set(map(type, keys)) != _BYTES or set(map(len, keys)) != _KEY_LEN:
             raise ValueError(f"lookup keys must be {KEY_BYTES}-byte bytes")
+        word = self._ones < _WORD  # every open slot's nibble in one word: no repacking
+        if word and not self.window_pages:  # full layers alone: one C-level pipeline
+            held = map(self._packed_of.__getitem__, map(self._bits.get, keys))
+            return self._runs(accumulate(held, and_), self._ones, _WORD_SLOTS)
         found = list(
             takewhile(partial(is_not, None), map(self._bits.get, keys))  # a full match
             if self.has_full  # needs every page: none goes past a key no slot holds
             else map(self._bits.get, keys)
         )
-        slots = self._candidates(found)
-        if not slots:
-            return []
-        chain = self._local(found, slots)
-        ones = (1 << 4 * len(slots)) // 15  # bit 0 of every candidate's nibble
+        if word:
+            chain, ones, slots = self._word(found)
+            if not ones:
+                return []
+        else:
+            slots = self._candidates(found)
+            if not slots:
+                return []
+            chain = self._local(found, slots)
+            ones = (1 << 4 * len(slots)) // 15  # bit 0 of every candidate's nibble
         if not self.window_pages:
-            return self._lookup_full(chain, ones, slots)
+            return self._runs(accumulate(chain, and_), ones, slots)
         prefix = list(accumulate(chain, and_))
         out: list[Match] = []
         pending = 0 if self.has_full else ones  # without FULL runs, all scan from the end
@@ -74,6 +109,19 @@ class Lookups:
         if pending:
             self._fall_back(chain, prefix, pending, slots, out)
         return out
+
+    def _word(self, found: list[Holders | None]) -> tuple[list[int], int, Sequence[int]]:
+        """`lookup`'s chain, candidates' bits and slots where every open slot is below 16:
+        each key's packed nibbles as they are (slot s at nibble s: the slots are their own
+        places), from the memo of packed holders (a C-level map; a table's keys share few
+        holder sets), kept to the candidates' nibbles."""
+        packed = list(map(self._packed_of.__getitem__, found))
+        if self.has_full:  # the FULL holders of page 0
+            ones = packed[0] & self._ones if packed else 0
+        else:  # any page's holders
+            x = reduce(or_, packed, 0)
+            ones = (x | x >> 1 | x >> 2 | x >> 3) & self._ones
+        return list(map((ones * 15).__and__, packed)), ones, _WORD_SLOTS
 
     def _candidates(self, found: list[Holders | None]) -> list[int]:
         """The open slots that may match, ascending: with full layers the FULL holders of
@@ -88,7 +136,7 @@ class Lookups:
         return sorted(seen)
 
     @staticmethod
-    def _local(found: list[Holders | None], slots: list[int]) -> list[int]:
+    def _local(found: list[Holders | None], slots: Sequence[int]) -> list[int]:
         """Each key's nibbles packed for the candidates alone: candidate i at nibble i."""
         place = {s: 4 * i for i, s in enumerate(slots)}
         chain = []
@@ -101,12 +149,14 @@ class Lookups:
                 chain.append(sum(nib << place[s] for s, nib in pairs(held) if s in place))
         return chain
 
-    def _lookup_full(self, chain: list[int], ones: int, slots: list[int]) -> list[Match]:
+    @staticmethod
+    def _runs(prefix: Iterable[int], ones: int, slots: Sequence[int]) -> list[Match]:
         """`lookup` without SWA layers: a node's match is its FULL run from page 0, so the
-        runs are the answer: holders of each page, their running AND, stopping where it is
-        0 (no candidate holding every page so far: no run goes further), and each
-        distinct running value -> where it ends."""
-        ends = dict(zip(takewhile(bool, accumulate(chain, and_)), count(1)))
+        runs are the answer: from the running AND of the pages' holders, stopping where it
+        is 0 (no candidate holding every page so far: no run goes further), each distinct
+        running value -> where it ends. Bits outside `ones` (holders of no FULL page 0)
+        never count."""
+        ends = dict(zip(takewhile(bool, prefix), count(1)))
         out: list[Match] = []
         inner = 0
         for v in reversed(ends):  # longest run first; the AND only loses bits
@@ -140,7 +190,7 @@ class Lookups:
         prefix: list[int],
         n: int,
         group: int,
-        slots: list[int],
+        slots: Sequence[int],
         out: list[Match],
     ) -> int:
         """Nodes that may match up to n pages: those holding the SWA window there match n;
@@ -154,7 +204,12 @@ class Lookups:
         return group & ~ok
 
     def _fall_back(
-        self, chain: list[int], prefix: list[int], pending: int, slots: list[int], out: list[Match]
+        self,
+        chain: list[int],
+        prefix: list[int],
+        pending: int,
+        slots: Sequence[int],
+        out: list[Match],
     ) -> None:
         """Nodes whose SWA window fails where their match could end (a tombstoned prefix the
         request leaves early, say): try shorter lengths, all such nodes in one downward scan."""
@@ -180,7 +235,7 @@ class Lookups:
         return prefix[: w - 1] + list(map(and_, runs, runs[w - k :]))
 
     @staticmethod
-    def _emit(nodes: int, n: int, device: int, slots: list[int], out: list[Match]) -> None:
+    def _emit(nodes: int, n: int, device: int, slots: Sequence[int], out: list[Match]) -> None:
         while nodes:
             low = nodes & -nodes
             nodes ^= low

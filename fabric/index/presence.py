@@ -25,7 +25,7 @@ from typing import Protocol, Sequence
 
 from ..cache import native
 from .events import _MAX_MASK, KEY_BYTES, MAX_DEPTH, PageMask
-from .lookups import _BYTES, _KEY_LEN, Holders, Lookups, Match, pairs
+from .lookups import _BYTES, _KEY_LEN, Holders, Lookups, Match, PackedMemo, packed, pairs
 from .match_rule import MatchRule
 
 MAX_SLOTS = 1 << 16  # node slots a table may open (PrefixIndex reuses freed ones)
@@ -99,13 +99,6 @@ def resolve(key: bytes, rec: Chain) -> tuple[bytes, int, int]:
     return keys[i - 1] if i else parent, depth + i, mask
 
 
-def _packed(held: Holders) -> int:
-    """A key's holders as one int of packed nibbles (slot s at bits 4s to 4s + 3)."""
-    if isinstance(held, int):
-        return held
-    return sum(nib << 4 * s for s, nib in pairs(held))
-
-
 def _count(bits: int) -> int:
     """Slots with a nonzero nibble in packed nibbles."""
     x = bits | bits >> 1 | bits >> 2 | bits >> 3
@@ -130,6 +123,7 @@ class Presence(Lookups):
         self._ones = 0
         self._pages: list[dict[bytes, Chain] | None] = []  # per slot; None: not open
         self._meta: dict[bytes, Chain] = {}
+        self._packed_of = PackedMemo()
 
     def open(self, slot: int) -> None:
         """The slot takes a node (nothing if it is open already)."""
@@ -222,7 +216,7 @@ class Presence(Lookups):
 
     def get(self, key: bytes) -> int:
         """The key's packed nibbles, whatever its form (0: not held)."""
-        return _packed(self._bits.get(key, 0))
+        return packed(self._bits.get(key, 0))
 
     def dense(self, key: bytes) -> bool:
         """Whether the key's holders are a bitset, not pairs (False: not held)."""
@@ -258,7 +252,7 @@ class Presence(Lookups):
                 elif len(held) < 3 * SPARSE_MAX:
                     b[key] = held + pair
                 else:  # one holder more than pairs keep: a bitset
-                    b[key] = _packed(held) | put
+                    b[key] = packed(held) | put
             return None
         removed = []
         for key in keys:  # in order: a key listed twice is deleted once

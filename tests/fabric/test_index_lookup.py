@@ -1,7 +1,7 @@
 """The prefix index's lookups against a brute force that reads the usable-match rule from
 the attention policies, over random holders, batches, replays, gaps and snapshots."""
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfabric.fabric.cache.keys import PageKeyer
 from kvfabric.fabric.cache.layout import KVLayout, LayerKind, PoolName
@@ -12,6 +12,7 @@ from kvfabric.fabric.index.events import PageMask as M
 from kvfabric.fabric.index.match_rule import MatchRule
 from kvfabric.fabric.index.prefix_index import ApplyResult as R
 from kvfabric.fabric.index.prefix_index import PrefixIndex
+from kvfabric.fabric.index.presence import Presence
 
 KEYER = PageKeyer("tenant", b"f" * 16, 2)
 FULL_ALL = int(M.FULL | M.SWA)  # every pool on both tiers: 15
@@ -174,3 +175,37 @@ def test_lookup_equals_brute_force(scenario, rnd):
     assert all(
         cx.apply_chain(*chain_args(b, pages)) is R.DUPLICATE for b, r in zip(events, raw) if r[3]
     )
+
+
+ROOT = b"\xff" * 16
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    window=st.integers(0, 3),
+    has_full=st.booleans(),
+    chains=st.lists(
+        st.tuples(st.integers(0, 9), st.integers(0, 11), st.integers(1, 6), st.integers(0, 15)),
+        min_size=1,
+        max_size=30,
+    ),
+    looked_up=st.lists(st.tuples(st.integers(0, 11), st.integers(1, 12)), min_size=1, max_size=8),
+)
+def test_reference_word_path_equals_repacked(window, has_full, chains, looked_up):
+    """The reference's lookups where every open slot is below 16 (the packed nibbles as
+    they are) answer as where slots reach past a word (each lookup's candidates repacked):
+    the same holders at slot s and at slot s + 16, pairs and bitsets alike."""
+    if not (window or has_full):
+        has_full = True
+    keys = [bytes([i]) * 16 for i in range(1, 13)]
+    word, wide = Presence(window, has_full), Presence(window, has_full)
+    for s in range(10):
+        word.open(s)
+        wide.open(s + 16)
+    for slot, first, n, mask in chains:  # mask 0 drops pages: bitsets go back to pairs
+        run = keys[first : first + n]
+        word.set_chain(slot, run, first, keys[first - 1] if first else ROOT, mask)
+        wide.set_chain(slot + 16, run, first, keys[first - 1] if first else ROOT, mask)
+    for first, n in looked_up:
+        run = keys[first : first + n]
+        assert sorted(word.lookup(run)) == sorted((s - 16, m, d) for s, m, d in wide.lookup(run))
