@@ -329,14 +329,13 @@ def run_sglang_radix(
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     if not isinstance(cache, SglangCache):
         raise ValueError(f"cache must be a SglangCache, got {cache!r}")
-    lengths, flat = pack_sequences(sequences)
     folder = ensure_sglang()
-    with tempfile.TemporaryDirectory(prefix="kvf-peer-") as tmp:
-        data, result = Path(tmp) / "sequences.bin", Path(tmp) / "result.json"
-        write_sequences(data, lengths, flat)
+
+    def run(data: Path, result: Path) -> None:
         args = [str(folder), str(data), str(page_size), str(result), gc_mode, str(cpu)]
         _run_worker([cache.value, *args])
-        out = json.loads(result.read_text())
+
+    out = _run_on_sequences(sequences, run)
     return RadixRun(
         page_size=page_size,
         match_lengths=tuple(out["match_lengths"]),
@@ -363,19 +362,31 @@ def run_dynamo_rounds(
     for name, v in (("page", page), ("nodes", nodes), ("repeat", repeat)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
-    lengths, flat = pack_sequences(sequences)
     folder = ensure_dynamo()
-    with tempfile.TemporaryDirectory(prefix="kvf-peer-") as tmp:
-        data, result = Path(tmp) / "sequences.bin", Path(tmp) / "result.json"
-        write_sequences(data, lengths, flat)
+
+    def run(data: Path, result: Path) -> None:
         args = [str(folder), str(data), str(page), str(nodes), str(repeat), str(result), str(cpu)]
         _run_script("dynamo_worker.py", ["rounds", *args], "Dynamo")
-        out = json.loads(result.read_text())
+
+    out = _run_on_sequences(sequences, run)
     return DynamoRun(
         out["rounds_per_s"],
         out["hashing_rounds_per_s"],
         tuple((w, have) for w, have in out["answers"]),
     )
+
+
+def _run_on_sequences(
+    sequences: Sequence[Sequence[int]], run: Callable[[Path, Path], None]
+) -> dict:
+    """`run(data, result)` with the sequences written to `data` (write_sequences' format);
+    what the worker wrote to `result`, as JSON."""
+    lengths, flat = pack_sequences(sequences)
+    with tempfile.TemporaryDirectory(prefix="kvf-peer-") as tmp:
+        data, result = Path(tmp) / "sequences.bin", Path(tmp) / "result.json"
+        write_sequences(data, lengths, flat)
+        run(data, result)
+        return json.loads(result.read_text())
 
 
 def sglang_radix_ops_per_s(
