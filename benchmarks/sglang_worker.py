@@ -111,13 +111,13 @@ class _NoOpAllocator:
     device = "cpu"
 
     def free(self, indices) -> None:
-        pass
+        """Nothing to give back: no slot behind the made-up values was ever taken."""
 
     def free_segment(self, indices, start_pos: int = 0) -> None:
-        pass
+        """As `free`."""
 
     def free_full_segment(self, indices, start_pos: int = 0) -> None:
-        pass
+        """As `free`."""
 
 
 def _unified_cache(page_size: int):

@@ -14,6 +14,7 @@ bookkeeping and stats.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -112,13 +113,8 @@ class SchedulerSaves:
         if len(tokens) < head:
             return False
         want = tokens[:head]
-        for save in self.saving.values():
-            if save.namespace == namespace and save.tokens[:head] == want:
-                return True
-        for _, _, save, _ in self.storing:
-            if save.namespace == namespace and save.tokens[:head] == want:
-                return True
-        return False
+        in_flight = itertools.chain(self.saving.values(), (s for _, _, s, _ in self.storing))
+        return any(s.namespace == namespace and s.tokens[:head] == want for s in in_flight)
 
     def _saves_reported(self, report: FabricWorkerMeta) -> None:
         """The workers copied these saves to staging (or one failed to): once every

@@ -390,18 +390,20 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
                 sinks[pool] = (sink[0], slots)
             else:
                 pages[pool] = src.data.index_select(0, src.index_tensor(indices))
-        out = self._cached(n * ps, starts, pages)
-        out.sinks = sinks
-        return out
+        return self._cached(n * ps, starts, pages, sinks)
 
     def _empty(self) -> CachedKV:
         return self._cached(0, dict.fromkeys(self.policies, 0), {})
 
     def _cached(
-        self, tokens: int, starts: dict[PoolName, int], pages: dict[PoolName, torch.Tensor]
+        self,
+        tokens: int,
+        starts: dict[PoolName, int],
+        pages: dict[PoolName, torch.Tensor],
+        sinks: dict[PoolName, tuple[torch.Tensor, list[int]]] | None = None,
     ) -> CachedKV:
         pools = {p: self.layout.layers_of(p) for p in self.policies}
-        return CachedKV(tokens, starts, pages, pools, len(self.layout.layers))
+        return CachedKV(tokens, starts, pages, pools, len(self.layout.layers), sinks=sinks or {})
 
     def _check_kv(
         self, kv: LayerKV | PagedKV | None, pages: int, first: dict[PoolName, int]

@@ -115,7 +115,7 @@ class PrefixIndex:
         ):
             try:
                 self._presence.set_chain(st.slot, keys, first_depth, parent, mask)
-            except ValueError:
+            except ValueError:  # refused, nothing changed: the full path below says why
                 pass
             else:
                 st.seq = seq
