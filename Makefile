@@ -9,9 +9,9 @@ REQ := requirements
 
 # vLLM (the CPU build) goes in beside torch, Ray and NIXL: its requirements without the
 # torch family, then three wheels with --no-deps (see requirements/*.txt for why).
-# The install builds the C extensions (setup.py, fabric/*/csrc/) in place: a change to
-# its sources installs again.
-NATIVE_SRC := setup.py $(wildcard fabric/cache/csrc/*.c fabric/cache/csrc/*.h fabric/index/csrc/*.c fabric/index/csrc/*.h)
+# The install builds the C extensions (setup.py, fabric/*/csrc/, transport/csrc/) in
+# place: a change to their sources installs again.
+NATIVE_SRC := setup.py $(wildcard fabric/*/csrc/*.c fabric/*/csrc/*.h transport/csrc/*.c)
 
 $(STAMP): pyproject.toml Makefile $(REQ)/constraints.txt $(REQ)/vllm.txt $(REQ)/vllm-nodeps.txt $(NATIVE_SRC)
 	$(PY) -m venv $(VENV)

@@ -1,6 +1,7 @@
 """The one thing pyproject.toml cannot declare without setuptools' experimental table: the
-C extensions behind fabric/cache/keys.py, radix.py, allocator.py, fabric/index/presence.py
-and transport/base.py's read plan (built by `pip install`, `make` and CI alike)."""
+C extensions behind fabric/cache/keys.py, radix.py, allocator.py, pages.py's row copy,
+fabric/index/presence.py and transport/base.py's read plan (built by `pip install`, `make`
+and CI alike)."""
 
 from setuptools import Extension, setup
 
@@ -26,6 +27,11 @@ setup(
                 f"{KEYS}/insert.c",
             ],
             depends=[f"{KEYS}/node.h"],
+            extra_compile_args=FLAGS,
+        ),
+        Extension(
+            "kvfabric.fabric.cache._copy",
+            sources=[f"{KEYS}/copy.c"],
             extra_compile_args=FLAGS,
         ),
         Extension(

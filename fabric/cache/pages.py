@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from .layout import KVLayout, PoolName
+from .native_copy import COPY
 from .pools import PagePool
 
 
@@ -23,6 +25,9 @@ class TorchCopier:
 
     def copy(self, src: PagePool, src_idx: list[int], dst: PagePool, dst_idx: list[int]) -> None:
         if src.data is None or dst.data is None or not src_idx:
+            return
+        if src.data.device.type == dst.data.device.type == "cpu":
+            copy_rows(src.data, src_idx, dst.data, dst_idx)  # one pass, no gathered copy
             return
         pages = src.data.index_select(0, src.index_tensor(src_idx))
         dst.data.index_copy_(0, dst.index_tensor(dst_idx), pages.to(dst.data.device))
@@ -59,19 +64,54 @@ def copy_rows(
     dst: torch.Tensor,
     dst_rows: Sequence[int],
     arrange: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    *,
+    native: bool | None = None,
 ) -> None:
-    """dst[dst_rows[i]] = arrange(src[src_rows[i]]) in one pass over the bytes: one copy_
-    per stretch where both row lists count up by one (no gathered temporary). `arrange`
-    views a stretch of `src` in `dst`'s layout (a permute: the copy does the reordering)."""
+    """dst[dst_rows[i]] = arrange(src)[src_rows[i]] in one pass over the bytes, with no
+    gathered temporary. `arrange` views `src` in `dst`'s layout keeping rows first (a
+    permute: the copy does the reordering). On the CPU the C kernel copies every row in
+    one call (fabric/cache/csrc/copy.c); elsewhere, and with KVF_NATIVE=0 or
+    `native=False`, one copy_ per stretch where both row lists count up by one (the
+    reference; tests compare the two)."""
+    if len(src_rows) != len(dst_rows):
+        raise ValueError(f"copy_rows: {len(src_rows)} source rows for {len(dst_rows)}")
+    view = src if arrange is None else arrange(src)
+    if view.dtype != dst.dtype or view.shape[1:] != dst.shape[1:]:
+        raise ValueError(
+            f"copy_rows: rows of {view.dtype} {tuple(view.shape[1:])} into rows of "
+            f"{dst.dtype} {tuple(dst.shape[1:])}"
+        )
+    for rows, t in ((src_rows, view), (dst_rows, dst)):
+        if rows and (min(rows) < 0 or max(rows) >= t.shape[0]):
+            raise IndexError(f"copy_rows: a row outside 0..{t.shape[0] - 1}")
+    if native and COPY is None:
+        raise RuntimeError("copy_rows: the C row copy is not built or KVF_NATIVE=0")
+    on_cpu = view.device.type == "cpu" and dst.device.type == "cpu"
+    if COPY is not None and native is not False and on_cpu:
+        COPY.copy_rows(
+            _as_buffer(view),
+            np.asarray(src_rows, dtype=np.int64),
+            _as_buffer(dst),
+            np.asarray(dst_rows, dtype=np.int64),
+        )
+        return
     i, n = 0, len(src_rows)
     while i < n:
         j = i + 1
         while j < n and src_rows[j] == src_rows[j - 1] + 1 and dst_rows[j] == dst_rows[j - 1] + 1:
             j += 1
         s, d = src_rows[i], dst_rows[i]
-        part = src[s : s + j - i]
-        dst[d : d + j - i].copy_(part if arrange is None else arrange(part))
+        dst[d : d + j - i].copy_(view[s : s + j - i])
         i = j
+
+
+def _as_buffer(t: torch.Tensor) -> np.ndarray:
+    """`t`'s memory as numpy sees it, in place: as integers of its item size, so that
+    dtypes numpy lacks (bfloat16, fp8) pass too."""
+    return t.view(_RAW[t.element_size()]).numpy()
+
+
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def pack(layout: KVLayout, pool: PoolName, kv: LayerKV, positions: list[int]) -> torch.Tensor:
