@@ -177,7 +177,13 @@ def with_connector(args: argparse.Namespace) -> dict:
     from vllm.v1.metrics.reader import Counter
 
     tokens, pages = args.tokens, args.tokens // BLOCK
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="kvf-bench")
+    ray.init(
+        address="local",  # its own, never a cluster already running here
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        namespace="kvf-bench",
+    )
     llm = fab = None
     try:
         here = node_actor_name(ray.get_runtime_context().get_node_id())
@@ -304,7 +310,7 @@ def without_connector(args: argparse.Namespace) -> dict:
 
     # A Ray cluster of its own, idle, as beside the engine with the connector: what differs
     # is the connector and the fabric's actors, not Ray's own daemons.
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     llm = LLM(model=model_path(args.tokens), **engine_args(args.tokens, None))
     try:
         llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5])], SamplingParams(max_tokens=1))
