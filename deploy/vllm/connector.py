@@ -109,6 +109,12 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
         backends = get_current_attn_backends(self._vllm_config, list(kv_caches))
         self._worker().register(kv_caches, BlockFormat.of_backends(b.get_name() for b in backends))
 
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        # vLLM calls this before every forward (start_load_kv comes after it when loads
+        # are asynchronous): the last point where a prompt's save may still read blocks
+        # vLLM freed at this step's scheduling.
+        self._worker().before_forward()
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, FabricMeta)

@@ -13,7 +13,8 @@ Copies run in one background thread, off the engine's step, and are reported whe
 vLLM keeps a finished request's blocks until its save is reported sent, so neither is
 touched meanwhile. A prompt's save (its request still running) is the exception: vLLM
 may free blocks of a preempted request or outside a sliding window at the next step, so
-that step's start_load waits for it before the forward can write them. No layer hook
+the next step waits for it before its forward can write them (`handle_preemptions`,
+vLLM's hook before the forward for connectors with asynchronous saves). No layer hook
 does any work.
 """
 
@@ -78,12 +79,16 @@ class WorkerSide:
             self._stream = torch.cuda.Stream(device)
 
     # --- loads -------------------------------------------------------------------------
-    def start_load(self, meta: FabricMeta) -> None:
-        """Before the forward: the prompts' saves still copying end first (the forward
-        may write blocks vLLM freed since), then this step's loads start."""
+    def before_forward(self) -> None:
+        """The prompts' saves still copying end here: the forward may write blocks vLLM
+        freed since they started (a preemption, a sliding window, an abort)."""
         running = [f for job, f in self._saves if not job.ends_request and not f.done()]
         if running:
             wait_futures(running)
+
+    def start_load(self, meta: FabricMeta) -> None:
+        """This step's loads start (vLLM calls this after the forward when every load of
+        the step is asynchronous, as the fabric's are)."""
         self._loads.extend((job, self._submit(job, to_blocks=True)) for job in meta.loads)
         if meta.idle and (self._loads or self._saves):  # no forward to overlap: reported now
             wait_futures([f for _, f in self._loads + self._saves])

@@ -156,6 +156,7 @@ class Rig:
                 scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
             )
         )
+        self.worker.before_forward()  # in vLLM's order: the forward comes between these
         self.worker.start_load(meta)
         self.worker.save(meta)
         assert self.worker.wait(30)  # vLLM steps until the copies are reported: here, one step

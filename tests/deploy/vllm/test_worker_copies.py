@@ -97,7 +97,7 @@ def test_a_prompts_save_ends_before_the_next_forward(pair):
     saver.save(FabricMeta(saves=[save_job(False)]))
     assert gate.entered.wait(WAIT_S)
     threading.Timer(0.2, gate.opened.set).start()
-    saver.start_load(FabricMeta())  # the blocks may be freed after this: the copy ended
+    saver.before_forward()  # the blocks may be freed after this: the copy ended
     meta = saver.worker_meta()
     assert meta is not None and meta.saved == {"k": 1}
     assert saver.transfer_results() == (set(), set(), set())  # the request still runs
