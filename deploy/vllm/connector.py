@@ -194,9 +194,11 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
     # --- metrics (connector_metrics.py) -------------------------------------------------
     def get_kv_connector_stats(self) -> FabricStats | None:
         """The scheduler side's counters' increments since the last call (vLLM asks each
-        step, on both sides: the workers count nothing of their own)."""
+        step, on both sides: the workers count nothing of their own). On the scheduler's
+        side vLLM asks after the step's requests finished: the node hears them now."""
         if self.scheduler is None:
             return None
+        self.scheduler.send_report()
         changed = self.stats_reader.since_last(self.scheduler.stats)
         return FabricStats(data=changed) if changed else None
 

@@ -112,6 +112,7 @@ class SchedulerSide(SchedulerSaves):
         self.quarantined: list[tuple[Any, dict[PoolName, list[int]]]] = []
         self.meta = FabricMeta()
         self.stats = ConnectorStats()
+        self.report_due = False  # requests finished since the node last heard the counters
         self.remote = RemoteFetches(self.node, settings, self.stats.remote)
         self.hit_sources: dict[str, dict[CacheHitSource, int]] = {}  # the last load's, per request
 
@@ -310,8 +311,7 @@ class SchedulerSide(SchedulerSaves):
         self.stats.finished_requests += 1
         if not self.node.ready():
             return False, None
-        self.stats.quarantined_slots = sum(len(s) for _, q in self.quarantined for s in q.values())
-        self.node.report(self.spec.prefix, self.stats)
+        self.report_due = True
         # The tokens whose KV was computed: the last sampled one has none yet.
         tokens = list(request.all_token_ids)[: request.num_computed_tokens]
         n = len(tokens) // self.plan.page_size
@@ -320,6 +320,15 @@ class SchedulerSide(SchedulerSaves):
         return self._save(
             rid, f"{rid}/end", tokens, namespace, block_ids, n, ends_request=True, has=has
         ), None
+
+    def send_report(self) -> None:
+        """The counters to the node, once a step in which requests finished (not once a
+        request: a step that ends 16 spent 5 ms on reports)."""
+        if not self.report_due or not self.node.ready():
+            return
+        self.report_due = False
+        self.stats.quarantined_slots = sum(len(s) for _, q in self.quarantined for s in q.values())
+        self.node.report(self.spec.prefix, self.stats)
 
     def shutdown(self) -> None:
         """The engine is going: its node unmaps the staging pages, and the files go (the

@@ -90,8 +90,11 @@ def test_blocks_round_trip_through_the_fabric(rig):
     for name in NAMES[0::2]:  # SWA layers: the window before the hit's end
         assert torch.equal(layer_blocks(rig, name, [40, 41]), layer_blocks(rig, name, [20, 21]))
     assert all(a.free_count == a.capacity for a in rig.sched.allocators.values())
-    # The node keeps what the connector counted, as of the last finished request.
+    # The node keeps what the connector counted, as of the last finished request: it
+    # hears once a step, after the step's requests finished (vLLM then asks for stats).
     rig.sched.finished(Req("r2", PROMPT, PROMPT + [7], len(PROMPT)), (SWA_BLOCKS, FULL_BLOCKS))
+    assert not rig.node.reports
+    rig.sched.send_report()
     (report,) = rig.node.reports.values()
     assert report["finished_requests"] == 2 and report["loaded_tokens"] == 40
     assert report["host_loaded_tokens"] + report["remote_loaded_tokens"] <= 40
