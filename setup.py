@@ -6,7 +6,14 @@ and CI alike)."""
 from setuptools import Extension, setup
 
 KEYS, INDEX, TRANSPORT = "fabric/cache/csrc", "fabric/index/csrc", "transport/csrc"
-FLAGS = ["-O3", "-std=c11", "-Wall", "-Werror=implicit-function-declaration"]
+# Hidden by default: a module exports its PyInit alone (PyMODINIT_FUNC), as CPython's own do.
+FLAGS = [
+    "-O3",
+    "-std=c11",
+    "-Wall",
+    "-Werror=implicit-function-declaration",
+    "-fvisibility=hidden",
+]
 
 setup(
     ext_modules=[

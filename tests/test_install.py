@@ -333,3 +333,37 @@ def test_the_c_extensions_build_without_warnings_and_load_on_python(version, tmp
     loaded = _run([python, "-c", _LOAD], cwd=tmp_path / "unpacked")
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     assert loaded.stdout.strip() == f"({version.replace('.', ', ')})"
+
+
+_EXTENSIONS = ("_pagekeys", "_radix", "_alloc", "_copy", "_presence", "_plan")
+
+
+def test_each_c_extension_exports_its_pyinit_alone_and_prefixes_what_its_files_share():
+    """As CPython's own modules: the symbols a module's files share are prefixed (radix_,
+    kvf_), and the shared object exports PyInit alone (-fvisibility=hidden), so no name of
+    ours can collide with another library's in the process."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm (binutils) on this machine")
+    built = {
+        p.name.split(".")[0]: p
+        for layer in ("fabric", "transport")
+        for p in (ROOT / layer).rglob("_*.so")
+        if ".cache" not in p.parts
+    }
+    assert set(_EXTENSIONS) <= set(built), sorted(built)
+    for name in _EXTENSIONS:
+        exported = _run([nm, "-D", "--defined-only", built[name]], ROOT, 60).stdout
+        assert _globals(exported) == [f"PyInit_{name}"], (name, _globals(exported))
+        shared = _globals(_run([nm, "--defined-only", built[name]], ROOT, 60).stdout)
+        unprefixed = [s for s in shared if not s.startswith(("PyInit_", "radix_", "kvf_"))]
+        assert not unprefixed, (name, unprefixed)
+
+
+def _globals(nm_output: str) -> list[str]:
+    """The global code and data symbols an `nm` listing names."""
+    return sorted(
+        parts[2]
+        for parts in (line.split() for line in nm_output.splitlines())
+        if len(parts) == 3 and parts[1] in "TDBR"
+    )

@@ -54,13 +54,13 @@ static int touched(TreeState *tree, Node *node, PyObject *offsets) {
 /* RadixTree.root: the namespace's root, made where there is none (borrowed). */
 static Node *root(TreeState *tree, PyObject *root_key) {
     PyObject *found = PyDict_GetItemWithError(tree->roots, root_key);
-    if (found != NULL) return as_node(found);
+    if (found != NULL) return radix_as_node(found);
     if (PyErr_Occurred()) return NULL;
     PyObject *keys = PyList_New(1), *empty = PyBytes_FromStringAndSize(NULL, 0);
     Node *node = NULL;
     if (keys != NULL && empty != NULL) {
         PyList_SET_ITEM(keys, 0, Py_NewRef(root_key));
-        node = node_new(keys, empty, Py_None, 0);
+        node = radix_node_new(keys, empty, Py_None, 0);
     }
     Py_XDECREF(keys);
     Py_XDECREF(empty);
@@ -74,14 +74,14 @@ static void undo(TreeState *tree, PyObject *tier, PyObject *given, Node *node);
 /* RadixTree.attach with no journal: the node (new reference), counted, or NULL with
  * nothing attached. */
 static Node *attach_counted(TreeState *tree, Node *parent, PyObject *keys, PyObject *tokens) {
-    Node *node = attach_node(parent, keys, tokens, tree->page_bytes, tree->by_first_key, tree->clock);
+    Node *node = radix_attach_node(parent, keys, tokens, tree->page_bytes, tree->by_first_key, tree->clock);
     if (node == NULL) return NULL;
     tree->node_count++;
     tree->page_count += PyList_GET_SIZE(keys);
     tree->version++;
     int err = mark(tree, (PyObject *)node, (PyObject *)parent) < 0;
     if (!err && has(tree->changes)) { /* range(node.n), built only for a change log */
-        PyObject *all = PyObject_CallFunction((PyObject *)&PyRange_Type, "n", node_n(node));
+        PyObject *all = PyObject_CallFunction((PyObject *)&PyRange_Type, "n", radix_node_n(node));
         err = all == NULL || touched(tree, node, all) < 0;
         Py_XDECREF(all);
     }
@@ -95,7 +95,7 @@ static Node *attach_counted(TreeState *tree, Node *parent, PyObject *keys, PyObj
 /* RadixTree.detach with no journal, of a node just attached (no children, no pages). */
 static int detach(TreeState *tree, Node *node) {
     Node *parent = (Node *)node->parent;
-    Py_ssize_t n = node_n(node);
+    Py_ssize_t n = radix_node_n(node);
     Py_ssize_t size = PyBytes_GET_SIZE(node->tokens); /* tokens[:page_bytes], clamped */
     PyObject *first = PyBytes_FromStringAndSize(PyBytes_AS_STRING(node->tokens),
                                                 size < tree->page_bytes ? size : tree->page_bytes);
@@ -126,8 +126,8 @@ static void undo(TreeState *tree, PyObject *tier, PyObject *given, Node *node) {
         Node *at = (Node *)PyTuple_GET_ITEM(rec, 0);
         PyObject *offsets = PyTuple_GET_ITEM(rec, 2), *row = NULL, *pages = NULL;
         Py_ssize_t t, p;
-        err = mark(tree, (PyObject *)at, NULL) < 0 || (row = slot_row(at, tier, pool, &t, &p)) == NULL ||
-              (pages = take_pages(at, row, t, p, tier, pool, offsets, tree->owned, tree->protected)) == NULL ||
+        err = mark(tree, (PyObject *)at, NULL) < 0 || (row = radix_slot_row(at, tier, pool, &t, &p)) == NULL ||
+              (pages = radix_take_pages(at, row, t, p, tier, pool, offsets, tree->owned, tree->protected)) == NULL ||
               touched(tree, at, offsets) < 0;
         Py_XDECREF(pages);
     }
@@ -228,7 +228,7 @@ static Node *new_run(TreeState *tree, PyObject *path, PyObject *tokens, PyObject
     Py_ssize_t np = PyList_GET_SIZE(path);
     Node *parent;
     if (np) {
-        parent = as_node(PyList_GET_ITEM(path, np - 1));
+        parent = radix_as_node(PyList_GET_ITEM(path, np - 1));
     } else {
         PyObject *root_key = PyObject_GetAttr(keyer, S_root);
         parent = root_key ? root(tree, root_key) : NULL;
@@ -250,7 +250,7 @@ static Node *new_run(TreeState *tree, PyObject *path, PyObject *tokens, PyObject
 
 /* insert_free(path, tokens, keyer, todo, tier, allocators, hook, fill, hold, got): see
  * RadixTree.insert_free. */
-PyObject *insert_free(TreeState *tree, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *radix_insert_free(TreeState *tree, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(10, "insert_free");
     PyObject *path = args[0], *tokens = args[1], *keyer = args[2], *todo = args[3], *tier = args[4];
     PyObject *allocators = args[5], *hook = args[6], *fill = args[7], *hold = args[8], *got = args[9];
@@ -305,7 +305,7 @@ PyObject *insert_free(TreeState *tree, PyObject *const *args, Py_ssize_t nargs) 
             goto done;
     }
     PyObject *place_args[5] = {nodes, tier, placements, tree->owned, tree->protected};
-    given = place_runs(NULL, place_args, 5);
+    given = radix_place_runs(NULL, place_args, 5);
     if (given == NULL) {
         if (node != NULL) undo(tree, tier, NULL, node);
         goto done;

@@ -7,9 +7,9 @@
 #include "node.h"
 #include <structmember.h>
 
-PyObject *ABSENT_PAGE, *ZERO;
+PyObject *radix_absent_page, *radix_zero;
 
-int is_absent(PyObject *page) {
+int radix_is_absent(PyObject *page) {
     /* Only ints: a page of another type could run Python code that frees what the
      * caller holds borrowed (the tree never stores one; one planted by hand is refused). */
     if (!PyLong_CheckExact(page)) {
@@ -21,7 +21,7 @@ int is_absent(PyObject *page) {
     return !overflow && v == -1;
 }
 
-PyObject *untrack_leaf(PyObject *list) {
+PyObject *radix_untrack_leaf(PyObject *list) {
     if (list == NULL || !PyList_CheckExact(list) || !PyObject_GC_IsTracked(list)) return list;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++)
         if (PyObject_GC_IsTracked(PyList_GET_ITEM(list, i))) return list;
@@ -81,22 +81,22 @@ static PyObject *pair(PyObject *a, PyObject *b) {
     }
     PyList_SET_ITEM(list, 0, a);
     PyList_SET_ITEM(list, 1, b);
-    return untrack_leaf(list);
+    return radix_untrack_leaf(list);
 }
 
 static Py_ssize_t live; /* nodes allocated and not yet freed: live_nodes(), for tests */
 
-Node *node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long start) {
-    Node *node = PyObject_New(Node, &NodeType);
+Node *radix_node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long start) {
+    Node *node = PyObject_New(Node, &radix_NodeType);
     if (node == NULL) return NULL;
     live++;
-    node->keys = Py_NewRef(untrack_leaf(keys));
+    node->keys = Py_NewRef(radix_untrack_leaf(keys));
     node->tokens = Py_NewRef(tokens);
     node->parent = Py_NewRef(parent);
     node->children = PyDict_New();
     node->slots = pair(pair(Py_NewRef(Py_None), Py_NewRef(Py_None)),
                        pair(Py_NewRef(Py_None), Py_NewRef(Py_None))); /* [tier][pool] */
-    node->locks = pair(Py_NewRef(ZERO), Py_NewRef(ZERO));            /* per pool */
+    node->locks = pair(Py_NewRef(radix_zero), Py_NewRef(radix_zero));            /* per pool */
     node->start = start;
     node->end = parent == Py_None ? 0 : start + PyList_GET_SIZE(keys);
     node->last_access = node->hits = 0;
@@ -117,7 +117,7 @@ static PyObject *node_construct(PyTypeObject *type, PyObject *args, PyObject *kw
     if (check_field("keys", keys) < 0 || check_field("tokens", tokens) < 0 ||
         check_field("parent", parent) < 0)
         return NULL;
-    return (PyObject *)node_new(keys, tokens, parent, start);
+    return (PyObject *)radix_node_new(keys, tokens, parent, start);
 }
 
 /* Freeing a node frees its parent and its children dict (so its children) where it held
@@ -160,13 +160,13 @@ static void node_dealloc(Node *self) {
 
 static PyObject *live_nodes(PyObject *m, PyObject *unused) { return PyLong_FromSsize_t(live); }
 
-PyMethodDef node_functions[] = {
+PyMethodDef radix_node_functions[] = {
     {"live_nodes", live_nodes, METH_NOARGS, "live_nodes() -> TreeNodes made and not yet freed"},
     {NULL},
 };
 
 /* --- methods ----------------------------------------------------------------------------- */
-Py_ssize_t node_n(Node *node) {
+Py_ssize_t radix_node_n(Node *node) {
     if (node->keys == NULL) {
         PyErr_SetString(PyExc_AttributeError, "TreeNode was cleared");
         return -1;
@@ -174,7 +174,7 @@ Py_ssize_t node_n(Node *node) {
     return node->parent == Py_None ? 0 : PyList_GET_SIZE(node->keys);
 }
 
-PyObject *node_tier(Node *node, Py_ssize_t tier) {
+PyObject *radix_node_tier(Node *node, Py_ssize_t tier) {
     if (node->slots == NULL || tier < 0 || tier >= PyList_GET_SIZE(node->slots)) {
         PyErr_Format(PyExc_IndexError, "no tier %zd in a TreeNode's slots", tier);
         return NULL;
@@ -192,7 +192,7 @@ static PyObject *slot_at(Node *node, PyObject *tier, PyObject *pool) {
     Py_ssize_t t = PyNumber_AsSsize_t(tier, PyExc_IndexError);
     Py_ssize_t p = PyNumber_AsSsize_t(pool, PyExc_IndexError);
     if ((t == -1 || p == -1) && PyErr_Occurred()) return NULL;
-    PyObject *row = node_tier(node, t);
+    PyObject *row = radix_node_tier(node, t);
     if (row == NULL) return NULL;
     if (p < 0 || p >= PyList_GET_SIZE(row)) {
         PyErr_Format(PyExc_IndexError, "no pool %zd in a TreeNode's slots", p);
@@ -202,7 +202,7 @@ static PyObject *slot_at(Node *node, PyObject *tier, PyObject *pool) {
 }
 
 static PyObject *get_n(Node *self, void *c) {
-    Py_ssize_t n = node_n(self);
+    Py_ssize_t n = radix_node_n(self);
     return n < 0 ? NULL : PyLong_FromSsize_t(n);
 }
 
@@ -256,7 +256,7 @@ static int held_at(PyObject *pages, Py_ssize_t offset) {
     }
     PyObject *page = PySequence_GetItem(pages, offset);
     if (page == NULL) return -1;
-    int absent = is_absent(page);
+    int absent = radix_is_absent(page);
     Py_DECREF(page);
     return absent < 0 ? -1 : !absent;
 }
@@ -281,7 +281,7 @@ static PyObject *node_count(Node *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *pages = slot_at(self, args[0], args[1]);
     if (pages == NULL) return NULL;
     if (pages == Py_None) return PyLong_FromLong(0);
-    Py_ssize_t n = held(pages);
+    Py_ssize_t n = radix_held(pages);
     return n < 0 ? NULL : PyLong_FromSsize_t(n);
 }
 
@@ -293,7 +293,7 @@ static PyObject *node_repr(Node *self) {
     Py_XDECREF(hex);
     if (key == NULL) return NULL;
     PyObject *out = PyUnicode_FromFormat("TreeNode(start=%lld, n=%zd, key=%U, slots=%R, locks=%R)",
-                                         self->start, node_n(self), key, self->slots, self->locks);
+                                         self->start, radix_node_n(self), key, self->slots, self->locks);
     Py_DECREF(key);
     return out;
 }
@@ -327,7 +327,7 @@ static PyMethodDef node_methods[] = {
     {NULL},
 };
 
-PyTypeObject NodeType = {
+PyTypeObject radix_NodeType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvfabric.fabric.cache._radix.TreeNode",
     .tp_doc = "A run of whole pages in the radix tree (see fabric/cache/nodes.py).",

@@ -19,10 +19,10 @@ typedef struct {
     long long start, end, last_access, hits;
 } Node;
 
-extern PyTypeObject NodeType;
-extern PyMethodDef node_functions[]; /* live_nodes(): the module adds them beside TreeNode */
+extern PyTypeObject radix_NodeType;
+extern PyMethodDef radix_node_functions[]; /* live_nodes(): the module adds them beside TreeNode */
 
-#define IS_NODE(o) (Py_TYPE(o) == &NodeType)
+#define IS_NODE(o) (Py_TYPE(o) == &radix_NodeType)
 
 /* RadixTree's own fields (state.c): the native RadixTree derives from this type, so
  * insert.c keeps its counters, containers and logs in place. A NULL object field reads as
@@ -38,56 +38,56 @@ typedef struct {
     PyObject *dirty;        /* set[TreeNode] or None */
 } TreeState;
 
-extern PyTypeObject TreeStateType;
+extern PyTypeObject radix_TreeStateType;
 
 /* A new node as TreeNode(keys, tokens, parent, start) makes it (keys is kept, not copied). */
-Node *node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long start);
+Node *radix_node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long start);
 /* The run's page count (0 for a namespace root); -1 with an error set. */
-Py_ssize_t node_n(Node *node);
+Py_ssize_t radix_node_n(Node *node);
 /* slots[tier] as a list (borrowed), with a TypeError or IndexError when it is not one. */
-PyObject *node_tier(Node *node, Py_ssize_t tier);
+PyObject *radix_node_tier(Node *node, Py_ssize_t tier);
 /* 1 where the object is the ABSENT marker (-1), 0 where not, -1 on error. */
-int is_absent(PyObject *page);
+int radix_is_absent(PyObject *page);
 
-extern PyObject *ABSENT_PAGE, *ZERO; /* the ints -1 and 0 */
+extern PyObject *radix_absent_page, *radix_zero; /* the ints -1 and 0 */
 
 /* Takes a list whose items are all outside the collector (ints, bytes, None, nodes, or
  * lists taken out already) out of the collector's tracked set: it cannot be part of a
  * reference cycle. Lists, unlike dicts, stay tracked until told; with the node type
  * outside the collector too, a collection then walks nothing of the tree. Returns `list`. */
-PyObject *untrack_leaf(PyObject *list);
+PyObject *radix_untrack_leaf(PyObject *list);
 
 /* Shared by tree.c and slots.c. */
 #define ARGS(N, SIG)                                                                    \
     if (nargs != N) return PyErr_Format(PyExc_TypeError, SIG " takes %d arguments", N)
-Node *as_node(PyObject *o);                  /* a live native node, or NULL with an error */
-Py_ssize_t as_index(PyObject *o);            /* a tier or pool as an index */
-void fail_assert(PyObject *why);             /* AssertionError(why); steals `why` */
-int add(PyObject *grid, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta); /* grid[t][p] += */
-Py_ssize_t held(PyObject *pages);            /* pages not ABSENT, -1 on error */
-int count(Node *node, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta, PyObject *owned,
+Node *radix_as_node(PyObject *o);                  /* a live native node, or NULL with an error */
+Py_ssize_t radix_as_index(PyObject *o);            /* a tier or pool as an index */
+void radix_fail_assert(PyObject *why);             /* AssertionError(why); steals `why` */
+int radix_add(PyObject *grid, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta); /* grid[t][p] += */
+Py_ssize_t radix_held(PyObject *pages);            /* pages not ABSENT, -1 on error */
+int radix_count(Node *node, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta, PyObject *owned,
           PyObject *protected);              /* RadixTree._count */
-Py_ssize_t lock_of(Node *node, Py_ssize_t p); /* node.locks[p]: an int >= 0, or -1 with an error */
+Py_ssize_t radix_lock_of(Node *node, Py_ssize_t p); /* node.locks[p]: an int >= 0, or -1 with an error */
 /* slots.c's per-node page moves, shared with insert.c. */
-PyObject *slot_row(Node *node, PyObject *tier, PyObject *pool, Py_ssize_t *t, Py_ssize_t *p);
-PyObject *slot_row_at(Node *node, Py_ssize_t t, Py_ssize_t p);
-int all_ints(PyObject *seq, const char *what);
-int give_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *tier,
+PyObject *radix_slot_row(Node *node, PyObject *tier, PyObject *pool, Py_ssize_t *t, Py_ssize_t *p);
+PyObject *radix_slot_row_at(Node *node, Py_ssize_t t, Py_ssize_t p);
+int radix_all_ints(PyObject *seq, const char *what);
+int radix_give_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *tier,
                PyObject *pool, PyObject *offsets, PyObject *pages, PyObject *owned,
                PyObject *protected);
-PyObject *take_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *tier,
+PyObject *radix_take_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *tier,
                      PyObject *pool, PyObject *offsets, PyObject *owned, PyObject *protected);
-PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
-PyObject *place_runs(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
-PyObject *walk(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
-PyObject *walk_from(PyObject *roots, PyObject *root_key, PyObject *raw, Py_ssize_t step);
-PyObject *walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
-PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
-PyObject *attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
-PyObject *split(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *radix_missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *radix_place_runs(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *radix_walk(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *radix_walk_from(PyObject *roots, PyObject *root_key, PyObject *raw, Py_ssize_t step);
+PyObject *radix_walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *radix_touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *radix_attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *radix_split(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 /* attach()'s work: the new child of `parent`, in its children and in by_first_key. */
-Node *attach_node(Node *parent, PyObject *keys, PyObject *tokens, Py_ssize_t step,
+Node *radix_attach_node(Node *parent, PyObject *keys, PyObject *tokens, Py_ssize_t step,
                   PyObject *by_first_key, long long clock);
-PyObject *insert_free(TreeState *tree, PyObject *const *args, Py_ssize_t nargs);
+PyObject *radix_insert_free(TreeState *tree, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

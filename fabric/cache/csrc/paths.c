@@ -15,7 +15,7 @@ static long long *positions_alloc(Py_ssize_t n) {
  * set. Ints only: another type's __index__ would run Python code mid-primitive. */
 static long long *as_positions(PyObject *seq) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (all_ints(seq, "positions") < 0) return NULL;
+    if (radix_all_ints(seq, "positions") < 0) return NULL;
     long long *out = positions_alloc(n);
     if (out == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -43,7 +43,7 @@ static Py_ssize_t bisect_left(const long long *at, long long x, Py_ssize_t lo, P
 /* 1 where `pages` (a list) holds no ABSENT, 0 where it does, -1 on error. */
 static int whole(PyObject *pages) {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pages); i++) {
-        int a = is_absent(PyList_GET_ITEM(pages, i));
+        int a = radix_is_absent(PyList_GET_ITEM(pages, i));
         if (a) return a < 0 ? -1 : 0;
     }
     return 1;
@@ -81,7 +81,7 @@ static long long *positions_of(PyObject *obj, Py_ssize_t *n) {
 #define MAX_TIERS 8
 
 /* missing(path, positions, pool, tiers) -> positions with a page in `pool` on none of `tiers` */
-PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *radix_missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(4, "missing");
     Py_ssize_t npos = 0, count = 0, i = 0, ntiers = 0, pool = -1, tier[MAX_TIERS];
     PyObject *path = PySequence_Fast(args[0], "path must be a sequence");
@@ -96,9 +96,9 @@ PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         goto done;
     }
     /* Every argument an index before any node is read: no __index__ runs in the loop. */
-    pool = as_index(args[2]);
+    pool = radix_as_index(args[2]);
     for (Py_ssize_t x = 0; x < ntiers && !PyErr_Occurred(); x++)
-        tier[x] = as_index(PySequence_Fast_GET_ITEM(tiers, x));
+        tier[x] = radix_as_index(PySequence_Fast_GET_ITEM(tiers, x));
     if (PyErr_Occurred()) goto done;
     picked = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(npos ? npos : 1)); /* npos: checked */
     if (picked == NULL) {
@@ -106,7 +106,7 @@ PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         goto done;
     }
     for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(path); k++) {
-        Node *node = as_node(PySequence_Fast_GET_ITEM(path, k));
+        Node *node = radix_as_node(PySequence_Fast_GET_ITEM(path, k));
         if (node == NULL) goto done;
         Py_ssize_t j = bisect_left(at, node->end, i, npos);
         if (j > i) {
@@ -114,7 +114,7 @@ PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
                                            nothing below runs Python code that could free them */
             int all_none = 1, any_whole = 0;
             for (Py_ssize_t x = 0; x < ntiers; x++) {
-                PyObject *row = slot_row_at(node, tier[x], pool);
+                PyObject *row = radix_slot_row_at(node, tier[x], pool);
                 if (row == NULL) goto done;
                 slots[x] = PyList_GET_ITEM(row, pool);
                 all_none &= slots[x] == Py_None;
@@ -129,7 +129,7 @@ PyObject *missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
                 for (Py_ssize_t x = 0; x < ntiers && !has && !all_none; x++) {
                     if (slots[x] == Py_None) continue;
                     PyObject *page = PySequence_GetItem(slots[x], (Py_ssize_t)(at[y] - node->start));
-                    int a = page ? is_absent(page) : -1;
+                    int a = page ? radix_is_absent(page) : -1;
                     Py_XDECREF(page);
                     if (a < 0) goto done;
                     has = !a;
@@ -174,7 +174,7 @@ static int place_one(PyObject *nodes, PyObject *tier, PyObject *placement, PyObj
     at = pages ? as_positions(pos) : NULL;
     if (at == NULL) goto out;
     Py_ssize_t npos = PySequence_Fast_GET_SIZE(pos), i = 0;
-    Py_ssize_t t = as_index(tier), p = t == -1 && PyErr_Occurred() ? -1 : as_index(pool);
+    Py_ssize_t t = radix_as_index(tier), p = t == -1 && PyErr_Occurred() ? -1 : radix_as_index(pool);
     if (PyErr_Occurred()) goto out; /* indices first: no __index__ runs once nodes are read */
     if (PySequence_Fast_GET_SIZE(pages) != npos) {
         PyErr_Format(PyExc_ValueError, "%zd positions for %zd pages", npos, PySequence_Fast_GET_SIZE(pages));
@@ -186,8 +186,8 @@ static int place_one(PyObject *nodes, PyObject *tier, PyObject *placement, PyObj
             goto out;
         }
     for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(nodes); k++) {
-        Node *node = as_node(PySequence_Fast_GET_ITEM(nodes, k));
-        Py_ssize_t n = node ? node_n(node) : -1;
+        Node *node = radix_as_node(PySequence_Fast_GET_ITEM(nodes, k));
+        Py_ssize_t n = node ? radix_node_n(node) : -1;
         if (n < 0) goto out;
         Py_ssize_t j = bisect_left(at, node->end, i, npos);
         if (j == i) continue;
@@ -195,7 +195,7 @@ static int place_one(PyObject *nodes, PyObject *tier, PyObject *placement, PyObj
         for (Py_ssize_t y = i; offsets && y < j; y++) {
             long long off = at[y] - node->start;
             if (off < 0 || off >= n) {
-                fail_assert(Py_BuildValue("(OOL)", node, pool, off));
+                radix_fail_assert(Py_BuildValue("(OOL)", node, pool, off));
                 Py_CLEAR(offsets);
                 break;
             }
@@ -203,12 +203,12 @@ static int place_one(PyObject *nodes, PyObject *tier, PyObject *placement, PyObj
             if (o == NULL) Py_CLEAR(offsets);
             else PyList_SET_ITEM(offsets, y - i, o);
         }
-        PyObject *row = offsets ? slot_row_at(node, t, p) : NULL;
+        PyObject *row = offsets ? radix_slot_row_at(node, t, p) : NULL;
         chunk = row ? PySequence_GetSlice(pages, i, j) : NULL;
         /* recorded first: whatever fails after, the caller can undo what was given */
         record = chunk ? PyTuple_Pack(3, (PyObject *)node, pool, offsets) : NULL;
         int bad = record == NULL || PyList_Append(done, record) < 0;
-        if (!bad && give_pages(node, row, t, p, tier, pool, offsets, chunk, owned, protected) < 0) {
+        if (!bad && radix_give_pages(node, row, t, p, tier, pool, offsets, chunk, owned, protected) < 0) {
             PyList_SetSlice(done, PyList_GET_SIZE(done) - 1, PyList_GET_SIZE(done), NULL);
             bad = 1;
         }
@@ -219,7 +219,7 @@ static int place_one(PyObject *nodes, PyObject *tier, PyObject *placement, PyObj
         i = j;
     }
     if (i < npos) {
-        fail_assert(Py_BuildValue("(sO)", "positions past the nodes", PySequence_Fast_GET_ITEM(pos, i)));
+        radix_fail_assert(Py_BuildValue("(sO)", "positions past the nodes", PySequence_Fast_GET_ITEM(pos, i)));
         goto out;
     }
     err = 0;
@@ -234,7 +234,7 @@ out:
 /* place_runs(nodes, tier, placements, owned, protected) -> [(node, pool, offsets), ...]: each
  * (pool, positions, pages) of `placements` given to the nodes holding its positions; all or
  * nothing. */
-PyObject *place_runs(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *radix_place_runs(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(5, "place_runs");
     PyObject *nodes = PySequence_Fast(args[0], "nodes must be a sequence");
     PyObject *placements = nodes ? PySequence_Fast(args[2], "placements must be a sequence") : NULL;
@@ -249,8 +249,8 @@ PyObject *place_runs(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
             PyObject *rec = PyList_GET_ITEM(done, k);
             Node *node = (Node *)PyTuple_GET_ITEM(rec, 0);
             Py_ssize_t t, p;
-            PyObject *row = slot_row(node, args[1], PyTuple_GET_ITEM(rec, 1), &t, &p);
-            PyObject *undone = row ? take_pages(node, row, t, p, args[1], PyTuple_GET_ITEM(rec, 1),
+            PyObject *row = radix_slot_row(node, args[1], PyTuple_GET_ITEM(rec, 1), &t, &p);
+            PyObject *undone = row ? radix_take_pages(node, row, t, p, args[1], PyTuple_GET_ITEM(rec, 1),
                                                 PyTuple_GET_ITEM(rec, 2), args[3], args[4]) : NULL;
             if (undone == NULL) PyErr_Clear();
             Py_XDECREF(undone);

@@ -57,19 +57,19 @@ static PyMemberDef state_members[] = {
 /* RadixTree.walk(root_key, raw) on the tree's own roots and page size: one call. */
 static PyObject *state_walk(TreeState *self, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(2, "walk");
-    return walk_from(self->roots, args[0], args[1], self->page_bytes);
+    return radix_walk_from(self->roots, args[0], args[1], self->page_bytes);
 }
 
 static PyMethodDef state_methods[] = {
     {"walk", (PyCFunction)(void (*)(void))state_walk, METH_FASTCALL,
      "walk(root_key, raw) -> (path, pages matched): RadixTree.walk in one call"},
-    {"insert_free", (PyCFunction)(void (*)(void))insert_free, METH_FASTCALL,
+    {"insert_free", (PyCFunction)(void (*)(void))radix_insert_free, METH_FASTCALL,
      "insert_free(path, tokens, keyer, todo, tier, allocators, hook, fill, hold, got) -> "
      "None | (nodes, failed): RadixTree.insert_free in one call"},
     {NULL},
 };
 
-PyTypeObject TreeStateType = {
+PyTypeObject radix_TreeStateType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvfabric.fabric.cache._radix.TreeState",
     .tp_basicsize = sizeof(TreeState),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,

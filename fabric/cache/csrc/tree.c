@@ -4,7 +4,7 @@
 #include "node.h"
 #include <string.h>
 
-Node *as_node(PyObject *o) {
+Node *radix_as_node(PyObject *o) {
     if (!IS_NODE(o)) {
         PyErr_Format(PyExc_TypeError, "expected a native TreeNode, got %.80s", Py_TYPE(o)->tp_name);
         return NULL;
@@ -17,9 +17,9 @@ Node *as_node(PyObject *o) {
     return node;
 }
 
-Py_ssize_t as_index(PyObject *o) { return PyNumber_AsSsize_t(o, PyExc_IndexError); }
+Py_ssize_t radix_as_index(PyObject *o) { return PyNumber_AsSsize_t(o, PyExc_IndexError); }
 
-void fail_assert(PyObject *why) {
+void radix_fail_assert(PyObject *why) {
     PyObject *args = why ? PyTuple_Pack(1, why) : NULL;
     if (args) PyErr_SetObject(PyExc_AssertionError, args);
     Py_XDECREF(args);
@@ -34,7 +34,7 @@ static PyObject *cut(PyObject *bytes, Py_ssize_t lo, Py_ssize_t hi) {
 }
 
 /* grid[t][p] += delta, for the tree's [tier][pool] counters. */
-int add(PyObject *grid, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta) {
+int radix_add(PyObject *grid, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta) {
     /* t and p are checked: a negative one would wrap, as a Python index does */
     PyObject *row = PyList_Check(grid) && t >= 0 ? PySequence_GetItem(grid, t) : NULL;
     if (row == NULL || !PyList_Check(row) || p < 0 || p >= PyList_GET_SIZE(row)) {
@@ -51,21 +51,21 @@ int add(PyObject *grid, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta) {
 }
 
 /* How many pages of a page list are held (not ABSENT); -1 on error. */
-Py_ssize_t held(PyObject *pages) {
+Py_ssize_t radix_held(PyObject *pages) {
     if (!PyList_CheckExact(pages)) {
         PyErr_SetString(PyExc_TypeError, "page lists must be lists");
         return -1;
     }
     Py_ssize_t count = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pages); i++) { /* is_absent runs no Python */
-        int a = is_absent(PyList_GET_ITEM(pages, i));
+        int a = radix_is_absent(PyList_GET_ITEM(pages, i));
         if (a < 0) return -1;
         count += !a;
     }
     return count;
 }
 
-Py_ssize_t lock_of(Node *node, Py_ssize_t p) {
+Py_ssize_t radix_lock_of(Node *node, Py_ssize_t p) {
     if (p < 0 || p >= PyList_GET_SIZE(node->locks)) {
         PyErr_Format(PyExc_IndexError, "no pool %zd in a TreeNode's locks", p);
         return -1;
@@ -78,36 +78,36 @@ Py_ssize_t lock_of(Node *node, Py_ssize_t p) {
 }
 
 /* The owned/protected counters follow `delta` pages given to or taken from a node. */
-int count(Node *node, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta, PyObject *owned,
+int radix_count(Node *node, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta, PyObject *owned,
                  PyObject *protected) {
-    if (add(owned, t, p, delta) < 0) return -1;
-    Py_ssize_t locked = lock_of(node, p);
-    return locked < 0 ? -1 : locked ? add(protected, t, p, delta) : 0;
+    if (radix_add(owned, t, p, delta) < 0) return -1;
+    Py_ssize_t locked = radix_lock_of(node, p);
+    return locked < 0 ? -1 : locked ? radix_add(protected, t, p, delta) : 0;
 }
 
 /* walk(roots, root_key, raw, step) -> (path, pages matched) */
-PyObject *walk(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *radix_walk(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(4, "walk");
     Py_ssize_t step = PyLong_AsSsize_t(args[3]);
     if (step == -1 && PyErr_Occurred()) return NULL;
-    return walk_from(args[0], args[1], args[2], step);
+    return radix_walk_from(args[0], args[1], args[2], step);
 }
 
 /* walk's work, for the module function and the tree's own method (state.c). */
-PyObject *walk_from(PyObject *roots, PyObject *root_key, PyObject *raw, Py_ssize_t step) {
+PyObject *radix_walk_from(PyObject *roots, PyObject *root_key, PyObject *raw, Py_ssize_t step) {
     if (roots == NULL || !PyDict_Check(roots) || !PyBytes_Check(raw) || step <= 0)
         return PyErr_Format(PyExc_TypeError, "walk(dict, key, bytes, step > 0)");
     const char *buf = PyBytes_AS_STRING(raw);
     Py_ssize_t len = PyBytes_GET_SIZE(raw), end = len - len % step, off = 0, matched = -1;
     PyObject *path = PyList_New(0), *node = PyDict_GetItemWithError(roots, root_key);
     while (path && node && off < end) {
-        if (as_node(node) == NULL) goto fail;
+        if (radix_as_node(node) == NULL) goto fail;
         PyObject *first = PyBytes_FromStringAndSize(buf + off, step);
         if (first == NULL) goto fail;
         node = PyDict_GetItemWithError(((Node *)node)->children, first);
         Py_DECREF(first);
         if (node == NULL) break;
-        Node *n = as_node(node);
+        Node *n = radix_as_node(node);
         if (n == NULL || PyList_Append(path, node) < 0) goto fail;
         const char *tok = PyBytes_AS_STRING(n->tokens);
         Py_ssize_t tl = PyBytes_GET_SIZE(n->tokens);
@@ -131,7 +131,7 @@ fail:
 
 /* walk_keys(by_first_key, keys) -> (path, pages matched): node by node, each found by its
  * first page's key (the map holds no other) and its further keys compared in place. */
-PyObject *walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *radix_walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(2, "walk_keys");
     if (!PyDict_Check(args[0])) return PyErr_Format(PyExc_TypeError, "walk_keys(dict, keys)");
     PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
@@ -149,8 +149,8 @@ PyObject *walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     while (i < total) {
         PyObject *found = PyDict_GetItemWithError(args[0], PySequence_Fast_GET_ITEM(keys, i));
         if (found == NULL) break;
-        Node *node = as_node(found);
-        Py_ssize_t n = node ? node_n(node) : -1;
+        Node *node = radix_as_node(found);
+        Py_ssize_t n = node ? radix_node_n(node) : -1;
         if (n < 0) goto fail;
         if (tail == NULL && node->parent == Py_None) {
             PyErr_SetString(PyExc_AssertionError, "a namespace root has no parent");
@@ -184,7 +184,7 @@ fail:
 }
 
 /* touch(nodes, now, hit): each node's last access is `now`; a hit counts one. */
-PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *radix_touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(3, "touch");
     long long now = PyLong_AsLongLong(args[1]);
     int hit = PyObject_IsTrue(args[2]);
@@ -194,7 +194,7 @@ PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(nodes); i++) {
-        Node *node = as_node(PySequence_Fast_GET_ITEM(nodes, i));
+        Node *node = radix_as_node(PySequence_Fast_GET_ITEM(nodes, i));
         if (node == NULL) {
             Py_DECREF(nodes);
             return NULL;
@@ -206,14 +206,14 @@ PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
-Node *attach_node(Node *parent, PyObject *keys, PyObject *tokens, Py_ssize_t step,
+Node *radix_attach_node(Node *parent, PyObject *keys, PyObject *tokens, Py_ssize_t step,
                   PyObject *by_first_key, long long clock) {
     if (!PyList_Check(keys) || PyList_GET_SIZE(keys) == 0 || !PyBytes_Check(tokens) ||
         !PyDict_Check(by_first_key) || step <= 0) {
         PyErr_SetString(PyExc_TypeError, "attach(node, non-empty list, bytes, step > 0, dict, clock)");
         return NULL;
     }
-    Node *node = node_new(keys, tokens, (PyObject *)parent, parent->end);
+    Node *node = radix_node_new(keys, tokens, (PyObject *)parent, parent->end);
     if (node == NULL) return NULL;
     node->last_access = clock;
     PyObject *first = cut(tokens, 0, step);
@@ -225,17 +225,17 @@ Node *attach_node(Node *parent, PyObject *keys, PyObject *tokens, Py_ssize_t ste
 }
 
 /* attach(parent, keys, tokens, step, by_first_key, clock) -> the new child of `parent` */
-PyObject *attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *radix_attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(6, "attach");
-    Node *parent = as_node(args[0]);
+    Node *parent = radix_as_node(args[0]);
     Py_ssize_t step = PyLong_AsSsize_t(args[3]);
     long long clock = PyLong_AsLongLong(args[5]);
     if (parent == NULL || PyErr_Occurred()) return NULL;
-    return (PyObject *)attach_node(parent, args[1], args[2], step, args[4], clock);
+    return (PyObject *)radix_attach_node(parent, args[1], args[2], step, args[4], clock);
 }
 
 static PyObject *none_if_empty(PyObject *pages) {
-    Py_ssize_t n = pages ? held(pages) : -1;
+    Py_ssize_t n = pages ? radix_held(pages) : -1;
     if (n != 0) return n < 0 ? (Py_XDECREF(pages), NULL) : pages;
     Py_DECREF(pages);
     return Py_NewRef(Py_None);
@@ -245,11 +245,11 @@ static PyObject *none_if_empty(PyObject *pages) {
  * Python code and cannot stop halfway; -1 with an error where one is not. */
 static int check_slots(Node *node) {
     for (Py_ssize_t t = 0; t < PyList_GET_SIZE(node->slots); t++) {
-        PyObject *row = node_tier(node, t);
+        PyObject *row = radix_node_tier(node, t);
         if (row == NULL) return -1;
         for (Py_ssize_t p = 0; p < PyList_GET_SIZE(row); p++) {
             PyObject *pages = PyList_GET_ITEM(row, p);
-            if (pages != Py_None && held(pages) < 0) return -1;
+            if (pages != Py_None && radix_held(pages) < 0) return -1;
         }
     }
     return 0;
@@ -258,7 +258,7 @@ static int check_slots(Node *node) {
 /* Moves the first k pages of each of node's page lists to head's (check_slots first). */
 static int split_slots(Node *head, Node *node, Py_ssize_t k) {
     for (Py_ssize_t t = 0; t < PyList_GET_SIZE(head->slots) && t < PyList_GET_SIZE(node->slots); t++) {
-        PyObject *head_row = node_tier(head, t), *row = node_tier(node, t);
+        PyObject *head_row = radix_node_tier(head, t), *row = radix_node_tier(node, t);
         if (head_row == NULL || row == NULL) return -1;
         for (Py_ssize_t p = 0; p < PyList_GET_SIZE(row); p++) {
             PyObject *pages = PyList_GET_ITEM(row, p);
@@ -268,8 +268,8 @@ static int split_slots(Node *head, Node *node, Py_ssize_t k) {
                 return -1;
             }
             Py_INCREF(pages);
-            PyObject *front = none_if_empty(untrack_leaf(PySequence_GetSlice(pages, 0, k)));
-            PyObject *back = none_if_empty(untrack_leaf(PySequence_GetSlice(pages, k, PY_SSIZE_T_MAX)));
+            PyObject *front = none_if_empty(radix_untrack_leaf(PySequence_GetSlice(pages, 0, k)));
+            PyObject *back = none_if_empty(radix_untrack_leaf(PySequence_GetSlice(pages, k, PY_SSIZE_T_MAX)));
             Py_DECREF(pages);
             if (front == NULL || back == NULL || PySequence_SetItem(head_row, p, front) < 0 ||
                 PyList_SetItem(row, p, back) < 0) {
@@ -283,18 +283,18 @@ static int split_slots(Node *head, Node *node, Py_ssize_t k) {
 }
 
 /* split(node, k, step, by_first_key) -> the new head node holding node's first k pages */
-PyObject *split(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *radix_split(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     ARGS(4, "split");
-    Node *node = as_node(args[0]);
+    Node *node = radix_as_node(args[0]);
     if (!PyLong_CheckExact(args[1])) return PyErr_Format(PyExc_TypeError, "split needs an int count of pages");
     Py_ssize_t k = PyLong_AsSsize_t(args[1]), step = PyLong_AsSsize_t(args[2]);
     PyObject *by_first_key = args[3];
     if (node == NULL || PyErr_Occurred()) return NULL;
     if (!PyDict_Check(by_first_key) || step <= 0)
         return PyErr_Format(PyExc_TypeError, "split(node, k, step > 0, dict)");
-    Py_ssize_t n = node_n(node);
+    Py_ssize_t n = radix_node_n(node);
     if (!(0 < k && k < n)) {
-        fail_assert(Py_BuildValue("(On)", node, k));
+        radix_fail_assert(Py_BuildValue("(On)", node, k));
         return NULL;
     }
     if (check_slots(node) < 0) return NULL;
@@ -302,10 +302,10 @@ PyObject *split(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         return PyErr_Format(PyExc_TypeError, "keys must be bytes"); /* hashed below: no Python */
     PyObject *parent = node->parent, *tokens = node->tokens;
     PyObject *head_keys = PyList_GetSlice(node->keys, 0, k), *head_tokens = cut(tokens, 0, k * step);
-    Node *head = head_keys && head_tokens ? node_new(head_keys, head_tokens, parent, node->start) : NULL;
+    Node *head = head_keys && head_tokens ? radix_node_new(head_keys, head_tokens, parent, node->start) : NULL;
     Py_XDECREF(head_keys);
     Py_XDECREF(head_tokens);
-    PyObject *locks = head ? untrack_leaf(PySequence_List(node->locks)) : NULL;
+    PyObject *locks = head ? radix_untrack_leaf(PySequence_List(node->locks)) : NULL;
     if (locks == NULL) goto fail;
     Py_SETREF(head->locks, locks);
     head->last_access = node->last_access, head->hits = node->hits;
@@ -322,7 +322,7 @@ PyObject *split(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         Py_XDECREF(tail_tokens);
         goto fail;
     }
-    Py_SETREF(node->keys, untrack_leaf(tail_keys));
+    Py_SETREF(node->keys, radix_untrack_leaf(tail_keys));
     Py_SETREF(node->tokens, tail_tokens);
     node->start += k;
     Py_SETREF(node->parent, Py_NewRef((PyObject *)head));

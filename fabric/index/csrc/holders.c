@@ -18,7 +18,7 @@ static int find_pair(const Cell *c, Py_ssize_t slot) {
     return -1;
 }
 
-int cell_get(const Cell *c, Py_ssize_t slot) {
+int kvf_cell_get(const Cell *c, Py_ssize_t slot) {
     if (!cell_dense(c)) {
         int i = find_pair(c, slot);
         return i < 0 ? 0 : c->pairs.nib[i];
@@ -27,7 +27,7 @@ int cell_get(const Cell *c, Py_ssize_t slot) {
     return w < c->dense.words ? (int)(c->dense.bits[w] >> 4 * (slot % SLOTS_PER_WORD)) & 0xF : 0;
 }
 
-int cell_room(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words) {
+int kvf_cell_room(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words) {
     Py_ssize_t need = slot / SLOTS_PER_WORD + 1;
     if (cell_dense(c)) {
         if (need <= c->dense.words)
@@ -60,7 +60,7 @@ int cell_room(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words) {
     return 0;
 }
 
-void cell_set(Cell *c, Py_ssize_t slot, int code) {
+void kvf_cell_set(Cell *c, Py_ssize_t slot, int code) {
     if (cell_dense(c)) {                  /* cell_room made it wide enough */
         uint64_t *w = c->dense.bits + slot / SLOTS_PER_WORD;
         int shift = 4 * (int)(slot % SLOTS_PER_WORD);
@@ -76,7 +76,7 @@ void cell_set(Cell *c, Py_ssize_t slot, int code) {
     c->pairs.nib[i] = (uint8_t)code;
 }
 
-void cell_free(Cell *c, Py_ssize_t *dense_words) {
+void kvf_cell_free(Cell *c, Py_ssize_t *dense_words) {
     if (cell_dense(c)) {
         *dense_words -= c->dense.words;
         PyMem_Free(c->dense.bits);
@@ -84,7 +84,7 @@ void cell_free(Cell *c, Py_ssize_t *dense_words) {
     memset(c, 0, sizeof(*c));
 }
 
-Py_ssize_t cell_drop(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words) {
+Py_ssize_t kvf_cell_drop(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words) {
     if (!cell_dense(c)) {
         int i = find_pair(c, slot);
         if (i >= 0) {                     /* the last pair takes its place */
@@ -93,7 +93,7 @@ Py_ssize_t cell_drop(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words) {
         }
         return c->pairs.n;
     }
-    if (!cell_get(c, slot))
+    if (!kvf_cell_get(c, slot))
         return c->dense.holders;
     c->dense.bits[slot / SLOTS_PER_WORD] &= ~(0xFULL << 4 * (slot % SLOTS_PER_WORD));
     if (--c->dense.holders > SPARSE_BACK)
@@ -104,7 +104,7 @@ Py_ssize_t cell_drop(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words) {
         back.pairs.slot[back.pairs.n] = (uint16_t)h.slot;
         back.pairs.nib[back.pairs.n++] = (uint8_t)h.nib;
     }
-    cell_free(c, dense_words);
+    kvf_cell_free(c, dense_words);
     *c = back;
     return c->pairs.n;
 }

@@ -128,7 +128,7 @@ static Py_ssize_t candidates(Presence *p, Py_ssize_t n) {
 static void local_row(const Presence *p, const Cell *c, Py_ssize_t nl, uint64_t *row) {
     if (cell_dense(c) && nl < (Py_ssize_t)c->dense.holders) {  /* fewer candidates: ask each */
         for (Py_ssize_t l = 0; l < nl; l++)
-            row[l / SLOTS_PER_WORD] |= (uint64_t)cell_get(c, p->order[l]) << 4 * (l % SLOTS_PER_WORD);
+            row[l / SLOTS_PER_WORD] |= (uint64_t)kvf_cell_get(c, p->order[l]) << 4 * (l % SLOTS_PER_WORD);
         return;
     }
     for (Holders h = holders_of(c); holders_next(&h);) {

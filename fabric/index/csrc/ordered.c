@@ -49,7 +49,7 @@ static int grow(Ordered *o, Py_ssize_t cap, size_t size, const Column *cols, int
     return 0;
 }
 
-int ord_reserve(Ordered *o, Py_ssize_t extra, const Column *cols, int ncols) {
+int kvf_ord_reserve(Ordered *o, Py_ssize_t extra, const Column *cols, int ncols) {
     if (o->used + extra <= o->cap)
         return 0;
     Py_ssize_t need = o->live + extra, cap = o->cap;
@@ -96,7 +96,7 @@ int ord_reserve(Ordered *o, Py_ssize_t extra, const Column *cols, int ncols) {
     return 0;
 }
 
-Py_ssize_t ord_add(Ordered *o, size_t pos, const uint8_t *key) {
+Py_ssize_t kvf_ord_add(Ordered *o, size_t pos, const uint8_t *key) {
     Py_ssize_t e = o->used++;
     o->live++;
     o->index[pos] = (int32_t)e;
@@ -105,13 +105,13 @@ Py_ssize_t ord_add(Ordered *o, size_t pos, const uint8_t *key) {
     return e;
 }
 
-void ord_remove(Ordered *o, size_t pos) {
+void kvf_ord_remove(Ordered *o, size_t pos) {
     o->dead[o->index[pos]] = 1;
     o->index[pos] = -2;
     o->live--;
 }
 
-void ord_free(Ordered *o, const Column *cols, int ncols) {
+void kvf_ord_free(Ordered *o, const Column *cols, int ncols) {
     PyMem_Free(o->keys), PyMem_Free(o->dead), PyMem_Free(o->index);
     for (int c = 0; c < ncols; c++) {
         PyMem_Free(*cols[c].data);

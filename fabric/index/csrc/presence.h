@@ -78,12 +78,12 @@ static inline void ord_prefetch(const Ordered *o, const uint8_t *key) {
         __builtin_prefetch(o->index + (ord_hash(key) & o->mask));
 }
 /* Room for `extra` more entries (each column too); nothing changes if memory runs out. */
-int ord_reserve(Ordered *o, Py_ssize_t extra, const Column *cols, int ncols);
+int kvf_ord_reserve(Ordered *o, Py_ssize_t extra, const Column *cols, int ncols);
 /* A new entry for `key` at index position `pos` (from ord_find; room reserved). */
-Py_ssize_t ord_add(Ordered *o, size_t pos, const uint8_t *key);
+Py_ssize_t kvf_ord_add(Ordered *o, size_t pos, const uint8_t *key);
 /* The entry at index position `pos` is deleted. */
-void ord_remove(Ordered *o, size_t pos);
-void ord_free(Ordered *o, const Column *cols, int ncols);
+void kvf_ord_remove(Ordered *o, size_t pos);
+void kvf_ord_free(Ordered *o, const Column *cols, int ncols);
 
 /* What one slot holds: per key, the mask it last published; the parent and depth are the
  * key's record in Presence.held, or the slot's own where that changed since (records.c). */
@@ -155,16 +155,16 @@ static inline int holders_next(Holders *h) {
 }
 
 /* holders.c: the slot's nibble (0: not a holder). */
-int cell_get(const Cell *c, Py_ssize_t slot);
+int kvf_cell_get(const Cell *c, Py_ssize_t slot);
 /* Room to give `slot` a nibble without allocating (dense, or wider, if need be); -1 with
  * MemoryError, the cell's holders unchanged. */
-int cell_room(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words);
+int kvf_cell_room(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words);
 /* The slot's nibble is `code` (nonzero): room made by cell_room first. */
-void cell_set(Cell *c, Py_ssize_t slot, int code);
+void kvf_cell_set(Cell *c, Py_ssize_t slot, int code);
 /* The slot holds the key no more; the holders left. Never allocates. */
-Py_ssize_t cell_drop(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words);
+Py_ssize_t kvf_cell_drop(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words);
 /* The heap bits of a dense cell back (the cell is empty after). */
-void cell_free(Cell *c, Py_ssize_t *dense_words);
+void kvf_cell_free(Cell *c, Py_ssize_t *dense_words);
 
 /* Where a chain's apply found a key in Presence.held: its entry (-1: none), and its
  * index position (where it would go, if none). */

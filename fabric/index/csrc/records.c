@@ -22,32 +22,32 @@ static int code_of(int mask) {
 static int reserve_held(Presence *p, Py_ssize_t extra) {
     Column cols[] = {{(void **)&p->cells, sizeof(Cell)}, {(void **)&p->parents, KEY_BYTES},
                      {(void **)&p->depths, 8}};
-    return ord_reserve(&p->held, extra, cols, 3);
+    return kvf_ord_reserve(&p->held, extra, cols, 3);
 }
 
 static int reserve_pages(Pages *s, Py_ssize_t extra) {
     Column cols[] = {{(void **)&s->masks, 1}};
-    return ord_reserve(&s->set, extra, cols, 1);
+    return kvf_ord_reserve(&s->set, extra, cols, 1);
 }
 
 static int reserve_own(Pages *s, Py_ssize_t extra) {
     Column cols[] = {{(void **)&s->parents, KEY_BYTES}, {(void **)&s->depths, 8}};
-    return ord_reserve(&s->own, extra, cols, 2);
+    return kvf_ord_reserve(&s->own, extra, cols, 2);
 }
 
 void kvf_free_pages(Pages *s) {
     Column cols[] = {{(void **)&s->masks, 1}}, own[] = {{(void **)&s->parents, KEY_BYTES},
                                                           {(void **)&s->depths, 8}};
-    ord_free(&s->set, cols, 1);
-    ord_free(&s->own, own, 2);
+    kvf_ord_free(&s->set, cols, 1);
+    kvf_ord_free(&s->own, own, 2);
 }
 
 /* The slot's nibble of `key` cleared; the key is deleted when no slot holds it. */
 static void drop_holder(Presence *p, const uint8_t *key, Py_ssize_t slot) {
     size_t pos;
     Py_ssize_t e = ord_find(&p->held, key, &pos);
-    if (e >= 0 && cell_drop(&p->cells[e], slot, &p->dense_words) == 0)
-        ord_remove(&p->held, pos);      /* an empty cell is inline: nothing to free */
+    if (e >= 0 && kvf_cell_drop(&p->cells[e], slot, &p->dense_words) == 0)
+        kvf_ord_remove(&p->held, pos);      /* an empty cell is inline: nothing to free */
 }
 
 /* The page of `key` leaves the slot (its own record too). */
@@ -57,8 +57,8 @@ static void drop_page(Pages *s, const uint8_t *key) {
     if (f < 0)
         return;
     if (s->masks[f] & OWN && ord_find(&s->own, key, &at) >= 0)
-        ord_remove(&s->own, at);
-    ord_remove(&s->set, pos);
+        kvf_ord_remove(&s->own, at);
+    kvf_ord_remove(&s->set, pos);
 }
 
 static int differs(const Presence *p, Py_ssize_t e, const uint8_t *parent, uint64_t depth) {
@@ -76,7 +76,7 @@ static void keep_old_record(Presence *p, Py_ssize_t e, Py_ssize_t slot, const ui
             continue;
         Py_ssize_t g = ord_find(&o->own, key, &pos);
         if (g < 0)
-            g = ord_add(&o->own, pos, key);           /* reserved by reserve_others */
+            g = kvf_ord_add(&o->own, pos, key);           /* reserved by reserve_others */
         memcpy(o->parents + g * KEY_BYTES, p->parents + e * KEY_BYTES, KEY_BYTES);
         o->depths[g] = p->depths[e];
         o->masks[f] |= OWN;
@@ -104,7 +104,7 @@ static int find_places(Presence *p, Py_ssize_t slot, PyObject *const *keys, Py_s
         Py_ssize_t e = at->entry;
         if (e < 0)
             continue;
-        if (cell_room(&p->cells[e], slot, &p->dense_words) < 0)
+        if (kvf_cell_room(&p->cells[e], slot, &p->dense_words) < 0)
             rc = -1;
         const uint8_t *par = i ? (const uint8_t *)PyBytes_AS_STRING(keys[i - 1]) : parent;
         if (rc < 0 || !differs(p, e, par, first_depth + (uint64_t)i))
@@ -134,7 +134,7 @@ static Py_ssize_t entry_at(Presence *p, const Place *at, const uint8_t *key, int
     if (p->held.index[pos] >= 0 && (e = ord_find(&p->held, key, &pos)) >= 0)
         return e;
     *added = 1;
-    return ord_add(&p->held, pos, key);
+    return kvf_ord_add(&p->held, pos, key);
 }
 
 int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n,
@@ -165,17 +165,17 @@ int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys,
             memset(&p->cells[e], 0, sizeof(Cell));  /* no holders: inline, room for one */
         else if (differs(p, e, par, depth))
             keep_old_record(p, e, slot, key);
-        cell_set(&p->cells[e], slot, code);
+        kvf_cell_set(&p->cells[e], slot, code);
         memcpy(p->parents + e * KEY_BYTES, par, KEY_BYTES);
         p->depths[e] = depth;
         size_t pos = 0;
         Py_ssize_t f = ord_find(&s->set, key, &pos);
         if (f < 0) {
-            f = ord_add(&s->set, pos, key);
+            f = kvf_ord_add(&s->set, pos, key);
         } else if (s->masks[f] & OWN) {              /* it states the key's record now */
             size_t at;
             if (ord_find(&s->own, key, &at) >= 0)
-                ord_remove(&s->own, at);
+                kvf_ord_remove(&s->own, at);
         }
         s->masks[f] = (uint8_t)mask;
     }
@@ -230,8 +230,8 @@ PyObject *kvf_meta(Presence *p, const uint8_t *key) {
 void kvf_free_held(Presence *p) {
     for (Py_ssize_t e = 0; e < p->held.used; e++)   /* dead entries' cells are empty */
         if (!p->held.dead[e])
-            cell_free(&p->cells[e], &p->dense_words);
+            kvf_cell_free(&p->cells[e], &p->dense_words);
     Column cols[] = {{(void **)&p->cells, sizeof(Cell)}, {(void **)&p->parents, KEY_BYTES},
                      {(void **)&p->depths, 8}};
-    ord_free(&p->held, cols, 3);
+    kvf_ord_free(&p->held, cols, 3);
 }
