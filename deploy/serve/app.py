@@ -14,7 +14,6 @@ from typing import Annotated, Any, Self
 import ray
 from kvfabric.actors import NodeConfig
 from kvfabric.actors.fabric import FabricMismatch, ensure
-from kvfabric.deploy.chaos.faults import NodeChaos
 from kvfabric.deploy.reference.model import ModelConfig
 from kvfabric.fabric import PoolCapacity, PoolName, TierConfig, WritePolicy
 from kvfabric.fabric.index.routes import MAX_SHARDS
@@ -80,12 +79,12 @@ class AppArgs(Args):
         caps = {PoolName.FULL: PoolCapacity(self.device_pages, self.host_pages)}
         if PoolName.SWA in layout.pools:
             caps[PoolName.SWA] = PoolCapacity(max(1, self.device_pages // 4), self.host_pages // 4)
-        return NodeConfig(
-            layout,
-            caps,
-            tier=TierConfig(policy=WritePolicy.WRITE_BACK),
-            hooks=NodeChaos if self.chaos else None,
-        )
+        hooks = None
+        if self.chaos:  # chaos runs only: production never imports the injectors
+            from kvfabric.deploy.chaos.faults import NodeChaos
+
+            hooks = NodeChaos
+        return NodeConfig(layout, caps, tier=TierConfig(policy=WritePolicy.WRITE_BACK), hooks=hooks)
 
 
 def ensure_fabric(args: AppArgs, timeout_s: float = 180.0) -> bool:

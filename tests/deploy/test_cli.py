@@ -247,3 +247,23 @@ def test_the_readme_documents_every_setting_users_give():
         assert f.name in rows, f"README Configuration lacks {f.name}"
         shown = rows[f.name].strip().strip('"')
         assert shown.lower() == str(f.default).lower() or (shown == "" and f.default == ""), f.name
+
+
+def test_the_production_apps_import_nothing_of_the_chaos_harness():
+    """The Serve apps and the connector load without kvfabric.deploy.chaos: only a run
+    that asks for chaos (`chaos=True`, a `chaos_file`) imports the injectors."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import kvfabric.deploy.serve.app, kvfabric.deploy.vllm.serve_llm\n"
+        "import kvfabric.deploy.vllm.connector\n"
+        "from kvfabric.deploy.serve.app import AppArgs\n"
+        "assert AppArgs().node_config().hooks is None\n"
+        "assert not [m for m in sys.modules if m.startswith('kvfabric.deploy.chaos')]\n"
+        "assert AppArgs(chaos=True).node_config().hooks is not None\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "ok", out.stderr[-3000:]
