@@ -11,8 +11,8 @@ one run, each figure against its limit:
             the fabric after vLLM's prefix cache was reset (loaded from the node's pools);
             `ttft_ratio_vs_device_hit` = fabric hit / device hit.
   worker    the worker's copies of those hits (staging -> vLLM's blocks) and of the save
-            (blocks -> staging), against one copy of the same bytes between two tensors of
-            this process (memcpy, same run): `worker_load_ratio_vs_memcpy`,
+            (blocks -> staging; one background thread), against one thread's memcpy of the
+            same bytes in this process (same run): `worker_load_ratio_vs_memcpy`,
             `worker_save_ratio_vs_memcpy`.
   node      the node actor's copies for the same prompt (its load into staging, its save
             from staging), by the code the actor runs (benchmarks/staging_bench.py, in this
@@ -40,6 +40,7 @@ Run: .venv/bin/kvfabric bench connector [--tokens N] [--json]
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -52,6 +53,8 @@ import time
 import uuid
 from dataclasses import replace
 from typing import Any, Callable
+
+import numpy as np
 
 BLOCK = 32
 ENGINE_KV_BYTES = 320 << 20
@@ -156,12 +159,15 @@ class CopyClock:
 
 
 def memcpy_s(nbytes: int, repeat: int = 7) -> float:
-    import torch
-
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty(nbytes, dtype=torch.uint8)
-    dst.copy_(src)  # page faults out of the timing
-    return median_s(lambda: dst.copy_(src), repeat)
+    """One thread's memcpy of `nbytes` between two buffers of this process: the copies
+    run in one thread beside the engine's forward (a torch copy_ here would use every
+    core the engine binds, 2-5x faster on this host, and a copy thread doing that would
+    take them from the forward)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    to, frm = dst.ctypes.data, src.ctypes.data
+    ctypes.memmove(to, frm, nbytes)  # page faults out of the timing
+    return median_s(lambda: ctypes.memmove(to, frm, nbytes), repeat)
 
 
 def with_connector(args: argparse.Namespace) -> dict:

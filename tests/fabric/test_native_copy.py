@@ -154,3 +154,21 @@ def test_the_kernel_refuses_what_it_cannot_copy_safely():
         COPY.copy_rows(src, rows, read_only, rows)
     with pytest.raises(TypeError):
         COPY.copy_rows(src, rows, dst)
+
+
+@pytest.mark.parametrize("offset", [0, 1])  # 1: runs not 16-byte aligned, stored as usual
+def test_a_large_copy_streams_its_stores_and_copies_the_same_bytes(offset):
+    """Past 4 MiB the kernel stores past the caches; the bytes are the reference's, with
+    runs aligned or not."""
+    g = torch.Generator().manual_seed(7)
+    src = torch.randint(-(2**31), 2**31 - 1, (96, 2, 16, 2, 1024 + offset), generator=g)
+    src = src.to(torch.int32)[..., offset:]  # 96 rows of 256 KiB: 24 MiB
+    rows = list(range(95, -1, -2)) + list(range(0, 96, 2))
+    slots = list(range(96))
+    got = []
+    for native in (True, False):
+        dst = torch.zeros(100, 16, 2, 2, 1024 + offset, dtype=torch.int32)[..., offset:]
+        copy_rows(src, rows, dst, slots, lambda t: t.permute(0, 2, 1, 3, 4), native=native)
+        got.append(dst)
+    assert torch.equal(got[0], got[1])
+    assert torch.equal(got[0][3], src[rows[3]].permute(1, 0, 2, 3))

