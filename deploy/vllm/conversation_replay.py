@@ -5,11 +5,17 @@ Each conversation's turns go in order (a user's next turn follows the answer), s
 conversations at once. The text of a trace block depends only on its hash id, so turns
 of one conversation share their earlier blocks' text, and the byte-level tokenizer of
 the demo's model makes one token of each character.
+
+With `arrivals`, each conversation's first turn is sent at its own time after the pass
+starts, whatever is in flight (open loop: the load mode's single-turn requests).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
+import queue
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,6 +37,20 @@ def conversation_texts(
     return [[_text(r, chars_per_block)[:max_chars] for r in turns] for turns in convs]
 
 
+def single_turn_texts(
+    requests: Sequence[TraceRequest], chars_per_block: int, max_chars: int
+) -> list[str]:
+    """Each request's blocks' text with a first block of its own (a hash id no request
+    of `requests` has), so no prompt shares a prefix with another: all misses."""
+    fresh = 1 + max((h for r in requests for h in r.hash_ids), default=0)
+    return [
+        _text(dataclasses.replace(r, hash_ids=(fresh + i,) + r.hash_ids[1:]), chars_per_block)[
+            :max_chars
+        ]
+        for i, r in enumerate(requests)
+    ]
+
+
 def _text(r: TraceRequest, chars_per_block: int) -> str:
     ids = request_tokens(r, chars_per_block, vocab_size=len(ALPHABET))
     return "".join(ALPHABET[i] for i in ids)
@@ -45,6 +65,23 @@ class Turn:
     ttft_ms: float = 0.0
     token_ids: list[int] = field(default_factory=list)
     error: str = ""
+    # time.perf_counter() when the request was sent, its last token came, its stream ended
+    sent_at: float = 0.0
+    last_token_at: float = 0.0
+    done_at: float = 0.0
+
+    @property
+    def e2e_ms(self) -> float:
+        return (self.done_at - self.sent_at) * 1000
+
+    @property
+    def tpot_ms(self) -> float:
+        """Time per output token after the first, from the stream's chunk times; NaN
+        with one token."""
+        if len(self.token_ids) < 2:
+            return math.nan
+        decode_ms = (self.last_token_at - self.sent_at) * 1000 - self.ttft_ms
+        return decode_ms / (len(self.token_ids) - 1)
 
 
 @dataclass
@@ -52,6 +89,7 @@ class PassResult:
     name: str
     turns: list[Turn]
     wall_s: float
+    send_lag_ms: float = 0.0  # open loop: the most a request was sent after its arrival time
 
     @property
     def done(self) -> list[Turn]:
@@ -96,7 +134,7 @@ class StreamingClient:
         extra: dict = {"return_token_ids": True, "ignore_eos": True}
         if salt is not None:
             extra["cache_salt"] = salt
-        start = time.perf_counter()
+        start = into.sent_at = time.perf_counter()
         stream = self.client.completions.create(
             model=self.model,
             prompt=prompt,
@@ -110,13 +148,16 @@ class StreamingClient:
             for chunk in stream:
                 for choice in chunk.choices:
                     ids = getattr(choice, "token_ids", None) or []  # vLLM's field
-                    if (ids or choice.text) and not into.ttft_ms:
-                        into.ttft_ms = (time.perf_counter() - start) * 1000
+                    if ids or choice.text:
+                        into.last_token_at = time.perf_counter()
+                        if not into.ttft_ms:
+                            into.ttft_ms = (into.last_token_at - start) * 1000
                     into.token_ids += ids
                 if chunk.usage is not None:
                     into.prompt_tokens = chunk.usage.prompt_tokens
                     details = chunk.usage.prompt_tokens_details
                     into.cached_tokens = (details.cached_tokens if details else 0) or 0
+        into.done_at = time.perf_counter()
         if not into.token_ids or not into.prompt_tokens:
             raise ValueError("the stream ended without tokens or usage")
 
@@ -133,20 +174,33 @@ def replay_conversations(
     concurrency: int,
     uncached: bool = False,
     progress: bool = True,
+    arrivals: Sequence[float] | None = None,
 ) -> PassResult:
     """Every conversation's turns in order, `concurrency` conversations at a time.
-    `uncached`: each request gets a cache_salt of its own, so nothing cached can match."""
+    `uncached`: each request gets a cache_salt of its own, so nothing cached can match.
+    `arrivals`: each conversation's first turn waits until that many seconds after the
+    pass starts (open loop while `concurrency` senders are free; the lag is reported)."""
     turns = [Turn(c, k) for c, conv in enumerate(texts) for k in range(len(conv))]
     by_conv: dict[int, list[Turn]] = {}
     for t in turns:
         by_conv.setdefault(t.conversation, []).append(t)
     bar = Progress(len(turns), f"{name:<10} ", show=progress)
+    lags = [0.0] * len(texts)
+    # One client (connection) a sender, made before the clock starts: making tens of
+    # them at once takes a second, which would make the first arrivals late.
+    clients: queue.SimpleQueue[StreamingClient] = queue.SimpleQueue()
+    for _ in range(max(1, concurrency)):  # each_in_threads' threads
+        clients.put(StreamingClient(endpoint, model))
 
     @contextlib.contextmanager
     def worker() -> Iterator[Callable[[int], None]]:
-        client = StreamingClient(endpoint, model)
+        client = clients.get_nowait()
 
         def serve(c: int) -> None:
+            if arrivals is not None:
+                due = start + arrivals[c]
+                time.sleep(max(0.0, due - time.perf_counter()))
+                lags[c] = max(0.0, time.perf_counter() - due) * 1000
             for t in by_conv[c]:
                 salt = f"nocache-{uuid.uuid4().hex}" if uncached else None
                 try:
@@ -160,7 +214,7 @@ def replay_conversations(
         finally:
             client.close()
 
-    start = time.monotonic()
+    start = time.perf_counter()
     each_in_threads(len(texts), concurrency, worker)
     bar.end()
-    return PassResult(name, turns, time.monotonic() - start)
+    return PassResult(name, turns, time.perf_counter() - start, max(lags, default=0.0))
