@@ -28,7 +28,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
+
+if TYPE_CHECKING:
+    from .conversation_replay import PassResult
+
+T = TypeVar("T")
 
 BASELINE = "ray.serve.llm PrefixCacheAffinityRouter"
 CPUS_PER_NODE = 3  # an engine's bundle takes 2: one engine per node; the fabric's actors fit beside
@@ -62,7 +67,6 @@ def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False, tp: int = 1):
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvfabric.deploy.cli.cluster import connect, local_cluster
     from kvfabric.deploy.cli.http_replay import conversations
     from kvfabric.deploy.sim.trace import TraceError, load_trace
 
@@ -73,13 +77,53 @@ def main(args: argparse.Namespace) -> int:
     except (TraceError, OSError) as e:
         print(f"kvfabric demo: {e}", file=sys.stderr)
         return 2
+    if args.rate is not None:
+        from .load_demo import main as load_demo
+
+        return load_demo(args, trace)
     convs, n = [], 0
     for turns in conversations(trace):
         if n >= args.requests:
             break
         convs.append(turns[: args.requests - n])
         n += len(convs[-1])
-    texts = conversation_texts(convs, args.tokens_per_block, 2048 - args.max_tokens - 1)
+    texts = conversation_texts(convs, args.tokens_per_block, max_prompt_chars(args))
+
+    def run(app) -> tuple[dict, dict]:
+        print(
+            f"{len(texts)} conversations, {n} requests ({sum(map(len, sum(texts, [])))} prompt "
+            f"tokens), {args.concurrency} conversations at a time, {engines(app, args)}",
+            file=sys.stderr,
+        )
+        return run_passes(app, texts, args)
+
+    (passes, fabric_counts), nodes = on_cluster(args, run)
+    report = Report.of(passes, fabric_counts, nodes, args.tp)
+    plot = _plot(passes, report, args.plot)
+    report.print(plot)
+    if args.json:
+        print(json.dumps(report.as_json()))
+    return 1 if report.output_mismatches or report.failed_requests else 0
+
+
+def max_prompt_chars(args: argparse.Namespace) -> int:
+    """The longest prompt (in characters: tokens) that leaves room for the answer."""
+    return 2048 - args.max_tokens - 1
+
+
+def engines(app, args: argparse.Namespace) -> str:
+    return (
+        f"on {app.replicas} nodes with one vLLM engine each (own KV cache "
+        f"{args.kv_cache_mib} MiB, on {app.device()}, tensor parallel {app.tensor_parallel_size})"
+    )
+
+
+def on_cluster(args: argparse.Namespace, run: Callable[[Any], T]) -> tuple[T, int]:
+    """`run(app)` on the demo's cluster (embedded, or `--address`'s) with the demo's app
+    for its nodes; returns its result and the node count. The embedded cluster's Serve
+    apps are shut down after."""
+    from kvfabric.deploy.cli.cluster import connect, local_cluster
+
     if args.address:
         connect(args.address)
     cm = (
@@ -97,43 +141,20 @@ def main(args: argparse.Namespace) -> int:
         print(f"Ray, Serve and vLLM logs: {log}", file=sys.stderr)
         nodes = sum(1 for node in ray.nodes() if node["Alive"])
         app = app_args(nodes, args.kv_cache_mib << 20, args.gpu, args.tp)
-        print(
-            f"{len(texts)} conversations, {n} requests ({sum(map(len, sum(texts, [])))} prompt "
-            "tokens), "
-            f"{args.concurrency} conversations at a time, on {nodes} nodes with one vLLM engine "
-            "each "
-            f"(own KV cache {args.kv_cache_mib} MiB, on {app.device()}, "
-            f"tensor parallel {app.tensor_parallel_size})",
-            file=sys.stderr,
-        )
         try:
-            passes, fabric_counts = run_passes(app, texts, args)
+            return run(app), nodes
         finally:
             if not args.address:
                 from ray import serve
 
                 serve.shutdown()
-    report = Report.of(passes, fabric_counts, nodes, args.tp)
-    plot = _plot(passes, report, args.plot)
-    report.print(plot)
-    if args.json:
-        print(json.dumps(report.as_json()))
-    return 1 if report.output_mismatches or report.failed_requests else 0
 
 
-def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[dict, dict]:
-    from kvfabric.deploy.cli.cluster import APP_NAME, free_port, serve_app, up
-    from ray import serve
+def start_baseline(app, port: int):
+    """The stock Ray Serve LLM app on `app`'s engines, warmed up; returns its endpoint."""
+    from kvfabric.deploy.cli.cluster import serve_app
 
-    from .conversation_replay import replay_conversations
     from .serve_llm import build_baseline_app
-
-    port = free_port()
-
-    def go(name: str, endpoint, **kw):
-        return replay_conversations(
-            name, endpoint, app.model_id, texts, args.max_tokens, args.concurrency, **kw
-        )
 
     print(
         f"starting the stock Ray Serve LLM app ({BASELINE}, vLLM's own prefix cache) ...",
@@ -143,10 +164,16 @@ def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[d
     endpoint = serve_app(build_baseline_app(app), "/v1/models", port=port, wait_s=600.0)
     print(f"  up in {time.monotonic() - started:.0f} s", file=sys.stderr)
     warm_up(endpoint, app)
-    passes = {"caching off": go("nocache", endpoint, uncached=True)}
-    passes["baseline"] = go("baseline", endpoint)
-    serve.delete(APP_NAME)
+    return endpoint
 
+
+def start_fabric(app, port: int):
+    """The fabric and its Ray Serve LLM app on `app`'s engines (the stock app deleted
+    first), warmed up; returns its endpoint and the warm-up requests sent."""
+    from kvfabric.deploy.cli.cluster import APP_NAME, up
+    from ray import serve
+
+    serve.delete(APP_NAME)
     print(
         "starting the fabric and its Ray Serve LLM app (FabricConnector, FabricLLMRouter) ...",
         file=sys.stderr,
@@ -154,11 +181,36 @@ def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[d
     started = time.monotonic()
     endpoint = up(app.as_dict(), port=port, engine="vllm", wait_s=600.0)
     print(f"  up in {time.monotonic() - started:.0f} s", file=sys.stderr)
-    warmups = warm_up(endpoint, app)
+    return endpoint, warm_up(endpoint, app)
+
+
+def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[dict, dict]:
+    from kvfabric.deploy.cli.cluster import free_port
+
+    from .conversation_replay import replay_conversations
+
+    port = free_port()
+
+    def go(name: str, endpoint, **kw):
+        return replay_conversations(
+            name, endpoint, app.model_id, texts, args.max_tokens, args.concurrency, **kw
+        )
+
+    endpoint = start_baseline(app, port)
+    passes = {"caching off": go("nocache", endpoint, uncached=True)}
+    passes["baseline"] = go("baseline", endpoint)
+    endpoint, warmups = start_fabric(app, port)
+    passes["fabric"], counts = counted(app, warmups, lambda: go("fabric", endpoint))
+    return passes, counts
+
+
+def counted(app, warmups: int, go: Callable[[], PassResult]) -> tuple[PassResult, dict]:
+    """The fabric's pass `go()` with what the engines' connectors and Ray's object
+    stores did during it (`warmups`: the requests the engines finished before)."""
     before = fabric_counters(app.model_id, warmups)
     store_before = object_store_created_bytes()
-    passes["fabric"] = go("fabric", endpoint)
-    after = fabric_counters(app.model_id, warmups + len(passes["fabric"].turns))
+    result = go()
+    after = fabric_counters(app.model_id, warmups + len(result.turns))
     store_after = object_store_created_bytes()
     counts: dict[str, int | None] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     print(
@@ -168,7 +220,7 @@ def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[d
     counts["object_store_bytes"] = (
         None if store_before is None or store_after is None else store_after - store_before
     )
-    return passes, counts
+    return result, counts
 
 
 def warm_up(endpoint, app) -> int:
