@@ -6,6 +6,9 @@ machine; with `--address` (or RAY_ADDRESS) it uses that cluster.
 - `--engine vllm` (default): vLLM engines under Ray Serve LLM, first as users run them
   today (vLLM's prefix cache, Ray's PrefixCacheAffinityRouter), then with the fabric as
   their KV layer; outputs are checked against a pass with caching off (deploy/vllm/demo.py).
+  With `--rate R` (or `--rate auto`): open-loop load instead, single-turn requests that
+  share no prefix arriving at R a second, the stock app against the fabric's; the report
+  gives throughput and TPOT ratios (deploy/vllm/load_demo.py).
 - `--engine reference`: the reference model's app; each request is sent twice, caching
   off and through the fabric, outputs compared bit for bit.
 The report gives hit rates by tier, bytes moved, TTFT and output mismatches; a PNG too.
@@ -28,6 +31,21 @@ DEFAULT_LOG = "kvfabric-demo.log"
 
 # Per engine: (nodes, requests, tokens per trace block, max tokens, concurrency).
 DEFAULTS = {"reference": (3, 120, 64, 4, 3), "vllm": (2, 60, 32, 8, 6)}
+# Tokens a request under --rate: enough decode steps that TPOT is a median of many.
+LOAD_MAX_TOKENS = 32
+
+
+def rate(text: str) -> float | str:
+    """--rate's value: requests a second (> 0), or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or auto: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be positive and finite: {text!r}")
+    return value
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -61,12 +79,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="prompt tokens per trace hash block (the trace's are 512; vllm 32, reference 64)",
     )
     ap.add_argument(
-        "--max-tokens", type=int, help="tokens generated a request (vllm 8, reference 4)"
+        "--max-tokens",
+        type=int,
+        help=f"tokens generated a request (vllm 8, with --rate {LOAD_MAX_TOKENS}; reference 4)",
     )
     ap.add_argument(
         "--concurrency",
         type=int,
-        help="requests (vllm: conversations) at once (vllm 6, reference 3)",
+        help="requests (vllm: conversations) at once (vllm 6, reference 3); with --rate auto, "
+        "the capacity probe's",
+    )
+    ap.add_argument(
+        "--rate",
+        type=rate,
+        help="vllm: open-loop load of single-turn requests sharing no prefix, this many a "
+        "second (Poisson arrivals), the stock app against the fabric's; auto: 0.9 of the "
+        "stock app's capacity, measured first closed loop",
+    )
+    ap.add_argument(
+        "--seed", type=int, default=0, help="with --rate: the arrival schedule's seed (0)"
     )
     ap.add_argument(
         "--kv-cache-mib",
@@ -86,7 +117,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="vllm: each engine's tensor-parallel ranks (on CPU one core each)",
     )
-    ap.add_argument("--plot", default=DEFAULT_PLOT, help="where to write the PNG")
+    ap.add_argument("--plot", default=DEFAULT_PLOT, help="where to write the PNG (not with --rate)")
     ap.add_argument(
         "--log",
         default=DEFAULT_LOG,
@@ -94,6 +125,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
     args = ap.parse_args(argv)
+    if args.rate is not None and args.engine != "vllm":
+        ap.error("--rate is for the vllm engine")
+    if args.rate is not None and args.max_tokens is None:
+        args.max_tokens = LOAD_MAX_TOKENS
     names = ("nodes", "requests", "tokens_per_block", "max_tokens", "concurrency")
     for name, default in zip(names, DEFAULTS[args.engine]):
         if getattr(args, name) is None:

@@ -6,6 +6,7 @@ docs/internals.md.)"""
 from __future__ import annotations
 
 import json
+import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -21,8 +22,10 @@ from kvfabric.deploy.vllm.conversation_replay import (
     Turn,
     conversation_texts,
     replay_conversations,
+    single_turn_texts,
 )
 from kvfabric.deploy.vllm.demo import Report
+from kvfabric.deploy.vllm.load_demo import LoadReport, poisson_arrivals, steady_rate
 
 
 def test_a_conversations_turns_share_their_earlier_text():
@@ -39,12 +42,43 @@ def test_a_conversations_turns_share_their_earlier_text():
     assert all(len(t) <= 2000 for turns in texts for t in turns)
 
 
+def test_single_turn_prompts_keep_their_requests_text_but_share_no_prefix():
+    trace = load_trace(None)[:40]
+    texts = single_turn_texts(trace, 32, 2000)
+    assert len(texts) == 40 and set("".join(texts)) <= set(ALPHABET)
+    assert len({t[:32] for t in texts}) == 40  # every first block its own
+    # Past the first block, each is its request's text (the trace's requests all share
+    # their first hash block, and many more).
+    assert [t[32:] for t in texts] == [
+        t[32:] for turns in conversation_texts([trace], 32, 2000) for t in turns
+    ]
+    assert texts == single_turn_texts(trace, 32, 2000)
+
+
+def test_the_arrival_schedule_is_the_seeds_at_any_rate():
+    one = poisson_arrivals(500, 2.0, seed=7)
+    assert one == poisson_arrivals(500, 2.0, seed=7)  # both passes get this very schedule
+    assert one != poisson_arrivals(500, 2.0, seed=8)
+    assert one[0] == 0 and all(b >= a for a, b in zip(one, one[1:]))
+    assert poisson_arrivals(500, 4.0, seed=7) == pytest.approx([t / 2 for t in one])
+    # Exponential gaps of mean 1/rate: 499 of them, their mean within 15% (seeded).
+    assert one[-1] / 499 == pytest.approx(0.5, rel=0.15)
+    assert poisson_arrivals(0, 1.0, seed=7) == []
+
+
 class OpenAIStream(BaseHTTPRequestHandler):
-    """Answers /v1/completions as vLLM's server does when streaming with usage."""
+    """Answers /v1/completions as vLLM's server does when streaming with usage. The
+    prompt "hold" is answered once a "release" has come (or after 10 s, with an error)."""
+
+    released = threading.Event()
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if body["prompt"] == "fail":
+        if body["prompt"] == "release":
+            self.released.set()
+        if body["prompt"] == "fail" or (
+            body["prompt"] == "hold" and not self.released.wait(timeout=10)
+        ):
             self.send_response(400)
             self.end_headers()
             self.wfile.write(b'{"error": "bad"}')
@@ -97,8 +131,29 @@ def test_streamed_answers_give_tokens_usage_and_ttft_on_one_connection(server):
                 turn.token_ids == [0, 1, 2] and turn.prompt_tokens == 6 and turn.cached_tokens == 3
             )
             assert turn.ttft_ms > 0
+            assert 0 < turn.sent_at < turn.last_token_at <= turn.done_at
+            assert turn.tpot_ms >= 0 and turn.e2e_ms >= turn.ttft_ms
     finally:
         client.close()
+
+
+def test_an_open_loop_sends_each_request_at_its_time_whatever_is_in_flight(server):
+    """ "hold" is answered only once "release" has come: a sender that waited for it
+    would see it fail."""
+    OpenAIStream.released.clear()
+    result = replay_conversations(
+        "t",
+        server,
+        "m",
+        [["hold"], ["release"]],
+        2,
+        concurrency=2,
+        progress=False,
+        arrivals=[0.0, 0.01],
+    )
+    assert result.failed == 0
+    hold, release = result.turns
+    assert hold.sent_at < release.sent_at < hold.done_at
 
 
 def test_a_failed_request_is_counted_and_the_rest_go_on(server):
@@ -153,6 +208,80 @@ def test_the_report_compares_outputs_and_splits_hits_by_tier():
     assert r.first_errors == {"baseline": "boom"}
 
 
+def timed(i, ids, sent, ttft_ms, last, done, error=""):
+    """A request of an open-loop pass: sent at `sent` s, its last token at `last`."""
+    return Turn(i, 0, 100, 0, ttft_ms, ids, error, sent_at=sent, last_token_at=last, done_at=done)
+
+
+def test_the_load_report_gives_throughput_tpot_and_their_ratios():
+    baseline = PassResult(
+        "baseline",
+        [
+            # TPOT (last - first token) / (tokens - 1): (0.5 - 0.2) / 3 s = 100 ms
+            timed(0, [1, 2, 3, 4], sent=10.0, ttft_ms=200, last=10.5, done=10.6),
+            timed(1, [5, 6, 7, 8], sent=11.0, ttft_ms=100, last=11.4, done=11.5),  # 100 ms
+            timed(2, [9, 9, 9, 9], sent=12.0, ttft_ms=300, last=12.9, done=14.0),  # 200 ms
+        ],
+        4.0,
+    )
+    fabric = PassResult(
+        "fabric",
+        [
+            timed(0, [1, 2, 3, 4], sent=20.0, ttft_ms=200, last=20.8, done=20.9),  # 200 ms
+            timed(1, [5, 6, 0, 8], sent=21.0, ttft_ms=100, last=21.7, done=21.8),  # 200 ms
+            timed(2, [], sent=22.0, ttft_ms=0, last=0, done=0, error="boom"),
+        ],
+        2.0,
+    )
+    counts = {"saved_requests": 2, "loaded_tokens": 0, "object_store_bytes": None}
+    r = LoadReport.of(
+        {"baseline": baseline, "fabric": fabric},
+        counts,
+        nodes=2,
+        seed=0,
+        max_tokens=4,
+        offered_rate=1.0,
+        capacity_rate=1.2,
+    )
+    # Baseline: 12 tokens, 3 requests from its first send (10.0) to its last end (14.0).
+    assert r.baseline.output_tokens == 12 and r.baseline.span_s == pytest.approx(4.0)
+    assert r.baseline.throughput == pytest.approx(3.0)
+    assert r.baseline.request_rate == pytest.approx(0.75)
+    assert r.baseline.tpot_p50_ms == pytest.approx(100)
+    assert r.baseline.ttft_p50_ms == 200 and r.baseline.e2e_p50_ms == pytest.approx(600)
+    # Fabric: 8 tokens over 20.0 - 21.8 (the failed request's send counts, not its end).
+    assert r.fabric.throughput == pytest.approx(8 / 1.8) and r.fabric.failed == 1
+    assert r.fabric.tpot_p50_ms == pytest.approx(200)
+    assert r.throughput_ratio == pytest.approx(8 / 1.8 / 3.0)
+    assert r.tpot_ratio == pytest.approx(2.0)
+    # Request 1's tokens differ; request 2 failed, counted as a failure only.
+    assert r.output_mismatches == 1 and r.failed_requests == 1
+    assert r.first_errors == {"fabric": "boom"}
+    out = r.as_json()
+    assert out["tpot_p50_ratio_vs_baseline"] == 2.0 and out["offered_rate"] == 1.0
+    assert out["baseline_capacity_rate"] == 1.2 and out["connector"] == {
+        "saved_requests": 2,
+        "loaded_tokens": 0,
+    }
+    assert out["baseline"]["throughput_tok_s"] == 3.0
+    assert json.loads(json.dumps(out)) == out
+
+
+def test_a_single_token_has_no_tpot():
+    assert math.isnan(timed(0, [1], sent=1.0, ttft_ms=10, last=1.01, done=1.02).tpot_ms)
+
+
+def test_capacity_is_the_rate_while_every_sender_was_busy():
+    # 8 requests, 2 senders: the 2nd completion (t=2) to the 6th, which let the last
+    # request go (t=6): 4 completions in 4 s; the drain (t=20) is left out.
+    ends = [1, 2, 3, 4, 5, 6, 10, 20]
+    result = PassResult("p", [timed(i, [1], 0.5, 1, e, e) for i, e in enumerate(ends)], 20)
+    assert steady_rate(result, 2) == pytest.approx(1.0)
+    # Too short for that: the whole pass, from the first send.
+    short = PassResult("p", [timed(i, [1], 0.5, 1, e, e) for i, e in enumerate([1, 2])], 2)
+    assert steady_rate(short, 2) == pytest.approx(2 / 1.5)
+
+
 def test_the_demo_defaults_follow_the_engine():
     vllm, ref = parse([]), parse(["--engine", "reference"])
     assert (vllm.engine, vllm.nodes, vllm.requests, vllm.concurrency) == ("vllm", 2, 60, 6)
@@ -168,3 +297,16 @@ def test_the_gpu_demo_shares_the_one_gpu_among_its_engines():
     assert (gpu.gpus_per_replica, gpu.gpu_memory_utilization, gpu.device()) == (1.0, 0.267, "cuda")
     # Nothing else differs.
     assert gpu.but(gpus_per_replica=0.0, gpu_memory_utilization=0.9) == cpu.but(replicas=3)
+
+
+def test_the_load_modes_arguments_are_checked_before_anything_starts(capsys):
+    auto, fixed = parse(["--rate", "auto"]), parse(["--rate", "1.5", "--max-tokens", "8"])
+    assert (auto.rate, auto.max_tokens, auto.seed) == ("auto", 32, 0)
+    assert (fixed.rate, fixed.max_tokens) == (1.5, 8)
+    assert parse([]).rate is None and parse([]).max_tokens == 8
+    for bad in (["--rate", "0"], ["--rate", "-2"], ["--rate", "fast"], ["--rate", "inf"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+    with pytest.raises(SystemExit):
+        parse(["--engine", "reference", "--rate", "1"])
+    assert "--rate is for the vllm engine" in capsys.readouterr().err
