@@ -61,9 +61,10 @@ def test_the_arrival_schedule_is_the_seeds_at_any_rate():
     assert one != poisson_arrivals(500, 2.0, seed=8)
     assert one[0] == 0 and all(b >= a for a, b in zip(one, one[1:]))
     assert poisson_arrivals(500, 4.0, seed=7) == pytest.approx([t / 2 for t in one])
-    # Exponential gaps of mean 1/rate: 499 of them, their mean within 15% (seeded).
-    assert one[-1] / 499 == pytest.approx(0.5, rel=0.15)
-    assert poisson_arrivals(0, 1.0, seed=7) == []
+    # Exponential gaps scaled to a mean of 1/rate exactly: the pass offers the rate.
+    assert one[-1] == pytest.approx(499 / 2.0)
+    assert len(set(b - a for a, b in zip(one, one[1:]))) == 499  # not fixed intervals
+    assert poisson_arrivals(0, 1.0, seed=7) == [] and poisson_arrivals(1, 1.0, seed=7) == [0.0]
 
 
 class OpenAIStream(BaseHTTPRequestHandler):
@@ -242,6 +243,7 @@ def test_the_load_report_gives_throughput_tpot_and_their_ratios():
         max_tokens=4,
         offered_rate=1.0,
         capacity_rate=1.2,
+        probe_concurrency=6,
     )
     # Baseline: 12 tokens, 3 requests from its first send (10.0) to its last end (14.0).
     assert r.baseline.output_tokens == 12 and r.baseline.span_s == pytest.approx(4.0)
@@ -259,7 +261,8 @@ def test_the_load_report_gives_throughput_tpot_and_their_ratios():
     assert r.first_errors == {"fabric": "boom"}
     out = r.as_json()
     assert out["tpot_p50_ratio_vs_baseline"] == 2.0 and out["offered_rate"] == 1.0
-    assert out["baseline_capacity_rate"] == 1.2 and out["connector"] == {
+    assert out["baseline_capacity_rate"] == 1.2 and out["capacity_probe_concurrency"] == 6
+    assert out["connector"] == {
         "saved_requests": 2,
         "loaded_tokens": 0,
     }
