@@ -253,15 +253,15 @@ def write_plot(
 
 
 def send_logs_to(path: Path) -> Path:
-    """Ray's, Serve's and vLLM's log lines in this process go to `path`, not the console,
-    so the demo's own lines stand out (the cluster's processes log to Ray's session
-    folder already)."""
+    """Ray's, Serve's, vLLM's and the HTTP client's log lines in this process go to `path`,
+    not the console, so the demo's own lines stand out (the cluster's processes log to
+    Ray's session folder already; Ray's root handler would print every request's line)."""
     import logging
 
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, mode="w", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    for name in ("ray", "ray.serve", "ray.llm", "vllm", "transformers", "nixl"):
+    for name in ("ray", "ray.serve", "ray.llm", "vllm", "transformers", "nixl", "httpx"):
         logger = logging.getLogger(name)
         for h in list(logger.handlers):
             if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
