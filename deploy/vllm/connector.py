@@ -112,8 +112,9 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata) -> None:
         # vLLM calls this before every forward (start_load_kv comes after it when loads
         # are asynchronous): the last point where a prompt's save may still read blocks
-        # vLLM freed at this step's scheduling.
-        self._worker().before_forward()
+        # vLLM handed to another request at this step's scheduling.
+        assert isinstance(kv_connector_metadata, FabricMeta)
+        self._worker().before_forward(kv_connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -51,6 +51,9 @@ class FabricMeta(KVConnectorMetadata):
     loads: list[CopyJob] = field(default_factory=list)  # staging -> vLLM blocks
     saves: list[CopyJob] = field(default_factory=list)  # vLLM blocks -> staging
     idle: bool = False  # the step runs no forward: nothing for the loads to overlap
+    # The step hands out a block an earlier prompt's save still reads: the save ends
+    # before the forward (WorkerSide.before_forward).
+    fence: bool = False
 
 
 @dataclass

@@ -51,6 +51,10 @@ class StagedSave:
     # Each pool's first staged page: full KV before it is the node's already (or queued
     # to it); SWA KV before it is outside the window vLLM still holds.
     firsts: dict[PoolName, int]
+    # The blocks a prompt's save reads while its request runs on: vLLM may hand them to
+    # another request meanwhile (a preemption, a sliding window, an abort). An ended
+    # request's blocks stay vLLM's until its save is reported, so it reads none at risk.
+    reads: frozenset[int] = frozenset()
 
 
 class SchedulerSaves:
@@ -216,9 +220,29 @@ class SchedulerSaves:
         kept = (
             tokens if n == len(tokens) // self.plan.page_size else tokens[: n * self.plan.page_size]
         )
-        self.saving[key] = StagedSave(kept, namespace, slots, first_of)
+        reads = frozenset(
+            b
+            for move in job.moves
+            for ids in move.blocks.values()
+            for b in ids
+            if b >= 0 and b != NULL_BLOCK  # every request's SWA lists name the null block
+        )
+        self.saving[key] = StagedSave(
+            kept, namespace, slots, first_of, frozenset() if ends_request else reads
+        )
         self.meta.saves.append(job)
         return True
+
+    def _overwrites(self, out) -> bool:
+        """Whether this step gives a request a block that a prompt's save started at an
+        earlier step still reads: its forward may write it, so the save must end first
+        (FabricMeta.fence). vLLM lists every block it hands out in the step's output."""
+        reading = frozenset().union(*(s.reads for s in self.saving.values()))
+        if not reading:
+            return False
+        given = [ids for r in out.scheduled_new_reqs for ids in r.block_ids]
+        given += [ids for new in out.scheduled_cached_reqs.new_block_ids if new for ids in new]
+        return any(not reading.isdisjoint(ids) for ids in given)
 
     def _surviving_window(self, block_ids: tuple[list[int], ...], n: int) -> int:
         """The first page from which every SWA group still holds its blocks up to n."""

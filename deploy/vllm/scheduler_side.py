@@ -272,9 +272,11 @@ class SchedulerSide(SchedulerSaves):
         waited = [a.call for a in self.asked.values()] + [c for c, *_ in self.storing]
         self.remote.wait_if_idle(scheduler_output.total_num_scheduled_tokens, waited)
         self._collect_stores()
+        fence = self._overwrites(scheduler_output)  # before this step's own saves join
         self._save_finished_prompts(scheduler_output)
         meta, self.meta = self.meta, FabricMeta()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        meta.fence = fence
         self._release_quarantine()
         return meta
 

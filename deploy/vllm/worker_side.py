@@ -12,10 +12,10 @@ Copies run in one background thread, off the engine's step, and are reported whe
 (get_finished, the worker meta): a load's request waits outside the batch until then and
 vLLM keeps a finished request's blocks until its save is reported sent, so neither is
 touched meanwhile. A prompt's save (its request still running) is the exception: vLLM
-may free blocks of a preempted request or outside a sliding window at the next step, so
-the next step waits for it before its forward can write them (`handle_preemptions`,
-vLLM's hook before the forward for connectors with asynchronous saves). No layer hook
-does any work.
+may free blocks of a preempted request or outside a sliding window and hand them to
+another request, so a step that hands out a block such a save still reads waits for it
+before its forward can write them (`handle_preemptions`, vLLM's hook before the forward
+for connectors with asynchronous saves). No layer hook does any work.
 """
 
 from __future__ import annotations
@@ -79,9 +79,12 @@ class WorkerSide:
             self._stream = torch.cuda.Stream(device)
 
     # --- loads -------------------------------------------------------------------------
-    def before_forward(self) -> None:
-        """The prompts' saves still copying end here: the forward may write blocks vLLM
-        freed since they started (a preemption, a sliding window, an abort)."""
+    def before_forward(self, meta: FabricMeta) -> None:
+        """Where the step hands out a block a prompt's save still reads (meta.fence: vLLM
+        freed it since, at a preemption, a sliding window or an abort), the prompts' saves
+        still copying end here, before the forward may write it; else they run on."""
+        if not meta.fence:
+            return
         running = [f for job, f in self._saves if not job.ends_request and not f.done()]
         if running:
             wait_futures(running)

@@ -153,10 +153,12 @@ class Rig:
                 scheduled_new_reqs=[],
                 num_scheduled_tokens={},
                 total_num_scheduled_tokens=0,
-                scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                scheduled_cached_reqs=SimpleNamespace(
+                    req_ids=[], num_computed_tokens=[], new_block_ids=[]
+                ),
             )
         )
-        self.worker.before_forward()  # in vLLM's order: the forward comes between these
+        self.worker.before_forward(meta)  # in vLLM's order: the forward comes between these
         self.worker.start_load(meta)
         self.worker.save(meta)
         assert self.worker.wait(30)  # vLLM steps until the copies are reported: here, one step

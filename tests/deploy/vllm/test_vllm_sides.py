@@ -14,6 +14,7 @@ import json
 import re
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -401,3 +402,29 @@ def test_a_step_hook_that_does_not_load_is_refused_naming_the_setting(spec):
     with pytest.raises(ValueError, match="step_hook"):
         kv_transfer_config("node", step_hook=spec)  # refused before any engine starts
     assert FabricSettings().make_step_hook() is None  # production: no hook at all
+
+
+def test_a_step_handing_out_a_block_a_prompts_save_reads_fences_the_forward(rig):
+    """A prompt's save copies after the forward, beside the next steps. A step that hands
+    one of its blocks to a request (vLLM freed it: a preemption, a sliding window, an
+    abort) tells the worker to wait for the save before the forward; other steps do not,
+    nor do ended requests' saves (vLLM keeps their blocks until they are reported)."""
+    sched = rig.sched
+    namespace = sched._namespace(Req("p", PROMPT, PROMPT, len(PROMPT)))
+    blocks = (SWA_BLOCKS, FULL_BLOCKS)
+
+    def out(new=(), cached=()):
+        return SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(block_ids=ids) for ids in new],
+            scheduled_cached_reqs=SimpleNamespace(new_block_ids=list(cached)),
+        )
+
+    assert sched._save("p", "p/prompt", PROMPT, namespace, blocks, 10, ends_request=False)
+    assert not sched._overwrites(out(new=[([0, 0, 40], [41])], cached=[None, ([42], [43])]))
+    assert sched._overwrites(out(new=[([0, 40], [FULL_BLOCKS[3]])]))
+    assert sched._overwrites(out(cached=[None, ([SWA_BLOCKS[9]], [])]))  # page 9: saved
+    rig.step()  # the worker copies it and reports it: nothing reads the blocks any more
+    assert not sched._overwrites(out(new=[([SWA_BLOCKS[9]], [FULL_BLOCKS[3]])]))
+    assert sched._save("e", "e/end", PROMPT, namespace, blocks, 10, ends_request=True)
+    assert not sched._overwrites(out(new=[([SWA_BLOCKS[9]], [FULL_BLOCKS[3]])]))
+    rig.step()

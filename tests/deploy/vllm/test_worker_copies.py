@@ -97,10 +97,22 @@ def test_a_prompts_save_ends_before_the_next_forward(pair):
     saver.save(FabricMeta(saves=[save_job(False)]))
     assert gate.entered.wait(WAIT_S)
     threading.Timer(0.2, gate.opened.set).start()
-    saver.before_forward()  # the blocks may be freed after this: the copy ended
+    saver.before_forward(FabricMeta(fence=True))  # a block it reads is handed out: it ends
     meta = saver.worker_meta()
     assert meta is not None and meta.saved == {"k": 1}
     assert saver.transfer_results() == (set(), set(), set())  # the request still runs
+
+
+def test_a_prompts_save_runs_on_through_a_step_that_hands_out_none_of_its_blocks(pair):
+    saver, *_ = pair
+    gate = saver.step_hook = Gate(ConnectorStep.WORKER_SAVE)
+    saver.save(FabricMeta(saves=[save_job(False)]))
+    assert gate.entered.wait(WAIT_S)
+    saver.before_forward(FabricMeta())  # returns with the copy still held at the gate
+    assert saver.worker_meta() is None
+    gate.opened.set()
+    assert saver.wait(WAIT_S)
+    assert saver.worker_meta().saved == {"k": 1}
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyError, MemoryError])
