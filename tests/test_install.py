@@ -284,10 +284,13 @@ def test_it_resolves_beside_ray_llm_and_beside_vllm_on_python_312(wheel, tmp_pat
     assert beside_serve.returncode == 0, beside_serve.stderr[-3000:]
 
 
-_LOAD = """
+_EXTENSIONS = ("_pagekeys", "_radix", "_alloc", "_copy", "_presence", "_plan")
+
+_LOAD = f"""
 import glob, importlib.machinery, importlib.util, sys
-found = sorted(glob.glob("kvfabric/fabric/*/_*.so"))
-assert len(found) == 4, found
+found = sorted(glob.glob("kvfabric/fabric/*/_*.so") + glob.glob("kvfabric/transport/_*.so"))
+names = sorted(p.split("/")[-1].split(".")[0] for p in found)
+assert names == {sorted(_EXTENSIONS)!r}, found
 for path in found:
     name = path[:-len(path.split("/")[-1])].replace("/", ".") + path.split("/")[-1].split(".")[0]
     loader = importlib.machinery.ExtensionFileLoader(name, path)
@@ -333,9 +336,6 @@ def test_the_c_extensions_build_without_warnings_and_load_on_python(version, tmp
     loaded = _run([python, "-c", _LOAD], cwd=tmp_path / "unpacked")
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     assert loaded.stdout.strip() == f"({version.replace('.', ', ')})"
-
-
-_EXTENSIONS = ("_pagekeys", "_radix", "_alloc", "_copy", "_presence", "_plan")
 
 
 def test_each_c_extension_exports_its_pyinit_alone_and_prefixes_what_its_files_share():
