@@ -170,11 +170,10 @@ class WorkerSide:
                 view = self.views[slot.name]
                 # [slots, 2, page, heads, D]: this rank's heads of every page, in place
                 layer_pages = staging[:, slot.index, :, :, s.first : s.first + s.count]
-                # Each stretch of consecutive blocks and slots is one strided copy_ (the
-                # permute is the reordering), across devices where the blocks are on a GPU.
-                # The torch copies, not the C kernel: with the kernel here, `kvfabric demo
-                # --rate auto` measured TPOT p50 2.4-2.8x the baseline's in four runs,
-                # 1.1-1.6x without (2026-12-06; cause not found, see docs/internals.md).
+                # One strided copy_ per stretch of consecutive blocks and slots (the permute
+                # is the reordering), not the C row copy: with it here `kvfabric demo --rate
+                # auto` measured TPOT p50 2.4-2.8x the baseline's in four runs, 1.1-1.6x
+                # without (2026-12-06; cause not found, see docs/internals.md).
                 if to_blocks:
                     copy_rows(layer_pages, slot_rows, view, block_rows, _to_blocks, native=False)
                 else:
