@@ -1,17 +1,18 @@
 """What a node actor offers the engines on its host: their KV through shared-memory
-staging pages (no bytes through Ray), and a place for their connectors' counters.
+staging pages (no bytes through Ray), a watch on their processes, and a place for their
+connectors' counters.
 
-A mixin of NodeCacheActor: it uses the actor's `cache`, `gate`, `link`, `config` and
-`_family`.
-"""
+The node actor holds one EngineHost and hands it the cache, the gate, how to find a
+prefix family and its publish; the engines, their pages and reports are the EngineHost's
+own."""
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
-from kvfabric.fabric import PoolName
+from kvfabric.fabric import KVLayout, NodeCache, PoolName
 from kvfabric.transport.staging import (
     SharedPages,
     StagedHit,
@@ -22,15 +23,8 @@ from kvfabric.transport.staging import (
     save_from_staging,
 )
 
+from .cache_gate import CacheGate
 from .engine_process import MAX_NAME, EngineProcess, EngineProcessError
-
-if TYPE_CHECKING:
-    from kvfabric.fabric import EventPublisher, NodeCache
-
-    from .cache_gate import CacheGate
-    from .hooks import NodeHooks
-    from .index_link import IndexLink
-    from .node_actor import NodeConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +57,31 @@ def check_report(engine: str, counters: dict) -> dict[str, int | dict[str, int]]
     return out
 
 
+# The first page key of `tokens` in `namespace` (the prefix family a call holds), or None.
+Family = Callable[[Sequence[int], str], bytes | None]
+
+
 class EngineHost:
-    """The node actor's side for engines on its host (a mixin). What it uses of the actor:"""
-
-    name: str
-    config: NodeConfig
-    cache: NodeCache
-    gate: CacheGate
-    link: IndexLink[EventPublisher]
-    hooks: NodeHooks | None
-    _family: Callable[[Sequence[int], str], bytes | None]
-
-    def init_engine_host(self) -> None:
+    def __init__(
+        self,
+        node: str,
+        layout: KVLayout,
+        cache: NodeCache,
+        gate: CacheGate,
+        family: Family,
+        publish: Callable[[], object],
+        after_get: Callable[[NodeCache], None] | None = None,
+    ) -> None:
+        """`node`: the node actor's name (its engines' records name it); `publish`: sends
+        the index what changed (called under the gate's mutex); `after_get`: the node's
+        hook, called as a get's is (tests, chaos)."""
+        self.node = node
+        self.layout = layout
+        self.cache = cache
+        self.gate = gate
+        self.family = family
+        self.publish = publish
+        self.after_get = after_get
         self._shared: dict[str, SharedPages] = {}  # engines' staging pages, by file prefix
         self._reports: OrderedDict[str, dict] = OrderedDict()
         self._engines: dict[int, EngineProcess] = {}  # by pid: the engines to watch
@@ -85,10 +92,10 @@ class EngineHost:
         who they were. The ones still running are watched again, the others are reaped at
         the next beat; other nodes' engines that ended lose their staging files. Returns
         the pids adopted."""
-        fabric = self.config.layout.fingerprint.hex()
-        for proc in EngineProcess.read_records(self.name, fabric)[:MAX_ENGINES]:
+        fabric = self.layout.fingerprint.hex()
+        for proc in EngineProcess.read_records(self.node, fabric)[:MAX_ENGINES]:
             self._engines[proc.pid] = proc
-        freed = EngineProcess.free_dead_staging(self.name, fabric)
+        freed = EngineProcess.free_dead_staging(self.node, fabric)
         if freed:
             log.info("unlinked the staging files of %d ended engines of other nodes", len(freed))
         return sorted(self._engines)
@@ -98,7 +105,7 @@ class EngineHost:
         when its process ends (`reap_engines`). A refused announcement changes nothing."""
         if not isinstance(proc, EngineProcess):
             raise EngineProcessError(f"expected an EngineProcess, got {type(proc).__name__}")
-        proc.check(self.name)
+        proc.check(self.node)
         if proc.pid not in self._engines and len(self._engines) >= MAX_ENGINES:
             raise EngineProcessError(f"{MAX_ENGINES} engines are watched already")
         self._engines[proc.pid] = proc
@@ -110,7 +117,7 @@ class EngineHost:
         for proc in [p for p in self._engines.values() if not p.alive()]:
             del self._engines[proc.pid]
             self.drop_staging(proc.staging)
-            for pool in self.config.layout.pools:  # files the node never mapped too
+            for pool in self.layout.pools:  # files the node never mapped too
                 proc.staging.path(pool).unlink(missing_ok=True)
             proc.record_path().unlink(missing_ok=True)
             if proc.index_name:
@@ -137,14 +144,14 @@ class EngineHost:
         slots: dict[PoolName, list[int]],
     ) -> StagedHit:
         """Copy the usable cached prefix beyond `skip_pages` into the engine's staging pages."""
-        async with self.gate.family(self._family(tokens, namespace)):
+        async with self.gate.family(self.family(tokens, namespace)):
             with self.gate.mutex:
                 hit = load_to_staging(
                     self.cache, self._staging(spec), tokens, namespace, skip_pages, slots
                 )
-                if self.hooks is not None:
-                    self.hooks.after_get(self.cache)
-                self.link.publish()
+                if self.after_get is not None:
+                    self.after_get(self.cache)
+                self.publish()
         return hit
 
     async def save_staged(
@@ -160,13 +167,13 @@ class EngineHost:
         in the save thread without the cache's lock: the loop serves other calls."""
         shared = self._staging(spec)
         stored = await self.gate.run_save(
-            self._family(tokens, namespace),
+            self.family(tokens, namespace),
             lambda: save_from_staging(
                 self.cache, shared, tokens, namespace, slots, firsts, self.gate.released
             ),
         )
         with self.gate.mutex:
-            self.link.publish()
+            self.publish()
         return stored
 
     def drop_staging(self, spec: StagingSpec) -> bool:
@@ -183,7 +190,7 @@ class EngineHost:
         if shared is not None and shared.spec != spec:
             raise StagingError(f"{spec.prefix} is mapped with {shared.spec.pages} pages")
         if shared is None:
-            shared = self._shared[spec.prefix] = SharedPages(spec, self.config.layout)
+            shared = self._shared[spec.prefix] = SharedPages(spec, self.layout)
         return shared
 
     def engine_report(self, engine: str, counters: dict) -> None:

@@ -1,10 +1,12 @@
 """NodeCacheActor: one per node, owning that node's NodeCache and transport agent.
 
 It answers puts, gets and matches, exports prefixes to peers under leases,
-and imports prefixes from peers through fabric's fetch transaction (its fetches
-are actors/node/peer_fetch.py's, its engines' side actors/node/engine_host.py's:
-mixins of the actor). Every failure of a fetch (peer gone, export slow, transfer
-fault) becomes a FetchOutcome, never an exception, so a request can always recompute.
+and imports prefixes from peers through fabric's fetch transaction. Two collaborators
+do their parts, each with its own state: `peer_fetch` (actors/node/peer_fetch.py) its
+peers and fetches, `engines` (actors/node/engine_host.py) the engines on its host; the
+actor's methods of theirs delegate. Every failure of a fetch (peer gone, export slow,
+transfer fault) becomes a FetchOutcome, never an exception, so a request can always
+recompute.
 
 An asyncio actor: no method blocks on another actor, so two nodes fetching from
 each other both get served. The cache is touched under `CacheGate` rules."""
@@ -35,9 +37,11 @@ from kvfabric.fabric import (
 )
 from kvfabric.transport import LocalTransport, NixlTransport
 from kvfabric.transport.fetch import register_device_pools
+from kvfabric.transport.staging import StagedHit, StagingSpec
 
 from .cache_gate import CacheGate
 from .engine_host import EngineHost
+from .engine_process import EngineProcess
 from .hooks import NodeHooks
 from .index_link import IndexLink, LinkPacer
 from .node_metrics import NodeMetrics, NodeSample
@@ -70,7 +74,7 @@ class Beat:
 
 
 @ray.remote
-class NodeCacheActor(PeerFetch, EngineHost):
+class NodeCacheActor:
     def __init__(self, name: str, config: NodeConfig, fabric: str = NAMESPACE) -> None:
         """`fabric`: the Ray namespace of the fabric this node belongs to (its metrics'
         label; an actor's runtime context names its job's namespace, not its own)."""
@@ -92,11 +96,6 @@ class NodeCacheActor(PeerFetch, EngineHost):
         register_device_pools(self.transport, self.cache)
         self._metadata = self.transport.metadata()  # fixed once the pools are registered
         self.gate = CacheGate()
-        self.peers: set[str] = set()
-        self.fetches: dict[str, int] = {}
-        self.late_releases = 0  # grants that came after their fetch gave up, released
-        self.late_failures = 0  # replies that came after it and held no grant
-        self.fetched_bytes = 0  # read from peers over the transport (NIXL)
         self._probing: asyncio.Task | None = None  # the heartbeat's probe of quarantined peers
         self.metrics: NodeMetrics | None = None  # made at the first heartbeat (in Ray)
         # A restarted actor starts a new epoch, above every earlier one of this name:
@@ -107,8 +106,19 @@ class NodeCacheActor(PeerFetch, EngineHost):
             None if hooks is None else hooks.send,
         )
         self.pacer = LinkPacer(self.link, self.gate.mutex)
-        self.init_engine_host()
-        self.adopt_engines()
+        self.peer_fetch = PeerFetch(
+            self.cache, self.gate, self.transport, self.link.publish, config.fetch_deadline_s
+        )
+        self.engines = EngineHost(
+            name,
+            config.layout,
+            self.cache,
+            self.gate,
+            self._family,
+            self.link.publish,
+            None if hooks is None else hooks.after_get,
+        )
+        self.engines.adopt_engines()
         # What lives now (torch, Ray, this actor's fixed parts) lives as long as the process:
         # out of the collector's reach, a full collection walks what requests made, not ~170k
         # import-time objects (~100 ms a pass here). The radix tree is never tracked.
@@ -120,18 +130,25 @@ class NodeCacheActor(PeerFetch, EngineHost):
         return self._metadata
 
     async def connect(self, peer: str, metadata: bytes) -> None:
-        await self.gate.run_wire(lambda: self.transport.connect(peer, metadata))
-        self.peers.add(peer)
+        await self.peer_fetch.connect(peer, metadata)
 
     async def forget_peer(self, peer: str) -> int:
         """`peer`'s process is gone (the directory dropped it, or Ray restarted it):
         disconnect it and free the pages its abandoned reads held, since a dead
         process writes nothing more. Returns the pages freed."""
-        self.peers.discard(peer)
-        # The import thread runs this after any read in flight, which may quarantine.
-        await self.gate.run_wire(lambda: self.transport.disconnect(peer))
-        with self.gate.mutex:
-            return self.cache.release_quarantine(peer)
+        return await self.peer_fetch.forget(peer)
+
+    # --- fetching from peers (PeerFetch's) -------------------------------------------------
+    async def fetch(
+        self, peer: ray.actor.ActorHandle, peer_name: str, tokens: Sequence[int], namespace: str
+    ) -> str:
+        """Pull the peer's longer prefix of `tokens`; returns the FetchOutcome's value."""
+        return await self.peer_fetch.fetch(peer, peer_name, tokens, namespace)
+
+    async def probe_quarantine(self) -> list[str]:
+        """Free the pages quarantined for each peer whose given-up reads have all completed
+        since; returns the peers released (see PeerFetch.probe_quarantine)."""
+        return await self.peer_fetch.probe_quarantine()
 
     # --- local cache ------------------------------------------------------------------
     async def put(
@@ -225,14 +242,16 @@ class NodeCacheActor(PeerFetch, EngineHost):
             routes = self.link.routes
             probing = bool(self.cache.quarantined_peers())
             sample = NodeSample(
-                dataclasses.replace(self.cache.stats()), self.fetched_bytes, *self.staging_use()
+                dataclasses.replace(self.cache.stats()),
+                self.peer_fetch.fetched_bytes,
+                *self.engines.staging_use(),
             )
         if self.metrics is None:
             self.metrics = NodeMetrics(self.fabric, self.name)
         self.metrics.publish(sample)
         if probing and (self._probing is None or self._probing.done()):
-            self._probing = asyncio.create_task(self.probe_quarantine())
-        gone = self.reap_engines()
+            self._probing = asyncio.create_task(self.peer_fetch.probe_quarantine())
+        gone = self.engines.reap_engines()
         return Beat(
             self.epoch, routes is not None, None if routes is None else routes.version, gone
         )
@@ -267,6 +286,66 @@ class NodeCacheActor(PeerFetch, EngineHost):
 
     def ping(self) -> str:
         return self.name
+
+    # --- the engines on this host (EngineHost's) ---------------------------------------------
+    def adopt_engines(self) -> list[int]:
+        """Watch again the engines this node's records name (done at the actor's start);
+        returns the pids adopted (see EngineHost.adopt_engines)."""
+        return self.engines.adopt_engines()
+
+    def engine_started(self, proc: EngineProcess) -> None:
+        """An engine on this host announces itself (see EngineHost.engine_started)."""
+        self.engines.engine_started(proc)
+
+    def reap_engines(self) -> dict[str, int]:
+        """Drop what the node kept for engines whose process is gone; returns every ended
+        engine's index name and epoch not yet retired (see EngineHost.reap_engines)."""
+        return self.engines.reap_engines()
+
+    def engines_retired(self, retired: dict[str, int]) -> None:
+        """The directory retired these lives in every shard: stop naming them."""
+        self.engines.engines_retired(retired)
+
+    def watched_engines(self) -> list[int]:
+        return self.engines.watched_engines()
+
+    async def load_staged(
+        self,
+        spec: StagingSpec,
+        tokens: Sequence[int],
+        namespace: str,
+        skip_pages: int,
+        slots: dict[PoolName, list[int]],
+    ) -> StagedHit:
+        """Copy the usable cached prefix beyond `skip_pages` into the engine's staging pages."""
+        return await self.engines.load_staged(spec, tokens, namespace, skip_pages, slots)
+
+    async def save_staged(
+        self,
+        spec: StagingSpec,
+        tokens: Sequence[int],
+        namespace: str,
+        slots: dict[PoolName, list[int]],
+        firsts: dict[PoolName, int],
+    ) -> int:
+        """Store the whole pages of `tokens` the engine wrote to its staging pages (see
+        EngineHost.save_staged)."""
+        return await self.engines.save_staged(spec, tokens, namespace, slots, firsts)
+
+    def drop_staging(self, spec: StagingSpec) -> bool:
+        """Unmap an engine's staging pages (the engine is shutting down)."""
+        return self.engines.drop_staging(spec)
+
+    def engine_report(self, engine: str, counters: dict) -> None:
+        """An engine's connector counters so far (see EngineHost.engine_report)."""
+        self.engines.engine_report(engine, counters)
+
+    def staging_use(self) -> tuple[int, int]:
+        """The engines whose staging pages this node maps, and those pages' bytes."""
+        return self.engines.staging_use()
+
+    def engine_reports(self) -> dict[str, dict]:
+        return self.engines.engine_reports()
 
     # --- hooks (tests, chaos) ----------------------------------------------------------------
     def inject(self, action: Any) -> None:
@@ -323,14 +402,14 @@ class NodeCacheActor(PeerFetch, EngineHost):
                 "nodes": s.nodes,
                 "pools": s.pools,
                 "leases": len(self.leases),
-                "fetches": dict(self.fetches),
+                "fetches": dict(self.peer_fetch.fetches),
                 "quarantined": len(self.cache.quarantined),
-                "peers": sorted(self.peers),
-                "late_releases": self.late_releases,
-                "late_failures": self.late_failures,
+                "peers": sorted(self.peer_fetch.peers),
+                "late_releases": self.peer_fetch.late_releases,
+                "late_failures": self.peer_fetch.late_failures,
                 "epoch": self.epoch,
-                "fetched_bytes": self.fetched_bytes,
-                "staging_engines": self.staging_use()[0],
+                "fetched_bytes": self.peer_fetch.fetched_bytes,
+                "staging_engines": self.engines.staging_use()[0],
             }
 
     async def shutdown(self) -> None:

@@ -1,45 +1,60 @@
-"""How a node actor fetches a prefix from a peer: ask the peer to export it under a
-lease, import it through fabric's fetch transaction (the read runs in the import
-thread), release the lease, late or not; and free the pages quarantined for a peer once
-the reads from it that were given up have completed. Every failure becomes a
-FetchOutcome, never an exception.
+"""How a node actor reaches its peers: connect and forget them, fetch a prefix from one
+(ask it to export the prefix under a lease, import it through fabric's fetch transaction
+with the read in the import thread, release the lease, late or not), and free the pages
+quarantined for a peer once the reads from it that were given up have completed. Every
+failure of a fetch becomes a FetchOutcome, never an exception.
 
-A mixin of NodeCacheActor: it uses the actor's `config`, `cache`, `gate`, `transport`,
-`link`, `peers` and fetch counters.
-"""
+The node actor holds one PeerFetch and hands it the cache, the gate, the transport and
+its publish; the peers and the fetch counters are the PeerFetch's own."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from typing import TYPE_CHECKING, Sequence
+from typing import Callable, Sequence
 
 import ray
-from kvfabric.fabric import ExportGrant, FetchOutcome, GrantError, import_prefix
+from kvfabric.fabric import ExportGrant, FetchOutcome, GrantError, NodeCache, import_prefix
+from kvfabric.transport import Transport
 from kvfabric.transport.fetch import TransportReader
 
-if TYPE_CHECKING:
-    from kvfabric.fabric import EventPublisher, NodeCache
-    from kvfabric.transport import Transport
-
-    from .cache_gate import CacheGate
-    from .index_link import IndexLink
-    from .node_actor import NodeConfig
+from .cache_gate import CacheGate
 
 
 class PeerFetch:
-    """The node actor's fetches from its peers (a mixin). What it uses of the actor:"""
+    def __init__(
+        self,
+        cache: NodeCache,
+        gate: CacheGate,
+        transport: Transport,
+        publish: Callable[[], object],
+        deadline_s: float,
+    ) -> None:
+        """`publish`: sends the index what changed (called under the gate's mutex);
+        `deadline_s`: the bound on a peer's export, and on each read from it."""
+        self.cache = cache
+        self.gate = gate
+        self.transport = transport
+        self.publish = publish
+        self.deadline_s = deadline_s
+        self.peers: set[str] = set()
+        self.fetches: dict[str, int] = {}  # outcomes by FetchOutcome value
+        self.late_releases = 0  # grants that came after their fetch gave up, released
+        self.late_failures = 0  # replies that came after it and held no grant
+        self.fetched_bytes = 0  # read from peers over the transport (NIXL)
 
-    config: NodeConfig
-    cache: NodeCache
-    gate: CacheGate
-    transport: Transport
-    link: IndexLink[EventPublisher]
-    peers: set[str]
-    fetches: dict[str, int]
-    late_releases: int
-    late_failures: int
-    fetched_bytes: int
+    async def connect(self, peer: str, metadata: bytes) -> None:
+        await self.gate.run_wire(lambda: self.transport.connect(peer, metadata))
+        self.peers.add(peer)
+
+    async def forget(self, peer: str) -> int:
+        """`peer`'s process is gone: disconnect it and free the pages its abandoned reads
+        held, since a dead process writes nothing more. Returns the pages freed."""
+        self.peers.discard(peer)
+        # The import thread runs this after any read in flight, which may quarantine.
+        await self.gate.run_wire(lambda: self.transport.disconnect(peer))
+        with self.gate.mutex:
+            return self.cache.release_quarantine(peer)
 
     async def fetch(
         self, peer: ray.actor.ActorHandle, peer_name: str, tokens: Sequence[int], namespace: str
@@ -48,7 +63,7 @@ class PeerFetch:
         outcome = await self._fetch(peer, peer_name, tokens, namespace)
         with self.gate.mutex:
             self.fetches[outcome.value] = self.fetches.get(outcome.value, 0) + 1
-            self.link.publish()
+            self.publish()
         return outcome.value
 
     async def _fetch(
@@ -61,7 +76,7 @@ class PeerFetch:
                 return FetchOutcome.PEER_QUARANTINED  # before a lease is taken for nothing
             keys = self.cache.keys(tokens, namespace)
             skip = self.cache.match(tokens, namespace).present_pages
-        deadline = self.config.fetch_deadline_s
+        deadline = self.deadline_s
         ref = peer.export.remote(keys, skip)
         reply = asyncio.wrap_future(ref.future())
         done, _ = await asyncio.wait({reply}, timeout=deadline)

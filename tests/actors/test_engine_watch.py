@@ -1,7 +1,7 @@
 """An engine that ends without a word: its node drops what it kept for it, and the index
 forgets that life of the engine, never a later one.
 
-First the node side alone (the EngineHost mixin over real processes and staging files):
+First the node side alone (its EngineHost over real processes and staging files):
 a watched process that exits, or whose PID another process took, is reaped; bad
 announcements are refused and change nothing. Then the whole path on a Ray cluster: a
 process announced to a real node actor, its device cache published to the real index
@@ -50,10 +50,9 @@ def spec() -> StagingSpec:
     return StagingSpec(f"kvf-test-watch-{uuid.uuid4().hex[:8]}", 4)
 
 
-class Host(EngineHost):
-    def __init__(self, layout) -> None:
-        self.name, self.config = NODE_NAME, SimpleNamespace(layout=layout)
-        self.init_engine_host()
+def engine_host(layout) -> EngineHost:
+    """A node's EngineHost with no cache: watching engines never touches it."""
+    return EngineHost(NODE_NAME, layout, None, None, None, lambda: 0)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +64,7 @@ def layout():
 
 
 def test_an_ended_engine_is_reaped_once_and_its_staging_unlinked(layout):
-    host, proc, staging = Host(layout), sleeper(), spec()
+    host, proc, staging = engine_host(layout), sleeper(), spec()
     try:
         SharedPages(staging, layout)  # the engine's worker made its files
         host.engine_started(
@@ -86,7 +85,7 @@ def test_an_ended_engine_is_reaped_once_and_its_staging_unlinked(layout):
 
 
 def test_a_reused_pid_is_another_process(layout):
-    host, proc = Host(layout), sleeper()
+    host, proc = engine_host(layout), sleeper()
     try:
         # Announced with a start time that is not this process's: the engine it named is gone.
         host.engine_started(
@@ -134,7 +133,7 @@ ANNOUNCEMENTS = st.builds(
 @settings(max_examples=200, deadline=None)
 @given(ann=st.one_of(ANNOUNCEMENTS, st.none(), st.integers(), st.text(max_size=4)))
 def test_an_announcement_is_validated_and_a_refused_one_changes_nothing(ann):
-    host = Host(SimpleNamespace(pools=(PoolName.FULL,), fingerprint=b"\0" * 16))
+    host = engine_host(SimpleNamespace(pools=(PoolName.FULL,), fingerprint=b"\0" * 16))
     try:
         host.engine_started(ann)
     except EngineProcessError:
@@ -151,7 +150,7 @@ def test_an_announcement_is_validated_and_a_refused_one_changes_nothing(ann):
 def test_only_so_many_engines_are_watched(layout):
     from kvfabric.actors.node.engine_host import MAX_ENGINES
 
-    host = Host(layout)
+    host = engine_host(layout)
     for pid in range(1, MAX_ENGINES + 1):
         host.engine_started(EngineProcess(pid, 0, spec()))
     with pytest.raises(EngineProcessError, match="watched already"):
@@ -349,7 +348,7 @@ def test_records_that_do_not_check_are_ignored(tmp_path, monkeypatch, layout):
     forged = {**json.loads(good.record_path().read_text()), "index_name": "kvf-node-x/engine/a"}
     (tmp_path / "kvf-forged.engine").write_text(json.dumps(forged))
     assert EngineProcess.read_records(NODE_NAME, fp) == [good]
-    host = Host(layout)
+    host = engine_host(layout)
     assert host.watched_engines() == [] and host.adopt_engines() == [os.getpid()]
 
 
@@ -385,7 +384,7 @@ def test_other_nodes_ended_engines_lose_their_staging_files_not_their_records(
             proc.write_record()
             for pool in PoolName:
                 proc.staging.path(pool).write_bytes(b"x")
-        host = Host(layout)
+        host = engine_host(layout)
         assert host.adopt_engines() == []
         for what, proc in procs.items():
             left = [proc.staging.path(pool).exists() for pool in PoolName]

@@ -1,6 +1,6 @@
 """A fetch that gave up still settles the export's reply when it lands: a grant's lease
 is released at once (not at its TTL), and a reply that holds no grant is counted, so a
-caller waiting on late replies sees every one of them. No cluster: the mixin's callback
+caller waiting on late replies sees every one of them. No cluster: PeerFetch's callback
 with real futures and a peer handle reduced to its `release`."""
 
 import asyncio
@@ -23,10 +23,10 @@ class _Peer:
         self.release = _Releases()
 
 
-class _Fetcher(PeerFetch):
-    def __init__(self) -> None:
-        self.late_releases = 0
-        self.late_failures = 0
+def _fetcher() -> PeerFetch:
+    """A PeerFetch whose cache, gate and transport are never reached: settling a late
+    reply touches only the peer and the counters."""
+    return PeerFetch(None, None, None, lambda: 0, 1.0)  # type: ignore[arg-type]
 
 
 def _settled(how: str) -> asyncio.Future:
@@ -59,7 +59,7 @@ def _settled(how: str) -> asyncio.Future:
     ],
 )
 def test_every_late_reply_is_released_or_counted(how, released, failures):
-    fetcher, peer = _Fetcher(), _Peer()
+    fetcher, peer = _fetcher(), _Peer()
     fetcher._release_late(peer, _settled(how))
     assert peer.release.ids == released
     assert (fetcher.late_releases, fetcher.late_failures) == (len(released), failures)
