@@ -1,9 +1,10 @@
 """The fabric's directory: config, route table, and which node actors belong.
 
-The directory actor is composed of its membership passes (actors/membership.py: drop the
-dead, rejoin the restarted, add node actors to new Ray nodes) and its watcher
-(actors/watcher.py: runs those passes and rebalances by itself); this module holds its
-state, registration, recovery after a restart, and route changes."""
+The directory actor holds its membership passes (actors/membership.py: the member list;
+drop the dead, rejoin the restarted, add node actors to new Ray nodes) and its watcher
+(actors/watcher.py: runs those passes and rebalances by itself), each with its own state;
+its methods of theirs delegate. This module holds the config and the route table,
+recovery after a restart, and route changes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvfabric.fabric import LoadTracker, RouteTable
 from kvfabric.fabric.index.balance import chance_target
 from ray.exceptions import GetTimeoutError, RayError
 
-from .membership import Membership, MembershipPasses
+from .membership import START_TIMEOUT_S, Membership, MembershipPasses
 from .names import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, NODE_PREFIX, node_actor_name, shard_name
 from .node.node_actor import Beat, NodeConfig
 from .node.node_placement import connect_peers, existing, join, place_node_actor
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 # Threaded (see `start`): the watcher thread and callers' methods run side by side, and
 # a node actor that registers while a reconcile waits on it cannot deadlock the directory.
 @ray.remote
-class FabricDirectory(MembershipPasses, Watcher):
+class FabricDirectory:
     def __init__(
         self,
         config: NodeConfig,
@@ -54,15 +55,14 @@ class FabricDirectory(MembershipPasses, Watcher):
         self.config = config
         self.namespace = namespace  # the fabric's: its node actors' and shards' Ray namespace
         self.routes = RouteTable(shards)
-        self.nodes: dict[str, bytes] = {}  # node actor name -> NIXL metadata
-        self.cpus_per_actor = cpus_per_actor
-        self._lock = threading.RLock()  # guards nodes and routes; never held across a call
+        self._lock = threading.RLock()  # guards routes; never held across a call
         self._rebalancing = threading.Lock()  # one rebalance at a time
-        self._undropped: set[str] = set()  # dropped nodes some shard has not heard of yet
-        self._joining: set[str] = set()  # attached to the index, not yet registered
-        self._adding = threading.Lock()  # one pass adding node actors at a time
-        self._stop = threading.Event()
-        self._watcher: threading.Thread | None = None
+        self.membership = MembershipPasses(
+            config, namespace, cpus_per_actor, self.get_routes, self._shards, self._converge
+        )
+        self.watcher = Watcher(
+            self.membership, self.rebalance, route_version=lambda: self.routes.version
+        )
         # Restarted by Ray (the same arguments again): the node actors hold what this
         # actor held, each the latest route table it was given and its own metadata.
         if ray.get_runtime_context().was_current_actor_reconstructed:
@@ -86,14 +86,14 @@ class FabricDirectory(MembershipPasses, Watcher):
                 meta, routes = ray.get(ref, timeout=timeout_s)
             except (RayError, GetTimeoutError):
                 continue  # dead or stuck: the watcher decides later
-            self.nodes[name] = meta
+            self.membership.register(name, meta)
             if routes is not None:
                 table = RouteTable.decode(routes)
                 if table.version > self.routes.version:
                     self.routes = table
         log.info(
             "directory restarted: recovered %d nodes, routes version %d",
-            len(self.nodes),
+            len(self.membership.node_names()),
             self.routes.version,
         )
         self._converge(timeout_s)
@@ -106,7 +106,7 @@ class FabricDirectory(MembershipPasses, Watcher):
         behind it get it. Serialized with rebalances; never moves anyone back."""
         with self._rebalancing:
             if beats is None:
-                beats = self._beats(self.node_names(), timeout_s)
+                beats = self.membership.beats(self.node_names(), timeout_s)
             shards = self._shards()
             versions = {}
             for i, shard in enumerate(shards):
@@ -161,20 +161,44 @@ class FabricDirectory(MembershipPasses, Watcher):
         with self._lock:
             return self.routes.encode()
 
+    # --- membership (MembershipPasses') -----------------------------------------------------
     def register(self, name: str, metadata: bytes) -> dict[str, bytes]:
         """Add a node; returns the others (name -> metadata) for it to connect to."""
-        with self._lock:
-            others = {n: m for n, m in self.nodes.items() if n != name}
-            self.nodes[name] = metadata
-            return others
+        return self.membership.register(name, metadata)
 
     def unregister(self, name: str) -> bool:
-        with self._lock:
-            return self.nodes.pop(name, None) is not None
+        return self.membership.unregister(name)
 
     def node_names(self) -> list[str]:
-        with self._lock:
-            return sorted(self.nodes)
+        return self.membership.node_names()
+
+    def reconcile(
+        self,
+        add: bool = True,
+        timeout_s: float = CALL_TIMEOUT_S,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> Membership:
+        """One membership pass: drop the dead, rejoin the restarted, with `add` start node
+        actors on Ray nodes lacking one (see MembershipPasses.reconcile)."""
+        return self.membership.reconcile(add, timeout_s, start_timeout_s)
+
+    def attach(self, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        """Admit node `name`'s epoch to every shard, then attach it to the index."""
+        self.membership.attach(name, timeout_s)
+
+    def join(self, name: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        """Bring node actor `name` in, in the one join order (see MembershipPasses.join)."""
+        self.membership.join(name, timeout_s)
+
+    # --- the watcher (Watcher's) -----------------------------------------------------------
+    def watch(self, every_s: float) -> None:
+        """Reconcile every `every_s` seconds from now on, in a thread of this actor."""
+        self.watcher.watch(every_s)
+
+    def stop_watching(self, wait_s: float = 0.0) -> bool:
+        """Stop the watcher once its pass in progress ends, waiting up to `wait_s` for
+        that; returns whether it has stopped. `watch` starts it again."""
+        return self.watcher.stop_watching(wait_s)
 
     def _shards(self) -> list:
         return [

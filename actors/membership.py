@@ -6,7 +6,11 @@ directory and from every index shard; an alive Ray node without a node actor get
 joined to its peers and the index, so a node added to the cluster (or re-added after a
 removal) joins the fabric by itself. A node actor that is merely slow is left alone: only
 Ray's word counts. One the index names but the directory does not list (it died while the
-directory was down) is purged from the shards; if it is alive after all, it is added again."""
+directory was down) is purged from the shards; if it is alive after all, it is added again.
+
+The directory holds one MembershipPasses, which keeps the member list (node actor name ->
+transport metadata) and who is joining; the directory hands it its config and how to
+reach its route table and shards."""
 
 from __future__ import annotations
 
@@ -36,23 +40,52 @@ class Membership:
     retired_engines: list[str] = field(default_factory=list)
 
 
-class MembershipPasses:
-    """FabricDirectory's membership methods (a mixin). What they use of the directory:"""
+# Bring every shard and node onto the directory's route table, given this pass's beats.
+Converge = Callable[[float, dict[str, Beat | None]], None]
 
-    config: NodeConfig
-    namespace: str
-    nodes: dict[str, bytes]
-    cpus_per_actor: float
-    _lock: threading.RLock
-    _adding: threading.Lock
-    _undropped: set[str]
-    _joining: set[str]
-    node_names: Callable[[], list[str]]
-    register: Callable[[str, bytes], dict[str, bytes]]
-    unregister: Callable[[str], bool]
-    get_routes: Callable[[], bytes]
-    _shards: Callable[[], list]
-    _converge: Callable[[float, dict[str, Beat | None] | None], None]
+
+class MembershipPasses:
+    def __init__(
+        self,
+        config: NodeConfig,
+        namespace: str,
+        cpus_per_actor: float,
+        get_routes: Callable[[], bytes],
+        shards: Callable[[], list],
+        converge: Converge,
+    ) -> None:
+        """`config`, `cpus_per_actor`: what a node actor added is started with;
+        `get_routes`: the directory's route table, encoded; `shards`: the index shards'
+        handles."""
+        self.config = config
+        self.namespace = namespace  # the fabric's Ray namespace
+        self.cpus_per_actor = cpus_per_actor
+        self.get_routes = get_routes
+        self._shards = shards
+        self._converge = converge
+        self.nodes: dict[str, bytes] = {}  # node actor name -> NIXL metadata
+        self._lock = threading.RLock()  # guards nodes and the two sets; never held across a call
+        self._undropped: set[str] = set()  # dropped nodes some shard has not heard of yet
+        self._joining: set[str] = set()  # attached to the index, not yet registered
+        self._adding = threading.Lock()  # one pass adding node actors at a time
+
+    # --- the member list -----------------------------------------------------------------
+    def register(self, name: str, metadata: bytes) -> dict[str, bytes]:
+        """Add a node; returns the others (name -> metadata) for it to connect to."""
+        with self._lock:
+            others = {n: m for n, m in self.nodes.items() if n != name}
+            self.nodes[name] = metadata
+            return others
+
+    def unregister(self, name: str) -> bool:
+        with self._lock:
+            return self.nodes.pop(name, None) is not None
+
+    def node_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self.nodes)
+
+    # --- passes --------------------------------------------------------------------------
 
     def reconcile(
         self,
@@ -65,7 +98,7 @@ class MembershipPasses:
         with `add`, give every alive Ray node lacking a node actor one (a new actor
         imports torch and NIXL: `start_timeout_s`). Waits on other actors without
         `_lock` held."""
-        beats = self._beats(self.node_names(), timeout_s)
+        beats = self.beats(self.node_names(), timeout_s)
         dead = sorted(name for name, beat in beats.items() if beat is None)
         restarted = sorted(
             name for name, beat in beats.items() if beat is not None and not beat.attached
@@ -81,8 +114,7 @@ class MembershipPasses:
                 done.rejoined.append(name)
         self._converge(timeout_s, beats)
         if add:
-            with self._adding:
-                done.added = self._add_missing(start_timeout_s)
+            done.added = self.add_missing(start_timeout_s)
         return done
 
     def _retire_engines(self, beats: dict[str, Beat | None], timeout_s: float) -> list[str]:
@@ -123,7 +155,7 @@ class MembershipPasses:
             members = set(self.nodes) | self._joining
         return {n for n in held if (owner := owner_node(n)) is not None and owner not in members}
 
-    def _beats(self, names: list[str], timeout_s: float) -> dict[str, Beat | None]:
+    def beats(self, names: list[str], timeout_s: float) -> dict[str, Beat | None]:
         """Each answering node's Beat; None for the dead. Slow or restarting ones are left out."""
         refs: dict[str, ray.ObjectRef] = {}
         beats: dict[str, Beat | None] = {}
@@ -211,6 +243,12 @@ class MembershipPasses:
             self.unregister(name)
         if is_node_actor_name(name):  # an engine is no transport peer
             self._forget(name, timeout_s)
+
+    def add_missing(self, timeout_s: float) -> list[str]:
+        """Give every alive Ray node lacking a node actor one, and join it; one such pass
+        at a time. Returns the node actors added."""
+        with self._adding:
+            return self._add_missing(timeout_s)
 
     def _add_missing(self, timeout_s: float) -> list[str]:
         added, known = [], set(self.node_names())

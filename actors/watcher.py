@@ -1,17 +1,17 @@
 """The directory's watcher: a thread of the directory actor that runs a membership pass
 every `watch_s` seconds, starts node actors for new Ray nodes on the side (that takes a
-while, and drops must not wait for it), and rebalances the index every REBALANCE_EVERY_S."""
+while, and drops must not wait for it), and rebalances the index every REBALANCE_EVERY_S.
+
+The directory holds one Watcher and hands it its membership passes and its rebalance."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
-from kvfabric.fabric import RouteTable
-
-from .membership import START_TIMEOUT_S, Membership
+from .membership import START_TIMEOUT_S, MembershipPasses
 
 REBALANCE_EVERY_S = 10.0  # the watcher's rebalance period
 REBALANCE_SIGMAS = (
@@ -20,16 +20,25 @@ REBALANCE_SIGMAS = (
 log = logging.getLogger(__name__)
 
 
-class Watcher:
-    """FabricDirectory's watcher methods (a mixin). What they use of the directory:"""
+class Rebalance(Protocol):
+    """The directory's rebalance: whether routes changed (see FabricDirectory.rebalance)."""
 
-    routes: RouteTable
-    _adding: threading.Lock
-    _stop: threading.Event
-    _watcher: threading.Thread | None
-    reconcile: Callable[..., Membership]
-    rebalance: Callable[..., bool]
-    _add_missing: Callable[[float], list[str]]
+    def __call__(self, *, sigmas: float) -> bool: ...
+
+
+class Watcher:
+    def __init__(
+        self,
+        membership: MembershipPasses,
+        rebalance: Rebalance,
+        route_version: Callable[[], int],
+    ) -> None:
+        """`route_version`: the directory's route table's version (for the log)."""
+        self.membership = membership
+        self.rebalance = rebalance
+        self.route_version = route_version
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def watch(self, every_s: float) -> None:
         """Reconcile every `every_s` seconds from now on, in a thread of this actor."""
@@ -49,7 +58,7 @@ class Watcher:
         adding: threading.Thread | None = None
         while not self._stop.wait(every_s):
             try:
-                changed = self.reconcile(add=False)
+                changed = self.membership.reconcile(add=False)
                 if changed.dropped or changed.rejoined:
                     log.info(
                         "membership: dropped %s, rejoined %s", changed.dropped, changed.rejoined
@@ -65,14 +74,13 @@ class Watcher:
                 balance_at = time.monotonic() + REBALANCE_EVERY_S
                 try:
                     if self.rebalance(sigmas=REBALANCE_SIGMAS):
-                        log.info("rebalanced: routes version %d", self.routes.version)
+                        log.info("rebalanced: routes version %d", self.route_version())
                 except Exception as e:
                     log.warning("rebalance pass failed: %s", e)
 
     def _add_pass(self) -> None:
         try:
-            with self._adding:
-                added = self._add_missing(START_TIMEOUT_S)
+            added = self.membership.add_missing(START_TIMEOUT_S)
             if added:
                 log.info("membership: added %s", added)
         except Exception as e:  # the next pass tries again
