@@ -1,8 +1,8 @@
 """actors: Ray actors over the fabric core (per-node cache actors, index shards, client)."""
 
 from .directory import FabricDirectory, Membership, join
-from .fabric import Fabric, FabricClient, start, stop
 from .index_shard import IndexShardActor
+from .launch import Fabric, FabricClient, start, stop
 from .node.node_actor import NodeCacheActor, NodeConfig
 
 __all__ = [

@@ -174,7 +174,7 @@ def with_connector(args: argparse.Namespace) -> dict:
     import ray
     from kvfabric.actors import stop
     from kvfabric.actors.directory import node_actor_name
-    from kvfabric.actors.fabric import running
+    from kvfabric.actors.launch import running
     from kvfabric.actors.served import fabrics_of
     from kvfabric.deploy.vllm.connector import FabricConnector, kv_transfer_config
     from vllm import LLM, SamplingParams

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     import torch
     from kvfabric.actors.directory import node_actor_name
-    from kvfabric.actors.fabric import running
+    from kvfabric.actors.launch import running
     from kvfabric.actors.served import fabrics_of
     from kvfabric.deploy.cli.cluster import down
     from kvfabric.deploy.vllm.connector import kv_transfer_config

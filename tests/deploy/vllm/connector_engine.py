@@ -18,7 +18,7 @@ from typing import Iterator
 import ray
 from kvfabric.actors import FabricClient, stop
 from kvfabric.actors.directory import node_actor_name
-from kvfabric.actors.fabric import running
+from kvfabric.actors.launch import running
 from kvfabric.actors.served import fabrics_of
 from kvfabric.deploy.chaos.faults import HOOKS, ChaosAction, StepFaultFile
 from kvfabric.deploy.vllm.connector import kv_transfer_config

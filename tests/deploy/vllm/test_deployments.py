@@ -35,7 +35,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from kvfabric.actors import FabricClient, stop  # noqa: E402
 from kvfabric.actors.directory import node_actor_name  # noqa: E402
-from kvfabric.actors.fabric import running  # noqa: E402
+from kvfabric.actors.launch import running  # noqa: E402
 from kvfabric.actors.served import fabrics_of  # noqa: E402
 from kvfabric.deploy.vllm.model import TinyModelSpec, ensure_tiny_model  # noqa: E402
 from kvfabric.fabric import PoolName  # noqa: E402
