@@ -8,8 +8,8 @@ found by walking parent links, each key once (memoized), with no paths stored.
 
 from __future__ import annotations
 
-from .balance import RegionHits, Regions, prune_regions
 from .prefix_index import PrefixIndex
+from .region_hits import RegionHits, Regions, prune_regions
 from .routes import RouteTable
 
 # (region root, child of the root on the key's path, or None for the root itself)

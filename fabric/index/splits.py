@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
+from .region_hits import RegionHits, Regions
 from .routes import RouteTable
-
-if TYPE_CHECKING:
-    from .balance import RegionHits, Regions
 
 CANDIDATES = 16  # regions of the busiest shard weighed, busiest first
 
@@ -35,7 +33,7 @@ class Split:
 
 
 def plan_split(
-    routes: RouteTable, counts: Sequence[int], regions: "Regions"
+    routes: RouteTable, counts: Sequence[int], regions: Regions
 ) -> tuple[RouteTable, Split] | None:
     """The routes after the best change for `counts` (hits per shard) given where the
     hits lie (`regions`), or None when no change evens them out beyond chance."""
@@ -92,7 +90,7 @@ def plan_split(
     return None
 
 
-def _spread_point(region: "RegionHits") -> tuple[bytes, ...] | None:
+def _spread_point(region: RegionHits) -> tuple[bytes, ...] | None:
     """Where spreading the region's children splits its hits: for lookups, where they
     part; for entries (counted one level down), the root, if several children hold them."""
     if region.common is not None:
