@@ -3,6 +3,7 @@ for the numpy reference in base.py (see kvfabric.fabric.cache.native)."""
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 from typing import Protocol
 
@@ -25,9 +26,8 @@ class PlanExtension(Protocol):
 
 
 def _import() -> ModuleType:
-    from . import _plan  # type: ignore[attr-defined]  # built C: mypy sees no source
-
-    return _plan
+    # By its full name: `from . import _plan` reads as an import of this package.
+    return importlib.import_module(f"{__package__}._plan")
 
 
 PLAN: PlanExtension | None = native.load(native.MODE, _import)  # type: ignore[assignment]
