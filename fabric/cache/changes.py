@@ -13,12 +13,11 @@ yet (no index attached) lists nothing however much it changes."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
-if TYPE_CHECKING:
-    from .radix import TreeNode
+from .nodes import TreeNode
 
-Change = tuple["TreeNode", int]  # (the node that held the page, its position)
+Change = tuple[TreeNode, int]  # (the node that held the page, its position)
 
 
 class ChangeLog:
@@ -27,7 +26,7 @@ class ChangeLog:
         self.changes: list[Change] = []  # may repeat a page
         self.overflowed = True
 
-    def touched(self, node: "TreeNode", offsets: Iterable[int]) -> None:
+    def touched(self, node: TreeNode, offsets: Iterable[int]) -> None:
         """The pages at `offsets` in `node`'s run changed."""
         if self.overflowed:
             return
@@ -36,7 +35,7 @@ class ChangeLog:
         if len(self.changes) > self.limit():
             self.changes, self.overflowed = [], True
 
-    def left(self, node: "TreeNode") -> None:
+    def left(self, node: TreeNode) -> None:
         """`node`'s pages left the tree (the detached node resolves them)."""
         self.touched(node, range(node.n))
 
@@ -50,7 +49,7 @@ class ChangeLog:
         return self.overflowed or bool(self.changes)
 
 
-def holder(node: "TreeNode", position: int) -> "TreeNode":
+def holder(node: TreeNode, position: int) -> TreeNode:
     """The node holding page `position` now that `node` held when it changed: splits
     since then moved it into a head above."""
     while node.start > position:
