@@ -4,6 +4,7 @@ from .cache.allocator import AllocatorError, OutOfPages, PageAllocator
 from .cache.check import InvariantError, PageAudit
 from .cache.keys import KeyerCache, PageKeyer, encode_tokens, namespace_key
 from .cache.layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
+from .cache.leases import Lease, LeaseTable
 from .cache.node_cache import CachedKV, CacheStats, Match, NodeCache, PrefixLock
 from .cache.pages import PageCopier, TorchCopier, page_checksums
 from .cache.policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
@@ -15,7 +16,6 @@ from .cache.txn import ReservationFailed, ReservationHook, Transaction, Transact
 from .exchange.export import export_prefix
 from .exchange.fetch import FetchOutcome, PageReader, ReadFailed, import_prefix
 from .exchange.grant import ExportGrant, GrantError, PoolPages
-from .exchange.leases import Lease, LeaseTable
 from .index.answers import NodeMatch
 from .index.balance import LoadTracker, Split
 from .index.events import EventBatch, EventError, PageMask, PageState, Snapshot

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import torch
-from kvfabric.fabric.exchange.leases import LeaseTable
 
 from .candidates import Candidates
 from .check import PageAudit, check_invariants, page_audit
@@ -18,6 +17,7 @@ from .exports import Exports
 from .insert import Fill, InsertPlan, Inserts, Unlocked
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
+from .leases import LeaseTable
 from .page_views import PageViews
 from .pages import LayerKV, PageCopier, TorchCopier, copy_rows
 from .paths import groups, within

@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvfabric.fabric.cache.layout import PoolName
+from kvfabric.fabric.cache.leases import LeaseTable
 from kvfabric.fabric.cache.node_cache import NodeCache
 from kvfabric.fabric.cache.records import Match
 
 from .grant import ExportGrant, PoolPages
-from .leases import LeaseTable
 
 
 def export_prefix(
