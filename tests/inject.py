@@ -145,8 +145,8 @@ def injecting(plan: Plan, cache: NodeCache, leases: LeaseTable | None = None) ->
                 mock.patch.object(cache, "reserve_hook", inj.wrap(lambda pool, tier: None))
             )
         elif plan.step == Step.EVICT:
-            for entry in cache.registry:
-                stack.enter_context(mock.patch.object(entry, "evict", inj.wrap(entry.evict)))
+            wrapped = {pool: inj.wrap(make_room) for pool, make_room in cache.make_room.items()}
+            stack.enter_context(mock.patch.dict(cache.make_room, wrapped))
         elif plan.step == Step.COPY:
             copier = SimpleNamespace(copy=inj.wrap(cache.copier.copy))
             stack.enter_context(mock.patch.object(cache, "copier", copier))

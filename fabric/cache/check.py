@@ -4,20 +4,39 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import Iterable, Mapping, NoReturn, Protocol
 
 from .layout import PoolName, Tier
-from .radix import ABSENT, TIERS
+from .policies import AttentionPolicy
+from .pools import PoolRegistry
+from .radix import ABSENT, TIERS, RadixTree, Reserved
+from .records import Quarantine
+from .txn import Transaction
 
-if TYPE_CHECKING:
-    from .node_cache import NodeCache
+
+class Checked(Protocol):
+    """What the checks read of a cache: its tree and pools, and every other owner of
+    pages (quarantines, open transactions, inserts filling pages)."""
+
+    @property
+    def tree(self) -> RadixTree: ...
+    @property
+    def registry(self) -> PoolRegistry: ...
+    @property
+    def policies(self) -> Mapping[PoolName, AttentionPolicy]: ...
+    @property
+    def quarantined(self) -> Iterable[Quarantine]: ...
+    @property
+    def open_txns(self) -> Iterable[Transaction]: ...
+    @property
+    def filling(self) -> Mapping[int, Reserved]: ...
 
 
 class InvariantError(AssertionError):
     pass
 
 
-def check_invariants(cache: "NodeCache") -> None:
+def check_invariants(cache: Checked) -> None:
     """Raise InvariantError naming the first violated invariant."""
     tree, registry = cache.tree, cache.registry
     owners: dict[tuple, dict[int, str]] = {(p, t): {} for p in registry.names for t in TIERS}
@@ -127,7 +146,7 @@ class PageAudit:
     unallocated: int  # held, but free in its allocator
 
 
-def page_audit(cache: "NodeCache") -> PageAudit:
+def page_audit(cache: Checked) -> PageAudit:
     """Counts, where `check_invariants` stops at the first problem: for chaos runs."""
     owners: dict[tuple, Counter] = {(e.name, t): Counter() for e in cache.registry for t in TIERS}
     for node in cache.tree.nodes():
@@ -154,7 +173,7 @@ def page_audit(cache: "NodeCache") -> PageAudit:
     return PageAudit(leaked, double, unallocated)
 
 
-def snapshot(cache: "NodeCache") -> tuple:
+def snapshot(cache: Checked) -> tuple:
     """Everything a failed step must leave unchanged, page by page (so splitting
     a run, which changes no page, changes no snapshot): keys, parents, slots,
     locks, allocators."""

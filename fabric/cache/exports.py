@@ -6,21 +6,18 @@ policies themselves."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from .layout import PoolName, Tier
 from .pages import page_checksums
 from .paths import groups
+from .policies import AttentionPolicy, usable_length
+from .pools import PoolRegistry
 from .radix import DEVICE_ONLY, TIERS
 from .records import Match
-
-if TYPE_CHECKING:
-    from .policies import AttentionPolicy
-    from .pools import PoolRegistry
-    from .radix import TreeNode
-    from .tiers import TierController
+from .tiers import TierController
 
 
 @dataclass(frozen=True)
@@ -33,12 +30,17 @@ class Loaded:
 
 
 class Exports:
-    """NodeCache's methods for the exchange (a mixin). What they use of the cache:"""
+    """What one cache shows the exchange, read off its pools, policies and tiers."""
 
-    registry: PoolRegistry
-    policies: dict[PoolName, AttentionPolicy]
-    tiers: TierController
-    usable: Callable[[list[TreeNode], int, tuple[Tier, ...]], int]
+    def __init__(
+        self,
+        registry: PoolRegistry,
+        policies: dict[PoolName, AttentionPolicy],
+        tiers: TierController,
+    ) -> None:
+        self.registry = registry
+        self.policies = policies
+        self.tiers = tiers
 
     def load_to_device(self, match: Match, n: int) -> Loaded:
         """Give what a match of `n` pages needs a device copy (the caller holds it locked)."""
@@ -52,7 +54,7 @@ class Exports:
             if not x.page_has(j, p, DEVICE_ONLY)
         }
         if not self.tiers.load_back(needs):
-            return Loaded(self.usable(path, n, DEVICE_ONLY), 0)
+            return Loaded(usable_length(self.policies, path, n, DEVICE_ONLY), 0)
         return Loaded(n, len(from_host))
 
     def back_up(self, match: Match) -> bool:

@@ -13,23 +13,29 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
+from typing import Callable, Mapping, Sequence, TypeVar
 
 from .eviction import drop_cut_leaf
-from .keys import PageKeyer, encode_tokens
-from .layout import PoolName, Tier
-from .radix import DEVICE, DEVICE_ONLY, TIERS, Placement, Reserved, TreeNode, placements
+from .guards import NodeLocks
+from .keys import KeyerCache, PageKeyer, encode_tokens
+from .layout import KVLayout, PoolName, Tier
+from .policies import AttentionPolicy
+from .pools import PoolRegistry
+from .quarantine import Quarantines
+from .radix import (
+    DEVICE,
+    DEVICE_ONLY,
+    TIERS,
+    Placement,
+    RadixTree,
+    Reserved,
+    TreeNode,
+    placements,
+)
 from .records import NodeGuard
-
-if TYPE_CHECKING:
-    from .layout import KVLayout
-    from .node_cache import CacheStats
-    from .policies import AttentionPolicy
-    from .pools import PoolRegistry
-    from .radix import RadixTree
-    from .tiers import TierController
-    from .txn import ReservationHook, Transaction
-    from .walks import Walk
+from .tiers import TierController
+from .txn import ReservationHook, Transaction
+from .walks import Walk
 
 T = TypeVar("T")
 # fill(reserved, hold) writes every planned page into its reserved device page. It returns
@@ -53,23 +59,37 @@ class InsertPlan:
 
 
 class Inserts:
-    """NodeCache's insert path (a mixin). What it uses of the cache:"""
+    """One cache's insert path: plans over its tree, commits through its pools."""
 
-    tree: RadixTree
-    layout: KVLayout
-    registry: PoolRegistry
-    policies: dict[PoolName, AttentionPolicy]
-    primary_pool: PoolName
-    tiers: TierController
-    _stats: CacheStats
-    keyer: Callable[[str], PageKeyer]
-    walk: Callable[[Sequence[int], str], Walk]
-    transaction: Callable[[], Transaction]
-    lock_nodes: Callable[[dict[PoolName, list[TreeNode]]], NodeGuard]
-    unlock_nodes: Callable[[NodeGuard], None]
-    quarantine: Callable[[Reserved, str | None], None]
-    reserve_hook: ReservationHook | None
-    filling: dict[int, Reserved]
+    def __init__(
+        self,
+        tree: RadixTree,
+        layout: KVLayout,
+        registry: PoolRegistry,
+        policies: dict[PoolName, AttentionPolicy],
+        tiers: TierController,
+        keyers: KeyerCache,
+        walk: Callable[[Sequence[int], str], Walk],
+        transaction: Callable[[], Transaction],
+        locks: NodeLocks,
+        quarantines: Quarantines,
+    ) -> None:
+        self.tree = tree
+        self.layout = layout
+        self.registry = registry
+        self.policies = policies
+        # The pool whose pages keep a node alive (layout.pools builds a new tuple per call).
+        self.primary_pool = layout.pools[0]
+        self.tiers = tiers
+        self.keyers = keyers
+        self.walk = walk  # the cache's: its memo answers a put after its match
+        self.transaction = transaction
+        self.locks = locks
+        self.quarantines = quarantines
+        # Pages an insert took off the free lists and fills, its caller's lock perhaps
+        # given up meanwhile: owned by that insert (check.py counts them).
+        self.filling: dict[int, Reserved] = {}
+        self.inserted_pages = 0
 
     def plan_store(
         self, tokens: Sequence[int], namespace: str, first: dict[PoolName, int]
@@ -94,7 +114,7 @@ class Inserts:
 
     def plan_fetch(self, tokens: Sequence[int], namespace: str, pages: int) -> InsertPlan:
         """A fetch's plan: the pages a usable match of `pages` pages needs that no tier holds."""
-        keyer, raw = self.keyer(namespace), encode_tokens(tokens)
+        keyer, raw = self.keyers.get(namespace), encode_tokens(tokens)
         path, m = self.tree.walk(keyer.root, raw[: pages * self.tree.page_bytes])
         path, m = self._cut(path, m, ())
         keep = {p: pol.needed(pages) for p, pol in self.policies.items()}
@@ -129,17 +149,23 @@ class Inserts:
         pb = tree.page_bytes
         return InsertPlan(keyer, raw[m * pb : n * pb], path, m, n, keep, todo, empty)
 
-    def insert(self, plan: InsertPlan, fill: Fill | None, writer: str | None = None) -> "T | None":
+    def insert(
+        self,
+        plan: InsertPlan,
+        fill: Fill | None,
+        writer: str | None,
+        reserve_hook: ReservationHook | None,
+    ) -> "T | None":
         """Commit `plan`, its pages written by `fill` (None: nothing to write): None once
         committed, or fill's failure with nothing changed. Raises ReservationFailed (nothing
         changed) when eviction cannot make room. `writer`: the peer whose transfer may still
-        write pages that fill holds."""
+        write pages that fill holds. `reserve_hook`: the cache's (NodeCache.reserve_hook)."""
         tree, hold, guard = self.tree, None, None
         got: Reserved = {}
         if fill is not None:
 
             def hold() -> None:
-                self.quarantine({k: sorted(v) for k, v in got.items() if v}, writer)
+                self.quarantines.add({k: sorted(v) for k, v in got.items() if v}, writer)
                 got.clear()
 
             # A fill may give up the caller's lock while bytes move (an import's read, a
@@ -154,7 +180,7 @@ class Inserts:
                 plan.todo,
                 DEVICE,
                 self.registry.device_allocators,
-                self.reserve_hook,
+                reserve_hook,
                 fill,
                 hold,
                 got,
@@ -164,11 +190,11 @@ class Inserts:
         finally:
             if guard is not None:
                 del self.filling[id(got)]
-                self.unlock_nodes(guard)
+                self.locks.unlock(guard)
         nodes, failed = done
         if failed is not None:
             return failed  # the reserved pages may be half written: freed (or held), never read
-        self._stats.inserted_pages += plan.pages - plan.present_pages
+        self.inserted_pages += plan.pages - plan.present_pages
         self.tiers.after_insert(nodes[len(plan.path) :])
         return None
 
@@ -185,7 +211,8 @@ class Inserts:
             txn.seal()
             if fill is not None:
                 failed = fill(
-                    got, lambda: txn.rollback(hold=lambda pages: self.quarantine(pages, writer))
+                    got,
+                    lambda: txn.rollback(hold=lambda pages: self.quarantines.add(pages, writer)),
                 )
                 if failed is not None:
                     return [], failed
@@ -193,7 +220,7 @@ class Inserts:
             txn.commit()
         finally:
             txn.rollback()  # a no-op once committed: whatever failed, nothing stays half done
-            self.unlock_nodes(guard)
+            self.locks.unlock(guard)
         self.tree.touch(nodes)
         return nodes, None
 
@@ -216,4 +243,4 @@ class Inserts:
         primary = held[self.primary_pool]
         if path and path[-1] not in primary[-1:]:
             primary.append(path[-1])  # new nodes hang below it: eviction must not prune it
-        return self.lock_nodes(held)
+        return self.locks.lock(held)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
-from kvfabric.fabric.cache.records import PrefixLock
+from .records import PrefixLock
 
-if TYPE_CHECKING:  # NodeCache owns a LeaseTable: import for annotations only
-    from kvfabric.fabric.cache.node_cache import NodeCache
+
+class Unlocks(Protocol):
+    """What a lease's end calls: the cache that granted its lock (NodeCache.unlock)."""
+
+    def unlock(self, lock: PrefixLock) -> None: ...
 
 
 @dataclass
@@ -26,7 +29,7 @@ class Lease:
 
 
 class LeaseTable:
-    def __init__(self, cache: NodeCache, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cache: Unlocks, clock: Callable[[], float] = time.monotonic) -> None:
         self.cache = cache
         self.clock = clock
         self._leases: dict[int, Lease] = {}

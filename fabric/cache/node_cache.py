@@ -5,30 +5,31 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from .candidates import Candidates
 from .check import PageAudit, check_invariants, page_audit
 from .check import snapshot as cache_snapshot
-from .eviction import Evictor, drop_cut_leaf, prune_unlocked
-from .exports import Exports
-from .insert import Fill, InsertPlan, Inserts, Unlocked
+from .eviction import Evictor, drop_cut_leaf
+from .exports import Exports, Loaded
+from .guards import NodeLocks
+from .insert import Fill, InsertPlan, Inserts, T, Unlocked
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
 from .leases import LeaseTable
-from .page_views import PageViews
+from .page_views import PageView, PageViews, PageWithPath
 from .pages import LayerKV, PageCopier, TorchCopier, copy_rows
 from .paths import groups, within
-from .policies import AttentionPolicy, policies_for
+from .policies import AttentionPolicy, policies_for, usable_length
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
 from .quarantine import Quarantines
 from .radix import DEVICE, DEVICE_ONLY, TIERS, RadixTree, Reserved, TreeNode
 from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
 from .rows import PagedKV, check_kv, first_pages, pack_rows
 from .tiers import TierConfig, TierController
-from .txn import ReservationFailed, ReservationHook, Transaction
+from .txn import MakeRoom, ReservationFailed, ReservationHook, Transaction
 from .walks import Walk, WalkMemo
 
 # Evicting for a reservation also frees 1/EVICTION_BATCH of the pool, so that bringing the
@@ -51,7 +52,11 @@ class CacheStats:
     pools: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-class NodeCache(Quarantines, Inserts, Exports, PageViews):
+class NodeCache:
+    """One node's cache: the tree and pools, and the collaborators that work on them
+    (inserts, quarantines, leases, what the exchange and the event publisher read),
+    behind the calls other layers make."""
+
     def __init__(
         self,
         layout: KVLayout,
@@ -82,28 +87,40 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         self.copier = copier or TorchCopier()
         self.reserve_hook = reserve_hook  # tests and chaos fail reservations through it
         self.open_txns: set[Transaction] = set()
-        # Pages an insert took off the free lists and fills, its caller's lock perhaps
-        # given up meanwhile (Inserts.insert): owned by that insert.
-        self.filling: dict[int, Reserved] = {}
         self.tiers = TierController(self.registry, tier, self.transaction)
         candidates = Candidates(self.tree) if incremental_eviction else None
         self.evictors = {
             p: Evictor(self.tree, pol, layout.pools, self.tiers.write_back, candidates)
             for p, pol in self.policies.items()
         }
-        for entry in self.registry:
-            entry.evict = self._eviction_hook(entry)
+        # Each pool's eviction, for the transactions that reserve in it.
+        self.make_room = {entry.name: self._eviction_hook(entry) for entry in self.registry}
         self._keyers = KeyerCache(layout.fingerprint, layout.page_size, size=4096)
         self._walks = WalkMemo()
         self._stats = CacheStats()
         self.clock = clock
         # Rows from page 0 in every pool: a put's usual `first` (read only), built once.
         self._from_zero = first_pages(layout, None)
-        self.quarantined: list[Quarantine] = []
+        self._quarantines = Quarantines(self.registry, clock)
         # Prefix locks with a time to live: peers' exports and requests' holds.
         self.leases = LeaseTable(self, clock)
+        self._locks = NodeLocks(self.tree, layout.pools)
+        self._inserts = Inserts(
+            self.tree,
+            layout,
+            self.registry,
+            self.policies,
+            self.tiers,
+            self._keyers,
+            self.walk,
+            self.transaction,
+            self._locks,
+            self._quarantines,
+        )
+        self._exports = Exports(self.registry, self.policies, self.tiers)
+        self._views = PageViews(self.tree)
 
-    def _eviction_hook(self, entry: PoolEntry) -> Callable[[Tier, int, Transaction], int]:
+    def _eviction_hook(self, entry: PoolEntry) -> MakeRoom:
         """What a reservation calls when a pool is short: evict what it needs plus a
         slice of the pool (none for pools under EVICTION_BATCH pages)."""
         evictor = self.evictors[entry.name]
@@ -152,11 +169,7 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         return Match(path, matched, anywhere, on_device, request_pages)
 
     def usable(self, path: list[TreeNode], limit: int, tiers: tuple[Tier, ...]) -> int:
-        # Policies are visited in pool order, FULL first. Full usability is
-        # prefix-closed, so the SWA policy's answer is usable for FULL too.
-        for policy in self.policies.values():
-            limit = policy.usable(path, limit, tiers)
-        return limit
+        return usable_length(self.policies, path, limit, tiers)
 
     def presence(self, match: Match, pool: PoolName, tiers: tuple[Tier, ...] = TIERS) -> list[bool]:
         """Per matched page, whether `pool` KV is held on one of `tiers`."""
@@ -214,25 +227,44 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
         self.unlock_nodes(NodeGuard(within(path, lock.spans)))
 
     def lock_nodes(self, held: dict[PoolName, list[TreeNode]]) -> NodeGuard:
-        for pool, nodes in held.items():
-            self.tree.lock(nodes, pool, +1)
-        return NodeGuard(held)
+        return self._locks.lock(held)
 
     def unlock_nodes(self, guard: NodeGuard) -> None:
-        for pool, nodes in guard.nodes.items():
-            self.tree.lock(nodes, pool, -1)
-            prune_unlocked(self.tree, self.layout.pools, nodes)
+        self._locks.unlock(guard)
 
     # --- transactions --------------------------------------------------------------
     def transaction(self) -> Transaction:
         txn = Transaction(
-            self.tree, self.registry, self.copier, self.reserve_hook, self._txn_closed
+            self.tree,
+            self.registry,
+            self.copier,
+            self.reserve_hook,
+            self._txn_closed,
+            self.make_room,
         )
         self.open_txns.add(txn)
         return txn
 
     def _txn_closed(self, txn: Transaction) -> None:
         self.open_txns.discard(txn)
+
+    # --- inserts -------------------------------------------------------------------
+    @property
+    def filling(self) -> dict[int, Reserved]:
+        """Pages inserts took off the free lists and fill now (Inserts.filling)."""
+        return self._inserts.filling
+
+    def plan_store(
+        self, tokens: Sequence[int], namespace: str, first: dict[PoolName, int]
+    ) -> InsertPlan:
+        return self._inserts.plan_store(tokens, namespace, first)
+
+    def plan_fetch(self, tokens: Sequence[int], namespace: str, pages: int) -> InsertPlan:
+        return self._inserts.plan_fetch(tokens, namespace, pages)
+
+    def insert(self, plan: InsertPlan, fill: Fill | None, writer: str | None = None) -> T | None:
+        """Commit `plan`, its pages written by `fill` (see Inserts.insert)."""
+        return self._inserts.insert(plan, fill, writer, self.reserve_hook)
 
     # --- put -------------------------------------------------------------------------
     def put(
@@ -414,6 +446,64 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
             return
         check_kv(self.layout, kv, pages, first)
 
+    # --- quarantines ----------------------------------------------------------------
+    @property
+    def quarantined(self) -> list[Quarantine]:
+        return self._quarantines.held
+
+    def quarantine(
+        self, pages: dict[tuple[PoolName, Tier], list[int]], peer: str | None = None
+    ) -> None:
+        """Keep pages out of use: an abandoned transfer from `peer` may still write them
+        (see Quarantines.add)."""
+        self._quarantines.add(pages, peer)
+
+    def quarantines(self, peer: str) -> bool:
+        """Whether pages an abandoned transfer from `peer` may still write are held."""
+        return self._quarantines.holds(peer)
+
+    def quarantined_peers(self) -> set[str]:
+        return self._quarantines.peers()
+
+    def release_quarantine(self, peer: str | None = None, force: bool = False) -> int:
+        """Free the pages quarantined for `peer` (all with `force`); returns pages freed."""
+        return self._quarantines.release(peer, force)
+
+    # --- what the exchange reads (see exports.py) ----------------------------------
+    def load_to_device(self, match: Match, n: int) -> Loaded:
+        return self._exports.load_to_device(match, n)
+
+    def back_up(self, match: Match) -> bool:
+        return self._exports.back_up(match)
+
+    def export_spans(self, n: int, skip: int) -> dict[PoolName, range]:
+        return self._exports.export_spans(n, skip)
+
+    def locate(self, match: Match, pool: PoolName, span: range) -> list[tuple[Tier, int]]:
+        return self._exports.locate(match, pool, span)
+
+    def checksums(self, pool: PoolName, pages: Sequence[tuple[Tier, int]]) -> list[int]:
+        return self._exports.checksums(pool, pages)
+
+    def device_pools(self) -> dict[PoolName, torch.Tensor | None]:
+        return self._exports.device_pools()
+
+    # --- what the event publisher reads (see page_views.py) ------------------------
+    def track_changes(self, pending_floor: int) -> None:
+        self._views.track_changes(pending_floor)
+
+    def has_changes(self) -> bool:
+        return self._views.has_changes()
+
+    def take_changes(self) -> tuple[list[PageWithPath], bool]:
+        return self._views.take_changes()
+
+    def held_pages(self) -> Iterator[PageView]:
+        return self._views.held_pages()
+
+    def held_pages_with_paths(self) -> Iterator[PageWithPath]:
+        return self._views.held_pages_with_paths()
+
     # --- maintenance ---------------------------------------------------------------
     def evict(self, pool: PoolName, tier: Tier, n: int) -> int:
         with self.transaction() as txn:
@@ -421,6 +511,7 @@ class NodeCache(Quarantines, Inserts, Exports, PageViews):
 
     def stats(self) -> CacheStats:
         s = self._stats
+        s.inserted_pages = self._inserts.inserted_pages
         s.nodes = self.tree.node_count
         s.evicted_pages = sum(e.evicted for e in self.evictors.values())
         s.written_back_pages = sum(e.written_back for e in self.evictors.values())

@@ -5,14 +5,11 @@ publisher never walks the tree itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from .changes import ChangeLog, holder
 from .layout import PoolName, Tier
-from .radix import ABSENT, TIERS, TreeNode
-
-if TYPE_CHECKING:
-    from .radix import RadixTree
+from .radix import ABSENT, TIERS, RadixTree, TreeNode
 
 # A page and the keys of its path from depth 0 (itself last): what routing needs.
 PageWithPath = tuple["PageView", list[bytes]]
@@ -27,9 +24,10 @@ class PageView:
 
 
 class PageViews:
-    """NodeCache's methods for its event publisher (a mixin). What they use of the cache:"""
+    """A tree's pages as its cache's event publisher sees them."""
 
-    tree: RadixTree
+    def __init__(self, tree: RadixTree) -> None:
+        self.tree = tree
 
     def track_changes(self, pending_floor: int) -> None:
         """List changed pages from now on, at most `pending_floor` plus twice the keys

@@ -8,7 +8,7 @@ the node with start <= p < end."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 from .layout import KVLayout, PoolName, Tier
 from .radix import ABSENT, TIERS, RadixTree, TreeNode
@@ -270,3 +270,17 @@ def pages_to_anchor(node: TreeNode, memo: dict[int, int]) -> int:
 def policies_for(layout: KVLayout) -> dict[PoolName, AttentionPolicy]:
     made = {PoolName.FULL: FullAttentionPolicy, PoolName.SWA: lambda: SlidingWindowPolicy(layout)}
     return {name: made[name]() for name in layout.pools}
+
+
+def usable_length(
+    policies: Mapping[PoolName, AttentionPolicy],
+    path: list[TreeNode],
+    limit: int,
+    tiers: tuple[Tier, ...],
+) -> int:
+    """The longest length up to `limit` every pool's policy finds usable on `tiers`.
+    Policies are visited in pool order, FULL first: full usability is prefix-closed,
+    so the SWA policy's answer is usable for FULL too."""
+    for policy in policies.values():
+        limit = policy.usable(path, limit, tiers)
+    return limit

@@ -7,8 +7,8 @@ without SWA layers simply has no SWA entry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Iterator, Mapping
 
 import torch
 
@@ -49,19 +49,11 @@ class PagePool:
         return torch.tensor(indices, dtype=torch.long, device=device)
 
 
-if TYPE_CHECKING:
-    from .txn import Transaction
-
-# evict(tier, n_pages, txn) -> pages freed; set by the cache that owns the tree.
-EvictFn = Callable[[Tier, int, "Transaction"], int]
-
-
 @dataclass
 class PoolEntry:
     name: PoolName
     device: PagePool
     host: PagePool
-    evict: EvictFn | None = field(default=None, repr=False)
 
     def tier(self, tier: Tier) -> PagePool:
         return self.device if tier == Tier.DEVICE else self.host

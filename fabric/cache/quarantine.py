@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 from .layout import PoolName, Tier
 from .pools import PoolRegistry
@@ -10,39 +10,41 @@ from .records import Quarantine
 
 
 class Quarantines:
-    """NodeCache's quarantine (a mixin). What it uses of the cache:"""
+    """The quarantined pages of one cache's pools, by the peer whose transfer may write them."""
 
-    registry: PoolRegistry
-    clock: Callable[[], float]
-    quarantined: list[Quarantine]
+    def __init__(self, registry: PoolRegistry, clock: Callable[[], float]) -> None:
+        self.registry = registry
+        self.clock = clock
+        self.held: list[Quarantine] = []
 
-    def quarantine(
-        self, pages: dict[tuple[PoolName, Tier], list[int]], peer: str | None = None
-    ) -> None:
+    def add(self, pages: dict[tuple[PoolName, Tier], list[int]], peer: str | None = None) -> None:
         """Keep pages out of use: an abandoned transfer from `peer` may still write them.
-        No time releases them (a stopped peer resumes when it likes): only
-        `release_quarantine`, once the peer is dead or its transport says every read
-        from it that was given up has completed (Transport.drained)."""
-        self.quarantined.append(Quarantine(self.clock(), peer, pages))
+        No time releases them (a stopped peer resumes when it likes): only `release`,
+        once the peer is dead or its transport says every read from it that was given
+        up has completed (Transport.drained)."""
+        self.held.append(Quarantine(self.clock(), peer, pages))
 
-    def quarantines(self, peer: str) -> bool:
+    def holds(self, peer: str) -> bool:
         """Whether pages an abandoned transfer from `peer` may still write are held."""
-        return any(q.peer == peer for q in self.quarantined)
+        return any(q.peer == peer for q in self.held)
 
-    def quarantined_peers(self) -> set[str]:
-        return {q.peer for q in self.quarantined if q.peer is not None}
+    def peers(self) -> set[str]:
+        return {q.peer for q in self.held if q.peer is not None}
 
-    def release_quarantine(self, peer: str | None = None, force: bool = False) -> int:
+    def release(self, peer: str | None = None, force: bool = False) -> int:
         """Free the pages quarantined for `peer`: it is dead, or the reads that may
         still write them have completed (Transport.drained). `force` frees all (tests,
         shutdown). Returns pages freed."""
         keep, freed = [], 0
-        for q in self.quarantined:
+        for q in self.held:
             if force or (peer is not None and q.peer == peer):
                 for (pool, tier), indices in q.pages.items():
                     self.registry.pool(pool, tier).allocator.free(indices)
                     freed += len(indices)
             else:
                 keep.append(q)
-        self.quarantined = keep
+        self.held = keep
         return freed
+
+    def __iter__(self) -> Iterator[Quarantine]:
+        return iter(self.held)

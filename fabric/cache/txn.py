@@ -40,6 +40,11 @@ class ReservationHook(Protocol):
     def __call__(self, pool: PoolName, tier: Tier) -> None: ...
 
 
+# make_room(tier, n_pages, txn) -> pages freed: a pool's eviction, given by the cache
+# that owns the tree (in txn's journal, so that a rollback undoes it).
+MakeRoom = Callable[[Tier, int, "Transaction"], int]
+
+
 class Transaction:
     # One is made per put: slots, and lazily made page sets, keep that cheap.
     __slots__ = (
@@ -47,6 +52,7 @@ class Transaction:
         "registry",
         "copier",
         "reserve_hook",
+        "make_room",
         "owned",
         "sealed",
         "closed",
@@ -63,11 +69,13 @@ class Transaction:
         copier: PageCopier,
         reserve_hook: ReservationHook | None,
         on_close: Callable[["Transaction"], None],
+        make_room: Mapping[PoolName, MakeRoom],
     ) -> None:
         self.tree = tree
         self.registry = registry
         self.copier = copier
         self.reserve_hook = reserve_hook
+        self.make_room = make_room
         # Reserved pages not yet placed, per (pool, tier) reserved in.
         self.owned: dict[tuple[PoolName, Tier], set[int]] = {}
         self.sealed = False
@@ -99,8 +107,8 @@ class Transaction:
         entry = self.registry[pool]
         allocator = entry.tier(tier).allocator
         free = allocator.free_count
-        if n > free and evict and entry.evict is not None:
-            entry.evict(tier, n - free, self)
+        if n > free and evict and (make_room := self.make_room.get(pool)) is not None:
+            make_room(tier, n - free, self)
             free = allocator.free_count
         if n > free:
             raise ReservationFailed(
