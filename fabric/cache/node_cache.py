@@ -13,7 +13,6 @@ from .candidates import Candidates
 from .check import PageAudit, check_invariants, page_audit
 from .check import snapshot as cache_snapshot
 from .eviction import Evictor, drop_cut_leaf
-from .exports import Exports, Loaded
 from .guards import NodeLocks
 from .insert import Fill, InsertPlan, Inserts, T, Unlocked
 from .keys import KeyerCache, PageKeyer, encode_tokens
@@ -28,6 +27,7 @@ from .quarantine import Quarantines
 from .radix import DEVICE, DEVICE_ONLY, TIERS, RadixTree, Reserved, TreeNode
 from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
 from .rows import PagedKV, check_kv, first_pages, pack_rows
+from .shared_pages import Loaded, SharedPages
 from .tiers import TierConfig, TierController
 from .txn import MakeRoom, ReservationFailed, ReservationHook, Transaction
 from .walks import Walk, WalkMemo
@@ -117,7 +117,7 @@ class NodeCache:
             self._locks,
             self._quarantines,
         )
-        self._exports = Exports(self.registry, self.policies, self.tiers)
+        self._shared = SharedPages(self.registry, self.policies, self.tiers)
         self._views = PageViews(self.tree)
 
     def _eviction_hook(self, entry: PoolEntry) -> MakeRoom:
@@ -469,24 +469,24 @@ class NodeCache:
         """Free the pages quarantined for `peer` (all with `force`); returns pages freed."""
         return self._quarantines.release(peer, force)
 
-    # --- what the exchange reads (see exports.py) ----------------------------------
+    # --- what the exchange reads (see shared_pages.py) -----------------------------
     def load_to_device(self, match: Match, n: int) -> Loaded:
-        return self._exports.load_to_device(match, n)
+        return self._shared.load_to_device(match, n)
 
     def back_up(self, match: Match) -> bool:
-        return self._exports.back_up(match)
+        return self._shared.back_up(match)
 
     def export_spans(self, n: int, skip: int) -> dict[PoolName, range]:
-        return self._exports.export_spans(n, skip)
+        return self._shared.export_spans(n, skip)
 
     def locate(self, match: Match, pool: PoolName, span: range) -> list[tuple[Tier, int]]:
-        return self._exports.locate(match, pool, span)
+        return self._shared.locate(match, pool, span)
 
     def checksums(self, pool: PoolName, pages: Sequence[tuple[Tier, int]]) -> list[int]:
-        return self._exports.checksums(pool, pages)
+        return self._shared.checksums(pool, pages)
 
     def device_pools(self) -> dict[PoolName, torch.Tensor | None]:
-        return self._exports.device_pools()
+        return self._shared.device_pools()
 
     # --- what the event publisher reads (see page_views.py) ------------------------
     def track_changes(self, pending_floor: int) -> None:

@@ -1,7 +1,8 @@
-"""What a node cache shows the exchange: a matched prefix made device-resident, where
-each of its pages lies, page checksums, and the device pools a transport registers.
-The exchange and the transport use these and never reach the tree, the pools or the
-policies themselves."""
+"""A node cache's pages as it shares them with peers: a matched prefix made
+device-resident, where each of its pages lies, page checksums, and the device pools a
+transport registers. The exchange (exchange/export.py, the source end of a remote
+fetch) and the transport use these and never reach the tree, the pools or the policies
+themselves."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ class Loaded:
     from_host: int
 
 
-class Exports:
-    """What one cache shows the exchange, read off its pools, policies and tiers."""
+class SharedPages:
+    """What one cache shares with peers, read off its pools, policies and tiers."""
 
     def __init__(
         self,
