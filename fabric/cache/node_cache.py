@@ -18,7 +18,7 @@ from .insert import Fill, InsertPlan, Inserts, T, Unlocked
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
 from .leases import LeaseTable
-from .page_views import PageView, PageViews, PageWithPath
+from .page_changes import PageChanges, PageView, PageWithPath
 from .pages import LayerKV, PageCopier, TorchCopier, copy_rows
 from .paths import groups, within
 from .policies import AttentionPolicy, policies_for, usable_length
@@ -118,7 +118,7 @@ class NodeCache:
             self._quarantines,
         )
         self._shared = SharedPages(self.registry, self.policies, self.tiers)
-        self._views = PageViews(self.tree)
+        self._changes = PageChanges(self.tree)
 
     def _eviction_hook(self, entry: PoolEntry) -> MakeRoom:
         """What a reservation calls when a pool is short: evict what it needs plus a
@@ -488,21 +488,21 @@ class NodeCache:
     def device_pools(self) -> dict[PoolName, torch.Tensor | None]:
         return self._shared.device_pools()
 
-    # --- what the event publisher reads (see page_views.py) ------------------------
+    # --- what the event publisher reads (see page_changes.py) ----------------------
     def track_changes(self, pending_floor: int) -> None:
-        self._views.track_changes(pending_floor)
+        self._changes.track_changes(pending_floor)
 
     def has_changes(self) -> bool:
-        return self._views.has_changes()
+        return self._changes.has_changes()
 
     def take_changes(self) -> tuple[list[PageWithPath], bool]:
-        return self._views.take_changes()
+        return self._changes.take_changes()
 
     def held_pages(self) -> Iterator[PageView]:
-        return self._views.held_pages()
+        return self._changes.held_pages()
 
     def held_pages_with_paths(self) -> Iterator[PageWithPath]:
-        return self._views.held_pages_with_paths()
+        return self._changes.held_pages_with_paths()
 
     # --- maintenance ---------------------------------------------------------------
     def evict(self, pool: PoolName, tier: Tier, n: int) -> int:

@@ -6,7 +6,7 @@ from typing import Protocol
 
 from kvfabric.fabric.cache.layout import PoolName, Tier
 from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.page_views import PageView
+from kvfabric.fabric.cache.page_changes import PageView
 
 from .events import EventBatch, PageMask, PageState, Snapshot
 from .routes import RouteTable

@@ -23,7 +23,7 @@ class PageView:
     held: tuple[tuple[PoolName, Tier], ...]  # where its KV is; () for a page that left
 
 
-class PageViews:
+class PageChanges:
     """A tree's pages as its cache's event publisher sees them."""
 
     def __init__(self, tree: RadixTree) -> None:
