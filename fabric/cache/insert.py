@@ -35,7 +35,7 @@ from .radix import (
 from .records import NodeGuard
 from .tiers import TierController
 from .txn import ReservationHook, Transaction
-from .walks import Walk
+from .walk_memo import Walk
 
 T = TypeVar("T")
 # fill(reserved, hold) writes every planned page into its reserved device page. It returns

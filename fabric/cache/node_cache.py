@@ -30,7 +30,7 @@ from .rows import PagedKV, check_kv, first_pages, pack_rows
 from .shared_pages import Loaded, SharedPages
 from .tiers import TierConfig, TierController
 from .txn import MakeRoom, ReservationFailed, ReservationHook, Transaction
-from .walks import Walk, WalkMemo
+from .walk_memo import Walk, WalkMemo
 
 # Evicting for a reservation also frees 1/EVICTION_BATCH of the pool, so that bringing the
 # candidates up to date (candidates.py) is paid once per that many pages, not once per insert.

@@ -98,7 +98,7 @@ class RadixTree:
         self.clock = 0
         self.node_count = 0
         self.page_count = 0  # pages (keys) along all runs
-        self.version = 0  # bumped by every change of shape (attach, detach, split): walks.py
+        self.version = 0  # bumped by every change of shape (attach, detach, split): walk_memo.py
         self.owned = [[0, 0], [0, 0]]  # [tier][pool] pages held by nodes
         self.protected = [[0, 0], [0, 0]]  # [tier][pool] pages held by locked nodes
         self.changes: ChangeLog | None = None  # with events on (an EventPublisher)

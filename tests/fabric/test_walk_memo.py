@@ -1,4 +1,4 @@
-"""The walk a match keeps for the put that follows (fabric/cache/walks.py): a put after a
+"""The walk a match keeps for the put that follows (fabric/cache/walk_memo.py): a put after a
 match packs and walks nothing again, and the memo never answers for tokens changed in
 place, other tokens, another namespace or a tree whose shape changed in between. A cache
 whose memo never answers is the reference: driven through the same steps, both must end
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity, Tier
 from kvfabric.fabric.cache import node_cache
 from kvfabric.fabric.cache.keys import KeyError_, PageKeyer, encode_tokens
-from kvfabric.fabric.cache.walks import Walk, WalkMemo
+from kvfabric.fabric.cache.walk_memo import Walk, WalkMemo
 
 LAYOUTS = {
     "full": KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=2),
