@@ -9,8 +9,8 @@ from .cache.node_cache import CachedKV, CacheStats, Match, NodeCache, PrefixLock
 from .cache.pages import PageCopier, TorchCopier, page_checksums
 from .cache.policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
 from .cache.pools import PagePool, PoolCapacity, PoolEntry, PoolRegistry
+from .cache.put_rows import PagedKV
 from .cache.radix import RadixTree, TreeNode
-from .cache.rows import PagedKV
 from .cache.tiers import TierConfig, TierController, WritePolicy
 from .cache.txn import ReservationFailed, ReservationHook, Transaction, TransactionClosed
 from .exchange.export import export_prefix

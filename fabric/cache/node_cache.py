@@ -23,10 +23,10 @@ from .pages import LayerKV, PageCopier, TorchCopier, copy_rows
 from .paths import groups, within
 from .policies import AttentionPolicy, policies_for, usable_length
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
+from .put_rows import PagedKV, check_kv, first_pages, pack_rows
 from .quarantine import Quarantines
 from .radix import DEVICE, DEVICE_ONLY, TIERS, RadixTree, Reserved, TreeNode
 from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
-from .rows import PagedKV, check_kv, first_pages, pack_rows
 from .shared_pages import Loaded, SharedPages
 from .tiers import TierConfig, TierController
 from .txn import MakeRoom, ReservationFailed, ReservationHook, Transaction
