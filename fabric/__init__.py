@@ -6,7 +6,7 @@ from .cache.keys import KeyerCache, PageKeyer, encode_tokens, namespace_key
 from .cache.layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
 from .cache.leases import Lease, LeaseTable
 from .cache.node_cache import CachedKV, CacheStats, Match, NodeCache, PrefixLock
-from .cache.pages import PageCopier, TorchCopier, page_checksums
+from .cache.page_bytes import PageCopier, TorchCopier, page_checksums
 from .cache.policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
 from .cache.pools import PagePool, PoolCapacity, PoolEntry, PoolRegistry
 from .cache.put_rows import PagedKV

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from kvfabric.fabric import KVLayout, NodeCache, PagedKV, PoolName
 from kvfabric.fabric.cache.insert import Unlocked
-from kvfabric.fabric.cache.pages import run_view
+from kvfabric.fabric.cache.page_bytes import run_view
 from kvfabric.fabric.wire import is_int
 
 SHM_DIR = Path("/dev/shm")

@@ -27,7 +27,7 @@ from concurrent.futures import wait as wait_futures
 
 import torch
 from kvfabric.fabric import PoolName
-from kvfabric.fabric.cache.pages import copy_rows
+from kvfabric.fabric.cache.page_bytes import copy_rows
 from kvfabric.transport.staging import SharedPages, StagingSpec
 
 from .block_format import BlockFormat

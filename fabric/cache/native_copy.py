@@ -1,5 +1,5 @@
 """The row copy's C extension (fabric/cache/csrc/copy.c) as KVF_NATIVE picks it, or None
-for the torch reference in pages.py (see native.py)."""
+for the torch reference in page_bytes.py (see native.py)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from .insert import Fill, InsertPlan, Inserts, T, Unlocked
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
 from .leases import LeaseTable
+from .page_bytes import LayerKV, PageCopier, TorchCopier, copy_rows
 from .page_changes import PageChanges, PageView, PageWithPath
-from .pages import LayerKV, PageCopier, TorchCopier, copy_rows
 from .paths import groups, within
 from .policies import AttentionPolicy, policies_for, usable_length
 from .pools import PoolCapacity, PoolEntry, PoolRegistry

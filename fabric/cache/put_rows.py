@@ -15,7 +15,7 @@ from typing import Mapping
 import torch
 
 from .layout import KVLayout, PoolName
-from .pages import LayerKV, pack, run_view
+from .page_bytes import LayerKV, pack, run_view
 
 
 def first_pages(layout: KVLayout, starts: Mapping[PoolName, int] | None) -> dict[PoolName, int]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layout import PoolName, Tier
-from .pages import unpack
+from .page_bytes import unpack
 from .radix import TreeNode
 
 

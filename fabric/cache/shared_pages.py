@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from .layout import PoolName, Tier
-from .pages import page_checksums
+from .page_bytes import page_checksums
 from .paths import groups
 from .policies import AttentionPolicy, usable_length
 from .pools import PoolRegistry

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, Protocol, Sequence
 
 from .layout import PoolName, Tier
-from .pages import PageCopier, keep_bytes
+from .page_bytes import PageCopier, keep_bytes
 from .pools import PoolRegistry
 from .radix import Placement, RadixTree, TreeNode
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfabric.fabric.cache.native_copy import COPY
-from kvfabric.fabric.cache.pages import copy_rows
+from kvfabric.fabric.cache.page_bytes import copy_rows
 
 pytestmark = pytest.mark.skipif(
     COPY is None, reason="KVF_NATIVE=0 or not built: the reference alone"
@@ -116,7 +116,7 @@ def test_a_bad_call_raises_and_changes_nothing(bad, native):
 
 
 def _with(native, call, src, dst):
-    import kvfabric.fabric.cache.pages as pages
+    import kvfabric.fabric.cache.page_bytes as pages
 
     saved = pages.COPY
     pages.COPY = COPY if native else None

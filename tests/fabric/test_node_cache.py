@@ -457,7 +457,7 @@ def test_a_put_of_paged_kv_stores_what_a_put_of_layer_rows_does(pages, swa_first
     cache that already holds a shorter prefix: the same pages stored, the same bytes read
     back."""
     from kvfabric.fabric import PagedKV
-    from kvfabric.fabric.cache.pages import pack
+    from kvfabric.fabric.cache.page_bytes import pack
 
     tokens = seq(pages)
     kv = prefix_kv(MIXED, tokens)
@@ -483,7 +483,7 @@ def test_a_put_of_paged_kv_stores_what_a_put_of_layer_rows_does(pages, swa_first
 
 def test_paged_kv_of_the_wrong_shape_is_refused_and_changes_nothing():
     from kvfabric.fabric import PagedKV
-    from kvfabric.fabric.cache.pages import pack
+    from kvfabric.fabric.cache.page_bytes import pack
 
     c = make()
     tokens = seq(4)

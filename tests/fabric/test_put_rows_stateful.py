@@ -24,7 +24,7 @@ from kvfabric.fabric import (
     TierConfig,
     WritePolicy,
 )
-from kvfabric.fabric.cache.pages import pack
+from kvfabric.fabric.cache.page_bytes import pack
 
 from tests.fabric.test_cache_stateful import NAMESPACES, family
 from tests.kvgen import prefix_kv
