@@ -1,11 +1,14 @@
 """fabric: the single-node core. No Ray here."""
 
 from .cache.allocator import AllocatorError, OutOfPages, PageAllocator
+from .cache.cached_kv import CachedKV
 from .cache.check import InvariantError, PageAudit
 from .cache.keys import KeyerCache, PageKeyer, encode_tokens, namespace_key
 from .cache.layout import KVLayout, LayerKind, LayoutError, PoolName, Tier
 from .cache.leases import Lease, LeaseTable
-from .cache.node_cache import CachedKV, CacheStats, Match, NodeCache, PrefixLock
+from .cache.locks import PrefixLock
+from .cache.match import Match
+from .cache.node_cache import CacheStats, NodeCache
 from .cache.page_bytes import PageCopier, TorchCopier, page_checksums
 from .cache.policies import AttentionPolicy, FullAttentionPolicy, SlidingWindowPolicy
 from .cache.pools import PagePool, PoolCapacity, PoolEntry, PoolRegistry

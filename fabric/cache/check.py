@@ -9,8 +9,8 @@ from typing import Iterable, Mapping, NoReturn, Protocol
 from .layout import PoolName, Tier
 from .policies import AttentionPolicy
 from .pools import PoolRegistry
+from .quarantine import Quarantine
 from .radix import ABSENT, TIERS, RadixTree, Reserved
-from .records import Quarantine
 from .txn import Transaction
 
 

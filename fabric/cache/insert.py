@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence, TypeVar
 
 from .eviction import drop_cut_leaf
-from .guards import NodeLocks
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
+from .locks import TreeGuard, TreeLocks
 from .policies import AttentionPolicy
 from .pools import PoolRegistry
 from .quarantine import Quarantines
@@ -32,7 +32,6 @@ from .radix import (
     TreeNode,
     placements,
 )
-from .records import NodeGuard
 from .tiers import TierController
 from .txn import ReservationHook, Transaction
 from .walk_memo import Walk
@@ -71,7 +70,7 @@ class Inserts:
         keyers: KeyerCache,
         walk: Callable[[Sequence[int], str], Walk],
         transaction: Callable[[], Transaction],
-        locks: NodeLocks,
+        locks: TreeLocks,
         quarantines: Quarantines,
     ) -> None:
         self.tree = tree
@@ -232,7 +231,7 @@ class Inserts:
         parent, keys = self.tree.new_run(plan.path, plan.tokens, plan.keyer)
         return parent, keys, plan.tokens, DEVICE, placements(plan.todo, DEVICE, got)
 
-    def _guard(self, path: list[TreeNode], keep: Mapping[PoolName, Sequence[int]]) -> NodeGuard:
+    def _guard(self, path: list[TreeNode], keep: Mapping[PoolName, Sequence[int]]) -> TreeGuard:
         """Lock what an insert keeps of the existing path while it makes room."""
         held = {
             pool: [

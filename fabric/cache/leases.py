@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from .records import PrefixLock
+from .locks import PrefixLock
 
 
 class Unlocks(Protocol):

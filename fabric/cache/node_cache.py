@@ -9,24 +9,25 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from .cached_kv import CachedKV
 from .candidates import Candidates
 from .check import PageAudit, check_invariants, page_audit
 from .check import snapshot as cache_snapshot
 from .eviction import Evictor, drop_cut_leaf
-from .guards import NodeLocks
 from .insert import Fill, InsertPlan, Inserts, T, Unlocked
 from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
 from .leases import LeaseTable
+from .locks import PrefixLock, TreeGuard, TreeLocks
+from .match import Match
 from .page_bytes import LayerKV, PageCopier, TorchCopier, copy_rows
 from .page_changes import PageChanges, PageView, PageWithPath
 from .paths import groups, within
 from .policies import AttentionPolicy, policies_for, usable_length
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
 from .put_rows import PagedKV, check_kv, first_pages, pack_rows
-from .quarantine import Quarantines
+from .quarantine import Quarantine, Quarantines
 from .radix import DEVICE, DEVICE_ONLY, TIERS, RadixTree, Reserved, TreeNode
-from .records import CachedKV, Match, NodeGuard, PrefixLock, Quarantine
 from .shared_pages import Loaded, SharedPages
 from .tiers import TierConfig, TierController
 from .txn import MakeRoom, ReservationFailed, ReservationHook, Transaction
@@ -104,7 +105,7 @@ class NodeCache:
         self._quarantines = Quarantines(self.registry, clock)
         # Prefix locks with a time to live: peers' exports and requests' holds.
         self.leases = LeaseTable(self, clock)
-        self._locks = NodeLocks(self.tree, layout.pools)
+        self._locks = TreeLocks(self.tree, layout.pools)
         self._inserts = Inserts(
             self.tree,
             layout,
@@ -191,7 +192,7 @@ class NodeCache:
         guard, spans = self._guard_match(match, n)
         return PrefixLock([k for x in match.path if x.start < n for k in x.keys], spans)
 
-    def _guard_match(self, match: Match, n: int) -> tuple[NodeGuard, dict[PoolName, range]]:
+    def _guard_match(self, match: Match, n: int) -> tuple[TreeGuard, dict[PoolName, range]]:
         spans = {p: pol.needed(n) for p, pol in self.policies.items()}
         for span in spans.values():  # locks are per node: make span ends node boundaries
             for edge in (span.start, span.stop):
@@ -224,12 +225,12 @@ class NodeCache:
         if matched != len(lock.keys):
             raise RuntimeError("a locked prefix left the tree")  # locks forbid eviction: a bug
         lock.released = True
-        self.unlock_nodes(NodeGuard(within(path, lock.spans)))
+        self.unlock_nodes(TreeGuard(within(path, lock.spans)))
 
-    def lock_nodes(self, held: dict[PoolName, list[TreeNode]]) -> NodeGuard:
+    def lock_nodes(self, held: dict[PoolName, list[TreeNode]]) -> TreeGuard:
         return self._locks.lock(held)
 
-    def unlock_nodes(self, guard: NodeGuard) -> None:
+    def unlock_nodes(self, guard: TreeGuard) -> None:
         self._locks.unlock(guard)
 
     # --- transactions --------------------------------------------------------------

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from .layout import PoolName, Tier
 from .pools import PoolRegistry
-from .records import Quarantine
+
+
+@dataclass
+class Quarantine:
+    """Pages an abandoned transfer from `peer` may still write: held until that
+    peer is known dead or a later read from it completes (never by time alone)."""
+
+    since: float
+    peer: str | None
+    pages: dict[tuple[PoolName, Tier], list[int]]
 
 
 class Quarantines:

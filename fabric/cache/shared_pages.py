@@ -12,12 +12,12 @@ from typing import Sequence
 import torch
 
 from .layout import PoolName, Tier
+from .match import Match
 from .page_bytes import page_checksums
 from .paths import groups
 from .policies import AttentionPolicy, usable_length
 from .pools import PoolRegistry
 from .radix import DEVICE_ONLY, TIERS
-from .records import Match
 from .tiers import TierController
 
 

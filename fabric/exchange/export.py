@@ -7,8 +7,8 @@ from typing import Sequence
 
 from kvfabric.fabric.cache.layout import PoolName
 from kvfabric.fabric.cache.leases import LeaseTable
+from kvfabric.fabric.cache.match import Match
 from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.records import Match
 
 from .grant import ExportGrant, PoolPages
 

@@ -1,4 +1,4 @@
-"""What NodeCache's calls take and return: matches, locks, cached K/V, quarantines."""
+"""CachedKV: the K/V of a cached prefix as NodeCache.get hands it out."""
 
 from __future__ import annotations
 
@@ -7,44 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layout import PoolName, Tier
+from .layout import PoolName
 from .page_bytes import unpack
-from .radix import TreeNode
-
-
-@dataclass(slots=True)  # one is made per request
-class Match:
-    """A request's cached prefix along `path` from the root: `present_pages` of it are in
-    the tree, of which the first `usable_pages` can serve the request (every pool holds
-    what a match of that length needs)."""
-
-    path: list[TreeNode]  # nodes holding the request's matched pages (the last may hold more)
-    present_pages: int  # pages present in the tree, on any tier, in any pool
-    usable_pages: int  # usable length, either tier
-    usable_device_pages: int  # usable length from the device tier alone
-    request_pages: int  # whole pages in the request
-
-    @property
-    def keys(self) -> list[bytes]:
-        return [k for n in self.path for k in n.keys][: self.usable_pages]
-
-
-@dataclass
-class PrefixLock:
-    """A lock held outside the cache's own calls. It names pages by key and
-    position, not by node: a later split of a locked run copies the lock into
-    both halves, and unlocking finds both."""
-
-    keys: list[bytes]
-    spans: dict[PoolName, range]
-    released: bool = False
-
-
-@dataclass
-class NodeGuard:
-    """A lock held within one cache call, during which no run is split."""
-
-    nodes: dict[PoolName, list[TreeNode]]
 
 
 @dataclass
@@ -81,13 +45,3 @@ class CachedKV:
             for li, t in zip(self.pool_layers[pool], unpack(held)):
                 out[li] = t
         return out
-
-
-@dataclass
-class Quarantine:
-    """Pages an abandoned transfer from `peer` may still write: held until that
-    peer is known dead or a later read from it completes (never by time alone)."""
-
-    since: float
-    peer: str | None
-    pages: dict[tuple[PoolName, Tier], list[int]]
