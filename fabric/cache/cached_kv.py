@@ -23,7 +23,7 @@ class CachedKV:
     A pool copied into the caller's memory (NodeCache.get's `into`) is in `sinks`
     instead: (that memory, its rows), page i in row i.
     `host_tokens`: how many of the tokens were loaded back from the host tier.
-    `hold`: the id of the hold pinning this prefix until the caller's put
+    `lease`: the id of the lease pinning this prefix until the caller's put
     (NodeCache.get with `hold_s`), 0 for none."""
 
     tokens: int
@@ -32,8 +32,13 @@ class CachedKV:
     pool_layers: dict[PoolName, tuple[int, ...]]
     n_layers: int
     host_tokens: int = 0
-    hold: int = 0
+    lease: int = 0
     sinks: dict[PoolName, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
+
+    @property
+    def hold(self) -> int:
+        """`lease` as actors/ and deploy/ still spell it."""
+        return self.lease
 
     @functools.cached_property
     def layers(self) -> list[torch.Tensor | None]:

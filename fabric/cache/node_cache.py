@@ -103,7 +103,7 @@ class NodeCache:
         # Rows from page 0 in every pool: a put's usual `first` (read only), built once.
         self._from_zero = first_pages(layout, None)
         self._quarantines = Quarantines(self.registry, clock)
-        # Prefix locks with a time to live: peers' exports and requests' holds.
+        # Prefix locks with a time to live: leases, for peers' exports and requests' get to put.
         self.leases = LeaseTable(self, clock)
         self._locks = TreeLocks(self.tree, layout.pools)
         self._inserts = Inserts(
@@ -204,9 +204,9 @@ class NodeCache:
             match.path.remove(beyond)
         return self.lock_nodes(within(match.path, spans)), spans
 
-    def hold(self, match: Match, pages: int, ttl_s: float) -> int:
-        """Pin what a match of `pages` needs until `release_hold`, or for `ttl_s`
-        seconds if that never comes (a crashed request); returns the hold id."""
+    def lease(self, match: Match, pages: int, ttl_s: float) -> int:
+        """Pin what a match of `pages` needs until `release_lease`, or for `ttl_s`
+        seconds if that never comes (a crashed request); returns the lease id."""
         lock = self.lock(match, pages)
         try:
             return self.leases.grant(lock, ttl_s).lease_id
@@ -214,9 +214,14 @@ class NodeCache:
             self.unlock(lock)
             raise
 
+    def release_lease(self, lease_id: int) -> bool:
+        """Release a lease; False if it is unknown (released already, or expired)."""
+        return self.leases.release(lease_id)
+
     def release_hold(self, hold_id: int) -> bool:
-        """Release a hold; False if it is unknown (released already, or expired)."""
-        return self.leases.release(hold_id)
+        """release_lease as actors/ and deploy/ still spell it (a request's lease was
+        called a hold there)."""
+        return self.release_lease(hold_id)
 
     def unlock(self, lock: PrefixLock) -> None:
         if lock.released:
@@ -285,7 +290,7 @@ class NodeCache:
         pages from there, copied in one pass). Pages before a pool's
         start are never written: SWA pages stay tombstoned, and full KV, which
         must be whole, grows the tree only where it has rows for every new page.
-        `release`: a hold from `get`, released once the put is done, whatever happens.
+        `release`: a lease from `get`, released once the put is done, whatever happens.
         `unlocked`: wraps the copy of the bytes, for a caller that gives up its lock
         meanwhile (the node actor: CacheGate.released); the pages are reserved and the
         path locked, so other prefixes' calls may run then."""
@@ -306,7 +311,7 @@ class NodeCache:
             return plan.pages - plan.present_pages
         finally:
             if release:
-                self.release_hold(release)
+                self.release_lease(release)
 
     def _writer(
         self,
@@ -361,8 +366,9 @@ class NodeCache:
     ) -> CachedKV:
         """The usable cached prefix of `tokens` and its K/V, loaded to device first.
 
-        With `hold_s`, what the hit needs stays pinned (`CachedKV.hold`) until
-        the caller's put releases it, or `release_hold`, or `hold_s` seconds pass:
+        With `hold_s`, what the hit needs stays leased (`CachedKV.lease`) until the
+        caller's put releases it, or `release_lease`, or `hold_s` seconds pass (the
+        parameter keeps the name actors/ and deploy/ pass it by):
         eviction between a request's get and its put cannot take its prefix.
         `first_page`: the caller holds the pages before it: their K/V is not copied
         (`starts` say where each pool's rows begin). `into[pool]`: page-shaped memory of
@@ -387,7 +393,7 @@ class NodeCache:
             out = self._gather(path, n, first_page, into or {})
             out.host_tokens = host_pages * self.layout.page_size
             if hold_s is not None and n:
-                out.hold = self.hold(match, n, hold_s)
+                out.lease = self.lease(match, n, hold_s)
         finally:
             self.unlock_nodes(guard)
         used = [x for x in path if x.start < n]

@@ -1,6 +1,6 @@
 """Incremental eviction (candidates.py) makes exactly the walk's choices: two caches, one
 keeping its candidates across evictions and one walking the tree per eviction (the
-reference), driven through the same random puts, gets, holds, locks, evictions and failed
+reference), driven through the same random puts, gets, leases, locks, evictions and failed
 operations (reservations failed, any exception at any step), drop the same pages in the
 same order and end every step with equal snapshots, stats and evictor counts. A kept heap,
 brought up to date, holds exactly the walk's groups."""
@@ -91,7 +91,7 @@ class TwinMachine(RuleBasedStateMachine):
             self.logs.append(log)
             self.faults.append(faults)
         self.seqs = family(seed) + family(seed + 1)
-        self.holds: list[tuple[int, int]] = []
+        self.leases: list[tuple[int, int]] = []
         self.locks: list[tuple] = []
 
     def tokens(self, i: int) -> list[int]:
@@ -120,15 +120,15 @@ class TwinMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 15), ns=st.sampled_from(NAMESPACES))
     def get_and_hold(self, i, ns):
         got = [c.get(self.tokens(i), ns, hold_s=1e9) for c in self.twins]
-        assert got[0].tokens == got[1].tokens and bool(got[0].hold) == bool(got[1].hold)
-        if got[0].hold:
-            self.holds.append((got[0].hold, got[1].hold))
+        assert got[0].tokens == got[1].tokens and bool(got[0].lease) == bool(got[1].lease)
+        if got[0].lease:
+            self.leases.append((got[0].lease, got[1].lease))
 
-    @precondition(lambda self: self.holds)
+    @precondition(lambda self: self.leases)
     @rule(k=st.integers(0, 10))
-    def release_hold(self, k):
-        ids = self.holds.pop(k % len(self.holds))
-        assert [c.release_hold(h) for c, h in zip(self.twins, ids)] == [True, True]
+    def release_lease(self, k):
+        ids = self.leases.pop(k % len(self.leases))
+        assert [c.release_lease(h) for c, h in zip(self.twins, ids)] == [True, True]
 
     @rule(i=st.integers(0, 15), ns=st.sampled_from(NAMESPACES))
     def lock(self, i, ns):
@@ -209,8 +209,8 @@ class TwinMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "twins"):
             return
-        for ids in self.holds:
-            assert [c.release_hold(h) for c, h in zip(self.twins, ids)] == [True, True]
+        for ids in self.leases:
+            assert [c.release_lease(h) for c, h in zip(self.twins, ids)] == [True, True]
         for locks in self.locks:
             for c, lock in zip(self.twins, locks):
                 c.unlock(lock)

@@ -1,10 +1,10 @@
-"""Requests interleaved on one NodeCache: each gets with a hold, others put,
+"""Requests interleaved on one NodeCache: each gets with a lease, others put,
 evict and let time pass, then it puts the rows it has (full KV from 0 or only
 its new pages, SWA from its hit's window or later), or gives up.
 
 Properties: a put never stores a page it was not given rows for; every page
 in the cache, on every tier, holds exactly the bytes a caller gave for it (the
-K/V of its own prefix); a hold keeps its match usable until released or
+K/V of its own prefix); a lease keeps its match usable until released or
 expired; check() holds after every step."""
 
 import struct
@@ -84,7 +84,7 @@ class PutRowsMachine(RuleBasedStateMachine):
     def begin(self, i, ns, extra):
         tokens = self.seqs[i % len(self.seqs)] + list(range(100, 100 + extra))
         hit = self.cache.get(tokens, ns, hold_s=TTL)
-        assert bool(hit.hold) == (hit.tokens > 0)
+        assert bool(hit.lease) == (hit.tokens > 0)
         want = prefix_kv(self.layout, tokens)
         for li, kind in enumerate(self.layout.layers):
             start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
@@ -116,7 +116,7 @@ class PutRowsMachine(RuleBasedStateMachine):
         kv = [t[:, starts[self._pool(kind)] :] for t, kind in zip(kv, self.layout.layers)]
         keys = self.cache.keys(tokens, r.ns)
         before, matched = self._on_device(keys), self.cache.match(tokens, r.ns).present_pages
-        stored = self.cache.put(tokens, kv, r.ns, starts=starts, release=r.hit.hold)
+        stored = self.cache.put(tokens, kv, r.ns, starts=starts, release=r.hit.lease)
         new = self._on_device(keys) - before
         for position, pool in new:
             assert position >= first[pool], f"{pool.name} page {position} stored without rows"
@@ -126,7 +126,7 @@ class PutRowsMachine(RuleBasedStateMachine):
     @rule(k=st.integers(0, 7))
     def give_up(self, k):
         r = self.requests.pop(k % len(self.requests))
-        self.cache.release_hold(r.hit.hold)
+        self.cache.release_lease(r.hit.lease)
 
     @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES))
     def put_whole(self, i, ns):
@@ -190,16 +190,16 @@ class PutRowsMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         for r in self.requests:
-            if r.hit.hold and self.clock.now < r.expires:
+            if r.hit.lease and self.clock.now < r.expires:
                 assert self.cache.match(r.tokens, r.ns).usable_pages >= r.hit.tokens // self.ps
 
     def teardown(self):
         if hasattr(self, "cache"):
             for r in self.requests:
-                self.cache.release_hold(r.hit.hold)
+                self.cache.release_lease(r.hit.lease)
             assert len(self.cache.leases) == 0
             assert self.cache.tree.protected == [[0, 0], [0, 0]]
-            for _ in range(4):  # with no holds, everything can go (a tier at a time)
+            for _ in range(4):  # with no leases, everything can go (a tier at a time)
                 for pool in self.cache.registry.names:
                     for tier in (Tier.DEVICE, Tier.HOST):
                         self.cache.evict(pool, tier, 10_000)
