@@ -37,9 +37,9 @@ from .txn import ReservationHook, Transaction
 from .walk_memo import Walk
 
 T = TypeVar("T")
-# fill(reserved, hold) writes every planned page into its reserved device page. It returns
+# fill(reserved, quarantine) writes every planned page into its reserved device page. It returns
 # None once written, or a failure, which the insert returns after rolling back. It calls
-# hold() first when a transfer may still write the pages: they are quarantined, not freed.
+# quarantine() first when a transfer may still write the pages: they are quarantined, not freed.
 Fill = Callable[[Reserved, Callable[[], None]], "T | None"]
 # unlocked(copy) is `copy` run with the caller's lock given up (the node actor's gate).
 Unlocked = Callable[[Callable[[], None]], Callable[[], None]]
@@ -159,11 +159,11 @@ class Inserts:
         committed, or fill's failure with nothing changed. Raises ReservationFailed (nothing
         changed) when eviction cannot make room. `writer`: the peer whose transfer may still
         write pages that fill holds. `reserve_hook`: the cache's (NodeCache.reserve_hook)."""
-        tree, hold, guard = self.tree, None, None
+        tree, quarantine, guard = self.tree, None, None
         got: Reserved = {}
         if fill is not None:
 
-            def hold() -> None:
+            def quarantine() -> None:
                 self.quarantines.add({k: sorted(v) for k, v in got.items() if v}, writer)
                 got.clear()
 
@@ -181,7 +181,7 @@ class Inserts:
                 self.registry.device_allocators,
                 reserve_hook,
                 fill,
-                hold,
+                quarantine,
                 got,
             )
             if done is None:
@@ -211,7 +211,9 @@ class Inserts:
             if fill is not None:
                 failed = fill(
                     got,
-                    lambda: txn.rollback(hold=lambda pages: self.quarantines.add(pages, writer)),
+                    lambda: txn.rollback(
+                        quarantine=lambda pages: self.quarantines.add(pages, writer)
+                    ),
                 )
                 if failed is not None:
                     return [], failed

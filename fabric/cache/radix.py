@@ -290,17 +290,17 @@ class RadixTree:
         allocators: Mapping[PoolName, Allocator],
         hook: Callable[[PoolName, Tier], None] | None,
         fill: Callable[[Reserved, Any], T | None] | None,
-        hold: Callable[[], None] | None,
+        quarantine: Callable[[], None] | None,
         got: Reserved,
     ) -> tuple[list[TreeNode], T | None] | None:
         """An insert on free pages, the common case, whole or not at all; the native tree
         does it in one C call (csrc/insert.c). None, with nothing done, where an allocator
         lacks the free pages `todo` (positions per pool) asks of it. Otherwise: take them
         into `got` (calling `hook(pool, tier)` first, as a reservation does), `fill(got,
-        hold)` them, grow the tree by the run of `tokens` below the path's end (keys chained
+        quarantine)` them, grow the tree by the run of `tokens` below the path's end (keys chained
         by `keyer`) with each pool's pages at its positions, and touch the nodes. Returns
         (nodes, None), or ([], failure) where fill returns one; on a failure or an
-        exception the tree is as before and the pages left in `got` are freed (hold()
+        exception the tree is as before and the pages left in `got` are freed (quarantine()
         empties it first where a transfer may still write them)."""
         for pool, positions in todo.items():  # loops: a comprehension costs a frame
             if allocators[pool].free_count < len(positions):
@@ -311,7 +311,7 @@ class RadixTree:
                 if hook is not None and positions:
                     hook(pool, tier)
                 got[(pool, tier)] = allocators[pool].alloc(len(positions))
-            if fill is not None and (failed := fill(got, hold)) is not None:
+            if fill is not None and (failed := fill(got, quarantine)) is not None:
                 return [], failed
             parent, keys = self.new_run(path, tokens, keyer)
             given = placements(todo, tier, got)

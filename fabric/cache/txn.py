@@ -205,9 +205,9 @@ class Transaction:
         self._close()
 
     def rollback(
-        self, hold: Callable[[dict[tuple[PoolName, Tier], list[int]]], None] | None = None
+        self, quarantine: Callable[[dict[tuple[PoolName, Tier], list[int]]], None] | None = None
     ) -> None:
-        """Undo everything. `hold` takes the reserved pages instead of the free
+        """Undo everything. `quarantine` takes the reserved pages instead of the free
         list: for pages a failed transfer may still write into."""
         if self.closed:
             return
@@ -215,8 +215,8 @@ class Transaction:
             undo()
         self._journal.clear()
         self._copies.clear()
-        if hold is not None:
-            hold({k: sorted(v) for k, v in self.pages().items()})
+        if quarantine is not None:
+            quarantine({k: sorted(v) for k, v in self.pages().items()})
             self.owned.clear()
         self._free_owned()
         self._close()

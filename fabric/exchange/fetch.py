@@ -82,7 +82,9 @@ def import_prefix(
     try:
         failed = cache.insert(
             plan,
-            lambda got, hold: _read_and_verify(cache, grant, plan.todo, got, read, hold),
+            lambda got, quarantine: _read_and_verify(
+                cache, grant, plan.todo, got, read, quarantine
+            ),
             writer=peer,
         )
     except ReservationFailed:
@@ -91,9 +93,9 @@ def import_prefix(
 
 
 def _read_and_verify(
-    cache, grant, need, got, read, hold: Callable[[], None]
+    cache, grant, need, got, read, quarantine: Callable[[], None]
 ) -> FetchOutcome | None:
-    """Read and check every missing page; an outcome if that failed. `hold` ends the
+    """Read and check every missing page; an outcome if that failed. `quarantine` ends the
     transaction keeping its pages out of use, for a transfer that may still write."""
     for pool, positions in need.items():
         if not positions:
@@ -104,13 +106,13 @@ def _read_and_verify(
             read(pool, [(t, i) for t, i, _ in refs], dst)
         except ReadFailed as e:
             if e.may_still_write:
-                hold()
+                quarantine()
             return FetchOutcome.TRANSFER_FAILED
         except Exception:
-            hold()  # a failure the reader did not report: nothing says its transfer stopped
+            quarantine()  # a failure the reader did not report: nothing says its transfer stopped
             return FetchOutcome.TRANSFER_FAILED
         except BaseException:
-            hold()
+            quarantine()
             raise
         try:
             sums = cache.checksums(pool, [(Tier.DEVICE, i) for i in dst])

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 
 PAGE = 1  # tokens a page: every token is a page, so runs share pages often
 CAPACITY = 14  # pages per pool: small, so some inserts find no room
-FILLS = ("none", "ok", "fail", "hold")
+FILLS = ("none", "ok", "fail", "quarantine")
 
 
 class Faults:
@@ -119,15 +119,15 @@ class Side:
         tree, keyer, raw = self.tree, self.keyers[ns], encode_tokens(tokens)
         got: dict = {}
 
-        def hold() -> None:
+        def quarantine() -> None:
             self.held.extend(sorted(got.items()))
             got.clear()
 
-        def fill(reserved, hold_pages):
-            assert reserved is got and hold_pages is hold
+        def fill(reserved, quarantine_pages):
+            assert reserved is got and quarantine_pages is quarantine
             self.faults.step("fill")
-            if fill_kind == "hold":
-                hold_pages()
+            if fill_kind == "quarantine":
+                quarantine_pages()
             return None if fill_kind == "ok" else fill_kind
 
         hooked = (lambda pool, tier: self.faults.step("hook")) if hook else None
@@ -140,7 +140,7 @@ class Side:
             self.allocators,
             hooked,
             None if fill_kind == "none" else fill,
-            hold,
+            quarantine,
             got,
         )
         if done is None:
