@@ -16,9 +16,9 @@ from .cache.put_rows import PagedKV
 from .cache.radix import RadixTree, TreeNode
 from .cache.tiers import TierConfig, TierController, WritePolicy
 from .cache.txn import ReservationFailed, ReservationHook, Transaction, TransactionClosed
-from .exchange.export import export_prefix
-from .exchange.fetch import FetchOutcome, PageReader, ReadFailed, import_prefix
+from .exchange.destination import FetchOutcome, PageReader, ReadFailed, import_prefix
 from .exchange.grant import ExportGrant, GrantError, PoolPages
+from .exchange.source import export_prefix
 from .index.answers import NodeMatch
 from .index.balance import LoadTracker, Split
 from .index.events import EventBatch, EventError, PageMask, PageState, Snapshot

@@ -1,6 +1,6 @@
 """A node cache's pages as it shares them with peers: a matched prefix made
 device-resident, where each of its pages lies, page checksums, and the device pools a
-transport registers. The exchange (exchange/export.py, the source end of a remote
+transport registers. The exchange (exchange/source.py, the source end of a remote
 fetch) and the transport use these and never reach the tree, the pools or the policies
 themselves."""
 

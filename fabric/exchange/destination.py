@@ -1,6 +1,6 @@
 """The destination end of a remote prefix fetch, as one transaction.
 
-The source answered an `ExportGrant` (export.py). The destination reserves what it
+The source answered an `ExportGrant` (source.py). The destination reserves what it
 lacks (FULL for every missing page, SWA for the window), reads the pages through a
 caller-given `PageReader`, verifies the checksums, and only then inserts. Any
 failure frees what it reserved and inserts nothing; the caller releases the lease
