@@ -6,15 +6,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KVF_BLAKE2B_BLOCK 128
+#define KVF_BLAKE2B_BLOCK   128
 #define KVF_BLAKE2B_MAX_OUT 64
 #define KVF_BLAKE2B_MAX_KEY 64
 
 typedef struct {
-    uint64_t h[8];                      /* chained state */
-    uint64_t t[2];                      /* bytes compressed so far (128-bit counter) */
-    uint8_t buf[KVF_BLAKE2B_BLOCK];     /* input not yet compressed */
-    size_t len;                         /* bytes in buf */
+    uint64_t h[8];                  /* chained state */
+    uint64_t t[2];                  /* bytes compressed so far (128-bit counter) */
+    uint8_t buf[KVF_BLAKE2B_BLOCK]; /* input not yet compressed */
+    size_t len;                     /* bytes in buf */
     size_t outlen;
 } kvf_blake2b;
 

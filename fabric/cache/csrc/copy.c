@@ -25,10 +25,16 @@
  * first. Measured 2-2.8x a memcpy with cached stores, against 1.0-1.3x streamed. */
 #define COPY_STREAM_BYTES (4 << 20)
 
-static int get_rows(PyObject *obj, Py_buffer *view, const char *what) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+static int
+get_rows(PyObject *obj, Py_buffer *view, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
     const char *f = view->format ? view->format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (*f == '<' || *f == '=' || *f == '@') {
+        f++;
+    }
     if (view->ndim != 1 || view->itemsize != 8 || strchr("qlQL", *f) == NULL || f[1] != '\0') {
         PyErr_Format(PyExc_TypeError, "%s must be a 1-d buffer of 8-byte ints", what);
         PyBuffer_Release(view);
@@ -37,9 +43,13 @@ static int get_rows(PyObject *obj, Py_buffer *view, const char *what) {
     return 0;
 }
 
-static int get_array(PyObject *obj, Py_buffer *view, int writable, const char *what) {
+static int
+get_array(PyObject *obj, Py_buffer *view, int writable, const char *what)
+{
     int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        return -1;
+    }
     if (view->ndim < 1 || view->ndim > COPY_MAX_DIMS || view->strides == NULL) {
         PyErr_Format(PyExc_ValueError, "%s must have 1 to %d dimensions", what, COPY_MAX_DIMS);
         PyBuffer_Release(view);
@@ -48,9 +58,14 @@ static int get_array(PyObject *obj, Py_buffer *view, int writable, const char *w
     return 0;
 }
 
-static int rows_in_range(const int64_t *rows, Py_ssize_t n, Py_ssize_t limit) {
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (rows[i] < 0 || rows[i] >= limit) return 0;
+static int
+rows_in_range(const int64_t *rows, Py_ssize_t n, Py_ssize_t limit)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (rows[i] < 0 || rows[i] >= limit) {
+            return 0;
+        }
+    }
     return 1;
 }
 
@@ -64,7 +79,9 @@ typedef struct {
     Py_ssize_t run;
 } RowShape;
 
-static void row_shape(const Py_buffer *src, const Py_buffer *dst, RowShape *out) {
+static void
+row_shape(const Py_buffer *src, const Py_buffer *dst, RowShape *out)
+{
     int last = src->ndim - 1;
     Py_ssize_t run = src->itemsize;
     while (last >= 1 && src->strides[last] == run && dst->strides[last] == run) {
@@ -82,11 +99,14 @@ static void row_shape(const Py_buffer *src, const Py_buffer *dst, RowShape *out)
 }
 
 /* One run of bytes; `stream`: with non-temporal stores where `dst` and the run allow. */
-static void copy_run(char *dst, const char *src, Py_ssize_t run, int stream) {
+static void
+copy_run(char *dst, const char *src, Py_ssize_t run, int stream)
+{
 #if defined(__SSE2__)
     if (stream && ((uintptr_t)dst & 15) == 0 && (run & 15) == 0) {
-        for (Py_ssize_t i = 0; i < run; i += 16)
+        for (Py_ssize_t i = 0; i < run; i += 16) {
             _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+        }
         return;
     }
 #endif
@@ -94,7 +114,9 @@ static void copy_run(char *dst, const char *src, Py_ssize_t run, int stream) {
     memmove(dst, src, (size_t)run); /* a pool copying within itself */
 }
 
-static void copy_row(const RowShape *s, const char *src, char *dst, int stream) {
+static void
+copy_row(const RowShape *s, const char *src, char *dst, int stream)
+{
     Py_ssize_t index[COPY_MAX_DIMS] = {0};
     for (;;) {
         copy_run(dst, src, s->run, stream);
@@ -102,35 +124,57 @@ static void copy_row(const RowShape *s, const char *src, char *dst, int stream) 
         for (; d >= 0; d--) {
             src += s->src_strides[d];
             dst += s->dst_strides[d];
-            if (++index[d] < s->shape[d]) break;
+            if (++index[d] < s->shape[d]) {
+                break;
+            }
             src -= s->src_strides[d] * s->shape[d];
             dst -= s->dst_strides[d] * s->shape[d];
             index[d] = 0;
         }
-        if (d < 0) return;
+        if (d < 0) {
+            return;
+        }
     }
 }
 
-static int same_row_shape(const Py_buffer *src, const Py_buffer *dst) {
-    if (src->ndim != dst->ndim || src->itemsize != dst->itemsize) return 0;
-    for (int d = 1; d < src->ndim; d++)
-        if (src->shape[d] != dst->shape[d]) return 0;
+static int
+same_row_shape(const Py_buffer *src, const Py_buffer *dst)
+{
+    if (src->ndim != dst->ndim || src->itemsize != dst->itemsize) {
+        return 0;
+    }
+    for (int d = 1; d < src->ndim; d++) {
+        if (src->shape[d] != dst->shape[d]) {
+            return 0;
+        }
+    }
     return 1;
 }
 
-static PyObject *copy_copy_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4)
+static PyObject *
+copy_copy_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
         return PyErr_Format(PyExc_TypeError, "copy_rows takes 4 arguments, got %zd", nargs);
+    }
     Py_buffer views[4];
     int got = 0;
     PyObject *result = NULL;
-    if (get_array(args[0], &views[0], 0, "src") < 0) goto done;
+    if (get_array(args[0], &views[0], 0, "src") < 0) {
+        goto done;
+    }
     got++;
-    if (get_rows(args[1], &views[1], "src_rows") < 0) goto done;
+    if (get_rows(args[1], &views[1], "src_rows") < 0) {
+        goto done;
+    }
     got++;
-    if (get_array(args[2], &views[2], 1, "dst") < 0) goto done;
+    if (get_array(args[2], &views[2], 1, "dst") < 0) {
+        goto done;
+    }
     got++;
-    if (get_rows(args[3], &views[3], "dst_rows") < 0) goto done;
+    if (get_rows(args[3], &views[3], "dst_rows") < 0) {
+        goto done;
+    }
     got++;
     const Py_buffer *src = &views[0], *dst = &views[2];
     Py_ssize_t n = views[1].shape[0];
@@ -148,27 +192,35 @@ static PyObject *copy_copy_rows(PyObject *module, PyObject *const *args, Py_ssiz
         PyErr_SetString(PyExc_IndexError, "copy_rows: a row index is out of range");
         goto done;
     }
-    for (int d = 1; d < src->ndim; d++)
+    for (int d = 1; d < src->ndim; d++) {
         if (src->shape[d] == 0) {
             result = Py_NewRef(Py_None); /* rows of no bytes: nothing to copy */
             goto done;
         }
+    }
     RowShape shape;
     row_shape(src, dst, &shape);
     Py_ssize_t row_bytes = src->itemsize;
-    for (int d = 1; d < src->ndim; d++) row_bytes *= src->shape[d];
+    for (int d = 1; d < src->ndim; d++) {
+        row_bytes *= src->shape[d];
+    }
     int stream = n * row_bytes >= COPY_STREAM_BYTES;
     Py_BEGIN_ALLOW_THREADS;
-    for (Py_ssize_t i = 0; i < n; i++)
+    for (Py_ssize_t i = 0; i < n; i++) {
         copy_row(&shape, (const char *)src->buf + src_rows[i] * src->strides[0],
                  (char *)dst->buf + dst_rows[i] * dst->strides[0], stream);
+    }
 #if defined(__SSE2__)
-    if (stream) _mm_sfence(); /* the streamed stores are visible before we return */
+    if (stream) {
+        _mm_sfence(); /* the streamed stores are visible before we return */
+    }
 #endif
     Py_END_ALLOW_THREADS;
     result = Py_NewRef(Py_None);
 done:
-    while (got-- > 0) PyBuffer_Release(&views[got]);
+    while (got-- > 0) {
+        PyBuffer_Release(&views[got]);
+    }
     return result;
 }
 
@@ -182,6 +234,8 @@ static struct PyModuleDef copy_module = {
     PyModuleDef_HEAD_INIT, "_copy", "Rows of strided arrays copied in C.", -1, copy_functions,
 };
 
-PyMODINIT_FUNC PyInit__copy(void) {
+PyMODINIT_FUNC
+PyInit__copy(void)
+{
     return PyModule_Create(&copy_module);
 }

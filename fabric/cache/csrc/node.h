@@ -9,13 +9,12 @@
 /* The attributes the pure-Python TreeNode has, with the same Python types: the
  * containers stay Python lists and dicts so every caller reads them unchanged. */
 typedef struct {
-    PyObject_HEAD
-    PyObject *keys;     /* list[bytes]: chained key per page (a root: [namespace key]) */
-    PyObject *tokens;   /* bytes: token bytes of the run */
-    PyObject *parent;   /* TreeNode or None */
-    PyObject *children; /* dict[bytes, TreeNode]: keyed by a child's first page bytes */
-    PyObject *slots;    /* [tier][pool] -> list[int] | None */
-    PyObject *locks;    /* [pool] -> int */
+    PyObject_HEAD PyObject *keys; /* list[bytes]: chained key per page (a root: [namespace key]) */
+    PyObject *tokens;             /* bytes: token bytes of the run */
+    PyObject *parent;             /* TreeNode or None */
+    PyObject *children;           /* dict[bytes, TreeNode]: keyed by a child's first page bytes */
+    PyObject *slots;              /* [tier][pool] -> list[int] | None */
+    PyObject *locks;              /* [pool] -> int */
     long long start, end, last_access, hits;
 } Node;
 
@@ -28,14 +27,13 @@ extern PyMethodDef radix_node_functions[]; /* live_nodes(): the module adds them
  * insert.c keeps its counters, containers and logs in place. A NULL object field reads as
  * None. The pure-Python RadixTree has the same attributes in its __dict__. */
 typedef struct {
-    PyObject_HEAD
-    Py_ssize_t page_bytes;
+    PyObject_HEAD Py_ssize_t page_bytes;
     long long clock, node_count, page_count, version;
-    PyObject *roots;        /* dict[bytes, TreeNode]: namespace root key -> root */
-    PyObject *by_first_key; /* dict[bytes, TreeNode]: a node's first page's key -> node */
+    PyObject *roots;             /* dict[bytes, TreeNode]: namespace root key -> root */
+    PyObject *by_first_key;      /* dict[bytes, TreeNode]: a node's first page's key -> node */
     PyObject *owned, *protected; /* [tier][pool] page counters */
-    PyObject *changes;      /* ChangeLog or None */
-    PyObject *dirty;        /* set[TreeNode] or None */
+    PyObject *changes;           /* ChangeLog or None */
+    PyObject *dirty;             /* set[TreeNode] or None */
 } TreeState;
 
 extern PyTypeObject radix_TreeStateType;
@@ -58,25 +56,31 @@ extern PyObject *radix_absent_page, *radix_zero; /* the ints -1 and 0 */
 PyObject *radix_untrack_leaf(PyObject *list);
 
 /* Shared by tree.c and slots.c. */
-#define ARGS(N, SIG)                                                                    \
-    if (nargs != N) return PyErr_Format(PyExc_TypeError, SIG " takes %d arguments", N)
-Node *radix_as_node(PyObject *o);                  /* a live native node, or NULL with an error */
-Py_ssize_t radix_as_index(PyObject *o);            /* a tier or pool as an index */
-void radix_fail_assert(PyObject *why);             /* AssertionError(why); steals `why` */
+#define ARGS(N, SIG)                                                                              \
+    do {                                                                                          \
+        if (nargs != N) {                                                                         \
+            return PyErr_Format(PyExc_TypeError, SIG " takes %d arguments", N);                   \
+        }                                                                                         \
+    } while (0)
+Node *radix_as_node(PyObject *o);       /* a live native node, or NULL with an error */
+Py_ssize_t radix_as_index(PyObject *o); /* a tier or pool as an index */
+void radix_fail_assert(PyObject *why);  /* AssertionError(why); steals `why` */
 int radix_add(PyObject *grid, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta); /* grid[t][p] += */
-Py_ssize_t radix_held(PyObject *pages);            /* pages not ABSENT, -1 on error */
+Py_ssize_t radix_held(PyObject *pages); /* pages not ABSENT, -1 on error */
 int radix_count(Node *node, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta, PyObject *owned,
-          PyObject *protected);              /* RadixTree._count */
-Py_ssize_t radix_lock_of(Node *node, Py_ssize_t p); /* node.locks[p]: an int >= 0, or -1 with an error */
+                PyObject *protected); /* RadixTree._count */
+Py_ssize_t radix_lock_of(Node *node,
+                         Py_ssize_t p); /* node.locks[p]: an int >= 0, or -1 with an error */
 /* slots.c's per-node page moves, shared with insert.c. */
 PyObject *radix_slot_row(Node *node, PyObject *tier, PyObject *pool, Py_ssize_t *t, Py_ssize_t *p);
 PyObject *radix_slot_row_at(Node *node, Py_ssize_t t, Py_ssize_t p);
 int radix_all_ints(PyObject *seq, const char *what);
 int radix_give_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *tier,
-               PyObject *pool, PyObject *offsets, PyObject *pages, PyObject *owned,
-               PyObject *protected);
+                     PyObject *pool, PyObject *offsets, PyObject *pages, PyObject *owned,
+                     PyObject *protected);
 PyObject *radix_take_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject *tier,
-                     PyObject *pool, PyObject *offsets, PyObject *owned, PyObject *protected);
+                           PyObject *pool, PyObject *offsets, PyObject *owned,
+                           PyObject *protected);
 PyObject *radix_missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *radix_place_runs(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *radix_walk(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
@@ -87,7 +91,7 @@ PyObject *radix_attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *radix_split(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 /* attach()'s work: the new child of `parent`, in its children and in by_first_key. */
 Node *radix_attach_node(Node *parent, PyObject *keys, PyObject *tokens, Py_ssize_t step,
-                  PyObject *by_first_key, long long clock);
+                        PyObject *by_first_key, long long clock);
 PyObject *radix_insert_free(TreeState *tree, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

@@ -20,15 +20,15 @@
 #include "blake2b.h"
 #include "pack.h"
 
-#define KEY_BYTES 16
+#define KEY_BYTES     16
 #define MAX_PAGE_SIZE (1 << 20)
 
-PyObject *kvf_invalid;   /* see pack.h; ValueError until set_error */
+PyObject *kvf_invalid; /* see pack.h; ValueError until set_error */
 
 /* ---- chained keys -------------------------------------------------------------------- */
 
 typedef struct {
-    kvf_blake2b base;           /* keyed, the key block already compressed */
+    kvf_blake2b base; /* keyed, the key block already compressed */
     uint8_t prev[KEY_BYTES];
     long long first_page;
     Py_ssize_t page_bytes;
@@ -37,7 +37,9 @@ typedef struct {
 /* The keyed state of `key`, its key block compressed. The last key's is kept: requests come
  * in runs of one namespace, and compressing the key block again would cost a page key a
  * call. (Module state shared by every call: the GIL orders them.) */
-static void keyed_state(const char *key, Py_ssize_t len, kvf_blake2b *out) {
+static void
+keyed_state(const char *key, Py_ssize_t len, kvf_blake2b *out)
+{
     static kvf_blake2b last;
     static char last_key[KVF_BLAKE2B_MAX_KEY];
     static Py_ssize_t last_len = 0; /* 0: none kept (keys are 1 byte or more) */
@@ -50,9 +52,12 @@ static void keyed_state(const char *key, Py_ssize_t len, kvf_blake2b *out) {
     *out = last;
 }
 
-static int parse_chain(PyObject *const *args, Chain *c) {
+static int
+parse_chain(PyObject *const *args, Chain *c)
+{
     PyObject *key = args[0], *prev = args[1], *first = args[2], *page = args[3];
-    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) < 1 || PyBytes_GET_SIZE(key) > KVF_BLAKE2B_MAX_KEY) {
+    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) < 1 ||
+        PyBytes_GET_SIZE(key) > KVF_BLAKE2B_MAX_KEY) {
         PyErr_Format(kvf_invalid, "key must be 1 to %d bytes, got %R", KVF_BLAKE2B_MAX_KEY, key);
         return -1;
     }
@@ -62,15 +67,19 @@ static int parse_chain(PyObject *const *args, Chain *c) {
     }
     int overflow = 0;
     c->first_page = PyLong_Check(first) ? PyLong_AsLongLongAndOverflow(first, &overflow) : -1;
-    if (overflow > 0)
-        c->first_page = LLONG_MAX;      /* past any page: no keys */
+    if (overflow > 0) {
+        c->first_page = LLONG_MAX; /* past any page: no keys */
+    }
     else if (c->first_page < 0 || overflow < 0) {
         PyErr_Format(kvf_invalid, "first_page must be an int >= 0, got %R", first);
         return -1;
     }
-    long long size = PyLong_Check(page) && !PyBool_Check(page) ? PyLong_AsLongLongAndOverflow(page, &overflow) : -1;
+    long long size = PyLong_Check(page) && !PyBool_Check(page)
+                         ? PyLong_AsLongLongAndOverflow(page, &overflow)
+                         : -1;
     if (size < 1 || size > MAX_PAGE_SIZE || overflow) {
-        PyErr_Format(kvf_invalid, "page_size must be an int from 1 to %d, got %R", MAX_PAGE_SIZE, page);
+        PyErr_Format(kvf_invalid, "page_size must be an int from 1 to %d, got %R", MAX_PAGE_SIZE,
+                     page);
         return -1;
     }
     c->page_bytes = (Py_ssize_t)size * 4;
@@ -79,12 +88,15 @@ static int parse_chain(PyObject *const *args, Chain *c) {
     return 0;
 }
 
-static PyObject *chain_keys(const Chain *c, const char *raw, Py_ssize_t len) {
+static PyObject *
+chain_keys(const Chain *c, const char *raw, Py_ssize_t len)
+{
     long long pages = len / c->page_bytes;
     Py_ssize_t count = c->first_page < pages ? (Py_ssize_t)(pages - c->first_page) : 0;
     PyObject *keys = PyList_New(count);
-    if (keys == NULL)
+    if (keys == NULL) {
         return NULL;
+    }
     uint8_t prev[KEY_BYTES];
     memcpy(prev, c->prev, KEY_BYTES);
     const char *page = raw + (count ? c->first_page * c->page_bytes : 0);
@@ -105,33 +117,46 @@ static PyObject *chain_keys(const Chain *c, const char *raw, Py_ssize_t len) {
 
 /* ---- module functions ---------------------------------------------------------------- */
 
-static int nargs_is(const char *name, Py_ssize_t nargs, Py_ssize_t want) {
-    if (nargs == want)
+static int
+nargs_is(const char *name, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs == want) {
         return 1;
+    }
     PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
     return 0;
 }
 
-static PyObject *py_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!nargs_is("pack", nargs, 1))
+static PyObject *
+py_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!nargs_is("pack", nargs, 1)) {
         return NULL;
+    }
     return kvf_pack(args[0]);
 }
 
-static PyObject *py_equal(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!nargs_is("equal", nargs, 2))
+static PyObject *
+py_equal(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!nargs_is("equal", nargs, 2)) {
         return NULL;
+    }
     int same = kvf_equal(args[0], args[1]);
     return same < 0 ? NULL : PyBool_FromLong(same);
 }
 
-static PyObject *py_pack_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *
+py_pack_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
     Chain c;
-    if (!nargs_is("pack_keys", nargs, 5) || parse_chain(args + 1, &c) != 0)
+    if (!nargs_is("pack_keys", nargs, 5) || parse_chain(args + 1, &c) != 0) {
         return NULL;
+    }
     PyObject *raw = kvf_pack(args[0]);
-    if (raw == NULL)
+    if (raw == NULL) {
         return NULL;
+    }
     PyObject *keys = chain_keys(&c, PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw));
     if (keys == NULL) {
         Py_DECREF(raw);
@@ -143,9 +168,12 @@ static PyObject *py_pack_keys(PyObject *self, PyObject *const *args, Py_ssize_t 
     return out;
 }
 
-static int raw_view(PyObject *raw, Py_buffer *view) {
-    if (PyObject_GetBuffer(raw, view, PyBUF_SIMPLE) == 0)
+static int
+raw_view(PyObject *raw, Py_buffer *view)
+{
+    if (PyObject_GetBuffer(raw, view, PyBUF_SIMPLE) == 0) {
         return 0;
+    }
     PyErr_Clear();
     PyObject *name = PyType_GetName(Py_TYPE(raw));
     if (name != NULL) {
@@ -155,34 +183,45 @@ static int raw_view(PyObject *raw, Py_buffer *view) {
     return -1;
 }
 
-static PyObject *py_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *
+py_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
     Chain c;
     Py_buffer view;
-    if (!nargs_is("chain", nargs, 5) || parse_chain(args + 1, &c) != 0 || raw_view(args[0], &view) != 0)
+    if (!nargs_is("chain", nargs, 5) || parse_chain(args + 1, &c) != 0 ||
+        raw_view(args[0], &view) != 0) {
         return NULL;
+    }
     PyObject *keys = chain_keys(&c, view.buf, view.len);
     PyBuffer_Release(&view);
     return keys;
 }
 
-static PyObject *py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!nargs_is("blake2b", nargs, 3))
+static PyObject *
+py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!nargs_is("blake2b", nargs, 3)) {
         return NULL;
+    }
     PyObject *key = args[1];
     Py_ssize_t size = PyLong_Check(args[2]) ? PyLong_AsSsize_t(args[2]) : -1;
-    if (size == -1 && PyErr_Occurred())
+    if (size == -1 && PyErr_Occurred()) {
         PyErr_Clear();
+    }
     if (size < 1 || size > KVF_BLAKE2B_MAX_OUT) {
-        PyErr_Format(PyExc_ValueError, "digest_size must be 1 to %d, got %R", KVF_BLAKE2B_MAX_OUT, args[2]);
+        PyErr_Format(PyExc_ValueError, "digest_size must be 1 to %d, got %R", KVF_BLAKE2B_MAX_OUT,
+                     args[2]);
         return NULL;
     }
     if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) > KVF_BLAKE2B_MAX_KEY) {
-        PyErr_Format(PyExc_ValueError, "key must be at most %d bytes, got %R", KVF_BLAKE2B_MAX_KEY, key);
+        PyErr_Format(PyExc_ValueError, "key must be at most %d bytes, got %R", KVF_BLAKE2B_MAX_KEY,
+                     key);
         return NULL;
     }
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) != 0)
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) != 0) {
         return NULL;
+    }
     kvf_blake2b s;
     uint8_t out[KVF_BLAKE2B_MAX_OUT];
     kvf_blake2b_init(&s, (size_t)size, PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key));
@@ -192,8 +231,11 @@ static PyObject *py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t na
     return PyBytes_FromStringAndSize((const char *)out, size);
 }
 
-static PyObject *py_set_error(PyObject *self, PyObject *cls) {
-    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, (PyTypeObject *)PyExc_Exception)) {
+static PyObject *
+py_set_error(PyObject *self, PyObject *cls)
+{
+    if (!PyType_Check(cls) ||
+        !PyType_IsSubtype((PyTypeObject *)cls, (PyTypeObject *)PyExc_Exception)) {
         PyErr_Format(PyExc_TypeError, "set_error takes an Exception subclass, got %R", cls);
         return NULL;
     }
@@ -217,13 +259,20 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_pagekeys", "Chained BLAKE2b page keys (see fabric/cache/keys.py).", -1, methods,
+    PyModuleDef_HEAD_INIT,
+    "_pagekeys",
+    "Chained BLAKE2b page keys (see fabric/cache/keys.py).",
+    -1,
+    methods,
 };
 
-PyMODINIT_FUNC PyInit__pagekeys(void) {
+PyMODINIT_FUNC
+PyInit__pagekeys(void)
+{
     PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
+    if (m == NULL) {
         return NULL;
+    }
     kvf_invalid = Py_NewRef(PyExc_ValueError);
     if (PyModule_AddIntConstant(m, "KEY_BYTES", KEY_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "MAX_PAGE_SIZE", MAX_PAGE_SIZE) < 0) {

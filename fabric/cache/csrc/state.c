@@ -5,12 +5,16 @@
 #include <stddef.h>
 #include <structmember.h>
 
-static PyObject *state_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+static PyObject *
+state_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
     /* RadixTree.__init__ fills the fields: every object one starts as None. */
     return type->tp_alloc(type, 0);
 }
 
-static int state_traverse(TreeState *self, visitproc visit, void *arg) {
+static int
+state_traverse(TreeState *self, visitproc visit, void *arg)
+{
     Py_VISIT(self->roots);
     Py_VISIT(self->by_first_key);
     Py_VISIT(self->owned);
@@ -20,7 +24,9 @@ static int state_traverse(TreeState *self, visitproc visit, void *arg) {
     return 0;
 }
 
-static int state_clear(TreeState *self) {
+static int
+state_clear(TreeState *self)
+{
     Py_CLEAR(self->roots);
     Py_CLEAR(self->by_first_key);
     Py_CLEAR(self->owned);
@@ -30,13 +36,15 @@ static int state_clear(TreeState *self) {
     return 0;
 }
 
-static void state_dealloc(TreeState *self) {
+static void
+state_dealloc(TreeState *self)
+{
     PyObject_GC_UnTrack(self);
     state_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-#define LONG(NAME, DOC) {#NAME, T_LONGLONG, offsetof(TreeState, NAME), 0, DOC}
+#define LONG(NAME, DOC)   {#NAME, T_LONGLONG, offsetof(TreeState, NAME), 0, DOC}
 #define OBJECT(NAME, DOC) {#NAME, T_OBJECT, offsetof(TreeState, NAME), 0, DOC}
 
 static PyMemberDef state_members[] = {
@@ -55,7 +63,9 @@ static PyMemberDef state_members[] = {
 };
 
 /* RadixTree.walk(root_key, raw) on the tree's own roots and page size: one call. */
-static PyObject *state_walk(TreeState *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *
+state_walk(TreeState *self, PyObject *const *args, Py_ssize_t nargs)
+{
     ARGS(2, "walk");
     return radix_walk_from(self->roots, args[0], args[1], self->page_bytes);
 }

@@ -17,36 +17,50 @@
 
 #include <string.h>
 
-Cell *kvf_find(Presence *p, const uint8_t *key) {
+Cell *
+kvf_find(Presence *p, const uint8_t *key)
+{
     size_t pos;
     Py_ssize_t e = ord_find(&p->held, key, &pos);
     return e < 0 ? NULL : p->cells + e;
 }
 
 /* `ones` for `words` words (the keys' cells do not depend on the slot count). */
-static int widen(Presence *p, Py_ssize_t words) {
+static int
+widen(Presence *p, Py_ssize_t words)
+{
     uint64_t *ones = PyMem_Calloc((size_t)words, 8);
-    if (!ones)
+    if (!ones) {
         return PyErr_NoMemory(), -1;
+    }
     memcpy(ones, p->ones, (size_t)p->words * 8);
     PyMem_Free(p->ones);
     p->ones = ones, p->words = words;
     return 0;
 }
 
-int kvf_check_keys(PyObject *const *items, Py_ssize_t n, const char *what) {
-    for (Py_ssize_t i = 0; i < n; i++)
+int
+kvf_check_keys(PyObject *const *items, Py_ssize_t n, const char *what)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
         if (!PyBytes_CheckExact(items[i]) || PyBytes_GET_SIZE(items[i]) != KEY_BYTES) {
             PyErr_Format(PyExc_ValueError, "%s keys must be %d-byte bytes", what, KEY_BYTES);
             return -1;
         }
+    }
     return 0;
 }
 
-static int is_key(PyObject *v) { return PyBytes_CheckExact(v) && PyBytes_GET_SIZE(v) == KEY_BYTES; }
+static int
+is_key(PyObject *v)
+{
+    return PyBytes_CheckExact(v) && PyBytes_GET_SIZE(v) == KEY_BYTES;
+}
 
 /* An int from lo to hi, or a ValueError naming it. */
-static int64_t int_arg(PyObject *v, const char *name, int64_t lo, int64_t hi) {
+static int64_t
+int_arg(PyObject *v, const char *name, int64_t lo, int64_t hi)
+{
     int overflow = 0;
     long long x = PyLong_CheckExact(v) ? PyLong_AsLongLongAndOverflow(v, &overflow) : -1;
     if (!PyLong_CheckExact(v) || overflow || x < lo || x > hi) {
@@ -59,19 +73,25 @@ static int64_t int_arg(PyObject *v, const char *name, int64_t lo, int64_t hi) {
 
 /* A chain's first depth: its last page's, first_depth + n - 1, fits 64 bits unsigned (the
  * events' wire type); 0 and *ok = 0 with a ValueError if not. */
-static uint64_t depth_arg(PyObject *v, Py_ssize_t n, int *ok) {
+static uint64_t
+depth_arg(PyObject *v, Py_ssize_t n, int *ok)
+{
     unsigned long long x = PyLong_CheckExact(v) ? PyLong_AsUnsignedLongLong(v) : 0;
-    if (PyErr_Occurred())
+    if (PyErr_Occurred()) {
         PyErr_Clear();
-    else if (PyLong_CheckExact(v) && (n == 0 || x <= UINT64_MAX - (uint64_t)(n - 1)))
+    }
+    else if (PyLong_CheckExact(v) && (n == 0 || x <= UINT64_MAX - (uint64_t)(n - 1))) {
         return *ok = 1, x;
+    }
     PyErr_Format(PyExc_ValueError, "first_depth must be an int from 0 to 2**64 - %zd, got %R",
                  n ? n : 1, v);
     return *ok = 0, 0;
 }
 
 /* The open slot `v` names, or a ValueError. */
-static Pages *open_slot(Presence *p, PyObject *v, Py_ssize_t *slot) {
+static Pages *
+open_slot(Presence *p, PyObject *v, Py_ssize_t *slot)
+{
     int overflow = 0;
     long long x = PyLong_CheckExact(v) ? PyLong_AsLongLongAndOverflow(v, &overflow) : -1;
     if (!PyLong_CheckExact(v) || overflow || x < 0 || x >= p->nslots || !p->slots[x].open) {
@@ -82,65 +102,86 @@ static Pages *open_slot(Presence *p, PyObject *v, Py_ssize_t *slot) {
     return &p->slots[x];
 }
 
-static PyObject *py_set_chain(Presence *p, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5)
-        return PyErr_Format(PyExc_TypeError, "set_chain(slot, keys, first_depth, parent, mask) takes 5 arguments");
+static PyObject *
+py_set_chain(Presence *p, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        return PyErr_Format(PyExc_TypeError,
+                            "set_chain(slot, keys, first_depth, parent, mask) takes 5 arguments");
+    }
     Py_ssize_t slot;
     Pages *s = open_slot(p, args[0], &slot);
-    if (s == NULL)
+    if (s == NULL) {
         return NULL;
+    }
     PyObject *seq = PySequence_Fast(args[1], "set_chain keys must be a sequence");
-    if (seq == NULL)
+    if (seq == NULL) {
         return NULL;
+    }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     int64_t mask = -1;
     int ok = 0;
     uint64_t depth = 0;
     if (kvf_check_keys(items, n, "chain") == 0 && (depth = depth_arg(args[2], n, &ok), ok)) {
-        if (!is_key(args[3]))
+        if (!is_key(args[3])) {
             PyErr_Format(PyExc_ValueError, "chain parent must be %d bytes", KEY_BYTES);
-        else
+        }
+        else {
             mask = int_arg(args[4], "mask", 0, MAX_MASK);
+        }
     }
     int rc = mask < 0 ? -1
                       : kvf_set_chain(p, s, slot, items, n, depth,
                                       (const uint8_t *)PyBytes_AS_STRING(args[3]), (int)mask);
     Py_DECREF(seq);
-    if (rc < 0)
+    if (rc < 0) {
         return NULL;
+    }
     Py_RETURN_NONE;
 }
 
-static PyObject *py_check(Presence *p, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2)
+static PyObject *
+py_check(Presence *p, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
         return PyErr_Format(PyExc_TypeError, "check(keys, parent) takes 2 arguments");
+    }
     PyObject *seq = PySequence_Fast(args[0], "chain keys must be a sequence");
-    if (seq == NULL)
+    if (seq == NULL) {
         return NULL;
+    }
     int bad = kvf_check_keys(PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq), "chain");
     Py_DECREF(seq);
-    if (bad)
+    if (bad) {
         return NULL;
-    if (!is_key(args[1]))
+    }
+    if (!is_key(args[1])) {
         return PyErr_Format(PyExc_ValueError, "chain parent must be %d bytes", KEY_BYTES);
+    }
     Py_RETURN_NONE;
 }
 
-static PyObject *py_open(Presence *p, PyObject *arg) {
+static PyObject *
+py_open(Presence *p, PyObject *arg)
+{
     int64_t slot = int_arg(arg, "slot", 0, MAX_SLOTS - 1);
-    if (slot < 0)
+    if (slot < 0) {
         return NULL;
-    if (slot >= p->words * SLOTS_PER_WORD && widen(p, slot / SLOTS_PER_WORD + 1) < 0)
+    }
+    if (slot >= p->words * SLOTS_PER_WORD && widen(p, slot / SLOTS_PER_WORD + 1) < 0) {
         return NULL;
+    }
     if (slot >= p->nslots) {
         int32_t *local = PyMem_Realloc(p->local, (size_t)(slot + 1) * sizeof(int32_t));
-        if (local == NULL)
+        if (local == NULL) {
             return PyErr_NoMemory();
-        p->local = local;               /* bigger, still valid for the old slot count */
+        }
+        p->local = local; /* bigger, still valid for the old slot count */
         Pages *slots = PyMem_Realloc(p->slots, (size_t)(slot + 1) * sizeof(Pages));
-        if (slots == NULL)
+        if (slots == NULL) {
             return PyErr_NoMemory();
+        }
         memset(slots + p->nslots, 0, (size_t)(slot + 1 - p->nslots) * sizeof(Pages));
         memset(local + p->nslots, 0xff, (size_t)(slot + 1 - p->nslots) * sizeof(int32_t));
         p->slots = slots, p->nslots = slot + 1;
@@ -150,128 +191,179 @@ static PyObject *py_open(Presence *p, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_close(Presence *p, PyObject *arg) {
+static PyObject *
+py_close(Presence *p, PyObject *arg)
+{
     Py_ssize_t slot;
     Pages *s = open_slot(p, arg, &slot);
-    if (s == NULL)
+    if (s == NULL) {
         return NULL;
+    }
     kvf_clear(p, s, slot);
     s->open = 0;
     p->ones[slot / SLOTS_PER_WORD] &= ~(1ULL << 4 * (slot % SLOTS_PER_WORD));
     Py_RETURN_NONE;
 }
 
-static PyObject *py_clear(Presence *p, PyObject *arg) {
+static PyObject *
+py_clear(Presence *p, PyObject *arg)
+{
     Py_ssize_t slot;
     Pages *s = open_slot(p, arg, &slot);
-    if (s == NULL)
+    if (s == NULL) {
         return NULL;
+    }
     kvf_clear(p, s, slot);
     Py_RETURN_NONE;
 }
 
-static PyObject *py_pages(Presence *p, PyObject *arg) {
+static PyObject *
+py_pages(Presence *p, PyObject *arg)
+{
     Py_ssize_t slot;
     Pages *s = open_slot(p, arg, &slot);
     return s == NULL ? NULL : kvf_pages(p, s);
 }
 
-static PyObject *py_count(Presence *p, PyObject *arg) {
+static PyObject *
+py_count(Presence *p, PyObject *arg)
+{
     Py_ssize_t slot;
     Pages *s = open_slot(p, arg, &slot);
     return s == NULL ? NULL : PyLong_FromSsize_t(s->set.live);
 }
 
-static PyObject *py_meta(Presence *p, PyObject *key) {
-    if (!is_key(key))
+static PyObject *
+py_meta(Presence *p, PyObject *key)
+{
+    if (!is_key(key)) {
         return PyErr_Format(PyExc_ValueError, "meta key must be %d-byte bytes", KEY_BYTES);
+    }
     return kvf_meta(p, (const uint8_t *)PyBytes_AS_STRING(key));
 }
 
-static PyObject *py_keys(Presence *p, PyObject *unused) {
+static PyObject *
+py_keys(Presence *p, PyObject *unused)
+{
     PyObject *out = PyList_New(p->held.live);
     Py_ssize_t n = 0;
     for (Py_ssize_t e = 0; out != NULL && e < p->held.used; e++) {
-        if (p->held.dead[e])
+        if (p->held.dead[e]) {
             continue;
-        PyObject *k = PyBytes_FromStringAndSize((const char *)p->held.keys + e * KEY_BYTES, KEY_BYTES);
-        if (k == NULL)
+        }
+        PyObject *k =
+            PyBytes_FromStringAndSize((const char *)p->held.keys + e * KEY_BYTES, KEY_BYTES);
+        if (k == NULL) {
             Py_CLEAR(out);
-        else
+        }
+        else {
             PyList_SET_ITEM(out, n++, k);
+        }
     }
     return out;
 }
 
 /* The cell's nibbles as words (its highest holder's word the last), in *bits; the count. */
-static Py_ssize_t cell_words(const Cell *c, uint64_t **bits) {
+static Py_ssize_t
+cell_words(const Cell *c, uint64_t **bits)
+{
     Py_ssize_t n = 0;
-    for (Holders h = holders_of(c); holders_next(&h);)
+    for (Holders h = holders_of(c); holders_next(&h);) {
         n = h.slot / SLOTS_PER_WORD + 1 > n ? h.slot / SLOTS_PER_WORD + 1 : n;
-    if ((*bits = PyMem_Calloc((size_t)n + 1, 8)) == NULL)
+    }
+    if ((*bits = PyMem_Calloc((size_t)n + 1, 8)) == NULL) {
         return PyErr_NoMemory(), -1;
-    for (Holders h = holders_of(c); holders_next(&h);)
+    }
+    for (Holders h = holders_of(c); holders_next(&h);) {
         (*bits)[h.slot / SLOTS_PER_WORD] |= (uint64_t)h.nib << 4 * (h.slot % SLOTS_PER_WORD);
+    }
     return n;
 }
 
-static PyObject *py_get(Presence *p, PyObject *key) {
-    if (kvf_check_keys(&key, 1, "get") < 0)
+static PyObject *
+py_get(Presence *p, PyObject *key)
+{
+    if (kvf_check_keys(&key, 1, "get") < 0) {
         return NULL;
+    }
     const Cell *c = kvf_find(p, (const uint8_t *)PyBytes_AS_STRING(key));
     uint64_t *bits = NULL;
     Py_ssize_t words = c == NULL ? 0 : cell_words(c, &bits);
-    if (words < 0)
+    if (words < 0) {
         return NULL;
+    }
     PyObject *out = PyLong_FromLong(0), *shift = PyLong_FromLong(64);
     for (Py_ssize_t i = words - 1; out != NULL && shift != NULL && i >= 0; i--) {
         PyObject *word = PyLong_FromUnsignedLongLong(bits[i]), *up = PyNumber_Lshift(out, shift);
         Py_SETREF(out, up && word ? PyNumber_Or(up, word) : NULL);
         Py_XDECREF(up), Py_XDECREF(word);
     }
-    if (shift == NULL)
+    if (shift == NULL) {
         Py_CLEAR(out);
+    }
     Py_XDECREF(shift);
     PyMem_Free(bits);
     return out;
 }
 
-static PyObject *py_dense(Presence *p, PyObject *key) {
-    if (kvf_check_keys(&key, 1, "dense") < 0)
+static PyObject *
+py_dense(Presence *p, PyObject *key)
+{
+    if (kvf_check_keys(&key, 1, "dense") < 0) {
         return NULL;
+    }
     const Cell *c = kvf_find(p, (const uint8_t *)PyBytes_AS_STRING(key));
     return PyBool_FromLong(c != NULL && cell_dense(c));
 }
 
-static PyObject *py_lookup(Presence *p, PyObject *keys) { return kvf_lookup(p, keys); }
-
-static size_t ordered_bytes(const Ordered *o, size_t row) {
-    return (size_t)o->cap * (KEY_BYTES + 1 + row) + (o->index ? (o->mask + 1) * sizeof(int32_t) : 0);
+static PyObject *
+py_lookup(Presence *p, PyObject *keys)
+{
+    return kvf_lookup(p, keys);
 }
 
-static PyObject *py_sizeof(Presence *p, PyObject *unused) {
-    size_t n = sizeof(Presence) + ordered_bytes(&p->held, sizeof(Cell) + KEY_BYTES + 8)
-               + 8 * (size_t)(p->dense_words + p->words + p->scratch_len + p->found_len)
-               + 4 * (size_t)p->order_len + sizeof(Place) * (size_t)p->places_len
-               + (size_t)p->nslots * (sizeof(Pages) + sizeof(int32_t));
-    for (Py_ssize_t s = 0; s < p->nslots; s++)
+static size_t
+ordered_bytes(const Ordered *o, size_t row)
+{
+    return (size_t)o->cap * (KEY_BYTES + 1 + row) +
+           (o->index ? (o->mask + 1) * sizeof(int32_t) : 0);
+}
+
+static PyObject *
+py_sizeof(Presence *p, PyObject *unused)
+{
+    size_t n = sizeof(Presence) + ordered_bytes(&p->held, sizeof(Cell) + KEY_BYTES + 8) +
+               8 * (size_t)(p->dense_words + p->words + p->scratch_len + p->found_len) +
+               4 * (size_t)p->order_len + sizeof(Place) * (size_t)p->places_len +
+               (size_t)p->nslots * (sizeof(Pages) + sizeof(int32_t));
+    for (Py_ssize_t s = 0; s < p->nslots; s++) {
         n += ordered_bytes(&p->slots[s].set, 1) + ordered_bytes(&p->slots[s].own, KEY_BYTES + 8);
+    }
     return PyLong_FromSize_t(n);
 }
 
-static Py_ssize_t presence_len(Presence *p) { return p->held.live; }
+static Py_ssize_t
+presence_len(Presence *p)
+{
+    return p->held.live;
+}
 
-static PyObject *presence_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+static PyObject *
+presence_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
     Py_ssize_t window;
     int has_full;
     static char *names[] = {"window_pages", "has_full", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "np:Presence", names, &window, &has_full))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "np:Presence", names, &window, &has_full)) {
         return NULL;
-    if (window < 0)
+    }
+    if (window < 0) {
         return PyErr_Format(PyExc_ValueError, "window_pages must be >= 0, got %zd", window);
+    }
     Presence *p = (Presence *)type->tp_alloc(type, 0);
-    if (p == NULL)
+    if (p == NULL) {
         return NULL;
+    }
     p->window = window, p->has_full = has_full, p->words = 1;
     p->ones = PyMem_Calloc(1, 8);
     if (!p->ones) {
@@ -281,10 +373,13 @@ static PyObject *presence_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     return (PyObject *)p;
 }
 
-static void presence_dealloc(Presence *p) {
+static void
+presence_dealloc(Presence *p)
+{
     kvf_free_held(p);
-    for (Py_ssize_t s = 0; s < p->nslots; s++)
+    for (Py_ssize_t s = 0; s < p->nslots; s++) {
         kvf_free_pages(&p->slots[s]);
+    }
     PyMem_Free(p->slots), PyMem_Free(p->ones), PyMem_Free(p->scratch), PyMem_Free(p->local);
     PyMem_Free(p->found), PyMem_Free(p->order), PyMem_Free(p->places);
     Py_TYPE(p)->tp_free((PyObject *)p);
@@ -311,10 +406,9 @@ static PyMethodDef presence_methods[] = {
 static PySequenceMethods presence_seq = {.sq_length = (lenfunc)presence_len};
 
 static PyTypeObject PresenceType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvfabric.fabric.index._presence.Presence",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvfabric.fabric.index._presence.Presence",
     .tp_basicsize = sizeof(Presence),
-    .tp_flags = Py_TPFLAGS_DEFAULT,     /* no Python references held: not GC-tracked */
+    .tp_flags = Py_TPFLAGS_DEFAULT, /* no Python references held: not GC-tracked */
     .tp_doc = "The prefix index's core table (see fabric/index/presence.py).",
     .tp_new = presence_new,
     .tp_dealloc = (destructor)presence_dealloc,
@@ -323,16 +417,23 @@ static PyTypeObject PresenceType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_presence", "The prefix index's core table (see fabric/index/presence.py).",
-    -1, NULL,
+    PyModuleDef_HEAD_INIT,
+    "_presence",
+    "The prefix index's core table (see fabric/index/presence.py).",
+    -1,
+    NULL,
 };
 
-PyMODINIT_FUNC PyInit__presence(void) {
-    if (PyType_Ready(&PresenceType) < 0)
+PyMODINIT_FUNC
+PyInit__presence(void)
+{
+    if (PyType_Ready(&PresenceType) < 0) {
         return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
+    if (m == NULL) {
         return NULL;
+    }
     if (PyModule_AddIntConstant(m, "KEY_BYTES", KEY_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) < 0 ||
         PyModule_AddIntConstant(m, "SPARSE_MAX", SPARSE_MAX) < 0 ||

@@ -14,13 +14,13 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KEY_BYTES 16
-#define SLOTS_PER_WORD 16            /* 4-bit nibbles in a uint64 */
-#define MAX_SLOTS (1 << 16)          /* presence.py's MAX_SLOTS */
-#define MAX_MASK 15                  /* PageMask.FULL | PageMask.SWA */
-#define SPARSE_MAX 5                 /* holders a key keeps inline (presence.py's) */
-#define SPARSE_BACK 3                /* a dense key this few hold goes back inline */
-#define DENSE 0xFF                   /* Cell.pairs.n of a dense cell */
+#define KEY_BYTES      16
+#define SLOTS_PER_WORD 16        /* 4-bit nibbles in a uint64 */
+#define MAX_SLOTS      (1 << 16) /* presence.py's MAX_SLOTS */
+#define MAX_MASK       15        /* PageMask.FULL | PageMask.SWA */
+#define SPARSE_MAX     5         /* holders a key keeps inline (presence.py's) */
+#define SPARSE_BACK    3         /* a dense key this few hold goes back inline */
+#define DENSE          0xFF      /* Cell.pairs.n of a dense cell */
 
 /* Keys in insertion order (an update keeps the place, a delete and insert moves to the
  * end). `index` maps hash -> entry by linear probing over at least twice the capacity;
@@ -41,20 +41,25 @@ typedef struct {
 } Column;
 
 /* Inline: a lookup or a chain's apply finds each of its keys, several times for some. */
-static inline uint64_t ord_hash(const uint8_t *key) {
+static inline uint64_t
+ord_hash(const uint8_t *key)
+{
     uint64_t a, b;
     memcpy(&a, key, 8);
     memcpy(&b, key + 8, 8);
-    uint64_t h = a ^ (b * 0x9E3779B97F4A7C15ULL);      /* keys may be chosen, not only hashed */
+    uint64_t h = a ^ (b * 0x9E3779B97F4A7C15ULL); /* keys may be chosen, not only hashed */
     h ^= h >> 31;
     h *= 0xBF58476D1CE4E5B9ULL;
     return h ^ (h >> 29);
 }
 
 /* The entry of `key`, or -1; *pos: its index position, else where it would go. */
-static inline Py_ssize_t ord_find(const Ordered *o, const uint8_t *key, size_t *pos) {
-    if (o->index == NULL)
-        return -1;                      /* nothing ever added; ord_add needs a reserve first */
+static inline Py_ssize_t
+ord_find(const Ordered *o, const uint8_t *key, size_t *pos)
+{
+    if (o->index == NULL) {
+        return -1; /* nothing ever added; ord_add needs a reserve first */
+    }
     size_t i = ord_hash(key) & o->mask, tomb = SIZE_MAX;
     for (;; i = (i + 1) & o->mask) {
         int32_t e = o->index[i];
@@ -63,9 +68,11 @@ static inline Py_ssize_t ord_find(const Ordered *o, const uint8_t *key, size_t *
             return -1;
         }
         if (e == -2) {
-            if (tomb == SIZE_MAX)
+            if (tomb == SIZE_MAX) {
                 tomb = i;
-        } else if (memcmp(o->keys + (size_t)e * KEY_BYTES, key, KEY_BYTES) == 0) {
+            }
+        }
+        else if (memcmp(o->keys + (size_t)e * KEY_BYTES, key, KEY_BYTES) == 0) {
             *pos = i;
             return e;
         }
@@ -73,9 +80,12 @@ static inline Py_ssize_t ord_find(const Ordered *o, const uint8_t *key, size_t *
 }
 
 /* Warms the cache for a coming ord_find of `key` (its index position). */
-static inline void ord_prefetch(const Ordered *o, const uint8_t *key) {
-    if (o->index != NULL)
+static inline void
+ord_prefetch(const Ordered *o, const uint8_t *key)
+{
+    if (o->index != NULL) {
         __builtin_prefetch(o->index + (ord_hash(key) & o->mask));
+    }
 }
 /* Room for `extra` more entries (each column too); nothing changes if memory runs out. */
 int kvf_ord_reserve(Ordered *o, Py_ssize_t extra, const Column *cols, int ncols);
@@ -90,10 +100,10 @@ void kvf_ord_free(Ordered *o, const Column *cols, int ncols);
 typedef struct {
     int open;
     Ordered set;
-    uint8_t *masks;             /* set.cap: the mask, and OWN if the record is in `own` */
-    Ordered own;                /* keys whose record differs from the key's last one */
-    uint8_t *parents;           /* own.cap * KEY_BYTES */
-    uint64_t *depths;           /* own.cap */
+    uint8_t *masks;   /* set.cap: the mask, and OWN if the record is in `own` */
+    Ordered own;      /* keys whose record differs from the key's last one */
+    uint8_t *parents; /* own.cap * KEY_BYTES */
+    uint64_t *depths; /* own.cap */
 } Pages;
 
 /* Which slots hold a key and how, 16 bytes whoever they are: while at most SPARSE_MAX
@@ -124,28 +134,40 @@ typedef struct {
     int nib;
 } Holders;
 
-static inline int cell_dense(const Cell *c) { return c->pairs.n == DENSE; }
+static inline int
+cell_dense(const Cell *c)
+{
+    return c->pairs.n == DENSE;
+}
 
-static inline Py_ssize_t cell_count(const Cell *c) {
+static inline Py_ssize_t
+cell_count(const Cell *c)
+{
     return cell_dense(c) ? (Py_ssize_t)c->dense.holders : c->pairs.n;
 }
 
-static inline Holders holders_of(const Cell *c) {
+static inline Holders
+holders_of(const Cell *c)
+{
     Holders h = {c, -1, 0, 0, 0};
     return h;
 }
 
-static inline int holders_next(Holders *h) {
+static inline int
+holders_next(Holders *h)
+{
     const Cell *c = h->c;
     if (!cell_dense(c)) {
-        if (++h->i >= c->pairs.n)
+        if (++h->i >= c->pairs.n) {
             return 0;
+        }
         h->slot = c->pairs.slot[h->i], h->nib = c->pairs.nib[h->i];
         return 1;
     }
     while (!h->x) {
-        if (++h->i >= c->dense.words)
+        if (++h->i >= c->dense.words) {
             return 0;
+        }
         h->x = c->dense.bits[h->i];
     }
     int b = __builtin_ctzll(h->x) & ~3;
@@ -174,26 +196,25 @@ typedef struct {
 } Place;
 
 typedef struct {
-    PyObject_HEAD
-    Py_ssize_t window;          /* the MatchRule's window_pages */
-    int has_full;               /* the MatchRule's has_full */
-    Py_ssize_t words;           /* uint64 words of `ones`: 16 node slots each */
-    Ordered held;               /* keys some slot holds */
-    Cell *cells;                /* held.cap: the key's holders */
-    Py_ssize_t dense_words;     /* words the dense cells hold on the heap */
-    uint8_t *parents;           /* held.cap * KEY_BYTES: the key's last publication's parent */
-    uint64_t *depths;           /* held.cap: and its depth */
-    uint64_t *ones;             /* words: bit 0 of every open slot's nibble */
-    Pages *slots;               /* nslots */
+    PyObject_HEAD Py_ssize_t window; /* the MatchRule's window_pages */
+    int has_full;                    /* the MatchRule's has_full */
+    Py_ssize_t words;                /* uint64 words of `ones`: 16 node slots each */
+    Ordered held;                    /* keys some slot holds */
+    Cell *cells;                     /* held.cap: the key's holders */
+    Py_ssize_t dense_words;          /* words the dense cells hold on the heap */
+    uint8_t *parents; /* held.cap * KEY_BYTES: the key's last publication's parent */
+    uint64_t *depths; /* held.cap: and its depth */
+    uint64_t *ones;   /* words: bit 0 of every open slot's nibble */
+    Pages *slots;     /* nslots */
     Py_ssize_t nslots;
-    int32_t *local;             /* nslots: -1, or a slot's place among a lookup's candidates */
-    uint64_t *scratch;          /* lookup's per-page arrays */
+    int32_t *local;    /* nslots: -1, or a slot's place among a lookup's candidates */
+    uint64_t *scratch; /* lookup's per-page arrays */
     Py_ssize_t scratch_len;
-    const Cell **found;         /* lookup's cell per page */
+    const Cell **found; /* lookup's cell per page */
     Py_ssize_t found_len;
-    int32_t *order;             /* lookup's candidate slots */
+    int32_t *order; /* lookup's candidate slots */
     Py_ssize_t order_len;
-    Place *places;              /* a chain's apply: each key's place in `held` */
+    Place *places; /* a chain's apply: each key's place in `held` */
     Py_ssize_t places_len;
 } Presence;
 
