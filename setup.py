@@ -11,6 +11,7 @@ FLAGS = [
     "-O3",
     "-std=c11",
     "-Wall",
+    "-Wextra",
     "-Werror=implicit-function-declaration",
     "-fvisibility=hidden",
 ]

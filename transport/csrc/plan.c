@@ -152,7 +152,7 @@ order_into(const int64_t *remote, const int64_t *local, Py_ssize_t n, int32_t *o
 }
 
 static PyObject *
-plan_order(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+plan_order(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 6) {
         return PyErr_Format(PyExc_TypeError, "order takes 6 arguments, got %zd", nargs);
@@ -213,7 +213,11 @@ static PyMethodDef functions[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_plan", "A page read's plan in C.", -1, functions,
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_plan",
+    .m_doc = "A page read's plan in C.",
+    .m_size = -1,
+    .m_methods = functions,
 };
 
 PyMODINIT_FUNC

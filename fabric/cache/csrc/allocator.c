@@ -191,7 +191,7 @@ allocator_take(Allocator *a, PyObject *indices)
 
 /* used_indices() -> a new set of the pages in use. */
 static PyObject *
-allocator_used_indices(Allocator *a, PyObject *unused)
+allocator_used_indices(Allocator *a, PyObject *Py_UNUSED(unused))
 {
     PyObject *out = PySet_New(NULL);
     for (Py_ssize_t w = 0; out != NULL && w < (a->capacity + 63) / 64; w++) {
@@ -209,13 +209,13 @@ allocator_used_indices(Allocator *a, PyObject *unused)
 }
 
 static PyObject *
-get_free_count(Allocator *a, void *unused)
+get_free_count(Allocator *a, void *Py_UNUSED(unused))
 {
     return PyLong_FromSsize_t(a->nfree);
 }
 
 static PyObject *
-get_used_count(Allocator *a, void *unused)
+get_used_count(Allocator *a, void *Py_UNUSED(unused))
 {
     return PyLong_FromSsize_t(a->capacity - a->nfree);
 }
@@ -252,7 +252,7 @@ static PyTypeObject AllocatorType = {
 };
 
 static PyObject *
-set_errors(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+set_errors(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
         return PyErr_Format(PyExc_TypeError, "set_errors takes 2 arguments");
@@ -276,7 +276,11 @@ static PyMethodDef functions[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_alloc", "The page allocator in C.", -1, functions,
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_alloc",
+    .m_doc = "The page allocator in C.",
+    .m_size = -1,
+    .m_methods = functions,
 };
 
 PyMODINIT_FUNC

@@ -152,7 +152,7 @@ same_row_shape(const Py_buffer *src, const Py_buffer *dst)
 }
 
 static PyObject *
-copy_copy_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+copy_copy_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 4) {
         return PyErr_Format(PyExc_TypeError, "copy_rows takes 4 arguments, got %zd", nargs);
@@ -231,7 +231,11 @@ static PyMethodDef copy_functions[] = {
 };
 
 static struct PyModuleDef copy_module = {
-    PyModuleDef_HEAD_INIT, "_copy", "Rows of strided arrays copied in C.", -1, copy_functions,
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_copy",
+    .m_doc = "Rows of strided arrays copied in C.",
+    .m_size = -1,
+    .m_methods = copy_functions,
 };
 
 PyMODINIT_FUNC

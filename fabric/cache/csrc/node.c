@@ -75,14 +75,14 @@ check_field(const char *name, PyObject *value)
 }
 
 #define FIELD(NAME)                                                                               \
-    static PyObject *get_##NAME(Node *self, void *c)                                              \
+    static PyObject *get_##NAME(Node *self, void *Py_UNUSED(c))                                   \
     {                                                                                             \
         if (self->NAME == NULL) {                                                                 \
             return PyErr_Format(PyExc_AttributeError, "TreeNode was cleared");                    \
         }                                                                                         \
         return Py_NewRef(self->NAME);                                                             \
     }                                                                                             \
-    static int set_##NAME(Node *self, PyObject *value, void *c)                                   \
+    static int set_##NAME(Node *self, PyObject *value, void *Py_UNUSED(c))                        \
     {                                                                                             \
         if (check_field(#NAME, value) < 0) {                                                      \
             return -1;                                                                            \
@@ -140,7 +140,7 @@ radix_node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long sta
 }
 
 static PyObject *
-node_construct(PyTypeObject *type, PyObject *args, PyObject *kwds)
+node_construct(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"keys", "tokens", "parent", "start", NULL};
     PyObject *keys, *tokens, *parent;
@@ -199,7 +199,7 @@ node_dealloc(Node *self)
 }
 
 static PyObject *
-live_nodes(PyObject *m, PyObject *unused)
+live_nodes(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(unused))
 {
     return PyLong_FromSsize_t(live);
 }
@@ -256,20 +256,20 @@ slot_at(Node *node, PyObject *tier, PyObject *pool)
 }
 
 static PyObject *
-get_n(Node *self, void *c)
+get_n(Node *self, void *Py_UNUSED(c))
 {
     Py_ssize_t n = radix_node_n(self);
     return n < 0 ? NULL : PyLong_FromSsize_t(n);
 }
 
 static PyObject *
-get_is_root(Node *self, void *c)
+get_is_root(Node *self, void *Py_UNUSED(c))
 {
     return PyBool_FromLong(self->parent == Py_None);
 }
 
 static PyObject *
-get_up(Node *self, void *c)
+get_up(Node *self, void *Py_UNUSED(c))
 {
     if (self->parent == NULL) {
         return PyErr_Format(PyExc_AttributeError, "TreeNode was cleared");
@@ -322,7 +322,7 @@ any_tier(Node *self, PyObject *pool, PyObject *tiers, int (*each)(PyObject *, Py
 }
 
 static int
-holds_some(PyObject *pages, Py_ssize_t unused)
+holds_some(PyObject *Py_UNUSED(pages), Py_ssize_t Py_UNUSED(unused))
 {
     return 1;
 }

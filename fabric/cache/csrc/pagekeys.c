@@ -128,7 +128,7 @@ nargs_is(const char *name, Py_ssize_t nargs, Py_ssize_t want)
 }
 
 static PyObject *
-py_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_pack(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     if (!nargs_is("pack", nargs, 1)) {
         return NULL;
@@ -137,7 +137,7 @@ py_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
-py_equal(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_equal(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     if (!nargs_is("equal", nargs, 2)) {
         return NULL;
@@ -147,7 +147,7 @@ py_equal(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
-py_pack_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_pack_keys(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     Chain c;
     if (!nargs_is("pack_keys", nargs, 5) || parse_chain(args + 1, &c) != 0) {
@@ -184,7 +184,7 @@ raw_view(PyObject *raw, Py_buffer *view)
 }
 
 static PyObject *
-py_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_chain(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     Chain c;
     Py_buffer view;
@@ -198,7 +198,7 @@ py_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
-py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_blake2b(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     if (!nargs_is("blake2b", nargs, 3)) {
         return NULL;
@@ -232,7 +232,7 @@ py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
-py_set_error(PyObject *self, PyObject *cls)
+py_set_error(PyObject *Py_UNUSED(self), PyObject *cls)
 {
     if (!PyType_Check(cls) ||
         !PyType_IsSubtype((PyTypeObject *)cls, (PyTypeObject *)PyExc_Exception)) {
@@ -259,11 +259,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT,
-    "_pagekeys",
-    "Chained BLAKE2b page keys (see fabric/cache/keys.py).",
-    -1,
-    methods,
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_pagekeys",
+    .m_doc = "Chained BLAKE2b page keys (see fabric/cache/keys.py).",
+    .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC

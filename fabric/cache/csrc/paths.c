@@ -110,7 +110,7 @@ positions_of(PyObject *obj, Py_ssize_t *n)
 
 /* missing(path, positions, pool, tiers) -> positions with a page in `pool` on none of `tiers` */
 PyObject *
-radix_missing(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+radix_missing(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
     ARGS(4, "missing");
     Py_ssize_t npos = 0, count = 0, i = 0, ntiers = 0, pool = -1, tier[MAX_TIERS];
@@ -314,7 +314,7 @@ out:
  * (pool, positions, pages) of `placements` given to the nodes holding its positions; all or
  * nothing. */
 PyObject *
-radix_place_runs(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+radix_place_runs(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
     ARGS(5, "place_runs");
     PyObject *nodes = PySequence_Fast(args[0], "nodes must be a sequence");

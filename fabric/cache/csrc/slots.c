@@ -111,7 +111,7 @@ radix_give_pages(Node *node, PyObject *row, Py_ssize_t t, Py_ssize_t p, PyObject
 
 /* set_pages(node, tier, pool, offsets, pages, owned, protected) */
 static PyObject *
-set_pages(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+set_pages(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
     ARGS(7, "set_pages");
     Node *node = radix_as_node(args[0]);
@@ -195,7 +195,7 @@ fail:
 
 /* clear_pages(node, tier, pool, offsets, owned, protected) -> the pages it emptied */
 static PyObject *
-clear_pages(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+clear_pages(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
     ARGS(6, "clear_pages");
     Node *node = radix_as_node(args[0]);
@@ -212,7 +212,7 @@ clear_pages(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 
 /* lock(nodes, pool, delta, protected): add delta to each node's lock on pool */
 static PyObject *
-lock(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+lock(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
     ARGS(4, "lock");
     Py_ssize_t at = radix_as_index(args[1]);
@@ -306,11 +306,11 @@ static PyMethodDef functions[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT,
-    "_radix",
-    "The radix tree's nodes and hot primitives in C.",
-    -1,
-    functions,
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_radix",
+    .m_doc = "The radix tree's nodes and hot primitives in C.",
+    .m_size = -1,
+    .m_methods = functions,
 };
 
 PyMODINIT_FUNC

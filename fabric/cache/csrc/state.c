@@ -6,7 +6,7 @@
 #include <structmember.h>
 
 static PyObject *
-state_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+state_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwds))
 {
     /* RadixTree.__init__ fills the fields: every object one starts as None. */
     return type->tp_alloc(type, 0);

@@ -115,7 +115,7 @@ radix_count(Node *node, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta, PyObject *
 
 /* walk(roots, root_key, raw, step) -> (path, pages matched) */
 PyObject *
-radix_walk(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+radix_walk(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
     ARGS(4, "walk");
     Py_ssize_t step = PyLong_AsSsize_t(args[3]);
@@ -179,7 +179,7 @@ fail:
 /* walk_keys(by_first_key, keys) -> (path, pages matched): node by node, each found by its
  * first page's key (the map holds no other) and its further keys compared in place. */
 PyObject *
-radix_walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+radix_walk_keys(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
     ARGS(2, "walk_keys");
     if (!PyDict_Check(args[0])) {
@@ -254,7 +254,7 @@ fail:
 
 /* touch(nodes, now, hit): each node's last access is `now`; a hit counts one. */
 PyObject *
-radix_touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+radix_touch(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
     ARGS(3, "touch");
     long long now = PyLong_AsLongLong(args[1]);
@@ -304,7 +304,7 @@ radix_attach_node(Node *parent, PyObject *keys, PyObject *tokens, Py_ssize_t ste
 
 /* attach(parent, keys, tokens, step, by_first_key, clock) -> the new child of `parent` */
 PyObject *
-radix_attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+radix_attach(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
     ARGS(6, "attach");
     Node *parent = radix_as_node(args[0]);
@@ -384,7 +384,7 @@ split_slots(Node *head, Node *node, Py_ssize_t k)
 
 /* split(node, k, step, by_first_key) -> the new head node holding node's first k pages */
 PyObject *
-radix_split(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+radix_split(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
 {
     ARGS(4, "split");
     Node *node = radix_as_node(args[0]);

@@ -142,7 +142,7 @@ py_set_chain(Presence *p, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
-py_check(Presence *p, PyObject *const *args, Py_ssize_t nargs)
+py_check(Presence *Py_UNUSED(p), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
         return PyErr_Format(PyExc_TypeError, "check(keys, parent) takes 2 arguments");
@@ -243,7 +243,7 @@ py_meta(Presence *p, PyObject *key)
 }
 
 static PyObject *
-py_keys(Presence *p, PyObject *unused)
+py_keys(Presence *p, PyObject *Py_UNUSED(unused))
 {
     PyObject *out = PyList_New(p->held.live);
     Py_ssize_t n = 0;
@@ -330,7 +330,7 @@ ordered_bytes(const Ordered *o, size_t row)
 }
 
 static PyObject *
-py_sizeof(Presence *p, PyObject *unused)
+py_sizeof(Presence *p, PyObject *Py_UNUSED(unused))
 {
     size_t n = sizeof(Presence) + ordered_bytes(&p->held, sizeof(Cell) + KEY_BYTES + 8) +
                8 * (size_t)(p->dense_words + p->words + p->scratch_len + p->found_len) +
@@ -417,11 +417,11 @@ static PyTypeObject PresenceType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT,
-    "_presence",
-    "The prefix index's core table (see fabric/index/presence.py).",
-    -1,
-    NULL,
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_presence",
+    .m_doc = "The prefix index's core table (see fabric/index/presence.py).",
+    .m_size = -1,
+    .m_methods = NULL,
 };
 
 PyMODINIT_FUNC
