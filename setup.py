@@ -20,21 +20,21 @@ setup(
     ext_modules=[
         Extension(
             "kvfabric.fabric.cache._pagekeys",
-            sources=[f"{KEYS}/pagekeys.c", f"{KEYS}/pack.c", f"{KEYS}/blake2b.c"],
-            depends=[f"{KEYS}/blake2b.h", f"{KEYS}/pack.h"],
+            sources=[f"{KEYS}/keys.c", f"{KEYS}/keys_pack.c", f"{KEYS}/blake2b.c"],
+            depends=[f"{KEYS}/blake2b.h", f"{KEYS}/keys_pack.h"],
             extra_compile_args=FLAGS,
         ),
         Extension(
             "kvfabric.fabric.cache._radix",
             sources=[
-                f"{KEYS}/node.c",
-                f"{KEYS}/tree.c",
-                f"{KEYS}/slots.c",
-                f"{KEYS}/paths.c",
-                f"{KEYS}/state.c",
-                f"{KEYS}/insert.c",
+                f"{KEYS}/nodes.c",
+                f"{KEYS}/nodes_tree.c",
+                f"{KEYS}/nodes_slots.c",
+                f"{KEYS}/nodes_paths.c",
+                f"{KEYS}/radix.c",
+                f"{KEYS}/radix_insert.c",
             ],
-            depends=[f"{KEYS}/node.h"],
+            depends=[f"{KEYS}/nodes.h"],
             extra_compile_args=FLAGS,
         ),
         Extension(
@@ -52,9 +52,9 @@ setup(
             sources=[
                 f"{INDEX}/presence.c",
                 f"{INDEX}/ordered.c",
-                f"{INDEX}/records.c",
-                f"{INDEX}/lookup.c",
-                f"{INDEX}/holders.c",
+                f"{INDEX}/presence_records.c",
+                f"{INDEX}/lookups.c",
+                f"{INDEX}/presence_holders.c",
             ],
             depends=[f"{INDEX}/presence.h"],
             extra_compile_args=FLAGS,

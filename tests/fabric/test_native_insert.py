@@ -1,4 +1,4 @@
-"""RadixTree.insert_free, one C call on the native tree (csrc/insert.c), against its
+"""RadixTree.insert_free, one C call on the native tree (csrc/radix_insert.c), against its
 pure-Python reference, on twin trees driven through the same random inserts. A failure is
 injected at any call it makes out (the reservation hook, an allocator's free_count, alloc
 and free, the fill, the keyer's chain, the change log's touched and left), with any

@@ -1,16 +1,16 @@
 /* kvfabric.fabric.index._presence: the native core of fabric/index/presence.py.
  *
  * Presence(window_pages, has_full): per page key, a nibble per node slot that holds it
- * (a Cell: inline pairs while few slots do, a bitset where many do; holders.c); per slot,
+ * (a Cell: inline pairs while few slots do, a bitset where many do; presence_holders.c); per slot,
  * the pages it published; per key, its last publication. The same methods and results
  * as presence.Presence:
  *   open(slot) / close(slot): a slot takes a node / is cleared and freed.
- *   set_chain(slot, keys, first_depth, parent, mask): a chain's pages (records.c).
+ *   set_chain(slot, keys, first_depth, parent, mask): a chain's pages (presence_records.c).
  *   check(keys, parent): PrefixIndex's check of a chain, before anything changes.
  *   clear(slot); pages(slot) -> [(key, parent, depth, mask)]; count(slot).
  *   meta(key) -> (parent, depth) | None; keys() in insertion order; get(key) -> int.
  *   dense(key) -> bool: its holders are a bitset, not inline pairs.
- *   lookup(keys) -> [(slot, pages, device)]: the MatchRule's matches (lookup.c).
+ *   lookup(keys) -> [(slot, pages, device)]: the MatchRule's matches (lookups.c).
  * Every argument is checked before anything changes (ValueError). It holds no Python
  * objects, so the type is not tracked by the garbage collector. */
 #include "presence.h"

@@ -1,9 +1,9 @@
 /* The index core's C types, shared by its sources:
- *   ordered.c  an ordered set of 16-byte keys (insertion order, as a dict keeps it)
- *   presence.c the Presence type: the module, argument checks and the methods
- *   records.c  a chain's apply, a slot's clear, its pages and the keys' last records
- *   holders.c  a key's holders: inline (slot, nibble) pairs while few, else a bitset
- *   lookup.c   the match rule over the keys' nibbles
+ *   ordered.c           an ordered set of 16-byte keys (insertion order, as a dict keeps it)
+ *   presence.c          the Presence type: the module, argument checks and the methods
+ *   presence_records.c  a chain's apply, a slot's clear, its pages and the keys' last records
+ *   presence_holders.c  a key's holders: inline (slot, nibble) pairs while few, else a bitset
+ *   lookups.c           the match rule over the keys' nibbles (fabric/index/lookups.py's)
  * See presence.c for what the module exports. */
 #ifndef KVF_PRESENCE_H
 #define KVF_PRESENCE_H
@@ -96,7 +96,8 @@ void kvf_ord_remove(Ordered *o, size_t pos);
 void kvf_ord_free(Ordered *o, const Column *cols, int ncols);
 
 /* What one slot holds: per key, the mask it last published; the parent and depth are the
- * key's record in Presence.held, or the slot's own where that changed since (records.c). */
+ * key's record in Presence.held, or the slot's own where that changed since (presence_records.c).
+ */
 typedef struct {
     int open;
     Ordered set;
@@ -176,7 +177,7 @@ holders_next(Holders *h)
     return 1;
 }
 
-/* holders.c: the slot's nibble (0: not a holder). */
+/* presence_holders.c: the slot's nibble (0: not a holder). */
 int kvf_cell_get(const Cell *c, Py_ssize_t slot);
 /* Room to give `slot` a nibble without allocating (dense, or wider, if need be); -1 with
  * MemoryError, the cell's holders unchanged. */
@@ -224,7 +225,7 @@ Cell *kvf_find(Presence *p, const uint8_t *key);
 /* `n` items of `items`, each exactly `bytes` of KEY_BYTES, or a ValueError with `what`. */
 int kvf_check_keys(PyObject *const *items, Py_ssize_t n, const char *what);
 
-/* records.c */
+/* presence_records.c */
 int kvf_set_chain(Presence *p, Pages *s, Py_ssize_t slot, PyObject *const *keys, Py_ssize_t n,
                   uint64_t first_depth, const uint8_t *parent, int mask);
 void kvf_clear(Presence *p, Pages *s, Py_ssize_t slot);

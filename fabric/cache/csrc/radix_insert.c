@@ -3,7 +3,7 @@
  * (RadixTree.root, new_run, grow, attach, detach, clear_pages and touch included), so any
  * failure leaves the same state. Its undo journal is what place_runs gave and whether a
  * node was attached; its pages wait in `got` until the tree owns them. */
-#include "node.h"
+#include "nodes.h"
 
 static PyObject *S_free_count, *S_alloc, *S_free, *S_chain, *S_root, *S_touched, *S_left;
 

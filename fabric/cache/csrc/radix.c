@@ -1,7 +1,7 @@
 /* TreeState: RadixTree's own fields as a C type, the base of the native RadixTree
- * (radix.py), with the methods a request calls natively: walk (tree.c) and insert_free
- * (insert.c). */
-#include "node.h"
+ * (radix.py), with the methods a request calls natively: walk (nodes_tree.c) and insert_free
+ * (radix_insert.c). */
+#include "nodes.h"
 #include <stddef.h>
 #include <structmember.h>
 

@@ -4,7 +4,7 @@
  * tracked set, so collections never walk the tree. Parents and children still form
  * cycles while a node is attached: RadixTree breaks them when it goes away (radix.py's
  * unlink). Without the trashcan (it needs a GC type), node_dealloc defers deep frees. */
-#include "node.h"
+#include "nodes.h"
 #include <structmember.h>
 
 PyObject *radix_absent_page, *radix_zero;

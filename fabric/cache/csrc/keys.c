@@ -18,12 +18,12 @@
 #include <string.h>
 
 #include "blake2b.h"
-#include "pack.h"
+#include "keys_pack.h"
 
 #define KEY_BYTES     16
 #define MAX_PAGE_SIZE (1 << 20)
 
-PyObject *kvf_invalid; /* see pack.h; ValueError until set_error */
+PyObject *kvf_invalid; /* see keys_pack.h; ValueError until set_error */
 
 /* ---- chained keys -------------------------------------------------------------------- */
 

@@ -1,7 +1,7 @@
 /* Page positions along a path of C TreeNodes: which positions lack a page (missing), and
  * placing an insert's pages on the nodes holding their positions (place_runs), as
  * fabric/cache/nodes.py's functions of the same names do, in the same order. */
-#include "node.h"
+#include "nodes.h"
 
 /* n C integers, or NULL with a MemoryError where n of them cannot be: the size in bytes
  * would wrap (a range of 2**62 positions), or there is no such memory. */

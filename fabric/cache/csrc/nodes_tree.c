@@ -1,7 +1,7 @@
 /* The radix tree's hot primitives over C TreeNodes: the `_radix` module. Each function
  * does what its namesake in fabric/cache/nodes.py does, in the same order (so a failed
  * assertion leaves the same state); RadixTree keeps the journal and change log. */
-#include "node.h"
+#include "nodes.h"
 #include <string.h>
 
 Node *
@@ -125,7 +125,7 @@ radix_walk(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
     return radix_walk_from(args[0], args[1], args[2], step);
 }
 
-/* walk's work, for the module function and the tree's own method (state.c). */
+/* walk's work, for the module function and the tree's own method (radix.c). */
 PyObject *
 radix_walk_from(PyObject *roots, PyObject *root_key, PyObject *raw, Py_ssize_t step)
 {

@@ -1,6 +1,6 @@
-/* Packing a request's token ids (pack.c). */
-#ifndef KVF_PACK_H
-#define KVF_PACK_H
+/* Packing a request's token ids (keys_pack.c). */
+#ifndef KVF_KEYS_PACK_H
+#define KVF_KEYS_PACK_H
 
 #include <Python.h>
 

@@ -1,7 +1,8 @@
 /* Pages and locks on C TreeNodes (set_pages, clear_pages, lock), keeping the tree's
  * owned/protected [tier][pool] counters, and the `_radix` module that exports them with
- * tree.c's primitives and the TreeNode type. Same order of effects as fabric/cache/nodes.py. */
-#include "node.h"
+ * nodes_tree.c's primitives and the TreeNode type. Same order of effects as fabric/cache/nodes.py.
+ */
+#include "nodes.h"
 
 /* node.slots[t] (borrowed), where pool p is, or NULL with an error; a page list there
  * must be a list (or None). Runs no Python code. */

@@ -1,7 +1,7 @@
-/* The radix tree's node as a C type (node.c) and the tree's hot primitives over it
- * (tree.c): the native side of fabric/cache/nodes.py, which stays the reference. */
-#ifndef KVF_NODE_H
-#define KVF_NODE_H
+/* The radix tree's node as a C type (nodes.c) and the tree's hot primitives over it
+ * (nodes_tree.c): the native side of fabric/cache/nodes.py, which stays the reference. */
+#ifndef KVF_NODES_H
+#define KVF_NODES_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,8 +23,8 @@ extern PyMethodDef radix_node_functions[]; /* live_nodes(): the module adds them
 
 #define IS_NODE(o) (Py_TYPE(o) == &radix_NodeType)
 
-/* RadixTree's own fields (state.c): the native RadixTree derives from this type, so
- * insert.c keeps its counters, containers and logs in place. A NULL object field reads as
+/* RadixTree's own fields (radix.c): the native RadixTree derives from this type, so
+ * radix_insert.c keeps its counters, containers and logs in place. A NULL object field reads as
  * None. The pure-Python RadixTree has the same attributes in its __dict__. */
 typedef struct {
     PyObject_HEAD Py_ssize_t page_bytes;
@@ -55,7 +55,7 @@ extern PyObject *radix_absent_page, *radix_zero; /* the ints -1 and 0 */
  * outside the collector too, a collection then walks nothing of the tree. Returns `list`. */
 PyObject *radix_untrack_leaf(PyObject *list);
 
-/* Shared by tree.c and slots.c. */
+/* Shared by nodes_tree.c and nodes_slots.c. */
 #define ARGS(N, SIG)                                                                              \
     do {                                                                                          \
         if (nargs != N) {                                                                         \
@@ -71,7 +71,7 @@ int radix_count(Node *node, Py_ssize_t t, Py_ssize_t p, Py_ssize_t delta, PyObje
                 PyObject *protected); /* RadixTree._count */
 Py_ssize_t radix_lock_of(Node *node,
                          Py_ssize_t p); /* node.locks[p]: an int >= 0, or -1 with an error */
-/* slots.c's per-node page moves, shared with insert.c. */
+/* nodes_slots.c's per-node page moves, shared with radix_insert.c. */
 PyObject *radix_slot_row(Node *node, PyObject *tier, PyObject *pool, Py_ssize_t *t, Py_ssize_t *p);
 PyObject *radix_slot_row_at(Node *node, Py_ssize_t t, Py_ssize_t p);
 int radix_all_ints(PyObject *seq, const char *what);

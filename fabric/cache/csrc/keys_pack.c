@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "pack.h"
+#include "keys_pack.h"
 
 static int
 type_error_at(Py_ssize_t i, PyObject *item)
