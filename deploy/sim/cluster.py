@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
@@ -35,8 +34,6 @@ from kvfabric.deploy.placement import (
     FabricScore,
     NodeView,
     PageBytes,
-    PowerOfTwo,
-    PrefixAffinity,
     Prompt,
     Request,
     Router,
@@ -232,23 +229,3 @@ class SharedCluster(Cluster):
 
 def fabric_score(config: SimConfig) -> FabricScore:
     return FabricScore(config.cost, config.page_bytes, config.overhead_s)
-
-
-def make_cluster(mode: Mode, config: SimConfig, requests: Sequence[SimRequest]) -> Cluster:
-    from .fabric import FabricCluster
-
-    rng = random.Random(config.seed)
-    if mode is Mode.POW2:
-        return Cluster(config, PowerOfTwo(rng))
-    if mode is Mode.AFFINITY:
-        return Cluster(
-            config, PrefixAffinity(rng, config.match_rate_threshold, config.imbalanced_threshold)
-        )
-    if mode is Mode.GLOBAL:
-        return FabricCluster(config, fabric_score(config))
-    pages = (
-        config.nodes * config.capacity_pages
-        if mode is Mode.POOLED
-        else sum(r.pages for r in requests)
-    )
-    return SharedCluster(config, fabric_score(config), pages)

@@ -26,7 +26,8 @@ from typing import Callable, Sequence, TextIO
 from kvfabric.deploy.stats import percentile
 from tqdm import tqdm
 
-from .cluster import Cluster, Mode, SimConfig, SimRequest, make_cluster, prepare
+from .cluster import Cluster, Mode, SimConfig, SimRequest, prepare
+from .modes import make_cluster
 
 INDEX_CHECK_SAMPLES = 200
 
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     from .report import parse_args, print_table, write_plot
     from .trace import TraceError, load_trace
 
-    args, config = parse_args(argv)
+    args, config = parse_args(argv, __doc__)
     try:
         trace = load_trace(args.trace, limit=args.requests)
     except (TraceError, OSError, ValueError) as e:

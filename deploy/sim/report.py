@@ -37,10 +37,9 @@ def _modes(text: str) -> list[Mode]:
         ) from None
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimConfig]:
-    """Parse and validate; bad options exit 2 with argparse's usage message."""
-    from .replay import __doc__ as doc
-
+def parse_args(argv: list[str] | None, doc: str | None) -> tuple[argparse.Namespace, SimConfig]:
+    """Parse and validate (`doc`: the command's description, replay.py's docstring); bad
+    options exit 2 with argparse's usage message."""
     ap = argparse.ArgumentParser(
         prog="kvfabric replay",
         description=doc,
