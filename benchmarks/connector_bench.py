@@ -75,7 +75,7 @@ def engine_args(tokens: int, connector: dict | None) -> dict:
 
 
 def model_path(tokens: int) -> str:
-    from kvfabric.deploy.vllm.model import DEMO_SPEC, ensure_tiny_model
+    from kvfabric.deploy.vllm.serve.model import DEMO_SPEC, ensure_tiny_model
 
     spec = replace(DEMO_SPEC, max_positions=tokens + 4 * BLOCK)
     return str(ensure_tiny_model(spec, say=lambda m: print(m, file=sys.stderr)))
@@ -176,7 +176,7 @@ def with_connector(args: argparse.Namespace) -> dict:
     from kvfabric.actors.directory import node_actor_name
     from kvfabric.actors.launch import running
     from kvfabric.actors.served import fabrics_of
-    from kvfabric.deploy.vllm.connector import FabricConnector, kv_transfer_config
+    from kvfabric.deploy.vllm.connector.connector import FabricConnector, kv_transfer_config
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt

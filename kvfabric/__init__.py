@@ -56,7 +56,7 @@ _PUBLIC = {
         "stop",
         "join",
     ),
-    "kvfabric.deploy.vllm.serve_llm": ("with_fabric", "FabricLLMServer", "FabricError"),
+    "kvfabric.deploy.vllm.serve.serve_llm": ("with_fabric", "FabricLLMServer", "FabricError"),
 }
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 

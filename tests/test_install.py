@@ -196,12 +196,12 @@ def test_installs_beside_the_fabric_ssh_library(wheel, tmp_path):
     (site / "zz_test_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     # Not installed, the source tree on sys.path (as a Ray runtime_env working_dir puts it).
     from_tree = _run(
-        [py, "-c", "import kvfabric.deploy.serve.app as m; print(m.__file__)"],
+        [py, "-c", "import kvfabric.deploy.reference.serve.app as m; print(m.__file__)"],
         cwd=tmp_path,
         pythonpath=ROOT,
     )
     assert from_tree.returncode == 0, from_tree.stderr[-3000:]
-    assert from_tree.stdout.strip() == str(ROOT / "deploy" / "serve" / "app.py")
+    assert from_tree.stdout.strip() == str(ROOT / "deploy" / "reference" / "serve" / "app.py")
     ours = _run([py, "-m", "pip", "install", "-q", "--no-deps", wheel], cwd=tmp_path)
     assert ours.returncode == 0, ours.stderr[-3000:]
     checked = _run([py, "-c", CHECK], cwd=tmp_path)
@@ -222,7 +222,7 @@ def test_installs_beside_the_fabric_ssh_library(wheel, tmp_path):
 CHECK_VLLM = """
 import kvfabric
 from kvfabric import with_fabric, FabricLLMServer
-from kvfabric.deploy.vllm.connector import FabricConnector
+from kvfabric.deploy.vllm.connector.connector import FabricConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from ray.serve.llm import LLMConfig
 assert issubclass(FabricConnector, KVConnectorBase_V1)

@@ -27,8 +27,8 @@ from kvfabric.actors.directory import (
     node_actor_name,
     shard_name,
 )
-from kvfabric.deploy.cli.cluster import Endpoint
-from kvfabric.deploy.vllm.engine_identity import is_engine
+from kvfabric.deploy.harness.cluster import Endpoint
+from kvfabric.deploy.serving.engine_identity import is_engine
 from kvfabric.fabric import RouteTable
 from ray.exceptions import GetTimeoutError, RayError
 

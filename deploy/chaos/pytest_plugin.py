@@ -20,10 +20,10 @@ import pytest
 
 @pytest.fixture(scope="module")
 def kvfabric_chaos(request):
-    from kvfabric.deploy.cli.cluster import keep_auth_on
+    from kvfabric.deploy.harness.cluster import keep_auth_on
 
     keep_auth_on()  # before Ray loads, unless the suite already chose
-    from kvfabric.deploy.chaos.run import session, vllm_session
+    from .run import session, vllm_session
 
     options = dict(getattr(request.module, "kvfabric_chaos_options", {}))
     started = vllm_session if options.get("engine") == "vllm" else session

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Iterator
 
-from kvfabric.deploy.cli.cluster import keep_auth_on
+from kvfabric.deploy.harness.cluster import keep_auth_on
 
 from .plan import DESCRIPTIONS, ENGINE_KINDS, ChaosKind
 
@@ -127,9 +127,9 @@ def session(
 ) -> Iterator["ChaosHarness"]:
     """The fabric and its Serve app with chaos on, on an embedded cluster of `nodes`
     (or the cluster at `address`), and a harness over it with trace prompts."""
-    from kvfabric.deploy.cli.cluster import connect, free_port, local_cluster, up
-    from kvfabric.deploy.cli.http_replay import multi_turn_slice
-    from kvfabric.deploy.serve.app import AppArgs
+    from kvfabric.deploy.harness.cluster import connect, free_port, local_cluster, up
+    from kvfabric.deploy.harness.http_replay import multi_turn_slice
+    from kvfabric.deploy.reference.serve.app import AppArgs
     from kvfabric.deploy.sim.trace import load_trace, request_tokens
 
     from .harness import ChaosHarness
@@ -165,12 +165,12 @@ def vllm_session(
     import time
 
     from kvfabric.actors.served import fabrics_of
-    from kvfabric.deploy.cli.cluster import free_port, local_cluster, up
-    from kvfabric.deploy.cli.http_replay import multi_turn_slice
+    from kvfabric.deploy.harness.cluster import free_port, local_cluster, up
+    from kvfabric.deploy.harness.http_replay import multi_turn_slice
     from kvfabric.deploy.sim.trace import load_trace, request_tokens
-    from kvfabric.deploy.vllm.app_args import LLMAppArgs
-    from kvfabric.deploy.vllm.llm_router import OpenAIPrompts
-    from kvfabric.deploy.vllm.namespaces import fabric_namespace
+    from kvfabric.deploy.vllm.events.namespaces import fabric_namespace
+    from kvfabric.deploy.vllm.serve.app_args import LLMAppArgs
+    from kvfabric.deploy.vllm.serve.llm_router import OpenAIPrompts
 
     from .vllm_harness import SALT, VllmChaosHarness, orphans, remove_orphans
 

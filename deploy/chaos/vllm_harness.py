@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import ray
 from kvfabric.actors.directory import CALL_TIMEOUT_S
 from kvfabric.actors.node.engine_process import EngineProcess
-from kvfabric.deploy.cli.cluster import Endpoint
-from kvfabric.deploy.vllm.jobs import ConnectorStep
-from kvfabric.deploy.vllm.llm_ingress import RETRIES_HEADER
+from kvfabric.deploy.harness.cluster import Endpoint
+from kvfabric.deploy.vllm.connector.jobs import ConnectorStep
+from kvfabric.deploy.vllm.serve.llm_ingress import RETRIES_HEADER
 from kvfabric.transport import staging
 from ray.exceptions import GetTimeoutError, RayError
 

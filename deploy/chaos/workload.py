@@ -10,8 +10,8 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from kvfabric.deploy.cli.cluster import Endpoint
-from kvfabric.deploy.cli.http_replay import Client, Served
+from kvfabric.deploy.harness.cluster import Endpoint
+from kvfabric.deploy.harness.http_replay import Client, Served
 
 
 class Workload:

@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument(
         "--args",
         default="{}",
-        help="app args as JSON, or @FILE of JSON (kvfabric.deploy.serve.app.AppArgs; "
-        "with --engine vllm, kvfabric.deploy.vllm.app_args.LLMAppArgs)",
+        help="app args as JSON, or @FILE of JSON (kvfabric.deploy.reference.serve.app.AppArgs; "
+        "with --engine vllm, kvfabric.deploy.vllm.serve.app_args.LLMAppArgs)",
     )
     up.add_argument(
         "--config",
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tenants",
         metavar="FILE",
         help="the tenant table: API keys and the namespaces "
-        "each may use (JSON or YAML; deploy/serve/tenants.py); the same path on every node",
+        "each may use (JSON or YAML; deploy/serving/tenants.py); the same path on every node",
     )
     down = _on_a_cluster(
         sub,
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("name", nargs="?", choices=sorted(BENCHES))
     args, rest = ap.parse_known_args(argv)
     if args.command == "demo":
-        from kvfabric.deploy.cli.demo import main as demo
+        from .demo import main as demo
 
         return demo(rest)
     if args.command == "replay":
@@ -239,7 +239,7 @@ def _up(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         _check_app_args(ap, args, app_args)
     except (ValueError, TypeError) as e:  # bad args fail here, not in a replica
         ap.error(str(e))
-    from kvfabric.deploy.cli.cluster import DeployFailed, connect, up
+    from kvfabric.deploy.harness.cluster import DeployFailed, connect, up
 
     connect(args.address)
     try:
@@ -259,21 +259,22 @@ def _check_app_args(ap: argparse.ArgumentParser, args: argparse.Namespace, app_a
             ap.error("give the tenant table with --tenants or in --args, not both")
         app_args["tenants_file"] = os.path.abspath(os.path.expanduser(args.tenants))
     if args.engine == "vllm":
-        from kvfabric.deploy.serve.tenants import load_tenants
-        from kvfabric.deploy.vllm.app_args import LLMAppArgs
+        from kvfabric.deploy.serving.tenants import load_tenants
+        from kvfabric.deploy.vllm.serve.app_args import LLMAppArgs
 
         parsed = LLMAppArgs.from_dict(app_args)
         if parsed.tenants_file:
             load_tenants(parsed.tenants_file)
         return
-    from kvfabric.deploy.serve.app import AppArgs
+    from kvfabric.deploy.reference.serve.app import AppArgs
 
     AppArgs.from_dict(app_args).tenants()
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvfabric.deploy.cli.cluster import connect
-    from kvfabric.deploy.cli.status import as_json, fabric_status, render
+    from kvfabric.deploy.harness.cluster import connect
+
+    from .status import as_json, fabric_status, render
 
     connect(args.address)
     fabrics = fabric_status()
@@ -282,7 +283,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from kvfabric.deploy.cli.cluster import connect, down
+    from kvfabric.deploy.harness.cluster import connect, down
 
     connect(args.address)
     killed = down()

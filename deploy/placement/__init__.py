@@ -1,6 +1,6 @@
 """Placement: the cost model and the routers, one module for every user of them.
 
-The Serve router (kvfabric.deploy.serve.router) ranks replicas with `FabricScore`, the
+The Serve router (kvfabric.deploy.serving.router) ranks replicas with `FabricScore`, the
 engine (kvfabric.deploy.reference.engine) fetches by `plan`, and `kvfabric replay` runs
 the same objects, next to the routers users run today (`PowerOfTwo`, `PrefixAffinity`), so
 that what it measures is what is deployed."""

@@ -60,7 +60,7 @@ class PowerOfTwo(Router):
 
 
 class FabricScore(Router):
-    """The fabric's router (kvfabric.deploy.serve.router.FabricRequestRouter): the node where
+    """The fabric's router (kvfabric.deploy.serving.router.FabricRequestRouter): the node where
     the first token is expected soonest. That is when the prefills this router already sent there
     should end (its own estimates, on its own clock: a replica's queue length counts the
     requests decoding there too, which hardly delay a prefill), plus this request's own

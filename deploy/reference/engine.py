@@ -17,7 +17,7 @@ from typing import Mapping, Protocol, Sequence
 
 import torch
 from kvfabric.deploy.placement import CostModel, PageBytes, Prompt, plan
-from kvfabric.deploy.serve.protocol import PrefixFetch
+from kvfabric.deploy.serving.protocol import PrefixFetch
 from kvfabric.fabric import CachedKV, PoolName
 
 from .model import KVState, TinyLM

@@ -1,7 +1,7 @@
 """The `global` mode of `kvfabric replay`: the fabric as deployed, on the real sharded index.
 
 Every node publishes its page events into the index. The router (FabricScore, as
-kvfabric.deploy.serve.router runs it) asks the index who holds how much of the prompt;
+kvfabric.deploy.serving.router runs it) asks the index who holds how much of the prompt;
 when the prefill starts, the node does what the engine does: matches locally, asks the
 index for the best remote holder, and fetches from it when
 `kvfabric.deploy.placement.plan` says moving beats recomputing. Mooncake's conductor

@@ -165,7 +165,7 @@ def test_only_so_many_engines_are_watched(layout):
 @pytest.fixture(scope="module")
 def fabric(layout):
     from kvfabric.actors import NodeConfig, start, stop
-    from kvfabric.deploy.cli.cluster import local_cluster
+    from kvfabric.deploy.harness.cluster import local_cluster
 
     config = NodeConfig(layout, {p: PoolCapacity(16, 16) for p in layout.pools}, device="cpu")
     with local_cluster(2, cpus_per_node=2):
@@ -179,8 +179,8 @@ def fabric(layout):
 def publish_engine(fabric, name: str, tokens: list[int]):
     """Publish an engine's device cache holding `tokens` under `name`, as a new life."""
     from kvfabric.actors.epochs import GcsEpochs
-    from kvfabric.deploy.vllm.engine_pages import EnginePages
-    from kvfabric.deploy.vllm.index_sink import ShardSink
+    from kvfabric.deploy.vllm.events.engine_pages import EnginePages
+    from kvfabric.deploy.vllm.events.index_sink import ShardSink
 
     from tests.deploy.vllm.test_engine_pages import GROUPS, LAYOUT, PS, Engine
 
@@ -196,7 +196,7 @@ def publish_engine(fabric, name: str, tokens: list[int]):
 
 def holders(tokens: list[int]) -> set[str]:
     from kvfabric.actors import FabricClient
-    from kvfabric.deploy.vllm.namespaces import fabric_namespace
+    from kvfabric.deploy.vllm.events.namespaces import fabric_namespace
 
     return {
         m.node for m in FabricClient.connect(timeout_s=10.0).lookup(tokens, fabric_namespace(None))

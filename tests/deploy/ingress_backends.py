@@ -9,10 +9,10 @@ import json
 from fastapi.testclient import TestClient
 from kvfabric.deploy.reference.engine import Engine
 from kvfabric.deploy.reference.model import ModelConfig, TinyLM
+from kvfabric.deploy.reference.serve.openai_api import build_fastapi
 from kvfabric.deploy.reference.tokenizer import OFFSET, ByteTokenizer
-from kvfabric.deploy.serve.openai_api import build_fastapi
-from kvfabric.deploy.serve.protocol import GenerateRequest, GenerateResult
-from kvfabric.deploy.serve.tenants import parse_tenants
+from kvfabric.deploy.serving.protocol import GenerateRequest, GenerateResult
+from kvfabric.deploy.serving.tenants import parse_tenants
 
 CONFIG = ModelConfig(max_positions=128)
 MODEL = TinyLM(CONFIG)

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 from kvfabric.deploy.reference.engine import RequestError
-from kvfabric.deploy.serve.backend import HandleBackend
-from kvfabric.deploy.serve.protocol import GenerateRequest, GenerateResult
+from kvfabric.deploy.reference.serve.backend import HandleBackend
+from kvfabric.deploy.serving.protocol import GenerateRequest, GenerateResult
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 REQ = GenerateRequest(tokens=(1, 2, 3), max_tokens=2, namespace="t")

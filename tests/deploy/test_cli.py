@@ -199,7 +199,7 @@ def test_status_renders_each_node_and_an_unreachable_one():
 def test_address_auto_is_refused_where_several_clusters_run(tmp_path, monkeypatch):
     """`--address auto` is Ray's pick of the cluster started last; with several on the
     machine, up/down/status refuse it and name the clusters instead of acting on one."""
-    from kvfabric.deploy.cli import cluster
+    from kvfabric.deploy.harness import cluster
 
     for pid, session in ((11, "session_a"), (12, "session_b"), (13, None)):
         (tmp_path / str(pid)).mkdir()
@@ -224,7 +224,7 @@ def test_the_readme_documents_every_setting_users_give():
     import re
     from pathlib import Path
 
-    from kvfabric.deploy.vllm.jobs import FabricSettings
+    from kvfabric.deploy.vllm.connector.jobs import FabricSettings
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
@@ -257,9 +257,9 @@ def test_the_production_apps_import_nothing_of_the_chaos_harness():
 
     code = (
         "import sys\n"
-        "import kvfabric.deploy.serve.app, kvfabric.deploy.vllm.serve_llm\n"
-        "import kvfabric.deploy.vllm.connector\n"
-        "from kvfabric.deploy.serve.app import AppArgs\n"
+        "import kvfabric.deploy.reference.serve.app, kvfabric.deploy.vllm.serve.serve_llm\n"
+        "import kvfabric.deploy.vllm.connector.connector\n"
+        "from kvfabric.deploy.reference.serve.app import AppArgs\n"
         "assert AppArgs().node_config().hooks is None\n"
         "assert not [m for m in sys.modules if m.startswith('kvfabric.deploy.chaos')]\n"
         "assert AppArgs(chaos=True).node_config().hooks is not None\n"

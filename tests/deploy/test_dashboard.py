@@ -25,9 +25,9 @@ def exported() -> set[str]:
     names |= {f"ray_kvfabric_node_{c}_total" for c, _ in node_metrics.COUNTERS}
     names |= {f"ray_{g}" for g in index_metrics.GAUGES}
     names |= {f"ray_{c}_total" for c in index_metrics.COUNTERS}
-    connector = (ROOT / "deploy" / "vllm" / "connector_metrics.py").read_text()
+    connector = (ROOT / "deploy" / "vllm" / "connector" / "metrics.py").read_text()
     names |= {f"ray_vllm_{n}_total" for n in re.findall(r'"vllm:(kvfabric_\w+)"', connector)}
-    serving = (ROOT / "deploy" / "serve" / "serving.py").read_text()
+    serving = (ROOT / "deploy" / "reference" / "serve" / "server.py").read_text()
     for kind, name in re.findall(r'metrics\.(Counter|Histogram|Gauge)\(\s*"(\w+)"', serving):
         suffixes = {"Counter": ("_total",), "Histogram": ("_bucket", "_sum", "_count")}
         names |= {f"ray_{name}{s}" for s in suffixes.get(kind, ("",))}

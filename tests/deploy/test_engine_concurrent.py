@@ -15,7 +15,7 @@ import torch
 from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
 from kvfabric.deploy.reference.engine import Engine
 from kvfabric.deploy.reference.model import ModelConfig, TinyLM
-from kvfabric.deploy.serve.serving import ActorCache
+from kvfabric.deploy.reference.serve.server import ActorCache
 from kvfabric.fabric import PoolCapacity, PoolName
 from ray.cluster_utils import Cluster
 

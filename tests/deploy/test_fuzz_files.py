@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from kvfabric.deploy.reference.model import ModelConfig, ModelConfigError
-from kvfabric.deploy.serve.app import AppArgs, AppArgsError
+from kvfabric.deploy.reference.serve.app import AppArgs, AppArgsError
 from kvfabric.deploy.sim.trace import BLOCK_TOKENS, TraceError, TraceRequest, load_trace
 from kvfabric.fabric import KVLayout, LayoutError
 from kvfabric.fabric.index.routes import MAX_SHARDS

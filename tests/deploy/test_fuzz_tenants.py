@@ -1,4 +1,4 @@
-"""Fuzzing the tenant table's decoder (deploy/serve/tenants.py), outside input like the other
+"""Fuzzing the tenant table's decoder (deploy/serving/tenants.py), outside input like the other
 files (tests/deploy/test_fuzz_files.py): valid tables round-trip through JSON and YAML, mutated
 ones are accepted iff valid, arbitrary bytes load or raise TenantsError, and no error
 message ever quotes a key."""
@@ -12,7 +12,7 @@ import pytest
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
-from kvfabric.deploy.serve.tenants import (
+from kvfabric.deploy.serving.tenants import (
     MAX_KEY_CHARS,
     MAX_NAME_CHARS,
     MIN_KEY_CHARS,

@@ -1,8 +1,8 @@
 """The HTTP replay's summary: a request either pass failed counts as failed, not as a
 mismatch, and only requests both passes answered give totals and percentiles."""
 
-from kvfabric.deploy.cli.http_replay import Pair, Served, summarize
-from kvfabric.deploy.serve.protocol import PrefixFetch
+from kvfabric.deploy.harness.http_replay import Pair, Served, summarize
+from kvfabric.deploy.serving.protocol import PrefixFetch
 
 
 def served(

@@ -1,4 +1,4 @@
-"""Who gets in and which namespace a request uses (deploy/serve/ingress_auth.py), through the
+"""Who gets in and which namespace a request uses (deploy/serving/ingress_auth.py), through the
 ingress's HTTP interface in process (FastAPI's TestClient): two keys with their own
 namespaces, 401 and 403 answers with the backend untouched, the API description behind
 the key, and one open tenant when no table is set. The same over a real cluster:
@@ -11,7 +11,7 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvfabric.deploy.serve.tenants import parse_tenants
+from kvfabric.deploy.serving.tenants import parse_tenants
 
 from tests.deploy.ingress_backends import KEY, FakeBackend, assert_error, client_for, ok, post
 

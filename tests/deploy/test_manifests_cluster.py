@@ -69,7 +69,7 @@ def test_cluster_installs_the_project_from_its_file_mount(cluster):
 
 def test_cluster_vllm_app_args_fit_its_nodes_and_model(cluster, pyproject):
     from kvfabric.deploy.cli.main import read_app_args
-    from kvfabric.deploy.vllm.app_args import LLMAppArgs
+    from kvfabric.deploy.vllm.serve.app_args import LLMAppArgs
 
     assert "vllm" in pyproject["project"]["optional-dependencies"]
     (repo,) = [r for r, local in cluster["file_mounts"].items() if (ROOT / local).resolve() == ROOT]

@@ -38,11 +38,11 @@ class AppKind:
 
 
 APPS = {
-    "kvfabric.deploy.serve.app:app_builder": AppKind(
-        "kvfabric.deploy.serve.app:AppArgs", (), "reference"
+    "kvfabric.deploy.reference.serve.app:app_builder": AppKind(
+        "kvfabric.deploy.reference.serve.app:AppArgs", (), "reference"
     ),
-    "kvfabric.deploy.vllm.serve_llm:llm_app_builder": AppKind(
-        "kvfabric.deploy.vllm.app_args:LLMAppArgs", ("vllm",), "vllm"
+    "kvfabric.deploy.vllm.serve.serve_llm:llm_app_builder": AppKind(
+        "kvfabric.deploy.vllm.serve.app_args:LLMAppArgs", ("vllm",), "vllm"
     ),
 }
 
@@ -124,7 +124,7 @@ def test_app_args_build_the_apps_args(serve_config):
     cls.from_dict(args)  # validated as the app builder validates them
     if "llm_config" in args:
         pytest.importorskip("vllm")
-        from kvfabric.deploy.vllm.serve_llm import with_fabric
+        from kvfabric.deploy.vllm.serve.serve_llm import with_fabric
         from ray.serve.llm import LLMConfig
 
         with_fabric(LLMConfig.model_validate(args["llm_config"]))  # Ray's own validator

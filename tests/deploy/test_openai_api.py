@@ -16,7 +16,11 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 from kvfabric.deploy.reference.engine import Engine, RequestError
-from kvfabric.deploy.serve.openai_api import CompletionResponse, OpenAIIngress, build_fastapi
+from kvfabric.deploy.reference.serve.openai_api import (
+    CompletionResponse,
+    OpenAIIngress,
+    build_fastapi,
+)
 
 from tests.deploy.ingress_backends import (
     CHAT_URL,

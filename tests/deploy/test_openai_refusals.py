@@ -6,7 +6,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from kvfabric.deploy.reference.model import ModelConfig
-from kvfabric.deploy.serve.openai_api import MAX_BODY_BYTES, CompletionResponse, build_fastapi
+from kvfabric.deploy.reference.serve.openai_api import (
+    MAX_BODY_BYTES,
+    CompletionResponse,
+    build_fastapi,
+)
 
 from tests.deploy.ingress_backends import (
     CHAT_URL,

@@ -8,14 +8,14 @@ import asyncio
 from dataclasses import dataclass, field
 
 import pytest
-from kvfabric.deploy.serve.protocol import GenerateRequest
-from kvfabric.deploy.serve.router import GenerateRequestPrompts, RoutedPrompt
+from kvfabric.deploy.serving.protocol import GenerateRequest
+from kvfabric.deploy.serving.router import GenerateRequestPrompts, RoutedPrompt
 
 pytest.importorskip("transformers")
 
-from kvfabric.deploy.vllm.llm_router import MAX_PROMPT_CHARS, OpenAIPrompts  # noqa: E402
-from kvfabric.deploy.vllm.model import ensure_tiny_model  # noqa: E402
-from kvfabric.deploy.vllm.namespaces import fabric_namespace  # noqa: E402
+from kvfabric.deploy.vllm.events.namespaces import fabric_namespace  # noqa: E402
+from kvfabric.deploy.vllm.serve.llm_router import MAX_PROMPT_CHARS, OpenAIPrompts  # noqa: E402
+from kvfabric.deploy.vllm.serve.model import ensure_tiny_model  # noqa: E402
 
 
 @dataclass

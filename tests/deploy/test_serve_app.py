@@ -12,9 +12,9 @@ import urllib.request
 
 import openai
 import pytest
-from kvfabric.deploy.cli.cluster import APP_NAME, free_port, local_cluster, up
-from kvfabric.deploy.cli.http_replay import Client
-from kvfabric.deploy.serve.app import AppArgs, AppArgsError
+from kvfabric.deploy.harness.cluster import APP_NAME, free_port, local_cluster, up
+from kvfabric.deploy.harness.http_replay import Client
+from kvfabric.deploy.reference.serve.app import AppArgs, AppArgsError
 from ray import serve
 
 from tests.deploy import openai_script, ray_metrics
@@ -154,8 +154,8 @@ def test_serving_metrics_record_every_kind_of_answer(endpoint):
     @ray.remote(num_cpus=0)
     def record() -> dict:
         from kvfabric.deploy.reference.engine import Generation
-        from kvfabric.deploy.serve.protocol import PrefixFetch
-        from kvfabric.deploy.serve.serving import ServingMetrics
+        from kvfabric.deploy.reference.serve.server import ServingMetrics
+        from kvfabric.deploy.serving.protocol import PrefixFetch
 
         m = ServingMetrics("kvf-node-test")
         seen: list = []
@@ -206,7 +206,7 @@ def test_down_removes_the_app_and_the_fabric_and_up_brings_them_back(endpoint):
     """Takes everything down, then up again on the same port: the other tests do not
     depend on running before this one."""
     import ray
-    from kvfabric.deploy.cli.cluster import down
+    from kvfabric.deploy.harness.cluster import down
 
     killed = down()
     assert "kvf-directory" in killed and any(n.startswith("kvf-node-") for n in killed)
@@ -293,7 +293,7 @@ class NeverStarts:
 def test_an_app_serve_cannot_deploy_is_an_error_with_serve_s_causes(endpoint):
     """`kvfabric up` of an app Serve cannot deploy says why: each failed deployment's
     cause from Serve's status API, not only that some deployment failed."""
-    from kvfabric.deploy.cli.cluster import DeployFailed, deploy
+    from kvfabric.deploy.harness.cluster import DeployFailed, deploy
 
     try:
         with pytest.raises(

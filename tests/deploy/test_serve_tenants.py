@@ -12,10 +12,10 @@ import urllib.request
 
 import openai
 import pytest
-from kvfabric.deploy.cli.cluster import free_port, local_cluster, up
-from kvfabric.deploy.cli.http_replay import Client
-from kvfabric.deploy.serve.app import AppArgs
-from kvfabric.deploy.serve.tenants import TenantsError
+from kvfabric.deploy.harness.cluster import free_port, local_cluster, up
+from kvfabric.deploy.harness.http_replay import Client
+from kvfabric.deploy.reference.serve.app import AppArgs
+from kvfabric.deploy.serving.tenants import TenantsError
 from ray import serve
 
 MODEL = "kvfabric-tiny"

@@ -1,4 +1,4 @@
-"""The tenant table (deploy/serve/tenants.py): its file formats, the strict checks with errors
+"""The tenant table (deploy/serving/tenants.py): its file formats, the strict checks with errors
 that name an entry by position and never by key, keys held only as digests and matched
 against every entry. Fuzzed: tests/deploy/test_fuzz_tenants.py."""
 
@@ -8,10 +8,10 @@ import json
 import pickle
 from pathlib import Path
 
-import kvfabric.deploy.serve.tenants as tenants_mod
+import kvfabric.deploy.serving.tenants as tenants_mod
 import pytest
 import yaml
-from kvfabric.deploy.serve.tenants import (
+from kvfabric.deploy.serving.tenants import (
     MAX_NAME_CHARS,
     MAX_TABLE_BYTES,
     Tenant,

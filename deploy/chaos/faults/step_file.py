@@ -1,4 +1,4 @@
-"""StepFaultFile: a StepHook (deploy/vllm/jobs.py) that fails the vLLM connector's
+"""StepFaultFile: a StepHook (deploy/vllm/connector/jobs.py) that fails the vLLM connector's
 loads and saves where a JSON file says, read at each step: the connector runs in
 vLLM's engine and worker processes, which a test reaches only through a file.
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from kvfabric.transport.staging import SHM_DIR, StagingSpaceError
 
 if TYPE_CHECKING:  # deploy/vllm imports vLLM: only its type is needed here
-    from kvfabric.deploy.vllm.jobs import ConnectorStep
+    from kvfabric.deploy.vllm.connector.jobs import ConnectorStep
 
 HOOK = "kvfabric.deploy.chaos.faults.step_file:StepFaultFile"
 KILL = "SIGKILL"

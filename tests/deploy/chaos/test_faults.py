@@ -124,7 +124,7 @@ def test_a_chaos_node_refuses_what_is_not_a_chaos_action(action):
 def test_the_step_fault_file_fires_once_what_it_names(tmp_path):
     pytest.importorskip("vllm")
     from kvfabric.deploy.chaos.faults import InjectedFault, StepFaultFile
-    from kvfabric.deploy.vllm.jobs import ConnectorStep, FabricSettings
+    from kvfabric.deploy.vllm.connector.jobs import ConnectorStep, FabricSettings
 
     path = tmp_path / "faults.json"
     hook = FabricSettings(**StepFaultFile.settings(str(path))).make_step_hook()
@@ -147,7 +147,7 @@ def test_a_step_fault_is_either_fired_or_disarmed_never_both_nor_lost(tmp_path):
     raised by exactly one step or handed back by `disarm`, over many interleavings."""
     pytest.importorskip("vllm")
     from kvfabric.deploy.chaos.faults import InjectedFault, StepFaultFile
-    from kvfabric.deploy.vllm.jobs import ConnectorStep
+    from kvfabric.deploy.vllm.connector.jobs import ConnectorStep
 
     steps = [ConnectorStep.NODE_LOAD, ConnectorStep.WORKER_LOAD, ConnectorStep.WORKER_SAVE]
     harness = StepFaultFile(str(tmp_path / "faults.json"))
@@ -180,7 +180,7 @@ def test_the_step_fault_file_fails_a_step_as_a_full_shm_would(tmp_path):
     pytest.importorskip("vllm")
     from kvfabric.deploy.chaos.faults import StepFaultFile
     from kvfabric.deploy.chaos.faults.step_file import FULL
-    from kvfabric.deploy.vllm.jobs import ConnectorStep
+    from kvfabric.deploy.vllm.connector.jobs import ConnectorStep
     from kvfabric.transport.staging import StagingSpaceError
 
     path = tmp_path / "faults.json"

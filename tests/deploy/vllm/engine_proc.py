@@ -22,7 +22,7 @@ def main(address: str, here: str, fault_file: str) -> int:
     os.dup2(2, 1)
     os.environ["HF_HUB_OFFLINE"] = "1"
     from kvfabric.deploy.chaos.faults import StepFaultFile
-    from kvfabric.deploy.vllm.model import ensure_tiny_model
+    from kvfabric.deploy.vllm.serve.model import ensure_tiny_model
     from vllm import LLM, SamplingParams
     from vllm.config import KVEventsConfig
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 from kvfabric.deploy.chaos.faults import StepFaultFile
-from kvfabric.deploy.vllm.block_format import BlockFormat
-from kvfabric.deploy.vllm.jobs import FabricSettings
-from kvfabric.deploy.vllm.scheduler_side import SchedulerSide
-from kvfabric.deploy.vllm.worker_side import WorkerSide
+from kvfabric.deploy.vllm.connector.block_format import BlockFormat
+from kvfabric.deploy.vllm.connector.jobs import FabricSettings
+from kvfabric.deploy.vllm.connector.scheduler_side import SchedulerSide
+from kvfabric.deploy.vllm.connector.worker_side import WorkerSide
 from kvfabric.fabric import (
     FetchOutcome,
     NodeCache,

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from kvfabric.deploy.vllm.model import TinyModelSpec
+from kvfabric.deploy.vllm.serve.model import TinyModelSpec
 
 RANK = 8
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-from kvfabric.deploy.vllm.plan import EnginePlan, LayerSlot
-from kvfabric.deploy.vllm.scheduler_side import SchedulerSide
-from kvfabric.deploy.vllm.worker_side import WorkerSide
+from kvfabric.deploy.vllm.connector.plan import EnginePlan, LayerSlot
+from kvfabric.deploy.vllm.connector.scheduler_side import SchedulerSide
+from kvfabric.deploy.vllm.connector.worker_side import WorkerSide
 from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity, PoolName
 from kvfabric.transport.staging import SharedPages, StagingSpec, load_to_staging, save_from_staging
 

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
-from kvfabric.deploy.vllm.block_format import BlockFormat, BlockFormatError  # noqa: E402
-from kvfabric.deploy.vllm.jobs import CopyJob, FabricMeta, FabricSettings, PoolMove  # noqa: E402
-from kvfabric.deploy.vllm.plan import EnginePlan, LayerSlot  # noqa: E402
-from kvfabric.deploy.vllm.worker_side import WorkerSide  # noqa: E402
+from kvfabric.deploy.vllm.connector.block_format import BlockFormat, BlockFormatError  # noqa: E402
+from kvfabric.deploy.vllm.connector.jobs import CopyJob, FabricMeta, FabricSettings, PoolMove  # noqa: E402
+from kvfabric.deploy.vllm.connector.plan import EnginePlan, LayerSlot  # noqa: E402
+from kvfabric.deploy.vllm.connector.worker_side import WorkerSide  # noqa: E402
 from kvfabric.fabric import KVLayout, PoolName  # noqa: E402
 from kvfabric.transport.staging import StagingSpec  # noqa: E402
 
@@ -231,7 +231,7 @@ def test_a_page_holds_every_head_whatever_the_split(heads, saver_ranks, loader_r
 
 
 def test_one_failed_rank_fails_the_save_for_all():
-    from kvfabric.deploy.vllm.jobs import FabricWorkerMeta
+    from kvfabric.deploy.vllm.connector.jobs import FabricWorkerMeta
 
     ok, failed = FabricWorkerMeta({"k": 1, "j": 1}), FabricWorkerMeta({"j": 1}, {"k"})
     both = ok.aggregate(failed)

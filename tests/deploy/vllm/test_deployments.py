@@ -37,7 +37,7 @@ from kvfabric.actors import FabricClient, stop  # noqa: E402
 from kvfabric.actors.directory import node_actor_name  # noqa: E402
 from kvfabric.actors.launch import running  # noqa: E402
 from kvfabric.actors.served import fabrics_of  # noqa: E402
-from kvfabric.deploy.vllm.model import TinyModelSpec, ensure_tiny_model  # noqa: E402
+from kvfabric.deploy.vllm.serve.model import TinyModelSpec, ensure_tiny_model  # noqa: E402
 from kvfabric.fabric import PoolName  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
@@ -77,7 +77,7 @@ def site(tmp_path_factory) -> Iterator[Site]:
         here = node_actor_name(ray.get_runtime_context().get_node_id())
         yield Site(cluster.address, here, tmp_path_factory.mktemp("models"))
     finally:
-        from kvfabric.deploy.cli.cluster import down
+        from kvfabric.deploy.harness.cluster import down
 
         down()
         ray.shutdown()

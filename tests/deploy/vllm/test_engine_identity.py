@@ -1,7 +1,7 @@
 """An engine's index identity maps back to its node (and so to the replica there)."""
 
 import pytest
-from kvfabric.deploy.vllm.engine_identity import engine_index_node, is_engine, node_actor_of
+from kvfabric.deploy.serving.engine_identity import engine_index_node, is_engine, node_actor_of
 
 
 def test_an_engine_maps_back_to_its_node_and_a_node_to_itself() -> None:

@@ -28,7 +28,7 @@ pytest.importorskip("vllm")
 import ray  # noqa: E402
 from kvfabric.actors import FabricClient, stop  # noqa: E402
 from kvfabric.actors.directory import node_actor_name  # noqa: E402
-from kvfabric.deploy.vllm.model import ensure_tiny_model  # noqa: E402
+from kvfabric.deploy.vllm.serve.model import ensure_tiny_model  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from tests.deploy.vllm.connector_engine import (  # noqa: E402

@@ -1,4 +1,5 @@
-"""EnginePages (deploy/vllm/engine_pages.py): vLLM's block events as the fabric index's pages.
+"""EnginePages (deploy/vllm/events/engine_pages.py): vLLM's block events as the fabric
+index's pages.
 
 The property test plays an engine: requests compute block ranges of prompts (every
 group stores them, sliding-window groups only the last window, the groups' events in
@@ -15,9 +16,9 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvfabric.deploy.vllm.engine_pages import EnginePages, Skip
-from kvfabric.deploy.vllm.event_wire import AllBlocksCleared, BlockRemoved, BlockStored
-from kvfabric.deploy.vllm.namespaces import fabric_namespace
+from kvfabric.deploy.vllm.events.engine_pages import EnginePages, Skip
+from kvfabric.deploy.vllm.events.event_wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvfabric.deploy.vllm.events.namespaces import fabric_namespace
 from kvfabric.fabric import (
     KVLayout,
     LayerKind,

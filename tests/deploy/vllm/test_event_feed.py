@@ -1,4 +1,4 @@
-"""EngineEventFeed (deploy/vllm/event_feed.py) against vLLM's real ZmqEventPublisher (no
+"""EngineEventFeed (deploy/vllm/events/event_feed.py) against vLLM's real ZmqEventPublisher (no
 engine, no Ray): frames over ZMQ, a gap filled from the replay endpoint, a gap with no
 replay forgets what the engine held, a bad frame is dropped, a stop says the engine
 holds nothing. The sink applies the batches to a real in-process PrefixIndex."""
@@ -12,8 +12,8 @@ import pytest
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 import msgspec  # noqa: E402
-from kvfabric.deploy.vllm.engine_pages import EnginePages  # noqa: E402
-from kvfabric.deploy.vllm.event_feed import EngineEventFeed  # noqa: E402
+from kvfabric.deploy.vllm.events.engine_pages import EnginePages  # noqa: E402
+from kvfabric.deploy.vllm.events.event_feed import EngineEventFeed  # noqa: E402
 from kvfabric.fabric import MatchRule, PrefixIndex, RouteTable  # noqa: E402
 
 from tests.deploy.vllm.test_engine_pages import GROUPS, LAYOUT, NODE, PS, vllm_hash  # noqa: E402

@@ -1,4 +1,4 @@
-"""The decoder of vLLM's KV-event frames (deploy/vllm/event_wire.py), fuzzed as the
+"""The decoder of vLLM's KV-event frames (deploy/vllm/events/event_wire.py), fuzzed as the
 other decoders are (tests/actors/test_fuzz_events.py): valid frames are built by vLLM's own
 msgspec classes and encoder, so the decoder is checked against the real format; random
 bytes, bit-flipped frames and structures with one field replaced, deleted or added
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 vllm_events = pytest.importorskip("vllm.distributed.kv_events")
 import msgspec  # noqa: E402
-from kvfabric.deploy.vllm.event_wire import (  # noqa: E402
+from kvfabric.deploy.vllm.events.event_wire import (  # noqa: E402
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -17,14 +17,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvfabric.deploy.vllm.content_digest import (
+from kvfabric.deploy.vllm.connector.kv_identity import IdentityError, KVIdentity, config_digest
+from kvfabric.deploy.vllm.events.content_digest import (
     DigestError,
     DigestTable,
     folder_digest,
     resolve_folder,
 )
-from kvfabric.deploy.vllm.kv_identity import IdentityError, KVIdentity, config_digest
-from kvfabric.deploy.vllm.namespaces import INPUTS, RequestNamespaces, fabric_namespace
+from kvfabric.deploy.vllm.events.namespaces import INPUTS, RequestNamespaces, fabric_namespace
 from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity
 
 from tests.kvgen import prefix_kv

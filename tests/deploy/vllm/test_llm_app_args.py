@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
-from kvfabric.deploy.serve.app import AppArgsError  # noqa: E402
-from kvfabric.deploy.vllm.app_args import LLMAppArgs  # noqa: E402
-from kvfabric.deploy.vllm.llm_router import FabricLLMRouter  # noqa: E402
-from kvfabric.deploy.vllm.serve_llm import (  # noqa: E402
+from kvfabric.deploy.reference.serve.app import AppArgsError  # noqa: E402
+from kvfabric.deploy.vllm.serve.app_args import LLMAppArgs  # noqa: E402
+from kvfabric.deploy.vllm.serve.llm_router import FabricLLMRouter  # noqa: E402
+from kvfabric.deploy.vllm.serve.serve_llm import (  # noqa: E402
     FabricError,
     FabricLLMServer,
     baseline_llm_config,

@@ -1,4 +1,4 @@
-"""Tenants in front of the vLLM app (deploy/vllm/llm_ingress.py): the request's cache_salt,
+"""Tenants in front of the vLLM app (deploy/vllm/serve/llm_ingress.py): the request's cache_salt,
 which is its namespace in vLLM's cache and the fabric's, comes from its API key. Through
 the ingress's own request path in process; the LLM deployment behind it is the edge."""
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
-from kvfabric.deploy.vllm.llm_ingress import FabricLLMIngress  # noqa: E402
+from kvfabric.deploy.vllm.serve.llm_ingress import FabricLLMIngress  # noqa: E402
 from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 
@@ -76,8 +76,8 @@ def test_without_a_table_the_client_picks_its_salt():
 
 
 def test_a_bad_table_fails_the_app_args(tmp_path):
-    from kvfabric.deploy.serve.tenants import TenantsError
-    from kvfabric.deploy.vllm.serve_llm import llm_app_builder
+    from kvfabric.deploy.serving.tenants import TenantsError
+    from kvfabric.deploy.vllm.serve.serve_llm import llm_app_builder
 
     bad = tmp_path / "t.json"
     bad.write_text('{"short": {"namespaces": ["a"]}}')
@@ -142,7 +142,7 @@ def run_with(engine, stream: bool = False):
 
 @pytest.fixture
 def no_backoff(monkeypatch):
-    from kvfabric.deploy.vllm import llm_ingress
+    from kvfabric.deploy.vllm.serve import llm_ingress
 
     monkeypatch.setattr(llm_ingress, "BACKOFF_S", 0.0)
     return llm_ingress
@@ -183,7 +183,7 @@ def test_what_is_not_run_again(no_backoff, what):
 
 
 def test_which_errors_say_the_engine_died():
-    from kvfabric.deploy.vllm.llm_ingress import engine_gone
+    from kvfabric.deploy.vllm.serve.llm_ingress import engine_gone
     from ray.exceptions import ActorDiedError
     from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
 

@@ -26,12 +26,12 @@ import ray  # noqa: E402
 from kvfabric.actors import FabricClient  # noqa: E402
 from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY  # noqa: E402
 from kvfabric.actors.served import fabrics_of  # noqa: E402
-from kvfabric.deploy.cli.cluster import free_port, local_cluster, serve_app  # noqa: E402
-from kvfabric.deploy.vllm.engine_identity import is_engine, node_actor_of  # noqa: E402
-from kvfabric.deploy.vllm.llm_router import OpenAIPrompts  # noqa: E402
-from kvfabric.deploy.vllm.model import ensure_tiny_model  # noqa: E402
-from kvfabric.deploy.vllm.namespaces import fabric_namespace  # noqa: E402
-from kvfabric.deploy.vllm.serve_llm import with_fabric  # noqa: E402
+from kvfabric.deploy.harness.cluster import free_port, local_cluster, serve_app  # noqa: E402
+from kvfabric.deploy.serving.engine_identity import is_engine, node_actor_of  # noqa: E402
+from kvfabric.deploy.vllm.events.namespaces import fabric_namespace  # noqa: E402
+from kvfabric.deploy.vllm.serve.llm_router import OpenAIPrompts  # noqa: E402
+from kvfabric.deploy.vllm.serve.model import ensure_tiny_model  # noqa: E402
+from kvfabric.deploy.vllm.serve.serve_llm import with_fabric  # noqa: E402
 from ray.serve.llm import LLMConfig, build_openai_app  # noqa: E402
 
 from tests.deploy import openai_script, ray_metrics

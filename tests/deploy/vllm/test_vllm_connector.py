@@ -25,7 +25,7 @@ import ray  # noqa: E402
 from kvfabric.actors import start, stop  # noqa: E402
 from kvfabric.actors.node.node_actor import NodeConfig  # noqa: E402
 from kvfabric.deploy.chaos.faults import ChaosAction, Fault, FaultKind  # noqa: E402
-from kvfabric.deploy.vllm.namespaces import fabric_namespace  # noqa: E402
+from kvfabric.deploy.vllm.events.namespaces import fabric_namespace  # noqa: E402
 from kvfabric.fabric import PoolCapacity  # noqa: E402
 
 from tests.deploy.vllm.connector_engine import (  # noqa: E402
@@ -167,8 +167,8 @@ def test_a_fabric_of_another_layout_fails_the_start_naming_what_differs(engine):
     from dataclasses import replace
 
     from kvfabric.actors.names import layout_namespace
-    from kvfabric.deploy.vllm.jobs import FabricSettings
-    from kvfabric.deploy.vllm.node_link import FabricUnavailable, NodeLink
+    from kvfabric.deploy.vllm.connector.jobs import FabricSettings
+    from kvfabric.deploy.vllm.connector.node_link import FabricUnavailable, NodeLink
 
     layout = engine.layout
     parts = layout.tag.split(";")
@@ -254,9 +254,9 @@ def test_kv_events_name_the_engine_in_the_index_until_it_evicts(engine):
     """The engine's own device cache, fed to the fabric's index by its KV events: after a
     request the index names the engine for the prompt's pages (that tenant's only), and
     after the engine evicts them, or clears its cache, it no longer does."""
-    from kvfabric.deploy.vllm.engine_identity import engine_index_node
-    from kvfabric.deploy.vllm.engine_pages import group_pools_of
-    from kvfabric.deploy.vllm.index_sink import start_engine_feed
+    from kvfabric.deploy.serving.engine_identity import engine_index_node
+    from kvfabric.deploy.vllm.events.engine_pages import group_pools_of
+    from kvfabric.deploy.vllm.events.index_sink import start_engine_feed
     from vllm import SamplingParams
 
     layout = engine.layout

@@ -11,11 +11,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from kvfabric.deploy.cli.cluster import Endpoint
 from kvfabric.deploy.cli.demo import parse
-from kvfabric.deploy.cli.http_replay import conversations
-from kvfabric.deploy.sim.trace import load_trace
-from kvfabric.deploy.vllm.conversation_replay import (
+from kvfabric.deploy.demo.conversation import (
     ALPHABET,
     PassResult,
     StreamingClient,
@@ -24,8 +21,11 @@ from kvfabric.deploy.vllm.conversation_replay import (
     replay_conversations,
     single_turn_texts,
 )
-from kvfabric.deploy.vllm.demo import Report
-from kvfabric.deploy.vllm.load_demo import LoadReport, poisson_arrivals, steady_rate
+from kvfabric.deploy.demo.load import LoadReport, poisson_arrivals, steady_rate
+from kvfabric.deploy.demo.vllm import Report
+from kvfabric.deploy.harness.cluster import Endpoint
+from kvfabric.deploy.harness.http_replay import conversations
+from kvfabric.deploy.sim.trace import load_trace
 
 
 def test_a_conversations_turns_share_their_earlier_text():
@@ -293,7 +293,7 @@ def test_the_demo_defaults_follow_the_engine():
 
 
 def test_the_gpu_demo_shares_the_one_gpu_among_its_engines():
-    from kvfabric.deploy.vllm.demo import app_args
+    from kvfabric.deploy.demo.vllm import app_args
 
     cpu, gpu = app_args(2, 8 << 20), app_args(3, 8 << 20, gpu=True)
     assert (cpu.gpus_per_replica, cpu.gpu_memory_utilization, cpu.device()) == (0.0, 0.9, "cpu")

@@ -1,4 +1,4 @@
-"""The generated model (deploy/vllm/model.py): written once, said on the console, the
+"""The generated model (deploy/vllm/serve/model.py): written once, said on the console, the
 same bytes for the same seed, in the folder KVF_MODEL_CACHE names. (That vLLM loads it
 and decodes greedily the same way twice: tests/deploy/vllm/test_vllm_connector.py.)"""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvfabric.deploy.vllm.model import TinyModelSpec, ensure_tiny_model
+from kvfabric.deploy.vllm.serve.model import TinyModelSpec, ensure_tiny_model
 
 
 def test_written_once_and_said(tmp_path, monkeypatch):

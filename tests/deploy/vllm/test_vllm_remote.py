@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
-from kvfabric.deploy.vllm.jobs import FabricSettings  # noqa: E402
-from kvfabric.deploy.vllm.remote_fetch import Stage  # noqa: E402
+from kvfabric.deploy.vllm.connector.jobs import FabricSettings  # noqa: E402
+from kvfabric.deploy.vllm.connector.remote_fetch import Stage  # noqa: E402
 from kvfabric.fabric import NodeMatch  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
@@ -143,7 +143,7 @@ class EngineListedFirst(FabricEdge):
     """The index also names an engine's device cache (its KV events) with more pages."""
 
     def start_lookup(self, tokens, namespace):
-        from kvfabric.deploy.vllm.engine_identity import engine_index_node
+        from kvfabric.deploy.serving.engine_identity import engine_index_node
 
         found = super().start_lookup(tokens, namespace)
         engine = NodeMatch(engine_index_node(PEER, "0"), 1000, True)
@@ -205,7 +205,7 @@ def test_any_failure_at_any_step_becomes_recomputation_or_an_exact_hit(
 
 
 def test_a_link_not_connected_refuses_lookups_and_fetches():
-    from kvfabric.deploy.vllm.node_link import NodeLink
+    from kvfabric.deploy.vllm.connector.node_link import NodeLink
 
     link = NodeLink(FabricSettings(node_actor="node-a"), LAYOUT)
     with pytest.raises(RuntimeError, match="index_ready first"):

@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 pytest.importorskip("vllm")
 
 from kvfabric.deploy.chaos.faults import StepFaultFile  # noqa: E402
-from kvfabric.deploy.vllm.block_format import BlockFormat  # noqa: E402
-from kvfabric.deploy.vllm.jobs import FabricSettings  # noqa: E402
-from kvfabric.deploy.vllm.scheduler_side import SchedulerSide  # noqa: E402
-from kvfabric.deploy.vllm.worker_side import WorkerSide  # noqa: E402
+from kvfabric.deploy.vllm.connector.block_format import BlockFormat  # noqa: E402
+from kvfabric.deploy.vllm.connector.jobs import FabricSettings  # noqa: E402
+from kvfabric.deploy.vllm.connector.scheduler_side import SchedulerSide  # noqa: E402
+from kvfabric.deploy.vllm.connector.worker_side import WorkerSide  # noqa: E402
 from kvfabric.fabric import PoolName  # noqa: E402
 from kvfabric.transport.staging import StagingSpec  # noqa: E402
 
@@ -395,7 +395,7 @@ def test_connector_settings_of_a_wrong_type_or_range_are_refused(name, value):
     "spec", ["kvfabric.no_such_module:Hook", "kvfabric.deploy.chaos.faults:NoSuchHook"]
 )
 def test_a_step_hook_that_does_not_load_is_refused_naming_the_setting(spec):
-    from kvfabric.deploy.vllm.connector import kv_transfer_config
+    from kvfabric.deploy.vllm.connector.connector import kv_transfer_config
 
     with pytest.raises(ValueError, match="step_hook"):
         FabricSettings(step_hook=spec).make_step_hook()

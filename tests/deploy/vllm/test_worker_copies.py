@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvfabric.deploy.vllm.block_format import BlockFormat  # noqa: E402
-from kvfabric.deploy.vllm.jobs import ConnectorStep, CopyJob, FabricMeta  # noqa: E402
+from kvfabric.deploy.vllm.connector.block_format import BlockFormat  # noqa: E402
+from kvfabric.deploy.vllm.connector.jobs import ConnectorStep, CopyJob, FabricMeta  # noqa: E402
 from kvfabric.transport.staging import StagingSpec  # noqa: E402
 
 from tests.deploy.vllm.test_block_format import ORDERS, copy_job, worker  # noqa: E402

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol, Sequence
 
+from kvfabric.deploy.serving.engine_identity import is_engine
 from kvfabric.fabric import FetchOutcome, NodeMatch
 
-from .engine_identity import is_engine
 from .jobs import FabricSettings
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class RemoteFetches:
             if rec.local_pages is None or rec.matches is None:
                 return
             # Only node actors serve fetches: an engine's own device cache is indexed too
-            # (engine_identity.py), but nothing can read from it.
+            # (serving/engine_identity.py), but nothing can read from it.
             best = next(
                 (m for m in rec.matches if m.node != self.link.name and not is_engine(m.node)), None
             )

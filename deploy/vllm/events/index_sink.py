@@ -16,9 +16,9 @@ import ray
 from kvfabric.actors.directory import CALL_TIMEOUT_S, NAMESPACE, shard_name
 from kvfabric.actors.epochs import GcsEpochs
 from kvfabric.actors.node.index_link import IndexLink
+from kvfabric.deploy.serving.engine_identity import engine_index_node
 from kvfabric.fabric import KVLayout, PoolName, RouteTable
 
-from .engine_identity import engine_index_node
 from .engine_pages import EnginePages
 from .event_feed import EngineEventFeed
 
@@ -130,7 +130,7 @@ def start_engine_feed(
     **feed_args,
 ) -> EngineEventFeed:
     """Feed the index of the fabric in `namespace` from one engine's KV events, as
-    `<node_actor>/engine/<slot>` under a new epoch (engine_identity.py), from a process
+    `<node_actor>/engine/<slot>` under a new epoch (serving/engine_identity.py), from a process
     connected to the Ray cluster."""
     identity = engine_index_node(node_actor, slot)
     pages = EnginePages(identity, GcsEpochs().claim(), layout, group_pools, adapters=adapters)

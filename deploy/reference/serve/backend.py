@@ -8,9 +8,8 @@ import dataclasses
 import logging
 from typing import Any
 
+from kvfabric.deploy.serving.protocol import GenerateRequest, GenerateResult
 from ray.exceptions import RayActorError
-
-from .protocol import GenerateRequest, GenerateResult
 
 log = logging.getLogger(__name__)
 

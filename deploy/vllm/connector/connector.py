@@ -1,9 +1,9 @@
 """FabricConnector: the fabric as the KV layer of a vLLM engine (vLLM's KV connector API).
 
 Load it with `kv_transfer_config(...)` below, i.e. kv_connector="FabricConnector",
-kv_connector_module_path="kvfabric.deploy.vllm.connector", kv_role="kv_both". It supports the
-hybrid allocator (SupportsHMA), so full and sliding-window layers keep separate KV cache
-groups, and they land in the fabric's FULL and SWA pools.
+kv_connector_module_path="kvfabric.deploy.vllm.connector.connector", kv_role="kv_both".
+It supports the hybrid allocator (SupportsHMA), so full and sliding-window layers keep
+separate KV cache groups, and they land in the fabric's FULL and SWA pools.
 
 At the engine's start the scheduler side establishes the engine's KV identity
 (kv_identity.py) and connects to the fabric of that identity, starting it if none runs
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvfabric.deploy.vllm.events.index_sink import FeedSpec
+from kvfabric.deploy.vllm.events.namespaces import RequestNamespaces
 from kvfabric.transport.staging import StagingSpec, check_space
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -26,11 +28,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .block_format import BlockFormat
-from .connector_metrics import FabricPromMetrics, FabricStats, StatsReader
-from .index_sink import FeedSpec
 from .jobs import FabricMeta, FabricSettings
 from .kv_identity import KVIdentity
-from .namespaces import RequestNamespaces
+from .metrics import FabricPromMetrics, FabricStats, StatsReader
 from .plan import plan_from_kv_cache_config
 from .scheduler_side import SchedulerSide
 from .worker_side import WorkerSide

@@ -26,13 +26,11 @@ import json
 import math
 import random
 import sys
-from typing import Sequence
 
-from kvfabric.deploy.sim.trace import TraceRequest
 from kvfabric.deploy.stats import percentile
 
-from .conversation_replay import PassResult
-from .demo import BASELINE
+from .conversation import PassResult
+from .vllm import BASELINE
 
 AUTO = "auto"
 AUTO_FRACTION = 0.9  # of the baseline's closed-loop capacity, with --rate auto
@@ -252,10 +250,13 @@ class LoadRun:
     capacity_rate: float | None
 
 
-def main(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> int:
-    from .conversation_replay import single_turn_texts
-    from .demo import engines, max_prompt_chars, on_cluster
+def main(args: argparse.Namespace) -> int:
+    from .conversation import single_turn_texts
+    from .vllm import engines, max_prompt_chars, on_cluster, trace_of
 
+    trace = trace_of(args)
+    if trace is None:
+        return 2
     prompts = single_turn_texts(
         trace[: args.requests], args.tokens_per_block, max_prompt_chars(args)
     )
@@ -286,10 +287,10 @@ def main(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> int:
 
 
 def run_load(app, prompts: list[str], args: argparse.Namespace) -> LoadRun:
-    from kvfabric.deploy.cli.cluster import free_port
+    from kvfabric.deploy.harness.cluster import free_port
 
-    from .conversation_replay import replay_conversations
-    from .demo import counted, start_baseline, start_fabric
+    from .conversation import replay_conversations
+    from .vllm import counted, start_baseline, start_fabric
 
     port = free_port()
     single = [[p] for p in prompts]

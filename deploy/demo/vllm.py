@@ -13,7 +13,7 @@ Sizes (`kvfabric demo --help`): each engine's own KV cache holds about 2,000 tok
 max-length prompt), and six conversations run at once over two engines, so the engines
 evict what a next turn needs, as a GPU's KV cache does under load: the baseline
 recomputes it, the fabric loads it from the node's pools or another node's. The model
-(model.py, DEMO_SPEC) is sized so that prefill dominates time to first token. Every
+(vllm/serve/model.py, DEMO_SPEC) is sized so that prefill dominates time to first token. Every
 measured pass follows warm-up requests (two per engine); the server processes run with
 Python's default GC, and the passes are long enough (a minute or more) that no
 collection decides a median.
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 if TYPE_CHECKING:
-    from .conversation_replay import PassResult
+    from .conversation import PassResult
 
 T = TypeVar("T")
 
@@ -43,8 +43,8 @@ REPORT_WAIT_S = 60.0
 def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False, tp: int = 1):
     """The demo's app; with `gpu`, every engine on the one GPU the simulated nodes share;
     `tp`: each engine's tensor-parallel ranks."""
-    from .app_args import LLMAppArgs
-    from .model import DEMO_SPEC, ensure_tiny_model
+    from kvfabric.deploy.vllm.serve.app_args import LLMAppArgs
+    from kvfabric.deploy.vllm.serve.model import DEMO_SPEC, ensure_tiny_model
 
     model = ensure_tiny_model(DEMO_SPEC, say=lambda m: print(m, file=sys.stderr))
     app = LLMAppArgs(
@@ -66,21 +66,25 @@ def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False, tp: int = 1):
     )
 
 
-def main(args: argparse.Namespace) -> int:
-    from kvfabric.deploy.cli.http_replay import conversations
+def trace_of(args: argparse.Namespace) -> list | None:
+    """The demo's trace; None (said on stderr) when it cannot be read."""
     from kvfabric.deploy.sim.trace import TraceError, load_trace
 
-    from .conversation_replay import conversation_texts
-
     try:
-        trace = load_trace(args.trace)
+        return load_trace(args.trace)
     except (TraceError, OSError) as e:
         print(f"kvfabric demo: {e}", file=sys.stderr)
-        return 2
-    if args.rate is not None:
-        from .load_demo import main as load_demo
+        return None
 
-        return load_demo(args, trace)
+
+def main(args: argparse.Namespace) -> int:
+    from kvfabric.deploy.harness.http_replay import conversations
+
+    from .conversation import conversation_texts
+
+    trace = trace_of(args)
+    if trace is None:
+        return 2
     convs, n = [], 0
     for turns in conversations(trace):
         if n >= args.requests:
@@ -122,7 +126,7 @@ def on_cluster(args: argparse.Namespace, run: Callable[[Any], T]) -> tuple[T, in
     """`run(app)` on the demo's cluster (embedded, or `--address`'s) with the demo's app
     for its nodes; returns its result and the node count. The embedded cluster's Serve
     apps are shut down after."""
-    from kvfabric.deploy.cli.cluster import connect, local_cluster
+    from kvfabric.deploy.harness.cluster import connect, local_cluster
 
     if args.address:
         connect(args.address)
@@ -133,9 +137,11 @@ def on_cluster(args: argparse.Namespace, run: Callable[[Any], T]) -> tuple[T, in
     )
     with cm:
         import ray
-        from kvfabric.deploy.cli.demo import send_logs_to
 
-        from . import serve_llm  # noqa: F401  # vLLM's loggers exist from its import on
+        # vLLM's loggers exist from its import on
+        from kvfabric.deploy.vllm.serve import serve_llm  # noqa: F401
+
+        from .output import send_logs_to
 
         log = send_logs_to(Path(args.log))
         print(f"Ray, Serve and vLLM logs: {log}", file=sys.stderr)
@@ -152,9 +158,8 @@ def on_cluster(args: argparse.Namespace, run: Callable[[Any], T]) -> tuple[T, in
 
 def start_baseline(app, port: int):
     """The stock Ray Serve LLM app on `app`'s engines, warmed up; returns its endpoint."""
-    from kvfabric.deploy.cli.cluster import serve_app
-
-    from .serve_llm import build_baseline_app
+    from kvfabric.deploy.harness.cluster import serve_app
+    from kvfabric.deploy.vllm.serve.serve_llm import build_baseline_app
 
     print(
         f"starting the stock Ray Serve LLM app ({BASELINE}, vLLM's own prefix cache) ...",
@@ -170,7 +175,7 @@ def start_baseline(app, port: int):
 def start_fabric(app, port: int):
     """The fabric and its Ray Serve LLM app on `app`'s engines (the stock app deleted
     first), warmed up; returns its endpoint and the warm-up requests sent."""
-    from kvfabric.deploy.cli.cluster import APP_NAME, up
+    from kvfabric.deploy.harness.cluster import APP_NAME, up
     from ray import serve
 
     serve.delete(APP_NAME)
@@ -185,9 +190,9 @@ def start_fabric(app, port: int):
 
 
 def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[dict, dict]:
-    from kvfabric.deploy.cli.cluster import free_port
+    from kvfabric.deploy.harness.cluster import free_port
 
-    from .conversation_replay import replay_conversations
+    from .conversation import replay_conversations
 
     port = free_port()
 
@@ -226,7 +231,7 @@ def counted(app, warmups: int, go: Callable[[], PassResult]) -> tuple[PassResult
 def warm_up(endpoint, app) -> int:
     """Short uncached requests, two an engine at once, so the measured passes find every
     engine's code paths loaded; returns how many were sent."""
-    from .conversation_replay import replay_conversations
+    from .conversation import replay_conversations
 
     n = 2 * app.replicas
     result = replay_conversations(
@@ -433,8 +438,9 @@ class Report:
 
 
 def _plot(passes: dict, report: "Report", where: str) -> Path | None:
-    from kvfabric.deploy.cli.demo import write_plot
-    from kvfabric.deploy.cli.plots import cumulative_rate
+    from kvfabric.deploy.harness.plots import cumulative_rate
+
+    from .output import write_plot
 
     rates = {
         name: cumulative_rate([t.cached_tokens for t in p.done], [t.prompt_tokens for t in p.done])

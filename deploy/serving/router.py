@@ -9,7 +9,7 @@ included), whoever put it there. `FabricRanking` ranks the replicas with
 soonest, its fetch planned as the engine plans it), the same object
 `kvfabric replay` measures; replicas are tried best first. What a request's
 prompt is comes from a mixin: `GenerateRequestPrompts` for the reference
-model server (here), `OpenAIPrompts` for Ray Serve LLM (deploy/vllm/llm_router.py).
+model server (here), `OpenAIPrompts` for Ray Serve LLM (deploy/vllm/serve/llm_router.py).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import List, Optional, Sequence
 from kvfabric.actors import FabricClient
 from kvfabric.actors.directory import NAMESPACE, node_actor_name
 from kvfabric.deploy.placement import CostModel, FabricScore, NodeView, PageBytes, Prompt, Request
-from kvfabric.deploy.vllm.engine_identity import node_actor_of
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from .engine_identity import node_actor_of
 from .protocol import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class FabricRanking(RequestRouter):
             log.warning("fabric lookup failed, routing without it: %s", e)
             return None
         # An engine's own device cache is indexed under its node's name plus the engine
-        # (deploy/vllm/engine_identity.py): its pages count for the replica on that node.
+        # (deploy/serving/engine_identity.py): its pages count for the replica on that node.
         cached: dict[str, int] = {}
         for m in found:
             node = node_actor_of(m.node)
@@ -133,7 +133,7 @@ class FabricRanking(RequestRouter):
 
 
 class GenerateRequestPrompts:
-    """The reference model server's requests carry their tokens (deploy/serve/protocol.py)."""
+    """The reference model server's requests carry their tokens (deploy/serving/protocol.py)."""
 
     async def prompt_of(self, pending: PendingRequest) -> RoutedPrompt | None:
         for arg in list(pending.args) + list(pending.kwargs.values()):

@@ -12,13 +12,12 @@ from typing import Any, ClassVar, Iterable, Iterator, Literal, NoReturn, TypeVar
 
 from fastapi import Request
 from kvfabric.deploy.reference.tokenizer import ByteTokenizer
+from kvfabric.deploy.serving.openai_errors import APIError
+from kvfabric.deploy.serving.openai_errors import bad_request as _bad
+from kvfabric.deploy.serving.protocol import GenerateResult, PrefixFetch
+from kvfabric.deploy.serving.tenants import MAX_NAME_CHARS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
-
-from .openai_errors import APIError
-from .openai_errors import bad_request as _bad
-from .protocol import GenerateResult, PrefixFetch
-from .tenants import MAX_NAME_CHARS
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 R = TypeVar("R", bound="SamplingRequest")

@@ -4,7 +4,7 @@ ranked by FabricLLMRouter, and whose engines feed the index their KV events; ser
 with Ray's own `build_openai_app`.
 
 `llm_app_builder(args)` is the entry point for Serve configs (`import_path:
-kvfabric.deploy.vllm.serve_llm:llm_app_builder`, as `kvfabric up --engine vllm` and the
+kvfabric.deploy.vllm.serve.serve_llm:llm_app_builder`, as `kvfabric up --engine vllm` and the
 manifests use): it validates the args and returns the bound app, from the bundled
 model's args or from the user's own LLMConfig (`llm_config`). The engines start the
 fabric of their KV identity themselves (its layout is the one they announce), with the
@@ -25,14 +25,14 @@ from typing import Any
 
 import ray
 from kvfabric.actors.directory import node_actor_name
-from kvfabric.deploy.serve.app import AppArgsError
-from kvfabric.deploy.serve.tenants import load_tenants
+from kvfabric.deploy.serving.args import AppArgsError
+from kvfabric.deploy.serving.tenants import load_tenants
+from kvfabric.deploy.vllm.connector.connector import kv_transfer_config
 from ray import serve
 from ray.serve.llm import LLMConfig, build_openai_app
 from ray.serve.llm.deployment import LLMServer
 
 from .app_args import LLMAppArgs
-from .connector import kv_transfer_config
 from .llm_ingress import FabricLLMIngress
 from .llm_router import FabricLLMRouter
 

@@ -24,10 +24,9 @@ from .jobs import FabricSettings
 
 if TYPE_CHECKING:
     from kvfabric.actors.fabric import FabricClient, PendingLookup
+    from kvfabric.deploy.vllm.events.event_feed import EngineEventFeed
+    from kvfabric.deploy.vllm.events.index_sink import FeedSpec
     from ray.actor import ActorHandle
-
-    from .event_feed import EngineEventFeed
-    from .index_sink import FeedSpec
 
 log = logging.getLogger(__name__)
 

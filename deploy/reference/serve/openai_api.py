@@ -5,9 +5,9 @@ Untrusted input enters here, so every check happens before a GenerateRequest
 exists: a request failing one gets a 4xx with an OpenAI-style error body and never
 reaches a model server. A failure behind the ingress (a dead replica, a backend
 bug) becomes a 503 with the same body shape, never a 500 traceback.
-Who may call and which cache namespace a request uses is deploy/serve/ingress_auth.py's
-(API keys from a tenant table, deploy/serve/tenants.py); request and response bodies are
-deploy/serve/openai_bodies.py's, error bodies deploy/serve/openai_errors.py's.
+Who may call and which cache namespace a request uses is deploy/serving/ingress_auth.py's
+(API keys from a tenant table, deploy/serving/tenants.py); request and response bodies are
+deploy/reference/serve/openai_bodies.py's, error bodies deploy/serving/openai_errors.py's.
 `build_fastapi` builds the app over any `Backend`; `OpenAIIngress` is the Ray
 Serve deployment that builds it per replica over a handle to the model servers.
 """
@@ -24,13 +24,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvfabric.deploy.reference.engine import RequestError
 from kvfabric.deploy.reference.model import ModelConfig
 from kvfabric.deploy.reference.tokenizer import ByteTokenizer
+from kvfabric.deploy.serving.ingress_auth import Authorizer
+from kvfabric.deploy.serving.openai_errors import APIError, ErrorResponse
+from kvfabric.deploy.serving.openai_errors import bad_request as _bad
+from kvfabric.deploy.serving.protocol import GenerateRequest, GenerateResult
+from kvfabric.deploy.serving.tenants import TenantTable, load_tenants
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfabric._version import __version__
 
 from .backend import HandleBackend
-from .ingress_auth import Authorizer
 from .openai_bodies import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -46,10 +50,6 @@ from .openai_bodies import (
     read_json,
     stream_chunks,
 )
-from .openai_errors import APIError, ErrorResponse
-from .openai_errors import bad_request as _bad
-from .protocol import GenerateRequest, GenerateResult
-from .tenants import TenantTable, load_tenants
 
 __all__ = [
     "APIError",

@@ -1,8 +1,8 @@
 """FabricLLMIngress: Ray Serve LLM's OpenAI ingress with the fabric's tenants.
 
 In a vLLM app a request's tenant is its `cache_salt`: vLLM salts its own prefix-cache
-hashes with it, and the fabric keys its pages by it (namespaces.py). With a tenant table
-(`tenants_file`, deploy/serve/tenants.py) the salt is no longer the client's to pick: every
+hashes with it, and the fabric keys its pages by it (vllm/events/namespaces.py). With a tenant table
+(`tenants_file`, deploy/serving/tenants.py) the salt is no longer the client's to pick: every
 completion or chat carries one of the table's API keys ("Authorization: Bearer <key>";
 401 otherwise), its `cache_salt` must be a namespace the key grants (403 otherwise),
 and one it leaves out becomes the key's default. Two keys that share no namespace never
@@ -26,9 +26,9 @@ from typing import Any, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
-from kvfabric.deploy.serve.ingress_auth import ASGIApp, Authorizer, KeyGuard
-from kvfabric.deploy.serve.openai_errors import APIError
-from kvfabric.deploy.serve.tenants import load_tenants
+from kvfabric.deploy.serving.ingress_auth import ASGIApp, Authorizer, KeyGuard
+from kvfabric.deploy.serving.openai_errors import APIError
+from kvfabric.deploy.serving.tenants import load_tenants
 from ray.exceptions import RayActorError
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     ChatCompletionRequest,

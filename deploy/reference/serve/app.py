@@ -2,7 +2,7 @@
 server per node, routed by the fabric's global index.
 
 `app_builder(args)` is the entry point for Serve configs (`import_path:
-kvfabric.deploy.serve.app:app_builder`, as the KubeRay manifest uses): it validates the
+kvfabric.deploy.reference.serve.app:app_builder`, as the KubeRay manifest uses): it validates the
 args, brings the fabric up on the cluster if it is not running (or checks a
 running one serves the same model layout), and returns the bound app.
 """
@@ -15,17 +15,17 @@ import ray
 from kvfabric.actors import NodeConfig
 from kvfabric.actors.fabric import FabricMismatch, ensure
 from kvfabric.deploy.reference.model import ModelConfig
+from kvfabric.deploy.serving.args import AbsolutePath, AppArgsError, Args
+from kvfabric.deploy.serving.router import FabricRequestRouter
+from kvfabric.deploy.serving.tenants import TenantTable, load_tenants
 from kvfabric.fabric import PoolCapacity, PoolName, TierConfig, WritePolicy
 from kvfabric.fabric.index.routes import MAX_SHARDS
 from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from .args import AbsolutePath, AppArgsError, Args
 from .openai_api import OpenAIIngress
-from .router import FabricRequestRouter
-from .serving import ModelServer
-from .tenants import TenantTable, load_tenants
+from .server import ModelServer
 
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
@@ -34,7 +34,7 @@ class AppArgs(Args):
     model_name: Annotated[str, Field(min_length=1)] = "kvfabric-tiny"
     shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] = 4  # index shard actors
     # An absolute path, on every node, to the tenant table (API key -> namespaces; see
-    # deploy/serve/tenants.py). None: no keys, every caller is one tenant that may use any
+    # deploy/serving/tenants.py). None: no keys, every caller is one tenant that may use any
     # namespace.
     tenants_file: AbsolutePath | None = None
     nodes: Annotated[int, Field(ge=0)] = 0  # model-server replicas; 0: one per alive Ray node
@@ -62,7 +62,7 @@ class AppArgs(Args):
         if isinstance(args, dict) and "api_key" in args:
             raise AppArgsError(
                 "api_key was replaced by tenants_file: a file of API keys and the "
-                "namespaces each may use (see deploy/serve/tenants.py)"
+                "namespaces each may use (see deploy/serving/tenants.py)"
             )
         return super().from_dict(args)
 

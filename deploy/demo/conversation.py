@@ -21,8 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from kvfabric.deploy.cli.cluster import Endpoint
-from kvfabric.deploy.cli.http_replay import Progress, each_in_threads
+from kvfabric.deploy.harness.cluster import Endpoint
+from kvfabric.deploy.harness.http_replay import Progress, each_in_threads
 from kvfabric.deploy.sim.trace import TraceRequest, request_tokens
 from kvfabric.deploy.stats import percentile
 

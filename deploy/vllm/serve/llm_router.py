@@ -3,7 +3,7 @@
 Ray Serve LLM hands a replica router the OpenAI request (a completion's `prompt`,
 a chat's `messages`), not token ids. The router tokenizes it as the engine will,
 with the model's own tokenizer (a chat through its chat template), and asks the
-index with the request's tenant: its `cache_salt` (namespaces.py). Anything it
+index with the request's tenant: its `cache_salt` (vllm/events/namespaces.py). Anything it
 cannot read is routed by Serve alone: routing never fails a request.
 """
 
@@ -13,10 +13,9 @@ import asyncio
 from typing import Any
 
 from kvfabric.actors.served import fabrics_of
-from kvfabric.deploy.serve.router import FabricRanking, RoutedPrompt
+from kvfabric.deploy.serving.router import FabricRanking, RoutedPrompt
+from kvfabric.deploy.vllm.events.namespaces import fabric_namespace
 from ray.serve.request_router import FIFOMixin, PendingRequest
-
-from .namespaces import fabric_namespace
 
 MAX_PROMPT_CHARS = (
     1 << 20

@@ -130,16 +130,16 @@ def up(
 ) -> Endpoint:
     """Deploy the fabric and the Serve app onto the connected cluster and leave them
     running. Binds to localhost unless `host` says otherwise. `engine`: "reference"
-    (the bit-exact reference model, deploy/serve/app.py) or "vllm" (vLLM under Ray Serve LLM,
-    deploy/vllm/serve_llm.py; its args are LLMAppArgs)."""
+    (the bit-exact reference model, deploy/reference/serve/app.py) or "vllm" (vLLM under
+    Ray Serve LLM, deploy/vllm/serve/serve_llm.py; its args are LLMAppArgs)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "vllm":
-        from kvfabric.deploy.vllm.serve_llm import llm_app_builder as builder
+        from kvfabric.deploy.vllm.serve.serve_llm import llm_app_builder as builder
 
         ready = "/v1/models"
     else:
-        from kvfabric.deploy.serve.app import app_builder as builder
+        from kvfabric.deploy.reference.serve.app import app_builder as builder
 
         ready = "/healthz"
     return serve_app(builder(args or {}), ready, host, port, wait_s)

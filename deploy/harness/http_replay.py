@@ -13,8 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator, Sequence
 
-from kvfabric.deploy.serve.openai_bodies import KVFabricInfo
-from kvfabric.deploy.serve.protocol import PrefixFetch
+from kvfabric.deploy.reference.serve.openai_bodies import KVFabricInfo
+from kvfabric.deploy.serving.protocol import PrefixFetch
 from kvfabric.deploy.sim.trace import TraceRequest
 from kvfabric.deploy.stats import percentile
 from pydantic import ValidationError

@@ -1,7 +1,7 @@
 """A vLLM engine's KV identity: everything besides the layout's geometry that decides
 a page's bytes, read from vLLM's own resolved config, never from folder names.
 
-- model: the digest of the model's files' content (content_digest.py), so another
+- model: the digest of the model's files' content (events/content_digest.py), so another
   fine-tune, a newer snapshot or a folder updated in place is another model, and the
   same files under two paths are one (the name is not in it);
 - config: a digest of the Hugging Face config as vLLM resolved it (hf_overrides, rope
@@ -15,7 +15,7 @@ a page's bytes, read from vLLM's own resolved config, never from folder names.
 It becomes the layout's tag (`name=value` parts, so a mismatch names the part); the
 tensor-parallel size is not in it, since a page holds every KV head whatever the
 split. What varies per request (tenant, LoRA adapter, multimodal inputs) is in the
-request's namespace instead (namespaces.py).
+request's namespace instead (events/namespaces.py).
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from kvfabric.deploy.vllm.events.content_digest import folder_digest, resolve_folder
 from kvfabric.fabric.cache.layout import TAG_SEP
-
-from .content_digest import folder_digest, resolve_folder
 
 DEVICE_KINDS = ("cpu", "cuda")
 _UNSAFE = re.compile(r"[;=\s]")

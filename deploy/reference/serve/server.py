@@ -21,12 +21,11 @@ from kvfabric.actors import FabricClient
 from kvfabric.actors.directory import NAMESPACE, node_actor_name
 from kvfabric.deploy.reference.engine import CostModel, Engine, Generation
 from kvfabric.deploy.reference.model import ModelConfig, TinyLM
+from kvfabric.deploy.serving.protocol import GenerateRequest, GenerateResult, PrefixFetch
 from kvfabric.fabric import CachedKV, NodeMatch, PoolName
 from ray import serve
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util import metrics
-
-from .protocol import GenerateRequest, GenerateResult, PrefixFetch
 
 CALL_TIMEOUT_S = 10.0
 # A fetch makes about this many actor calls in a row (lookup, match, export, the

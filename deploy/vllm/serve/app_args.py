@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Self
 
-from kvfabric.deploy.serve.args import AbsolutePathOrEmpty, Args
+from kvfabric.deploy.serving.args import AbsolutePathOrEmpty, Args
 from pydantic import Field, model_validator
 
 from .model import ensure_tiny_model
@@ -51,7 +51,7 @@ class LLMAppArgs(Args):
     gpus_per_replica: Annotated[float, Field(ge=0, le=8)] = 0.0
     # GPU engines: the share of a GPU's memory each may take.
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
-    # API keys -> the cache_salts (namespaces) each may use (deploy/serve/tenants.py); an absolute
+    # API keys -> the cache_salts (namespaces) each may use (deploy/serving/tenants.py); an absolute
     # path on every node, read when the ingress starts. "": any client picks its salt.
     tenants_file: AbsolutePathOrEmpty = ""
     # Chaos runs (`kvfabric chaos --engine vllm`): the nodes take NodeChaos actions, and

@@ -22,13 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfabric.deploy.vllm.events.index_sink import FeedSpec
+from kvfabric.deploy.vllm.events.namespaces import RequestNamespaces
 from kvfabric.fabric import OutOfPages, PageAllocator, PoolName
 from kvfabric.transport.staging import StagedHit, StagingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .index_sink import FeedSpec
 from .jobs import ConnectorStep, CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove
-from .namespaces import RequestNamespaces
 from .node_link import NodeLink
 from .plan import NULL_BLOCK, EnginePlan
 from .remote_fetch import RemoteFetches, RemoteStats
@@ -345,7 +345,7 @@ class SchedulerSide(SchedulerSaves):
 
     # --- namespaces --------------------------------------------------------------------
     def _namespace(self, request) -> str | None:
-        """The request's namespace (namespaces.py), once per request; None: never cached."""
+        """The request's namespace (events/namespaces.py), once per request; None: never cached."""
         rid = request.request_id
         if rid in self.request_ns:
             return self.request_ns[rid]
