@@ -250,8 +250,9 @@ def test_the_readme_documents_every_setting_users_give():
 
 
 def test_the_production_apps_import_nothing_of_the_chaos_harness():
-    """The Serve apps and the connector load without kvfabric.deploy.chaos: only a run
-    that asks for chaos (`chaos=True`, a `chaos_file`) imports the injectors."""
+    """The Serve apps and the connector load without kvfabric.deploy.chaos: a run that
+    asks for chaos (`chaos=True`, a `chaos_file`) takes the injectors the chaos harness
+    registered on its import, and without it is refused."""
     import subprocess
     import sys
 
@@ -262,6 +263,13 @@ def test_the_production_apps_import_nothing_of_the_chaos_harness():
         "from kvfabric.deploy.reference.serve.app import AppArgs\n"
         "assert AppArgs().node_config().hooks is None\n"
         "assert not [m for m in sys.modules if m.startswith('kvfabric.deploy.chaos')]\n"
+        "from kvfabric.deploy.serving.injectors import NoInjectors\n"
+        "try:\n"
+        "    AppArgs(chaos=True).node_config()\n"
+        "    raise AssertionError('chaos without the harness')\n"
+        "except NoInjectors:\n"
+        "    pass\n"
+        "import kvfabric.deploy.chaos\n"
         "assert AppArgs(chaos=True).node_config().hooks is not None\n"
         "print('ok')\n"
     )

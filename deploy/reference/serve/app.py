@@ -16,6 +16,7 @@ from kvfabric.actors import NodeConfig
 from kvfabric.actors.fabric import FabricMismatch, ensure
 from kvfabric.deploy.reference.model import ModelConfig
 from kvfabric.deploy.serving.args import AbsolutePath, AppArgsError, Args
+from kvfabric.deploy.serving.injectors import registered
 from kvfabric.deploy.serving.router import FabricRequestRouter
 from kvfabric.deploy.serving.tenants import TenantTable, load_tenants
 from kvfabric.fabric import PoolCapacity, PoolName, TierConfig, WritePolicy
@@ -80,10 +81,8 @@ class AppArgs(Args):
         if PoolName.SWA in layout.pools:
             caps[PoolName.SWA] = PoolCapacity(max(1, self.device_pages // 4), self.host_pages // 4)
         hooks = None
-        if self.chaos:  # chaos runs only: production never imports the injectors
-            from kvfabric.deploy.chaos.faults import NodeChaos
-
-            hooks = NodeChaos
+        if self.chaos:  # chaos runs only: the injectors are the chaos harness's to register
+            hooks = registered().node_hooks
         return NodeConfig(layout, caps, tier=TierConfig(policy=WritePolicy.WRITE_BACK), hooks=hooks)
 
 

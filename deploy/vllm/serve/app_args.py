@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Self
 
 from kvfabric.deploy.serving.args import AbsolutePathOrEmpty, Args
+from kvfabric.deploy.serving.injectors import registered
 from pydantic import Field, model_validator
 
 from .model import ensure_tiny_model
@@ -97,10 +98,12 @@ class LLMAppArgs(Args):
         """The connector's settings for the fabric its engine starts (FabricSettings):
         each node's pools (SWA pools: a quarter) and index shards."""
         chaos = {}
-        if self.chaos_file:  # chaos runs only: production never imports the injectors
-            from kvfabric.deploy.chaos.faults import HOOKS, StepFaultFile
-
-            chaos = {"node_hooks": HOOKS, **StepFaultFile.settings(self.chaos_file)}
+        if self.chaos_file:  # chaos runs only: the injectors are the chaos harness's to register
+            injectors = registered()
+            chaos = {
+                "node_hooks": injectors.node_hooks_path,
+                **injectors.step_faults(self.chaos_file),
+            }
         return {
             "device_pages": self.device_pages,
             "host_pages": self.host_pages,
