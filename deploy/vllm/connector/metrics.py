@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from .scheduler_side import ConnectorStats
+from .stats import ConnectorStats
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,13 @@ blocks to staging (the worker copies them), then the node actor stores them.
 A prompt is saved in the step that computes its last token, a request's pages when it
 finishes, each only from the pages the node does not hold yet. The node's store is not
 waited for: the engine keeps stepping and the slots come back when the node answers
-(past the deadline, when the late call has ended: `SchedulerSide._quarantine`). A
+(past the deadline, when the late call has ended: `StagingSlots.quarantine`). A
 request whose prefix a save in flight holds waits for that save (admission answers "not
 yet") instead of computing what the node is about to hold.
 
-A mixin of SchedulerSide: it uses the side's plan, settings, node link, staging slots,
-bookkeeping and stats.
+SchedulerSide holds one: the saves keep their own state (copies and stores in flight,
+prompts not saved yet, the copy jobs of this step) and share the side's node link,
+staging slots and counters.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 from kvfabric.fabric import PoolName
 from kvfabric.transport.staging import StagingSpec
@@ -26,7 +27,6 @@ from kvfabric.transport.staging import StagingSpec
 from .jobs import (
     ConnectorStep,
     CopyJob,
-    FabricMeta,
     FabricSettings,
     FabricWorkerMeta,
     PoolMove,
@@ -34,9 +34,8 @@ from .jobs import (
 )
 from .node_link import NodeLink
 from .plan import NULL_BLOCK, EnginePlan
-
-if TYPE_CHECKING:
-    from .scheduler_side import ConnectorStats
+from .slots import StagingSlots
+from .stats import ConnectorStats
 
 log = logging.getLogger(__name__)
 
@@ -58,30 +57,46 @@ class StagedSave:
 
 
 class SchedulerSaves:
-    """SchedulerSide's saves (a mixin). What they use of the side:"""
+    """The scheduler side's saves: what a request's finished prompt and its end store."""
 
-    plan: EnginePlan
-    settings: FabricSettings
-    step_hook: StepHook | None
-    spec: StagingSpec
-    node: NodeLink
-    saving: dict[str, StagedSave]
-    copied: dict[str, int]
-    storing: list
-    prompts: dict[str, tuple[list[int], str]]
-    fabric_has: dict[str, int]
-    kv_cache_manager: Any
-    meta: FabricMeta
-    stats: ConnectorStats
-    _alloc: Callable[[dict[PoolName, int]], dict[PoolName, list[int]] | None]
-    _free: Callable[[dict[PoolName, list[int]]], None]
-    _quarantine: Callable[[dict[PoolName, list[int]], Any], None]
+    def __init__(
+        self,
+        plan: EnginePlan,
+        settings: FabricSettings,
+        spec: StagingSpec,
+        node: NodeLink,
+        slots: StagingSlots,
+        stats: ConnectorStats,
+        step_hook: StepHook | None,
+    ) -> None:
+        self.plan = plan
+        self.settings = settings
+        self.spec = spec
+        self.node = node
+        self.slots = slots
+        self.stats = stats
+        self.step_hook = step_hook
+        self.saving: dict[str, StagedSave] = {}  # by save job key
+        self.copied: dict[str, int] = {}  # save job key -> ranks that copied their heads
+        self.storing: list = []  # (call, key, save, deadline): node stores in flight
+        self.prompts: dict[str, tuple[list[int], str]] = {}  # requests whose prompt is unsaved
+        self.jobs: list[CopyJob] = []  # this step's copies to staging, for the workers
 
-    def _save_finished_prompts(self, out) -> None:
+    def take_jobs(self) -> list[CopyJob]:
+        """This step's copy jobs (FabricMeta.saves); the next step's start empty."""
+        jobs, self.jobs = self.jobs, []
+        return jobs
+
+    def store_calls(self) -> list:
+        """The node stores in flight."""
+        return [c for c, *_ in self.storing]
+
+    def save_finished_prompts(self, out, kv_cache_manager: Any, fabric_has: dict[str, int]) -> None:
         """Save each prompt in the step that computes its last token: the worker copies
         after the forward, when the sliding-window blocks of the prompt's last window
-        are all still there (decoding moves the window on and vLLM frees them)."""
-        if not self.prompts or self.kv_cache_manager is None:
+        are all still there (decoding moves the window on and vLLM frees them).
+        `fabric_has`: the pages the node holds of each request, updated here."""
+        if not self.prompts or kv_cache_manager is None:
             return
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
@@ -91,13 +106,13 @@ class SchedulerSaves:
             if prompt is None or done + out.num_scheduled_tokens.get(rid, 0) < len(prompt[0]):
                 continue
             del self.prompts[rid]
-            if not self.node.ready() or len(
-                prompt[0]
-            ) // self.plan.page_size <= self.fabric_has.get(rid, 0):
+            if not self.node.ready() or len(prompt[0]) // self.plan.page_size <= fabric_has.get(
+                rid, 0
+            ):
                 continue
-            block_ids = self.kv_cache_manager.get_blocks(rid).get_block_ids()
+            block_ids = kv_cache_manager.get_blocks(rid).get_block_ids()
             pages = len(prompt[0]) // self.plan.page_size
-            if self._save(
+            if self.save(
                 rid,
                 f"{rid}/prompt",
                 prompt[0],
@@ -105,11 +120,11 @@ class SchedulerSaves:
                 block_ids,
                 pages,
                 ends_request=False,
-                has=self.fabric_has.get(rid, 0),
+                has=fabric_has.get(rid, 0),
             ):
-                self.fabric_has[rid] = pages  # the end's save copies only what follows
+                fabric_has[rid] = pages  # the end's save copies only what follows
 
-    def _save_in_flight(self, tokens: list[int], namespace: str, skip: int) -> bool:
+    def in_flight(self, tokens: list[int], namespace: str, skip: int) -> bool:
         """Whether a save the worker copies or the node stores holds page `skip` of
         `tokens` (and so every page before): a request asking for it waits for the
         store rather than compute what the node is about to hold."""
@@ -120,7 +135,7 @@ class SchedulerSaves:
         in_flight = itertools.chain(self.saving.values(), (s for _, _, s, _ in self.storing))
         return any(s.namespace == namespace and s.tokens[:head] == want for s in in_flight)
 
-    def _saves_reported(self, report: FabricWorkerMeta) -> None:
+    def reported(self, report: FabricWorkerMeta) -> None:
         """The workers copied these saves to staging (or one failed to): once every
         tensor-parallel rank has copied its heads, the node stores the pages whole."""
         for key in report.failed:
@@ -128,7 +143,7 @@ class SchedulerSaves:
             self.copied.pop(key, None)
             if save is not None:
                 self.stats.save_failures += 1
-                self._free(save.slots)
+                self.slots.free(save.slots)
         for key, ranks in report.saved.items():
             if key not in self.saving:
                 continue
@@ -151,7 +166,7 @@ class SchedulerSaves:
             return
         self.storing.append((call, key, save, time.monotonic() + self.settings.timeout_s))
 
-    def _collect_stores(self) -> None:
+    def collect_stores(self) -> None:
         if not self.storing:
             return
         done = set(self.node.finished([c for c, *_ in self.storing]))
@@ -163,7 +178,7 @@ class SchedulerSaves:
                 except Exception as e:
                     self._store_failed(key, save, e, call)
                     continue
-                self._free(save.slots)
+                self.slots.free(save.slots)
                 self.stats.saved_requests += 1
                 self.stats.stored_pages += stored
             elif now >= deadline:
@@ -179,9 +194,9 @@ class SchedulerSaves:
         self.stats.save_failures += 1
         self.stats.node_errors += 1
         log.warning("fabric save failed for %s: %r", key, error)
-        self._quarantine(save.slots, call)
+        self.slots.quarantine(save.slots, call)
 
-    def _save(
+    def save(
         self,
         rid: str,
         key: str,
@@ -202,7 +217,7 @@ class SchedulerSaves:
         start = {PoolName.FULL: min(has, n), PoolName.SWA: self._surviving_window(block_ids, n)}
         first_of = {p: start[p] for p in self.plan.layout.pools}
         want = {p: n - first_of[p] for p in self.plan.layout.pools}
-        slots = self._alloc(want)
+        slots = self.slots.alloc(want)
         if slots is None:
             return False
         job = CopyJob(rid, [], key=key, ends_request=ends_request)
@@ -230,10 +245,10 @@ class SchedulerSaves:
         self.saving[key] = StagedSave(
             kept, namespace, slots, first_of, frozenset() if ends_request else reads
         )
-        self.meta.saves.append(job)
+        self.jobs.append(job)
         return True
 
-    def _overwrites(self, out) -> bool:
+    def overwrites(self, out) -> bool:
         """Whether this step gives a request a block that a prompt's save started at an
         earlier step still reads: its forward may write it, so the save must end first
         (FabricMeta.fence). vLLM lists every block it hands out in the step's output."""

@@ -9,7 +9,7 @@ blocks, asynchronously for vLLM:
 the request waits in WAITING_FOR_REMOTE_KVS, and a failed copy is reported as a
 failed receive, which vLLM recomputes). When a request finishes, its whole pages are
 copied by the worker into staging, and the node actor stores them (scheduler_saves.py,
-a mixin of SchedulerSide).
+a collaborator the side holds, as it holds its staging slots: slots.py).
 
 Before that load, a prefix another node holds longer is first fetched into the node
 (remote_fetch.py): the request waits unscheduled meanwhile, the engine keeps stepping.
@@ -24,37 +24,19 @@ from typing import Any
 
 from kvfabric.deploy.vllm.events.index_sink import FeedSpec
 from kvfabric.deploy.vllm.events.namespaces import RequestNamespaces
-from kvfabric.fabric import OutOfPages, PageAllocator, PoolName
+from kvfabric.fabric import PoolName
 from kvfabric.transport.staging import StagedHit, StagingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .jobs import ConnectorStep, CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove
 from .node_link import NodeLink
 from .plan import NULL_BLOCK, EnginePlan
-from .remote_fetch import RemoteFetches, RemoteStats
-from .scheduler_saves import SchedulerSaves, StagedSave
+from .remote_fetch import RemoteFetches
+from .scheduler_saves import SchedulerSaves
+from .slots import StagingSlots
+from .stats import ConnectorStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ConnectorStats:
-    lookups: int = 0
-    lookups_answered_by_match: int = 0  # the admission's match said nothing to load: no load call
-    loaded_tokens: int = 0
-    host_loaded_tokens: int = 0  # loaded back from the node's host tier
-    remote_loaded_tokens: int = 0  # fetched from another node for the request
-    load_failures: int = 0
-    saved_requests: int = 0
-    stored_pages: int = 0
-    save_failures: int = 0
-    node_errors: int = 0
-    finished_requests: int = 0
-    # Requests never cached: prompt embeddings, or a LoRA adapter whose files cannot be read.
-    uncacheable_requests: int = 0
-    # Staging slots out of use now: held for node calls given up on that have not ended.
-    quarantined_slots: int = 0
-    remote: RemoteStats = field(default_factory=RemoteStats)
 
 
 @dataclass
@@ -78,7 +60,7 @@ class _Load:
     host_tokens: int = 0
 
 
-class SchedulerSide(SchedulerSaves):
+class SchedulerSide:
     def __init__(
         self,
         plan: EnginePlan,
@@ -94,24 +76,21 @@ class SchedulerSide(SchedulerSaves):
         self.step_hook = settings.make_step_hook()  # tests, chaos: fail a load or save here
         self.spec = spec
         self.node = NodeLink(settings, plan.layout, feed, spec)
-        self.allocators = {p: PageAllocator(spec.pages) for p in plan.layout.pools}
+        self.slots = StagingSlots(spec, plan.layout.pools)
         self.window_pages = plan.layout.window_pages
         self.asked: dict[str, _Asked] = {}  # load calls in flight, by request
         self.planned: dict[str, _Load] = {}  # admitted lookups, before block allocation
         self.loading: dict[str, _Load] = {}  # copies the worker has not reported yet
-        self.saving: dict[str, StagedSave] = {}  # by save job key
-        self.copied: dict[str, int] = {}  # save job key -> ranks that copied their heads
-        self.storing: list = []  # (call, key, save, deadline): node stores in flight
-        self.prompts: dict[str, tuple[list[int], str]] = {}  # requests whose prompt is unsaved
         # Usable pages the node said it holds for a request at admission: a save of no
         # more than that copies nothing.
         self.fabric_has: dict[str, int] = {}
         self.kv_cache_manager = None
         self.no_load: set[str] = set()  # a load failed: recompute, never retry
-        # Slots a node call the engine gave up on may still use: (the call, its slots).
-        self.quarantined: list[tuple[Any, dict[PoolName, list[int]]]] = []
         self.meta = FabricMeta()
         self.stats = ConnectorStats()
+        self.saves = SchedulerSaves(
+            plan, settings, spec, self.node, self.slots, self.stats, self.step_hook
+        )
         self.report_due = False  # requests finished since the node last heard the counters
         self.remote = RemoteFetches(self.node, settings, self.stats.remote)
         self.hit_sources: dict[str, dict[CacheHitSource, int]] = {}  # the last load's, per request
@@ -145,7 +124,7 @@ class SchedulerSide(SchedulerSaves):
         need = len(tokens) // ps - skip
         if need <= 0:
             return 0, False
-        if not self.remote.ready(rid, tokens, namespace, skip) or self._save_in_flight(
+        if not self.remote.ready(rid, tokens, namespace, skip) or self.saves.in_flight(
             tokens, namespace, skip
         ):
             return None, False
@@ -161,7 +140,7 @@ class SchedulerSide(SchedulerSaves):
             p: need if p == PoolName.FULL else min(need, self.window_pages)
             for p in self.plan.layout.pools
         }
-        slots = self._alloc(want)
+        slots = self.slots.alloc(want)
         if slots is None:
             return 0, False
         try:
@@ -198,18 +177,18 @@ class SchedulerSide(SchedulerSaves):
         if hit.pages <= skip or asked.skip != skip:
             # Nothing to load, or vLLM's own hit changed meanwhile: staged for another
             # hit, asked again for this one.
-            self._free(asked.slots)
+            self.slots.free(asked.slots)
             if hit.pages <= skip:
                 return 0, False
             return self.num_new_matched_tokens(request, skip * self.plan.page_size)
-        self._free({p: s[len(hit.slots.get(p, [])) :] for p, s in asked.slots.items()})
+        self.slots.free({p: s[len(hit.slots.get(p, [])) :] for p, s in asked.slots.items()})
         self.planned[rid] = _Load(hit, skip, hit.slots)
         return (hit.pages - skip) * self.plan.page_size, True
 
     def _load_failed(self, rid: str, slots, call: Any, e: BaseException) -> None:
         self.stats.node_errors += 1
         log.warning("fabric lookup failed for %s: %r", rid, e)
-        self._quarantine(slots, call)
+        self.slots.quarantine(slots, call)
 
     def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -217,7 +196,7 @@ class SchedulerSide(SchedulerSaves):
         if load is None:
             return
         if num_external_tokens == 0:
-            self._free(load.slots)
+            self.slots.free(load.slots)
             return
         hit = load.hit
         block_ids = blocks.get_block_ids()
@@ -258,7 +237,10 @@ class SchedulerSide(SchedulerSaves):
     def on_new_request(self, request) -> None:
         namespace = self._namespace(request)
         if namespace is not None:
-            self.prompts[request.request_id] = (list(request.prompt_token_ids or []), namespace)
+            self.saves.prompts[request.request_id] = (
+                list(request.prompt_token_ids or []),
+                namespace,
+            )
 
     def hit_sources_of(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         sources = self.hit_sources.pop(request.request_id, {})
@@ -269,15 +251,16 @@ class SchedulerSide(SchedulerSaves):
         )
 
     def build_meta(self, scheduler_output) -> FabricMeta:
-        waited = [a.call for a in self.asked.values()] + [c for c, *_ in self.storing]
+        waited = [a.call for a in self.asked.values()] + self.saves.store_calls()
         self.remote.wait_if_idle(scheduler_output.total_num_scheduled_tokens, waited)
-        self._collect_stores()
-        fence = self._overwrites(scheduler_output)  # before this step's own saves join
-        self._save_finished_prompts(scheduler_output)
+        self.saves.collect_stores()
+        fence = self.saves.overwrites(scheduler_output)  # before this step's own saves join
+        self.saves.save_finished_prompts(scheduler_output, self.kv_cache_manager, self.fabric_has)
         meta, self.meta = self.meta, FabricMeta()
+        meta.saves = self.saves.take_jobs()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         meta.fence = fence
-        self._release_quarantine()
+        self.slots.release(self.node)
         return meta
 
     def on_output(self, output) -> None:
@@ -285,7 +268,7 @@ class SchedulerSide(SchedulerSaves):
         for rid in output.finished_recving or ():
             load = self.loading.pop(rid, None)
             if load is not None:
-                self._free(load.slots)
+                self.slots.free(load.slots)
             if rid in failed_loads:
                 self.no_load.add(rid)
                 self.stats.load_failures += 1
@@ -295,7 +278,7 @@ class SchedulerSide(SchedulerSaves):
                 self.stats.host_loaded_tokens += load.host_tokens
         report = output.kv_connector_worker_meta
         if isinstance(report, FabricWorkerMeta):
-            self._saves_reported(report)
+            self.saves.reported(report)
 
     # --- finish ------------------------------------------------------------------------
     def finished(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
@@ -304,7 +287,7 @@ class SchedulerSide(SchedulerSaves):
         rid = request.request_id
         self._drop_plan(rid)
         self.no_load.discard(rid)
-        self.prompts.pop(rid, None)
+        self.saves.prompts.pop(rid, None)
         self.remote.forget(rid)
         self.hit_sources.pop(rid, None)
         has = self.fabric_has.pop(rid, 0)
@@ -319,7 +302,7 @@ class SchedulerSide(SchedulerSaves):
         n = len(tokens) // self.plan.page_size
         if n <= has or namespace is None:
             return False, None
-        return self._save(
+        return self.saves.save(
             rid, f"{rid}/end", tokens, namespace, block_ids, n, ends_request=True, has=has
         ), None
 
@@ -329,7 +312,7 @@ class SchedulerSide(SchedulerSaves):
         if not self.report_due or not self.node.ready():
             return
         self.report_due = False
-        self.stats.quarantined_slots = sum(len(s) for _, q in self.quarantined for s in q.values())
+        self.stats.quarantined_slots = self.slots.quarantined_count()
         self.node.report(self.spec.prefix, self.stats)
 
     def shutdown(self) -> None:
@@ -354,46 +337,11 @@ class SchedulerSide(SchedulerSaves):
             self.stats.uncacheable_requests += 1
         return namespace
 
-    # --- staging slots -----------------------------------------------------------------
-    def _alloc(self, want: dict[PoolName, int]) -> dict[PoolName, list[int]] | None:
-        got: dict[PoolName, list[int]] = {}
-        try:
-            for pool, n in want.items():
-                got[pool] = self.allocators[pool].alloc(n)
-        except OutOfPages:
-            self._free(got)
-            return None
-        return got
-
-    def _free(self, slots: dict[PoolName, list[int]]) -> None:
-        for pool, indices in slots.items():
-            if indices:
-                self.allocators[pool].free(indices)
-
+    # --- plans ----------------------------------------------------------------------
     def _drop_plan(self, rid: str) -> None:
         load = self.planned.pop(rid, None)
         if load is not None:
-            self._free(load.slots)
+            self.slots.free(load.slots)
         asked = self.asked.pop(rid, None)
         if asked is not None:  # the node may still write them: back once the call ended
-            self._quarantine(asked.slots, asked.call)
-
-    def _quarantine(self, slots: dict[PoolName, list[int]], call: Any) -> None:
-        """Slots of a node call the engine gave up on (`call`: None if it was never sent):
-        the node actor may still write or read them, however late. They come back when the
-        call has ended (answered, failed, or its actor died: Ray ends it either way), never
-        after a fixed time; a node that never answers keeps them (the engine then skips
-        loads and saves it has no slots for, and computes)."""
-        if call is None:
-            self._free(slots)
-        else:
-            self.quarantined.append((call, slots))
-
-    def _release_quarantine(self) -> None:
-        if not self.quarantined:
-            return
-        ended = set(self.node.finished([call for call, _ in self.quarantined]))
-        for call, slots in self.quarantined:
-            if call in ended:
-                self._free(slots)
-        self.quarantined = [q for q in self.quarantined if q[0] not in ended]
+            self.slots.quarantine(asked.slots, asked.call)

@@ -229,4 +229,4 @@ def loaded_exactly(rig: Rig) -> bool:
 
 
 def slots_in_use(rig: Rig) -> int:
-    return sum(a.capacity - a.free_count for a in rig.sched.allocators.values())
+    return sum(a.capacity - a.free_count for a in rig.sched.slots.allocators.values())

@@ -65,7 +65,7 @@ class LocalNode:
         return False  # no fabric index: hits come from this node only
 
     def attach(self, sched: SchedulerSide) -> None:
-        sched.node = sched.remote.link = self
+        sched.node = sched.remote.link = sched.saves.node = self
 
     def call(self, method: str, *args):
         if method == "match":  # (tokens, namespace)
@@ -170,7 +170,7 @@ class Rig:
             kv_connector_worker_meta=self.worker.worker_meta(),
         )
         self.sched.on_output(out)
-        self.sched._collect_stores()  # what the next step's build_meta does first
+        self.sched.saves.collect_stores()  # what the next step's build_meta does first
         return out
 
     def arm(self, point: str, exception: str) -> None:

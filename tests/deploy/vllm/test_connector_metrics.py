@@ -22,7 +22,7 @@ from kvfabric.deploy.vllm.connector.metrics import (  # noqa: E402
     check,
     snapshot,
 )
-from kvfabric.deploy.vllm.connector.scheduler_side import ConnectorStats  # noqa: E402
+from kvfabric.deploy.vllm.connector.stats import ConnectorStats  # noqa: E402
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
 increments = st.dictionaries(st.sampled_from(sorted(KEYS)), st.integers(0, 10**9))

@@ -90,7 +90,7 @@ def test_blocks_round_trip_through_the_fabric(rig):
         )
     for name in NAMES[0::2]:  # SWA layers: the window before the hit's end
         assert torch.equal(layer_blocks(rig, name, [40, 41]), layer_blocks(rig, name, [20, 21]))
-    assert all(a.free_count == a.capacity for a in rig.sched.allocators.values())
+    assert all(a.free_count == a.capacity for a in rig.sched.slots.allocators.values())
     # The node keeps what the connector counted, as of the last finished request: it
     # hears once a step, after the step's requests finished (vLLM then asks for stats).
     rig.sched.finished(Req("r2", PROMPT, PROMPT + [7], len(PROMPT)), (SWA_BLOCKS, FULL_BLOCKS))
@@ -124,14 +124,14 @@ def test_asked_again_while_waiting_the_staged_answer_stands(rig):
     assert rig.sched.num_new_matched_tokens(req, 0) == (40, True)
     assert rig.sched.num_new_matched_tokens(req, 0) == (40, True)
     assert calls == ["load_staged"]
-    held = sum(a.capacity - a.free_count for a in rig.sched.allocators.values())
+    held = sum(a.capacity - a.free_count for a in rig.sched.slots.allocators.values())
     assert rig.sched.num_new_matched_tokens(req, 8) == (32, True)  # vLLM's own hit grew
     assert calls == ["load_staged"] * 2
-    assert sum(a.capacity - a.free_count for a in rig.sched.allocators.values()) <= held
+    assert sum(a.capacity - a.free_count for a in rig.sched.slots.allocators.values()) <= held
     rig.sched.after_alloc(req, Blocks(([0] * 8 + [40, 41, 42], list(range(30, 41)))), 32)
     out = rig.step()
     assert out.finished_recving == {"r2"} and not out.failed_recving
-    assert all(a.free_count == a.capacity for a in rig.sched.allocators.values())
+    assert all(a.free_count == a.capacity for a in rig.sched.slots.allocators.values())
     # Another prompt the node holds none of: asked once, then answered from memory.
     other = Req("r3", list(range(500, 541)), list(range(500, 541)), 0)
     assert rig.sched.num_new_matched_tokens(other, 0) == (0, False)
@@ -150,7 +150,7 @@ def test_a_next_turn_saves_only_its_new_full_pages(rig):
     delay, _ = rig.sched.finished(
         Req("r2", PROMPT, turn, len(turn)), ([0] * 10 + [44, 45], list(range(30, 42)))
     )
-    (job,) = rig.sched.meta.saves
+    (job,) = rig.sched.saves.jobs
     moved = {m.pool: len(m.slots) for m in job.moves}
     assert delay and moved == {PoolName.FULL: 2, PoolName.SWA: 2}
     rig.step()
@@ -169,7 +169,7 @@ def test_a_next_turn_saves_only_its_new_full_pages(rig):
         )
     for name in NAMES[0::2]:
         assert torch.equal(layer_blocks(rig, name, [50, 51]), layer_blocks(rig, name, [44, 45]))
-    assert all(a.free_count == a.capacity for a in rig.sched.allocators.values())
+    assert all(a.free_count == a.capacity for a in rig.sched.slots.allocators.values())
 
 
 def test_tenants_do_not_share(rig):
@@ -209,8 +209,8 @@ def test_any_failure_becomes_recomputation(tmp_path_factory, point, exception):
             assert n == 40 and out.failed_recving == {"r2"}
         with open(settings_.step_hook_arg) as f:
             assert point not in json.load(f)  # the fault fired
-        held = sum(len(s) for _, q in sched.quarantined for s in q.values())
-        assert sum(a.capacity - a.free_count for a in sched.allocators.values()) == held
+        held = sum(len(s) for _, q in sched.slots.quarantined for s in q.values())
+        assert sum(a.capacity - a.free_count for a in sched.slots.allocators.values()) == held
         node.cache.check()
     finally:
         node.shared.unlink()
@@ -252,23 +252,24 @@ def test_a_stopping_engine_takes_its_staging_files_along_though_its_worker_died(
 
 
 def held_slots(rig: Rig) -> set[tuple[PoolName, int]]:
-    return {(pool, i) for pool, a in rig.sched.allocators.items() for i in a.used_indices()}
+    return {(pool, i) for pool, a in rig.sched.slots.allocators.items() for i in a.used_indices()}
 
 
 def quarantined_slots(rig: Rig) -> set[tuple[PoolName, int]]:
-    return {(p, i) for _, q in rig.sched.quarantined for p, s in q.items() for i in s}
+    return {(p, i) for _, q in rig.sched.slots.quarantined for p, s in q.items() for i in s}
 
 
 def test_slots_of_a_store_given_up_on_stay_out_of_use_until_the_late_call_ends(rig, monkeypatch):
     """A store past its deadline is given up (the engine never waits), and its slots stay
     out of use however much time passes, while the node may still read them; the late
     store then reads what the worker copied, and its slots come back."""
-    rig.sched.settings = dataclasses.replace(rig.sched.settings, timeout_s=0.0)
+    quick = dataclasses.replace(rig.sched.settings, timeout_s=0.0)
+    rig.sched.settings = rig.sched.saves.settings = quick
     rig.node.stalled = []
     finish_first(rig)
-    rig.sched._collect_stores()
+    rig.sched.saves.collect_stores()
     assert rig.sched.stats.save_failures == 1 and rig.sched.stats.saved_requests == 0
-    assert not rig.sched.storing
+    assert not rig.sched.saves.storing
     held = quarantined_slots(rig)
     assert held and held_slots(rig) == held
     later = time.monotonic() + 86_400.0
@@ -277,7 +278,7 @@ def test_slots_of_a_store_given_up_on_stay_out_of_use_until_the_late_call_ends(r
     assert quarantined_slots(rig) == held_slots(rig) == held
     rig.node.resume()  # the late store runs: it reads intact slots
     rig.step()
-    assert not rig.sched.quarantined and not held_slots(rig)
+    assert not rig.sched.slots.quarantined and not held_slots(rig)
     n, out = admit(rig, "r2", [0] * 8 + [40, 41, 42])
     assert n == 40 and out.finished_recving == {"r2"} and not out.failed_recving
     for name in NAMES[1::2]:
@@ -318,7 +319,7 @@ def test_slots_of_a_load_given_up_on_are_not_handed_out_until_the_late_call_ends
             layer_blocks(rig, name, list(range(30, 40))), layer_blocks(rig, name, FULL_BLOCKS[:10])
         )
     rig.step()
-    assert not rig.sched.quarantined and not held_slots(rig)
+    assert not rig.sched.slots.quarantined and not held_slots(rig)
 
 
 SETTING_VALUES = st.one_of(
@@ -419,12 +420,12 @@ def test_a_step_handing_out_a_block_a_prompts_save_reads_fences_the_forward(rig)
             scheduled_cached_reqs=SimpleNamespace(new_block_ids=list(cached)),
         )
 
-    assert sched._save("p", "p/prompt", PROMPT, namespace, blocks, 10, ends_request=False)
-    assert not sched._overwrites(out(new=[([0, 0, 40], [41])], cached=[None, ([42], [43])]))
-    assert sched._overwrites(out(new=[([0, 40], [FULL_BLOCKS[3]])]))
-    assert sched._overwrites(out(cached=[None, ([SWA_BLOCKS[9]], [])]))  # page 9: saved
+    assert sched.saves.save("p", "p/prompt", PROMPT, namespace, blocks, 10, ends_request=False)
+    assert not sched.saves.overwrites(out(new=[([0, 0, 40], [41])], cached=[None, ([42], [43])]))
+    assert sched.saves.overwrites(out(new=[([0, 40], [FULL_BLOCKS[3]])]))
+    assert sched.saves.overwrites(out(cached=[None, ([SWA_BLOCKS[9]], [])]))  # page 9: saved
     rig.step()  # the worker copies it and reports it: nothing reads the blocks any more
-    assert not sched._overwrites(out(new=[([SWA_BLOCKS[9]], [FULL_BLOCKS[3]])]))
-    assert sched._save("e", "e/end", PROMPT, namespace, blocks, 10, ends_request=True)
-    assert not sched._overwrites(out(new=[([SWA_BLOCKS[9]], [FULL_BLOCKS[3]])]))
+    assert not sched.saves.overwrites(out(new=[([SWA_BLOCKS[9]], [FULL_BLOCKS[3]])]))
+    assert sched.saves.save("e", "e/end", PROMPT, namespace, blocks, 10, ends_request=True)
+    assert not sched.saves.overwrites(out(new=[([SWA_BLOCKS[9]], [FULL_BLOCKS[3]])]))
     rig.step()
