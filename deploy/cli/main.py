@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-import kvfabric
+from kvfabric import _version
 
 BENCHES = {
     "radix": "benchmarks.radix_bench",
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="kvfabric", description="Cluster-wide KV-cache fabric on Ray."
     )
-    ap.add_argument("--version", action="version", version=f"%(prog)s {kvfabric.__version__}")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {_version.__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "demo",
@@ -149,7 +149,7 @@ def _bench_usage() -> str:
     a benchmark imports its peers)."""
     import ast
 
-    folder = Path(kvfabric.__file__).resolve().parent.parent / "benchmarks"
+    folder = Path(_version.__file__).resolve().parent.parent / "benchmarks"
     lines = ["usage: kvfabric bench NAME [options]  (kvfabric bench NAME --help: its options)", ""]
     width = max(map(len, BENCHES))
     for name, module in sorted(BENCHES.items()):
@@ -163,7 +163,7 @@ def _benchmarks() -> ModuleType:
     """The repository's benchmarks/ package. It is not installed (its peers are not our
     dependencies): it lies beside the kvfabric folders of a source checkout, which is
     what the README's install (`pip install -e`) leaves."""
-    folder = Path(kvfabric.__file__).resolve().parent.parent / "benchmarks"
+    folder = Path(_version.__file__).resolve().parent.parent / "benchmarks"
     loaded = sys.modules.get("benchmarks")
     if loaded is not None and Path(loaded.__file__ or "").resolve().parent == folder:
         return loaded
