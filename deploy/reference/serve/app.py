@@ -13,7 +13,7 @@ from typing import Annotated, Any, Self
 
 import ray
 from kvfabric.actors import NodeConfig
-from kvfabric.actors.fabric import FabricMismatch, ensure
+from kvfabric.actors.launch import FabricMismatch, ensure
 from kvfabric.deploy.reference.model import ModelConfig
 from kvfabric.deploy.serving.args import AbsolutePath, AppArgsError, Args
 from kvfabric.deploy.serving.injectors import registered

@@ -3,7 +3,7 @@ every call bounded, or started without waiting and polled.
 
 It connects when the engine starts (`start`), to the fabric of the engine's KV
 identity: in the Ray namespace the layout's fingerprint names, started by the first
-engine of that identity (actors/fabric.py's `ensure`), so the node's layout is the one
+engine of that identity (actors/launch.py's `ensure`), so the node's layout is the one
 the engine announced, never one guessed from its config files. A node that caches
 another layout, or none reachable, fails the engine's start with an error that says
 why: an engine is never served silently uncached, nor from another model's pages."""
@@ -23,7 +23,7 @@ from kvfabric.transport.staging import StagingSpec
 from .jobs import FabricSettings
 
 if TYPE_CHECKING:
-    from kvfabric.actors.fabric import FabricClient, PendingLookup
+    from kvfabric.actors.client import FabricClient, PendingLookup
     from kvfabric.deploy.vllm.events.event_feed import EngineEventFeed
     from kvfabric.deploy.vllm.events.index_sink import FeedSpec
     from ray.actor import ActorHandle
@@ -92,7 +92,7 @@ class NodeLink:
 
     def _connect(self, timeout_s: float) -> None:
         import ray
-        from kvfabric.actors.fabric import ensure
+        from kvfabric.actors.launch import ensure
         from kvfabric.actors.names import layout_namespace
         from kvfabric.actors.served import announce
 
@@ -217,7 +217,7 @@ class NodeLink:
         return self.index is not None
 
     def _connect_index(self) -> None:
-        from kvfabric.actors.fabric import FabricClient
+        from kvfabric.actors.client import FabricClient
 
         client = FabricClient.connect(timeout_s=self.settings.timeout_s, namespace=self.namespace)
         if client.layout.fingerprint != self.layout.fingerprint:
