@@ -176,7 +176,7 @@ def with_connector(args: argparse.Namespace) -> dict:
     from kvfabric.actors.directory import node_actor_name
     from kvfabric.actors.launch import running
     from kvfabric.actors.served import fabrics_of
-    from kvfabric.deploy.vllm.connector.connector import FabricConnector, kv_transfer_config
+    from kvfabric.deploy.vllm.connector import FabricConnector, kv_transfer_config
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt

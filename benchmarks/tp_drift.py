@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvfabric.actors.launch import running
     from kvfabric.actors.served import fabrics_of
     from kvfabric.deploy.harness.cluster import down
-    from kvfabric.deploy.vllm.connector.connector import kv_transfer_config
+    from kvfabric.deploy.vllm.connector import kv_transfer_config
     from kvfabric.deploy.vllm.serve.model import ensure_tiny_model
     from ray.cluster_utils import Cluster
     from vllm import LLM, SamplingParams

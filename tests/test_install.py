@@ -222,7 +222,7 @@ def test_installs_beside_the_fabric_ssh_library(wheel, tmp_path):
 CHECK_VLLM = """
 import kvfabric
 from kvfabric import with_fabric, FabricLLMServer
-from kvfabric.deploy.vllm.connector.connector import FabricConnector
+from kvfabric.deploy.vllm.connector import FabricConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from ray.serve.llm import LLMConfig
 assert issubclass(FabricConnector, KVConnectorBase_V1)

@@ -259,7 +259,7 @@ def test_the_production_apps_import_nothing_of_the_chaos_harness():
     code = (
         "import sys\n"
         "import kvfabric.deploy.reference.serve.app, kvfabric.deploy.vllm.serve.serve_llm\n"
-        "import kvfabric.deploy.vllm.connector.connector\n"
+        "import kvfabric.deploy.vllm.connector\n"
         "from kvfabric.deploy.reference.serve.app import AppArgs\n"
         "assert AppArgs().node_config().hooks is None\n"
         "assert not [m for m in sys.modules if m.startswith('kvfabric.deploy.chaos')]\n"

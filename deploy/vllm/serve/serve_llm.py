@@ -27,7 +27,7 @@ import ray
 from kvfabric.actors.directory import node_actor_name
 from kvfabric.deploy.serving.args import AppArgsError
 from kvfabric.deploy.serving.tenants import load_tenants
-from kvfabric.deploy.vllm.connector.connector import kv_transfer_config
+from kvfabric.deploy.vllm.connector import kv_transfer_config
 from ray import serve
 from ray.serve.llm import LLMConfig, build_openai_app
 from ray.serve.llm.deployment import LLMServer

@@ -21,7 +21,7 @@ from kvfabric.actors.directory import node_actor_name
 from kvfabric.actors.launch import running
 from kvfabric.actors.served import fabrics_of
 from kvfabric.deploy.chaos.faults import HOOKS, ChaosAction, StepFaultFile
-from kvfabric.deploy.vllm.connector.connector import kv_transfer_config
+from kvfabric.deploy.vllm.connector import kv_transfer_config
 from kvfabric.deploy.vllm.serve.model import ensure_tiny_model
 from kvfabric.fabric import NodeMatch
 from ray.cluster_utils import Cluster

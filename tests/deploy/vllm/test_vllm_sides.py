@@ -396,7 +396,7 @@ def test_connector_settings_of_a_wrong_type_or_range_are_refused(name, value):
     "spec", ["kvfabric.no_such_module:Hook", "kvfabric.deploy.chaos.faults:NoSuchHook"]
 )
 def test_a_step_hook_that_does_not_load_is_refused_naming_the_setting(spec):
-    from kvfabric.deploy.vllm.connector.connector import kv_transfer_config
+    from kvfabric.deploy.vllm.connector import kv_transfer_config
 
     with pytest.raises(ValueError, match="step_hook"):
         FabricSettings(step_hook=spec).make_step_hook()

@@ -1,7 +1,7 @@
 """FabricConnector: the fabric as the KV layer of a vLLM engine (vLLM's KV connector API).
 
 Load it with `kv_transfer_config(...)` below, i.e. kv_connector="FabricConnector",
-kv_connector_module_path="kvfabric.deploy.vllm.connector.connector", kv_role="kv_both".
+kv_connector_module_path="kvfabric.deploy.vllm.connector", kv_role="kv_both".
 It supports the hybrid allocator (SupportsHMA), so full and sliding-window layers keep
 separate KV cache groups, and they land in the fabric's FULL and SWA pools.
 
@@ -35,7 +35,7 @@ from .plan import plan_from_kv_cache_config
 from .scheduler_side import SchedulerSide
 from .worker_side import WorkerSide
 
-MODULE = __name__
+MODULE = __name__.rpartition(".")[0]  # vLLM imports the package: it exports FabricConnector
 
 
 def kv_transfer_config(node_actor: str, ray_address: str = "", **settings: Any) -> dict:
