@@ -90,7 +90,7 @@ class NodeCacheActor:
             copier=LocalTransport(),
             reserve_hook=None if hooks is None else hooks.reserve,
         )
-        self.leases = self.cache.leases  # exports' leases and requests' holds
+        self.leases = self.cache.leases  # exports' and requests' leases
         nixl = NixlTransport(name)
         self.transport = nixl if hooks is None else hooks.transport(nixl)
         register_device_pools(self.transport, self.cache)
@@ -159,7 +159,7 @@ class NodeCacheActor:
         starts: dict[PoolName, int] | None = None,
         release: int = 0,
     ) -> int:
-        """Store what `kv` has rows for (see NodeCache.put); `release`: the caller's hold."""
+        """Store what `kv` has rows for (see NodeCache.put); `release`: the caller's lease."""
         async with self.gate.family(self._family(tokens, namespace)):
             with self.gate.mutex:
                 stored = self.cache.put(tokens, kv, namespace, starts=starts, release=release)
@@ -167,24 +167,24 @@ class NodeCacheActor:
         return stored
 
     async def get(
-        self, tokens: Sequence[int], namespace: str, hold_s: float | None = None
+        self, tokens: Sequence[int], namespace: str, lease_s: float | None = None
     ) -> CachedKV:
         """The usable cached prefix, its K/V in host memory: the caller is another
         process, which may not see this node's GPU (no-op on CPU pools). With
-        `hold_s`, the prefix stays pinned until the caller's put (`hit.hold`)."""
+        `lease_s`, the prefix stays pinned until the caller's put (`hit.lease`)."""
         async with self.gate.family(self._family(tokens, namespace)):
             with self.gate.mutex:
-                hit = self.cache.get(tokens, namespace, hold_s)
+                hit = self.cache.get(tokens, namespace, lease_s)
                 if self.hooks is not None:
                     self.hooks.after_get(self.cache)
                 self.link.publish()  # load-backs and evictions change what the index should know
                 hit.pages = {pool: t.cpu() for pool, t in hit.pages.items()}
         return hit
 
-    def release_hold(self, hold_id: int) -> bool:
-        """Release a hold a get gave (a request that failed, or stored nothing)."""
+    def release_lease(self, lease_id: int) -> bool:
+        """Release a lease a get gave (a request that failed, or stored nothing)."""
         with self.gate.mutex:
-            return self.cache.release_hold(hold_id)
+            return self.cache.release_lease(lease_id)
 
     def match(self, tokens: Sequence[int], namespace: str) -> int:
         with self.gate.mutex:

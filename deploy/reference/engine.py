@@ -33,11 +33,11 @@ class RequestError(ValueError):
 
 class KVCache(Protocol):
     """What the engine needs of a node's cache (fabric.NodeCache has it). A get
-    with `hold_s` pins the hit until a put with `release` or `release_hold`. The
+    with `lease_s` pins the hit until a put with `release` or `release_lease`. The
     engine always puts tensors (NodeCache also takes None: a cache of bytes only)."""
 
     def get(
-        self, tokens: Sequence[int], namespace: str, hold_s: float | None = None
+        self, tokens: Sequence[int], namespace: str, lease_s: float | None = None
     ) -> CachedKV: ...
     def put(
         self,
@@ -48,7 +48,7 @@ class KVCache(Protocol):
         starts: Mapping[PoolName, int] | None = None,
         release: int = 0,
     ) -> int: ...
-    def release_hold(self, hold_id: int) -> bool: ...
+    def release_lease(self, lease_id: int) -> bool: ...
 
 
 class RemoteFetcher(Protocol):
@@ -76,7 +76,7 @@ class EngineStats:
     fetched_bytes: int = 0  # estimated from the layout's page sizes
     unusable_hits: int = 0  # cache answers the model could not use
     stored_pages: int = 0
-    hold_release_failures: int = 0  # holds left to expire: the cache did not answer
+    lease_release_failures: int = 0  # leases left to expire: the cache did not answer
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -99,7 +99,7 @@ class Generation:
 
 
 class Engine:
-    """`hold_s`: how long a request's cache hit stays pinned at most, if the
+    """`lease_s`: how long a request's cache hit stays pinned at most, if the
     request dies before its put releases it."""
 
     def __init__(
@@ -110,16 +110,16 @@ class Engine:
         remote: RemoteFetcher | None = None,
         cost: CostModel | None = None,
         store: bool = True,
-        hold_s: float = 30.0,
+        lease_s: float = 30.0,
     ) -> None:
-        if not hold_s > 0:
-            raise ValueError(f"hold_s must be > 0, got {hold_s!r}")
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s!r}")
         self.model = model
         self.cache = cache
         self.remote = remote
         self.cost = cost if cost is not None or remote is None else CostModel.measure(model)
         self.store = store
-        self.hold_s = hold_s
+        self.lease_s = lease_s
         self.stats = EngineStats()
         layout = self.layout = model.config.layout()
         self._sizes = PageBytes.of(layout)
@@ -136,9 +136,9 @@ class Engine:
         start = time.perf_counter()
         # Holds this request has on its cache: its last put releases the one it
         # uses; whatever is left (a failure on the way) is released in `finally`.
-        holds: list[int] = []
+        leases: list[int] = []
         try:
-            past, device, host, remote, fetch = self._lookup(prompt, namespace, holds)
+            past, device, host, remote, fetch = self._lookup(prompt, namespace, leases)
             logits, state = self.model.prefill(prompt, past)
             # The prompt's whole pages, before decoding appends to the state: what the
             # generated tokens' pages are recomputed from (see _store).
@@ -155,9 +155,9 @@ class Engine:
                 out.append(int(torch.argmax(logits)))
                 if i == 0:
                     ttft = time.perf_counter() - start
-            stored = self._store(prompt, prompt + out, whole, namespace, holds)
+            stored = self._store(prompt, prompt + out, whole, namespace, leases)
         finally:
-            self._release(holds)
+            self._release(leases)
         total = time.perf_counter() - start
         cached = past.length
         s = self.stats
@@ -216,43 +216,43 @@ class Engine:
         return prompt
 
     def _lookup(
-        self, prompt: list[int], namespace: str, holds: list[int]
+        self, prompt: list[int], namespace: str, leases: list[int]
     ) -> tuple[KVState, int, int, int, PrefixFetch]:
         """The usable cached prefix as a model state, and where its tokens came
         from: (state, device tokens, host tokens, remote tokens, fetch outcome).
-        Every hit's hold is added to `holds`."""
+        Every hit's lease is added to `leases`."""
         if self.cache is None:
             return self.model.empty_state(), 0, 0, 0, PrefixFetch.NONE
-        cached = self._get(prompt, namespace, holds)
+        cached = self._get(prompt, namespace, leases)
         state = self._usable(cached)
         host = min(state.length, cached.host_tokens)
         device = state.length - host
-        fetched, fetch = self._maybe_fetch(prompt, namespace, state, holds)
+        fetched, fetch = self._maybe_fetch(prompt, namespace, state, leases)
         if fetched is None:
             return state, device, host, 0, fetch
         return fetched, device, host, fetched.length - state.length, fetch
 
-    def _get(self, prompt: list[int], namespace: str, holds: list[int]) -> CachedKV:
-        """The local cache hit, pinned until this request's put: its hold joins `holds`."""
+    def _get(self, prompt: list[int], namespace: str, leases: list[int]) -> CachedKV:
+        """The local cache hit, pinned until this request's put: its lease joins `leases`."""
         assert self.cache is not None, "only an engine with a cache looks up"
-        cached = self.cache.get(prompt, namespace, self.hold_s)
-        if cached.hold:
-            holds.append(cached.hold)
+        cached = self.cache.get(prompt, namespace, self.lease_s)
+        if cached.lease:
+            leases.append(cached.lease)
         return cached
 
-    def _release(self, holds: list[int]) -> None:
+    def _release(self, leases: list[int]) -> None:
         """Release what the puts did not (a request that failed or stored nothing).
         A cache that cannot answer now leaves them to expire: never fail for it."""
-        while holds and self.cache is not None:  # holds come from a cache
-            hold = holds.pop()
+        while leases and self.cache is not None:  # leases come from a cache
+            lease = leases.pop()
             try:
-                self.cache.release_hold(hold)
+                self.cache.release_lease(lease)
             except Exception as e:
-                self.stats.hold_release_failures += 1
-                log.warning("releasing hold %d failed (it will expire): %r", hold, e)
+                self.stats.lease_release_failures += 1
+                log.warning("releasing lease %d failed (it will expire): %r", lease, e)
 
     def _maybe_fetch(
-        self, prompt: list[int], namespace: str, local: KVState, holds: list[int]
+        self, prompt: list[int], namespace: str, local: KVState, leases: list[int]
     ) -> tuple[KVState | None, PrefixFetch]:
         if self.remote is None or self.cost is None:
             return None, PrefixFetch.NONE
@@ -281,7 +281,7 @@ class Engine:
             self.stats.fetch_failures += 1
             return None, PrefixFetch.FAILED
         # Pinned from here: the fetched prefix cannot leave before this request's put.
-        state = self._usable(self._get(prompt, namespace, holds))
+        state = self._usable(self._get(prompt, namespace, leases))
         if state.length <= local.length:  # evicted again before we could read it
             self.stats.fetch_failures += 1
             return None, PrefixFetch.FAILED
@@ -296,14 +296,14 @@ class Engine:
             return self.model.empty_state()
 
     def _store(
-        self, prompt: list[int], seq: list[int], whole: KVState, namespace: str, holds: list[int]
+        self, prompt: list[int], seq: list[int], whole: KVState, namespace: str, leases: list[int]
     ) -> int:
         """Store the whole pages of the prompt, then of prompt and output, after
         decoding (off the TTFT path): a retry repeats the prompt, a conversation's
         next turn repeats both, and the two puts keep an SWA window at each end.
-        The last put releases a hold of this request's hit.
+        The last put releases a lease of this request's hit.
 
-        `whole` holds the prompt's whole pages as prefill computed them. Pages past
+        `whole` leases the prompt's whole pages as prefill computed them. Pages past
         it (the prompt's partial page and the output) are recomputed in page
         chunks first: decoding computed them a row at a time, other bits than the
         chunk a later prefill of the same tokens runs, so storing those rows
@@ -315,21 +315,21 @@ class Engine:
         stored = 0
         if whole.length:
             stored += self._put(
-                prompt[: whole.length], whole, namespace, holds if n <= whole.length else []
+                prompt[: whole.length], whole, namespace, leases if n <= whole.length else []
             )
         if n > whole.length:
             state = self.model.prefill(seq[:n], whole)[1]
-            stored += self._put(seq[:n], state, namespace, holds)
+            stored += self._put(seq[:n], state, namespace, leases)
         return stored
 
-    def _put(self, tokens: list[int], state: KVState, namespace: str, holds: list[int]) -> int:
-        """Store the rows `state` has for `tokens` (never more), releasing a hold of `holds`
-        (if the put fails, the hold stays in `holds` for `finally`)."""
+    def _put(self, tokens: list[int], state: KVState, namespace: str, leases: list[int]) -> int:
+        """Store the rows `state` has for `tokens` (never more), releasing a lease of `leases`
+        (if the put fails, the lease stays in `leases` for `finally`)."""
         assert self.cache is not None, "only an engine with a cache stores"
         kv, starts = state.for_put(len(tokens), self.layout)
         stored = self.cache.put(
-            tokens, kv, namespace, starts=starts, release=holds[-1] if holds else 0
+            tokens, kv, namespace, starts=starts, release=leases[-1] if leases else 0
         )
-        if holds:
-            holds.pop()
+        if leases:
+            leases.pop()
         return stored

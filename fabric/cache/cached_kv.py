@@ -24,7 +24,7 @@ class CachedKV:
     instead: (that memory, its rows), page i in row i.
     `host_tokens`: how many of the tokens were loaded back from the host tier.
     `lease`: the id of the lease pinning this prefix until the caller's put
-    (NodeCache.get with `hold_s`), 0 for none."""
+    (NodeCache.get with `lease_s`), 0 for none."""
 
     tokens: int
     starts: dict[PoolName, int]
@@ -34,11 +34,6 @@ class CachedKV:
     host_tokens: int = 0
     lease: int = 0
     sinks: dict[PoolName, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
-
-    @property
-    def hold(self) -> int:
-        """`lease` as actors/ and deploy/ still spell it."""
-        return self.lease
 
     @functools.cached_property
     def layers(self) -> list[torch.Tensor | None]:

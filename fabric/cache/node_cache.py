@@ -218,11 +218,6 @@ class NodeCache:
         """Release a lease; False if it is unknown (released already, or expired)."""
         return self.leases.release(lease_id)
 
-    def release_hold(self, hold_id: int) -> bool:
-        """release_lease as actors/ and deploy/ still spell it (a request's lease was
-        called a hold there)."""
-        return self.release_lease(hold_id)
-
     def unlock(self, lock: PrefixLock) -> None:
         if lock.released:
             raise RuntimeError("prefix lock released twice")
@@ -359,15 +354,15 @@ class NodeCache:
         self,
         tokens: Sequence[int],
         namespace: str,
-        hold_s: float | None = None,
+        lease_s: float | None = None,
         *,
         first_page: int = 0,
         into: Mapping[PoolName, tuple[torch.Tensor, Sequence[int]]] | None = None,
     ) -> CachedKV:
         """The usable cached prefix of `tokens` and its K/V, loaded to device first.
 
-        With `hold_s`, what the hit needs stays leased (`CachedKV.lease`) until the
-        caller's put releases it, or `release_lease`, or `hold_s` seconds pass (the
+        With `lease_s`, what the hit needs stays leased (`CachedKV.lease`) until the
+        caller's put releases it, or `release_lease`, or `lease_s` seconds pass (the
         parameter keeps the name actors/ and deploy/ pass it by):
         eviction between a request's get and its put cannot take its prefix.
         `first_page`: the caller holds the pages before it: their K/V is not copied
@@ -392,8 +387,8 @@ class NodeCache:
             self._stats.hit_pages_device += n - host_pages
             out = self._gather(path, n, first_page, into or {})
             out.host_tokens = host_pages * self.layout.page_size
-            if hold_s is not None and n:
-                out.lease = self.lease(match, n, hold_s)
+            if lease_s is not None and n:
+                out.lease = self.lease(match, n, lease_s)
         finally:
             self.unlock_nodes(guard)
         used = [x for x in path if x.start < n]

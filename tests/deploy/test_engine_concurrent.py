@@ -76,7 +76,7 @@ def test_threads_on_small_pools_equal_the_uncached_run(node):
     want = [uncached.generate(p, MAX_TOKENS, NS, return_logits=True) for p in distinct]
     rng = random.Random(5)
     schedule = [rng.randrange(len(distinct)) for _ in range(REQUESTS)]
-    engine = Engine(model, ActorCache(node, timeout_s=T), hold_s=T)  # one replica, shared
+    engine = Engine(model, ActorCache(node, timeout_s=T), lease_s=T)  # one replica, shared
 
     def serve(i: int):
         return i, engine.generate(distinct[i], MAX_TOKENS, NS, return_logits=True)

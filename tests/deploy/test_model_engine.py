@@ -249,16 +249,16 @@ def test_unusable_cache_answer_is_recomputed():
     class Liar:
         """Answers a hit whose tensors have the wrong shape."""
 
-        def get(self, tokens, namespace, hold_s=None):
-            real = c.get(tokens, namespace, hold_s)
+        def get(self, tokens, namespace, lease_s=None):
+            real = c.get(tokens, namespace, lease_s)
             real.layers = [t[:, 1:] if t is not None else t for t in real.layers]
             return real
 
         def put(self, tokens, kv, namespace, **rows):
             return c.put(tokens, kv, namespace, **rows)
 
-        def release_hold(self, hold):
-            return c.release_hold(hold)
+        def release_lease(self, lease):
+            return c.release_lease(lease)
 
     c = cache()
     prompt = toks(50, 11)

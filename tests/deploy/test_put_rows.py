@@ -57,8 +57,8 @@ class EvictBeforePut:
             self.between()
         return self.cache.put(tokens, kv, namespace, **kw)
 
-    def release_hold(self, hold):
-        return self.cache.release_hold(hold)
+    def release_lease(self, lease):
+        return self.cache.release_lease(lease)
 
 
 @pytest.mark.parametrize("hold_expires", [False, True], ids=["held", "hold-expired"])
@@ -70,7 +70,7 @@ def test_eviction_between_get_and_put_stores_no_unknown_rows(hold_expires):
         device="cpu",
         clock=clock,
     )
-    engine = Engine(MODEL, c, hold_s=5.0)
+    engine = Engine(MODEL, c, lease_s=5.0)
     stem, x_tail, y_tail = toks(64, 1), toks(64, 2), toks(32, 3)
     engine.generate(stem + x_tail, 1, NS)  # 8 pages; SWA kept for 6, 7
     engine.generate(stem + y_tail, 1, NS)  # branch at page 4: SWA kept for 2, 3 too
@@ -84,7 +84,7 @@ def test_eviction_between_get_and_put_stores_no_unknown_rows(hold_expires):
         c.evict(PoolName.SWA, Tier.DEVICE, 10_000)
         c.evict(PoolName.FULL, Tier.DEVICE, 4)  # the least recent leaf: the matched tail
 
-    got = Engine(MODEL, EvictBeforePut(c, between), hold_s=5.0).generate(
+    got = Engine(MODEL, EvictBeforePut(c, between), lease_s=5.0).generate(
         prompt, 4, NS, return_logits=True
     )
     assert got.cached_tokens == 128
@@ -193,12 +193,12 @@ def test_bad_starts_are_refused_and_the_hold_released(starts):
     c = make(MIXED)
     a = seq(4)
     put_all = c.put(a, prefix_kv(MIXED, a), NS)
-    hit = c.get(a, NS, hold_s=5.0)
-    assert put_all == 4 and hit.hold and len(c.leases) == 1
+    hit = c.get(a, NS, lease_s=5.0)
+    assert put_all == 4 and hit.lease and len(c.leases) == 1
     assert c.tree.protected != [[0, 0], [0, 0]]
     with pytest.raises(ValueError):
         c.put(
-            a + seq(1, 100), prefix_kv(MIXED, a + seq(1, 100)), NS, starts=starts, release=hit.hold
+            a + seq(1, 100), prefix_kv(MIXED, a + seq(1, 100)), NS, starts=starts, release=hit.lease
         )
     assert len(c.leases) == 0 and c.tree.protected == [[0, 0], [0, 0]]
     assert c.match(a + seq(1, 100), NS).present_pages == 4  # nothing stored
@@ -219,17 +219,17 @@ def test_hold_pins_the_match_until_released_or_expired():
     c = make(MIXED, full=(6, 0), swa=(4, 0), clock=clock)
     a = seq(5)
     c.put(a + [999], prefix_kv(MIXED, a + [999]), NS)  # SWA: the window before page 5 only
-    hit = c.get(a, NS, hold_s=2.0)
-    assert hit.tokens == 20 and hit.hold
+    hit = c.get(a, NS, lease_s=2.0)
+    assert hit.tokens == 20 and hit.lease
     assert c.evict(PoolName.FULL, Tier.DEVICE, 100) == 0
     assert c.evict(PoolName.SWA, Tier.DEVICE, 100) == 0  # only the held window is left
-    assert c.get(seq(5, 100), NS, hold_s=2.0).hold == 0  # a miss holds nothing
+    assert c.get(seq(5, 100), NS, lease_s=2.0).lease == 0  # a miss holds nothing
     assert c.put(seq(5, 100), prefix_kv(MIXED, seq(5, 100)), NS) == 0  # no room while held
     clock.now = 2.5
-    assert c.leases.expire() == 1 and not c.release_hold(hit.hold)
+    assert c.leases.expire() == 1 and not c.release_lease(hit.lease)
     assert c.evict(PoolName.FULL, Tier.DEVICE, 100) == 5
     c.put(a, prefix_kv(MIXED, a), NS)
     with pytest.raises(ValueError, match="ttl"):
-        c.get(a, NS, hold_s=0.0)
+        c.get(a, NS, lease_s=0.0)
     assert len(c.leases) == 0 and c.tree.protected == [[0, 0], [0, 0]]
     c.check()

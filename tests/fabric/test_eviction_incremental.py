@@ -119,7 +119,7 @@ class TwinMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 15), ns=st.sampled_from(NAMESPACES))
     def get_and_hold(self, i, ns):
-        got = [c.get(self.tokens(i), ns, hold_s=1e9) for c in self.twins]
+        got = [c.get(self.tokens(i), ns, lease_s=1e9) for c in self.twins]
         assert got[0].tokens == got[1].tokens and bool(got[0].lease) == bool(got[1].lease)
         if got[0].lease:
             self.leases.append((got[0].lease, got[1].lease))

@@ -373,13 +373,13 @@ def test_a_put_that_refuses_its_input_still_releases_its_hold():
     cache = make(FULL_ONLY, full=(8, 16))
     a = seq(4)
     put(cache, a)
-    hit = cache.get(a, NS, hold_s=60.0)
+    hit = cache.get(a, NS, lease_s=60.0)
     assert hit.lease
     for starts in ({PoolName.FULL: 3}, {PoolName.SWA: 0}):  # not a page start; no such pool
         with pytest.raises(ValueError):
             cache.put(a, prefix_kv(cache.layout, a), NS, starts=starts, release=hit.lease)
         assert not cache.release_lease(hit.lease)  # released already, by the put
-        hit = cache.get(a, NS, hold_s=60.0)
+        hit = cache.get(a, NS, lease_s=60.0)
     cache.release_lease(hit.lease)
     cache.check()
 

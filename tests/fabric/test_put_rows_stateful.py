@@ -83,7 +83,7 @@ class PutRowsMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 7), ns=st.sampled_from(NAMESPACES), extra=st.integers(0, 5))
     def begin(self, i, ns, extra):
         tokens = self.seqs[i % len(self.seqs)] + list(range(100, 100 + extra))
-        hit = self.cache.get(tokens, ns, hold_s=TTL)
+        hit = self.cache.get(tokens, ns, lease_s=TTL)
         assert bool(hit.lease) == (hit.tokens > 0)
         want = prefix_kv(self.layout, tokens)
         for li, kind in enumerate(self.layout.layers):

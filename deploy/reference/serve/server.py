@@ -41,9 +41,9 @@ class ActorCache:
     def __init__(self, actor, timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.actor, self.timeout_s = actor, timeout_s
 
-    def get(self, tokens: Sequence[int], namespace: str, hold_s: float | None = None) -> CachedKV:
+    def get(self, tokens: Sequence[int], namespace: str, lease_s: float | None = None) -> CachedKV:
         return ray.get(
-            self.actor.get.remote(list(tokens), namespace, hold_s), timeout=self.timeout_s
+            self.actor.get.remote(list(tokens), namespace, lease_s), timeout=self.timeout_s
         )
 
     def put(
@@ -61,8 +61,8 @@ class ActorCache:
             timeout=self.timeout_s,
         )
 
-    def release_hold(self, hold_id: int) -> bool:
-        return ray.get(self.actor.release_hold.remote(hold_id), timeout=self.timeout_s)
+    def release_lease(self, lease_id: int) -> bool:
+        return ray.get(self.actor.release_lease.remote(lease_id), timeout=self.timeout_s)
 
 
 class FabricRemote:
