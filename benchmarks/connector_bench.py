@@ -172,9 +172,8 @@ def memcpy_s(nbytes: int, repeat: int = 7) -> float:
 
 def with_connector(args: argparse.Namespace) -> dict:
     import ray
-    from kvfabric.actors import stop
     from kvfabric.actors.directory import node_actor_name
-    from kvfabric.actors.launch import running
+    from kvfabric.actors.launch import running, stop
     from kvfabric.actors.served import fabrics_of
     from kvfabric.deploy.vllm.connector import FabricConnector, kv_transfer_config
     from vllm import LLM, SamplingParams

@@ -30,7 +30,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 from kvfabric.deploy.sim.trace import load_trace, request_tokens  # noqa: E402
-from kvfabric.fabric import EventBatch, MatchRule, PageKeyer, PageMask, PageState
+from kvfabric.fabric.cache.keys import PageKeyer
+from kvfabric.fabric.index.events import EventBatch, PageMask, PageState
+from kvfabric.fabric.index.match_rule import MatchRule
 from kvfabric.fabric.index.prefix_index import PrefixIndex
 from kvfabric.fabric.index.sharded_index import ShardedIndex
 

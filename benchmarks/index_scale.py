@@ -30,7 +30,8 @@ import time
 import tracemalloc
 from dataclasses import asdict, dataclass
 
-from kvfabric.fabric import MatchRule, PageMask
+from kvfabric.fabric.index.events import PageMask
+from kvfabric.fabric.index.match_rule import MatchRule
 from kvfabric.fabric.index.presence import PresenceTable, new_presence
 
 from benchmarks.fresh import run_worker

@@ -45,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", choices=("default", "python", "kernels"), default="default")
     args = ap.parse_args(argv)
 
-    from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity, PoolName
     from kvfabric.fabric.cache import native, node_cache, radix
+    from kvfabric.fabric.cache.layout import KVLayout, PoolName
+    from kvfabric.fabric.cache.node_cache import NodeCache
+    from kvfabric.fabric.cache.pools import PoolCapacity
 
     if args.tree == "python":
         radix.EXT = None  # RadixTree then builds the Python tree over nodes.py

@@ -148,7 +148,7 @@ def time_reps(
 
 def serve_peer(conn, device: str, core: int) -> None:
     """Peer process: register filled pools, hand out metadata, idle until told to quit."""
-    from kvfabric.transport import NixlTransport
+    from kvfabric.transport.nixl_transport import NixlTransport
 
     pin_to(core)  # before the agent starts, so its progress thread is pinned too
     transport = NixlTransport(PEER)
@@ -286,7 +286,8 @@ def bench_nixl_and_memcpy(
     """Best-of-`rounds` medians of (nixl, memcpy, page_copy, cma); they alternate so that all
     see the same host load. With `warmup_round`, a first round runs and is discarded.
     The threads the reader's NIXL agent starts are moved to `agent_core`."""
-    from kvfabric.transport import NixlTransport, PeerMetadata
+    from kvfabric.transport.base import PeerMetadata
+    from kvfabric.transport.nixl_transport import NixlTransport
 
     nixl: Figures = {}
     memcpy: Figures = {}

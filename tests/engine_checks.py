@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from kvfabric.fabric import NodeCache, Tier
+from kvfabric.fabric.cache.layout import Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
 
 
 def assert_same(got, want) -> None:

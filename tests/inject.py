@@ -13,9 +13,11 @@ from types import SimpleNamespace
 from typing import Callable, Iterator
 from unittest import mock
 
-from kvfabric.fabric import LeaseTable, NodeCache, Transaction
 from kvfabric.fabric.cache.keys import PageKeyer
+from kvfabric.fabric.cache.leases import LeaseTable
+from kvfabric.fabric.cache.node_cache import NodeCache
 from kvfabric.fabric.cache.radix import RadixTree
+from kvfabric.fabric.cache.txn import Transaction
 
 
 class Injected(Exception):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import time
 
-from kvfabric.fabric import NodeCache, PoolName, ReadFailed, Tier
+from kvfabric.fabric.cache.layout import PoolName, Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.exchange.destination import ReadFailed
 
 from .base import PeerNotConnected, TransferError, Transport
 

@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from kvfabric.fabric import KVLayout, NodeCache, PagedKV, PoolName
 from kvfabric.fabric.cache.insert import Unlocked
+from kvfabric.fabric.cache.layout import KVLayout, PoolName
+from kvfabric.fabric.cache.node_cache import NodeCache
 from kvfabric.fabric.cache.page_bytes import run_view
+from kvfabric.fabric.cache.put_rows import PagedKV
 from kvfabric.fabric.wire import is_int
 
 SHM_DIR = Path("/dev/shm")

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvfabric.fabric import NodeCache, PoolName, Tier
-from kvfabric.transport import Transport
+from kvfabric.fabric.cache.layout import PoolName, Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.transport.base import Transport
 
 from .index_link import Sends
 

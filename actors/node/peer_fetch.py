@@ -14,8 +14,10 @@ import functools
 from typing import Callable, Sequence
 
 import ray
-from kvfabric.fabric import ExportGrant, FetchOutcome, GrantError, NodeCache, import_prefix
-from kvfabric.transport import Transport
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.exchange.destination import FetchOutcome, import_prefix
+from kvfabric.fabric.exchange.grant import ExportGrant, GrantError
+from kvfabric.transport.base import Transport
 from kvfabric.transport.fetch import TransportReader
 
 from .cache_gate import CacheGate

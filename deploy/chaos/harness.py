@@ -19,7 +19,7 @@ from collections import deque
 from typing import Callable, Sequence, TypeVar, cast
 
 import ray
-from kvfabric.actors import FabricClient
+from kvfabric.actors.client import FabricClient
 from kvfabric.actors.directory import (
     CALL_TIMEOUT_S,
     DIRECTORY,
@@ -29,7 +29,7 @@ from kvfabric.actors.directory import (
 )
 from kvfabric.deploy.harness.cluster import Endpoint
 from kvfabric.deploy.serving.engine_identity import is_engine
-from kvfabric.fabric import RouteTable
+from kvfabric.fabric.index.routes import RouteTable
 from ray.exceptions import GetTimeoutError, RayError
 
 from .faults import ChaosAction, EventFault, Fault, FaultKind

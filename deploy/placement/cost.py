@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
-from kvfabric.fabric import AttentionPolicy, FullAttentionPolicy, KVLayout, PoolName
-from kvfabric.fabric.cache.policies import policies_for
+from kvfabric.fabric.cache.layout import KVLayout, PoolName
+from kvfabric.fabric.cache.policies import AttentionPolicy, FullAttentionPolicy, policies_for
 
 
 class Geometry(Protocol):

@@ -18,7 +18,8 @@ from typing import Mapping, Protocol, Sequence
 import torch
 from kvfabric.deploy.placement import CostModel, PageBytes, Prompt, plan
 from kvfabric.deploy.serving.protocol import PrefixFetch
-from kvfabric.fabric import CachedKV, PoolName
+from kvfabric.fabric.cache.cached_kv import CachedKV
+from kvfabric.fabric.cache.layout import PoolName
 
 from .model import KVState, TinyLM
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from kvfabric.fabric import CachedKV, KVLayout, LayerKind, LayoutError, PoolName
+from kvfabric.fabric.cache.cached_kv import CachedKV
+from kvfabric.fabric.cache.layout import KVLayout, LayerKind, LayoutError, PoolName
 from kvfabric.fabric.wire import is_int
 
 

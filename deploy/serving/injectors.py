@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # the actors layer imports Ray: only its types are needed here
-    from kvfabric.actors import NodeConfig
     from kvfabric.actors.node.hooks import NodeHooks
+    from kvfabric.actors.node.node_actor import NodeConfig
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from abc import abstractmethod
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from kvfabric.actors import FabricClient
+from kvfabric.actors.client import FabricClient
 from kvfabric.actors.directory import NAMESPACE, node_actor_name
 from kvfabric.deploy.placement import CostModel, FabricScore, NodeView, PageBytes, Prompt, Request
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica

@@ -38,7 +38,10 @@ from kvfabric.deploy.placement import (
     Request,
     Router,
 )
-from kvfabric.fabric import KVLayout, LayerKind, NodeCache, PageKeyer, PoolCapacity, PoolName
+from kvfabric.fabric.cache.keys import PageKeyer
+from kvfabric.fabric.cache.layout import KVLayout, LayerKind, PoolName
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
 
 from .trace import BLOCK_TOKENS, TraceRequest, request_tokens
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvfabric.deploy.placement import FabricScore, NodeView
-from kvfabric.fabric import EventPublisher, MatchRule
+from kvfabric.fabric.index.match_rule import MatchRule
+from kvfabric.fabric.index.publisher import EventPublisher
 from kvfabric.fabric.index.sharded_index import ShardedIndex
 
 from .cluster import NAMESPACE, Cluster, Service, SimConfig, SimRequest

@@ -27,7 +27,8 @@ from kvfabric.actors.node.engine_process import (
     can_watch,
     process_start,
 )
-from kvfabric.fabric import PoolCapacity, PoolName
+from kvfabric.fabric.cache.layout import PoolName
+from kvfabric.fabric.cache.pools import PoolCapacity
 from kvfabric.transport.staging import SHM_DIR, SharedPages, StagingSpec
 
 from tests.waiting import eventually as wait_for
@@ -164,7 +165,8 @@ def test_only_so_many_engines_are_watched(layout):
 
 @pytest.fixture(scope="module")
 def fabric(layout):
-    from kvfabric.actors import NodeConfig, start, stop
+    from kvfabric.actors.launch import start, stop
+    from kvfabric.actors.node.node_actor import NodeConfig
     from kvfabric.deploy.harness.cluster import local_cluster
 
     config = NodeConfig(layout, {p: PoolCapacity(16, 16) for p in layout.pools}, device="cpu")
@@ -195,7 +197,7 @@ def publish_engine(fabric, name: str, tokens: list[int]):
 
 
 def holders(tokens: list[int]) -> set[str]:
-    from kvfabric.actors import FabricClient
+    from kvfabric.actors.client import FabricClient
     from kvfabric.deploy.vllm.events.namespaces import fabric_namespace
 
     return {

@@ -15,16 +15,10 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 from kvfabric.actors.index_shard import IndexShardActor
-from kvfabric.fabric import (
-    ApplyResult,
-    EventBatch,
-    EventError,
-    MatchRule,
-    PageState,
-    PrefixIndex,
-    Snapshot,
-    decode_events,
-)
+from kvfabric.fabric.index.events import EventBatch, EventError, PageState, Snapshot
+from kvfabric.fabric.index.events import decode as decode_events
+from kvfabric.fabric.index.match_rule import MatchRule
+from kvfabric.fabric.index.prefix_index import ApplyResult, PrefixIndex
 
 from tests.fuzzing import FP, KEY, NEAR, RANDOM, U64, _uint, flipped, fuzz, mutated, typed
 

@@ -16,7 +16,8 @@ from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
 from kvfabric.deploy.reference.engine import Engine
 from kvfabric.deploy.reference.model import ModelConfig, TinyLM
 from kvfabric.deploy.reference.serve.server import ActorCache
-from kvfabric.fabric import PoolCapacity, PoolName
+from kvfabric.fabric.cache.layout import PoolName
+from kvfabric.fabric.cache.pools import PoolCapacity
 from ray.cluster_utils import Cluster
 
 CONFIG = ModelConfig()  # full/swa/full/swa, page 16, window 32 (2 pages)

@@ -8,17 +8,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvfabric.deploy.reference.engine import CostModel, Engine, RequestError
 from kvfabric.deploy.reference.model import KVState, ModelConfig, TinyLM
-from kvfabric.fabric import (
-    LeaseTable,
-    NodeCache,
-    PoolCapacity,
-    PoolName,
-    Tier,
-    TierConfig,
-    WritePolicy,
-    export_prefix,
-    import_prefix,
-)
+from kvfabric.fabric.cache.layout import PoolName, Tier
+from kvfabric.fabric.cache.leases import LeaseTable
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.fabric.cache.tiers import TierConfig, WritePolicy
+from kvfabric.fabric.exchange.destination import import_prefix
+from kvfabric.fabric.exchange.source import export_prefix
 
 from tests.engine_checks import assert_no_nan, assert_same
 

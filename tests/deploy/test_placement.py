@@ -20,7 +20,7 @@ from kvfabric.deploy.placement import (
     Request,
     plan,
 )
-from kvfabric.fabric import KVLayout, PoolName
+from kvfabric.fabric.cache.layout import KVLayout, PoolName
 
 COST = CostModel(prefill_tokens_per_s=10_000.0, transfer_bytes_per_s=10e9, fetch_overhead_s=0.002)
 SIZES = PageBytes.full(512 * 131_072)

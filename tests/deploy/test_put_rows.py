@@ -11,7 +11,9 @@ import pytest
 import torch
 from kvfabric.deploy.reference.engine import Engine
 from kvfabric.deploy.reference.model import ModelConfig, TinyLM
-from kvfabric.fabric import NodeCache, PoolCapacity, PoolName, Tier
+from kvfabric.fabric.cache.layout import PoolName, Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
 
 from tests.engine_checks import assert_no_nan, assert_same
 from tests.fabric.test_node_cache import MIXED, SWA_ONLY, make, seq

@@ -1,7 +1,8 @@
 """check(): each invariant a corrupted cache breaks is named in its error."""
 
 import pytest
-from kvfabric.fabric import InvariantError, PoolName, Tier
+from kvfabric.fabric.cache.check import InvariantError
+from kvfabric.fabric.cache.layout import PoolName, Tier
 from kvfabric.fabric.cache.radix import ABSENT
 
 from tests.fabric.test_node_cache import NS, make, put, seq

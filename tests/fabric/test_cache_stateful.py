@@ -8,19 +8,14 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvfabric.deploy.chaos.faults import AllocationFaults
-from kvfabric.fabric import (
-    EventPublisher,
-    KVLayout,
-    NodeCache,
-    PageAudit,
-    PageState,
-    PoolCapacity,
-    PoolName,
-    Tier,
-    TierConfig,
-    WritePolicy,
-    decode_events,
-)
+from kvfabric.fabric.cache.check import PageAudit
+from kvfabric.fabric.cache.layout import KVLayout, PoolName, Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.fabric.cache.tiers import TierConfig, WritePolicy
+from kvfabric.fabric.index.events import PageState
+from kvfabric.fabric.index.events import decode as decode_events
+from kvfabric.fabric.index.publisher import EventPublisher
 
 from tests.kvgen import prefix_kv
 

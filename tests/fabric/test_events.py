@@ -2,7 +2,8 @@ import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvfabric.fabric import EventBatch, EventError, PageMask, PageState, Snapshot, decode_events
+from kvfabric.fabric.index.events import EventBatch, EventError, PageMask, PageState, Snapshot
+from kvfabric.fabric.index.events import decode as decode_events
 
 K = b"k" * 16
 P = b"p" * 16

@@ -10,18 +10,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvfabric.deploy.chaos.faults import AllocationFaults
-from kvfabric.fabric import (
-    KVLayout,
-    NodeCache,
-    PageAudit,
-    PoolCapacity,
-    PoolName,
-    Tier,
-    TierConfig,
-    WritePolicy,
-)
 from kvfabric.fabric.cache.candidates import CandidateHeap, Candidates
+from kvfabric.fabric.cache.check import PageAudit
+from kvfabric.fabric.cache.layout import KVLayout, PoolName, Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
 from kvfabric.fabric.cache.radix import RadixTree
+from kvfabric.fabric.cache.tiers import TierConfig, WritePolicy
 
 from tests.fabric.test_cache_stateful import NAMESPACES, family
 from tests.inject import CAN_RAISE_AFTER, EXCEPTIONS, Plan, Step, injecting

@@ -7,21 +7,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from kvfabric.deploy.chaos.faults import AllocationFaults
-from kvfabric.fabric import (
-    ExportGrant,
-    FetchOutcome,
-    GrantError,
-    KVLayout,
-    LeaseTable,
-    NodeCache,
-    PoolCapacity,
-    PoolName,
-    ReadFailed,
-    Tier,
-    TierConfig,
-    export_prefix,
-    import_prefix,
-)
+from kvfabric.fabric.cache.layout import KVLayout, PoolName, Tier
+from kvfabric.fabric.cache.leases import LeaseTable
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.fabric.cache.tiers import TierConfig
+from kvfabric.fabric.exchange.destination import FetchOutcome, ReadFailed, import_prefix
+from kvfabric.fabric.exchange.grant import ExportGrant, GrantError
+from kvfabric.fabric.exchange.source import export_prefix
 
 from tests.kvgen import prefix_kv
 

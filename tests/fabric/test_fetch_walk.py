@@ -6,21 +6,14 @@ checks every invariant after each step."""
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from kvfabric.fabric import (
-    FetchOutcome,
-    KVLayout,
-    LeaseTable,
-    NodeCache,
-    PageAudit,
-    PoolCapacity,
-    PoolName,
-    ReadFailed,
-    Tier,
-    TierConfig,
-    WritePolicy,
-    export_prefix,
-    import_prefix,
-)
+from kvfabric.fabric.cache.check import PageAudit
+from kvfabric.fabric.cache.layout import KVLayout, PoolName, Tier
+from kvfabric.fabric.cache.leases import LeaseTable
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.fabric.cache.tiers import TierConfig, WritePolicy
+from kvfabric.fabric.exchange.destination import FetchOutcome, ReadFailed, import_prefix
+from kvfabric.fabric.exchange.source import export_prefix
 
 from tests.fabric.test_cache_stateful import family
 from tests.kvgen import prefix_kv

@@ -13,28 +13,17 @@ import pytest
 import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
-from kvfabric.fabric import (
-    EventError,
-    ExportGrant,
-    FetchOutcome,
-    GrantError,
-    KVLayout,
-    LeaseTable,
-    NodeCache,
-    PoolCapacity,
-    PoolName,
-    PoolPages,
-    ReadFailed,
-    Route,
-    RouteError,
-    RouteTable,
-    Tier,
-    TierConfig,
-    decode_events,
-    export_prefix,
-    import_prefix,
-)
-from kvfabric.fabric.index.routes import MAX_SHARDS
+from kvfabric.fabric.cache.layout import KVLayout, PoolName, Tier
+from kvfabric.fabric.cache.leases import LeaseTable
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.fabric.cache.tiers import TierConfig
+from kvfabric.fabric.exchange.destination import FetchOutcome, ReadFailed, import_prefix
+from kvfabric.fabric.exchange.grant import ExportGrant, GrantError, PoolPages
+from kvfabric.fabric.exchange.source import export_prefix
+from kvfabric.fabric.index.events import EventError
+from kvfabric.fabric.index.events import decode as decode_events
+from kvfabric.fabric.index.routes import MAX_SHARDS, Route, RouteError, RouteTable
 
 from tests.fuzzing import FP, KEY, RANDOM, U64, _uint, flipped, fuzz, mutated, typed
 from tests.kvgen import prefix_kv

@@ -2,15 +2,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kvfabric.fabric import (
-    AllocatorError,
-    KVLayout,
-    LayoutError,
-    OutOfPages,
-    PageAllocator,
-    PageKeyer,
-    PoolName,
-)
+from kvfabric.fabric.cache.allocator import AllocatorError, OutOfPages, PageAllocator
+from kvfabric.fabric.cache.keys import PageKeyer
+from kvfabric.fabric.cache.layout import KVLayout, LayoutError, PoolName
 
 LAYOUT = KVLayout(layers=("full", "swa", "full"), kv_heads=2, head_dim=8, page_size=4, window=6)
 

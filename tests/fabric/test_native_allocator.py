@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from kvfabric.fabric import AllocatorError, OutOfPages, PageAllocator
 from kvfabric.fabric.cache import allocator
+from kvfabric.fabric.cache.allocator import AllocatorError, OutOfPages, PageAllocator
 
 needs_native = pytest.mark.skipif(
     not allocator.ENABLED, reason="KVF_NATIVE=0 or not built: the reference alone"

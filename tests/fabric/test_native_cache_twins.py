@@ -11,14 +11,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from kvfabric.deploy.chaos.faults import AllocationFaults
-from kvfabric.fabric import (
-    NodeCache,
-    PoolName,
-    Tier,
-    TierConfig,
-    WritePolicy,
-)
 from kvfabric.fabric.cache import radix
+from kvfabric.fabric.cache.layout import PoolName, Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.tiers import TierConfig, WritePolicy
 
 from tests.fabric.test_cache_stateful import LAYOUTS, NAMESPACES, family, small_capacities
 from tests.fabric.test_native_radix import node_state, tree_state

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity
 from kvfabric.fabric.cache import radix
+from kvfabric.fabric.cache.layout import KVLayout
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
 from kvfabric.fabric.cache.radix import ABSENT, RadixTree
 
 from tests.fabric.test_cache_stateful import family

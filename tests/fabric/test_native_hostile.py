@@ -7,8 +7,8 @@ its counters and its allocators as before). Run under AddressSanitizer and UBSan
 it does not own fails the run, not only a wrong answer."""
 
 import pytest
-from kvfabric.fabric import PoolName, Tier
 from kvfabric.fabric.cache import radix
+from kvfabric.fabric.cache.layout import PoolName, Tier
 from kvfabric.fabric.cache.radix import RadixTree
 
 from tests.fabric.test_native_radix import outcome as result

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
-from kvfabric.fabric import PoolName, Tier
 from kvfabric.fabric.cache import radix
 from kvfabric.fabric.cache.allocator import PageAllocator
 from kvfabric.fabric.cache.changes import ChangeLog
 from kvfabric.fabric.cache.keys import PageKeyer, encode_tokens
+from kvfabric.fabric.cache.layout import PoolName, Tier
 from kvfabric.fabric.cache.radix import RadixTree
 
 from tests.fabric.test_native_radix import node_state, tree_state

@@ -11,11 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from kvfabric.fabric import (
-    PoolName,
-    Tier,
-)
 from kvfabric.fabric.cache import nodes, radix
+from kvfabric.fabric.cache.layout import PoolName, Tier
 from kvfabric.fabric.cache.radix import ABSENT, TIERS, RadixTree
 
 pytestmark = pytest.mark.skipif(

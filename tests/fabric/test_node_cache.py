@@ -3,15 +3,10 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kvfabric.deploy.chaos.faults import AllocationFaults
-from kvfabric.fabric import (
-    KVLayout,
-    NodeCache,
-    PoolCapacity,
-    PoolName,
-    Tier,
-    TierConfig,
-    WritePolicy,
-)
+from kvfabric.fabric.cache.layout import KVLayout, PoolName, Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.fabric.cache.tiers import TierConfig, WritePolicy
 
 from tests.kvgen import prefix_kv
 
@@ -456,8 +451,8 @@ def test_a_put_of_paged_kv_stores_what_a_put_of_layer_rows_does(pages, swa_first
     """PagedKV (staging's page shape) against the per-layer rows of the same K/V, onto a
     cache that already holds a shorter prefix: the same pages stored, the same bytes read
     back."""
-    from kvfabric.fabric import PagedKV
     from kvfabric.fabric.cache.page_bytes import pack
+    from kvfabric.fabric.cache.put_rows import PagedKV
 
     tokens = seq(pages)
     kv = prefix_kv(MIXED, tokens)
@@ -482,8 +477,8 @@ def test_a_put_of_paged_kv_stores_what_a_put_of_layer_rows_does(pages, swa_first
 
 
 def test_paged_kv_of_the_wrong_shape_is_refused_and_changes_nothing():
-    from kvfabric.fabric import PagedKV
     from kvfabric.fabric.cache.page_bytes import pack
+    from kvfabric.fabric.cache.put_rows import PagedKV
 
     c = make()
     tokens = seq(4)

@@ -13,18 +13,13 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from kvfabric.fabric import (
-    CachedKV,
-    KVLayout,
-    NodeCache,
-    PageAudit,
-    PoolCapacity,
-    PoolName,
-    Tier,
-    TierConfig,
-    WritePolicy,
-)
+from kvfabric.fabric.cache.cached_kv import CachedKV
+from kvfabric.fabric.cache.check import PageAudit
+from kvfabric.fabric.cache.layout import KVLayout, PoolName, Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
 from kvfabric.fabric.cache.page_bytes import pack
+from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.fabric.cache.tiers import TierConfig, WritePolicy
 
 from tests.fabric.test_cache_stateful import NAMESPACES, family
 from tests.kvgen import prefix_kv

@@ -9,17 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfabric.deploy.sim.trace import load_trace, request_tokens
-from kvfabric.fabric import (
-    EventBatch,
-    EventPublisher,
-    KVLayout,
-    NodeCache,
-    PoolCapacity,
-    PoolName,
-    Tier,
-)
+from kvfabric.fabric.cache.layout import KVLayout, PoolName, Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.fabric.index.events import EventBatch
 from kvfabric.fabric.index.match_rule import MatchRule
 from kvfabric.fabric.index.prefix_index import PrefixIndex
+from kvfabric.fabric.index.publisher import EventPublisher
 from kvfabric.fabric.index.routes import RouteError, RouteTable
 from kvfabric.fabric.index.sharded_index import ShardedIndex
 

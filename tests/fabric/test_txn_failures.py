@@ -9,20 +9,14 @@ outcome, with the pages an unknown reader error may still write quarantined."""
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kvfabric.fabric import (
-    FetchOutcome,
-    LeaseTable,
-    NodeCache,
-    PageAudit,
-    PoolCapacity,
-    PoolName,
-    ReadFailed,
-    Tier,
-    TierConfig,
-    WritePolicy,
-    export_prefix,
-    import_prefix,
-)
+from kvfabric.fabric.cache.check import PageAudit
+from kvfabric.fabric.cache.layout import PoolName, Tier
+from kvfabric.fabric.cache.leases import LeaseTable
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.fabric.cache.tiers import TierConfig, WritePolicy
+from kvfabric.fabric.exchange.destination import FetchOutcome, ReadFailed, import_prefix
+from kvfabric.fabric.exchange.source import export_prefix
 
 from tests.fabric.test_cache_stateful import LAYOUTS, family
 from tests.inject import CAN_RAISE_AFTER, EXCEPTIONS, Plan, Step, injecting

@@ -10,9 +10,11 @@ from unittest import mock
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity, Tier
 from kvfabric.fabric.cache import node_cache
 from kvfabric.fabric.cache.keys import KeyError_, PageKeyer, encode_tokens
+from kvfabric.fabric.cache.layout import KVLayout, Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
 from kvfabric.fabric.cache.walk_memo import Walk, WalkMemo
 
 LAYOUTS = {

@@ -14,20 +14,15 @@ import msgpack
 import pytest
 import torch
 from kvfabric.deploy.chaos.faults import Fault, FaultKind, FaultPlan, FaultyTransport
-from kvfabric.fabric import (
-    ExportGrant,
-    FetchOutcome,
-    KVLayout,
-    LeaseTable,
-    NodeCache,
-    PoolCapacity,
-    PoolName,
-    Tier,
-    export_prefix,
-    import_prefix,
-)
-from kvfabric.transport import NixlTransport
+from kvfabric.fabric.cache.layout import KVLayout, PoolName, Tier
+from kvfabric.fabric.cache.leases import LeaseTable
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.fabric.exchange.destination import FetchOutcome, import_prefix
+from kvfabric.fabric.exchange.grant import ExportGrant
+from kvfabric.fabric.exchange.source import export_prefix
 from kvfabric.transport.fetch import TransportReader, register_device_pools
+from kvfabric.transport.nixl_transport import NixlTransport
 
 from tests.kvgen import prefix_kv
 from tests.waiting import eventually

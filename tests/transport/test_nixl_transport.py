@@ -17,9 +17,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from kvfabric.transport import (
-    LocalTransport,
-    NixlTransport,
+from kvfabric.transport.base import (
     PeerDisconnected,
     PeerMetadata,
     PeerNotConnected,
@@ -27,8 +25,9 @@ from kvfabric.transport import (
     TransferState,
     TransferTimeout,
     coalesce_order,
-    copy_pages,
 )
+from kvfabric.transport.local import LocalTransport, copy_pages
+from kvfabric.transport.nixl_transport import NixlTransport
 from kvfabric.transport.runs import merge_runs, order_pairs
 
 from tests.waiting import eventually

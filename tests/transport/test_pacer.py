@@ -4,8 +4,8 @@ naps up to a cap, never past the deadline. Driven by a fake clock: behaviour, no
 from __future__ import annotations
 
 import pytest
-from kvfabric.transport import TransferHandle, TransferState, TransferTimeout, Transport
 from kvfabric.transport import base as transport_base
+from kvfabric.transport.base import TransferHandle, TransferState, TransferTimeout, Transport
 from kvfabric.transport.pacer import NAP_MAX_S, NAP_MIN_S, SPIN_S, PollPacer
 
 

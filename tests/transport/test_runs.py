@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvfabric.transport import coalesce_order
-from kvfabric.transport.base import MemKind, PoolLayout, has_duplicates, plan_pool_read
+from kvfabric.transport.base import (
+    MemKind,
+    PoolLayout,
+    coalesce_order,
+    has_duplicates,
+    plan_pool_read,
+)
 from kvfabric.transport.runs import PageRuns, merge_runs, order_pairs
 
 PAGE_BYTES = 3  # odd, so that a run off by a page or a byte shows

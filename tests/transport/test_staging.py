@@ -13,8 +13,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity, PoolName
+from kvfabric.fabric.cache.layout import KVLayout, PoolName
+from kvfabric.fabric.cache.node_cache import NodeCache
 from kvfabric.fabric.cache.page_bytes import pack
+from kvfabric.fabric.cache.pools import PoolCapacity
 from kvfabric.transport.staging import SharedPages, StagingSpec, load_to_staging, save_from_staging
 
 from tests.kvgen import prefix_kv

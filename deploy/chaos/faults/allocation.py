@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 
-from kvfabric.fabric import PoolName, ReservationFailed, Tier
+from kvfabric.fabric.cache.layout import PoolName, Tier
+from kvfabric.fabric.cache.txn import ReservationFailed
 
 
 class AllocationFaults:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from kvfabric.fabric import EventBatch
+from kvfabric.fabric.index.events import EventBatch
 
 
 class EventFault(str, Enum):

@@ -7,7 +7,7 @@ import time
 from typing import Callable
 
 import torch
-from kvfabric.transport import (
+from kvfabric.transport.base import (
     BackendError,
     PeerDisconnected,
     ReadSpec,
@@ -15,8 +15,8 @@ from kvfabric.transport import (
     TransferState,
     TransferTimeout,
     Transport,
+    as_index_array,
 )
-from kvfabric.transport.base import as_index_array
 
 from .transfer import Fault, FaultKind, FaultPlan
 

@@ -12,8 +12,10 @@ import os
 import signal
 from typing import TYPE_CHECKING, Sequence
 
-from kvfabric.fabric import EventBatch, NodeCache, PoolName, Tier
-from kvfabric.transport import Transport
+from kvfabric.fabric.cache.layout import PoolName, Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.index.events import EventBatch
+from kvfabric.transport.base import Transport
 
 from .action import ChaosAction
 from .allocation import AllocationFaults
@@ -22,7 +24,7 @@ from .faulty_transport import FaultyTransport
 from .transfer import Fault, FaultPlan
 
 if TYPE_CHECKING:  # the actors layer imports Ray: only its types are needed here
-    from kvfabric.actors import NodeConfig
+    from kvfabric.actors.node.node_actor import NodeConfig
 
 
 HOOKS = "kvfabric.deploy.chaos.faults:NodeChaos"  # as a connector setting names it (node_hooks)

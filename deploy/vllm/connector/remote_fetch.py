@@ -20,7 +20,8 @@ from enum import Enum
 from typing import Any, Protocol, Sequence
 
 from kvfabric.deploy.serving.engine_identity import is_engine
-from kvfabric.fabric import FetchOutcome, NodeMatch
+from kvfabric.fabric.exchange.destination import FetchOutcome
+from kvfabric.fabric.index.answers import NodeMatch
 
 from .jobs import FabricSettings
 

@@ -34,17 +34,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Iterable
 
-from kvfabric.fabric import (
-    EventBatch,
-    KeyerCache,
-    KVLayout,
-    PageMask,
-    PageState,
-    PoolName,
-    RouteTable,
-    Snapshot,
-)
-from kvfabric.fabric.cache.keys import PageKeyer, encode_tokens
+from kvfabric.fabric.cache.keys import KeyerCache, PageKeyer, encode_tokens
+from kvfabric.fabric.cache.layout import KVLayout, PoolName
+from kvfabric.fabric.index.events import EventBatch, PageMask, PageState, Snapshot
+from kvfabric.fabric.index.routes import RouteTable
 from kvfabric.fabric.index.shard_batches import ShardBatches
 
 from .event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent

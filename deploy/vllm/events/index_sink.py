@@ -17,7 +17,8 @@ from kvfabric.actors.directory import CALL_TIMEOUT_S, NAMESPACE, shard_name
 from kvfabric.actors.epochs import GcsEpochs
 from kvfabric.actors.node.index_link import IndexLink
 from kvfabric.deploy.serving.engine_identity import engine_index_node
-from kvfabric.fabric import KVLayout, PoolName, RouteTable
+from kvfabric.fabric.cache.layout import KVLayout, PoolName
+from kvfabric.fabric.index.routes import RouteTable
 
 from .engine_pages import EnginePages
 from .event_feed import EngineEventFeed

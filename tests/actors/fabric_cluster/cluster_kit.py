@@ -7,8 +7,10 @@ import time
 from functools import partial
 
 import ray
-from kvfabric.actors import NodeConfig
-from kvfabric.fabric import KVLayout, PoolCapacity, PoolName, RouteTable
+from kvfabric.actors.node.node_actor import NodeConfig
+from kvfabric.fabric.cache.layout import KVLayout, PoolName
+from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.fabric.index.routes import RouteTable
 
 from tests.waiting import eventually as wait_for
 

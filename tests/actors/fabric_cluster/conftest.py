@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import ray
-from kvfabric.actors import start, stop
+from kvfabric.actors.launch import start, stop
 from ray.cluster_utils import Cluster
 
 from tests.actors.fabric_cluster.cluster_kit import CONFIG

@@ -9,8 +9,8 @@ from functools import partial
 
 import ray
 import torch
-from kvfabric.actors import FabricClient
-from kvfabric.fabric import PoolName
+from kvfabric.actors.client import FabricClient
+from kvfabric.fabric.cache.layout import PoolName
 
 from tests.actors.fabric_cluster.cluster_kit import (
     CONFIG,
@@ -55,7 +55,8 @@ def test_source_killed_mid_fetch_leaves_the_destination_clean(fabric):
     import dataclasses
     import time
 
-    from kvfabric.actors import NodeCacheActor, join
+    from kvfabric.actors.directory import join
+    from kvfabric.actors.node.node_actor import NodeCacheActor
     from kvfabric.deploy.chaos.faults import Fault, FaultKind, NodeChaos
 
     source_name = sorted(fabric.nodes)[0]
@@ -166,7 +167,7 @@ def test_a_holder_the_directory_does_not_list_is_purged(fabric):
     """A node actor that died while the directory was down (a restarted directory lists
     only nodes that answer) is still named by the shards: the watcher purges such a
     stray. An engine's identity on a listed node is not one."""
-    from kvfabric.fabric import EventBatch, PageState
+    from kvfabric.fabric.index.events import EventBatch, PageState
 
     shard = fabric.shards[0]
     until_available(shard)
@@ -189,7 +190,7 @@ def test_a_holder_the_directory_does_not_list_is_purged(fabric):
 def test_a_restarted_node_whose_clock_stepped_back_is_still_accepted(fabric):
     """Epochs do not come from the wall clock: a node actor Ray restarts with its clock
     behind the old one's still publishes, and its new pages are found."""
-    from kvfabric.actors import join
+    from kvfabric.actors.directory import join
     from kvfabric.actors.node.node_actor import NodeCacheActor
 
     class ClockSteppedBack(NodeCacheActor.__ray_metadata__.modified_class):

@@ -9,7 +9,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-from kvfabric.actors import NodeConfig
+from kvfabric.actors.node.node_actor import NodeConfig
 from kvfabric.deploy.chaos.faults import (
     AllocationFaults,
     ChaosAction,
@@ -18,8 +18,11 @@ from kvfabric.deploy.chaos.faults import (
     FaultKind,
     NodeChaos,
 )
-from kvfabric.fabric import NodeCache, PoolCapacity, PoolName, ReservationFailed, Tier
-from kvfabric.transport import LocalTransport
+from kvfabric.fabric.cache.layout import PoolName, Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.fabric.cache.txn import ReservationFailed
+from kvfabric.transport.local import LocalTransport
 
 from tests.fabric.test_node_cache import MIXED, NS, make, seq
 from tests.kvgen import prefix_kv

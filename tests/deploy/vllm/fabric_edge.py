@@ -15,15 +15,12 @@ from kvfabric.deploy.vllm.connector.block_format import BlockFormat
 from kvfabric.deploy.vllm.connector.jobs import FabricSettings
 from kvfabric.deploy.vllm.connector.scheduler_side import SchedulerSide
 from kvfabric.deploy.vllm.connector.worker_side import WorkerSide
-from kvfabric.fabric import (
-    FetchOutcome,
-    NodeCache,
-    NodeMatch,
-    PoolCapacity,
-    Tier,
-    export_prefix,
-    import_prefix,
-)
+from kvfabric.fabric.cache.layout import Tier
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.fabric.exchange.destination import FetchOutcome, import_prefix
+from kvfabric.fabric.exchange.source import export_prefix
+from kvfabric.fabric.index.answers import NodeMatch
 from kvfabric.transport.staging import StagingSpec
 
 from tests.deploy.vllm.sides_rig import (

@@ -14,7 +14,9 @@ import torch
 from kvfabric.deploy.vllm.connector.plan import EnginePlan, LayerSlot
 from kvfabric.deploy.vllm.connector.scheduler_side import SchedulerSide
 from kvfabric.deploy.vllm.connector.worker_side import WorkerSide
-from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity, PoolName
+from kvfabric.fabric.cache.layout import KVLayout, PoolName
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
 from kvfabric.transport.staging import SharedPages, StagingSpec, load_to_staging, save_from_staging
 
 PS, H, D, NB = 4, 2, 8, 64

@@ -33,12 +33,15 @@ vllm = pytest.importorskip("vllm")
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-from kvfabric.actors import FabricClient, stop  # noqa: E402
+from kvfabric.actors.client import FabricClient
 from kvfabric.actors.directory import node_actor_name  # noqa: E402
-from kvfabric.actors.launch import running  # noqa: E402
+from kvfabric.actors.launch import (
+    running,  # noqa: E402
+    stop,
+)
 from kvfabric.actors.served import fabrics_of  # noqa: E402
 from kvfabric.deploy.vllm.serve.model import TinyModelSpec, ensure_tiny_model  # noqa: E402
-from kvfabric.fabric import PoolName  # noqa: E402
+from kvfabric.fabric.cache.layout import PoolName
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from tests.deploy.vllm.connector_engine import (  # noqa: E402

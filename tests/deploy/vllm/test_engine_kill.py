@@ -26,8 +26,9 @@ import pytest
 pytest.importorskip("vllm")
 
 import ray  # noqa: E402
-from kvfabric.actors import FabricClient, stop  # noqa: E402
+from kvfabric.actors.client import FabricClient
 from kvfabric.actors.directory import node_actor_name  # noqa: E402
+from kvfabric.actors.launch import stop
 from kvfabric.deploy.vllm.serve.model import ensure_tiny_model  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 

@@ -19,17 +19,12 @@ from hypothesis import strategies as st
 from kvfabric.deploy.vllm.events.engine_pages import EnginePages, Skip
 from kvfabric.deploy.vllm.events.event_wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvfabric.deploy.vllm.events.namespaces import fabric_namespace
-from kvfabric.fabric import (
-    KVLayout,
-    LayerKind,
-    MatchRule,
-    PageKeyer,
-    PageMask,
-    PageState,
-    PoolName,
-    PrefixIndex,
-    RouteTable,
-)
+from kvfabric.fabric.cache.keys import PageKeyer
+from kvfabric.fabric.cache.layout import KVLayout, LayerKind, PoolName
+from kvfabric.fabric.index.events import PageMask, PageState
+from kvfabric.fabric.index.match_rule import MatchRule
+from kvfabric.fabric.index.prefix_index import PrefixIndex
+from kvfabric.fabric.index.routes import RouteTable
 
 PS = 4
 LAYOUT = KVLayout(

@@ -25,7 +25,9 @@ from kvfabric.deploy.vllm.events.content_digest import (
     resolve_folder,
 )
 from kvfabric.deploy.vllm.events.namespaces import INPUTS, RequestNamespaces, fabric_namespace
-from kvfabric.fabric import KVLayout, NodeCache, PoolCapacity
+from kvfabric.fabric.cache.layout import KVLayout
+from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.fabric.cache.pools import PoolCapacity
 
 from tests.kvgen import prefix_kv
 

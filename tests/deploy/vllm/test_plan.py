@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvfabric.deploy.vllm.connector.plan import HeadShard, PlanError, plan_from_kv_cache_config  # noqa: E402
-from kvfabric.fabric import LayerKind, PoolName  # noqa: E402
+from kvfabric.fabric.cache.layout import LayerKind, PoolName
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,

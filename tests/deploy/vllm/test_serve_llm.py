@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import ray  # noqa: E402
-from kvfabric.actors import FabricClient  # noqa: E402
+from kvfabric.actors.client import FabricClient
 from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY  # noqa: E402
 from kvfabric.actors.served import fabrics_of  # noqa: E402
 from kvfabric.deploy.harness.cluster import free_port, local_cluster, serve_app  # noqa: E402

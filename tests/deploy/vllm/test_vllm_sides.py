@@ -28,7 +28,7 @@ from kvfabric.deploy.vllm.connector.block_format import BlockFormat  # noqa: E40
 from kvfabric.deploy.vllm.connector.jobs import FabricSettings  # noqa: E402
 from kvfabric.deploy.vllm.connector.scheduler_side import SchedulerSide  # noqa: E402
 from kvfabric.deploy.vllm.connector.worker_side import WorkerSide  # noqa: E402
-from kvfabric.fabric import PoolName  # noqa: E402
+from kvfabric.fabric.cache.layout import PoolName
 from kvfabric.transport.staging import StagingSpec  # noqa: E402
 
 from tests.deploy.vllm.sides_rig import (  # noqa: E402
