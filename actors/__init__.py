@@ -1,20 +1,10 @@
-"""actors: Ray actors over the fabric core (per-node cache actors, index shards, client)."""
+"""actors: the fabric on Ray (node cache actors, index shards, the directory). These
+names are its public API (kvfabric re-exports them); everything else is imported from
+the module that defines it."""
 
 from .client import FabricClient
-from .directory import FabricDirectory, Membership, join
-from .index_shard import IndexShardActor
+from .directory import join
 from .launch import Fabric, start, stop
 from .node.node_actor import NodeCacheActor, NodeConfig
 
-__all__ = [
-    "Fabric",
-    "FabricClient",
-    "FabricDirectory",
-    "IndexShardActor",
-    "Membership",
-    "NodeCacheActor",
-    "NodeConfig",
-    "join",
-    "start",
-    "stop",
-]
+__all__ = ["Fabric", "FabricClient", "NodeCacheActor", "NodeConfig", "join", "start", "stop"]
