@@ -26,11 +26,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 import torch
-from kvfabric.fabric import PoolName
+from kvfabric.fabric.cache.layout import PoolName
 from kvfabric.fabric.cache.page_bytes import copy_rows
 from kvfabric.transport.staging import SharedPages, StagingSpec
 
 from .block_format import BlockFormat
+from .copy_cores import leave_the_forward
 from .jobs import ConnectorStep, CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta
 from .plan import EnginePlan, HeadShard, LayerSlot
 
@@ -56,8 +57,11 @@ class WorkerSide:
         self.finished_sending: set[str] = set()
         self.saved: dict[str, int] = {}
         self.failed_saves: set[str] = set()
-        # One copy thread: jobs run in the order the steps gave them.
-        self._copies = ThreadPoolExecutor(1, thread_name_prefix="kvf-copy")
+        # One copy thread: jobs run in the order the steps gave them; on a CPU engine, on
+        # the cores vLLM leaves its forward's threads (copy_cores.py).
+        self._copies = ThreadPoolExecutor(
+            1, thread_name_prefix="kvf-copy", initializer=leave_the_forward
+        )
         self._loads: list[tuple[CopyJob, Future[BaseException | None]]] = []
         self._saves: list[tuple[CopyJob, Future[BaseException | None]]] = []
         self._stream: torch.cuda.Stream | None = None  # for the copies, blocks on a GPU
