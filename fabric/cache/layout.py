@@ -62,7 +62,7 @@ class KVLayout:
     window: int = 0  # sliding window in tokens, used by SWA layers
     dtype: str = "float32"
     # What else makes two caches' bytes incompatible: an engine's model, dtypes, kernel
-    # (deploy/vllm/kv_identity.py writes `name=value` parts joined by ";", so that
+    # (deploy/vllm/connector/kv_identity.py writes `name=value` parts joined by ";", so that
     # `differences` can name the part that differs). Empty for the fabric's own engine.
     tag: str = ""
 

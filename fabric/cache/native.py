@@ -21,7 +21,7 @@ class Mode(enum.Enum):
 
 
 class KeysExtension(Protocol):
-    """What fabric/cache/csrc/pagekeys.c exports (the `_pagekeys` module)."""
+    """What fabric/cache/csrc/keys.c exports (the `_pagekeys` module)."""
 
     KEY_BYTES: int
     MAX_PAGE_SIZE: int

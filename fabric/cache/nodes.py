@@ -1,5 +1,5 @@
 """The radix tree's nodes and hot primitives, pure Python: the reference for the C
-extension `_radix` (csrc/node.c, tree.c, slots.c), which exports the same TreeNode
+extension `_radix` (csrc/nodes.c, nodes_tree.c, nodes_slots.c), which exports the same TreeNode
 attributes and methods and the same functions with the same effects, in the same order.
 
 RadixTree (radix.py) calls one of the two through these functions and keeps what

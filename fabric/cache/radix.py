@@ -294,7 +294,7 @@ class RadixTree:
         got: Reserved,
     ) -> tuple[list[TreeNode], T | None] | None:
         """An insert on free pages, the common case, whole or not at all; the native tree
-        does it in one C call (csrc/insert.c). None, with nothing done, where an allocator
+        does it in one C call (csrc/radix_insert.c). None, with nothing done, where an allocator
         lacks the free pages `todo` (positions per pool) asks of it. Otherwise: take them
         into `got` (calling `hook(pool, tier)` first, as a reservation does), `fill(got,
         quarantine)` them, grow the tree by the run of `tokens` below the path's end (keys chained

@@ -1,6 +1,6 @@
 """The prefix index's lookups on the pure-Python presence table: each node slot's usable
 match for a request's page keys, as (slot, pages, device); PrefixIndex names and ranks
-them. The reference for the native core's lookup (csrc/lookup.c).
+them. The reference for the native core's lookup (csrc/lookups.c).
 
 A key's holders are kept sparse or dense (presence.py: pairs, or one int of packed
 nibbles); a lookup first picks its candidates, the slots that may match (with full
