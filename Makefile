@@ -9,9 +9,9 @@ REQ := requirements
 
 # vLLM (the CPU build) goes in beside torch, Ray and NIXL: its requirements without the
 # torch family, then three wheels with --no-deps (see requirements/*.txt for why).
-# The install builds the C extensions (setup.py, fabric/*/csrc/, transport/csrc/) in
+# The install builds the C extensions (setup.py, core/*/csrc/, transport/csrc/) in
 # place: a change to their sources installs again.
-NATIVE_SRC := setup.py $(wildcard fabric/*/csrc/*.c fabric/*/csrc/*.h transport/csrc/*.c)
+NATIVE_SRC := setup.py $(wildcard core/*/csrc/*.c core/*/csrc/*.h transport/csrc/*.c)
 
 $(STAMP): pyproject.toml Makefile $(REQ)/constraints.txt $(REQ)/vllm.txt $(REQ)/vllm-nodeps.txt $(NATIVE_SRC)
 	$(PY) -m venv $(VENV)
@@ -31,7 +31,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
-	KVF_NATIVE=0 $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/fabric
+	KVF_NATIVE=0 $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/core
 	$(MAKE) sanitize
 
 # The C extensions built again with AddressSanitizer and UBSan, in a copy of the tree (the
@@ -47,7 +47,7 @@ sanitize: $(STAMP)
 	cd $(SAN) && CFLAGS="$(SAN_CFLAGS)" ../../$(VENV)/bin/python setup.py -q build_ext --inplace 2>build.log || (cat build.log; exit 1)
 	cd $(SAN) && KVF_SANITIZE=1 LD_PRELOAD=$(SAN_LIBS) PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=0 \
 		UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 timeout 900 ../../$(VENV)/bin/python \
-		-m pytest -q -p no:cacheprovider tests/fabric/test_native_*.py tests/fabric/test_sanitized.py \
+		-m pytest -q -p no:cacheprovider tests/core/test_native_*.py tests/core/test_sanitized.py \
 		tests/transport/test_native_plan.py
 
 bench: $(STAMP)

@@ -1,11 +1,11 @@
 """The one thing pyproject.toml cannot declare without setuptools' experimental table: the
-C extensions behind fabric/cache/keys.py, radix.py, allocator.py, pages.py's row copy,
-fabric/index/presence.py and transport/base.py's read plan (built by `pip install`, `make`
+C extensions behind core/cache/keys.py, radix.py, allocator.py, pages.py's row copy,
+core/index/presence.py and transport/base.py's read plan (built by `pip install`, `make`
 and CI alike)."""
 
 from setuptools import Extension, setup
 
-KEYS, INDEX, TRANSPORT = "fabric/cache/csrc", "fabric/index/csrc", "transport/csrc"
+KEYS, INDEX, TRANSPORT = "core/cache/csrc", "core/index/csrc", "transport/csrc"
 # Hidden by default: a module exports its PyInit alone (PyMODINIT_FUNC), as CPython's own do.
 FLAGS = [
     "-O3",
@@ -19,13 +19,13 @@ FLAGS = [
 setup(
     ext_modules=[
         Extension(
-            "kvfabric.fabric.cache._pagekeys",
+            "kvfabric.core.cache._pagekeys",
             sources=[f"{KEYS}/keys.c", f"{KEYS}/keys_pack.c", f"{KEYS}/blake2b.c"],
             depends=[f"{KEYS}/blake2b.h", f"{KEYS}/keys_pack.h"],
             extra_compile_args=FLAGS,
         ),
         Extension(
-            "kvfabric.fabric.cache._radix",
+            "kvfabric.core.cache._radix",
             sources=[
                 f"{KEYS}/nodes.c",
                 f"{KEYS}/nodes_tree.c",
@@ -38,17 +38,17 @@ setup(
             extra_compile_args=FLAGS,
         ),
         Extension(
-            "kvfabric.fabric.cache._copy",
+            "kvfabric.core.cache._copy",
             sources=[f"{KEYS}/copy.c"],
             extra_compile_args=FLAGS,
         ),
         Extension(
-            "kvfabric.fabric.cache._alloc",
+            "kvfabric.core.cache._alloc",
             sources=[f"{KEYS}/allocator.c"],
             extra_compile_args=FLAGS,
         ),
         Extension(
-            "kvfabric.fabric.index._presence",
+            "kvfabric.core.index._presence",
             sources=[
                 f"{INDEX}/presence.c",
                 f"{INDEX}/ordered.c",

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any, Generator, Sequence, cast
 
 import ray
-from kvfabric.fabric.cache.keys import KeyerCache
-from kvfabric.fabric.index.answers import NodeMatch
-from kvfabric.fabric.index.routes import RouteTable
+from kvfabric.core.cache.keys import KeyerCache
+from kvfabric.core.index.answers import NodeMatch
+from kvfabric.core.index.routes import RouteTable
 from ray.exceptions import GetTimeoutError, RayError
 
 from .membership import Membership

@@ -13,8 +13,8 @@ import os
 import threading
 
 import ray
-from kvfabric.fabric.index.balance import LoadTracker, chance_target
-from kvfabric.fabric.index.routes import RouteTable
+from kvfabric.core.index.balance import LoadTracker, chance_target
+from kvfabric.core.index.routes import RouteTable
 from ray.exceptions import GetTimeoutError, RayError
 
 from .membership import START_TIMEOUT_S, Membership, MembershipPasses

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import ray
-from kvfabric.fabric.cache.keys import KEY_BYTES
-from kvfabric.fabric.index.balance import LoadTracker
-from kvfabric.fabric.index.events import EventBatch, EventError, Snapshot
-from kvfabric.fabric.index.events import decode as decode_events
-from kvfabric.fabric.index.match_rule import MatchRule
-from kvfabric.fabric.index.prefix_index import ApplyResult, PrefixIndex
-from kvfabric.fabric.index.regions import entries_by_region
-from kvfabric.fabric.index.routes import RouteTable
-from kvfabric.fabric.wire import is_int
+from kvfabric.core.cache.keys import KEY_BYTES
+from kvfabric.core.index.balance import LoadTracker
+from kvfabric.core.index.events import EventBatch, EventError, Snapshot
+from kvfabric.core.index.events import decode as decode_events
+from kvfabric.core.index.match_rule import MatchRule
+from kvfabric.core.index.prefix_index import ApplyResult, PrefixIndex
+from kvfabric.core.index.regions import entries_by_region
+from kvfabric.core.index.routes import RouteTable
+from kvfabric.core.wire import is_int
 
 from .index_metrics import IndexMetrics
 from .names import NAMESPACE

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import ray
-from kvfabric.fabric.index.match_rule import MatchRule
-from kvfabric.fabric.index.routes import RouteTable
+from kvfabric.core.index.match_rule import MatchRule
+from kvfabric.core.index.routes import RouteTable
 from ray.exceptions import GetTimeoutError, RayError
 
 from .directory import FabricDirectory

@@ -14,9 +14,7 @@ from typing import Callable, Protocol
 from .membership import START_TIMEOUT_S, MembershipPasses
 
 REBALANCE_EVERY_S = 10.0  # the watcher's rebalance period
-REBALANCE_SIGMAS = (
-    3.0  # its bar for uneven lookups (see kvfabric.fabric.index.balance.chance_target)
-)
+REBALANCE_SIGMAS = 3.0  # its bar for uneven lookups (see kvfabric.core.index.balance.chance_target)
 log = logging.getLogger(__name__)
 
 

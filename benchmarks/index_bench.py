@@ -29,12 +29,12 @@ import tracemalloc
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
+from kvfabric.core.cache.keys import PageKeyer
+from kvfabric.core.index.events import EventBatch, PageMask, PageState
+from kvfabric.core.index.match_rule import MatchRule
+from kvfabric.core.index.prefix_index import PrefixIndex
+from kvfabric.core.index.sharded_index import ShardedIndex
 from kvfabric.deploy.sim.trace import load_trace, request_tokens  # noqa: E402
-from kvfabric.fabric.cache.keys import PageKeyer
-from kvfabric.fabric.index.events import EventBatch, PageMask, PageState
-from kvfabric.fabric.index.match_rule import MatchRule
-from kvfabric.fabric.index.prefix_index import PrefixIndex
-from kvfabric.fabric.index.sharded_index import ShardedIndex
 
 from benchmarks import peers
 from benchmarks.fresh import bench_cpu, pin, run_worker
@@ -128,8 +128,8 @@ def ours_worker(
     """The timed rounds (the best of `repeat` runs, each on a fresh index) and the memory
     figures, in this process's mode (KVF_NATIVE), pinned to `cpu` (-1: not pinned)."""
     pin(cpu)
-    from kvfabric.fabric.cache import native
-    from kvfabric.fabric.index import presence
+    from kvfabric.core.cache import native
+    from kvfabric.core.index import presence
 
     tokens = [
         request_tokens(r, tokens_per_block=tokens_per_block)

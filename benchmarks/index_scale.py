@@ -30,9 +30,9 @@ import time
 import tracemalloc
 from dataclasses import asdict, dataclass
 
-from kvfabric.fabric.index.events import PageMask
-from kvfabric.fabric.index.match_rule import MatchRule
-from kvfabric.fabric.index.presence import PresenceTable, new_presence
+from kvfabric.core.index.events import PageMask
+from kvfabric.core.index.match_rule import MatchRule
+from kvfabric.core.index.presence import PresenceTable, new_presence
 
 from benchmarks.fresh import run_worker
 
@@ -128,7 +128,7 @@ def ours_worker(
     conversations: int, repeat: int, seed: int, slots: list[int], hot_holders: int
 ) -> dict:
     """Every slot count's row, in this process's mode (KVF_NATIVE)."""
-    from kvfabric.fabric.index import presence
+    from kvfabric.core.index import presence
 
     rows = [asdict(measure(n, conversations, repeat, seed, hot_holders)) for n in slots]
     return {"native": presence.ENABLED, "rows": rows}

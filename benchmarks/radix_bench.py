@@ -98,11 +98,11 @@ def ours_worker(
     cpu: int = -1,
 ) -> dict:
     pin(cpu)
-    from kvfabric.fabric.cache import native
-    from kvfabric.fabric.cache.keys import PageKeyer, encode_tokens
-    from kvfabric.fabric.cache.layout import KVLayout, PoolName
-    from kvfabric.fabric.cache.node_cache import NodeCache
-    from kvfabric.fabric.cache.pools import PoolCapacity
+    from kvfabric.core.cache import native
+    from kvfabric.core.cache.keys import PageKeyer, encode_tokens
+    from kvfabric.core.cache.layout import KVLayout, PoolName
+    from kvfabric.core.cache.node_cache import NodeCache
+    from kvfabric.core.cache.pools import PoolCapacity
 
     seqs = [list(s) for s in read_sequences(Path(data))]
     pages = int(sum(len(s) for s in seqs) // page_size * capacity) + 1

@@ -4,7 +4,7 @@ machine is not. Under `valgrind --tool=callgrind --instr-atstart=no` only the lo
 counted (the imports, the trace and the cache's set-up are not); run plainly, it prints
 the loop's wall time. docs/c-tree-decision.md has the commands and the figures.
 
---tree picks a path KVF_NATIVE cannot (it switches all of fabric/cache at once), the
+--tree picks a path KVF_NATIVE cannot (it switches all of core/cache at once), the
 native keys and allocator kept: `python`, the pure-Python tree over nodes.py; `kernels`,
 radix.py's RadixTree methods in Python over the C primitives and C TreeNodes (what the
 native tree was before RadixTree.insert_free became one C call)."""
@@ -45,10 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", choices=("default", "python", "kernels"), default="default")
     args = ap.parse_args(argv)
 
-    from kvfabric.fabric.cache import native, node_cache, radix
-    from kvfabric.fabric.cache.layout import KVLayout, PoolName
-    from kvfabric.fabric.cache.node_cache import NodeCache
-    from kvfabric.fabric.cache.pools import PoolCapacity
+    from kvfabric.core.cache import native, node_cache, radix
+    from kvfabric.core.cache.layout import KVLayout, PoolName
+    from kvfabric.core.cache.node_cache import NodeCache
+    from kvfabric.core.cache.pools import PoolCapacity
 
     if args.tree == "python":
         radix.EXT = None  # RadixTree then builds the Python tree over nodes.py

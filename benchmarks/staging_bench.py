@@ -26,9 +26,9 @@ import time
 import uuid
 
 import torch
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.transport.staging import (
     SharedPages,
     StagingSpec,

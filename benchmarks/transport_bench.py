@@ -5,7 +5,7 @@ sides out of a 1024-page pool, as a fragmented cache holds them):
   nixl     a peer process exposes its pools; this process reads into its own pools
            (one batched READ per batch over prepared descriptor lists, deadline-checked);
   memcpy   pages copied between two pools of this process: the faster of
-           index_select + index_copy_ (what kvfabric.fabric.cache.page_bytes.TorchCopier does) and a
+           index_select + index_copy_ (what kvfabric.core.cache.page_bytes.TorchCopier does) and a
            per-page copy_ loop;
   page_copy  the per-page copy_ loop alone: the JSON's ratio_vs_page_copy_64k (64 KiB x 64)
            and ratio_vs_page_copy_4k (4 KiB x 1024) are nixl / page_copy, same run;

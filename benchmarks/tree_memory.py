@@ -13,9 +13,9 @@ import gc
 import tracemalloc
 from typing import Sequence
 
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.pools import PoolCapacity
 
 
 def tree_bytes_per_page(seqs: Sequence[Sequence[int]], layout: KVLayout, pages: int) -> float:

@@ -1,6 +1,6 @@
 """ray-kv-fabric: a cluster-wide, SWA-aware KV-cache fabric for LLM serving on Ray.
 
-The repository's layers install as subpackages of this one: `kvfabric.fabric` (the
+The repository's layers install as subpackages of this one: `kvfabric.core` (the
 single-node core, no Ray), `kvfabric.transport` (page transfers), `kvfabric.actors`
 (the Ray actors) and `kvfabric.deploy` (Serve apps, engines, the CLI). The names below
 are the public API; each is imported on first use, so `import kvfabric` costs nothing
@@ -19,11 +19,11 @@ from ._version import __version__
 # PYTHONPATH=checkout), the layers are this folder's siblings: look for subpackages there
 # too. An installed wheel has them inside this folder; an editable install maps them.
 _HERE = Path(__file__).resolve().parent
-if not (_HERE / "fabric").is_dir() and (_HERE.parent / "fabric" / "__init__.py").is_file():
+if not (_HERE / "core").is_dir() and (_HERE.parent / "core" / "__init__.py").is_file():
     __path__.append(str(_HERE.parent))
 
 _PUBLIC = {
-    "kvfabric.fabric": (
+    "kvfabric.core": (
         "NodeCache",
         "KVLayout",
         "LayerKind",

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from kvfabric.fabric.cache.layout import Tier
-from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.core.cache.layout import Tier
+from kvfabric.core.cache.node_cache import NodeCache
 
 
 def assert_same(got, want) -> None:

@@ -1,5 +1,5 @@
 """Shared pieces of the decoder fuzz tests (tests/actors/test_fuzz_events.py,
-tests/fabric/test_fuzz_exchange.py, tests/deploy/test_fuzz_files.py): value strategies
+tests/core/test_fuzz_exchange.py, tests/deploy/test_fuzz_files.py): value strategies
 near the valid ones, structure mutations, bit flips, and the `fuzz` settings (the
 profile's count, or 10,000 cases with KVF_HYPOTHESIS=full).
 

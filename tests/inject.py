@@ -1,7 +1,7 @@
 """Raise any exception at any step of a cache operation, by wrapping the
 collaborators at the edge of the unit: the reservation hook, the pools'
 eviction callbacks, the page copier, the transaction's steps, the page reader,
-the checksum function and the lease table. Nothing in fabric/ knows about it."""
+the checksum function and the lease table. Nothing in core/ knows about it."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from types import SimpleNamespace
 from typing import Callable, Iterator
 from unittest import mock
 
-from kvfabric.fabric.cache.keys import PageKeyer
-from kvfabric.fabric.cache.leases import LeaseTable
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.radix import RadixTree
-from kvfabric.fabric.cache.txn import Transaction
+from kvfabric.core.cache.keys import PageKeyer
+from kvfabric.core.cache.leases import LeaseTable
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.radix import RadixTree
+from kvfabric.core.cache.txn import Transaction
 
 
 class Injected(Exception):

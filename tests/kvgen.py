@@ -4,7 +4,7 @@ attention K/V do, without running a model."""
 from __future__ import annotations
 
 import torch
-from kvfabric.fabric.cache.layout import KVLayout
+from kvfabric.core.cache.layout import KVLayout
 
 
 def prefix_kv(layout: KVLayout, tokens: list[int]) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted(
     path
-    for folder in ("fabric/cache/csrc", "fabric/index/csrc", "transport/csrc")
+    for folder in ("core/cache/csrc", "core/index/csrc", "transport/csrc")
     for path in (ROOT / folder).glob("*.[ch]")
 )
 

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "kvfabric" / "_version.py").read_text())[1]
-LAYERS = ("fabric", "transport", "actors", "deploy")
+LAYERS = ("core", "transport", "actors", "deploy")
 SOURCES = ("kvfabric", *LAYERS, "pyproject.toml", "setup.py", "README.md", "LICENSE")
 
 
@@ -111,7 +111,7 @@ def test_the_sdist_holds_the_sources_and_nothing_built(sdist):
 
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    csrc = {str(p.relative_to(ROOT)) for p in ROOT.glob("fabric/*/csrc/*.[ch]")}
+    csrc = {str(p.relative_to(ROOT)) for p in ROOT.glob("core/*/csrc/*.[ch]")}
     csrc |= {str(p.relative_to(ROOT)) for p in ROOT.glob("transport/csrc/*.[ch]")}
     assert csrc and csrc <= names, sorted(csrc - names)
     assert {"LICENSE", "README.md", "pyproject.toml", "setup.py", "PKG-INFO"} <= names
@@ -126,19 +126,19 @@ def test_the_wheel_holds_kvfabric_only(wheel):
         entry_points = next(z.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"kvfabric"}
-    assert "kvfabric/fabric/cache/node_cache.py" in names
+    assert "kvfabric/core/cache/node_cache.py" in names
     assert "kvfabric/deploy/sim/traces/conversation_trace.jsonl" in names
     native = [
-        n for n in names if n.startswith("kvfabric/fabric/cache/_pagekeys.") and n.endswith(".so")
+        n for n in names if n.startswith("kvfabric/core/cache/_pagekeys.") and n.endswith(".so")
     ]
     assert len(native) == 1, "the wheel must hold the built page-key extension"
     index = [
-        n for n in names if n.startswith("kvfabric/fabric/index/_presence.") and n.endswith(".so")
+        n for n in names if n.startswith("kvfabric/core/index/_presence.") and n.endswith(".so")
     ]
     assert len(index) == 1, "the wheel must hold the built index-core extension"
-    tree = [n for n in names if n.startswith("kvfabric/fabric/cache/_radix.") and n.endswith(".so")]
+    tree = [n for n in names if n.startswith("kvfabric/core/cache/_radix.") and n.endswith(".so")]
     assert len(tree) == 1, "the wheel must hold the built radix-tree extension"
-    got = [n for n in names if n.startswith("kvfabric/fabric/cache/_alloc.") and n.endswith(".so")]
+    got = [n for n in names if n.startswith("kvfabric/core/cache/_alloc.") and n.endswith(".so")]
     assert len(got) == 1, "the wheel must hold the built page-allocator extension"
     plan = [n for n in names if n.startswith("kvfabric/transport/_plan.") and n.endswith(".so")]
     assert len(plan) == 1, "the wheel must hold the built read-plan extension"
@@ -149,29 +149,29 @@ def test_the_wheel_holds_kvfabric_only(wheel):
 
 
 CHECK = """
-import fabric, kvfabric, kvfabric.fabric
+import fabric, kvfabric, kvfabric.core
 from kvfabric import NodeCache, KVLayout, PoolName, PoolCapacity
 from kvfabric.deploy.sim.trace import load_trace
-from kvfabric.fabric.cache import native
+from kvfabric.core.cache import native
 assert native.ENABLED and "site-packages" in native.KEYS.__file__, "the keys load from the wheel"
-from kvfabric.fabric.index import presence
-from kvfabric.fabric.index.prefix_index import PrefixIndex
-from kvfabric.fabric import MatchRule
+from kvfabric.core.index import presence
+from kvfabric.core.index.prefix_index import PrefixIndex
+from kvfabric.core import MatchRule
 assert presence.ENABLED and "site-packages" in presence.EXT.__file__, "the index loads from it"
 assert type(PrefixIndex(MatchRule(0))._presence) is presence.EXT.Presence
-from kvfabric.fabric.cache import radix
+from kvfabric.core.cache import radix
 assert radix.ENABLED and "site-packages" in radix.EXT.__file__, "the tree loads from the wheel"
 from kvfabric.transport.native_plan import PLAN
 assert PLAN is not None and "site-packages" in PLAN.__file__, "the read plan loads from it"
 assert fabric.Connection.__module__.startswith("fabric."), "fabric is the SSH library"
-assert "site-packages" in kvfabric.fabric.__file__, kvfabric.fabric.__file__
+assert "site-packages" in kvfabric.core.__file__, kvfabric.core.__file__
 layout = KVLayout(layers=("full",), kv_heads=1, head_dim=4, page_size=2)
 cache = NodeCache(layout, {PoolName.FULL: PoolCapacity(device=4, host=0)}, store_bytes=False)
 cache.put([1, 2, 3, 4], None, "ns")
 assert cache.match([1, 2, 3, 4], "ns").usable_pages == 2
 assert cache.tree.native and type(cache.tree.root(b"r")) is radix.EXT.TreeNode
-from kvfabric.fabric.cache import allocator
-pages = cache.registry.pool(PoolName.FULL, kvfabric.fabric.Tier.DEVICE).allocator
+from kvfabric.core.cache import allocator
+pages = cache.registry.pool(PoolName.FULL, kvfabric.core.Tier.DEVICE).allocator
 assert allocator.ENABLED and type(pages) is allocator.EXT.PageAllocator, "so does the allocator"
 assert len(load_trace()) > 0
 print("ok")
@@ -288,7 +288,7 @@ _EXTENSIONS = ("_pagekeys", "_radix", "_alloc", "_copy", "_presence", "_plan")
 
 _LOAD = f"""
 import glob, importlib.machinery, importlib.util, sys
-found = sorted(glob.glob("kvfabric/fabric/*/_*.so") + glob.glob("kvfabric/transport/_*.so"))
+found = sorted(glob.glob("kvfabric/core/*/_*.so") + glob.glob("kvfabric/transport/_*.so"))
 names = sorted(p.split("/")[-1].split(".")[0] for p in found)
 assert names == {sorted(_EXTENSIONS)!r}, found
 for path in found:
@@ -347,7 +347,7 @@ def test_each_c_extension_exports_its_pyinit_alone_and_prefixes_what_its_files_s
         pytest.skip("no nm (binutils) on this machine")
     built = {
         p.name.split(".")[0]: p
-        for layer in ("fabric", "transport")
+        for layer in ("core", "transport")
         for p in (ROOT / layer).rglob("_*.so")
         if ".cache" not in p.parts
     }

@@ -11,15 +11,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # The folders the wheel installs under `kvfabric` (pyproject.toml's package-dir).
-FOLDERS = {"fabric": "kvfabric.fabric", "transport": "kvfabric.transport"}
+FOLDERS = {"core": "kvfabric.core", "transport": "kvfabric.transport"}
 FOLDERS |= {"actors": "kvfabric.actors", "deploy": "kvfabric.deploy", "kvfabric": "kvfabric"}
 
 # Bottom first. A module belongs to the longest name here that it is or lies under; it
 # may import its own layer's modules and any layer below.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kvfabric._version", "kvfabric.fabric.wire", "kvfabric.fabric.cache"),
-    ("kvfabric.fabric.exchange", "kvfabric.fabric.index"),
-    ("kvfabric.fabric",),
+    ("kvfabric._version", "kvfabric.core.wire", "kvfabric.core.cache"),
+    ("kvfabric.core.exchange", "kvfabric.core.index"),
+    ("kvfabric.core",),
     ("kvfabric.transport",),
     ("kvfabric.actors",),
     ("kvfabric.deploy.placement", "kvfabric.deploy.stats", "kvfabric.deploy.sim"),
@@ -156,5 +156,5 @@ def test_production_imports_nothing_of_the_chaos_harness():
 
 def test_the_checks_catch_a_circle_and_an_upward_import():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert layer("kvfabric.fabric.cache.radix") < layer("kvfabric.transport.base")
+    assert layer("kvfabric.core.cache.radix") < layer("kvfabric.transport.base")
     assert layer("kvfabric.deploy.cli.main") > layer("kvfabric.deploy.chaos.run")

@@ -1,6 +1,6 @@
 """`kvfabric bench radix`'s metadata figure counts what the tree holds for its pages."""
 
-from kvfabric.fabric.cache.layout import KVLayout
+from kvfabric.core.cache.layout import KVLayout
 
 from benchmarks.tree_memory import tree_bytes_per_page
 

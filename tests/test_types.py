@@ -16,7 +16,7 @@ def test_the_package_type_checks(tmp_path):
     package = tmp_path / "kvfabric"
     package.mkdir()
     shutil.copy2(ROOT / "kvfabric" / "__init__.py", package / "__init__.py")
-    for layer in ("fabric", "transport", "actors", "deploy"):
+    for layer in ("core", "transport", "actors", "deploy"):
         os.symlink(ROOT / layer, package / layer)
     args = [arg for name in CHECKED for arg in ("-p", name)]
     out = subprocess.run(

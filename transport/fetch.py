@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from kvfabric.fabric.cache.layout import PoolName, Tier
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.exchange.destination import ReadFailed
+from kvfabric.core.cache.layout import PoolName, Tier
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.exchange.destination import ReadFailed
 
 from .base import PeerNotConnected, TransferError, Transport
 

@@ -17,7 +17,7 @@ from .base import Indices, as_index_array, check_range
 
 
 def _tensor_of(pool: Any) -> torch.Tensor | None:
-    """A pool tensor, or the `.data` of a pool object (kvfabric.fabric.cache.pools.PagePool)."""
+    """A pool tensor, or the `.data` of a pool object (kvfabric.core.cache.pools.PagePool)."""
     if isinstance(pool, torch.Tensor):
         return pool
     data = getattr(pool, "data", None)

@@ -1,5 +1,5 @@
 """The read plan's C extension (transport/csrc/plan.c) as KVF_NATIVE picks it, or None
-for the numpy reference in base.py (see kvfabric.fabric.cache.native)."""
+for the numpy reference in base.py (see kvfabric.core.cache.native)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 from types import ModuleType
 from typing import Protocol
 
-from kvfabric.fabric.cache import native
+from kvfabric.core.cache import native
 
 
 class PlanExtension(Protocol):

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from kvfabric.fabric.cache.insert import Unlocked
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.page_bytes import run_view
-from kvfabric.fabric.cache.put_rows import PagedKV
-from kvfabric.fabric.wire import is_int
+from kvfabric.core.cache.insert import Unlocked
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.page_bytes import run_view
+from kvfabric.core.cache.put_rows import PagedKV
+from kvfabric.core.wire import is_int
 
 SHM_DIR = Path("/dev/shm")
 MAX_PAGES = 1 << 20

@@ -12,8 +12,8 @@ import logging
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.transport.staging import (
     SharedPages,
     StagedHit,

@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvfabric.fabric.cache.layout import PoolName
+from kvfabric.core.cache.layout import PoolName
 from kvfabric.transport import staging
 from kvfabric.transport.staging import StagingError, StagingSpec, check_spec
 

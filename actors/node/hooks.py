@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvfabric.fabric.cache.layout import PoolName, Tier
-from kvfabric.fabric.cache.node_cache import NodeCache
+from kvfabric.core.cache.layout import PoolName, Tier
+from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.transport.base import Transport
 
 from .index_link import Sends

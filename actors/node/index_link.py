@@ -14,10 +14,10 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Generic, TypeVar
 
-from kvfabric.fabric.index.events import EventBatch
-from kvfabric.fabric.index.prefix_index import ApplyResult
-from kvfabric.fabric.index.publisher import ShardPublisher
-from kvfabric.fabric.index.routes import RouteTable
+from kvfabric.core.index.events import EventBatch
+from kvfabric.core.index.prefix_index import ApplyResult
+from kvfabric.core.index.publisher import ShardPublisher
+from kvfabric.core.index.routes import RouteTable
 
 MAX_UNANSWERED = 4096  # event sends a node remembers until their shard answers
 CONFIRM_AFTER_S = 0.25  # batches out: every shard hears where the sequence is this much later

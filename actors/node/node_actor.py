@@ -23,14 +23,14 @@ import ray
 import torch
 from kvfabric.actors.epochs import EpochSource, GcsEpochs
 from kvfabric.actors.names import NAMESPACE
-from kvfabric.fabric.cache.cached_kv import CachedKV
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.cache.node_cache import CacheStats, NodeCache
-from kvfabric.fabric.cache.pools import PoolCapacity
-from kvfabric.fabric.cache.tiers import TierConfig
-from kvfabric.fabric.exchange.source import export_prefix
-from kvfabric.fabric.index.publisher import EventPublisher
-from kvfabric.fabric.index.routes import RouteTable
+from kvfabric.core.cache.cached_kv import CachedKV
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.node_cache import CacheStats, NodeCache
+from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.core.cache.tiers import TierConfig
+from kvfabric.core.exchange.source import export_prefix
+from kvfabric.core.index.publisher import EventPublisher
+from kvfabric.core.index.routes import RouteTable
 from kvfabric.transport.fetch import register_device_pools
 from kvfabric.transport.local import LocalTransport
 from kvfabric.transport.nixl_transport import NixlTransport

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvfabric.fabric.cache.node_cache import CacheStats
+from kvfabric.core.cache.node_cache import CacheStats
 from ray.util import metrics
 
 _KEYS = ("fabric", "node")

@@ -14,9 +14,9 @@ import functools
 from typing import Callable, Sequence
 
 import ray
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.exchange.destination import FetchOutcome, import_prefix
-from kvfabric.fabric.exchange.grant import ExportGrant, GrantError
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.exchange.destination import FetchOutcome, import_prefix
+from kvfabric.core.exchange.grant import ExportGrant, GrantError
 from kvfabric.transport.base import Transport
 from kvfabric.transport.fetch import TransportReader
 

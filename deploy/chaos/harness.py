@@ -27,9 +27,9 @@ from kvfabric.actors.directory import (
     node_actor_name,
     shard_name,
 )
+from kvfabric.core.index.routes import RouteTable
 from kvfabric.deploy.harness.cluster import Endpoint
 from kvfabric.deploy.serving.engine_identity import is_engine
-from kvfabric.fabric.index.routes import RouteTable
 from ray.exceptions import GetTimeoutError, RayError
 
 from .faults import ChaosAction, EventFault, Fault, FaultKind

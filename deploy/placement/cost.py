@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.cache.policies import AttentionPolicy, FullAttentionPolicy, policies_for
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.policies import AttentionPolicy, FullAttentionPolicy, policies_for
 
 
 class Geometry(Protocol):

@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 import torch
+from kvfabric.core.cache.cached_kv import CachedKV
+from kvfabric.core.cache.layout import PoolName
 from kvfabric.deploy.placement import CostModel, PageBytes, Prompt, plan
 from kvfabric.deploy.serving.protocol import PrefixFetch
-from kvfabric.fabric.cache.cached_kv import CachedKV
-from kvfabric.fabric.cache.layout import PoolName
 
 from .model import KVState, TinyLM
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from kvfabric.fabric.cache.cached_kv import CachedKV
-from kvfabric.fabric.cache.layout import KVLayout, LayerKind, LayoutError, PoolName
-from kvfabric.fabric.wire import is_int
+from kvfabric.core.cache.cached_kv import CachedKV
+from kvfabric.core.cache.layout import KVLayout, LayerKind, LayoutError, PoolName
+from kvfabric.core.wire import is_int
 
 
 class ModelConfigError(ValueError):

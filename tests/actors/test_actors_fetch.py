@@ -9,9 +9,9 @@ import pytest
 import ray
 import torch
 from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.cache.pools import PoolCapacity
-from kvfabric.fabric.index.events import decode as decode_events
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.core.index.events import decode as decode_events
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

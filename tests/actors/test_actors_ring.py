@@ -12,8 +12,8 @@ import ray
 import torch
 from kvfabric.actors.epochs import PREFIX, GcsKV
 from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.pools import PoolCapacity
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -18,15 +18,15 @@ from typing import Callable
 
 import pytest
 from kvfabric.actors.index_shard import IndexShardActor
-from kvfabric.fabric.cache.keys import KeyerCache
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.pools import PoolCapacity
-from kvfabric.fabric.index.balance import MAX_CHILDREN, MAX_REGIONS, LoadTracker
-from kvfabric.fabric.index.match_rule import MatchRule
-from kvfabric.fabric.index.publisher import EventPublisher
-from kvfabric.fabric.index.routes import RouteTable
-from kvfabric.fabric.index.sharded_index import ShardedIndex
+from kvfabric.core.cache.keys import KeyerCache
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.core.index.balance import MAX_CHILDREN, MAX_REGIONS, LoadTracker
+from kvfabric.core.index.match_rule import MatchRule
+from kvfabric.core.index.publisher import EventPublisher
+from kvfabric.core.index.routes import RouteTable
+from kvfabric.core.index.sharded_index import ShardedIndex
 
 N = 100_000
 WARM = 2_000  # requests before measuring: pools fill, caches reach their size

@@ -27,8 +27,8 @@ from kvfabric.actors.node.engine_process import (
     can_watch,
     process_start,
 )
-from kvfabric.fabric.cache.layout import PoolName
-from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.core.cache.layout import PoolName
+from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.transport.staging import SHM_DIR, SharedPages, StagingSpec
 
 from tests.waiting import eventually as wait_for

@@ -1,5 +1,5 @@
 """Fuzzing the decoders of wire messages (issue #6), part one: KV events and snapshots,
-and the index shard fed them. Export replies and route tables: tests/fabric/test_fuzz_exchange.py.
+and the index shard fed them. Export replies and route tables: tests/core/test_fuzz_exchange.py.
 Trace files and configs: tests/deploy/test_fuzz_files.py. (HTTP bodies:
 tests/deploy/test_openai_refusals.py.)
 
@@ -15,10 +15,10 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 from kvfabric.actors.index_shard import IndexShardActor
-from kvfabric.fabric.index.events import EventBatch, EventError, PageState, Snapshot
-from kvfabric.fabric.index.events import decode as decode_events
-from kvfabric.fabric.index.match_rule import MatchRule
-from kvfabric.fabric.index.prefix_index import ApplyResult, PrefixIndex
+from kvfabric.core.index.events import EventBatch, EventError, PageState, Snapshot
+from kvfabric.core.index.events import decode as decode_events
+from kvfabric.core.index.match_rule import MatchRule
+from kvfabric.core.index.prefix_index import ApplyResult, PrefixIndex
 
 from tests.fuzzing import FP, KEY, NEAR, RANDOM, U64, _uint, flipped, fuzz, mutated, typed
 

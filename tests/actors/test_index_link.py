@@ -5,10 +5,10 @@ shards, or every later publish fails."""
 from __future__ import annotations
 
 from kvfabric.actors.node.index_link import IndexLink
-from kvfabric.fabric.index.publisher import EventPublisher
-from kvfabric.fabric.index.routes import RouteTable
+from kvfabric.core.index.publisher import EventPublisher
+from kvfabric.core.index.routes import RouteTable
 
-from tests.fabric.test_node_cache import MIXED, make, seq
+from tests.core.test_node_cache import MIXED, make, seq
 from tests.kvgen import prefix_kv
 
 
@@ -82,7 +82,7 @@ def _answer(reply: Pending, result=None, error: Exception | None = None) -> None
 
 
 def test_a_shard_that_fell_behind_is_named_when_its_reply_comes_not_at_the_next_publish():
-    from kvfabric.fabric.index.prefix_index import ApplyResult
+    from kvfabric.core.index.prefix_index import ApplyResult
 
     calls: list[bool] = []
     cache = make()
@@ -105,7 +105,7 @@ def test_a_shard_that_fell_behind_is_named_when_its_reply_comes_not_at_the_next_
 
 
 def test_without_an_owner_to_tell_a_gap_waits_for_the_next_publish():
-    from kvfabric.fabric.index.prefix_index import ApplyResult
+    from kvfabric.core.index.prefix_index import ApplyResult
 
     cache = make()
     link = IndexLink(EventPublisher(cache, "n", epoch=1))
@@ -125,8 +125,8 @@ def test_the_pacer_marks_the_sequence_after_changes_and_resends_a_snapshot_on_a_
     import threading
 
     from kvfabric.actors.node.index_link import CONFIRM_AFTER_S, LinkPacer
-    from kvfabric.fabric.index.events import EventBatch, Snapshot, decode
-    from kvfabric.fabric.index.prefix_index import ApplyResult
+    from kvfabric.core.index.events import EventBatch, Snapshot, decode
+    from kvfabric.core.index.prefix_index import ApplyResult
 
     cache = make()
     link = IndexLink(EventPublisher(cache, "n", epoch=1))

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 from kvfabric.actors.node.peer_fetch import PeerFetch
-from kvfabric.fabric.exchange.grant import ExportGrant
+from kvfabric.core.exchange.grant import ExportGrant
 
 
 class _Releases:

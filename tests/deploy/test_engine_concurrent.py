@@ -13,11 +13,11 @@ import pytest
 import ray
 import torch
 from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
+from kvfabric.core.cache.layout import PoolName
+from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.deploy.reference.engine import Engine
 from kvfabric.deploy.reference.model import ModelConfig, TinyLM
 from kvfabric.deploy.reference.serve.server import ActorCache
-from kvfabric.fabric.cache.layout import PoolName
-from kvfabric.fabric.cache.pools import PoolCapacity
 from ray.cluster_utils import Cluster
 
 CONFIG = ModelConfig()  # full/swa/full/swa, page 16, window 32 (2 pages)

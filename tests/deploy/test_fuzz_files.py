@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from kvfabric.core.cache.layout import KVLayout, LayoutError
+from kvfabric.core.index.routes import MAX_SHARDS
 from kvfabric.deploy.reference.model import ModelConfig, ModelConfigError
 from kvfabric.deploy.reference.serve.app import AppArgs, AppArgsError
 from kvfabric.deploy.sim.trace import BLOCK_TOKENS, TraceError, TraceRequest, load_trace
-from kvfabric.fabric.cache.layout import KVLayout, LayoutError
-from kvfabric.fabric.index.routes import MAX_SHARDS
 
 from tests.fuzzing import NEAR, NEAR_JSON, RANDOM, U64, _pos, _uint, flipped, fuzz, mutated
 

@@ -6,15 +6,15 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from kvfabric.core.cache.layout import PoolName, Tier
+from kvfabric.core.cache.leases import LeaseTable
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.core.cache.tiers import TierConfig, WritePolicy
+from kvfabric.core.exchange.destination import import_prefix
+from kvfabric.core.exchange.source import export_prefix
 from kvfabric.deploy.reference.engine import CostModel, Engine, RequestError
 from kvfabric.deploy.reference.model import KVState, ModelConfig, TinyLM
-from kvfabric.fabric.cache.layout import PoolName, Tier
-from kvfabric.fabric.cache.leases import LeaseTable
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.pools import PoolCapacity
-from kvfabric.fabric.cache.tiers import TierConfig, WritePolicy
-from kvfabric.fabric.exchange.destination import import_prefix
-from kvfabric.fabric.exchange.source import export_prefix
 
 from tests.engine_checks import assert_no_nan, assert_same
 

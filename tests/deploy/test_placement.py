@@ -9,6 +9,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvfabric.core.cache.layout import KVLayout, PoolName
 from kvfabric.deploy.placement import (
     CostModel,
     FabricScore,
@@ -20,7 +21,6 @@ from kvfabric.deploy.placement import (
     Request,
     plan,
 )
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
 
 COST = CostModel(prefill_tokens_per_s=10_000.0, transfer_bytes_per_s=10e9, fetch_overhead_s=0.002)
 SIZES = PageBytes.full(512 * 131_072)

@@ -9,14 +9,14 @@ uncached run bit for bit."""
 
 import pytest
 import torch
+from kvfabric.core.cache.layout import PoolName, Tier
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.deploy.reference.engine import Engine
 from kvfabric.deploy.reference.model import ModelConfig, TinyLM
-from kvfabric.fabric.cache.layout import PoolName, Tier
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.pools import PoolCapacity
 
+from tests.core.test_node_cache import MIXED, SWA_ONLY, make, seq
 from tests.engine_checks import assert_no_nan, assert_same
-from tests.fabric.test_node_cache import MIXED, SWA_ONLY, make, seq
 from tests.kvgen import prefix_kv
 
 CONFIG = ModelConfig()  # full/swa/full/swa, page 16, window 32 (2 pages)

@@ -13,14 +13,14 @@ import uuid
 import msgpack
 import pytest
 import torch
+from kvfabric.core.cache.layout import KVLayout, PoolName, Tier
+from kvfabric.core.cache.leases import LeaseTable
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.core.exchange.destination import FetchOutcome, import_prefix
+from kvfabric.core.exchange.grant import ExportGrant
+from kvfabric.core.exchange.source import export_prefix
 from kvfabric.deploy.chaos.faults import Fault, FaultKind, FaultPlan, FaultyTransport
-from kvfabric.fabric.cache.layout import KVLayout, PoolName, Tier
-from kvfabric.fabric.cache.leases import LeaseTable
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.pools import PoolCapacity
-from kvfabric.fabric.exchange.destination import FetchOutcome, import_prefix
-from kvfabric.fabric.exchange.grant import ExportGrant
-from kvfabric.fabric.exchange.source import export_prefix
 from kvfabric.transport.fetch import TransportReader, register_device_pools
 from kvfabric.transport.nixl_transport import NixlTransport
 

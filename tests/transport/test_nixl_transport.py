@@ -357,7 +357,7 @@ def test_copy_pages_between_devices(device: str, src_dev: str, dst_dev: str) -> 
 
 
 def test_local_transport_validates_and_accepts_pool_objects(device: str) -> None:
-    class Pool:  # shaped like kvfabric.fabric.cache.pools.PagePool
+    class Pool:  # shaped like kvfabric.core.cache.pools.PagePool
         def __init__(self, data):
             self.data = data
 

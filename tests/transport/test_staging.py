@@ -13,10 +13,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.page_bytes import pack
-from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.page_bytes import pack
+from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.transport.staging import SharedPages, StagingSpec, load_to_staging, save_from_staging
 
 from tests.kvgen import prefix_kv
@@ -411,7 +411,7 @@ def test_a_pool_that_does_not_fit_takes_back_the_files_this_mapping_made(monkeyp
 
 FILL = """
 import sys
-from kvfabric.fabric import KVLayout
+from kvfabric.core import KVLayout
 from kvfabric.transport import staging
 from kvfabric.transport.staging import SharedPages, StagingSpaceError, StagingSpec, check_space
 staging.SHM_DIR = staging.Path(sys.argv[1])

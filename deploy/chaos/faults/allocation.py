@@ -1,12 +1,12 @@
-"""AllocationFaults: a reservation hook (fabric/cache/txn.py) that fails chosen
+"""AllocationFaults: a reservation hook (core/cache/txn.py) that fails chosen
 reservation points, so tests and chaos runs reach every reservation's failure path."""
 
 from __future__ import annotations
 
 import random
 
-from kvfabric.fabric.cache.layout import PoolName, Tier
-from kvfabric.fabric.cache.txn import ReservationFailed
+from kvfabric.core.cache.layout import PoolName, Tier
+from kvfabric.core.cache.txn import ReservationFailed
 
 
 class AllocationFaults:

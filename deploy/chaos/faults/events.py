@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from kvfabric.fabric.index.events import EventBatch
+from kvfabric.core.index.events import EventBatch
 
 
 class EventFault(str, Enum):

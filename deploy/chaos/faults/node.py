@@ -12,9 +12,9 @@ import os
 import signal
 from typing import TYPE_CHECKING, Sequence
 
-from kvfabric.fabric.cache.layout import PoolName, Tier
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.index.events import EventBatch
+from kvfabric.core.cache.layout import PoolName, Tier
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.index.events import EventBatch
 from kvfabric.transport.base import Transport
 
 from .action import ChaosAction

@@ -14,15 +14,15 @@ from typing import Annotated, Any, Self
 import ray
 from kvfabric.actors.launch import FabricMismatch, ensure
 from kvfabric.actors.node.node_actor import NodeConfig
+from kvfabric.core.cache.layout import PoolName
+from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.core.cache.tiers import TierConfig, WritePolicy
+from kvfabric.core.index.routes import MAX_SHARDS
 from kvfabric.deploy.reference.model import ModelConfig
 from kvfabric.deploy.serving.args import AbsolutePath, AppArgsError, Args
 from kvfabric.deploy.serving.injectors import registered
 from kvfabric.deploy.serving.router import FabricRequestRouter
 from kvfabric.deploy.serving.tenants import TenantTable, load_tenants
-from kvfabric.fabric.cache.layout import PoolName
-from kvfabric.fabric.cache.pools import PoolCapacity
-from kvfabric.fabric.cache.tiers import TierConfig, WritePolicy
-from kvfabric.fabric.index.routes import MAX_SHARDS
 from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig

@@ -19,12 +19,12 @@ import ray
 import torch
 from kvfabric.actors.client import FabricClient
 from kvfabric.actors.directory import NAMESPACE, node_actor_name
+from kvfabric.core.cache.cached_kv import CachedKV
+from kvfabric.core.cache.layout import PoolName
+from kvfabric.core.index.answers import NodeMatch
 from kvfabric.deploy.reference.engine import CostModel, Engine, Generation
 from kvfabric.deploy.reference.model import ModelConfig, TinyLM
 from kvfabric.deploy.serving.protocol import GenerateRequest, GenerateResult, PrefixFetch
-from kvfabric.fabric.cache.cached_kv import CachedKV
-from kvfabric.fabric.cache.layout import PoolName
-from kvfabric.fabric.index.answers import NodeMatch
 from ray import serve
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util import metrics

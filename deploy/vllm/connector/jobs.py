@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.cache.pools import PoolCapacity
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.pools import PoolCapacity
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,

@@ -28,8 +28,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from kvfabric.core.cache.layout import TAG_SEP
 from kvfabric.deploy.vllm.events.content_digest import folder_digest, resolve_folder
-from kvfabric.fabric.cache.layout import TAG_SEP
 
 DEVICE_KINDS = ("cpu", "cuda")
 _UNSAFE = re.compile(r"[;=\s]")

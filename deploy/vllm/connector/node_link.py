@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence, cast
 
 from kvfabric.actors.node.engine_process import EngineProcess
-from kvfabric.fabric.cache.layout import KVLayout
+from kvfabric.core.cache.layout import KVLayout
 from kvfabric.transport.staging import StagingSpec
 
 from .jobs import FabricSettings

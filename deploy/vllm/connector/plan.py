@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvfabric.fabric.cache.layout import KVLayout, LayerKind, PoolName
+from kvfabric.core.cache.layout import KVLayout, LayerKind, PoolName
 
 NULL_BLOCK = 0  # vLLM's null block (SWA blocks outside the window point at it)
 _DTYPE_NAMES = {

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol, Sequence
 
+from kvfabric.core.exchange.destination import FetchOutcome
+from kvfabric.core.index.answers import NodeMatch
 from kvfabric.deploy.serving.engine_identity import is_engine
-from kvfabric.fabric.exchange.destination import FetchOutcome
-from kvfabric.fabric.index.answers import NodeMatch
 
 from .jobs import FabricSettings
 

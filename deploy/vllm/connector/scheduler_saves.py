@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvfabric.fabric.cache.layout import PoolName
+from kvfabric.core.cache.layout import PoolName
 from kvfabric.transport.staging import StagingSpec
 
 from .jobs import (

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfabric.core.cache.layout import PoolName
 from kvfabric.deploy.vllm.events.index_sink import FeedSpec
 from kvfabric.deploy.vllm.events.namespaces import RequestNamespaces
-from kvfabric.fabric.cache.layout import PoolName
 from kvfabric.transport.staging import StagedHit, StagingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 

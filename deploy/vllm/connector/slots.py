@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from kvfabric.fabric.cache.allocator import OutOfPages, PageAllocator
-from kvfabric.fabric.cache.layout import PoolName
+from kvfabric.core.cache.allocator import OutOfPages, PageAllocator
+from kvfabric.core.cache.layout import PoolName
 from kvfabric.transport.staging import StagingSpec
 
 from .node_link import NodeLink

@@ -26,8 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 import torch
-from kvfabric.fabric.cache.layout import PoolName
-from kvfabric.fabric.cache.page_bytes import copy_rows
+from kvfabric.core.cache.layout import PoolName
+from kvfabric.core.cache.page_bytes import copy_rows
 from kvfabric.transport.staging import SharedPages, StagingSpec
 
 from .block_format import BlockFormat

@@ -1,7 +1,7 @@
 """EnginePages: what one vLLM engine's device cache holds, as fabric pages for the index.
 
 vLLM names a block by its own chained hash; the fabric names a page by its chained
-key (fabric/cache/keys.py: namespace-keyed, over the page's tokens and the previous key).
+key (core/cache/keys.py: namespace-keyed, over the page's tokens and the previous key).
 A BlockStored event carries each block's hash, its parent's hash and its tokens, so a
 block's key follows from its parent's key and its tokens: a bounded map from vLLM hash
 to page remembers the keys of blocks seen. A block whose parent is not in the map
@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Iterable
 
-from kvfabric.fabric.cache.keys import KeyerCache, PageKeyer, encode_tokens
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.index.events import EventBatch, PageMask, PageState, Snapshot
-from kvfabric.fabric.index.routes import RouteTable
-from kvfabric.fabric.index.shard_batches import ShardBatches
+from kvfabric.core.cache.keys import KeyerCache, PageKeyer, encode_tokens
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.index.events import EventBatch, PageMask, PageState, Snapshot
+from kvfabric.core.index.routes import RouteTable
+from kvfabric.core.index.shard_batches import ShardBatches
 
 from .event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from .namespaces import fabric_namespace

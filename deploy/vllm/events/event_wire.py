@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence, TypeGuard
 
-from kvfabric.fabric.wire import unpack
+from kvfabric.core.wire import unpack
 
 MAX_BLOCKS_PER_EVENT = 1 << 16
 MAX_EVENTS_PER_BATCH = 1 << 16

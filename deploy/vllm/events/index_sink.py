@@ -16,9 +16,9 @@ import ray
 from kvfabric.actors.directory import CALL_TIMEOUT_S, NAMESPACE, shard_name
 from kvfabric.actors.epochs import GcsEpochs
 from kvfabric.actors.node.index_link import IndexLink
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.index.routes import RouteTable
 from kvfabric.deploy.serving.engine_identity import engine_index_node
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.index.routes import RouteTable
 
 from .engine_pages import EnginePages
 from .event_feed import EngineEventFeed

@@ -8,9 +8,9 @@ from functools import partial
 
 import ray
 from kvfabric.actors.node.node_actor import NodeConfig
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.cache.pools import PoolCapacity
-from kvfabric.fabric.index.routes import RouteTable
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.core.index.routes import RouteTable
 
 from tests.waiting import eventually as wait_for
 

@@ -109,7 +109,7 @@ def test_client_keyers_stay_bounded(fabric):
 def test_a_killed_directory_restarts_with_its_routes_and_nodes(fabric):
     """The route table and the node list survive a restart of the directory: it
     rebuilds them from the node actors."""
-    from kvfabric.fabric.index.routes import RouteTable
+    from kvfabric.core.index.routes import RouteTable
 
     before_routes = ray.get(fabric.directory.get_routes.remote(), timeout=T)
     before_nodes = ray.get(fabric.directory.node_names.remote(), timeout=T)
@@ -157,7 +157,7 @@ def test_shards_reject_bad_input_without_change(fabric):
     for junk in (b"", b"\x93\x01\x02", b"x" * 64):
         assert ray.get(shard.apply.remote(junk), timeout=T) == "rejected"
         assert ray.get(shard.load_snapshot.remote(junk), timeout=T) == "rejected"
-    from kvfabric.fabric.index.events import EventBatch, PageState
+    from kvfabric.core.index.events import EventBatch, PageState
 
     foreign = EventBatch(
         "intruder",
@@ -200,7 +200,7 @@ def _node_actors(fabric) -> dict:
 
 def _converged(fabric) -> bool:
     """Every shard and every attached node on the directory's route table."""
-    from kvfabric.fabric.index.routes import RouteTable
+    from kvfabric.core.index.routes import RouteTable
 
     version = RouteTable.decode(ray.get(fabric.directory.get_routes.remote(), timeout=T)).version
     shards = ray.get([s.get_route_version.remote() for s in fabric.shards], timeout=T)
@@ -215,7 +215,7 @@ def test_a_directory_killed_mid_rebalance_converges(fabric, cut):
     """A rebalance is: shards take the new version, the directory the new table, nodes
     reroute. Killed after the first step (or partway through the last), the restarted
     directory brings every shard and node onto one table, and lookups find puts again."""
-    from kvfabric.fabric.index.routes import RouteTable
+    from kvfabric.core.index.routes import RouteTable
 
     actors = _node_actors(fabric)
     names = sorted(actors)
@@ -248,7 +248,7 @@ def test_a_lookup_misses_when_stale_routes_cannot_be_refreshed(fabric):
     import asyncio
 
     from kvfabric.actors.directory import FabricDirectory
-    from kvfabric.fabric.index.routes import RouteTable
+    from kvfabric.core.index.routes import RouteTable
 
     client = FabricClient.connect(timeout_s=10.0)
     tokens = list(range(90_000, 90_000 + 2 * 16))

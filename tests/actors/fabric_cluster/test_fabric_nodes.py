@@ -10,7 +10,7 @@ from functools import partial
 import ray
 import torch
 from kvfabric.actors.client import FabricClient
-from kvfabric.fabric.cache.layout import PoolName
+from kvfabric.core.cache.layout import PoolName
 
 from tests.actors.fabric_cluster.cluster_kit import (
     CONFIG,
@@ -167,7 +167,7 @@ def test_a_holder_the_directory_does_not_list_is_purged(fabric):
     """A node actor that died while the directory was down (a restarted directory lists
     only nodes that answer) is still named by the shards: the watcher purges such a
     stray. An engine's identity on a listed node is not one."""
-    from kvfabric.fabric.index.events import EventBatch, PageState
+    from kvfabric.core.index.events import EventBatch, PageState
 
     shard = fabric.shards[0]
     until_available(shard)

@@ -10,6 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 from kvfabric.actors.node.node_actor import NodeConfig
+from kvfabric.core.cache.layout import PoolName, Tier
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.core.cache.txn import ReservationFailed
 from kvfabric.deploy.chaos.faults import (
     AllocationFaults,
     ChaosAction,
@@ -18,13 +22,9 @@ from kvfabric.deploy.chaos.faults import (
     FaultKind,
     NodeChaos,
 )
-from kvfabric.fabric.cache.layout import PoolName, Tier
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.pools import PoolCapacity
-from kvfabric.fabric.cache.txn import ReservationFailed
 from kvfabric.transport.local import LocalTransport
 
-from tests.fabric.test_node_cache import MIXED, NS, make, seq
+from tests.core.test_node_cache import MIXED, NS, make, seq
 from tests.kvgen import prefix_kv
 
 CAPS = {PoolName.FULL: PoolCapacity(16, 32), PoolName.SWA: PoolCapacity(8, 16)}  # make()'s

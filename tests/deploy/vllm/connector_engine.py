@@ -20,10 +20,10 @@ from kvfabric.actors.client import FabricClient
 from kvfabric.actors.directory import node_actor_name
 from kvfabric.actors.launch import running, stop
 from kvfabric.actors.served import fabrics_of
+from kvfabric.core.index.answers import NodeMatch
 from kvfabric.deploy.chaos.faults import HOOKS, ChaosAction, StepFaultFile
 from kvfabric.deploy.vllm.connector import kv_transfer_config
 from kvfabric.deploy.vllm.serve.model import ensure_tiny_model
-from kvfabric.fabric.index.answers import NodeMatch
 from ray.cluster_utils import Cluster
 
 from tests.waiting import eventually as wait_for

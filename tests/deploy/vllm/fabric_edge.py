@@ -10,17 +10,17 @@ import uuid
 from dataclasses import dataclass, field
 
 import torch
+from kvfabric.core.cache.layout import Tier
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.core.exchange.destination import FetchOutcome, import_prefix
+from kvfabric.core.exchange.source import export_prefix
+from kvfabric.core.index.answers import NodeMatch
 from kvfabric.deploy.chaos.faults import StepFaultFile
 from kvfabric.deploy.vllm.connector.block_format import BlockFormat
 from kvfabric.deploy.vllm.connector.jobs import FabricSettings
 from kvfabric.deploy.vllm.connector.scheduler_side import SchedulerSide
 from kvfabric.deploy.vllm.connector.worker_side import WorkerSide
-from kvfabric.fabric.cache.layout import Tier
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.pools import PoolCapacity
-from kvfabric.fabric.exchange.destination import FetchOutcome, import_prefix
-from kvfabric.fabric.exchange.source import export_prefix
-from kvfabric.fabric.index.answers import NodeMatch
 from kvfabric.transport.staging import StagingSpec
 
 from tests.deploy.vllm.sides_rig import (

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.deploy.vllm.connector.plan import EnginePlan, LayerSlot
 from kvfabric.deploy.vllm.connector.scheduler_side import SchedulerSide
 from kvfabric.deploy.vllm.connector.worker_side import WorkerSide
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.pools import PoolCapacity
 from kvfabric.transport.staging import SharedPages, StagingSpec, load_to_staging, save_from_staging
 
 PS, H, D, NB = 4, 2, 8, 64

@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
+from kvfabric.core.cache.layout import KVLayout, PoolName
 from kvfabric.deploy.vllm.connector.block_format import BlockFormat, BlockFormatError  # noqa: E402
 from kvfabric.deploy.vllm.connector.jobs import CopyJob, FabricMeta, FabricSettings, PoolMove  # noqa: E402
 from kvfabric.deploy.vllm.connector.plan import EnginePlan, LayerSlot  # noqa: E402
 from kvfabric.deploy.vllm.connector.worker_side import WorkerSide  # noqa: E402
-from kvfabric.fabric.cache.layout import KVLayout, PoolName
 from kvfabric.transport.staging import StagingSpec  # noqa: E402
 
 # Physical orders of a layer's logical [B, H, N, C] (vLLM's KVCacheLayout without L).

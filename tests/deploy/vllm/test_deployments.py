@@ -40,8 +40,8 @@ from kvfabric.actors.launch import (
     stop,
 )
 from kvfabric.actors.served import fabrics_of  # noqa: E402
+from kvfabric.core.cache.layout import PoolName
 from kvfabric.deploy.vllm.serve.model import TinyModelSpec, ensure_tiny_model  # noqa: E402
-from kvfabric.fabric.cache.layout import PoolName
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from tests.deploy.vllm.connector_engine import (  # noqa: E402

@@ -16,15 +16,15 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from kvfabric.core.cache.keys import PageKeyer
+from kvfabric.core.cache.layout import KVLayout, LayerKind, PoolName
+from kvfabric.core.index.events import PageMask, PageState
+from kvfabric.core.index.match_rule import MatchRule
+from kvfabric.core.index.prefix_index import PrefixIndex
+from kvfabric.core.index.routes import RouteTable
 from kvfabric.deploy.vllm.events.engine_pages import EnginePages, Skip
 from kvfabric.deploy.vllm.events.event_wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvfabric.deploy.vllm.events.namespaces import fabric_namespace
-from kvfabric.fabric.cache.keys import PageKeyer
-from kvfabric.fabric.cache.layout import KVLayout, LayerKind, PoolName
-from kvfabric.fabric.index.events import PageMask, PageState
-from kvfabric.fabric.index.match_rule import MatchRule
-from kvfabric.fabric.index.prefix_index import PrefixIndex
-from kvfabric.fabric.index.routes import RouteTable
 
 PS = 4
 LAYOUT = KVLayout(

@@ -12,11 +12,11 @@ import pytest
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 import msgspec  # noqa: E402
+from kvfabric.core.index.match_rule import MatchRule
+from kvfabric.core.index.prefix_index import PrefixIndex
+from kvfabric.core.index.routes import RouteTable
 from kvfabric.deploy.vllm.events.engine_pages import EnginePages  # noqa: E402
 from kvfabric.deploy.vllm.events.event_feed import EngineEventFeed  # noqa: E402
-from kvfabric.fabric.index.match_rule import MatchRule
-from kvfabric.fabric.index.prefix_index import PrefixIndex
-from kvfabric.fabric.index.routes import RouteTable
 
 from tests.deploy.vllm.test_engine_pages import GROUPS, LAYOUT, NODE, PS, vllm_hash  # noqa: E402
 

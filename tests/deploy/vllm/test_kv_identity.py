@@ -17,6 +17,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvfabric.core.cache.layout import KVLayout
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.deploy.vllm.connector.kv_identity import IdentityError, KVIdentity, config_digest
 from kvfabric.deploy.vllm.events.content_digest import (
     DigestError,
@@ -25,9 +28,6 @@ from kvfabric.deploy.vllm.events.content_digest import (
     resolve_folder,
 )
 from kvfabric.deploy.vllm.events.namespaces import INPUTS, RequestNamespaces, fabric_namespace
-from kvfabric.fabric.cache.layout import KVLayout
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.pools import PoolCapacity
 
 from tests.kvgen import prefix_kv
 

@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from kvfabric.core.cache.layout import LayerKind, PoolName
 from kvfabric.deploy.vllm.connector.plan import HeadShard, PlanError, plan_from_kv_cache_config  # noqa: E402
-from kvfabric.fabric.cache.layout import LayerKind, PoolName
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,

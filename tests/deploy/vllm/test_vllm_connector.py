@@ -24,9 +24,9 @@ vllm = pytest.importorskip("vllm")
 import ray  # noqa: E402
 from kvfabric.actors.launch import start, stop
 from kvfabric.actors.node.node_actor import NodeConfig  # noqa: E402
+from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.deploy.chaos.faults import ChaosAction, Fault, FaultKind  # noqa: E402
 from kvfabric.deploy.vllm.events.namespaces import fabric_namespace  # noqa: E402
-from kvfabric.fabric.cache.pools import PoolCapacity
 
 from tests.deploy.vllm.connector_engine import (  # noqa: E402
     BLOCK,

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
+from kvfabric.core.index.answers import NodeMatch
 from kvfabric.deploy.vllm.connector.jobs import FabricSettings  # noqa: E402
 from kvfabric.deploy.vllm.connector.remote_fetch import Stage  # noqa: E402
-from kvfabric.fabric.index.answers import NodeMatch
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from tests.deploy.vllm.fabric_edge import (  # noqa: E402

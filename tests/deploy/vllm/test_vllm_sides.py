@@ -23,12 +23,12 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
+from kvfabric.core.cache.layout import PoolName
 from kvfabric.deploy.chaos.faults import StepFaultFile  # noqa: E402
 from kvfabric.deploy.vllm.connector.block_format import BlockFormat  # noqa: E402
 from kvfabric.deploy.vllm.connector.jobs import FabricSettings  # noqa: E402
 from kvfabric.deploy.vllm.connector.scheduler_side import SchedulerSide  # noqa: E402
 from kvfabric.deploy.vllm.connector.worker_side import WorkerSide  # noqa: E402
-from kvfabric.fabric.cache.layout import PoolName
 from kvfabric.transport.staging import StagingSpec  # noqa: E402
 
 from tests.deploy.vllm.sides_rig import (  # noqa: E402

@@ -1,0 +1,245 @@
+/* kvfabric.core.cache._copy: rows of one strided array copied into rows of another in
+ * one pass over the bytes (core/cache/pages.py's copy_rows does the same with one
+ * torch copy_ per run of consecutive rows: the reference). Pages scattered over vLLM's
+ * blocks make runs of one row, and a copy_ call costs about 5 us against 3 us for a
+ * 32 KiB page's bytes.
+ *
+ * copy_rows(src, src_rows, dst, dst_rows) sets dst[dst_rows[i]] = src[src_rows[i]]
+ * for every i. src and dst are buffers of any strides (numpy views of tensors: a
+ * permuted view reorders as it copies), of one item size and the same shape after the
+ * first dimension; the rows are 1-d int64 buffers of one length, every index in range
+ * (checked before a byte moves). The innermost dimensions contiguous in both are
+ * copied as one memcpy. The GIL is released while copying; nothing is kept across
+ * calls. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#define COPY_MAX_DIMS 16
+/* Past this many bytes a copy streams its stores past the caches (as glibc's memcpy does
+ * for large copies): the bytes go to memory anyway, and a cached store reads each line
+ * first. Measured 2-2.8x a memcpy with cached stores, against 1.0-1.3x streamed. */
+#define COPY_STREAM_BYTES (4 << 20)
+
+static int
+get_rows(PyObject *obj, Py_buffer *view, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') {
+        f++;
+    }
+    if (view->ndim != 1 || view->itemsize != 8 || strchr("qlQL", *f) == NULL || f[1] != '\0') {
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-d buffer of 8-byte ints", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+get_array(PyObject *obj, Py_buffer *view, int writable, const char *what)
+{
+    int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        return -1;
+    }
+    if (view->ndim < 1 || view->ndim > COPY_MAX_DIMS || view->strides == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s must have 1 to %d dimensions", what, COPY_MAX_DIMS);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+rows_in_range(const int64_t *rows, Py_ssize_t n, Py_ssize_t limit)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (rows[i] < 0 || rows[i] >= limit) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The shape of one row as (dims, shape, src and dst strides), the innermost dimensions
+ * contiguous in both folded into one memcpy of *run bytes. */
+typedef struct {
+    int dims;
+    Py_ssize_t shape[COPY_MAX_DIMS];
+    Py_ssize_t src_strides[COPY_MAX_DIMS];
+    Py_ssize_t dst_strides[COPY_MAX_DIMS];
+    Py_ssize_t run;
+} RowShape;
+
+static void
+row_shape(const Py_buffer *src, const Py_buffer *dst, RowShape *out)
+{
+    int last = src->ndim - 1;
+    Py_ssize_t run = src->itemsize;
+    while (last >= 1 && src->strides[last] == run && dst->strides[last] == run) {
+        run *= src->shape[last];
+        last--;
+    }
+    out->run = run;
+    out->dims = 0;
+    for (int d = 1; d <= last; d++) {
+        out->shape[out->dims] = src->shape[d];
+        out->src_strides[out->dims] = src->strides[d];
+        out->dst_strides[out->dims] = dst->strides[d];
+        out->dims++;
+    }
+}
+
+/* One run of bytes; `stream`: with non-temporal stores where `dst` and the run allow. */
+static void
+copy_run(char *dst, const char *src, Py_ssize_t run, int stream)
+{
+#if defined(__SSE2__)
+    if (stream && ((uintptr_t)dst & 15) == 0 && (run & 15) == 0) {
+        for (Py_ssize_t i = 0; i < run; i += 16) {
+            _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+        }
+        return;
+    }
+#endif
+    (void)stream;
+    memmove(dst, src, (size_t)run); /* a pool copying within itself */
+}
+
+static void
+copy_row(const RowShape *s, const char *src, char *dst, int stream)
+{
+    Py_ssize_t index[COPY_MAX_DIMS] = {0};
+    for (;;) {
+        copy_run(dst, src, s->run, stream);
+        int d = s->dims - 1;
+        for (; d >= 0; d--) {
+            src += s->src_strides[d];
+            dst += s->dst_strides[d];
+            if (++index[d] < s->shape[d]) {
+                break;
+            }
+            src -= s->src_strides[d] * s->shape[d];
+            dst -= s->dst_strides[d] * s->shape[d];
+            index[d] = 0;
+        }
+        if (d < 0) {
+            return;
+        }
+    }
+}
+
+static int
+same_row_shape(const Py_buffer *src, const Py_buffer *dst)
+{
+    if (src->ndim != dst->ndim || src->itemsize != dst->itemsize) {
+        return 0;
+    }
+    for (int d = 1; d < src->ndim; d++) {
+        if (src->shape[d] != dst->shape[d]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static PyObject *
+copy_copy_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        return PyErr_Format(PyExc_TypeError, "copy_rows takes 4 arguments, got %zd", nargs);
+    }
+    Py_buffer views[4];
+    int got = 0;
+    PyObject *result = NULL;
+    if (get_array(args[0], &views[0], 0, "src") < 0) {
+        goto done;
+    }
+    got++;
+    if (get_rows(args[1], &views[1], "src_rows") < 0) {
+        goto done;
+    }
+    got++;
+    if (get_array(args[2], &views[2], 1, "dst") < 0) {
+        goto done;
+    }
+    got++;
+    if (get_rows(args[3], &views[3], "dst_rows") < 0) {
+        goto done;
+    }
+    got++;
+    const Py_buffer *src = &views[0], *dst = &views[2];
+    Py_ssize_t n = views[1].shape[0];
+    if (views[3].shape[0] != n) {
+        PyErr_SetString(PyExc_ValueError, "copy_rows: src_rows and dst_rows differ in length");
+        goto done;
+    }
+    if (!same_row_shape(src, dst)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "copy_rows: src and dst differ in item size or in a row's shape");
+        goto done;
+    }
+    const int64_t *src_rows = views[1].buf, *dst_rows = views[3].buf;
+    if (!rows_in_range(src_rows, n, src->shape[0]) || !rows_in_range(dst_rows, n, dst->shape[0])) {
+        PyErr_SetString(PyExc_IndexError, "copy_rows: a row index is out of range");
+        goto done;
+    }
+    for (int d = 1; d < src->ndim; d++) {
+        if (src->shape[d] == 0) {
+            result = Py_NewRef(Py_None); /* rows of no bytes: nothing to copy */
+            goto done;
+        }
+    }
+    RowShape shape;
+    row_shape(src, dst, &shape);
+    Py_ssize_t row_bytes = src->itemsize;
+    for (int d = 1; d < src->ndim; d++) {
+        row_bytes *= src->shape[d];
+    }
+    int stream = n * row_bytes >= COPY_STREAM_BYTES;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        copy_row(&shape, (const char *)src->buf + src_rows[i] * src->strides[0],
+                 (char *)dst->buf + dst_rows[i] * dst->strides[0], stream);
+    }
+#if defined(__SSE2__)
+    if (stream) {
+        _mm_sfence(); /* the streamed stores are visible before we return */
+    }
+#endif
+    Py_END_ALLOW_THREADS;
+    result = Py_NewRef(Py_None);
+done:
+    while (got-- > 0) {
+        PyBuffer_Release(&views[got]);
+    }
+    return result;
+}
+
+static PyMethodDef copy_functions[] = {
+    {"copy_rows", (PyCFunction)(void (*)(void))copy_copy_rows, METH_FASTCALL,
+     "copy_rows(src, src_rows, dst, dst_rows): dst[dst_rows[i]] = src[src_rows[i]]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef copy_module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "_copy",
+    .m_doc = "Rows of strided arrays copied in C.",
+    .m_size = -1,
+    .m_methods = copy_functions,
+};
+
+PyMODINIT_FUNC
+PyInit__copy(void)
+{
+    return PyModule_Create(&copy_module);
+}

@@ -1,0 +1,26 @@
+"""The row copy's C extension (core/cache/csrc/copy.c) as KVF_NATIVE picks it, or None
+for the torch reference in page_bytes.py (see native.py)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Protocol
+
+from . import native
+
+
+class CopyExtension(Protocol):
+    """What core/cache/csrc/copy.c exports (the `_copy` module)."""
+
+    def copy_rows(
+        self, src: object, src_rows: object, dst: object, dst_rows: object, /
+    ) -> None: ...
+
+
+def _import() -> ModuleType:
+    from . import _copy  # type: ignore[attr-defined]  # built C: mypy sees no source
+
+    return _copy
+
+
+COPY: CopyExtension | None = native.load(native.MODE, _import)  # type: ignore[assignment]
