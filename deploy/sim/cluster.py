@@ -1,4 +1,4 @@
-"""The cluster that `kvfabric replay` simulates: real `fabric/` caches and index, simulated time.
+"""The cluster that `kvfabric replay` simulates: real `core/` caches and index, simulated time.
 
 Every node is a real metadata-only `NodeCache` (FULL layers only: the trace says nothing of
 attention kinds, and FULL is the pool whose pages bound a match). Pages are tiny: one page per
@@ -10,7 +10,7 @@ A mode is a router of `kvfabric.deploy.placement` over a cache arrangement:
   affinity  Ray Serve LLM's PrefixCacheAffinityRouter (PrefixAffinity) over node-local caches;
   global    the fabric as deployed: FabricScore over the real sharded index, and the engine's
             fetch decision (kvfabric.deploy.placement.plan) when a prefill starts
-            (`kvfabric.deploy.sim.fabric`);
+            (`kvfabric.deploy.sim.global_mode`);
   pooled    one LRU cache of the whole cluster's capacity that every node reads at no cost:
             the limit of any cluster-wide cache of that size;
   infinite  one unbounded cache read at no cost: the ceiling.
@@ -29,6 +29,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
 
+from kvfabric.core.cache.keys import PageKeyer
+from kvfabric.core.cache.layout import KVLayout, LayerKind, PoolName
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.deploy.placement import (
     CostModel,
     FabricScore,
@@ -38,10 +42,6 @@ from kvfabric.deploy.placement import (
     Request,
     Router,
 )
-from kvfabric.fabric.cache.keys import PageKeyer
-from kvfabric.fabric.cache.layout import KVLayout, LayerKind, PoolName
-from kvfabric.fabric.cache.node_cache import NodeCache
-from kvfabric.fabric.cache.pools import PoolCapacity
 
 from .trace import BLOCK_TOKENS, TraceRequest, request_tokens
 

@@ -10,7 +10,7 @@ from typing import Sequence
 from kvfabric.deploy.placement import PowerOfTwo, PrefixAffinity
 
 from .cluster import Cluster, Mode, SharedCluster, SimConfig, SimRequest, fabric_score
-from .fabric import FabricCluster
+from .global_mode import FabricCluster
 
 
 def make_cluster(mode: Mode, config: SimConfig, requests: Sequence[SimRequest]) -> Cluster:

@@ -1,4 +1,4 @@
-"""`kvfabric replay`: a cluster-scale trace replay on the real `fabric/` core, in simulated time.
+"""`kvfabric replay`: a cluster-scale trace replay on the real `core/` core, in simulated time.
 
 Requests arrive at their trace timestamps and are routed as Ray Serve would, seeing each
 replica's queue length (requests queued or running there). Each of N nodes runs one prefill

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfabric.fabric.wire import is_int
+from kvfabric.core.wire import is_int
 
 __all__ = [
     "BLOCK_TOKENS",

@@ -10,7 +10,7 @@ import math
 import pytest
 from kvfabric.deploy.placement import PowerOfTwo
 from kvfabric.deploy.sim.cluster import NAMESPACE, Cluster, Mode, SimConfig
-from kvfabric.deploy.sim.fabric import FabricCluster
+from kvfabric.deploy.sim.global_mode import FabricCluster
 from kvfabric.deploy.sim.modes import make_cluster
 from kvfabric.deploy.sim.replay import run_mode, simulate
 from kvfabric.deploy.sim.trace import BLOCK_TOKENS

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from kvfabric.core.index.match_rule import MatchRule
+from kvfabric.core.index.publisher import EventPublisher
+from kvfabric.core.index.sharded_index import ShardedIndex
 from kvfabric.deploy.placement import FabricScore, NodeView
-from kvfabric.fabric.index.match_rule import MatchRule
-from kvfabric.fabric.index.publisher import EventPublisher
-from kvfabric.fabric.index.sharded_index import ShardedIndex
 
 from .cluster import NAMESPACE, Cluster, Service, SimConfig, SimRequest
 
