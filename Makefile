@@ -43,7 +43,7 @@ SAN_CFLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-
 SAN_LIBS = $(shell gcc -print-file-name=libasan.so):$(shell gcc -print-file-name=libubsan.so)
 sanitize: $(STAMP)
 	rm -rf $(SAN) && mkdir -p $(SAN)
-	tar -c --exclude='*.so' --exclude=__pycache__ setup.py pyproject.toml LICENSE kvfabric fabric transport actors deploy tests | tar -x -C $(SAN)
+	tar -c --exclude='*.so' --exclude=__pycache__ setup.py pyproject.toml LICENSE kvfabric core transport actors deploy tests | tar -x -C $(SAN)
 	cd $(SAN) && CFLAGS="$(SAN_CFLAGS)" ../../$(VENV)/bin/python setup.py -q build_ext --inplace 2>build.log || (cat build.log; exit 1)
 	cd $(SAN) && KVF_SANITIZE=1 LD_PRELOAD=$(SAN_LIBS) PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=0 \
 		UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 timeout 900 ../../$(VENV)/bin/python \
