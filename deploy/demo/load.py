@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import random
 import sys
 
@@ -269,6 +270,7 @@ def main(args: argparse.Namespace) -> int:
         )
         return run_load(app, prompts, args)
 
+    reserve_as_the_stock_engine()
     done, nodes = on_cluster(args, run)
     report = LoadReport.of(
         done.passes,
@@ -284,6 +286,16 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.as_json()))
     return 1 if report.output_mismatches or report.failed_requests else 0
+
+
+def reserve_as_the_stock_engine() -> None:
+    """Both passes' CPU engines bind the same cores. vLLM's CPU executor reserves a core
+    a rank, and one more for an engine with a KV connector; with no core to spare it binds
+    every core instead (on a 2-core host the stock engine's forward ran on core 0, the
+    fabric's on cores 0 and 1). Set before the demo's cluster starts, every engine
+    inherits what an engine without a connector reserves; the fabric's copy thread runs on
+    the reserved core (deploy/vllm/connector/copy_cores.py). A value the user set stays."""
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 
 def run_load(app, prompts: list[str], args: argparse.Namespace) -> LoadRun:

@@ -153,20 +153,6 @@ def baseline_llm_config(args: LLMAppArgs) -> LLMConfig:
     return _config(args, {"request_router_class": PrefixCacheAffinityRouter})
 
 
-def cpu_binding(tensor_parallel_size: int) -> dict[str, str]:
-    """The cores CPU engines bind, the same with the fabric as without. vLLM's CPU
-    executor reserves a core a rank, and one more when a KV connector is set; on a host
-    with no core to spare it then binds every core instead (on this 2-core machine the
-    stock engine's forward ran on core 0, the fabric's on cores 0 and 1 beside the
-    engine's scheduler and Ray). Both apps reserve what an engine without a connector
-    does, so they run the same engines; the fabric's copy thread goes to the reserved
-    cores (connector/copy_cores.py). With TP > 1 each rank binds the core listed."""
-    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(tensor_parallel_size)}
-    if tensor_parallel_size > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tensor_parallel_size)))
-    return env
-
-
 def _config(args: LLMAppArgs, router: dict, **extra) -> LLMConfig:
     replicas = args.replicas or sum(1 for n in ray.nodes() if n["Alive"])
     # The engine computes in the dtype the nodes store (the model config's); CUDA graphs
@@ -183,8 +169,10 @@ def _config(args: LLMAppArgs, router: dict, **extra) -> LLMConfig:
     }
     if args.gpus_per_replica:
         engine["gpu_memory_utilization"] = args.gpu_memory_utilization
-    if not args.gpus_per_replica:
-        extra.setdefault("runtime_env", {"env_vars": cpu_binding(args.tensor_parallel_size)})
+    if args.tensor_parallel_size > 1 and not args.gpus_per_replica:
+        # vLLM's CPU workers each bind their OpenMP threads to the cores listed: one a rank.
+        binds = "|".join(str(i) for i in range(args.tensor_parallel_size))
+        extra.setdefault("runtime_env", {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": binds}})
     return LLMConfig(
         model_loading_config={"model_id": args.model_id, "model_source": args.model()},
         engine_kwargs=engine,

@@ -95,19 +95,6 @@ def test_gpu_engines_config():
     assert baseline_llm_config(args).placement_group_config == cfg.placement_group_config
 
 
-def test_cpu_engines_bind_the_same_cores_with_the_fabric_and_without():
-    """vLLM reserves one core more for an engine with a KV connector: both apps reserve
-    what one without does, so the comparison runs the same engines."""
-    for tp in (1, 2):
-        args = LLMAppArgs(replicas=1, tensor_parallel_size=tp)
-        env = llm_config(args).runtime_env["env_vars"]
-        assert env == baseline_llm_config(args).runtime_env["env_vars"]
-        assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == str(tp)
-        assert env.get("VLLM_CPU_OMP_THREADS_BIND") == (None if tp == 1 else "0|1")
-    gpu = LLMAppArgs(replicas=1, gpus_per_replica=1.0)
-    assert not (llm_config(gpu).runtime_env or {}).get("env_vars")  # GPUs: vLLM's own binding
-
-
 # --- the user's own LLMConfig -----------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -21,7 +22,12 @@ from kvfabric.deploy.demo.conversation import (
     replay_conversations,
     single_turn_texts,
 )
-from kvfabric.deploy.demo.load import LoadReport, poisson_arrivals, steady_rate
+from kvfabric.deploy.demo.load import (
+    LoadReport,
+    poisson_arrivals,
+    reserve_as_the_stock_engine,
+    steady_rate,
+)
 from kvfabric.deploy.demo.vllm import Report
 from kvfabric.deploy.harness.cluster import Endpoint
 from kvfabric.deploy.harness.http_replay import conversations
@@ -313,3 +319,14 @@ def test_the_load_modes_arguments_are_checked_before_anything_starts(capsys):
     with pytest.raises(SystemExit):
         parse(["--engine", "reference", "--rate", "1"])
     assert "--rate is for the vllm engine" in capsys.readouterr().err
+
+
+def test_the_load_demos_engines_reserve_as_the_stock_engine_unless_the_user_said(monkeypatch):
+    """vLLM reserves one core more for an engine with a connector: the load demo's passes
+    reserve what the stock engine does, so both run the same engines."""
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    reserve_as_the_stock_engine()
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "3")
+    reserve_as_the_stock_engine()
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "3"
