@@ -145,7 +145,7 @@ def running(namespace: str = NAMESPACE, timeout_s: float = CALL_TIMEOUT_S) -> Fa
         try:
             shards.append(ray.get_actor(shard_name(i), namespace=namespace))
         except ValueError:
-            pass
+            pass  # restarting: the handle lists the shards that answer now
     return Fabric(directory, nodes, shards, namespace)
 
 
