@@ -1,0 +1,196 @@
+"""The disk journal's bytes: its header (the KV identity) and its framed records.
+
+Header: MAGIC, then one frame whose body is JSON: the layout (`KVLayout.to_dict()`,
+tag included), its fingerprint and each pool's page bytes. Record: one frame whose body
+is a PUT (a page now lies in a slot: its key, namespace, position, tokens and checksum)
+or a FREE (the slot holds nothing). A frame is its body's length, a checksum of the
+body, then the body, so a torn or corrupted frame is found and skipped, never decoded.
+
+Page checksum: SHA-256 (first 16 bytes) of the page's bytes. Strong (no corruption
+pattern collides in practice) and, where the CPU has SHA instructions (x86 since Ice
+Lake/Zen, ARMv8), about 3x BLAKE2b's speed: 1.46 against 0.53 GB/s on this repository's
+test host; it runs on every page written, so its speed is the write path's. Frames are
+small, so their checksum is BLAKE2b, keyed apart from pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+from .keys import KEY_BYTES
+from .layout import KVLayout, LayoutError, PoolName
+
+MAGIC = b"KVF-DISK-JOURNAL-1\n"
+CHECKSUM_BYTES = 16
+_FRAME = struct.Struct("<I16s")  # body length, BLAKE2b-128 of the body
+_SLOT = struct.Struct("<BBI")  # kind, pool, slot
+_PUT = struct.Struct("<qHI16s16s")  # position, namespace len, token bytes len, key, checksum
+MAX_BODY = 1 << 24  # a length beyond this is a corrupted frame, not a record
+FRAME_BYTES = _FRAME.size
+
+
+class Kind(IntEnum):
+    PUT = 1
+    FREE = 2
+
+
+@dataclass(frozen=True)
+class PageMeta:
+    """What names a page's content: the chained key of its prefix, and what made it."""
+
+    namespace: str
+    position: int  # the page's index in its prompt
+    key: bytes  # KEY_BYTES
+    tokens: bytes  # the page's token ids, int32 little-endian
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, bytes) or len(self.key) != KEY_BYTES:
+            raise ValueError(f"a page key is {KEY_BYTES} bytes, got {self.key!r:.60}")
+        if not isinstance(self.namespace, str) or not isinstance(self.tokens, bytes):
+            raise ValueError("namespace must be a str and tokens bytes")
+        if not isinstance(self.position, int) or self.position < 0:
+            raise ValueError(f"position must be an int >= 0, got {self.position!r}")
+
+
+@dataclass(frozen=True)
+class Put:
+    pool: PoolName
+    slot: int
+    meta: PageMeta
+    checksum: bytes  # page_checksum of the slot's bytes
+
+
+@dataclass(frozen=True)
+class Free:
+    pool: PoolName
+    slot: int
+
+
+Record = Put | Free
+
+
+def page_checksum(page: memoryview | bytes) -> bytes:
+    return hashlib.sha256(page).digest()[:CHECKSUM_BYTES]
+
+
+def _frame_sum(body: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=16, person=b"kvf-journal").digest()
+
+
+def frame(body: bytes) -> bytes:
+    return _FRAME.pack(len(body), _frame_sum(body)) + body
+
+
+class FrameState(IntEnum):
+    OK = 0
+    TORN = 1  # the file ends inside the frame
+    BAD = 2  # its checksum does not match its body
+
+
+def read_frame(data: memoryview, at: int) -> tuple[FrameState, bytes, int]:
+    """(state, body, offset of the next frame) of the frame at `at`. A torn frame's next
+    offset is the end; a bad one's is past its length when that is plausible."""
+    if at + FRAME_BYTES > len(data):
+        return FrameState.TORN, b"", len(data)
+    length, want = _FRAME.unpack_from(data, at)
+    end = at + FRAME_BYTES + length
+    if length > MAX_BODY:
+        return FrameState.BAD, b"", len(data)  # no length to skip by: the rest is lost
+    if end > len(data):
+        return FrameState.TORN, b"", len(data)
+    body = bytes(data[at + FRAME_BYTES : end])
+    if _frame_sum(body) != want:
+        return FrameState.BAD, b"", end
+    return FrameState.OK, body, end
+
+
+def encode(record: Record) -> bytes:
+    if isinstance(record, Free):
+        return frame(_SLOT.pack(Kind.FREE, record.pool, record.slot))
+    m = record.meta
+    ns = m.namespace.encode()
+    body = (
+        _SLOT.pack(Kind.PUT, record.pool, record.slot)
+        + _PUT.pack(m.position, len(ns), len(m.tokens), m.key, record.checksum)
+        + ns
+        + m.tokens
+    )
+    return frame(body)
+
+
+def decode(body: bytes) -> Record:
+    """The record of a frame's body; ValueError where it is not one (a frame whose
+    checksum matched, so written by another version, or a collision)."""
+    try:
+        kind, pool, slot = _SLOT.unpack_from(body)
+        if kind == Kind.FREE and len(body) == _SLOT.size:
+            return Free(PoolName(pool), slot)
+        if kind != Kind.PUT:
+            raise ValueError(f"record kind {kind}")
+        position, ns_len, tok_len, key, checksum = _PUT.unpack_from(body, _SLOT.size)
+        at = _SLOT.size + _PUT.size
+        if len(body) != at + ns_len + tok_len:
+            raise ValueError("record length")
+        ns = body[at : at + ns_len].decode()
+        meta = PageMeta(ns, position, key, body[at + ns_len :])
+        return Put(PoolName(pool), slot, meta, checksum)
+    except (struct.error, UnicodeDecodeError) as e:
+        raise ValueError(str(e)) from e
+
+
+@dataclass(frozen=True)
+class Header:
+    """The journal's identity: what every page of the folder was written under."""
+
+    layout: dict  # KVLayout.to_dict()
+    fingerprint: str  # hex
+    page_bytes: dict[str, int]  # pool name -> bytes of one page
+
+    @staticmethod
+    def of(layout: KVLayout) -> "Header":
+        return Header(
+            layout.to_dict(),
+            layout.fingerprint.hex(),
+            {p.name: layout.page_bytes(p) for p in layout.pools},
+        )
+
+    def encode(self) -> bytes:
+        doc = {"layout": self.layout, "fingerprint": self.fingerprint}
+        doc["page_bytes"] = self.page_bytes
+        return MAGIC + frame(json.dumps(doc, sort_keys=True).encode())
+
+    @staticmethod
+    def decode(data: memoryview) -> tuple["Header | None", int, FrameState]:
+        """(header, offset of the first record, state): no header where the bytes end
+        inside it (TORN: a crash at creation) or hold none (BAD: corrupted, or not a
+        journal)."""
+        magic = bytes(data[: len(MAGIC)])
+        if magic != MAGIC:
+            torn = len(data) < len(MAGIC) and MAGIC.startswith(magic)
+            return None, 0, FrameState.TORN if torn else FrameState.BAD
+        state, body, end = read_frame(data, len(MAGIC))
+        if state is not FrameState.OK:
+            return None, 0, state
+        try:
+            doc = json.loads(body)
+            header = Header(doc["layout"], doc["fingerprint"], doc["page_bytes"])
+        except (ValueError, KeyError, TypeError):
+            return None, 0, FrameState.BAD
+        return header, end, FrameState.OK
+
+    def differences(self, layout: KVLayout) -> list[str]:
+        """Why pages written under this header must not serve `layout` (empty: they may)."""
+        try:
+            theirs = KVLayout.from_dict(self.layout)
+        except LayoutError as e:
+            return [f"the journal's layout is unreadable: {e}"]
+        out = theirs.differences(layout)
+        if theirs.fingerprint.hex() != self.fingerprint:
+            out.append("the journal's fingerprint does not match its layout")
+        if self.page_bytes != Header.of(layout).page_bytes:
+            out.append(f"page bytes: {self.page_bytes} vs {Header.of(layout).page_bytes}")
+        return out
