@@ -1,0 +1,198 @@
+"""A node's disk tier: page files per pool, the journal naming their pages, slots.
+
+A folder holds one data file per pool (`<POOL>.pages`, page_file.py) and the journal
+(disk_journal.py). A page is written before its PUT record is appended, so a record
+never names bytes that were not written, and each record carries its page's checksum:
+opening the folder again (`adopt`) trusts a record only once the bytes read back from
+its slot match it. A kill -9 between the two, a page corrupted later, a data file
+truncated, all lose those pages only; a journal of another KV identity loses all.
+
+What `sync` buys: with `Sync.NONE` the OS writes pages and records back when it will;
+a kill -9 loses nothing written (the page cache outlives the process) and a power loss
+may lose pages, never serving wrong ones (checksums). `Sync.PAGES` flushes the data
+file before the records naming it are appended; `Sync.ALL` also flushes the journal,
+so a write that returned survives a power loss.
+
+Reads after adoption are not verified again (the bytes were written by this process
+or checked at adoption); pages live in the slots the allocator hands out.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from .allocator import PageAllocator
+from .disk_journal import DiskJournal, Drop, Replay
+from .disk_records import Free, PageMeta, Put, page_checksum
+from .layout import KVLayout, PoolName
+from .page_file import PageFile, PageFileError, PageGeometry, PosixPageFile, page_rows
+
+# How a store makes its page files: PosixPageFile, or transport.nixl_file's.
+PageFileMaker = Callable[[Path, int, PageGeometry], PageFile]
+_VERIFY_BATCH = 64  # pages read back at once while adopting
+
+
+class Sync(str, enum.Enum):
+    NONE = "none"
+    PAGES = "pages"
+    ALL = "all"
+
+
+@dataclass
+class Adoption:
+    """The pages a reopened folder holds, and what it dropped (journal and pages)."""
+
+    trusted: list[Put]
+    dropped: Counter[Drop] = field(default_factory=Counter)
+    identity: list[str] = field(default_factory=list)  # why another identity's were dropped
+
+
+class DiskStore:
+    """Pages of every pool of `layout` on disk in `folder`. Not thread-safe."""
+
+    def __init__(
+        self,
+        folder: Path | str,
+        layout: KVLayout,
+        capacity: Mapping[PoolName, int],
+        *,
+        sync: Sync = Sync.NONE,
+        page_file: PageFileMaker = PosixPageFile,
+        compact_factor: float = 4.0,
+    ) -> None:
+        self.folder = Path(folder)
+        self.layout = layout
+        self.sync = Sync(sync)
+        unknown = set(capacity) - set(layout.pools)
+        if unknown or not capacity:
+            raise ValueError(f"capacity names pools of {list(layout.pools)}, got {dict(capacity)}")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.files: dict[PoolName, PageFile] = {}
+        try:
+            for pool, n in capacity.items():
+                geometry = PageGeometry(layout.page_shape(pool), layout.torch_dtype)
+                self.files[pool] = page_file(self.folder / f"{pool.name}.pages", n, geometry)
+            self.journal = DiskJournal(
+                self.folder,
+                layout,
+                capacity,
+                sync=self.sync is Sync.ALL,
+                compact_factor=compact_factor,
+            )
+        except BaseException:
+            for f in self.files.values():
+                f.close()
+            raise
+        self.slots = {pool: PageAllocator(n) for pool, n in capacity.items()}
+        self._adopted = False
+
+    @property
+    def found(self) -> Replay:
+        return self.journal.found
+
+    def adopt(self) -> Adoption:
+        """The pages left by an earlier run whose bytes match their records; their slots
+        become used. The others are FREEd in the journal. Once, before any write."""
+        if self._adopted:
+            raise RuntimeError("adopt() runs once, before the store is written")
+        self._adopted = True
+        found = self.journal.found
+        out = Adoption([], Counter(found.dropped), list(found.identity))
+        dropped: list[Put] = []
+        by_pool: dict[PoolName, list[Put]] = {}
+        for put in found.live.values():
+            by_pool.setdefault(put.pool, []).append(put)
+        for pool, puts in by_pool.items():
+            file = self.files[pool]
+            for i in range(0, len(puts), _VERIFY_BATCH):
+                batch = puts[i : i + _VERIFY_BATCH]
+                for put, why in zip(batch, self._verify(file, batch)):
+                    if why is None:
+                        out.trusted.append(put)
+                    else:
+                        out.dropped[why] += 1
+                        dropped.append(put)
+        for pool in by_pool:
+            self.slots[pool].take([p.slot for p in out.trusted if p.pool == pool])
+        self.journal.append(Free(p.pool, p.slot) for p in dropped)
+        return out
+
+    @staticmethod
+    def _verify(file: PageFile, puts: list[Put]) -> list[Drop | None]:
+        """Per record, None where its slot's bytes match its checksum, else why not."""
+        inside = [p for p in puts if p.slot < file.valid_slots]
+        pages = torch.empty((len(inside), *file.geometry.shape), dtype=file.geometry.dtype)
+        try:
+            file.read([p.slot for p in inside], pages)
+        except PageFileError:
+            return [Drop.UNREADABLE] * len(puts)
+        rows = page_rows(pages)
+        sums = {p.slot: page_checksum(rows[i]) for i, p in enumerate(inside)}
+        return [
+            Drop.BEYOND_FILE
+            if p.slot not in sums
+            else None
+            if sums[p.slot] == p.checksum
+            else Drop.PAGE_CHECKSUM
+            for p in puts
+        ]
+
+    def alloc(self, pool: PoolName, n: int) -> list[int]:
+        """n free slots of `pool` (OutOfPages where there are fewer)."""
+        return self.slots[pool].alloc(n)
+
+    def write(
+        self, pool: PoolName, slots: Sequence[int], pages: torch.Tensor, metas: Sequence[PageMeta]
+    ) -> list[Put]:
+        """Write pages[i] to slots[i] (allocated ones), then record them; returns the
+        records. Raises ValueError on bad input (nothing written), PageFileError (DiskFull
+        where the disk is full) on failure: the slots then hold nothing trusted."""
+        file = self._file(pool)
+        if len(metas) != len(slots):
+            raise ValueError(f"{len(slots)} slots but {len(metas)} page metas")
+        if not all(isinstance(m, PageMeta) for m in metas):
+            raise ValueError("metas must be PageMeta")
+        file.write(slots, pages)  # validates slots and pages before writing anything
+        if self.sync is not Sync.NONE:
+            file.sync()
+        rows = page_rows(pages)
+        puts = [
+            Put(pool, s, m, page_checksum(rows[i])) for i, (s, m) in enumerate(zip(slots, metas))
+        ]
+        self.journal.append(puts)
+        return puts
+
+    def read(self, pool: PoolName, slots: Sequence[int], out: torch.Tensor) -> None:
+        """Read slots[i] into out[i] (a contiguous CPU tensor of len(slots) pages)."""
+        self._file(pool).read(slots, out)
+
+    def free(self, pool: PoolName, slots: Sequence[int]) -> None:
+        """The slots hold nothing any more. They are free even where recording that
+        fails (PageFileError): a stale record is harmless, its checksum fails."""
+        self.slots[self._pool(pool)].free(list(slots))
+        self.journal.append(Free(pool, s) for s in slots)
+
+    def close(self) -> None:
+        self.journal.close()
+        for f in self.files.values():
+            f.close()
+
+    def _pool(self, pool: PoolName) -> PoolName:
+        if pool not in self.files:
+            raise ValueError(f"no pool {pool!r} on disk; have {list(self.files)}")
+        return pool
+
+    def _file(self, pool: PoolName) -> PageFile:
+        return self.files[self._pool(pool)]
+
+    def __enter__(self) -> "DiskStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
