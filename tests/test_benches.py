@@ -62,6 +62,7 @@ def _may_read_other_processes() -> bool:
         ),
         (["radix", "--capacity", "0.5", "--requests", "20", "--repeat", "1", "--json"], None),
         (["staging", "--tokens", "2048", "--repeat", "2", "--json"], "staging"),
+        (["disk", "--pages", "8", "--batch", "3", "--repeat", "1", "--json"], "disk"),
     ],
 )
 def test_each_bench_runs_from_outside_the_checkout(args, name, tmp_path):
@@ -87,6 +88,13 @@ def test_each_bench_runs_from_outside_the_checkout(args, name, tmp_path):
     if name == "staging":
         assert result["tokens"] == 2048 and result["ratio_vs_memcpy"] > 0
         assert result["save_ratio_vs_memcpy"] > 0
+    if name == "disk":  # both page files measured, the bench's files gone again
+        assert result["ratio_read"] > 0 and result["ratio_write"] > 0
+        assert [r["page_file"] for r in result["rows"]] == ["posix", "nixl"]
+        keys = ("write_gbps", "read_gbps", "plain_write_gbps", "plain_read_gbps")
+        assert all(r[k] > 0 for r in result["rows"] for k in keys)
+        assert result["page_bytes"] == 256 << 10 and result["checksum_gbps"] > 0
+        assert list(tmp_path.iterdir()) == []
 
 
 def test_index_bench_runs_against_dynamo(tmp_path):
@@ -134,7 +142,15 @@ def test_connector_bench_runs_a_real_engine_with_and_without_the_fabric(tmp_path
 def test_every_bench_is_covered_here_or_lists_its_options(tmp_path):
     from kvfabric.deploy.cli.main import BENCHES
 
-    assert set(BENCHES) == {"transport", "index", "radix", "tp-drift", "staging", "connector"}
+    assert set(BENCHES) == {
+        "transport",
+        "index",
+        "radix",
+        "tp-drift",
+        "staging",
+        "connector",
+        "disk",
+    }
     out = subprocess.run(
         [KVFABRIC, "bench", "tp-drift", "--help"],
         cwd=tmp_path,

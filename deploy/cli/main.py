@@ -20,6 +20,7 @@ BENCHES = {
     "tp-drift": "benchmarks.tp_drift",
     "staging": "benchmarks.staging_bench",
     "connector": "benchmarks.connector_bench",
+    "disk": "benchmarks.disk_bench",
 }
 
 
