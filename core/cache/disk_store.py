@@ -120,7 +120,10 @@ class DiskStore:
                         dropped.append(put)
         for pool in by_pool:
             self.slots[pool].take([p.slot for p in out.trusted if p.pool == pool])
-        self.journal.append(Free(p.pool, p.slot) for p in dropped)
+        try:
+            self.journal.append(Free(p.pool, p.slot) for p in dropped)
+        except PageFileError:
+            pass  # their records stay, harmless: each is checked again at the next open
         return out
 
     @staticmethod
@@ -152,7 +155,8 @@ class DiskStore:
     ) -> list[Put]:
         """Write pages[i] to slots[i] (allocated ones), then record them; returns the
         records. Raises ValueError on bad input (nothing written), PageFileError (DiskFull
-        where the disk is full) on failure: the slots then hold nothing trusted."""
+        where the disk is full) on failure: the slots then hold nothing trusted, and stay
+        allocated for the caller to free."""
         file = self._file(pool)
         if len(metas) != len(slots):
             raise ValueError(f"{len(slots)} slots but {len(metas)} page metas")
@@ -174,7 +178,8 @@ class DiskStore:
 
     def free(self, pool: PoolName, slots: Sequence[int]) -> None:
         """The slots hold nothing any more. They are free even where recording that
-        fails (PageFileError): a stale record is harmless, its checksum fails."""
+        fails (PageFileError, raised): a stale PUT is harmless, as adoption trusts it
+        only while its slot holds the very bytes it names."""
         self.slots[self._pool(pool)].free(list(slots))
         self.journal.append(Free(pool, s) for s in slots)
 
