@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench sanitize
+.PHONY: demo test side-checks bench sanitize
 
 REQ := requirements
 
@@ -25,12 +25,22 @@ $(STAMP): pyproject.toml Makefile $(REQ)/constraints.txt $(REQ)/vllm.txt $(REQ)/
 demo: $(STAMP)
 	$(VENV)/bin/kvfabric demo --json
 
-# The suite runs on the native path (KVF_NATIVE's default); the core's tests run again on
-# the pure-Python reference.
+# The suite runs on the native path (KVF_NATIVE's default). Beside it, on the second core,
+# run the checks that start no cluster and read the tree only through copies: types,
+# packaging, C style, the core's tests again on the pure-Python reference, and the
+# sanitizers. Their output follows the suite's; either failing fails the target.
+SIDE := tests/test_types.py tests/test_install.py tests/test_c_style.py
 test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+	@mkdir -p .cache
+	@$(MAKE) --no-print-directory side-checks > .cache/side-checks.log 2>&1 & side=$$!; \
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests $(SIDE:%=--ignore=%); main=$$?; \
+	wait $$side; rc=$$?; echo "--- the side checks (exit $$rc):"; cat .cache/side-checks.log; \
+	test $$main -eq 0 -a $$rc -eq 0
+
+side-checks: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(SIDE)
 	KVF_NATIVE=0 $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/core
 	$(MAKE) sanitize
 
