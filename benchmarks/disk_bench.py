@@ -90,7 +90,7 @@ def run(folder: Path, pages: int, batch: int, repeat: int, kinds: list[str]) -> 
     src_rows, dst_rows = page_rows(src), page_rows(dst)
     batches = [list(range(i, min(i + batch, pages))) for i in range(0, pages, batch)]
     metas = [
-        PageMeta("bench", i, i.to_bytes(16, "little"), bytes(4 * LAYOUT.page_size))
+        PageMeta(bytes(16), i, i.to_bytes(16, "little"), bytes(4 * LAYOUT.page_size))
         for i in range(pages)
     ]
 

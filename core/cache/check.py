@@ -40,8 +40,8 @@ def check_invariants(cache: Checked) -> None:
     """Raise InvariantError naming the first violated invariant."""
     tree, registry = cache.tree, cache.registry
     owners: dict[tuple, dict[int, str]] = {(p, t): {} for p in registry.names for t in TIERS}
-    owned = [[0, 0], [0, 0]]
-    protected = [[0, 0], [0, 0]]
+    owned = [[0, 0] for _ in TIERS]
+    protected = [[0, 0] for _ in TIERS]
     count = walked_pages = 0
 
     def claim(pool, tier, index, who) -> None:

@@ -2,7 +2,7 @@
 
 Header: MAGIC, then one frame whose body is JSON: the layout (`KVLayout.to_dict()`,
 tag included), its fingerprint and each pool's page bytes. Record: one frame whose body
-is a PUT (a page now lies in a slot: its key, namespace, position, tokens and checksum)
+is a PUT (a page now lies in a slot: its key, its parent's, position, tokens, checksum)
 or a FREE (the slot holds nothing). A frame is its body's length, a checksum of the
 body, then the body, so a torn or corrupted frame is found and skipped, never decoded.
 
@@ -28,7 +28,7 @@ MAGIC = b"KVF-DISK-JOURNAL-1\n"
 CHECKSUM_BYTES = 16
 _FRAME = struct.Struct("<I16s")  # body length, BLAKE2b-128 of the body
 _SLOT = struct.Struct("<BBI")  # kind, pool, slot
-_PUT = struct.Struct("<qHI16s16s")  # position, namespace len, token bytes len, key, checksum
+_PUT = struct.Struct("<qI16s16s16s")  # position, token bytes len, parent, key, checksum
 MAX_BODY = 1 << 24  # a length beyond this is a corrupted frame, not a record
 FRAME_BYTES = _FRAME.size
 
@@ -42,7 +42,7 @@ class Kind(IntEnum):
 class PageMeta:
     """What names a page's content: the chained key of its prefix, and what made it."""
 
-    namespace: str
+    parent: bytes  # the key of the page before (the namespace root's for page 0)
     position: int  # the page's index in its prompt
     key: bytes  # KEY_BYTES
     tokens: bytes  # the page's token ids, int32 little-endian
@@ -50,8 +50,10 @@ class PageMeta:
     def __post_init__(self) -> None:
         if not isinstance(self.key, bytes) or len(self.key) != KEY_BYTES:
             raise ValueError(f"a page key is {KEY_BYTES} bytes, got {self.key!r:.60}")
-        if not isinstance(self.namespace, str) or not isinstance(self.tokens, bytes):
-            raise ValueError("namespace must be a str and tokens bytes")
+        if not isinstance(self.parent, bytes) or len(self.parent) != KEY_BYTES:
+            raise ValueError(f"a parent key is {KEY_BYTES} bytes, got {self.parent!r:.60}")
+        if not isinstance(self.tokens, bytes):
+            raise ValueError("tokens must be bytes")
         if not isinstance(self.position, int) or self.position < 0:
             raise ValueError(f"position must be an int >= 0, got {self.position!r}")
 
@@ -112,11 +114,9 @@ def encode(record: Record) -> bytes:
     if isinstance(record, Free):
         return frame(_SLOT.pack(Kind.FREE, record.pool, record.slot))
     m = record.meta
-    ns = m.namespace.encode()
     body = (
         _SLOT.pack(Kind.PUT, record.pool, record.slot)
-        + _PUT.pack(m.position, len(ns), len(m.tokens), m.key, record.checksum)
-        + ns
+        + _PUT.pack(m.position, len(m.tokens), m.parent, m.key, record.checksum)
         + m.tokens
     )
     return frame(body)
@@ -131,14 +131,13 @@ def decode(body: bytes) -> Record:
             return Free(PoolName(pool), slot)
         if kind != Kind.PUT:
             raise ValueError(f"record kind {kind}")
-        position, ns_len, tok_len, key, checksum = _PUT.unpack_from(body, _SLOT.size)
+        position, tok_len, parent, key, checksum = _PUT.unpack_from(body, _SLOT.size)
         at = _SLOT.size + _PUT.size
-        if len(body) != at + ns_len + tok_len:
+        if len(body) != at + tok_len:
             raise ValueError("record length")
-        ns = body[at : at + ns_len].decode()
-        meta = PageMeta(ns, position, key, body[at + ns_len :])
+        meta = PageMeta(parent, position, key, body[at:])
         return Put(PoolName(pool), slot, meta, checksum)
-    except (struct.error, UnicodeDecodeError) as e:
+    except struct.error as e:
         raise ValueError(str(e)) from e
 
 

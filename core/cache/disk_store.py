@@ -38,6 +38,11 @@ PageFileMaker = Callable[[Path, int, PageGeometry], PageFile]
 _VERIFY_BATCH = 64  # pages read back at once while adopting
 
 
+class Unrecorded(PageFileError):
+    """Pages written whose records the journal could not take (a full disk): their bytes
+    are right, and a restart will not find them."""
+
+
 class Sync(str, enum.Enum):
     NONE = "none"
     PAGES = "pages"
@@ -156,7 +161,8 @@ class DiskStore:
         """Write pages[i] to slots[i] (allocated ones), then record them; returns the
         records. Raises ValueError on bad input (nothing written), PageFileError (DiskFull
         where the disk is full) on failure: the slots then hold nothing trusted, and stay
-        allocated for the caller to free."""
+        allocated for the caller to free. Unrecorded where the pages were written but the
+        journal could not take their records: they serve this run, and no later one."""
         file = self._file(pool)
         if len(metas) != len(slots):
             raise ValueError(f"{len(slots)} slots but {len(metas)} page metas")
@@ -169,8 +175,16 @@ class DiskStore:
         puts = [
             Put(pool, s, m, page_checksum(rows[i])) for i, (s, m) in enumerate(zip(slots, metas))
         ]
-        self.journal.append(puts)
+        try:
+            self.journal.append(puts)
+        except PageFileError as e:
+            raise Unrecorded(f"pages written but not recorded: {e}") from e
         return puts
+
+    def records(self, pool: PoolName, slots: Sequence[int]) -> list[Put]:
+        """The live records of those of `slots` that have one."""
+        live = self.journal.live
+        return [put for s in slots if (put := live.get((pool, s))) is not None]
 
     def read(self, pool: PoolName, slots: Sequence[int], out: torch.Tensor) -> None:
         """Read slots[i] into out[i] (a contiguous CPU tensor of len(slots) pages)."""

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Callable
 
 from .candidates import Candidates, GroupSource, WalkedGroups
+from .disk_tier import page_metas
 from .layout import PoolName, Tier
 from .policies import AttentionPolicy
 from .radix import ABSENT, TIERS, RadixTree, TreeNode
@@ -26,11 +27,12 @@ class Evictor:
         tree: RadixTree,
         policy: AttentionPolicy,
         pools: tuple[PoolName, ...],
-        write_back: Callable[[], bool],
+        write_back: Callable[[Tier], bool],
         candidates: Candidates | None = None,
     ) -> None:
-        """`candidates`: the tree's kept heaps; None walks the tree per eviction (the
-        reference, which makes the same choices)."""
+        """`write_back(tier)`: whether pages evicted from `tier` go to the tier below it
+        (instead of being dropped). `candidates`: the tree's kept heaps; None walks the
+        tree per eviction (the reference, which makes the same choices)."""
         self.tree = tree
         self.candidates = candidates
         self.policy = policy
@@ -45,7 +47,7 @@ class Evictor:
 
         Each eviction first brings its candidates up to date (or, for the reference,
         walks the tree), so callers under steady pressure ask for `extra` too."""
-        demote = tier == Tier.DEVICE and self.write_back()
+        demote = self.write_back(tier)
         with self._source(tier, demote) as source:
             return self._evict(source, tier, demote, n + max(0, extra), txn)
 
@@ -67,10 +69,10 @@ class Evictor:
                 continue
             if (
                 demote
-                and not self._write_back(node, offsets, txn)
+                and not self._write_back(node, tier, offsets, txn)
                 and not policy.is_evictable(node, tier)
             ):
-                continue  # no host room, and dropping would break prefix closure
+                continue  # no room below, and dropping would break prefix closure
             parent = node.up  # a node with pages is never a namespace root
             self.tree.drop_pages(node, tier, pool, offsets, txn)
             self.evicted += len(offsets)
@@ -79,22 +81,26 @@ class Evictor:
                 source.push(policy.group(parent, tier))
         return freed
 
-    def _write_back(self, node: TreeNode, offsets: list[int], txn: "Transaction") -> bool:
-        """Copy the pages at `offsets` to host where they have no host copy yet."""
+    def _write_back(
+        self, node: TreeNode, tier: Tier, offsets: list[int], txn: "Transaction"
+    ) -> bool:
+        """Copy the pages at `offsets` to the tier below `tier` where it has no copy yet."""
         from .txn import ReservationFailed
 
-        pool = self.policy.pool
-        host = node.slots[Tier.HOST][pool]
-        todo = [j for j in offsets if host is None or host[j] == ABSENT]
+        pool, below = self.policy.pool, Tier(tier + 1)
+        there = node.slots[below][pool]
+        todo = [j for j in offsets if there is None or there[j] == ABSENT]
         if not todo:
             return True
         try:
-            got = txn.reserve(pool, Tier.HOST, len(todo))
+            got = txn.reserve(pool, below, len(todo))
         except ReservationFailed:
             return False
-        device = node.pages_of(Tier.DEVICE, pool)
-        txn.defer_copy(pool, Tier.DEVICE, [device[j] for j in todo], Tier.HOST, got)
-        txn.place(node, Tier.HOST, pool, todo, got)
+        # The reservation may have evicted below (never this tier): the pages are still here.
+        pages = node.pages_of(tier, pool)
+        metas = page_metas(node, todo, self.tree.page_bytes) if below is Tier.DISK else ()
+        txn.defer_copy(pool, tier, [pages[j] for j in todo], below, got, metas)
+        txn.place(node, below, pool, todo, got)
         self.written_back += len(todo)
         return True
 

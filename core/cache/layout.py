@@ -23,8 +23,12 @@ class PoolName(IntEnum):
 
 
 class Tier(IntEnum):
+    """Where a page's bytes lie, fastest first: a page moves down a tier when evicted
+    (where the next tier exists) and back up to device before use."""
+
     DEVICE = 0
     HOST = 1
+    DISK = 2
 
 
 _POOL_OF_KIND = {LayerKind.FULL: PoolName.FULL, LayerKind.SWA: PoolName.SWA}

@@ -13,6 +13,8 @@ from .cached_kv import CachedKV
 from .candidates import Candidates
 from .check import PageAudit, check_invariants, page_audit
 from .check import snapshot as cache_snapshot
+from .disk_store import DiskStore
+from .disk_tier import Adopted, adopt
 from .eviction import Evictor, drop_cut_leaf
 from .insert import Fill, InsertPlan, Inserts, T, Unlocked
 from .keys import KeyerCache, PageKeyer, encode_tokens
@@ -70,13 +72,15 @@ class NodeCache:
         reserve_hook: ReservationHook | None = None,
         clock: Callable[[], float] = time.monotonic,
         incremental_eviction: bool = True,
+        disk: DiskStore | None = None,
     ) -> None:
         """`incremental_eviction=False`: evictions walk the tree for their candidates, the
-        reference the kept candidates must agree with (tests, benches)."""
+        reference the kept candidates must agree with (tests, benches). `disk`: an open
+        store for the disk tier (its opener closes it); the pages it held are adopted."""
         self.layout = layout
         # The pool whose pages keep a node alive (layout.pools builds a new tuple per call).
         self.primary_pool = layout.pools[0]
-        self.registry = PoolRegistry.build(layout, capacities, device, store_bytes)
+        self.registry = PoolRegistry.build(layout, capacities, device, store_bytes, disk)
         self.stores_bytes = self.registry.pool(self.primary_pool, DEVICE).data is not None
         reg = self.registry
         self.tree = RadixTree(
@@ -91,7 +95,13 @@ class NodeCache:
         self.tiers = TierController(self.registry, tier, self.transaction)
         candidates = Candidates(self.tree) if incremental_eviction else None
         self.evictors = {
-            p: Evictor(self.tree, pol, layout.pools, self.tiers.write_back, candidates)
+            p: Evictor(
+                self.tree,
+                pol,
+                layout.pools,
+                functools.partial(self.tiers.write_back, p),
+                candidates,
+            )
             for p, pol in self.policies.items()
         }
         # Each pool's eviction, for the transactions that reserve in it.
@@ -120,6 +130,10 @@ class NodeCache:
         )
         self._shared = SharedPages(self.registry, self.policies, self.tiers)
         self._changes = PageChanges(self.tree)
+        self.adopted = Adopted(0, 0)
+        if disk is not None:
+            found = disk.adopt()
+            self.adopted = adopt(self.tree, disk, layout.pools, found.trusted, self.transaction)
 
     def _eviction_hook(self, entry: PoolEntry) -> MakeRoom:
         """What a reservation calls when a pool is short: evict what it needs plus a

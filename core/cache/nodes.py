@@ -21,7 +21,7 @@ from typing import Sequence
 from .layout import PoolName, Tier
 
 ABSENT = -1
-TIERS = (Tier.DEVICE, Tier.HOST)
+TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 # Read once, for hot paths: each `Tier.DEVICE` there is a Python-level enum lookup.
 DEVICE = Tier.DEVICE
 DEVICE_ONLY = (DEVICE,)
@@ -52,7 +52,8 @@ class TreeNode:
         self.children: dict[bytes, TreeNode] = {}
         self.start = start  # position of the run's first page in the sequence
         self.end = start + len(keys) if parent is not None else 0
-        self.slots: list[list[list[int] | None]] = [[None, None], [None, None]]  # [tier][pool]
+        # [tier][pool]: a list of page indices, or None where the tier holds none
+        self.slots: list[list[list[int] | None]] = [[None, None], [None, None], [None, None]]
         self.locks = [0, 0]  # per pool, for every page of the run
         self.last_access = 0
         self.hits = 0

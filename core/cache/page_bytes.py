@@ -7,6 +7,8 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
+from .disk_records import PageMeta
+from .disk_store import Unrecorded
 from .layout import KVLayout, PoolName
 from .native_copy import COPY
 from .pools import PagePool
@@ -33,8 +35,58 @@ class TorchCopier:
         dst.data.index_copy_(0, dst.index_tensor(dst_idx), pages.to(dst.data.device))
 
 
+def move_pages(
+    copier: PageCopier,
+    src: PagePool,
+    src_idx: list[int],
+    dst: PagePool,
+    dst_idx: list[int],
+    metas: Sequence[PageMeta] = (),
+) -> None:
+    """Copy pages between two tiers of one pool: through `copier` between tensors, through
+    the page files to and from the disk tier (`metas` name the pages written there)."""
+    if dst.disk is not None:
+        _to_disk(src, src_idx, dst, dst_idx, metas)
+    elif src.disk is not None:
+        _from_disk(src, src_idx, dst, dst_idx)
+    else:
+        copier.copy(src, src_idx, dst, dst_idx)
+
+
+def _to_disk(
+    src: PagePool, src_idx: list[int], dst: PagePool, dst_idx: list[int], metas: Sequence[PageMeta]
+) -> None:
+    assert dst.disk is not None
+    if src.data is None or not src_idx:
+        return
+    if len(metas) != len(dst_idx):
+        raise ValueError(f"{len(dst_idx)} pages to disk with {len(metas)} metas")
+    pages = src.data.index_select(0, src.index_tensor(src_idx)).cpu()
+    try:
+        dst.disk.write(dst.name, dst_idx, pages, metas)
+    except Unrecorded:
+        pass  # the bytes are there for this run; only a restart will not find them
+
+
+def _from_disk(src: PagePool, src_idx: list[int], dst: PagePool, dst_idx: list[int]) -> None:
+    assert src.disk is not None
+    if dst.data is None or not src_idx:
+        return
+    pinned = dst.data.device.type == "cuda"
+    pages = torch.empty(
+        (len(src_idx), *dst.data.shape[1:]), dtype=dst.data.dtype, pin_memory=pinned
+    )
+    src.disk.read(src.name, src_idx, pages)
+    if dst.data.device.type == "cpu":
+        copy_rows(pages, range(len(src_idx)), dst.data, dst_idx)
+    else:
+        dst.data.index_copy_(0, dst.index_tensor(dst_idx), pages.to(dst.data.device))
+
+
 def keep_bytes(pool: PagePool, indices: list[int]) -> Callable[[], None]:
     """Save the bytes of pages `indices`; the returned call writes them back."""
+    if pool.disk is not None:
+        return _keep_disk_bytes(pool, indices)
     if pool.data is None:
         return lambda: None
     data, index = pool.data, pool.index_tensor(indices)
@@ -42,6 +94,24 @@ def keep_bytes(pool: PagePool, indices: list[int]) -> Callable[[], None]:
 
     def restore() -> None:
         data.index_copy_(0, index, saved)
+
+    return restore
+
+
+def _keep_disk_bytes(pool: PagePool, indices: list[int]) -> Callable[[], None]:
+    """keep_bytes for the disk tier: the pages and their records, written back as they were."""
+    disk = pool.disk
+    assert disk is not None
+    saved = disk.records(pool.name, indices)
+    if not saved:
+        return lambda: None
+    slots = [put.slot for put in saved]
+    shape = (len(saved), *disk.layout.page_shape(pool.name))
+    pages = torch.empty(shape, dtype=disk.layout.torch_dtype)
+    disk.read(pool.name, slots, pages)
+
+    def restore() -> None:
+        disk.write(pool.name, slots, pages, [put.meta for put in saved])
 
     return restore
 

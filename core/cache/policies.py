@@ -68,7 +68,7 @@ class AttentionPolicy(ABC):
 
     @abstractmethod
     def is_evictable(self, node: TreeNode, tier: Tier, keep_copy: bool = False) -> bool:
-        """May `node`'s pages on `tier` go? `keep_copy`: a copy will be kept on the other tier."""
+        """May `node`'s pages on `tier` go? `keep_copy`: a copy will be kept on a tier below."""
 
     # Whether a node's groups depend on the pages below it to the nearest anchor
     # (`pages_to_anchor`): then a change of shape below a node changes its groups.
@@ -117,11 +117,10 @@ class FullAttentionPolicy(AttentionPolicy):
     def usable(self, path: list[TreeNode], limit: int, tiers: tuple[Tier, ...] = TIERS) -> int:
         if len(tiers) == len(TIERS):
             return limit  # every node in the tree holds full KV on some tier
-        (tier,) = tiers
         for node in path:
             if node.start >= limit:
                 break
-            if node.slots[tier][FULL] is None:
+            if all(node.slots[t][FULL] is None for t in tiers):
                 return node.start
         return limit
 
@@ -150,7 +149,7 @@ class FullAttentionPolicy(AttentionPolicy):
         s = node.slots
         if s[tier][FULL] is None or node.locks[FULL]:
             return False
-        if keep_copy or s[1 - tier][FULL] is not None:
+        if keep_copy or any(s[t][FULL] is not None for t in TIERS if t != tier):
             return True  # demotion: another copy keeps the chain closed
         # The last copy of a leaf's full KV takes the whole node: no lock of any pool may be on it.
         return not node.children and not any(node.locks)

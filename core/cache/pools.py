@@ -1,8 +1,9 @@
 """Page pools and the registry that says which exist.
 
-For each pool name (FULL, SWA) and tier (DEVICE, HOST) there is one tensor of
-pages and one allocator. Code asks the registry which pools exist; a layout
-without SWA layers simply has no SWA entry.
+For each pool name (FULL, SWA) and tier there is one allocator and the pages' bytes:
+a tensor on the device and host tiers, a page file on the disk tier (disk_store.py).
+Code asks the registry which pools exist; a layout without SWA layers simply has no
+SWA entry.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Iterator, Mapping
 import torch
 
 from .allocator import PageAllocator
+from .disk_store import DiskStore
 from .layout import KVLayout, PoolName, Tier
 
 
@@ -20,25 +22,28 @@ from .layout import KVLayout, PoolName, Tier
 class PoolCapacity:
     device: int
     host: int = 0
+    disk: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("device", "host"):
+        for name in ("device", "host", "disk"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"pool capacity {name} must be an int >= 0, got {v!r}")
 
     def of(self, tier: Tier) -> int:
-        return self.device if tier == Tier.DEVICE else self.host
+        return (self.device, self.host, self.disk)[tier]
 
 
 @dataclass
 class PagePool:
-    """One tensor of pages (or none, in metadata-only mode) and its allocator."""
+    """One tier's pages of one pool and their allocator. The bytes are a tensor (device
+    and host), a page file (`disk`: the disk tier), or neither (metadata-only mode)."""
 
     name: PoolName
     tier: Tier
     allocator: PageAllocator
     data: torch.Tensor | None
+    disk: DiskStore | None = None
 
     @property
     def capacity(self) -> int:
@@ -54,9 +59,10 @@ class PoolEntry:
     name: PoolName
     device: PagePool
     host: PagePool
+    disk: PagePool
 
     def tier(self, tier: Tier) -> PagePool:
-        return self.device if tier == Tier.DEVICE else self.host
+        return (self.device, self.host, self.disk)[tier]
 
     def alloc(self, tier: Tier, n: int) -> list[int]:
         return self.tier(tier).allocator.alloc(n)
@@ -87,7 +93,10 @@ class PoolRegistry:
         capacities: Mapping[PoolName, PoolCapacity],
         device: torch.device | str | None = None,
         store_bytes: bool = True,
+        disk: DiskStore | None = None,
     ) -> "PoolRegistry":
+        """`disk`: the store holding the disk tier's pages, with the slots of each pool
+        given a disk capacity (none: no disk tier)."""
         missing = set(layout.pools) - set(capacities)
         extra = set(capacities) - set(layout.pools)
         if missing or extra:
@@ -95,6 +104,10 @@ class PoolRegistry:
                 f"capacities must name exactly the layout's pools {list(layout.pools)}; "
                 f"missing {sorted(missing)}, extra {sorted(extra)}"
             )
+        on_disk = {name: cap.disk for name, cap in capacities.items() if cap.disk}
+        have = {} if disk is None else {p: a.capacity for p, a in disk.slots.items()}
+        if have != on_disk and (store_bytes or disk is not None):
+            raise ValueError(f"disk capacities {on_disk} but the disk store holds {have}")
         device = torch.device(device) if device is not None else default_device()
         entries = {}
         for name in layout.pools:
@@ -103,7 +116,11 @@ class PoolRegistry:
                 _make_pool(layout, name, tier, cap.of(tier), device, store_bytes)
                 for tier in (Tier.DEVICE, Tier.HOST)
             ]
-            entries[name] = PoolEntry(name, pools[0], pools[1])
+            if disk is not None and name in disk.slots:
+                on = PagePool(name, Tier.DISK, disk.slots[name], None, disk)
+            else:  # no disk tier, or one of metadata only
+                on = PagePool(name, Tier.DISK, PageAllocator(cap.disk), None)
+            entries[name] = PoolEntry(name, pools[0], pools[1], on)
         return cls(entries)
 
     def __getitem__(self, name: PoolName) -> PoolEntry:

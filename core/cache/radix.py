@@ -99,8 +99,8 @@ class RadixTree:
         self.node_count = 0
         self.page_count = 0  # pages (keys) along all runs
         self.version = 0  # bumped by every change of shape (attach, detach, split): walk_memo.py
-        self.owned = [[0, 0], [0, 0]]  # [tier][pool] pages held by nodes
-        self.protected = [[0, 0], [0, 0]]  # [tier][pool] pages held by locked nodes
+        self.owned = [[0, 0] for _ in TIERS]  # [tier][pool] pages held by nodes
+        self.protected = [[0, 0] for _ in TIERS]  # [tier][pool] pages held by locked nodes
         self.changes: ChangeLog | None = None  # with events on (an EventPublisher)
         # Nodes whose eviction groups may have changed since candidates.py last took them:
         # filled here, at every mutation, once it sets a set; None: untracked.

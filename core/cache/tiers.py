@@ -1,5 +1,6 @@
-"""Device <-> host tier policy: write-through, write-through-selective,
-write-back, and load-back of host-only pages before use."""
+"""Tier policy: device pages to host by write-through, write-through-selective or
+write-back; host pages to disk as they are evicted (where the pool has a disk tier); and
+load-back to device, from the nearest tier holding each page, before use."""
 
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ class TierConfig:
 
 class TierController:
     def __init__(
-        self, registry: PoolRegistry, config: TierConfig, begin: Callable[[], Transaction]
+        self,
+        registry: PoolRegistry,
+        config: TierConfig,
+        begin: Callable[[], Transaction],
     ) -> None:
         self.registry = registry
         self.config = config
@@ -45,8 +49,11 @@ class TierController:
         self.loaded_back = 0
         self.backup_failures = 0
 
-    def write_back(self) -> bool:
-        return self.config.policy is WRITE_BACK
+    def write_back(self, pool: PoolName, tier: Tier) -> bool:
+        """Whether `pool`'s pages evicted from `tier` go to the tier below it."""
+        if tier is Tier.DEVICE:
+            return self.config.policy is WRITE_BACK
+        return tier is Tier.HOST and self.registry.pool(pool, Tier.DISK).capacity > 0
 
     def after_insert(self, nodes: list[TreeNode]) -> None:
         if self.config.policy is WRITE_THROUGH:
@@ -66,29 +73,37 @@ class TierController:
                 todo[pool] = [(n, offs) for n, offs in groups if offs]
         if not any(todo.values()):
             return True
-        ok = self._move(todo, Tier.DEVICE, Tier.HOST)
+        ok = self._move(todo, (Tier.DEVICE,), Tier.HOST)
         self.backed_up += ok * _size(todo)
         self.backup_failures += not ok
         return ok
 
-    def load_back(self, needs: dict[PoolName, list[tuple[TreeNode, list[int]]]]) -> bool:
-        """Give every (node, offsets) in `needs[pool]` a device copy of those pages."""
+    def load_back(
+        self,
+        needs: dict[PoolName, list[tuple[TreeNode, list[int]]]],
+        tiers: tuple[Tier, ...] = (Tier.DEVICE,),
+    ) -> bool:
+        """Give every (node, offsets) in `needs[pool]` a copy of those pages on one of
+        `tiers`: where none has one, a device copy, from the nearest tier holding it."""
         todo = {}
         for pool, groups in needs.items():
             lacking = [
-                (n, [j for j in offs if not n.page_has(j, pool, (Tier.DEVICE,))])
-                for n, offs in groups
+                (n, [j for j in offs if not n.page_has(j, pool, tiers)]) for n, offs in groups
             ]
             todo[pool] = [(n, offs) for n, offs in lacking if offs]
         if not any(todo.values()):
             return True
-        ok = self._move(todo, Tier.HOST, Tier.DEVICE)
+        ok = self._move(todo, (Tier.HOST, Tier.DISK), Tier.DEVICE)
         self.loaded_back += ok * _size(todo)
         return ok
 
     def _move(
-        self, todo: dict[PoolName, list[tuple[TreeNode, list[int]]]], src: Tier, dst: Tier
+        self,
+        todo: dict[PoolName, list[tuple[TreeNode, list[int]]]],
+        sources: tuple[Tier, ...],
+        dst: Tier,
     ) -> bool:
+        """Copy each page of `todo` to `dst` from the first of `sources` holding it."""
         txn = self._begin()
         try:
             try:
@@ -98,13 +113,17 @@ class TierController:
             for pool, groups in todo.items():
                 pages = iter(got[(pool, dst)])
                 for node, offsets in groups:
-                    # A page may have lost its source copy to eviction during the reservation.
-                    source = node.slots[src][pool]
-                    offsets = [j for j in offsets if source is not None and source[j] != ABSENT]
-                    mine = [next(pages) for _ in offsets]
-                    if source is not None and offsets:
-                        txn.defer_copy(pool, src, [source[j] for j in offsets], dst, mine)
-                        txn.place(node, dst, pool, offsets, mine)
+                    # A page may have lost its source copy to eviction during the reservation:
+                    # it then has none (eviction keeps the chain closed, not a copy per tier).
+                    for src in sources:
+                        held = node.slots[src][pool]
+                        here = [j for j in offsets if held is not None and held[j] != ABSENT]
+                        if not here or held is None:
+                            continue
+                        offsets = [j for j in offsets if j not in here]
+                        mine = [next(pages) for _ in here]
+                        txn.defer_copy(pool, src, [held[j] for j in here], dst, mine)
+                        txn.place(node, dst, pool, here, mine)
             txn.commit()  # runs the copies: a failing one is undone with the rest
         finally:
             txn.rollback()  # a no-op once committed

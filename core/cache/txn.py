@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Protocol, Sequence
 
+from .disk_records import PageMeta
 from .layout import PoolName, Tier
-from .page_bytes import PageCopier, keep_bytes
+from .page_bytes import PageCopier, keep_bytes, move_pages
 from .pools import PoolRegistry
 from .radix import Placement, RadixTree, TreeNode
 
@@ -81,7 +82,8 @@ class Transaction:
         self.sealed = False
         self.closed = False
         self._journal: list[Callable[[], None]] = []
-        self._copies: list[tuple[PoolName, Tier, list[int], Tier, list[int]]] = []
+        self._copies: list[tuple[PoolName, Tier, list[int], Tier, list[int], Sequence[PageMeta]]]
+        self._copies = []
         self._on_close = on_close
         # Pages evicted from the tree in phase 1, per (pool, tier): made lazily (most have none).
         self._dropped: dict[tuple[PoolName, Tier], set[int]] | None = None
@@ -136,17 +138,30 @@ class Transaction:
             self.rollback()
             raise
 
+    def adopt(self, pool: PoolName, tier: Tier, pages: Sequence[int]) -> None:
+        """Own pages that are allocated already and hold bytes (a disk store's, found at
+        start) as if reserved here: placed, they stay; otherwise they are freed."""
+        self._require_open()
+        self._owned(pool, tier).update(pages)
+
     def defer_copy(
-        self, pool: PoolName, src_tier: Tier, src: list[int], dst_tier: Tier, dst: list[int]
+        self,
+        pool: PoolName,
+        src_tier: Tier,
+        src: list[int],
+        dst_tier: Tier,
+        dst: list[int],
+        metas: Sequence[PageMeta] = (),
     ) -> None:
-        self._copies.append((pool, src_tier, src, dst_tier, dst))
+        """Copy pages at seal. `metas`: what names each page, for copies to the disk tier."""
+        self._copies.append((pool, src_tier, src, dst_tier, dst, metas))
 
     # --- phase 2 -------------------------------------------------------------------
     def seal(self) -> None:
         self._require_open()
         if self.sealed:
             return
-        for pool, src_tier, src, dst_tier, dst in self._copies:
+        for pool, src_tier, src, dst_tier, dst, metas in self._copies:
             entry = self.registry[pool]
             target = entry.tier(dst_tier)
             evicted = self._dropped and self._dropped.get((pool, dst_tier))
@@ -154,7 +169,7 @@ class Transaction:
                 reused = [d for d in dst if d in evicted]
                 if reused:
                     self.record(keep_bytes(target, reused))
-            self.copier.copy(entry.tier(src_tier), src, target, dst)
+            move_pages(self.copier, entry.tier(src_tier), src, target, dst, metas)
         self._copies.clear()
         self._dropped = None
         self._journal.clear()

@@ -22,12 +22,16 @@ MAX_DEPTH = 1 << 64  # depths stay below it: what the wire carries (u64), as the
 
 
 class PageMask(IntFlag):
+    """Where a node holds a page's KV, per pool and tier."""
+
     FULL_DEVICE = 1
     FULL_HOST = 2
     SWA_DEVICE = 4
     SWA_HOST = 8
-    FULL = FULL_DEVICE | FULL_HOST
-    SWA = SWA_DEVICE | SWA_HOST
+    FULL_DISK = 16
+    SWA_DISK = 32
+    FULL = FULL_DEVICE | FULL_HOST | FULL_DISK
+    SWA = SWA_DEVICE | SWA_HOST | SWA_DISK
     DEVICE = FULL_DEVICE | SWA_DEVICE
 
 

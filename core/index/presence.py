@@ -32,7 +32,7 @@ MAX_SLOTS = 1 << 16  # node slots a table may open (PrefixIndex reuses freed one
 SPARSE_MAX = 5  # holders a key keeps as pairs; one more makes it dense
 SPARSE_BACK = 3  # a dense key this few slots hold goes back to pairs
 
-# Bits of a slot's nibble: FULL on either tier, FULL on device, SWA on either, SWA on device.
+# Bits of a slot's nibble: FULL on any tier, FULL on device, SWA on any, SWA on device.
 _F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8
 
 

@@ -17,6 +17,8 @@ _BITS = {
     (PoolName.FULL, Tier.HOST): PageMask.FULL_HOST,
     (PoolName.SWA, Tier.DEVICE): PageMask.SWA_DEVICE,
     (PoolName.SWA, Tier.HOST): PageMask.SWA_HOST,
+    (PoolName.FULL, Tier.DISK): PageMask.FULL_DISK,
+    (PoolName.SWA, Tier.DISK): PageMask.SWA_DISK,
 }
 
 

@@ -1,13 +1,17 @@
-"""Random put / get / lock / unlock / evict / backup / load-back on small pools,
-`check()` after every step; failures injected at reservation points leave the
-state exactly as before; what `get` returns equals what `put` stored."""
+"""Random put / get / lock / unlock / evict / backup / load-back on small pools, with or
+without a disk tier, and restarts that adopt the disk's pages; `check()` after every
+step; failures injected at reservation points leave the state exactly as before; what
+`get` returns equals what `put` stored, across restarts too."""
 
 import random
+import shutil
+import tempfile
 
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvfabric.core.cache.check import PageAudit
+from kvfabric.core.cache.disk_store import DiskStore
 from kvfabric.core.cache.layout import KVLayout, PoolName, Tier
 from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.core.cache.pools import PoolCapacity
@@ -55,23 +59,56 @@ class CacheMachine(RuleBasedStateMachine):
         device=st.integers(3, 8),
         host=st.integers(0, 10),
         pending=st.sampled_from([0, 1024]),
+        disk=st.sampled_from([0, 0, 3, 12]),
     )
-    def setup(self, layout, policy, seed, device, host, pending):
+    def setup(self, layout, policy, seed, device, host, pending, disk):
         self.layout = LAYOUTS[layout]
-        caps = small_capacities(self.layout, device, host)
+        self.caps = {
+            p: PoolCapacity(c.device, c.host, disk)
+            for p, c in small_capacities(self.layout, device, host).items()
+        }
         self.faults = AllocationFaults()
+        self.tier = TierConfig(policy=policy, selective_hits=2)
+        self.folder = tempfile.mkdtemp(prefix="kvf-disk-") if disk else None
+        self.seqs = family(seed)
+        self.pending = pending
+        self.start()
+
+    def start(self):
+        """A cache (over the disk folder's pages, where there is one) and its publisher."""
+        self.store = None
+        if self.folder is not None:
+            self.store = DiskStore(
+                self.folder, self.layout, {p: c.disk for p, c in self.caps.items()}
+            )
         self.cache = NodeCache(
             self.layout,
-            caps,
-            tier=TierConfig(policy=policy, selective_hits=2),
+            self.caps,
+            tier=self.tier,
             device="cpu",
             reserve_hook=self.faults,
+            disk=self.store,
         )
-        self.seqs = family(seed)
         self.locks = []
         # pending=0: the change list overflows often and batches restate everything
-        self.publisher = EventPublisher(self.cache, "node-a", epoch=1, pending_floor=pending)
+        self.publisher = EventPublisher(self.cache, "node-a", epoch=1, pending_floor=self.pending)
         self.believed: dict[bytes, PageState] = {}  # what an index fed our events knows
+
+    @precondition(lambda self: getattr(self, "store", None) is not None)
+    @rule()
+    def restart(self):
+        """The process ends (its disk pages stay) and a new one adopts them."""
+        primary = self.layout.pools[0]
+        on_disk = {
+            view.key: path
+            for view, path in self.cache.held_pages_with_paths()
+            if (primary, Tier.DISK) in view.held
+        }
+        self.store.close()
+        self.start()
+        # Every page the disk held is back, where its chain from page 0 was on disk too.
+        whole = {key for key, path in on_disk.items() if all(k in on_disk for k in path)}
+        assert whole <= {view.key for view in self.cache.held_pages()}
 
     def tokens(self, i):
         return self.seqs[i % len(self.seqs)]
@@ -184,9 +221,13 @@ class CacheMachine(RuleBasedStateMachine):
                 self.cache.unlock(lock)
             self.cache.check()
             for pool in self.layout.pools:  # with no locks, everything can go
-                for tier in (Tier.DEVICE, Tier.HOST):
+                for tier in Tier:
                     self.cache.evict(pool, tier, 10_000)
             self.cache.check()
+        if getattr(self, "store", None) is not None:
+            self.store.close()
+        if getattr(self, "folder", None) is not None:
+            shutil.rmtree(self.folder)
 
 
 TestCacheMachine = CacheMachine.TestCase

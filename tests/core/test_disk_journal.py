@@ -25,7 +25,7 @@ CAPACITY = {PoolName.FULL: 6, PoolName.SWA: 3}
 
 
 def put(pool: PoolName, slot: int, n: int) -> Put:
-    meta = PageMeta(f"ns{n % 3}", n, n.to_bytes(16, "little"), n.to_bytes(8, "little"))
+    meta = PageMeta(bytes([n % 3]) * 16, n, n.to_bytes(16, "little"), n.to_bytes(8, "little"))
     return Put(pool, slot, meta, (n * 7).to_bytes(16, "little"))
 
 

@@ -40,7 +40,7 @@ def test_round_trip():
         (6, [[K, P, 0]]),
         (6, [[K[:8], P, 0, 1]]),
         (6, [[K, P, -1, 1]]),
-        (6, [[K, P, 0, 16]]),
+        (6, [[K, P, 0, 64]]),
     ],
 )
 def test_each_bad_field_is_rejected(i, value):

@@ -212,7 +212,7 @@ class TwinMachine(RuleBasedStateMachine):
         while True:  # with nothing held, everything goes (a device copy with children
             freed = [0, 0]  # goes once they have left the host), alike
             for pool in self.layout.pools:
-                for tier in (Tier.DEVICE, Tier.HOST):
+                for tier in Tier:
                     for k, cache in enumerate(self.twins):
                         freed[k] += cache.evict(pool, tier, 10_000)
             assert freed[0] == freed[1]

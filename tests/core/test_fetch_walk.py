@@ -246,7 +246,7 @@ class FetchWalk(RuleBasedStateMachine):
                 freed = sum(
                     self.dst.evict(pool, tier, 10_000)
                     for pool in self.dst.registry.names
-                    for tier in (Tier.DEVICE, Tier.HOST)
+                    for tier in Tier
                 )
             assert_whole(self.dst)
             assert self.dst.tree.node_count == 0

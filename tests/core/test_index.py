@@ -185,7 +185,7 @@ def test_rejects_bad_config_and_events_unchanged():
     bad = PAGES[:2] + (PageState(b"k" * 15, KEYER.root, 0, 1),)
     for b in (
         batch("a", 1, 0, bad),
-        batch("a", 1, 0, [PageState(KEYS[0], KEYER.root, 0, 16)]),
+        batch("a", 1, 0, [PageState(KEYS[0], KEYER.root, 0, 64)]),
         batch("", 1, 0, PAGES),
         batch("a", -1, 0, PAGES),
         batch("a", 1, True, PAGES),
@@ -284,7 +284,7 @@ def test_apply_chain_records_repeats_and_overwrites():
         dict(first_depth=-1),
         dict(first_depth=1.0),
         dict(first_depth=True),
-        dict(mask=16),
+        dict(mask=64),
         dict(mask=-1),
         dict(mask=True),
         dict(mask=1.0),

@@ -106,7 +106,7 @@ def test_a_pool_out_of_range_changes_no_lock(pool):
     assert got[0] is IndexError
 
 
-@pytest.mark.parametrize("tier", [-1, 2])
+@pytest.mark.parametrize("tier", [-1, 3])
 def test_a_tier_out_of_range_gives_no_page(tier):
     twins = Twins()
     got = twins.both(lambda t, n: t.set_pages(n, tier, FULL, [0], [99], None))

@@ -169,7 +169,7 @@ class PutRowsMachine(RuleBasedStateMachine):
                 raw, up = up.tokens + raw, up.parent
             prefix = list(struct.unpack(f"{len(raw) // 4}i", raw))
             want = prefix_kv(self.layout, prefix)
-            for tier in (Tier.DEVICE, Tier.HOST):
+            for tier in Tier:
                 for pool in self.layout.pools:
                     pages = node.slots[tier][pool]
                     data = self.cache.registry.pool(pool, tier).data
@@ -193,10 +193,10 @@ class PutRowsMachine(RuleBasedStateMachine):
             for r in self.requests:
                 self.cache.release_lease(r.hit.lease)
             assert len(self.cache.leases) == 0
-            assert self.cache.tree.protected == [[0, 0], [0, 0]]
+            assert self.cache.tree.protected == [[0, 0], [0, 0], [0, 0]]
             for _ in range(4):  # with no leases, everything can go (a tier at a time)
                 for pool in self.cache.registry.names:
-                    for tier in (Tier.DEVICE, Tier.HOST):
+                    for tier in Tier:
                         self.cache.evict(pool, tier, 10_000)
             self.cache.check()
             assert self.cache.tree.node_count == 0

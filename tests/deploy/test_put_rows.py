@@ -126,7 +126,7 @@ def test_a_failed_request_releases_its_hold():
     assert len(c.leases) == 0
     lock = c.lock(c.match(prompt, NS))  # nothing is left pinned: locks balance
     c.unlock(lock)
-    assert c.tree.protected == [[0, 0], [0, 0]]
+    assert c.tree.protected == [[0, 0], [0, 0], [0, 0]]
     c.check()
 
 
@@ -197,12 +197,12 @@ def test_bad_starts_are_refused_and_the_hold_released(starts):
     put_all = c.put(a, prefix_kv(MIXED, a), NS)
     hit = c.get(a, NS, lease_s=5.0)
     assert put_all == 4 and hit.lease and len(c.leases) == 1
-    assert c.tree.protected != [[0, 0], [0, 0]]
+    assert c.tree.protected != [[0, 0], [0, 0], [0, 0]]
     with pytest.raises(ValueError):
         c.put(
             a + seq(1, 100), prefix_kv(MIXED, a + seq(1, 100)), NS, starts=starts, release=hit.lease
         )
-    assert len(c.leases) == 0 and c.tree.protected == [[0, 0], [0, 0]]
+    assert len(c.leases) == 0 and c.tree.protected == [[0, 0], [0, 0], [0, 0]]
     assert c.match(a + seq(1, 100), NS).present_pages == 4  # nothing stored
     c.check()
 
@@ -233,5 +233,5 @@ def test_hold_pins_the_match_until_released_or_expired():
     c.put(a, prefix_kv(MIXED, a), NS)
     with pytest.raises(ValueError, match="ttl"):
         c.get(a, NS, lease_s=0.0)
-    assert len(c.leases) == 0 and c.tree.protected == [[0, 0], [0, 0]]
+    assert len(c.leases) == 0 and c.tree.protected == [[0, 0], [0, 0], [0, 0]]
     c.check()

@@ -95,7 +95,7 @@ def test_a_store_written_through_nixl_reopens_through_plain_files(tmp_path):
     store = DiskStore(tmp_path, layout, {PoolName.FULL: 16}, page_file=NixlPageFile)
     store.adopt()
     pages = torch.randn(5, *layout.page_shape(PoolName.FULL)).half()
-    metas = [PageMeta("ns", i, bytes([i]) * 16, b"") for i in range(5)]
+    metas = [PageMeta(bytes(16), i, bytes([i]) * 16, b"") for i in range(5)]
     slots = store.alloc(PoolName.FULL, 5)
     store.write(PoolName.FULL, slots, pages, metas)
     store.close()

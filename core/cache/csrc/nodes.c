@@ -112,6 +112,22 @@ pair(PyObject *a, PyObject *b)
     return radix_untrack_leaf(list);
 }
 
+/* One row of [None, None] (per pool) per tier: device, host, disk. */
+static PyObject *
+tiers(void)
+{
+    PyObject *list = PyList_New(RADIX_TIERS);
+    for (Py_ssize_t t = 0; list != NULL && t < RADIX_TIERS; t++) {
+        PyObject *row = pair(Py_NewRef(Py_None), Py_NewRef(Py_None));
+        if (row == NULL) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, t, row);
+    }
+    return list == NULL ? NULL : radix_untrack_leaf(list);
+}
+
 static Py_ssize_t live; /* nodes allocated and not yet freed: live_nodes(), for tests */
 
 Node *
@@ -126,8 +142,7 @@ radix_node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long sta
     node->tokens = Py_NewRef(tokens);
     node->parent = Py_NewRef(parent);
     node->children = PyDict_New();
-    node->slots = pair(pair(Py_NewRef(Py_None), Py_NewRef(Py_None)),
-                       pair(Py_NewRef(Py_None), Py_NewRef(Py_None))); /* [tier][pool] */
+    node->slots = tiers(); /* [tier][pool] */
     node->locks = pair(Py_NewRef(radix_zero), Py_NewRef(radix_zero)); /* per pool */
     node->start = start;
     node->end = parent == Py_None ? 0 : start + PyList_GET_SIZE(keys);
@@ -299,7 +314,7 @@ node_pages_of(Node *self, PyObject *const *args, Py_ssize_t nargs)
     return pages == NULL ? NULL : Py_NewRef(pages);
 }
 
-/* Calls `each(pages, arg)` for slots[t][pool] of every t in `tiers` (both when NULL)
+/* Calls `each(pages, arg)` for slots[t][pool] of every t in `tiers` (all when NULL)
  * until it returns nonzero; returns that, 0, or -1 on error. */
 static int
 any_tier(Node *self, PyObject *pool, PyObject *tiers, int (*each)(PyObject *, Py_ssize_t),
@@ -309,7 +324,7 @@ any_tier(Node *self, PyObject *pool, PyObject *tiers, int (*each)(PyObject *, Py
     if (tiers && seq == NULL) {
         return -1;
     }
-    Py_ssize_t count = seq ? PySequence_Fast_GET_SIZE(seq) : 2;
+    Py_ssize_t count = seq ? PySequence_Fast_GET_SIZE(seq) : RADIX_TIERS;
     int found = 0;
     for (Py_ssize_t i = 0; i < count && !found; i++) {
         PyObject *t = seq ? Py_NewRef(PySequence_Fast_GET_ITEM(seq, i)) : PyLong_FromSsize_t(i);

@@ -17,7 +17,7 @@
 #define KEY_BYTES      16
 #define SLOTS_PER_WORD 16        /* 4-bit nibbles in a uint64 */
 #define MAX_SLOTS      (1 << 16) /* presence.py's MAX_SLOTS */
-#define MAX_MASK       15        /* PageMask.FULL | PageMask.SWA */
+#define MAX_MASK       63        /* PageMask.FULL | PageMask.SWA */
 #define SPARSE_MAX     5         /* holders a key keeps inline (presence.py's) */
 #define SPARSE_BACK    3         /* a dense key this few hold goes back inline */
 #define DENSE          0xFF      /* Cell.pairs.n of a dense cell */

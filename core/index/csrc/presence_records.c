@@ -13,12 +13,12 @@
 
 #define OWN 0x80 /* the page's parent and depth are in Pages.own */
 
-/* A PageMask as its nibble: FULL on either tier, FULL on device, SWA on either, SWA on
- * device (presence.code: the bits AND sensibly along a path). */
+/* A PageMask as its nibble: FULL on any tier, FULL on device, SWA on any, SWA on device
+ * (presence.code: the bits AND sensibly along a path). */
 static int
 code_of(int mask)
 {
-    return (mask & 3 ? 1 : 0) | (mask & 1 ? 2 : 0) | (mask & 12 ? 4 : 0) | (mask & 4 ? 8 : 0);
+    return (mask & 19 ? 1 : 0) | (mask & 1 ? 2 : 0) | (mask & 44 ? 4 : 0) | (mask & 4 ? 8 : 0);
 }
 
 static int

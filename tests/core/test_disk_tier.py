@@ -1,0 +1,152 @@
+"""The disk tier under a NodeCache: host evictions write pages to disk instead of dropping
+them, hits load them back, and a new cache over the same folder (a restarted node)
+adopts them and serves them again; pages of another KV identity, corrupted pages and
+pages a killed process was writing are never served."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from kvfabric.core.cache.disk_store import DiskStore
+from kvfabric.core.cache.layout import KVLayout, PoolName, Tier
+from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.pools import PoolCapacity
+
+from tests.kvgen import prefix_kv
+
+LAYOUT = KVLayout(layers=("full", "swa", "full"), kv_heads=1, head_dim=4, page_size=4, window=8)
+CAPS = {PoolName.FULL: PoolCapacity(8, 8, 96), PoolName.SWA: PoolCapacity(4, 4, 48)}
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of 5 to 10 pages, half of them sharing a first page."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1000) for _ in range(LAYOUT.page_size)]
+    out = []
+    for i in range(n):
+        own = [rng.randrange(1000) for _ in range(LAYOUT.page_size * rng.randrange(4, 10))]
+        out.append((shared if i % 2 else []) + own)
+    return out
+
+
+def open_cache(folder: Path, layout: KVLayout = LAYOUT) -> tuple[NodeCache, DiskStore]:
+    store = DiskStore(folder, layout, {p: c.disk for p, c in CAPS.items()})
+    return NodeCache(layout, CAPS, device="cpu", disk=store), store
+
+
+def served_right(cache: NodeCache, tokens: list[int], layout: KVLayout = LAYOUT) -> int:
+    """Tokens a get serves for `tokens`, after checking every byte against the KV put."""
+    hit = cache.get(tokens, "t")
+    if hit.tokens == 0:
+        return 0
+    want = prefix_kv(layout, tokens)
+    for li, kind in enumerate(layout.layers):
+        start = 0 if kind.value == "full" else hit.starts[PoolName.SWA]
+        assert torch.equal(hit.layers[li], want[li][:, start : hit.tokens]), (li, hit.tokens)
+    return hit.tokens
+
+
+def disk_pages(cache: NodeCache) -> int:
+    return sum(1 for v in cache.held_pages() for _, tier in v.held if tier == Tier.DISK)
+
+
+@pytest.fixture
+def filled(tmp_path):
+    """A cache whose host tier overflowed to disk many times over, then closed."""
+    cache, store = open_cache(tmp_path)
+    seqs = prompts(24)
+    for t in seqs:
+        cache.put(t, prefix_kv(LAYOUT, t), "t")
+        cache.check()
+    assert disk_pages(cache) > 20, "the host tier never overflowed to disk"
+    hits = [served_right(cache, t) for t in seqs]
+    assert sum(hits) > 0 and cache.tiers.loaded_back > 0, "nothing came back from disk"
+    cache.check()
+    store.close()
+    return tmp_path, seqs, hits
+
+
+def test_host_evictions_go_to_disk_and_hits_load_them_back(filled):
+    _, seqs, hits = filled
+    # Prompts long evicted from device and host still hit, from disk.
+    assert sum(h > 0 for h in hits[:12]) >= 6, hits
+
+
+def test_a_restarted_cache_adopts_the_disk_pages_and_serves_them(filled):
+    folder, seqs, _ = filled
+    cache, store = open_cache(folder)
+    cache.check()
+    assert cache.adopted.pages > 20, cache.adopted
+    hits = [served_right(cache, t) for t in seqs]
+    assert sum(h > 0 for h in hits) >= 12, hits
+    cache.check()
+    store.close()
+
+
+def test_pages_of_another_identity_are_dropped_never_served(filled):
+    folder, seqs, _ = filled
+    other = KVLayout(**{**LAYOUT.to_dict(), "tag": "model=other"})
+    cache, store = open_cache(folder, other)
+    assert cache.adopted.pages == 0 and disk_pages(cache) == 0
+    assert all(served_right(cache, t, other) == 0 for t in seqs)
+    store.close()
+
+
+def test_a_corrupted_page_is_not_adopted_nor_anything_after_it(filled):
+    folder, seqs, _ = filled
+    data = bytearray((folder / "FULL.pages").read_bytes())
+    page = LAYOUT.page_bytes(PoolName.FULL)
+    for slot in range(0, CAPS[PoolName.FULL].disk, 3):  # a byte of every third slot
+        data[slot * page + 5] ^= 0xFF
+    (folder / "FULL.pages").write_bytes(bytes(data))
+    cache, store = open_cache(folder)
+    cache.check()
+    assert cache.adopted.pages > 0
+    for t in seqs:
+        served_right(cache, t)  # whatever is served is the KV that was put
+    store.close()
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {root!r})
+    from tests.core.test_disk_tier import LAYOUT, open_cache, prompts
+    from tests.kvgen import prefix_kv
+    from pathlib import Path
+    cache, store = open_cache(Path({folder!r}))
+    for i, t in enumerate(prompts(400, seed=1)):
+        cache.put(t, prefix_kv(LAYOUT, t), "t")
+        print(i, flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_a_node_killed_mid_write_restarts_serving_only_what_was_put(tmp_path, seed):
+    root = str(Path(__file__).resolve().parents[2])
+    code = CHILD.format(root=root, folder=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        want = random.Random(seed).randrange(30, 120)
+        assert proc.stdout is not None
+        for _ in range(want):  # bounded: the child ends after 400 lines
+            if not proc.stdout.readline():
+                break
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    cache, store = open_cache(tmp_path)
+    cache.check()
+    assert cache.adopted.pages > 0
+    assert sum(served_right(cache, t) > 0 for t in prompts(400, seed=1)[:want]) > 0
+    store.close()
