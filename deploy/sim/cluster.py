@@ -17,8 +17,9 @@ A mode is a router of `kvfabric.deploy.placement` over a cache arrangement:
 A cluster decides, against real fabric state, what the router sees of each node (`views`),
 what a prefill finds cached when it starts and how long it runs (`serve`), and what a node
 stores when its prefill ends (`complete`: the prompt's pages; never the output, since the
-trace's block hashes name prompt prefixes only). A node runs one prefill at a time and only
-its own completions change its cache, so what `serve` matched is still there at `complete`.
+trace's block hashes name prompt prefixes only); both are told the simulated time. A node
+runs one prefill at a time and only its own completions change its cache, so what `serve`
+matched is still there at `complete` (replicas, `global` only, land between prefills).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvfabric.core.cache.keys import PageKeyer
 from kvfabric.core.cache.layout import KVLayout, LayerKind, PoolName
 from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.core.index.replication import ReplicationConfig
 from kvfabric.deploy.placement import (
     CostModel,
     FabricScore,
@@ -72,6 +74,8 @@ class SimConfig:
     imbalanced_threshold: float = math.inf
     seed: int = 0  # the random routers' choices
     rebalance_every: int = 100  # index lookups between rebalance checks
+    # global: hot-prefix replication (off here; `kvfabric replay` turns it on by default)
+    replication: ReplicationConfig = ReplicationConfig(enabled=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_tokens, int) or self.page_tokens < 2:
@@ -189,7 +193,7 @@ class Cluster:
     def cache_of(self, node: int) -> NodeCache:
         return self.caches[node]
 
-    def serve(self, node: int, req: SimRequest) -> Service:
+    def serve(self, node: int, req: SimRequest, now: float) -> Service:
         local = self.cache_of(node).get(req.tokens, NAMESPACE).tokens // self.config.page_tokens
         return self.service(req, local, local, 0, 0.0)
 
@@ -206,7 +210,7 @@ class Cluster:
             c.overhead_s + fetch_s + c.cost.recompute_s(req.input_length - hit),
         )
 
-    def complete(self, node: int, req: SimRequest) -> None:
+    def complete(self, node: int, req: SimRequest, now: float) -> None:
         self.cache_of(node).put(req.tokens, None, NAMESPACE)
 
     def shard_balance(self) -> float | None:

@@ -5,7 +5,8 @@ kvfabric.deploy.serving.router runs it) asks the index who holds how much of the
 when the prefill starts, the node does what the engine does: matches locally, asks the
 index for the best remote holder, and fetches from it when
 `kvfabric.deploy.placement.plan` says moving beats recomputing. Mooncake's conductor
-places requests the same way.
+places requests the same way. With `SimConfig.replication` on, hot prefixes are also
+copied ahead of demand (`kvfabric.deploy.sim.replication`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from typing import Sequence
 
 from kvfabric.core.index.match_rule import MatchRule
 from kvfabric.core.index.publisher import EventPublisher
+from kvfabric.core.index.replication import Chain
 from kvfabric.core.index.sharded_index import ShardedIndex
 from kvfabric.deploy.placement import FabricScore, NodeView
 
 from .cluster import NAMESPACE, Cluster, Service, SimConfig, SimRequest
+from .replication import Replicator
 
 
 class FabricCluster(Cluster):
@@ -31,6 +34,19 @@ class FabricCluster(Cluster):
         self.lookups = 0
         self.splits = 0
         self.fetches = 0
+        self.replicator = (
+            Replicator(
+                config.replication,
+                self.caches,
+                self.names,
+                config.capacity_pages,
+                config.page_tokens,
+                self.holders,
+                self._publish,
+            )
+            if config.replication.enabled
+            else None
+        )
         for i in range(config.nodes):
             self._publish(i)  # batch 0 of every shard says `cleared`: snapshots need a seq
 
@@ -46,9 +62,11 @@ class FabricCluster(Cluster):
         held = self.lookup(req)
         return [NodeView(q, held.get(i, 0), self.names[i]) for i, q in enumerate(loads)]
 
-    def serve(self, node: int, req: SimRequest) -> Service:
+    def serve(self, node: int, req: SimRequest, now: float) -> Service:
         c = self.config
         local = self.caches[node].get(req.tokens, NAMESPACE).tokens // c.page_tokens
+        if self.replicator is not None:
+            self.replicator.served(now, node, req, local)
         remote = {i: p for i, p in self.lookup(req).items() if i != node}
         src = max(remote, key=lambda i: (remote[i], -i), default=None)
         assert isinstance(self.router, FabricScore)
@@ -57,13 +75,24 @@ class FabricCluster(Cluster):
             # The source serves the export: its pages count as used, as a real export's do.
             self.caches[src].get(req.tokens[: plan.cached_pages * c.page_tokens], NAMESPACE)
             self.fetches += 1
+            if self.replicator is not None:
+                self.replicator.fetched(now, node, src, req, plan.cached_pages)
         return self.service(req, local, plan.cached_pages, plan.fetched_bytes, plan.fetch_s)
 
-    def complete(self, node: int, req: SimRequest) -> None:
+    def complete(self, node: int, req: SimRequest, now: float) -> None:
         # The fetched pages and the computed ones go in together: nothing else writes to this
         # node's cache while its one prefill runs, so this equals inserting at fetch time.
-        super().complete(node, req)
+        super().complete(node, req, now)
         self._publish(node)
+        if self.replicator is not None:
+            self.replicator.completed(now, node)
+
+    def holders(self, keys: Chain) -> list[str]:
+        """Nodes that hold all of a prefix, from its owning shard (no lookup load)."""
+        if not keys:
+            return []
+        shard = self.index.shards[self.index.routes.owner(keys)]
+        return [m.node for m in shard.lookup(keys) if m.pages >= len(keys)]
 
     def _publish(self, node: int) -> None:
         self.index.apply(self.publishers[node].drain_routed(self.index.routes))

@@ -8,6 +8,10 @@ It then decodes its output (output_length x the time per output token, batched b
 node's other work) and leaves the node's queue. Five modes run on the same trace at each
 capacity: `pow2`, `affinity` (what Ray Serve ships), `global` (the fabric as deployed),
 `pooled` and `infinite` (the limits). See `kvfabric.deploy.sim.cluster`.
+
+`global` copies hot prefixes to more nodes ahead of demand (`--no-replicate` turns it
+off); it then also runs with replication off, and the two are compared: remote fetches
+and TTFT p50/p99 (`kvfabric.deploy.sim.replication`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from tqdm import tqdm
 
 from .cluster import Cluster, Mode, SimConfig, SimRequest, prepare
 from .modes import make_cluster
+from .replication import ReplicaStats
 
 INDEX_CHECK_SAMPLES = 200
 
@@ -49,6 +54,7 @@ class ModeResult:
     shard_balance: float | None = None
     index_checked: int = 0
     index_disagreements: int = 0
+    replicas: ReplicaStats | None = None  # global with replication on
     elapsed_s: float = 0.0
 
     @property
@@ -79,6 +85,8 @@ class ModeResult:
                 index_checked=self.index_checked,
                 index_disagreements=self.index_disagreements,
             )
+        if self.replicas is not None:
+            out["replicas"] = dataclasses.asdict(self.replicas)
         return out
 
 
@@ -100,7 +108,7 @@ def simulate(
 
     def start(i: int, now: float) -> None:
         req = queues[i].popleft()
-        svc = cluster.serve(i, req)
+        svc = cluster.serve(i, req, now)
         heapq.heappush(events, (now + svc.duration_s, next(order), i, req, svc))
         busy[i] = True
 
@@ -111,7 +119,7 @@ def simulate(
                 loads[i] -= 1
                 res.e2e_s.append(now - req.arrival_s)
                 continue
-            cluster.complete(i, req)
+            cluster.complete(i, req, now)
             busy[i] = False
             res.prompt_tokens += req.input_length
             res.hit_tokens += svc.hit_tokens
@@ -137,6 +145,9 @@ def simulate(
             progress(k + 1)
     advance(math.inf)
     res.shard_balance = cluster.shard_balance()
+    replicator = getattr(cluster, "replicator", None)
+    if replicator is not None:
+        res.replicas = replicator.stats
     check = getattr(cluster, "index_disagreements", None)
     if check is not None:
         sample = requests[:: max(1, len(requests) // INDEX_CHECK_SAMPLES)]
@@ -161,6 +172,32 @@ class Point:
 
     capacity_tokens: int
     modes: dict[Mode, ModeResult]
+    unreplicated: ModeResult | None = None  # global again with replication off, if it was on
+
+    def replication(self) -> dict | None:
+        """Global with replication on against off: remote fetches and TTFT."""
+        on, off = self.modes.get(Mode.GLOBAL), self.unreplicated
+        if on is None or off is None:
+            return None
+
+        def figures(r: ModeResult) -> dict:
+            return {
+                "fetches": r.fetches,
+                "hit_rate": round(r.hit_rate, 4),
+                "ttft_p50_ms": round(r.ttft_ms(0.5), 1),
+                "ttft_p99_ms": round(r.ttft_ms(0.99), 1),
+            }
+
+        def over(a: float, b: float) -> float | None:
+            return _round(a / b) if b else None
+
+        return {
+            "on": figures(on),
+            "off": figures(off),
+            "fetches_on_over_off": over(on.fetches, off.fetches),
+            "ttft_p50_on_over_off": over(on.ttft_ms(0.5), off.ttft_ms(0.5)),
+            "ttft_p99_on_over_off": over(on.ttft_ms(0.99), off.ttft_ms(0.99)),
+        }
 
     def ratio(self, a: Mode, b: Mode) -> float | None:
         """Hit rate of `a` over `b`; None when either did not run or `b` hit nothing."""
@@ -185,6 +222,8 @@ class Point:
             out[f"global_over_{b.value}_ttft_p50"] = _round(self.ttft_ratio(Mode.GLOBAL, b))
         g = self.modes.get(Mode.GLOBAL)
         out["shard_load_max_over_mean"] = _round(g.shard_balance) if g else None
+        if (rep := self.replication()) is not None:
+            out["replication"] = rep
         return out
 
 
@@ -237,7 +276,14 @@ def replay(
             results[mode] = run_mode(mode, cfg, requests, bar.for_run(label) if bar else None)
             if mode is Mode.INFINITE:
                 infinite = results[mode]
-        points.append(Point(cap, results))
+        unreplicated = None
+        if Mode.GLOBAL in results and cfg.replication.enabled:
+            off = dataclasses.replace(
+                cfg, replication=dataclasses.replace(cfg.replication, enabled=False)
+            )
+            label = f"{'global-':<8} {cap:>10,}"  # global, replication off
+            unreplicated = run_mode(Mode.GLOBAL, off, requests, bar.for_run(label) if bar else None)
+        points.append(Point(cap, results, unreplicated))
     if bar:
         bar.close()
     return Replay(config, len(requests), points, time.perf_counter() - t0)

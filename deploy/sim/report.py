@@ -6,6 +6,7 @@ import argparse
 import math
 from pathlib import Path
 
+from kvfabric.core.index.replication import ReplicationConfig
 from kvfabric.deploy.placement import CostModel
 
 from .cluster import Mode, SimConfig
@@ -130,6 +131,39 @@ def parse_args(argv: list[str] | None, doc: str | None) -> tuple[argparse.Namesp
         help="token ids per simulated page, at least 2 (one page stands for one 512-token "
         "block; with 1, different blocks would collide on a token) (default %(default)s)",
     )
+    r = d.replication
+    ap.add_argument(
+        "--replicate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="global: copy hot prefixes to more nodes ahead of demand, and compare against "
+        "a run without (default on)",
+    )
+    ap.add_argument(
+        "--replica-threshold",
+        type=int,
+        default=r.threshold,
+        help="remote fetches of a prefix within the window that make it hot (default %(default)s)",
+    )
+    ap.add_argument(
+        "--replica-window-s",
+        type=float,
+        default=r.window_s,
+        help="the window, in simulated seconds; a replica not hit within it goes cold "
+        "(default %(default)s)",
+    )
+    ap.add_argument(
+        "--replica-budget",
+        type=float,
+        default=r.budget_fraction,
+        help="the share of each node's capacity replicas may take (default %(default)s)",
+    )
+    ap.add_argument(
+        "--replica-fanout",
+        type=int,
+        default=r.fanout,
+        help="new copies of a hot prefix per decision (default %(default)s)",
+    )
     ap.add_argument(
         "--plot",
         default=None,
@@ -164,6 +198,12 @@ def parse_args(argv: list[str] | None, doc: str | None) -> tuple[argparse.Namesp
         ap.error("--affinity-match-rate must be in [0, 1]")
     if not args.affinity_imbalance >= 0:
         ap.error("--affinity-imbalance must be >= 0 (inf: never)")
+    if args.replica_threshold < 1 or args.replica_fanout < 1:
+        ap.error("--replica-threshold and --replica-fanout must be at least 1")
+    if not (math.isfinite(args.replica_window_s) and args.replica_window_s > 0):
+        ap.error("--replica-window-s must be a positive number")
+    if not 0 <= args.replica_budget <= 1:
+        ap.error("--replica-budget must be in [0, 1]")
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
         ap.error(f"--plot: directory {Path(args.plot).parent} does not exist")
     cost = CostModel(
@@ -181,6 +221,13 @@ def parse_args(argv: list[str] | None, doc: str | None) -> tuple[argparse.Namesp
         match_rate_threshold=args.affinity_match_rate,
         imbalanced_threshold=args.affinity_imbalance,
         seed=args.seed,
+        replication=ReplicationConfig(
+            enabled=args.replicate,
+            threshold=args.replica_threshold,
+            window_s=args.replica_window_s,
+            budget_fraction=args.replica_budget,
+            fanout=args.replica_fanout,
+        ),
     )
     return args, config
 
@@ -237,6 +284,14 @@ def print_table(result, trace: str | None) -> None:
                 f"index check: {g.index_checked} sampled requests, {g.index_disagreements} where "
                 "the index "
                 f"disagrees with the caches; {g.fetches} remote fetches"
+            )
+        rep = point.replication()
+        if rep is not None:
+            on, off = rep["on"], rep["off"]
+            print(
+                f"replication: {on['fetches']} remote fetches against {off['fetches']} off, "
+                f"TTFT p99 {on['ttft_p99_ms']:.1f} ms against {off['ttft_p99_ms']:.1f}, "
+                f"p50 {on['ttft_p50_ms']:.1f} against {off['ttft_p50_ms']:.1f}"
             )
 
 

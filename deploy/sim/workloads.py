@@ -10,7 +10,9 @@ get new ids. Conversations start as a Poisson process.
   apps      several applications, each with its own system prompt, short sessions;
   docs      Zipf-popular shared documents under a few instructions, questions on them;
   sessions  long multi-turn sessions under a few system prompts;
-  mixed     all three, a conversation of each kind in turn at random.
+  hot       a few very hot long prefixes (shared documents), one question each: one
+            node cannot serve all of one, so others fetch it (hot-prefix replication);
+  mixed     apps, docs and sessions, a conversation of each kind in turn at random.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Shape(str, Enum):
     APPS = "apps"
     DOCS = "docs"
     SESSIONS = "sessions"
+    HOT = "hot"
     MIXED = "mixed"
 
 
@@ -66,12 +69,16 @@ KINDS = {
         user_tokens=(200, 3000),
         think_median_s=30.0,
     ),
+    Shape.HOT: Kind(
+        prefixes=6, prefix_blocks=(16, 48), zipf=1.2, p_continue=0.0, user_tokens=(50, 800)
+    ),
 }
+MIXED = (Shape.APPS, Shape.DOCS, Shape.SESSIONS)
 
 
 def generate(shape: Shape, n: int, seed: int = 0, new_per_s: float = 1.0) -> list[dict]:
     """`n` requests of `shape`, as Mooncake trace rows in arrival order."""
-    kinds = list(KINDS.values()) if shape is Shape.MIXED else [KINDS[shape]]
+    kinds = [KINDS[s] for s in MIXED] if shape is Shape.MIXED else [KINDS[shape]]
     return conversations(kinds, n, seed, new_per_s)
 
 
