@@ -13,6 +13,7 @@ import os
 import threading
 
 import ray
+from kvfabric.core.cache.layout import PoolName
 from kvfabric.core.index.balance import LoadTracker, chance_target
 from kvfabric.core.index.routes import RouteTable
 from ray.exceptions import GetTimeoutError, RayError
@@ -21,6 +22,7 @@ from .membership import START_TIMEOUT_S, Membership, MembershipPasses
 from .names import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, NODE_PREFIX, node_actor_name, shard_name
 from .node.node_actor import Beat, NodeConfig
 from .node.node_placement import connect_peers, existing, join, place_node_actor
+from .replicas import FetchReport, ReplicaDirector
 from .watcher import Watcher
 
 __all__ = [
@@ -62,6 +64,11 @@ class FabricDirectory:
         )
         self.watcher = Watcher(
             self.membership, self.rebalance, route_version=lambda: self.routes.version
+        )
+        self.replicas = (
+            ReplicaDirector(config.replication, config.layout.page_size, self._holders, self._copy)
+            if config.replication.enabled
+            else None
         )
         # Restarted by Ray (the same arguments again): the node actors hold what this
         # actor held, each the latest route table it was given and its own metadata.
@@ -199,6 +206,44 @@ class FabricDirectory:
         """Stop the watcher once its pass in progress ends, waiting up to `wait_s` for
         that; returns whether it has stopped. `watch` starts it again."""
         return self.watcher.stop_watching(wait_s)
+
+    # --- hot-prefix replication (ReplicaDirector's) ---------------------------------------
+    def fetched(self, report: FetchReport) -> int:
+        """A node actor's committed on-demand fetch: count it, start the copies it makes
+        due; returns how many started (0 with replication off)."""
+        if self.replicas is None:
+            return 0
+        capacity = self.config.capacities[PoolName.FULL].device
+        self.replicas.members(self.node_names(), capacity)
+        return len(self.replicas.fetched(report))
+
+    def _holders(self, keys: tuple[bytes, ...]) -> list[str]:
+        """Nodes whose usable match covers all of `keys`, as the owning shard says (a
+        lookup with no depth: it adds no load); none when the shard does not answer."""
+        with self._lock:
+            shard, version = self.routes.owner(keys), self.routes.version
+        try:
+            actor = ray.get_actor(shard_name(shard), namespace=self.namespace)
+            got: list[tuple[str, int, bool]] | None = ray.get(
+                actor.lookup.remote(b"".join(keys), version), timeout=CALL_TIMEOUT_S
+            )
+        except (RayError, GetTimeoutError, ValueError):
+            return []
+        return [node for node, pages, _ in got or [] if pages >= len(keys)]
+
+    def _copy(self, target: str, source: str, tokens: list[int], namespace: str, done) -> None:
+        """`target` pulls the prefix from `source` through the remote-fetch transaction."""
+        try:
+            to = ray.get_actor(target, namespace=self.namespace)
+            src = ray.get_actor(source, namespace=self.namespace)
+        except ValueError:
+            done("transfer_failed")
+            return
+
+        def finished(f) -> None:
+            done("transfer_failed" if f.exception() is not None else f.result())
+
+        to.replicate.remote(src, source, tokens, namespace).future().add_done_callback(finished)
 
     def _shards(self) -> list:
         return [

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 from kvfabric.core.index.replication import (
     Holders,
@@ -59,6 +59,14 @@ class ReplicaDirector:
         # page key -> a fetched request's tokens and namespace, the most recent KEPT keys
         self._tokens: OrderedDict[bytes, tuple[tuple[int, ...], str]] = OrderedDict()
         self.failed = 0  # copies that did not commit
+
+    def members(self, nodes: Collection[str], capacity_pages: int) -> None:
+        """The fabric's node actors now: new ones get a budget, gone ones lose theirs."""
+        with self._lock:
+            for node in sorted(set(self.policy.budgets) - set(nodes)):
+                self.policy.remove_node(node)
+            for node in sorted(set(nodes) - set(self.policy.budgets)):
+                self.policy.add_node(node, capacity_pages)
 
     def join(self, node: str, capacity_pages: int) -> None:
         with self._lock:

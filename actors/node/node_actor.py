@@ -30,6 +30,7 @@ from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.core.cache.tiers import TierConfig
 from kvfabric.core.exchange.source import export_prefix
 from kvfabric.core.index.publisher import EventPublisher
+from kvfabric.core.index.replication import ReplicationConfig
 from kvfabric.core.index.routes import RouteTable
 from kvfabric.transport.fetch import register_device_pools
 from kvfabric.transport.local import LocalTransport
@@ -39,6 +40,7 @@ from kvfabric.transport.staging import StagedHit, StagingSpec
 from .cache_gate import CacheGate
 from .engine_host import EngineHost
 from .engine_process import EngineProcess
+from .fetch_reports import FetchReports
 from .hooks import NodeHooks
 from .index_link import IndexLink, LinkPacer
 from .node_metrics import NodeMetrics, NodeSample
@@ -57,6 +59,8 @@ class NodeConfig:
     # picklable callable, as kvfabric.deploy.chaos has); None in production.
     hooks: Callable[[NodeConfig], NodeHooks] | None = None
     epochs: EpochSource = field(default_factory=GcsEpochs)
+    # Hot-prefix replication (actors/replicas.py): off unless asked for.
+    replication: ReplicationConfig = ReplicationConfig(enabled=False)
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,14 @@ class NodeCacheActor:
         )
         self.pacer = LinkPacer(self.link, self.gate.mutex)
         self.peer_fetch = PeerFetch(
-            self.cache, self.gate, self.transport, self.link.publish, config.fetch_deadline_s
+            self.cache,
+            self.gate,
+            self.transport,
+            self.link.publish,
+            config.fetch_deadline_s,
+            FetchReports(name, fabric, config.layout.page_size)
+            if config.replication.enabled
+            else None,
         )
         self.engines = EngineHost(
             name,
@@ -141,6 +152,13 @@ class NodeCacheActor:
     ) -> str:
         """Pull the peer's longer prefix of `tokens`; returns the FetchOutcome's value."""
         return await self.peer_fetch.fetch(peer, peer_name, tokens, namespace)
+
+    async def replicate(
+        self, peer: ray.actor.ActorHandle, peer_name: str, tokens: Sequence[int], namespace: str
+    ) -> str:
+        """The directory's copy of a hot prefix (actors/replicas.py): a fetch like any other,
+        but not on demand, so not reported back as one."""
+        return await self.peer_fetch.fetch(peer, peer_name, tokens, namespace, on_demand=False)
 
     async def probe_quarantine(self) -> list[str]:
         """Free the pages quarantined for each peer whose given-up reads have all completed

@@ -22,6 +22,9 @@ from kvfabric.transport.fetch import TransportReader
 
 from .cache_gate import CacheGate
 
+# (peer, tokens, namespace, the page keys the peer granted): a committed fetch on demand
+Reporter = Callable[[str, Sequence[int], str, tuple[bytes, ...]], None]
+
 
 class PeerFetch:
     def __init__(
@@ -31,14 +34,17 @@ class PeerFetch:
         transport: Transport,
         publish: Callable[[], object],
         deadline_s: float,
+        report: Reporter | None = None,
     ) -> None:
         """`publish`: sends the index what changed (called under the gate's mutex);
-        `deadline_s`: the bound on a peer's export, and on each read from it."""
+        `deadline_s`: the bound on a peer's export, and on each read from it; `report`:
+        told each committed fetch made on demand (hot-prefix replication counts them)."""
         self.cache = cache
         self.gate = gate
         self.transport = transport
         self.publish = publish
         self.deadline_s = deadline_s
+        self.report = report
         self.peers: set[str] = set()
         self.fetches: dict[str, int] = {}  # outcomes by FetchOutcome value
         self.late_releases = 0  # grants that came after their fetch gave up, released
@@ -59,17 +65,31 @@ class PeerFetch:
             return self.cache.release_quarantine(peer)
 
     async def fetch(
-        self, peer: ray.actor.ActorHandle, peer_name: str, tokens: Sequence[int], namespace: str
+        self,
+        peer: ray.actor.ActorHandle,
+        peer_name: str,
+        tokens: Sequence[int],
+        namespace: str,
+        on_demand: bool = True,
     ) -> str:
-        """Pull the peer's longer prefix of `tokens`; returns the FetchOutcome's value."""
-        outcome = await self._fetch(peer, peer_name, tokens, namespace)
+        """Pull the peer's longer prefix of `tokens`; returns the FetchOutcome's value.
+        `on_demand`: False for a replica's copy, which is not reported."""
+        granted: list[tuple[bytes, ...]] = []
+        outcome = await self._fetch(peer, peer_name, tokens, namespace, granted)
         with self.gate.mutex:
             self.fetches[outcome.value] = self.fetches.get(outcome.value, 0) + 1
             self.publish()
+        if outcome is FetchOutcome.COMMITTED and on_demand and self.report and granted:
+            self.report(peer_name, tokens, namespace, granted[0])
         return outcome.value
 
     async def _fetch(
-        self, peer, peer_name: str, tokens: Sequence[int], namespace: str
+        self,
+        peer,
+        peer_name: str,
+        tokens: Sequence[int],
+        namespace: str,
+        granted: list[tuple[bytes, ...]],
     ) -> FetchOutcome:
         if peer_name not in self.peers:
             return FetchOutcome.TRANSFER_FAILED
@@ -98,6 +118,7 @@ class PeerFetch:
             grant = ExportGrant.decode(reply.result())
         except GrantError:
             return FetchOutcome.BAD_GRANT
+        granted.append(grant.keys)
         reader = TransportReader(self.transport, peer_name, deadline)
         try:
             read = self.gate.released(reader)
