@@ -38,6 +38,7 @@ from kvfabric.transport.nixl_transport import NixlTransport
 from kvfabric.transport.staging import StagedHit, StagingSpec
 
 from .cache_gate import CacheGate
+from .disk import DiskConfig, open_store
 from .engine_host import EngineHost
 from .engine_process import EngineProcess
 from .fetch_reports import FetchReports
@@ -61,6 +62,8 @@ class NodeConfig:
     epochs: EpochSource = field(default_factory=GcsEpochs)
     # Hot-prefix replication (actors/replicas.py): off unless asked for.
     replication: ReplicationConfig = ReplicationConfig(enabled=False)
+    # The disk tier's folder and I/O (capacities' `disk` sizes it); None: no disk tier.
+    disk: DiskConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,8 @@ class NodeCacheActor:
         self.fabric = fabric
         self.config = config
         self.hooks = hooks = None if config.hooks is None else config.hooks(config)
+        # A restarted actor finds its earlier life's disk pages here and adopts them.
+        self.disk = open_store(name, config.disk, config.layout, config.capacities)
         self.cache = NodeCache(
             config.layout,
             config.capacities,
@@ -90,6 +95,7 @@ class NodeCacheActor:
             device=config.device,
             copier=LocalTransport(),
             reserve_hook=None if hooks is None else hooks.reserve,
+            disk=self.disk,
         )
         self.leases = self.cache.leases  # exports' and requests' leases
         nixl = NixlTransport(name)
@@ -425,9 +431,13 @@ class NodeCacheActor:
                 "epoch": self.epoch,
                 "fetched_bytes": self.peer_fetch.fetched_bytes,
                 "staging_engines": self.engines.staging_use()[0],
+                "adopted_pages": self.cache.adopted.pages,  # from disk, at start
             }
 
     async def shutdown(self) -> None:
         self.pacer.stop()
         await self.gate.run_wire(self.transport.close)
+        if self.disk is not None:
+            with self.gate.mutex:
+                self.disk.close()
         self.gate.close()

@@ -194,7 +194,10 @@ class Inserts:
         if failed is not None:
             return failed  # the reserved pages may be half written: freed (or held), never read
         self.inserted_pages += plan.pages - plan.present_pages
-        self.tiers.after_insert(nodes[len(plan.path) :])
+        # The nodes that took pages: the new ones, and old ones given pages they lacked
+        # (an SWA window at a branch point).
+        first = min((pos[0] for pos in plan.todo.values() if pos), default=None)
+        self.tiers.after_insert([] if first is None else [x for x in nodes if x.end > first])
         return None
 
     def _insert_evicting(

@@ -92,7 +92,7 @@ class NodeCache:
         self.copier = copier or TorchCopier()
         self.reserve_hook = reserve_hook  # tests and chaos fail reservations through it
         self.open_txns: set[Transaction] = set()
-        self.tiers = TierController(self.registry, tier, self.transaction)
+        self.tiers = TierController(self.registry, tier, self.transaction, layout.page_size * 4)
         candidates = Candidates(self.tree) if incremental_eviction else None
         self.evictors = {
             p: Evictor(
@@ -486,8 +486,8 @@ class NodeCache:
         return self._quarantines.release(peer, force)
 
     # --- what the exchange reads (see shared_pages.py) -----------------------------
-    def load_to_device(self, match: Match, n: int) -> Loaded:
-        return self._shared.load_to_device(match, n)
+    def load_to_device(self, match: Match, n: int, tiers: tuple[Tier, ...] = DEVICE_ONLY) -> Loaded:
+        return self._shared.load_to_device(match, n, tiers)
 
     def back_up(self, match: Match) -> bool:
         return self._shared.back_up(match)

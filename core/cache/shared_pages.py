@@ -30,6 +30,9 @@ class Loaded:
     from_host: int
 
 
+MEMORY = (Tier.DEVICE, Tier.HOST)  # the tiers peers read pages from
+
+
 class SharedPages:
     """What one cache shares with peers, read off its pools, policies and tiers."""
 
@@ -43,8 +46,9 @@ class SharedPages:
         self.policies = policies
         self.tiers = tiers
 
-    def load_to_device(self, match: Match, n: int) -> Loaded:
-        """Give what a match of `n` pages needs a device copy (the caller holds it locked)."""
+    def load_to_device(self, match: Match, n: int, tiers: tuple[Tier, ...] = DEVICE_ONLY) -> Loaded:
+        """Give what a match of `n` pages needs a copy on one of `tiers`, loading to device
+        what has none (the caller holds the match locked)."""
         path = [x for x in match.path if x.start < n]
         needs = {p: groups(path, pol.needed(n)) for p, pol in self.policies.items()}
         from_host = {
@@ -52,10 +56,10 @@ class SharedPages:
             for p, found in needs.items()
             for x, offs in found
             for j in offs
-            if not x.page_has(j, p, DEVICE_ONLY)
+            if not x.page_has(j, p, tiers)
         }
-        if not self.tiers.load_back(needs):
-            return Loaded(usable_length(self.policies, path, n, DEVICE_ONLY), 0)
+        if not self.tiers.load_back(needs, tiers):
+            return Loaded(usable_length(self.policies, path, n, tiers), 0)
         return Loaded(n, len(from_host))
 
     def back_up(self, match: Match) -> bool:
@@ -68,11 +72,14 @@ class SharedPages:
         return {pool: policy.exported(n, skip) for pool, policy in self.policies.items()}
 
     def locate(self, match: Match, pool: PoolName, span: range) -> list[tuple[Tier, int]]:
-        """Where each page of `span` of `pool` lies: its device copy if any, else the host's."""
+        """Where each page of `span` of `pool` lies: its device copy if any, else the host's
+        (a page on disk only is loaded first: load_to_device with MEMORY)."""
         out = []
         for node, offsets in groups(match.path, span):
             for j in offsets:
                 tier = Tier.DEVICE if node.page_has(j, pool, DEVICE_ONLY) else Tier.HOST
+                if not node.page_has(j, pool, (tier,)):
+                    raise ValueError(f"page {node.start + j} of {pool.name} is on disk only")
                 out.append((tier, node.pages_of(tier, pool)[j]))
         return out
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
 
+from .disk_tier import page_metas
 from .layout import PoolName, Tier
 from .pools import PoolRegistry
 from .radix import ABSENT, TreeNode
@@ -26,13 +27,22 @@ WRITE_THROUGH, WRITE_BACK = WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_BACK
 
 @dataclass(frozen=True)
 class TierConfig:
+    """`policy`: when device pages get a host copy. `disk`: when pages get a disk copy
+    (where the pool has a disk tier): as the host evicts them (WRITE_BACK), or as they
+    are stored (WRITE_THROUGH: what a warm restart needs, as it finds only what is on
+    disk, and write-back leaves there only pages cold in every pool)."""
+
     policy: WritePolicy = WritePolicy.WRITE_BACK
     selective_hits: int = 2
+    disk: WritePolicy = WritePolicy.WRITE_BACK
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", WritePolicy(self.policy))
+        object.__setattr__(self, "disk", WritePolicy(self.disk))
         if not isinstance(self.selective_hits, int) or self.selective_hits < 1:
             raise ValueError(f"selective_hits must be an int >= 1, got {self.selective_hits!r}")
+        if self.disk not in (WRITE_THROUGH, WRITE_BACK):
+            raise ValueError(f"the disk tier is written through or back, not {self.disk.value}")
 
 
 class TierController:
@@ -41,8 +51,10 @@ class TierController:
         registry: PoolRegistry,
         config: TierConfig,
         begin: Callable[[], Transaction],
+        page_bytes: int,
     ) -> None:
         self.registry = registry
+        self.page_bytes = page_bytes  # token bytes of a page, which a page on disk records
         self.config = config
         self._begin = begin
         self.backed_up = 0
@@ -58,22 +70,26 @@ class TierController:
     def after_insert(self, nodes: list[TreeNode]) -> None:
         if self.config.policy is WRITE_THROUGH:
             self.backup(nodes)
+        if self.config.disk is WRITE_THROUGH:
+            self.backup(nodes, Tier.DISK)
 
     def after_hit(self, nodes: list[TreeNode]) -> None:
         if self.config.policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
             n = self.config.selective_hits
             self.backup([node for node in nodes if node.hits >= n])
 
-    def backup(self, nodes: list[TreeNode]) -> bool:
-        """Copy device pages lacking a host copy to host, whole or not at all."""
+    def backup(self, nodes: list[TreeNode], to: Tier = Tier.HOST) -> bool:
+        """Copy the pages of `nodes` in memory that lack a copy on `to` (host, or disk) there,
+        whole or not at all."""
+        sources = (Tier.DEVICE,) if to is Tier.HOST else (Tier.HOST, Tier.DEVICE)
         todo = {}
         for pool in self.registry.names:
-            if self.registry.pool(pool, Tier.HOST).capacity:
-                groups = [(n, _lacking(n, pool, have=Tier.DEVICE, want=Tier.HOST)) for n in nodes]
+            if self.registry.pool(pool, to).capacity:
+                groups = [(n, _lacking(n, pool, have=sources, want=to)) for n in nodes]
                 todo[pool] = [(n, offs) for n, offs in groups if offs]
         if not any(todo.values()):
             return True
-        ok = self._move(todo, (Tier.DEVICE,), Tier.HOST)
+        ok = self._move(todo, sources, to)
         self.backed_up += ok * _size(todo)
         self.backup_failures += not ok
         return ok
@@ -122,7 +138,8 @@ class TierController:
                             continue
                         offsets = [j for j in offsets if j not in here]
                         mine = [next(pages) for _ in here]
-                        txn.defer_copy(pool, src, [held[j] for j in here], dst, mine)
+                        metas = page_metas(node, here, self.page_bytes) if dst is Tier.DISK else ()
+                        txn.defer_copy(pool, src, [held[j] for j in here], dst, mine, metas)
                         txn.place(node, dst, pool, here, mine)
             txn.commit()  # runs the copies: a failing one is undone with the rest
         finally:
@@ -130,11 +147,14 @@ class TierController:
         return True
 
 
-def _lacking(node: TreeNode, pool: PoolName, have: Tier, want: Tier) -> list[int]:
-    src, dst = node.slots[have][pool], node.slots[want][pool]
-    if src is None:
-        return []
-    return [j for j, p in enumerate(src) if p != ABSENT and (dst is None or dst[j] == ABSENT)]
+def _lacking(node: TreeNode, pool: PoolName, have: tuple[Tier, ...], want: Tier) -> list[int]:
+    """Offsets of `node`'s pages on one of `have` with no copy on `want`."""
+    dst = node.slots[want][pool]
+    return [
+        j
+        for j in range(node.n)
+        if (dst is None or dst[j] == ABSENT) and node.page_has(j, pool, have)
+    ]
 
 
 def _size(todo: dict[PoolName, list[tuple[TreeNode, list[int]]]]) -> int:

@@ -9,6 +9,8 @@ from kvfabric.core.cache.layout import PoolName
 from kvfabric.core.cache.leases import LeaseTable
 from kvfabric.core.cache.match import Match
 from kvfabric.core.cache.node_cache import NodeCache
+from kvfabric.core.cache.radix import DEVICE_ONLY
+from kvfabric.core.cache.shared_pages import MEMORY
 
 from .grant import ExportGrant, PoolPages
 
@@ -25,7 +27,7 @@ def export_prefix(
 
     With `device_only` (what a NIXL read from GPU memory wants), host-only pages
     are loaded back first; if there is no device room, the grant ends where the
-    device-resident prefix ends."""
+    device-resident prefix ends. Pages on disk only are loaded back either way."""
     match = cache.match_keys(list(keys))
     n = match.usable_pages
     if n <= skip:
@@ -33,10 +35,10 @@ def export_prefix(
     lock = cache.lock(match, n)
     lease, granted = None, False
     try:
-        if device_only:
-            n = cache.load_to_device(match, n).pages
-            if n <= skip:
-                return ExportGrant(0, cache.layout.fingerprint, n, tuple(match.keys[:n]))
+        # Pages on disk only are loaded either way: peers read memory.
+        n = cache.load_to_device(match, n, DEVICE_ONLY if device_only else MEMORY).pages
+        if n <= skip:
+            return ExportGrant(0, cache.layout.fingerprint, n, tuple(match.keys[:n]))
         lease = leases.grant(lock, ttl_s)
         pools = {
             pool: _describe(cache, match, pool, span)

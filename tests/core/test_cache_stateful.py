@@ -60,15 +60,16 @@ class CacheMachine(RuleBasedStateMachine):
         host=st.integers(0, 10),
         pending=st.sampled_from([0, 1024]),
         disk=st.sampled_from([0, 0, 3, 12]),
+        to_disk=st.sampled_from([WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH]),
     )
-    def setup(self, layout, policy, seed, device, host, pending, disk):
+    def setup(self, layout, policy, seed, device, host, pending, disk, to_disk):
         self.layout = LAYOUTS[layout]
         self.caps = {
             p: PoolCapacity(c.device, c.host, disk)
             for p, c in small_capacities(self.layout, device, host).items()
         }
         self.faults = AllocationFaults()
-        self.tier = TierConfig(policy=policy, selective_hits=2)
+        self.tier = TierConfig(policy=policy, selective_hits=2, disk=to_disk)
         self.folder = tempfile.mkdtemp(prefix="kvf-disk-") if disk else None
         self.seqs = family(seed)
         self.pending = pending

@@ -3,20 +3,29 @@ fabric with (conftest.py), and waits on it. No test here."""
 
 from __future__ import annotations
 
+import tempfile
 import time
 from functools import partial
 
 import ray
+from kvfabric.actors.node.disk import DiskConfig
 from kvfabric.actors.node.node_actor import NodeConfig
 from kvfabric.core.cache.layout import KVLayout, PoolName
 from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.core.cache.tiers import TierConfig, WritePolicy
 from kvfabric.core.index.routes import RouteTable
 
 from tests.waiting import eventually as wait_for
 
 LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=2, head_dim=16, page_size=16, window=32)
+# The nodes' disk tiers, one folder each under this one (conftest.py removes it).
+DISK_FOLDER = tempfile.mkdtemp(prefix="kvf-fabric-disk-")
 CONFIG = NodeConfig(
-    LAYOUT, {PoolName.FULL: PoolCapacity(64, 64), PoolName.SWA: PoolCapacity(32, 32)}, device="cpu"
+    LAYOUT,
+    {PoolName.FULL: PoolCapacity(64, 64, 256), PoolName.SWA: PoolCapacity(32, 32, 128)},
+    TierConfig(disk=WritePolicy.WRITE_THROUGH),  # a restarted node finds what it held
+    device="cpu",
+    disk=DiskConfig(DISK_FOLDER),
 )
 NS = "tenant"
 T = 120.0

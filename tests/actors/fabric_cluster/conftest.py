@@ -5,12 +5,14 @@ the directory's node list would race."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import ray
 from kvfabric.actors.launch import start, stop
 from ray.cluster_utils import Cluster
 
-from tests.actors.fabric_cluster.cluster_kit import CONFIG
+from tests.actors.fabric_cluster.cluster_kit import CONFIG, DISK_FOLDER
 
 
 @pytest.fixture(scope="package")
@@ -30,3 +32,4 @@ def fabric(cluster):
     f = start(CONFIG, shards=3, cpus_per_actor=0.25, watch_s=0.5)
     yield f
     stop(f)
+    shutil.rmtree(DISK_FOLDER, ignore_errors=True)

@@ -129,16 +129,44 @@ def test_a_node_actor_ray_restarts_rejoins_with_a_new_epoch(fabric):
     assert [m.node for m in client.lookup(tokens, NS)] == [victim]
     epoch = ray.get(actor.heartbeat.remote(), timeout=T).epoch
     ray.kill(actor, no_restart=False)
-    # The old epoch's pages leave the index; the new actor is attached and connected again.
+    # The new actor is attached and connected again; what the old one wrote through to
+    # disk, it adopted and announced under its new epoch.
     eventually(
         lambda: (beat := heartbeat_of(actor)) is not None and beat.epoch > epoch and beat.attached
     )
-    eventually(lambda: client.lookup(tokens, NS) == [])
+    eventually(lambda: [m.node for m in client.lookup(tokens, NS)] == [victim])
     again = list(range(61_000, 61_000 + 2 * 16))
     ray.get(actor.put.remote(again, prefix_kv(LAYOUT, again), NS), timeout=T)
     flush(fabric)
     assert [m.node for m in client.lookup(again, NS)] == [victim]
     assert client.fetch(again, NS, into=other) == 2
+    ray.get([fabric.nodes[n].check.remote() for n in (victim, other)], timeout=T)
+
+
+def test_a_killed_node_actor_adopts_its_disk_pages_and_the_index_finds_them(fabric):
+    names = sorted(fabric.nodes)
+    victim, other = names[-1], names[0]
+    actor = fabric.nodes[victim]
+    # 12 prompts of 16 pages: past device and host (64 + 64), the first ones go to disk.
+    prompts = [list(range(80_000 + 1000 * i, 80_000 + 1000 * i + 16 * 16)) for i in range(12)]
+    for tokens in prompts:
+        ray.get(actor.put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
+    epoch = ray.get(actor.heartbeat.remote(), timeout=T).epoch
+    ray.kill(actor, no_restart=False)  # forced, as a crash: no shutdown, nothing flushed
+    eventually(
+        lambda: (beat := heartbeat_of(actor)) is not None and beat.epoch > epoch and beat.attached
+    )
+    assert ray.get(actor.stats.remote(), timeout=T)["adopted_pages"] >= 3 * 16
+    client = FabricClient.connect(timeout_s=10.0)
+    first = prompts[0]
+    eventually(lambda: [(m.node, m.pages) for m in client.lookup(first, NS)] == [(victim, 16)])
+    # A peer fetches them from the restarted node's disk; the bytes are those put.
+    assert client.fetch(first, NS, into=other) == 16
+    hit = ray.get(fabric.nodes[other].get.remote(first, NS), timeout=T)
+    want = prefix_kv(LAYOUT, first)
+    assert torch.equal(hit.layers[0], want[0]) and torch.equal(
+        hit.layers[1], want[1][:, hit.starts[PoolName.SWA] :]
+    )
     ray.get([fabric.nodes[n].check.remote() for n in (victim, other)], timeout=T)
 
 
@@ -219,11 +247,12 @@ def test_a_restarted_node_whose_clock_stepped_back_is_still_accepted(fabric):
             return [m.node for m in client.lookup(tokens, NS)] == [name]
 
         eventually(lambda: found(first))  # join attached it
+        epoch = ray.get(actor.heartbeat.remote(), timeout=T).epoch
         ray.kill(actor, no_restart=False)
-        eventually(lambda: client.lookup(first, NS) == [])
         second = list(range(96_000, 96_000 + 2 * 16))
-        eventually(lambda: heartbeat_of(actor) is not None)
+        eventually(lambda: (beat := heartbeat_of(actor)) is not None and beat.epoch > epoch)
         ray.get(actor.put.remote(second, prefix_kv(LAYOUT, second), NS), timeout=T)
         eventually(lambda: found(second))
+        eventually(lambda: found(first))  # written through to disk, adopted
     finally:
         ray.kill(actor)

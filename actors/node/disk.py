@@ -1,0 +1,64 @@
+"""A node's disk tier: where its pages live and how they are written, and the store
+the node actor opens over them at start (adopting what an earlier life left there)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Mapping
+
+from kvfabric.core.cache.disk_store import DiskStore, PageFileMaker, Sync
+from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.page_file import PosixPageFile
+from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.transport.nixl_file import NixlPageFile
+
+
+class DiskIO(str, Enum):
+    """How page files are read and written. POSIX is the default: in a node actor that
+    Ray restarted, with a NIXL file agent beside its UCX agent, peers' reads of its pages
+    failed (tests/actors/fabric_cluster; not yet understood), while plain I/O works."""
+
+    NIXL = "nixl"  # NIXL's POSIX file backend (GDS where built in and present)
+    POSIX = "posix"  # plain pread/pwrite
+
+
+_MAKERS: dict[DiskIO, PageFileMaker] = {DiskIO.NIXL: NixlPageFile, DiskIO.POSIX: PosixPageFile}
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """Each node keeps its disk pages in `folder`/<its name>/; capacities' `disk` says how
+    many pages per pool. `sync`: what is flushed before a page's record (disk_store.py)."""
+
+    folder: str
+    sync: Sync = Sync.NONE
+    io: DiskIO = DiskIO.POSIX
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.folder, str) or not self.folder:
+            raise ValueError(f"the disk folder must be a non-empty path, got {self.folder!r}")
+        object.__setattr__(self, "sync", Sync(self.sync))
+        object.__setattr__(self, "io", DiskIO(self.io))
+
+
+def open_store(
+    name: str,
+    config: DiskConfig | None,
+    layout: KVLayout,
+    capacities: Mapping[PoolName, PoolCapacity],
+) -> DiskStore | None:
+    """The node `name`'s disk store, or None where it has no disk tier."""
+    pages = {pool: cap.disk for pool, cap in capacities.items() if cap.disk}
+    if config is None or not pages:
+        if pages:
+            raise ValueError(f"disk capacities {pages} but no disk folder configured")
+        return None
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"node name {name!r} cannot name a folder")
+    return DiskStore(
+        Path(config.folder) / name, layout, pages, sync=config.sync, page_file=_MAKERS[config.io]
+    )
