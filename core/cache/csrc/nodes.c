@@ -142,7 +142,7 @@ radix_node_new(PyObject *keys, PyObject *tokens, PyObject *parent, long long sta
     node->tokens = Py_NewRef(tokens);
     node->parent = Py_NewRef(parent);
     node->children = PyDict_New();
-    node->slots = tiers(); /* [tier][pool] */
+    node->slots = tiers();                                            /* [tier][pool] */
     node->locks = pair(Py_NewRef(radix_zero), Py_NewRef(radix_zero)); /* per pool */
     node->start = start;
     node->end = parent == Py_None ? 0 : start + PyList_GET_SIZE(keys);

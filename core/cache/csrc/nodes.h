@@ -21,7 +21,7 @@ typedef struct {
 extern PyTypeObject radix_NodeType;
 extern PyMethodDef radix_node_functions[]; /* live_nodes(): the module adds them beside TreeNode */
 
-#define IS_NODE(o) (Py_TYPE(o) == &radix_NodeType)
+#define IS_NODE(o)  (Py_TYPE(o) == &radix_NodeType)
 #define RADIX_TIERS 3 /* device, host, disk: layout.Tier */
 
 /* RadixTree's own fields (radix.c): the native RadixTree derives from this type, so
