@@ -27,9 +27,9 @@ demo: $(STAMP)
 
 # The suite runs on the native path (KVF_NATIVE's default). Beside it, on the second core,
 # run the checks that start no cluster and read the tree only through copies: types,
-# packaging, C style, the core's tests again on the pure-Python reference, and the
-# sanitizers. Their output follows the suite's; either failing fails the target.
-SIDE := tests/test_types.py tests/test_install.py tests/test_c_style.py
+# packaging, C style, the core's tests (native, then again on the pure-Python reference),
+# and the sanitizers. Their output follows the suite's; either failing fails the target.
+SIDE := tests/test_types.py tests/test_install.py tests/test_c_style.py tests/core
 test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
