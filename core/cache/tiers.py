@@ -134,8 +134,9 @@ class TierController:
                     for src in sources:
                         held = node.slots[src][pool]
                         here = [j for j in offsets if held is not None and held[j] != ABSENT]
-                        if not here or held is None:
+                        if not here:
                             continue
+                        assert held is not None  # `here` is empty otherwise
                         offsets = [j for j in offsets if j not in here]
                         mine = [next(pages) for _ in here]
                         metas = page_metas(node, here, self.page_bytes) if dst is Tier.DISK else ()
