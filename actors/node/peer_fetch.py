@@ -55,6 +55,18 @@ class PeerFetch:
         await self.gate.run_wire(lambda: self.transport.connect(peer, metadata))
         self.peers.add(peer)
 
+    async def _connect_on_demand(self, peer, peer_name: str) -> bool:
+        """A peer the directory has listed but not yet connected to this node (its join
+        still running, or a connect that failed and was skipped): connect now from its own
+        metadata. A dead peer's metadata never comes, and the fetch fails as before."""
+        ask = asyncio.wrap_future(peer.metadata.remote().future())
+        try:
+            metadata = await asyncio.wait_for(ask, timeout=self.deadline_s)
+            await self.connect(peer_name, metadata)
+        except Exception:  # any failure here is the peer's: the fetch recomputes
+            return False
+        return True
+
     async def forget(self, peer: str) -> int:
         """`peer`'s process is gone: disconnect it and free the pages its abandoned reads
         held, since a dead process writes nothing more. Returns the pages freed."""
@@ -91,7 +103,7 @@ class PeerFetch:
         namespace: str,
         granted: list[tuple[bytes, ...]],
     ) -> FetchOutcome:
-        if peer_name not in self.peers:
+        if peer_name not in self.peers and not await self._connect_on_demand(peer, peer_name):
             return FetchOutcome.TRANSFER_FAILED
         with self.gate.mutex:
             if self.cache.quarantines(peer_name):

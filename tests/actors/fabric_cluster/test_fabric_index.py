@@ -153,7 +153,7 @@ def test_a_killed_shard_restarts_and_is_refilled_by_the_nodes(fabric):
 def test_shards_reject_bad_input_without_change(fabric):
     shard = fabric.shards[0]
     until_available(shard)
-    before = ray.get(shard.stats.remote(), timeout=T)
+    before = _settled(fabric, shard)  # a restarted shard's refill may still be landing
     for junk in (b"", b"\x93\x01\x02", b"x" * 64):
         assert ray.get(shard.apply.remote(junk), timeout=T) == "rejected"
         assert ray.get(shard.load_snapshot.remote(junk), timeout=T) == "rejected"
@@ -173,6 +173,21 @@ def test_shards_reject_bad_input_without_change(fabric):
     after = ray.get(shard.stats.remote(), timeout=T)
     assert after["rejected"] == before["rejected"] + 7 and after["keys"] == before["keys"]
     assert "intruder" not in ray.get(shard.stats.remote(), timeout=T)["out_of_sync"]
+
+
+def _settled(fabric, shard) -> dict:
+    """The shard's stats once its key count holds across a flush of every node."""
+    import time
+
+    deadline = time.monotonic() + T
+    stats = ray.get(shard.stats.remote(), timeout=T)
+    while True:
+        flush(fabric)
+        again = ray.get(shard.stats.remote(), timeout=T)
+        if again["keys"] == stats["keys"]:
+            return again
+        assert time.monotonic() < deadline, "the shard's keys never settled"
+        stats = again
 
 
 def _restart_directory(fabric) -> None:

@@ -48,6 +48,19 @@ def test_index_finds_a_prefix_and_fetch_moves_it(fabric):
     ray.get([n.check.remote() for n in fabric.nodes.values()], timeout=T)
 
 
+def test_a_fetch_from_a_peer_not_yet_connected_connects_it_first(fabric):
+    """The directory lists a joining node before its connects with every peer are done
+    (and skips a connect that fails): a fetch from such a peer connects on demand."""
+    names = sorted(fabric.nodes)
+    a, c = names[0], names[2]
+    tokens = list(range(70_000, 70_000 + 2 * 16))
+    ray.get(fabric.nodes[a].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
+    flush(fabric)
+    ray.get(fabric.nodes[c].forget_peer.remote(a), timeout=T)
+    assert FabricClient.connect(timeout_s=10.0).fetch(tokens, NS, into=c) == 2
+    ray.get(fabric.nodes[c].check.remote(), timeout=T)
+
+
 def test_source_killed_mid_fetch_leaves_the_destination_clean(fabric):
     """The abandoned read's pages stay quarantined (no time frees them, and the dead
     source's probe fails) until the directory drops the source and tells every node
