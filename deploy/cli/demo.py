@@ -12,6 +12,9 @@ machine; with `--address` (or RAY_ADDRESS) it uses that cluster.
 - `--engine reference`: the reference model's app; each request is sent twice, caching
   off and through the fabric, outputs compared bit for bit.
 The report gives hit rates by tier, bytes moved, TTFT and output mismatches; a PNG too.
+With `--disk`, each node has a disk tier and every node actor is restarted mid-pass: the
+report compares the hit rate of the requests after the restart with those before
+(deploy/demo/warm_restart.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvfabric.deploy.demo.vllm import TEMPORARY
 from kvfabric.deploy.harness.cluster import keep_auth_on
 
 DEFAULT_PLOT = "kvfabric-demo.png"
@@ -113,6 +117,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="vllm: each engine's tensor-parallel ranks (on CPU one core each)",
     )
+    ap.add_argument(
+        "--disk",
+        nargs="?",
+        const=TEMPORARY,
+        default="",
+        metavar="FOLDER",
+        help="vllm: give each node a disk tier (written through), in FOLDER (an absolute path "
+        "on every node; default: a temporary folder on the embedded cluster), and restart "
+        "every node actor mid-pass: the report compares the hit rate after it with before",
+    )
+    ap.add_argument(
+        "--restart-after",
+        type=int,
+        help="vllm: restart every node actor once this many of the fabric's requests have "
+        "finished (with --disk: half of --requests; without, the nodes come back cold)",
+    )
     ap.add_argument("--plot", default=DEFAULT_PLOT, help="where to write the PNG (not with --rate)")
     ap.add_argument(
         "--log",
@@ -136,7 +156,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--gpu is for the vllm engine on the embedded cluster")
     if args.tp > 1 and args.engine != "vllm":
         ap.error("--tp is for the vllm engine")
+    _check_restart(ap, args)
     return args
+
+
+def _check_restart(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if (args.disk or args.restart_after is not None) and (
+        args.engine != "vllm" or args.rate is not None
+    ):
+        ap.error("--disk and --restart-after are for the vllm engine's conversations")
+    if args.disk == TEMPORARY and args.address:
+        ap.error("--disk on an existing cluster needs a FOLDER every node has")
+    if args.disk and args.disk != TEMPORARY and not os.path.isabs(args.disk):
+        ap.error(f"--disk FOLDER must be an absolute path, got {args.disk!r}")
+    if args.restart_after is None:
+        args.restart_after = args.requests // 2 if args.disk else 0
+    elif not 0 < args.restart_after < args.requests:
+        ap.error(f"--restart-after must be between 1 and --requests - 1 ({args.requests - 1})")
 
 
 def main(argv: list[str] | None = None) -> int:

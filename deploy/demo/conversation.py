@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import math
 import queue
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -175,17 +176,22 @@ def replay_conversations(
     uncached: bool = False,
     progress: bool = True,
     arrivals: Sequence[float] | None = None,
+    on_done: Callable[[int], None] | None = None,
 ) -> PassResult:
     """Every conversation's turns in order, `concurrency` conversations at a time.
     `uncached`: each request gets a cache_salt of its own, so nothing cached can match.
     `arrivals`: each conversation's first turn waits until that many seconds after the
-    pass starts (open loop while `concurrency` senders are free; the lag is reported)."""
+    pass starts (open loop while `concurrency` senders are free; the lag is reported).
+    `on_done`: told, in the sender's thread, how many requests have finished (failed ones
+    too) as each finishes; the other senders go on meanwhile."""
     turns = [Turn(c, k) for c, conv in enumerate(texts) for k in range(len(conv))]
     by_conv: dict[int, list[Turn]] = {}
     for t in turns:
         by_conv.setdefault(t.conversation, []).append(t)
     bar = Progress(len(turns), f"{name:<10} ", show=progress)
     lags = [0.0] * len(texts)
+    finished = [0]
+    count = threading.Lock()
     # One client (connection) a sender, made before the clock starts: making tens of
     # them at once takes a second, which would make the first arrivals late.
     clients: queue.SimpleQueue[StreamingClient] = queue.SimpleQueue()
@@ -208,6 +214,11 @@ def replay_conversations(
                 except Exception as e:  # any failure is this request's, counted, not the run's
                     t.error = repr(e)[:300]
                 bar.tick()
+                if on_done is not None:
+                    with count:
+                        finished[0] += 1
+                        n = finished[0]
+                    on_done(n)
 
         try:
             yield serve

@@ -26,9 +26,12 @@ import contextlib
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar, cast
+
+from .warm_restart import Restarter, WarmRestart
 
 if TYPE_CHECKING:
     from .conversation import PassResult
@@ -36,13 +39,18 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 BASELINE = "ray.serve.llm PrefixCacheAffinityRouter"
+TEMPORARY = "temporary"  # `--disk`'s default: a folder made for the run, removed after
 CPUS_PER_NODE = 3  # an engine's bundle takes 2: one engine per node; the fabric's actors fit beside
 REPORT_WAIT_S = 60.0
+DISK_PAGES = 8192  # each node's disk tier: twice its host pool (1 GiB of full-attention pages)
 
 
-def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False, tp: int = 1):
+def app_args(
+    nodes: int, kv_cache_bytes: int, gpu: bool = False, tp: int = 1, disk_folder: str = ""
+):
     """The demo's app; with `gpu`, every engine on the one GPU the simulated nodes share;
-    `tp`: each engine's tensor-parallel ranks."""
+    `tp`: each engine's tensor-parallel ranks; `disk_folder`: each node's disk tier there
+    (DISK_PAGES pages, written through)."""
     from kvfabric.deploy.vllm.serve.app_args import LLMAppArgs
     from kvfabric.deploy.vllm.serve.model import DEMO_SPEC, ensure_tiny_model
 
@@ -60,6 +68,8 @@ def app_args(nodes: int, kv_cache_bytes: int, gpu: bool = False, tp: int = 1):
         cpus_per_replica=2.0,
         tensor_parallel_size=tp,
         dtype="float32",  # the model's own (vLLM's CPU "auto" would compute in bfloat16)
+        disk_pages=DISK_PAGES if disk_folder else 0,
+        disk_folder=disk_folder,
     )
     return (
         app.but(gpus_per_replica=1.0, gpu_memory_utilization=round(0.8 / nodes, 3)) if gpu else app
@@ -93,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
         n += len(convs[-1])
     texts = conversation_texts(convs, args.tokens_per_block, max_prompt_chars(args))
 
-    def run(app) -> tuple[dict, dict]:
+    def run(app) -> tuple[dict, dict, WarmRestart | None]:
         print(
             f"{len(texts)} conversations, {n} requests ({sum(map(len, sum(texts, [])))} prompt "
             f"tokens), {args.concurrency} conversations at a time, {engines(app, args)}",
@@ -101,8 +111,9 @@ def main(args: argparse.Namespace) -> int:
         )
         return run_passes(app, texts, args)
 
-    (passes, fabric_counts), nodes = on_cluster(args, run)
+    (passes, fabric_counts, restart), nodes = on_cluster(args, run)
     report = Report.of(passes, fabric_counts, nodes, args.tp)
+    report.warm_restart = restart
     plot = _plot(passes, report, args.plot)
     report.print(plot)
     if args.json:
@@ -146,14 +157,28 @@ def on_cluster(args: argparse.Namespace, run: Callable[[Any], T]) -> tuple[T, in
         log = send_logs_to(Path(args.log))
         print(f"Ray, Serve and vLLM logs: {log}", file=sys.stderr)
         nodes = sum(1 for node in ray.nodes() if node["Alive"])
-        app = app_args(nodes, args.kv_cache_mib << 20, args.gpu, args.tp)
-        try:
-            return run(app), nodes
-        finally:
-            if not args.address:
-                from ray import serve
+        with disk_folder(args) as folder:
+            app = app_args(nodes, args.kv_cache_mib << 20, args.gpu, args.tp, folder)
+            try:
+                return run(app), nodes
+            finally:
+                if not args.address:
+                    from ray import serve
 
-                serve.shutdown()
+                    serve.shutdown()
+
+
+@contextlib.contextmanager
+def disk_folder(args: argparse.Namespace) -> Iterator[str]:
+    """`--disk`'s folder ("" without it): a temporary one on the embedded cluster, removed
+    after; on an existing cluster, the path given."""
+    if not args.disk:
+        yield ""
+    elif args.disk != TEMPORARY:
+        yield args.disk
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvfabric-demo-disk-") as folder:
+            yield folder
 
 
 def start_baseline(app, port: int):
@@ -189,7 +214,9 @@ def start_fabric(app, port: int):
     return endpoint, warm_up(endpoint, app)
 
 
-def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[dict, dict]:
+def run_passes(
+    app, texts: list[list[str]], args: argparse.Namespace
+) -> tuple[dict, dict, WarmRestart | None]:
     from kvfabric.deploy.harness.cluster import free_port
 
     from .conversation import replay_conversations
@@ -205,8 +232,16 @@ def run_passes(app, texts: list[list[str]], args: argparse.Namespace) -> tuple[d
     passes = {"caching off": go("nocache", endpoint, uncached=True)}
     passes["baseline"] = go("baseline", endpoint)
     endpoint, warmups = start_fabric(app, port)
-    passes["fabric"], counts = counted(app, warmups, lambda: go("fabric", endpoint))
-    return passes, counts
+    restarter = Restarter(app.model_id, args.restart_after) if args.restart_after else None
+    passes["fabric"], counts = counted(
+        app, warmups, lambda: go("fabric", endpoint, on_done=restarter)
+    )
+    if restarter is None:
+        return passes, counts, None
+    restart = restarter.report(passes["fabric"])
+    if restart is None:
+        print(f"  no warm-restart figure: {restarter.error}", file=sys.stderr)
+    return passes, counts, restart
 
 
 def counted(app, warmups: int, go: Callable[[], PassResult]) -> tuple[PassResult, dict]:
@@ -319,6 +354,7 @@ class Report:
     wall_s: dict[str, float]
     first_errors: dict[str, str]
     tensor_parallel_size: int = 1
+    warm_restart: WarmRestart | None = None
 
     @classmethod
     def of(cls, passes: dict, counts: dict, nodes: int, tp: int = 1) -> "Report":
@@ -408,6 +444,8 @@ class Report:
             f"{self.nocache_ttft_p50_ms:.0f} ms p50 uncached (ratio to the baseline "
             f"{self.ratio:.2f}, target <= 0.7)"
         )
+        if self.warm_restart is not None:
+            print(self.warm_restart.line())
         if plot:
             print(f"plot: {plot}")
 
@@ -434,6 +472,7 @@ class Report:
             "prompt_tokens": self.prompt_tokens,
             "nocache_ttft_p50_ms": round(self.nocache_ttft_p50_ms, 1),
             "wall_s": self.wall_s,
+            "warm_restart": None if self.warm_restart is None else self.warm_restart.as_json(),
         }
 
 

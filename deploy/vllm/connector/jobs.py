@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -132,6 +133,15 @@ class FabricSettings:
     host_pages: int = _at_least(0, 4096)
     swa_device_pages: int = _at_least(0, 0)
     swa_host_pages: int = _at_least(0, 0)
+    # Each node's disk tier (pages per pool; 0: none) in `disk_folder`, an absolute path on
+    # every node (each fabric and node actor keeps its own folder below it); `disk_write`:
+    # write_through (a restarted node actor finds every page it stored) or write_back;
+    # `disk_sync`: none, pages or all (core/cache/disk_store.py).
+    disk_pages: int = _at_least(0, 0)
+    swa_disk_pages: int = _at_least(0, 0)
+    disk_folder: str = ""
+    disk_write: str = "write_through"
+    disk_sync: str = "none"
     shards: int = 2
     node_cpus: float = 0.25
     watch_s: float = 2.0
@@ -160,6 +170,27 @@ class FabricSettings:
                 raise ValueError(
                     f"FabricConnector setting {name} must be 'module:name', got {spec!r:.80}"
                 )
+        self._check_disk()
+
+    def _check_disk(self) -> None:
+        if self.disk_write not in _DISK_WRITES:
+            raise ValueError(
+                f"FabricConnector setting disk_write must be one of {_DISK_WRITES}, "
+                f"got {self.disk_write!r:.80}"
+            )
+        if self.disk_sync not in _DISK_SYNCS:
+            raise ValueError(
+                f"FabricConnector setting disk_sync must be one of {_DISK_SYNCS}, "
+                f"got {self.disk_sync!r:.80}"
+            )
+        wanted = self.disk_pages or self.swa_disk_pages
+        if wanted and not os.path.isabs(self.disk_folder):
+            raise ValueError(
+                "FabricConnector setting disk_folder must be an absolute path when "
+                f"disk_pages is set, got {self.disk_folder!r:.80}"
+            )
+        if self.swa_disk_pages and not self.disk_pages:
+            raise ValueError("FabricConnector setting swa_disk_pages needs disk_pages")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "FabricSettings":
@@ -181,17 +212,32 @@ class FabricSettings:
 
     def node_config(self, layout: KVLayout) -> NodeConfig:
         """The node actors' config of the fabric this engine starts for `layout`."""
+        from kvfabric.actors.names import layout_namespace
+        from kvfabric.actors.node.disk import DiskConfig
         from kvfabric.actors.node.node_actor import NodeConfig  # Ray's side: not in workers
+        from kvfabric.core.cache.tiers import TierConfig
 
-        caps = {PoolName.FULL: PoolCapacity(self.device_pages, self.host_pages)}
+        caps = {PoolName.FULL: PoolCapacity(self.device_pages, self.host_pages, self.disk_pages)}
         if PoolName.SWA in layout.pools:
             caps[PoolName.SWA] = PoolCapacity(
                 self.swa_device_pages or max(1, self.device_pages // 4),
                 self.swa_host_pages or self.host_pages // 4,
+                self.swa_disk_pages or (self.disk_pages and max(1, self.disk_pages // 4)),
             )
         caps = {p: caps[p] for p in layout.pools}
         hooks = _named("node_hooks", self.node_hooks) if self.node_hooks else None
-        return NodeConfig(layout, caps, device="cpu", hooks=hooks)
+        disk = None
+        if self.disk_pages:
+            # One folder per fabric (KV identity): fabrics of two models on one host never
+            # open each other's page files (a store drops pages of another identity).
+            fabric = layout_namespace(layout.fingerprint, self.ray_namespace)
+            disk = DiskConfig(os.path.join(self.disk_folder, fabric), sync=self.disk_sync)
+        tier = TierConfig(disk=self.disk_write)
+        return NodeConfig(layout, caps, tier=tier, device="cpu", hooks=hooks, disk=disk)
+
+
+_DISK_WRITES = ("write_through", "write_back")
+_DISK_SYNCS = ("none", "pages", "all")
 
 
 def _named(setting: str, spec: str) -> Any:

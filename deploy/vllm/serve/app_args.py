@@ -43,6 +43,11 @@ class LLMAppArgs(Args):
     kv_cache_bytes: Annotated[int, Field(ge=1 << 20)] = 12 << 20  # each engine's own KV cache
     device_pages: Annotated[int, Field(ge=1)] = 64  # the node actor's pools (SWA: a quarter)
     host_pages: Annotated[int, Field(ge=0)] = 4096
+    # Each node's disk tier (pages of the full-attention pool; SWA: a quarter), in a folder
+    # on every node; its pages outlive a restarted node actor (FabricSettings' disk_*).
+    disk_pages: Annotated[int, Field(ge=0)] = 0
+    disk_folder: AbsolutePathOrEmpty = ""
+    disk_write: Literal["write_through", "write_back"] = "write_through"
     shards: Annotated[int, Field(ge=1)] = 2
     remote: bool = True  # engines fetch longer prefixes from other nodes
     index_events: bool = True  # engines feed the index their own caches' contents
@@ -71,6 +76,8 @@ class LLMAppArgs(Args):
             both = [f for f in ENGINE_FIELDS if getattr(self, f) != default[f].default]
             if both:
                 raise ValueError(f"with llm_config, set {both} in the LLMConfig instead")
+        if self.disk_pages and not self.disk_folder:
+            raise ValueError("disk_pages needs disk_folder, an absolute path on every node")
         multiple = 16 if self.gpus_per_replica else 32  # vLLM's CUDA and CPU kernels' blocks
         if self.block_size % multiple:
             raise ValueError(
@@ -104,9 +111,17 @@ class LLMAppArgs(Args):
                 "node_hooks": injectors.node_hooks_path,
                 **injectors.step_faults(self.chaos_file),
             }
+        disk = {}
+        if self.disk_pages:
+            disk = {
+                "disk_pages": self.disk_pages,
+                "disk_folder": str(self.disk_folder),
+                "disk_write": self.disk_write,
+            }
         return {
             "device_pages": self.device_pages,
             "host_pages": self.host_pages,
+            **disk,
             "shards": self.shards,
             "remote": self.remote,
             **chaos,

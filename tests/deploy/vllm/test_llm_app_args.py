@@ -184,6 +184,12 @@ def test_with_fabric_refuses_what_it_would_replace(over, field):
         ({"no_such_setting": 1}, "no_such_setting"),
         ({"node_actor": "kvf-node-x"}, "node_actor"),
         ({"index_events": "yes"}, "index_events"),
+        ({"disk_pages": 64}, "disk_folder"),
+        ({"disk_pages": 64, "disk_folder": "relative/dir"}, "disk_folder"),
+        ({"disk_pages": 64, "disk_folder": "/d", "disk_write": "sometimes"}, "disk_write"),
+        ({"disk_sync": "always"}, "disk_sync"),
+        ({"swa_disk_pages": 8, "disk_folder": "/d"}, "swa_disk_pages"),
+        ({"disk_pages": -1}, "disk_pages"),
     ],
 )
 def test_with_fabric_refuses_bad_settings(settings, match):
@@ -201,3 +207,26 @@ def test_app_args_with_an_llm_config_leave_the_engine_to_it():
         LLMAppArgs.from_dict({"llm_config": own, "replicas": 2})
     with pytest.raises(AppArgsError, match="not a valid LLMConfig"):
         llm_app_builder({"llm_config": {"model_loading_config": {"model_id": "x"}, "bogus": 1}})
+
+
+def test_disk_settings_reach_the_node_actors_config(tmp_path):
+    """Each fabric (KV identity) keeps its disk pages in its own folder below disk_folder;
+    the SWA pool's disk tier defaults to a quarter, and the write policy is passed on."""
+    from kvfabric.actors.names import layout_namespace
+    from kvfabric.core.cache.layout import KVLayout, PoolName
+    from kvfabric.core.cache.tiers import WritePolicy
+    from kvfabric.deploy.vllm.connector.jobs import FabricSettings
+
+    layout = KVLayout(layers=("full", "swa"), kv_heads=2, head_dim=16, page_size=16, window=32)
+    s = FabricSettings(disk_pages=256, disk_folder=str(tmp_path), disk_write="write_back")
+    config = s.node_config(layout)
+    assert config.capacities[PoolName.FULL].disk == 256
+    assert config.capacities[PoolName.SWA].disk == 64
+    assert config.tier.disk is WritePolicy.WRITE_BACK
+    assert config.disk is not None
+    assert config.disk.folder == str(tmp_path / layout_namespace(layout.fingerprint, "kvfabric"))
+    assert FabricSettings().node_config(layout).disk is None
+    args = LLMAppArgs.from_dict({"disk_pages": 128, "disk_folder": str(tmp_path)})
+    assert FabricSettings.from_extra(args.fabric_settings()).disk_pages == 128
+    with pytest.raises(AppArgsError, match="disk_folder"):
+        LLMAppArgs.from_dict({"disk_pages": 128})

@@ -165,9 +165,19 @@ def test_an_open_loop_sends_a_request_while_another_is_in_flight(server):
 
 def test_a_failed_request_is_counted_and_the_rest_go_on(server):
     texts = [["abc", "fail", "abcd"], ["xy"]]
+    told: list[int] = []
     result = replay_conversations(
-        "t", server, "m", texts, 2, concurrency=2, uncached=True, progress=False
+        "t",
+        server,
+        "m",
+        texts,
+        2,
+        concurrency=2,
+        uncached=True,
+        progress=False,
+        on_done=told.append,
     )
+    assert sorted(told) == [1, 2, 3, 4]  # every finished request, the failed one too
     assert result.failed == 1 and "Error code: 400" in result.turns[1].error
     assert {(t.conversation, t.turn) for t in result.done} == {(0, 0), (0, 2), (1, 0)}
     assert result.cached_tokens == 0  # every request had a fresh cache_salt
@@ -213,6 +223,65 @@ def test_the_report_compares_outputs_and_splits_hits_by_tier():
         out["engine"] == "vllm" and out["object_store_kv_bytes"] == 0 and out["nixl_bytes"] == 4096
     )
     assert r.first_errors == {"baseline": "boom"}
+
+
+def test_the_warm_restart_figure_compares_the_requests_either_side_of_the_restart(monkeypatch):
+    from kvfabric.deploy.demo import warm_restart
+
+    restarts: list[str] = []
+    monkeypatch.setattr(warm_restart, "restart_node_actors", lambda m: restarts.append(m) or 7)
+    restarter = warm_restart.Restarter("m", after=3)
+    turns = [
+        Turn(0, 0, 100, 90, 1.0, [1], sent_at=1.0, done_at=2.0),  # before: 90 + 50 of 200
+        Turn(0, 1, 100, 50, 1.0, [1], sent_at=3.0, done_at=9.0),
+        Turn(1, 0, 100, 0, 1.0, [1], sent_at=9.5, done_at=12.0),  # in flight: neither side
+        Turn(1, 1, 100, 70, 1.0, [1], sent_at=21.0, done_at=22.0),  # after: 70 + 0 of 200
+        Turn(2, 0, 100, 0, 1.0, [1], sent_at=23.0, done_at=24.0),
+        Turn(2, 1, 100, 100, 1.0, [], error="x", sent_at=25.0, done_at=26.0),  # failed
+    ]
+    assert restarter.report(PassResult("fabric", turns, 30.0)) is None  # it never ran
+    restarter(2)
+    assert restarts == []  # only the `after`-th request restarts
+    restarter(3)
+    assert restarts == ["m"]
+    restarter.began, restarter.ended = 10.0, 20.0  # on the turns' clock
+    got = restarter.report(PassResult("fabric", turns, 30.0))
+    assert got is not None and (got.window, got.adopted_pages) == (2, 7)
+    assert (got.hit_rate_before, got.hit_rate_after) == (0.7, 0.35)
+    assert got.ratio == pytest.approx(0.5) and got.as_json()["ratio"] == 0.5
+    assert "ratio 0.50" in got.line()
+
+
+def test_the_warm_restart_arguments_are_checked_before_anything_starts(capsys):
+    from kvfabric.deploy.demo.vllm import TEMPORARY
+
+    plain, disk = parse([]), parse(["--disk", "--requests", "120"])
+    assert (plain.disk, plain.restart_after) == ("", 0)
+    assert (disk.disk, disk.restart_after) == (TEMPORARY, 60)
+    assert parse(["--disk", "/mnt/kv", "--restart-after", "10"]).restart_after == 10
+    assert parse(["--restart-after", "10"]).disk == ""  # restarts cold: the comparison
+    for bad in (
+        ["--disk", "relative"],
+        ["--restart-after", "60"],
+        ["--restart-after", "0"],
+        ["--engine", "reference", "--disk"],
+        ["--rate", "1", "--disk"],
+        ["--address", "ray://x:1", "--disk"],
+    ):
+        with pytest.raises(SystemExit):
+            parse(bad)
+
+
+def test_the_disk_demo_gives_each_node_a_disk_tier():
+    from kvfabric.deploy.demo.vllm import DISK_PAGES, app_args
+
+    app = app_args(2, 8 << 20, disk_folder="/tmp/x")
+    assert (app.disk_pages, app.disk_folder, app.disk_write) == (
+        DISK_PAGES,
+        "/tmp/x",
+        "write_through",
+    )
+    assert app_args(2, 8 << 20).disk_pages == 0
 
 
 def timed(i, ids, sent, ttft_ms, last, done, error=""):
