@@ -26,10 +26,13 @@ demo: $(STAMP)
 	$(VENV)/bin/kvfabric demo --json
 
 # The suite runs on the native path (KVF_NATIVE's default). Beside it, on the second core,
-# run the checks that start no cluster and read the tree only through copies: types,
-# packaging, C style, the core's tests (native, then again on the pure-Python reference),
-# and the sanitizers. Their output follows the suite's; either failing fails the target.
-SIDE := tests/test_types.py tests/test_install.py tests/test_c_style.py tests/core
+# run the checks that start no Ray cluster of the suite's kind and read the tree only
+# through copies: types, packaging, C style, layers, the benches (each its own throwaway
+# Ray or none), the oldest NIXL, SGLang's radix, the core's tests (native, then again on
+# the pure-Python reference), and the sanitizers. Their output follows the suite's; either failing fails the target.
+SIDE := tests/test_types.py tests/test_install.py tests/test_c_style.py tests/test_layers.py \
+	tests/test_benches.py tests/transport/test_nixl_versions.py tests/deploy/test_peer_radix.py \
+	tests/core
 test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .

@@ -237,7 +237,7 @@ def test_transport_fault_on_a_remote_fetch_becomes_recomputation(engine, kind):
         ray.get(engine.node.fired.remote(), timeout=CALL_TIMEOUT_S),
         engine.remote_hits(),
     )
-    fault = Fault(kind, after=1, delay_s=30.0)  # DELAY: far past the node's fetch deadline
+    fault = Fault(kind, after=1, delay_s=8.0)  # DELAY: 4x the node's fetch deadline (2 s)
     ray.get(engine.node.inject.remote(ChaosAction(transport=fault)), timeout=CALL_TIMEOUT_S)
     try:
         assert engine.generate(prompt)[0] == want
