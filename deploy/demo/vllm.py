@@ -432,9 +432,10 @@ class Report:
             if self.object_store_bytes is None
             else f"{self.object_store_bytes / 2**20:.1f} MiB"
         )
+        since = " (since the restart: node actors' counters restart with them)"
         print(
-            f"NIXL moved {self.nixl_bytes / 2**20:.1f} MiB between nodes; the object store took "
-            f"{store} "
+            f"NIXL moved {self.nixl_bytes / 2**20:.1f} MiB between nodes"
+            f"{since if self.warm_restart else ''}; the object store took {store} "
             f"during the fabric's pass (all objects, K/V or not)"
         )
         print(
