@@ -118,7 +118,8 @@ def main(args: argparse.Namespace) -> int:
     report.print(plot)
     if args.json:
         print(json.dumps(report.as_json()))
-    return 1 if report.output_mismatches or report.failed_requests else 0
+    wrong = report.warm_restart.revisit_mismatches if report.warm_restart else 0
+    return 1 if report.output_mismatches or report.failed_requests or wrong else 0
 
 
 def max_prompt_chars(args: argparse.Namespace) -> int:
@@ -241,7 +242,14 @@ def run_passes(
     restart = restarter.report(passes["fabric"])
     if restart is None:
         print(f"  no warm-restart figure: {restarter.error}", file=sys.stderr)
-    return passes, counts, restart
+        return passes, counts, None
+    # The requests before the restart, again: what they stored before it is found only
+    # where the restarted nodes adopted it from disk.
+    again = [[texts[c][k]] for c, k in restart.before]
+    revisit = replay_conversations(
+        "revisit", endpoint, app.model_id, again, args.max_tokens, args.concurrency
+    )
+    return passes, counts, restart.revisited(revisit, passes["caching off"].outputs())
 
 
 def counted(app, warmups: int, go: Callable[[], PassResult]) -> tuple[PassResult, dict]:

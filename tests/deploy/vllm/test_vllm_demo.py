@@ -250,6 +250,17 @@ def test_the_warm_restart_figure_compares_the_requests_either_side_of_the_restar
     assert (got.hit_rate_before, got.hit_rate_after) == (0.7, 0.35)
     assert got.ratio == pytest.approx(0.5) and got.as_json()["ratio"] == 0.5
     assert "ratio 0.50" in got.line()
+    assert got.before == ((0, 0), (0, 1)) and got.revisit_hit_rate is None
+    # The window before, sent again: request i re-sent before[i]; one output differs.
+    again = PassResult(
+        "revisit",
+        [Turn(0, 0, 100, 100, 1.0, [1]), Turn(1, 0, 100, 80, 1.0, [5])],
+        3.0,
+    )
+    revisited = got.revisited(again, {(0, 0): [1], (0, 1): [1]})
+    assert (revisited.revisit_hit_rate, revisited.revisit_mismatches) == (0.9, 1)
+    assert "90.0%, 1 outputs differing" in revisited.line()
+    assert revisited.as_json()["revisit_hit_rate"] == 0.9
 
 
 def test_the_warm_restart_arguments_are_checked_before_anything_starts(capsys):
