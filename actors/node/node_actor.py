@@ -432,6 +432,8 @@ class NodeCacheActor:
                 "fetched_bytes": self.peer_fetch.fetched_bytes,
                 "staging_engines": self.engines.staging_use()[0],
                 "adopted_pages": self.cache.adopted.pages,  # from disk, at start
+                # Read back from disk not matching their checksums: never served, dropped.
+                "disk_corrupt_pages": s.disk_corrupt_pages,
             }
 
     async def shutdown(self) -> None:

@@ -13,8 +13,10 @@ may lose pages, never serving wrong ones (checksums). `Sync.PAGES` flushes the d
 file before the records naming it are appended; `Sync.ALL` also flushes the journal,
 so a write that returned survives a power loss.
 
-Reads after adoption are not verified again (the bytes were written by this process
-or checked at adoption); pages live in the slots the allocator hands out.
+Every read is verified too: the store keeps the checksum of each page it holds (written
+this run, or adopted), and `read` raises `CorruptPages` naming the slots whose bytes no
+longer match (a page flipped on disk after it was written): the caller drops them, never
+serves them. Pages live in the slots the allocator hands out.
 """
 
 from __future__ import annotations
@@ -29,9 +31,16 @@ import torch
 
 from .allocator import PageAllocator
 from .disk_journal import DiskJournal, Drop, Replay
-from .disk_records import Free, PageMeta, Put, page_checksum
+from .disk_records import Free, PageMeta, Put, page_checksums
 from .layout import KVLayout, PoolName
-from .page_file import PageFile, PageFileError, PageGeometry, PosixPageFile, page_rows
+from .page_file import (
+    PageFile,
+    PageFileError,
+    PageGeometry,
+    PosixPageFile,
+    check_io,
+    page_rows,
+)
 
 # How a store makes its page files: PosixPageFile, or transport.nixl_file's.
 PageFileMaker = Callable[[Path, int, PageGeometry], PageFile]
@@ -41,6 +50,28 @@ _VERIFY_BATCH = 64  # pages read back at once while adopting
 class Unrecorded(PageFileError):
     """Pages written whose records the journal could not take (a full disk): their bytes
     are right, and a restart will not find them."""
+
+
+class CorruptPages(PageFileError):
+    """Slots read back whose bytes do not match the checksum of the page written there:
+    `slots` (of `pool`) must not be served. The other slots of the read are right."""
+
+    def __init__(self, pool: PoolName, slots: list[int]) -> None:
+        super().__init__(f"{pool.name} slots {slots[:8]} do not match their checksums")
+        self.pool = pool
+        self.slots = slots
+
+
+@dataclass(frozen=True)
+class SavedPages:
+    """Pages of one pool read as they are (checked or not), to be written back by
+    `DiskStore.restore` with the checksums and records they had."""
+
+    pool: PoolName
+    slots: list[int]
+    pages: torch.Tensor
+    sums: list[bytes]
+    records: list[Put]
 
 
 class Sync(str, enum.Enum):
@@ -95,6 +126,9 @@ class DiskStore:
                 f.close()
             raise
         self.slots = {pool: PageAllocator(n) for pool, n in capacity.items()}
+        # The checksum of each page a slot holds, recorded or not (a full journal): what
+        # every read is checked against.
+        self.sums: dict[PoolName, dict[int, bytes]] = {pool: {} for pool in capacity}
         self._adopted = False
 
     @property
@@ -125,6 +159,8 @@ class DiskStore:
                         dropped.append(put)
         for pool in by_pool:
             self.slots[pool].take([p.slot for p in out.trusted if p.pool == pool])
+        for put in out.trusted:
+            self.sums[put.pool][put.slot] = put.checksum
         try:
             self.journal.append(Free(p.pool, p.slot) for p in dropped)
         except PageFileError:
@@ -140,8 +176,7 @@ class DiskStore:
             file.read([p.slot for p in inside], pages)
         except PageFileError:
             return [Drop.UNREADABLE] * len(puts)
-        rows = page_rows(pages)
-        sums = {p.slot: page_checksum(rows[i]) for i, p in enumerate(inside)}
+        sums = {p.slot: c for p, c in zip(inside, page_checksums(page_rows(pages)))}
         return [
             Drop.BEYOND_FILE
             if p.slot not in sums
@@ -168,13 +203,17 @@ class DiskStore:
             raise ValueError(f"{len(slots)} slots but {len(metas)} page metas")
         if not all(isinstance(m, PageMeta) for m in metas):
             raise ValueError("metas must be PageMeta")
+        check_io(file.geometry, file.capacity, slots, pages, "page file write")
+        held = self.sums[pool]
+        for s in slots:  # until written whole, the slots hold no page a read may trust
+            held.pop(s, None)
         file.write(slots, pages)  # validates slots and pages before writing anything
         if self.sync is not Sync.NONE:
             file.sync()
-        rows = page_rows(pages)
-        puts = [
-            Put(pool, s, m, page_checksum(rows[i])) for i, (s, m) in enumerate(zip(slots, metas))
-        ]
+        sums = page_checksums(page_rows(pages))
+        puts = [Put(pool, s, m, c) for s, m, c in zip(slots, metas, sums)]
+        for put in puts:
+            held[put.slot] = put.checksum
         try:
             self.journal.append(puts)
         except PageFileError as e:
@@ -187,14 +226,49 @@ class DiskStore:
         return [put for s in slots if (put := live.get((pool, s))) is not None]
 
     def read(self, pool: PoolName, slots: Sequence[int], out: torch.Tensor) -> None:
-        """Read slots[i] into out[i] (a contiguous CPU tensor of len(slots) pages)."""
+        """Read slots[i] into out[i] (a contiguous CPU tensor of len(slots) pages), each
+        checked against its page's checksum: CorruptPages names those that differ (or
+        hold no page), the others read right."""
         self._file(pool).read(slots, out)
+        sums = self.sums[pool]
+        found = page_checksums(page_rows(out))
+        bad = [s for s, got in zip(slots, found) if sums.get(s) != got]
+        if bad:
+            raise CorruptPages(pool, bad)
+
+    def save(self, pool: PoolName, slots: Sequence[int]) -> SavedPages:
+        """Those of `slots` holding a page, read as they are (unchecked: a corrupted page
+        is written back corrupted, under its own checksum, and still fails its reads)."""
+        sums = self.sums[self._pool(pool)]
+        held = [s for s in slots if s in sums]
+        file = self._file(pool)
+        pages = torch.empty((len(held), *file.geometry.shape), dtype=file.geometry.dtype)
+        file.read(held, pages)
+        return SavedPages(pool, held, pages, [sums[s] for s in held], self.records(pool, held))
+
+    def restore(self, saved: SavedPages) -> None:
+        """Write `saved` back as it was: bytes, checksums, records. A journal that cannot
+        take the records (a full disk) leaves the pages serving this run only."""
+        if not saved.slots:
+            return
+        file = self._file(saved.pool)
+        file.write(saved.slots, saved.pages)
+        if self.sync is not Sync.NONE:
+            file.sync()
+        self.sums[saved.pool].update(zip(saved.slots, saved.sums))
+        try:
+            self.journal.append(saved.records)
+        except PageFileError:
+            pass  # as in `write`'s Unrecorded: the bytes are right, a restart misses them
 
     def free(self, pool: PoolName, slots: Sequence[int]) -> None:
         """The slots hold nothing any more. They are free even where recording that
         fails (PageFileError, raised): a stale PUT is harmless, as adoption trusts it
         only while its slot holds the very bytes it names."""
         self.slots[self._pool(pool)].free(list(slots))
+        sums = self.sums[pool]
+        for s in slots:
+            sums.pop(s, None)
         self.journal.append(Free(pool, s) for s in slots)
 
     def close(self) -> None:

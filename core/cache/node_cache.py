@@ -21,6 +21,7 @@ from .keys import KeyerCache, PageKeyer, encode_tokens
 from .layout import KVLayout, PoolName, Tier
 from .leases import LeaseTable
 from .locks import PrefixLock, TreeGuard, TreeLocks
+from .lost_pages import LostPages
 from .match import Match
 from .page_bytes import LayerKV, PageCopier, TorchCopier, copy_rows
 from .page_changes import PageChanges, PageView, PageWithPath
@@ -49,6 +50,8 @@ class CacheStats:
     inserted_pages: int = 0
     put_failures: int = 0
     load_back_failures: int = 0
+    disk_corrupt_pages: int = 0  # read back from disk not matching their checksum: not served
+    disk_lost_pages: int = 0  # dropped from the tree for it (with those after them)
     evicted_pages: int = 0  # dropped from a tier by eviction (written back or not)
     written_back_pages: int = 0  # copied from device to host as they were evicted
     nodes: int = 0
@@ -92,7 +95,11 @@ class NodeCache:
         self.copier = copier or TorchCopier()
         self.reserve_hook = reserve_hook  # tests and chaos fail reservations through it
         self.open_txns: set[Transaction] = set()
-        self.tiers = TierController(self.registry, tier, self.transaction, layout.page_size * 4)
+        # Pages whose disk copy failed its checksum on a read, dropped once unlocked.
+        self.lost = LostPages(self.tree, layout.pools)
+        self.tiers = TierController(
+            self.registry, tier, self.transaction, layout.page_size * 4, self.lost
+        )
         candidates = Candidates(self.tree) if incremental_eviction else None
         self.evictors = {
             p: Evictor(
@@ -408,6 +415,8 @@ class NodeCache:
         used = [x for x in path if x.start < n]
         self.tree.touch(used, hit=True)
         self.tiers.after_hit(used)
+        if self.lost.pending:  # this load's own, now unlocked, or older ones
+            self.lost.drop()
         return out
 
     def _gather(
@@ -531,6 +540,7 @@ class NodeCache:
         s.nodes = self.tree.node_count
         s.evicted_pages = sum(e.evicted for e in self.evictors.values())
         s.written_back_pages = sum(e.written_back for e in self.evictors.values())
+        s.disk_corrupt_pages, s.disk_lost_pages = self.lost.found, self.lost.dropped
         s.pools = {
             f"{e.name.name}/{t.name}": {
                 "capacity": e.tier(t).capacity,

@@ -99,21 +99,14 @@ def keep_bytes(pool: PagePool, indices: list[int]) -> Callable[[], None]:
 
 
 def _keep_disk_bytes(pool: PagePool, indices: list[int]) -> Callable[[], None]:
-    """keep_bytes for the disk tier: the pages and their records, written back as they were."""
+    """keep_bytes for the disk tier: the pages, their checksums and records, written back
+    as they were (a corrupted page stays one: it keeps the checksum of what was written)."""
     disk = pool.disk
     assert disk is not None
-    saved = disk.records(pool.name, indices)
-    if not saved:
+    saved = disk.save(pool.name, indices)
+    if not saved.slots:
         return lambda: None
-    slots = [put.slot for put in saved]
-    shape = (len(saved), *disk.layout.page_shape(pool.name))
-    pages = torch.empty(shape, dtype=disk.layout.torch_dtype)
-    disk.read(pool.name, slots, pages)
-
-    def restore() -> None:
-        disk.write(pool.name, slots, pages, [put.meta for put in saved])
-
-    return restore
+    return lambda: disk.restore(saved)
 
 
 # Per-layer K/V, [2, T, kv_heads, head_dim] each; a layer of a pool no step reads may be None.

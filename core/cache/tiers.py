@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
 
+from .disk_store import CorruptPages
 from .disk_tier import page_metas
 from .layout import PoolName, Tier
+from .lost_pages import LostPages
 from .pools import PoolRegistry
 from .radix import ABSENT, TreeNode
 from .txn import ReservationFailed, Transaction
@@ -52,8 +54,11 @@ class TierController:
         config: TierConfig,
         begin: Callable[[], Transaction],
         page_bytes: int,
+        lost: LostPages,
     ) -> None:
+        """`lost`: where a load records the pages whose disk copy failed its checksum."""
         self.registry = registry
+        self.lost = lost
         self.page_bytes = page_bytes  # token bytes of a page, which a page on disk records
         self.config = config
         self._begin = begin
@@ -119,7 +124,10 @@ class TierController:
         sources: tuple[Tier, ...],
         dst: Tier,
     ) -> bool:
-        """Copy each page of `todo` to `dst` from the first of `sources` holding it."""
+        """Copy each page of `todo` to `dst` from the first of `sources` holding it. False
+        where there is no room, or a page read from disk failed its checksum (recorded
+        in `lost`; the copies are undone, none is served)."""
+        read: dict[tuple[PoolName, int], tuple[TreeNode, int]] = {}  # disk slot -> its page
         txn = self._begin()
         try:
             try:
@@ -142,7 +150,16 @@ class TierController:
                         metas = page_metas(node, here, self.page_bytes) if dst is Tier.DISK else ()
                         txn.defer_copy(pool, src, [held[j] for j in here], dst, mine, metas)
                         txn.place(node, dst, pool, here, mine)
-            txn.commit()  # runs the copies: a failing one is undone with the rest
+                        if src is Tier.DISK:
+                            read.update(((pool, held[j]), (node, j)) for j in here)
+            try:
+                txn.commit()  # runs the copies: a failing one is undone with the rest
+            except CorruptPages as e:
+                txn.rollback()
+                for slot in e.slots:
+                    node, j = read[(e.pool, slot)]
+                    self.lost.add(node, e.pool, j, slot)
+                return False
         finally:
             txn.rollback()  # a no-op once committed
         return True

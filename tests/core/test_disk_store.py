@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvfabric.core.cache.disk_journal import Drop
 from kvfabric.core.cache.disk_records import PageMeta
-from kvfabric.core.cache.disk_store import DiskStore, Sync
+from kvfabric.core.cache.disk_store import CorruptPages, DiskStore, Sync
 from kvfabric.core.cache.layout import KVLayout, PoolName
 
 LAYOUT = KVLayout(layers=("full", "full", "swa"), kv_heads=1, head_dim=4, page_size=2, window=4)
@@ -280,4 +280,50 @@ def test_a_full_disk_raises_and_keeps_the_pages_written_before(tmp_path):
     store.close()
     store = DiskStore(tmp_path, LAYOUT, CAPACITY)
     assert len(check_adopted(store)) == held + 1
+    store.close()
+
+
+def flip(folder: Path, pool: PoolName, slot: int, at: int = 5) -> None:
+    """Flip a byte of `slot`'s page in the data file, under the store that has it open."""
+    with open(folder / f"{pool.name}.pages", "r+b") as f:
+        f.seek(slot * LAYOUT.page_bytes(pool) + at)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def test_a_read_names_the_pages_corrupted_since_they_were_written(tmp_path):
+    store = DiskStore(tmp_path, LAYOUT, CAPACITY)
+    store.adopt()
+    written = write(store, PoolName.FULL, list(range(6)))
+    slots = list(written)
+    flip(tmp_path, PoolName.FULL, slots[2])
+    out = torch.empty((len(slots), *LAYOUT.page_shape(PoolName.FULL)))
+    with pytest.raises(CorruptPages) as e:
+        store.read(PoolName.FULL, slots, out)
+    assert e.value.pool is PoolName.FULL and e.value.slots == [slots[2]]
+    for i, s in enumerate(slots):  # the others read right
+        if s != slots[2]:
+            assert torch.equal(out[i], page_of(PoolName.FULL, meta(written[s]).key))
+    # Saved and written back (a rolled-back copy), a corrupted page stays one.
+    saved = store.save(PoolName.FULL, slots)
+    store.write(PoolName.FULL, slots[:1], torch.zeros_like(out[:1]), [meta(99)])
+    store.restore(saved)
+    with pytest.raises(CorruptPages) as e:
+        store.read(PoolName.FULL, slots, out)
+    assert e.value.slots == [slots[2]]
+    store.close()
+    # Nor does a restart adopt it.
+    store = DiskStore(tmp_path, LAYOUT, CAPACITY)
+    assert sorted(check_adopted(store)) == [(PoolName.FULL, s) for s in slots if s != slots[2]]
+    store.close()
+
+
+def test_a_freed_slot_reads_as_corrupt_never_as_its_old_page(tmp_path):
+    store = DiskStore(tmp_path, LAYOUT, CAPACITY)
+    store.adopt()
+    slot = next(iter(write(store, PoolName.SWA, [1])))
+    store.free(PoolName.SWA, [slot])
+    with pytest.raises(CorruptPages):
+        store.read(PoolName.SWA, [slot], torch.empty((1, *LAYOUT.page_shape(PoolName.SWA))))
     store.close()

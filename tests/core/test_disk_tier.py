@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvfabric.core.cache.check import PageAudit
 from kvfabric.core.cache.disk_store import DiskStore
 from kvfabric.core.cache.layout import KVLayout, PoolName, Tier
 from kvfabric.core.cache.node_cache import NodeCache
@@ -137,6 +140,68 @@ def test_a_corrupted_page_is_not_adopted_nor_anything_after_it(filled):
     assert cache.adopted.pages > 0
     for t in seqs:
         served_right(cache, t)  # whatever is served is the KV that was put
+    store.close()
+
+
+def flip_bytes(folder: Path, pool: PoolName, slots: list[int], at: int = 5) -> None:
+    """Flip a byte of each slot's page in the data file, under the store that has it open."""
+    size = LAYOUT.page_bytes(pool)
+    with open(folder / f"{pool.name}.pages", "r+b") as f:
+        for slot in slots:
+            f.seek(slot * size + at % size)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0xFF]))
+
+
+def test_a_page_corrupted_under_a_running_cache_is_a_miss_then_lost(tmp_path):
+    """Every full page on disk corrupted: no get serves one; the pages (and those after
+    them) leave the tree, and the prompts put again are served again."""
+    cache, store = open_cache(tmp_path)
+    seqs = prompts(24)
+    for t in seqs:
+        cache.put(t, prefix_kv(LAYOUT, t), "t")
+    flip_bytes(tmp_path, PoolName.FULL, sorted(store.sums[PoolName.FULL]))
+    hits = [served_right(cache, t) for t in seqs]
+    cache.check()
+    stats = cache.stats()
+    assert stats.disk_corrupt_pages > 0 and stats.disk_lost_pages >= stats.disk_corrupt_pages
+    assert not cache.lost.pending and disk_pages(cache) < 20
+    assert [served_right(cache, t) for t in seqs] == hits  # a miss now, not a failed load
+    for t in seqs:
+        cache.put(t, prefix_kv(LAYOUT, t), "t")
+    assert sum(served_right(cache, t) > 0 for t in seqs) >= 12
+    cache.check()
+    assert cache.audit() == PageAudit(0, 0, 0)
+    store.close()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    bad=st.lists(
+        st.tuples(st.booleans(), st.integers(0, 95), st.integers(0, 1 << 12)), max_size=12
+    ),
+    seed=st.integers(0, 3),
+)
+def test_corruption_under_a_running_cache_never_serves_wrong_kv(tmp_path_factory, bad, seed):
+    folder = tmp_path_factory.mktemp("d")
+    cache, store = open_cache(folder)
+    seqs = prompts(16, seed=seed)
+    for t in seqs:
+        cache.put(t, prefix_kv(LAYOUT, t), "t")
+    for swa, i, at in bad:  # a byte of the i-th page on disk
+        pool = PoolName.SWA if swa else PoolName.FULL
+        held = sorted(store.sums[pool])
+        if held:
+            flip_bytes(folder, pool, [held[i % len(held)]], at)
+    for t in seqs + seqs[::-1]:
+        served_right(cache, t)  # whatever is served is the KV that was put
+        cache.check()
+    for t in seqs[:4]:
+        cache.put(t, prefix_kv(LAYOUT, t), "t")
+        served_right(cache, t)
+    cache.check()
+    assert cache.audit() == PageAudit(0, 0, 0)
     store.close()
 
 
