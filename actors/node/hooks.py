@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from kvfabric.core.cache.disk_store import DiskStore
 from kvfabric.core.cache.layout import PoolName, Tier
 from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.transport.base import Transport
@@ -26,6 +27,11 @@ class NodeHooks(Protocol):
 
     def send(self, batches: Sends) -> Sends:
         """The (shard, batch) pairs to really send, given those a publish would send."""
+        ...
+
+    def disk(self, store: DiskStore) -> None:
+        """The node's disk store, as it opens (only a node with a disk tier): the hooks
+        may act at the steps of its writes (`store.hook`)."""
         ...
 
     def after_get(self, cache: NodeCache) -> None:

@@ -88,6 +88,8 @@ class NodeCacheActor:
         self.hooks = hooks = None if config.hooks is None else config.hooks(config)
         # A restarted actor finds its earlier life's disk pages here and adopts them.
         self.disk = open_store(name, config.disk, config.layout, config.capacities)
+        if hooks is not None and self.disk is not None:
+            hooks.disk(self.disk)
         self.cache = NodeCache(
             config.layout,
             config.capacities,

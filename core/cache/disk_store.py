@@ -74,6 +74,18 @@ class SavedPages:
     records: list[Put]
 
 
+class DiskStep(str, enum.Enum):
+    """Where a write stands, for a store's `hook` (tests and chaos runs act there)."""
+
+    PAGES = "pages"  # about to write the page bytes
+    RECORD = "record"  # the bytes are written, their records not yet appended
+
+
+# Called at each step of a write; raising there fails the write as that step's I/O would
+# (a PageFileError at RECORD: the journal could not take the records). Production sets none.
+DiskHook = Callable[[DiskStep], None]
+
+
 class Sync(str, enum.Enum):
     NONE = "none"
     PAGES = "pages"
@@ -113,7 +125,7 @@ class DiskStore:
         try:
             for pool, n in capacity.items():
                 geometry = PageGeometry(layout.page_shape(pool), layout.torch_dtype)
-                self.files[pool] = page_file(self.folder / f"{pool.name}.pages", n, geometry)
+                self.files[pool] = page_file(self.data_path(pool), n, geometry)
             self.journal = DiskJournal(
                 self.folder,
                 layout,
@@ -129,6 +141,7 @@ class DiskStore:
         # The checksum of each page a slot holds, recorded or not (a full journal): what
         # every read is checked against.
         self.sums: dict[PoolName, dict[int, bytes]] = {pool: {} for pool in capacity}
+        self.hook: DiskHook | None = None
         self._adopted = False
 
     @property
@@ -186,6 +199,10 @@ class DiskStore:
             for p in puts
         ]
 
+    def data_path(self, pool: PoolName) -> Path:
+        """The data file of `pool`'s pages."""
+        return self.folder / f"{pool.name}.pages"
+
     def alloc(self, pool: PoolName, n: int) -> list[int]:
         """n free slots of `pool` (OutOfPages where there are fewer)."""
         return self.slots[pool].alloc(n)
@@ -205,6 +222,8 @@ class DiskStore:
             raise ValueError("metas must be PageMeta")
         check_io(file.geometry, file.capacity, slots, pages, "page file write")
         held = self.sums[pool]
+        if self.hook is not None:
+            self.hook(DiskStep.PAGES)
         for s in slots:  # until written whole, the slots hold no page a read may trust
             held.pop(s, None)
         file.write(slots, pages)  # validates slots and pages before writing anything
@@ -215,6 +234,8 @@ class DiskStore:
         for put in puts:
             held[put.slot] = put.checksum
         try:
+            if self.hook is not None:
+                self.hook(DiskStep.RECORD)
             self.journal.append(puts)
         except PageFileError as e:
             raise Unrecorded(f"pages written but not recorded: {e}") from e

@@ -32,7 +32,7 @@ from kvfabric.deploy.harness.cluster import Endpoint
 from kvfabric.deploy.serving.engine_identity import is_engine
 from ray.exceptions import GetTimeoutError, RayError
 
-from .faults import ChaosAction, EventFault, Fault, FaultKind
+from .faults import ChaosAction, DiskFault, EventFault, Fault, FaultKind
 from .plan import ENGINE_KINDS, ChaosKind, schedule
 from .report import ChaosReport
 from .workload import Workload
@@ -163,6 +163,8 @@ class ChaosHarness:
                 self._kill_directory_mid_rebalance(rng)
             elif kind is ChaosKind.CROSS_FETCH:
                 return self._cross_fetch(nodes, rng, work)
+            elif kind is ChaosKind.DISK_KILL_MID_WRITE:
+                return self._kill_mid_disk_write(actor)
             else:
                 return self._armed(kind, name, actor, rng, work)
             return True
@@ -189,6 +191,26 @@ class ChaosHarness:
             return True
         ray.get(actor.calm.remote(), timeout=CALL_TIMEOUT_S)
         return False
+
+    def _kill_mid_disk_write(self, actor) -> bool:
+        """Arm the kill at the node's next disk write (requests write their new last
+        pages through); True once it died and Ray restarted it (a new epoch)."""
+        before = ray.get(actor.stats.remote(), timeout=CALL_TIMEOUT_S)["epoch"]
+        ray.get(actor.inject.remote(ChaosAction(disk=DiskFault.KILL_MID_WRITE)))
+        deadline = time.monotonic() + self.fire_wait_s
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.ping.remote(), timeout=1.0)
+            except (RayError, GetTimeoutError):
+                break  # it died: wait for the new one below
+            time.sleep(0.05)
+        else:
+            try:
+                ray.get(actor.calm.remote(), timeout=CALL_TIMEOUT_S)
+            except (RayError, GetTimeoutError):
+                pass  # it died as it was told to calm down: the check below says so
+        stats = _retry(lambda: ray.get(actor.stats.remote(), timeout=CALL_TIMEOUT_S))
+        return stats["epoch"] != before
 
     @staticmethod
     def _fired_since(actor, before: int, wait_s: float) -> bool:
@@ -338,6 +360,12 @@ _ARMED = {
     ChaosKind.EVENT_DROP,
     ChaosKind.EVENT_DUPLICATE,
     ChaosKind.EVENT_REORDER,
+    ChaosKind.DISK_CORRUPT_PAGE,
+    ChaosKind.DISK_FULL,
+}
+_DISK = {
+    ChaosKind.DISK_CORRUPT_PAGE: DiskFault.CORRUPT_PAGE,
+    ChaosKind.DISK_FULL: DiskFault.FULL,
 }
 
 
@@ -347,6 +375,8 @@ def _action(kind: ChaosKind, rng: random.Random) -> ChaosAction:
         return ChaosAction(alloc_point=rng.randint(1, 3))
     if kind is ChaosKind.EVICT_MID_REQUEST:
         return ChaosAction(evict_after_get=True)
+    if kind in _DISK:
+        return ChaosAction(disk=_DISK[kind])
     if kind in (ChaosKind.EVENT_DROP, ChaosKind.EVENT_DUPLICATE, ChaosKind.EVENT_REORDER):
         return ChaosAction(events=EventFault(kind.value.removeprefix("event_")))
     return ChaosAction(

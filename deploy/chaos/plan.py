@@ -29,6 +29,10 @@ class ChaosKind(str, Enum):
     NODE_KILL_MID_LOAD = "node_kill_mid_load"
     NODE_STALL = "node_stall"
     SHM_FULL = "shm_full"
+    # Nodes with a disk tier (the harness's have one):
+    DISK_KILL_MID_WRITE = "disk_kill_mid_write"
+    DISK_CORRUPT_PAGE = "disk_corrupt_page"
+    DISK_FULL = "disk_full"
 
 
 DESCRIPTIONS = {
@@ -70,6 +74,18 @@ DESCRIPTIONS = {
         "a vLLM worker is killed (-9); /dev/shm is full as its replacement reserves its "
         "staging, so that start fails; Serve's next one starts"
     ),
+    ChaosKind.DISK_KILL_MID_WRITE: (
+        "a node actor is killed (-9) as it writes pages to disk, their records not yet "
+        "appended; Ray restarts it and it adopts the pages whose writes were complete"
+    ),
+    ChaosKind.DISK_CORRUPT_PAGE: (
+        "a byte of a page in a node's page file flips, its memory copies evicted: the next "
+        "read of it must find it corrupt, drop it and miss"
+    ),
+    ChaosKind.DISK_FULL: (
+        "a node's disk is full: its next writes' records find no room (ENOSPC); it keeps "
+        "serving, those pages on disk for this run only"
+    ),
 }
 # What each engine can suffer: the reference engine's requests go through the node
 # actors' get and put; a vLLM engine's through staging, with its own processes.
@@ -103,6 +119,7 @@ _RARE = {
     ChaosKind.WORKER_KILL_MID_SAVE: 8,
     ChaosKind.NODE_KILL_MID_LOAD: 6,
     ChaosKind.SHM_FULL: 8,
+    ChaosKind.DISK_KILL_MID_WRITE: 6,
 }
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
 from typing import TYPE_CHECKING, Iterator
 
 from kvfabric.deploy.harness.cluster import keep_auth_on
@@ -127,6 +128,7 @@ def session(
 ) -> Iterator["ChaosHarness"]:
     """The fabric and its Serve app with chaos on, on an embedded cluster of `nodes`
     (or the cluster at `address`), and a harness over it with trace prompts."""
+    from kvfabric.core.cache.tiers import WritePolicy
     from kvfabric.deploy.harness.cluster import connect, free_port, local_cluster, up
     from kvfabric.deploy.harness.http_replay import multi_turn_slice
     from kvfabric.deploy.reference.serve.app import AppArgs
@@ -134,13 +136,21 @@ def session(
 
     from .harness import ChaosHarness
 
-    app = AppArgs(max_positions=1024, device_pages=512, host_pages=512, chaos=True)
-    tokens = [
-        request_tokens(r, 16, vocab_size=app.reference_model.vocab)[:1000]
-        for r in multi_turn_slice(load_trace(), prompts)
-    ]
+    # On an embedded cluster each node has a disk tier, written through (the disk faults
+    # act on its writes), in a folder of the run's own; a given cluster's nodes may not
+    # share this machine's folders: none there.
     embedded = local_cluster(nodes) if not address else contextlib.nullcontext(None)
-    with embedded as cluster:
+    folder = tempfile.TemporaryDirectory(prefix="kvf-chaos-disk-") if not address else None
+    with folder or contextlib.nullcontext(), embedded as cluster:
+        app = AppArgs(max_positions=1024, device_pages=512, host_pages=512, chaos=True)
+        if folder is not None:
+            app = app.but(
+                disk_pages=1024, disk_folder=folder.name, disk_write=WritePolicy.WRITE_THROUGH
+            )
+        tokens = [
+            request_tokens(r, 16, vocab_size=app.reference_model.vocab)[:1000]
+            for r in multi_turn_slice(load_trace(), prompts)
+        ]
         if address:  # no embedded cluster: the given one
             connect(address)
         endpoint = up(app.as_dict(), port=free_port())

@@ -11,10 +11,18 @@ kvfabric_chaos_options = {"nodes": 3, "prompts": 6}
 
 def test_every_fault_kind_leaves_the_fabric_whole(kvfabric_chaos):
     kinds = [k for k in ENGINE_KINDS["reference"] if k is not ChaosKind.REMOVE_READD_NODE]
-    faults = 2 * len(kinds)
-    report = kvfabric_chaos.run(seed=5, faults=faults, kinds=kinds, interval_s=0.2, quiet_s=2.0)
+    # The disk kinds among them: the harness's nodes have a disk tier.
+    assert {ChaosKind.DISK_KILL_MID_WRITE, ChaosKind.DISK_CORRUPT_PAGE, ChaosKind.DISK_FULL} <= set(
+        kinds
+    )
+    # This seed's schedule has every kind at least once and four restarts (of a node actor,
+    # a shard, the directory, a node mid disk write) in 26 faults.
+    faults, seed = 26, 106
+    assert set(schedule(seed, faults, kinds)) == set(kinds)
+    report = kvfabric_chaos.run(seed=seed, faults=faults, kinds=kinds, interval_s=0.2, quiet_s=2.0)
     assert report.requests > 0
     assert report.faults_injected == faults and sum(report.by_kind.values()) == faults
+    assert set(report.by_kind) == {k.value for k in kinds}
     assert (
         report.failed_requests == 0 and report.retried_requests == 0 and report.wrong_outputs == 0
     )

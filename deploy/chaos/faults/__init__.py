@@ -4,6 +4,7 @@ the vLLM connector's step hook). No Ray here."""
 
 from .action import ChaosAction
 from .allocation import AllocationFaults
+from .disk import DiskFault, DiskFaults
 from .events import EventFault, EventMangler
 from .faulty_transport import FaultyTransport
 from .node import HOOKS, NodeChaos
@@ -13,6 +14,8 @@ from .transfer import Fault, FaultKind, FaultPlan
 __all__ = [
     "AllocationFaults",
     "ChaosAction",
+    "DiskFault",
+    "DiskFaults",
     "EventFault",
     "EventMangler",
     "Fault",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .disk import DiskFault
 from .events import EventFault
 from .transfer import Fault
 
@@ -16,3 +17,4 @@ class ChaosAction:
     events: EventFault | None = None  # what happens to the next batches it sends
     evict_after_get: bool = False  # evict all it can right after answering its next get
     exit_after_get: bool = False  # die (-9) once its next get or load has its answer
+    disk: DiskFault | None = None  # what its disk tier suffers next (faults/disk.py)

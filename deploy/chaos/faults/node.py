@@ -3,7 +3,8 @@
 A node started with `NodeConfig(hooks=NodeChaos)` (the Serve app's `chaos` arg) reads
 through a FaultyTransport and counts its cache's reservation points, both idle until an
 action arms them; event faults act on what it sends the index next. `ChaosAction`s come
-through the actor's `inject`. A scripted start (tests): `functools.partial(NodeChaos,
+through the actor's `inject`. A node with a disk tier gives its store's write hook to
+DiskFaults. A scripted start (tests): `functools.partial(NodeChaos,
 script=[Fault(...)])`, picklable like the class itself."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import signal
 from typing import TYPE_CHECKING, Sequence
 
+from kvfabric.core.cache.disk_store import DiskStore
 from kvfabric.core.cache.layout import PoolName, Tier
 from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.core.index.events import EventBatch
@@ -19,6 +21,7 @@ from kvfabric.transport.base import Transport
 
 from .action import ChaosAction
 from .allocation import AllocationFaults
+from .disk import DiskFaults
 from .events import EventMangler
 from .faulty_transport import FaultyTransport
 from .transfer import Fault, FaultPlan
@@ -35,6 +38,7 @@ class NodeChaos:
         self.capacities = config.capacities
         self.allocation = AllocationFaults()
         self.events = EventMangler()
+        self.disk_faults = DiskFaults()
         self.faulty: FaultyTransport | None = None
         self._plan = FaultPlan(script)
         self._evict_after_get = False
@@ -53,12 +57,19 @@ class NodeChaos:
     def send(self, batches: list[tuple[int, EventBatch]]) -> list[tuple[int, EventBatch]]:
         return self.events(batches)
 
+    def disk(self, store: DiskStore) -> None:
+        self.disk_faults.attach(store)
+
     def after_get(self, cache: NodeCache) -> None:
         """Evict every unlocked page when armed: what happens to a request's match when
         other requests and peers' exports crowd the pools between its get and its put.
-        Or kill this process (-9) there: a node actor dying mid-load, its answer unsent."""
+        Or kill this process (-9) there: a node actor dying mid-load, its answer unsent.
+        Or flip a byte of a page on disk, then evict: the memory copies gone, the next
+        hit on that page reads it from disk (and must find it corrupt)."""
         if self._exit_after_get:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.disk_faults.corrupt():
+            self._evict_after_get = True
         if not self._evict_after_get:
             return
         self._evict_after_get = False
@@ -78,6 +89,8 @@ class NodeChaos:
             self.allocation.arm(action.alloc_point)
         if action.events is not None:
             self.events.arm(action.events)
+        if action.disk is not None:
+            self.disk_faults.arm(action.disk)
         self._evict_after_get = action.evict_after_get
         self._exit_after_get = action.exit_after_get
 
@@ -86,12 +99,14 @@ class NodeChaos:
         self._replace_plan(FaultPlan())
         self.allocation.disarm()
         self.events.armed = None
+        self.disk_faults.disarm()
         self._evict_after_get = self._exit_after_get = False
 
     def fired(self) -> int:
         """How many injected faults have acted so far (armed ones count once they hit)."""
         transport = self._transport_done + len(self._plan.injected)
-        return transport + self.allocation.injected + self.events.applied + self._evictions
+        applied = self.allocation.injected + self.events.applied + self.disk_faults.injected
+        return transport + applied + self._evictions
 
     def _replace_plan(self, plan: FaultPlan) -> None:
         self._transport_done += len(self._plan.injected)

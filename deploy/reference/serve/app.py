@@ -13,6 +13,7 @@ from typing import Annotated, Any, Self
 
 import ray
 from kvfabric.actors.launch import FabricMismatch, ensure
+from kvfabric.actors.node.disk import DiskConfig
 from kvfabric.actors.node.node_actor import NodeConfig
 from kvfabric.core.cache.layout import PoolName
 from kvfabric.core.cache.pools import PoolCapacity
@@ -46,6 +47,12 @@ class AppArgs(Args):
     max_positions: Annotated[int, Field(ge=1)] = 4096
     max_tokens_limit: Annotated[int, Field(ge=1)] = 256
     chaos: bool = False  # nodes run with chaos hooks, to inject faults into (`kvfabric chaos`)
+    # The disk tier: pages per node of the full pool (SWA pools: a quarter), kept in
+    # disk_folder/<node name>/ (0: no disk tier); `disk_write`: when a page gets its disk
+    # copy (write_back: as the host evicts it; write_through: as it is stored).
+    disk_pages: Annotated[int, Field(ge=0)] = 0
+    disk_folder: AbsolutePath | None = None
+    disk_write: WritePolicy = WritePolicy.WRITE_BACK
     # GPUs each model server asks Ray for (0: it runs on CPU)
     gpus_per_replica: Annotated[float, Field(ge=0, le=8)] = 0.0
 
@@ -58,6 +65,10 @@ class AppArgs(Args):
                 f"device_pages ({self.device_pages}) of {self.reference_model.page_size} tokens "
                 f"cannot hold a prompt of max_positions ({self.max_positions}) tokens"
             )
+        if self.disk_pages and self.disk_folder is None:
+            raise ValueError("disk_pages needs a disk_folder")
+        if self.disk_write not in (WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH):
+            raise ValueError("disk_write is write_back or write_through")
         return self
 
     @classmethod
@@ -79,13 +90,22 @@ class AppArgs(Args):
 
     def node_config(self) -> NodeConfig:
         layout = self.reference_model.layout()
-        caps = {PoolName.FULL: PoolCapacity(self.device_pages, self.host_pages)}
+        disk = self.disk_pages
+        caps = {PoolName.FULL: PoolCapacity(self.device_pages, self.host_pages, disk)}
         if PoolName.SWA in layout.pools:
-            caps[PoolName.SWA] = PoolCapacity(max(1, self.device_pages // 4), self.host_pages // 4)
+            caps[PoolName.SWA] = PoolCapacity(
+                max(1, self.device_pages // 4), self.host_pages // 4, disk // 4
+            )
         hooks = None
         if self.chaos:  # chaos runs only: the injectors are the chaos harness's to register
             hooks = registered().node_hooks
-        return NodeConfig(layout, caps, tier=TierConfig(policy=WritePolicy.WRITE_BACK), hooks=hooks)
+        return NodeConfig(
+            layout,
+            caps,
+            tier=TierConfig(policy=WritePolicy.WRITE_BACK, disk=self.disk_write),
+            hooks=hooks,
+            disk=DiskConfig(self.disk_folder) if disk and self.disk_folder else None,
+        )
 
 
 def ensure_fabric(args: AppArgs, timeout_s: float = 180.0) -> bool:

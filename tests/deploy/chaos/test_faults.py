@@ -10,20 +10,27 @@ from types import SimpleNamespace
 
 import pytest
 from kvfabric.actors.node.node_actor import NodeConfig
+from kvfabric.core.cache.disk_store import DiskStore
 from kvfabric.core.cache.layout import PoolName, Tier
 from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.core.cache.tiers import WritePolicy
 from kvfabric.core.cache.txn import ReservationFailed
 from kvfabric.deploy.chaos.faults import (
     AllocationFaults,
     ChaosAction,
+    DiskFault,
     EventFault,
     Fault,
     FaultKind,
     NodeChaos,
 )
+from kvfabric.deploy.chaos.faults import disk as disk_faults
 from kvfabric.transport.local import LocalTransport
 
+from tests.core.test_disk_tier import CAPS as DISK_CAPS
+from tests.core.test_disk_tier import LAYOUT as DISK_LAYOUT
+from tests.core.test_disk_tier import open_cache, prompts, served_right
 from tests.core.test_node_cache import MIXED, NS, make, seq
 from tests.kvgen import prefix_kv
 
@@ -193,3 +200,68 @@ def test_the_step_fault_file_fails_a_step_as_a_full_shm_would(tmp_path):
         hook(ConnectorStep.STAGING)
     assert e.value.errno == errno.ENOSPC
     hook(ConnectorStep.STAGING)  # once
+
+
+def disk_chaos_node(folder) -> tuple[NodeChaos, NodeCache, DiskStore]:
+    """A chaos node over a disk tier written through (tests/core/test_disk_tier.py's)."""
+    config = NodeConfig(DISK_LAYOUT, DISK_CAPS, hooks=NodeChaos)
+    assert config.hooks is not None
+    hooks = config.hooks(config)
+    assert isinstance(hooks, NodeChaos)
+    cache, store = open_cache(folder, to_disk=WritePolicy.WRITE_THROUGH)
+    hooks.disk(store)
+    return hooks, cache, store
+
+
+def test_a_full_disk_refuses_records_but_the_node_serves_on(tmp_path):
+    hooks, cache, store = disk_chaos_node(tmp_path)
+    seqs = prompts(8, seed=2)
+    for t in seqs[:2]:
+        cache.put(t, prefix_kv(DISK_LAYOUT, t), "t")
+    recorded = len(store.journal.live)
+    hooks.arm(ChaosAction(disk=DiskFault.FULL))
+    for t in seqs[2:]:
+        cache.put(t, prefix_kv(DISK_LAYOUT, t), "t")
+    assert hooks.fired() == 1 and 0 < len(store.journal.live) - recorded
+    assert all(served_right(cache, t) > 0 for t in seqs[2:4])  # unrecorded, served this run
+    cache.check()
+    store.close()
+    cache, store = open_cache(tmp_path, to_disk=WritePolicy.WRITE_THROUGH)  # a restart
+    cache.check()
+    assert served_right(cache, seqs[0]) > 0  # recorded before the disk filled
+    for t in seqs:
+        served_right(cache, t)
+    store.close()
+
+
+def test_a_corrupted_disk_page_is_never_served(tmp_path):
+    hooks, cache, store = disk_chaos_node(tmp_path)
+    seqs = prompts(8, seed=3)
+    for t in seqs:
+        cache.put(t, prefix_kv(DISK_LAYOUT, t), "t")
+    for _ in range(4):
+        hooks.arm(ChaosAction(disk=DiskFault.CORRUPT_PAGE))
+        hooks.after_get(cache)  # flips a byte of a page on disk, evicts the memory tiers
+        for t in seqs:
+            served_right(cache, t)
+        cache.check()
+    assert hooks.fired() == 4 + 4  # each flip, and the eviction after it
+    assert cache.stats().disk_corrupt_pages > 0
+    store.close()
+
+
+def test_a_kill_mid_write_comes_between_the_pages_and_their_records(tmp_path, monkeypatch):
+    hooks, cache, store = disk_chaos_node(tmp_path)
+    killed = []
+
+    def kill(pid: int, sig: int) -> None:
+        killed.append(sorted(store.journal.live))
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(disk_faults.os, "kill", kill)
+    t = prompts(1, seed=4)[0]
+    hooks.arm(ChaosAction(disk=DiskFault.KILL_MID_WRITE))
+    with pytest.raises(SystemExit):
+        cache.put(t, prefix_kv(DISK_LAYOUT, t), "t")
+    assert killed == [[]]  # the pages were written, none recorded
+    store.close()
