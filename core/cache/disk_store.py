@@ -31,7 +31,7 @@ import torch
 
 from .allocator import PageAllocator
 from .disk_journal import DiskJournal, Drop, Replay
-from .disk_records import Free, PageMeta, Put, page_checksums
+from .disk_records import Free, PageMeta, Put, each_page, page_checksum, read_check
 from .layout import KVLayout, PoolName
 from .page_file import (
     PageFile,
@@ -70,7 +70,7 @@ class SavedPages:
     pool: PoolName
     slots: list[int]
     pages: torch.Tensor
-    sums: list[bytes]
+    sums: list[int]  # read_check of each
     records: list[Put]
 
 
@@ -138,9 +138,9 @@ class DiskStore:
                 f.close()
             raise
         self.slots = {pool: PageAllocator(n) for pool, n in capacity.items()}
-        # The checksum of each page a slot holds, recorded or not (a full journal): what
+        # The read_check of each page a slot holds, recorded or not (a full journal): what
         # every read is checked against.
-        self.sums: dict[PoolName, dict[int, bytes]] = {pool: {} for pool in capacity}
+        self.sums: dict[PoolName, dict[int, int]] = {pool: {} for pool in capacity}
         self.hook: DiskHook | None = None
         self._adopted = False
 
@@ -165,15 +165,14 @@ class DiskStore:
             for i in range(0, len(puts), _VERIFY_BATCH):
                 batch = puts[i : i + _VERIFY_BATCH]
                 for put, why in zip(batch, self._verify(file, batch)):
-                    if why is None:
+                    if isinstance(why, int):
                         out.trusted.append(put)
+                        self.sums[pool][put.slot] = why
                     else:
                         out.dropped[why] += 1
                         dropped.append(put)
         for pool in by_pool:
             self.slots[pool].take([p.slot for p in out.trusted if p.pool == pool])
-        for put in out.trusted:
-            self.sums[put.pool][put.slot] = put.checksum
         try:
             self.journal.append(Free(p.pool, p.slot) for p in dropped)
         except PageFileError:
@@ -181,19 +180,22 @@ class DiskStore:
         return out
 
     @staticmethod
-    def _verify(file: PageFile, puts: list[Put]) -> list[Drop | None]:
-        """Per record, None where its slot's bytes match its checksum, else why not."""
+    def _verify(file: PageFile, puts: list[Put]) -> list[Drop | int]:
+        """Per record, where its slot's bytes match its checksum their read_check, else
+        why not."""
         inside = [p for p in puts if p.slot < file.valid_slots]
         pages = torch.empty((len(inside), *file.geometry.shape), dtype=file.geometry.dtype)
         try:
             file.read([p.slot for p in inside], pages)
         except PageFileError:
             return [Drop.UNREADABLE] * len(puts)
-        sums = {p.slot: c for p, c in zip(inside, page_checksums(page_rows(pages)))}
+        rows = page_rows(pages)
+        sums = {p.slot: c for p, c in zip(inside, each_page(page_checksum, rows))}
+        reads = {p.slot: c for p, c in zip(inside, each_page(read_check, rows))}
         return [
             Drop.BEYOND_FILE
             if p.slot not in sums
-            else None
+            else reads[p.slot]
             if sums[p.slot] == p.checksum
             else Drop.PAGE_CHECKSUM
             for p in puts
@@ -229,10 +231,9 @@ class DiskStore:
         file.write(slots, pages)  # validates slots and pages before writing anything
         if self.sync is not Sync.NONE:
             file.sync()
-        sums = page_checksums(page_rows(pages))
-        puts = [Put(pool, s, m, c) for s, m, c in zip(slots, metas, sums)]
-        for put in puts:
-            held[put.slot] = put.checksum
+        rows = page_rows(pages)
+        puts = [Put(pool, s, m, c) for s, m, c in zip(slots, metas, each_page(page_checksum, rows))]
+        held.update(zip(slots, each_page(read_check, rows)))
         try:
             if self.hook is not None:
                 self.hook(DiskStep.RECORD)
@@ -252,7 +253,7 @@ class DiskStore:
         hold no page), the others read right."""
         self._file(pool).read(slots, out)
         sums = self.sums[pool]
-        found = page_checksums(page_rows(out))
+        found = each_page(read_check, page_rows(out))
         bad = [s for s, got in zip(slots, found) if sums.get(s) != got]
         if bad:
             raise CorruptPages(pool, bad)
