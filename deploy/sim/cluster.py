@@ -1,7 +1,10 @@
 """The cluster that `kvfabric replay` simulates: real `core/` caches and index, simulated time.
 
 Every node is a real metadata-only `NodeCache` (FULL layers only: the trace says nothing of
-attention kinds, and FULL is the pool whose pages bound a match). Pages are tiny: one page per
+attention kinds, and FULL is the pool whose pages bound a match), with a device tier and,
+when `host_tokens` and `disk_tokens` say so, host and disk tiers under it: pages the device
+evicts go down a tier (write-back), and a local hit on a page below the device costs reading
+it up (`kvfabric.deploy.sim.local_hit`). Pages are tiny: one page per
 512-token trace block, `page_tokens` token ids each, so that 10 x 3M tokens of capacity is a few
 thousand pages per node; hit and prefill figures are converted back to real tokens.
 
@@ -31,7 +34,7 @@ from enum import Enum
 from typing import Sequence
 
 from kvfabric.core.cache.keys import PageKeyer
-from kvfabric.core.cache.layout import KVLayout, LayerKind, PoolName
+from kvfabric.core.cache.layout import KVLayout, LayerKind, PoolName, Tier
 from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.core.index.replication import ReplicationConfig
@@ -45,6 +48,7 @@ from kvfabric.deploy.placement import (
     Router,
 )
 
+from .local_hit import LocalHit, take_local_hit
 from .trace import BLOCK_TOKENS, TraceRequest, request_tokens
 
 NAMESPACE = "trace"
@@ -61,7 +65,11 @@ class Mode(str, Enum):
 @dataclass(frozen=True)
 class SimConfig:
     nodes: int = 10
-    capacity_tokens: int = 1_000_000  # KV capacity per node, real tokens
+    capacity_tokens: int = 1_000_000  # KV capacity per node, real tokens (its device tier)
+    # The host and disk tiers per node, real tokens (0: none, the default: the figures
+    # without them stay as they were). Their read bandwidths are the cost model's.
+    host_tokens: int = 0
+    disk_tokens: int = 0
     shards: int = 8
     page_tokens: int = 4  # token ids per tiny page (one page per trace block)
     overhead_s: float = 0.005  # per request: scheduling, first decode step
@@ -90,6 +98,15 @@ class SimConfig:
                 f"capacity_tokens must be an int >= {BLOCK_TOKENS} (one block), "
                 f"got {self.capacity_tokens!r}"
             )
+        for name in ("host_tokens", "disk_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not (v == 0 or v >= BLOCK_TOKENS):
+                raise ValueError(
+                    f"{name} must be 0 (no such tier) or an int >= {BLOCK_TOKENS} (one block), "
+                    f"got {v!r}"
+                )
+        if self.disk_tokens and not self.host_tokens:
+            raise ValueError("disk_tokens needs host_tokens: the disk takes what the host evicts")
         for name in ("overhead_s", "decode_s_per_token"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
@@ -100,6 +117,13 @@ class SimConfig:
     @property
     def capacity_pages(self) -> int:
         return self.capacity_tokens // BLOCK_TOKENS
+
+    @property
+    def tier_pages(self) -> PoolCapacity:
+        """One node's pages per tier."""
+        return PoolCapacity(
+            self.capacity_pages, self.host_tokens // BLOCK_TOKENS, self.disk_tokens // BLOCK_TOKENS
+        )
 
     @property
     def layout(self) -> KVLayout:
@@ -166,10 +190,14 @@ class Service:
     prefill_tokens: int
     fetched_bytes: int
     duration_s: float
+    host_tokens: int = 0  # of local_tokens, read up from the node's host tier
+    disk_tokens: int = 0  # and from its disk tier
 
 
-def make_cache(config: SimConfig, pages: int) -> NodeCache:
-    caps = {PoolName.FULL: PoolCapacity(device=max(pages, 1), host=0)}
+def make_cache(config: SimConfig, pages: PoolCapacity) -> NodeCache:
+    """A metadata-only cache of `pages` per tier; pages evicted go a tier down (write-back,
+    the default TierConfig), from the device to the host and from the host to disk."""
+    caps = {PoolName.FULL: dataclasses.replace(pages, device=max(pages.device, 1))}
     return NodeCache(config.layout, caps, store_bytes=False, device="cpu")
 
 
@@ -179,7 +207,7 @@ class Cluster:
     def __init__(self, config: SimConfig, router: Router) -> None:
         self.config, self.router = config, router
         self.names = [f"node-{i}" for i in range(config.nodes)]
-        self.caches = [make_cache(config, config.capacity_pages) for _ in range(config.nodes)]
+        self.caches = [make_cache(config, config.tier_pages) for _ in range(config.nodes)]
 
     def views(self, req: SimRequest, loads: Sequence[int]) -> list[NodeView]:
         """What the router sees of each node: its queue (Serve's routers see no cache)."""
@@ -194,21 +222,38 @@ class Cluster:
         return self.caches[node]
 
     def serve(self, node: int, req: SimRequest, now: float) -> Service:
-        local = self.cache_of(node).get(req.tokens, NAMESPACE).tokens // self.config.page_tokens
-        return self.service(req, local, local, 0, 0.0)
+        local = take_local_hit(self.cache_of(node), req.tokens, NAMESPACE)
+        return self.service(req, local, local.pages, 0, 0.0)
 
     def service(
-        self, req: SimRequest, local: int, cached: int, fetched_bytes: int, fetch_s: float
+        self, req: SimRequest, local: LocalHit, cached: int, fetched_bytes: int, fetch_s: float
     ) -> Service:
         c = self.config
         hit = req.hit_tokens(cached)
         return Service(
-            req.hit_tokens(local),
+            req.hit_tokens(local.pages),
             hit,
             req.input_length - hit,
             fetched_bytes,
-            c.overhead_s + fetch_s + c.cost.recompute_s(req.input_length - hit),
+            c.overhead_s
+            + self.load_s(local)
+            + fetch_s
+            + c.cost.recompute_s(req.input_length - hit),
+            self.tokens_on(req, local, Tier.HOST),
+            self.tokens_on(req, local, Tier.DISK),
         )
+
+    def load_s(self, local: LocalHit) -> float:
+        """Reading a local hit's pages below the device up to it, one tier after the other."""
+        c = self.config
+        return sum(
+            c.cost.load_s(t, c.page_bytes.fetch(local.pages_on(t))) for t in (Tier.HOST, Tier.DISK)
+        )
+
+    @staticmethod
+    def tokens_on(req: SimRequest, local: LocalHit, tier: Tier) -> int:
+        """Real prompt tokens of the hit's pages read from `tier` (the last may be partial)."""
+        return sum(req.hit_tokens(j + 1) - req.hit_tokens(j) for j in local.positions_on(tier))
 
     def complete(self, node: int, req: SimRequest, now: float) -> None:
         self.cache_of(node).put(req.tokens, None, NAMESPACE)
@@ -218,9 +263,10 @@ class Cluster:
 
 
 class SharedCluster(Cluster):
-    """One cache every node reads at no cost (`pages` of it): pooled, or infinite."""
+    """One cache every node reads at no network cost (`pages` of it per tier): pooled, or
+    infinite. Its host and disk pages are read up at their tiers' cost, as a node's are."""
 
-    def __init__(self, config: SimConfig, router: Router, pages: int) -> None:
+    def __init__(self, config: SimConfig, router: Router, pages: PoolCapacity) -> None:
         self.config, self.router = config, router
         self.names = [f"node-{i}" for i in range(config.nodes)]
         self.caches = []  # nodes here are compute only: the cache is shared

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from kvfabric.core.cache.layout import Tier
 from kvfabric.core.index.match_rule import MatchRule
 from kvfabric.core.index.publisher import EventPublisher
 from kvfabric.core.index.replication import Chain
@@ -20,6 +21,7 @@ from kvfabric.core.index.sharded_index import ShardedIndex
 from kvfabric.deploy.placement import FabricScore, NodeView
 
 from .cluster import NAMESPACE, Cluster, Service, SimConfig, SimRequest
+from .local_hit import take_local_hit
 from .replication import Replicator
 
 
@@ -64,20 +66,31 @@ class FabricCluster(Cluster):
 
     def serve(self, node: int, req: SimRequest, now: float) -> Service:
         c = self.config
-        local = self.caches[node].get(req.tokens, NAMESPACE).tokens // c.page_tokens
+        hit = take_local_hit(self.caches[node], req.tokens, NAMESPACE)
+        local = hit.pages
+        if self.config.host_tokens:
+            self._publish(node)  # what came up to the device pushed pages down, or out
         if self.replicator is not None:
             self.replicator.served(now, node, req, local)
         remote = {i: p for i, p in self.lookup(req).items() if i != node}
         src = max(remote, key=lambda i: (remote[i], -i), default=None)
         assert isinstance(self.router, FabricScore)
         plan = self.router.plan(req.request, local, remote[src] if src is not None else 0)
+        fetch_s = plan.fetch_s
         if plan.fetched_pages and src is not None:
             # The source serves the export: its pages count as used, as a real export's do.
-            self.caches[src].get(req.tokens[: plan.cached_pages * c.page_tokens], NAMESPACE)
+            # What it sends from disk it reads up first (host pages go out from host memory).
+            sent = take_local_hit(
+                self.caches[src], req.tokens[: plan.cached_pages * c.page_tokens], NAMESPACE
+            )
+            from_disk = sum(j >= local for j in sent.positions_on(Tier.DISK))
+            if c.host_tokens:
+                self._publish(src)
+            fetch_s += c.cost.load_s(Tier.DISK, c.page_bytes.fetch(from_disk))
             self.fetches += 1
             if self.replicator is not None:
                 self.replicator.fetched(now, node, src, req, plan.cached_pages)
-        return self.service(req, local, plan.cached_pages, plan.fetched_bytes, plan.fetch_s)
+        return self.service(req, hit, plan.cached_pages, plan.fetched_bytes, fetch_s)
 
     def complete(self, node: int, req: SimRequest, now: float) -> None:
         # The fetched pages and the computed ones go in together: nothing else writes to this

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
+from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.deploy.placement import PowerOfTwo, PrefixAffinity
 
 from .cluster import Cluster, Mode, SharedCluster, SimConfig, SimRequest, fabric_score
@@ -23,9 +24,10 @@ def make_cluster(mode: Mode, config: SimConfig, requests: Sequence[SimRequest]) 
         )
     if mode is Mode.GLOBAL:
         return FabricCluster(config, fabric_score(config))
+    n, tiers = config.nodes, config.tier_pages
     pages = (
-        config.nodes * config.capacity_pages
+        PoolCapacity(n * tiers.device, n * tiers.host, n * tiers.disk)
         if mode is Mode.POOLED
-        else sum(r.pages for r in requests)
+        else PoolCapacity(sum(r.pages for r in requests))
     )
     return SharedCluster(config, fabric_score(config), pages)

@@ -3,7 +3,9 @@
 Requests arrive at their trace timestamps and are routed as Ray Serve would, seeing each
 replica's queue length (requests queued or running there). Each of N nodes runs one prefill
 at a time from a FIFO queue; a request's TTFT is its queue wait, plus a remote fetch if it
-makes one, plus the prefill of what it did not find cached, plus a per-request overhead.
+makes one, plus reading up what it found on its node's host or disk tier (`--host-tokens`,
+`--disk-tokens`: pages the device evicts go down a tier), plus the prefill of what it did
+not find cached, plus a per-request overhead.
 It then decodes its output (output_length x the time per output token, batched beside the
 node's other work) and leaves the node's queue. Five modes run on the same trace at each
 capacity: `pow2`, `affinity` (what Ray Serve ships), `global` (the fabric as deployed),
@@ -46,6 +48,9 @@ class ModeResult:
     prompt_tokens: int = 0
     hit_tokens: int = 0
     remote_hit_tokens: int = 0  # of hit_tokens, fetched from another node
+    host_hit_tokens: int = 0  # of hit_tokens, read up from the node's own host tier
+    disk_hit_tokens: int = 0  # and from its own disk tier
+    tiered: bool = False  # the nodes had tiers below the device: the report splits hits by tier
     prefill_tokens: int = 0
     bytes_moved: int = 0
     fetches: int = 0
@@ -60,6 +65,16 @@ class ModeResult:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def hits_by_tier(self) -> dict[str, int]:
+        """Hit tokens by where they came from: the node's own tiers, or another node."""
+        local = self.hit_tokens - self.remote_hit_tokens
+        return {
+            "device": local - self.host_hit_tokens - self.disk_hit_tokens,
+            "host": self.host_hit_tokens,
+            "disk": self.disk_hit_tokens,
+            "remote": self.remote_hit_tokens,
+        }
 
     def ttft_ms(self, q: float) -> float:
         return percentile(self.ttft_s, q) * 1e3
@@ -77,6 +92,8 @@ class ModeResult:
             "hit_tokens": self.hit_tokens,
             "bytes_moved": self.bytes_moved,
         }
+        if self.tiered:
+            out["hit_tokens_by_tier"] = self.hits_by_tier()
         if self.mode is Mode.GLOBAL:
             out.update(
                 remote_hit_tokens=self.remote_hit_tokens,
@@ -103,7 +120,7 @@ def simulate(
     busy, loads = [False] * n, [0] * n
     events: list[tuple] = []  # (time, tie-break, node, request, service or None)
     order = itertools.count()
-    res = ModeResult(mode, c.capacity_tokens)
+    res = ModeResult(mode, c.capacity_tokens, tiered=c.host_tokens > 0)
     t0 = time.perf_counter()
 
     def start(i: int, now: float) -> None:
@@ -124,6 +141,8 @@ def simulate(
             res.prompt_tokens += req.input_length
             res.hit_tokens += svc.hit_tokens
             res.remote_hit_tokens += svc.hit_tokens - svc.local_tokens
+            res.host_hit_tokens += svc.host_tokens
+            res.disk_hit_tokens += svc.disk_tokens
             res.prefill_tokens += svc.prefill_tokens
             res.bytes_moved += svc.fetched_bytes
             res.fetches += svc.fetched_bytes > 0

@@ -69,6 +69,20 @@ def parse_args(argv: list[str] | None, doc: str | None) -> tuple[argparse.Namesp
         f"(default {' '.join(map(str, DEFAULT_CAPACITIES))}); the first is the headline",
     )
     ap.add_argument(
+        "--host-tokens",
+        type=int,
+        default=d.host_tokens,
+        help="host-memory KV tier per node in tokens, under the device's: pages the device "
+        f"evicts go there (0: none; else at least {BLOCK_TOKENS}) (default %(default)s)",
+    )
+    ap.add_argument(
+        "--disk-tokens",
+        type=int,
+        default=d.disk_tokens,
+        help="disk KV tier per node in tokens, under the host's: pages the host evicts go "
+        f"there (0: none; else at least {BLOCK_TOKENS}) (default %(default)s)",
+    )
+    ap.add_argument(
         "--shards", type=int, default=d.shards, help="index shards (default %(default)s)"
     )
     ap.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
@@ -83,6 +97,20 @@ def parse_args(argv: list[str] | None, doc: str | None) -> tuple[argparse.Namesp
         type=float,
         default=d.cost.transfer_bytes_per_s,
         help="node-to-node KV bandwidth (default %(default)s: a 100 Gb/s NIC)",
+    )
+    ap.add_argument(
+        "--host-read-bytes-per-s",
+        type=float,
+        default=d.cost.host_read_bytes_per_s,
+        help="host-to-device read bandwidth of a node's own pages (default %(default)s: PCIe "
+        "4.0 x16 as copies reach it)",
+    )
+    ap.add_argument(
+        "--disk-read-bytes-per-s",
+        type=float,
+        default=d.cost.disk_read_bytes_per_s,
+        help="disk-to-device read bandwidth of a node's own pages (default %(default)s: one "
+        "PCIe 4.0 NVMe drive)",
     )
     ap.add_argument(
         "--kv-bytes-per-token",
@@ -188,7 +216,19 @@ def parse_args(argv: list[str] | None, doc: str | None) -> tuple[argparse.Namesp
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.requests is not None and args.requests < 1:
         ap.error("--requests must be at least 1")
-    for name in ("prefill_tokens_per_s", "transfer_bytes_per_s"):
+    for name in ("host_tokens", "disk_tokens"):
+        if not (getattr(args, name) == 0 or getattr(args, name) >= BLOCK_TOKENS):
+            ap.error(
+                f"--{name.replace('_', '-')} must be 0 (no such tier) or at least {BLOCK_TOKENS}"
+            )
+    if args.disk_tokens and not args.host_tokens:
+        ap.error("--disk-tokens needs --host-tokens: the disk takes what the host evicts")
+    for name in (
+        "prefill_tokens_per_s",
+        "transfer_bytes_per_s",
+        "host_read_bytes_per_s",
+        "disk_read_bytes_per_s",
+    ):
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
             ap.error(f"--{name.replace('_', '-')} must be a positive number")
     for name in ("overhead_ms", "fetch_overhead_ms", "decode_ms_per_token"):
@@ -207,11 +247,17 @@ def parse_args(argv: list[str] | None, doc: str | None) -> tuple[argparse.Namesp
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
         ap.error(f"--plot: directory {Path(args.plot).parent} does not exist")
     cost = CostModel(
-        args.prefill_tokens_per_s, args.transfer_bytes_per_s, args.fetch_overhead_ms / 1e3
+        args.prefill_tokens_per_s,
+        args.transfer_bytes_per_s,
+        args.fetch_overhead_ms / 1e3,
+        args.host_read_bytes_per_s,
+        args.disk_read_bytes_per_s,
     )
     config = SimConfig(
         nodes=args.nodes,
         capacity_tokens=args.capacity_tokens[0],
+        host_tokens=args.host_tokens,
+        disk_tokens=args.disk_tokens,
         shards=args.shards,
         page_tokens=args.page_tokens,
         overhead_s=args.overhead_ms / 1e3,
@@ -252,6 +298,12 @@ def print_table(result, trace: str | None) -> None:
         f"{Path(trace).name if trace else 'the packaged trace'}, "
         f"{c.nodes} nodes, {c.shards} index shards; {result.elapsed_s:.1f} s"
     )
+    if c.host_tokens or c.disk_tokens:
+        print(
+            f"tiers below each node's device: host {c.host_tokens:,} tokens "
+            f"({_bytes(c.cost.host_read_bytes_per_s)}/s), disk {c.disk_tokens:,} tokens "
+            f"({_bytes(c.cost.disk_read_bytes_per_s)}/s)"
+        )
     head = (
         f"{'mode':<9} {'hit rate':>8} {'prefill tokens':>15} {'TTFT p50 ms':>12} "
         f"{'TTFT p99 ms':>12} "
@@ -278,6 +330,14 @@ def print_table(result, trace: str | None) -> None:
             f"{_fmt(point.ttft_ratio(Mode.GLOBAL, Mode.POW2))}, over affinity "
             f"{_fmt(point.ttft_ratio(Mode.GLOBAL, Mode.AFFINITY))}"
         )
+        if c.host_tokens:
+            print(
+                "hit tokens by tier (own device/host/disk, another node's): "
+                + "; ".join(
+                    f"{mode.value} " + "/".join(f"{n:,}" for n in r.hits_by_tier().values())
+                    for mode, r in point.modes.items()
+                )
+            )
         g = point.modes.get(Mode.GLOBAL)
         if g is not None:
             print(
