@@ -12,6 +12,8 @@ get new ids. Conversations start as a Poisson process.
   sessions  long multi-turn sessions under a few system prompts;
   hot       a few very hot long prefixes (shared documents), one question each: one
             node cannot serve all of one, so others fetch it (hot-prefix replication);
+  long      long contexts (a code base, a contract: 32k to 100k tokens) from a pool too big
+            for a node's device, a few follow-ups on each: what a tier below the device pays on;
   mixed     apps, docs and sessions, a conversation of each kind in turn at random.
 """
 
@@ -46,6 +48,7 @@ class Shape(str, Enum):
     DOCS = "docs"
     SESSIONS = "sessions"
     HOT = "hot"
+    LONG = "long"
     MIXED = "mixed"
 
 
@@ -71,6 +74,14 @@ KINDS = {
     ),
     Shape.HOT: Kind(
         prefixes=6, prefix_blocks=(16, 48), zipf=1.2, p_continue=0.0, user_tokens=(50, 800)
+    ),
+    Shape.LONG: Kind(
+        prefixes=200,
+        prefix_blocks=(64, 200),
+        zipf=0.8,
+        p_continue=0.6,
+        user_tokens=(50, 1000),
+        think_median_s=20.0,
     ),
 }
 MIXED = (Shape.APPS, Shape.DOCS, Shape.SESSIONS)

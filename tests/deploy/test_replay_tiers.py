@@ -15,6 +15,7 @@ from kvfabric.deploy.placement import PowerOfTwo
 from kvfabric.deploy.sim.cluster import NAMESPACE, Cluster, Mode, SimConfig, fabric_score
 from kvfabric.deploy.sim.replay import run_mode, simulate
 from kvfabric.deploy.sim.trace import BLOCK_TOKENS
+from kvfabric.deploy.sim.workloads import Shape, generate
 
 from tests.deploy.sim_traces import SMALL, busy_trace, requests_of, write_trace
 from tests.deploy.test_simulate import CheckedFabric
@@ -125,6 +126,12 @@ def test_config_validation_of_the_tiers():
     ):
         with pytest.raises(ValueError):
             SimConfig(**bad)
+
+
+def test_the_long_context_shape_is_long():
+    rows = generate(Shape.LONG, 200, seed=3)
+    assert len(rows) == 200
+    assert min(r["input_length"] for r in rows) >= 64 * B
 
 
 def test_replay_command_reports_hits_by_tier(tmp_path, capsys):
