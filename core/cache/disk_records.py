@@ -23,7 +23,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
@@ -85,7 +85,7 @@ def page_checksum(page: memoryview | bytes) -> bytes:
     return hashlib.sha256(page).digest()[:CHECKSUM_BYTES]
 
 
-def read_check(page: memoryview | bytes | np.ndarray) -> int:
+def read_check(page: memoryview | bytes) -> int:
     """What a read of a page written or adopted this run is checked against: CRC-32, about
     twice SHA-256's speed here (3.3 against 1.4 GB/s a core), and it catches every error
     burst of up to 32 bits. Adoption keeps to the record's SHA-256, as a slot may then hold
@@ -102,7 +102,7 @@ _pool: ThreadPoolExecutor | None = None
 R = TypeVar("R")
 
 
-def each_page(check: Callable[[np.ndarray], R], rows: np.ndarray) -> list[R]:
+def each_page(check: Callable[[Any], R], rows: np.ndarray) -> list[R]:
     """`check` (page_checksum or read_check) of each row of a uint8 array [pages, page
     bytes], on several threads where the batch is large."""
     global _pool

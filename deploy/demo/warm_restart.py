@@ -140,7 +140,7 @@ def restart_node_actors(model_id: str, wait_s: float = BACK_WAIT_S) -> int:
     from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY
     from kvfabric.actors.served import fabrics_of
 
-    actors = []
+    actors: list = []
     for namespace in fabrics_of(model_id):
         directory = ray.get_actor(DIRECTORY, namespace=namespace)
         names = cast(list[str], ray.get(directory.node_names.remote(), timeout=CALL_TIMEOUT_S))

@@ -215,7 +215,8 @@ class FabricSettings:
         from kvfabric.actors.names import layout_namespace
         from kvfabric.actors.node.disk import DiskConfig
         from kvfabric.actors.node.node_actor import NodeConfig  # Ray's side: not in workers
-        from kvfabric.core.cache.tiers import TierConfig
+        from kvfabric.core.cache.disk_store import Sync
+        from kvfabric.core.cache.tiers import TierConfig, WritePolicy
 
         caps = {PoolName.FULL: PoolCapacity(self.device_pages, self.host_pages, self.disk_pages)}
         if PoolName.SWA in layout.pools:
@@ -231,8 +232,8 @@ class FabricSettings:
             # One folder per fabric (KV identity): fabrics of two models on one host never
             # open each other's page files (a store drops pages of another identity).
             fabric = layout_namespace(layout.fingerprint, self.ray_namespace)
-            disk = DiskConfig(os.path.join(self.disk_folder, fabric), sync=self.disk_sync)
-        tier = TierConfig(disk=self.disk_write)
+            disk = DiskConfig(os.path.join(self.disk_folder, fabric), sync=Sync(self.disk_sync))
+        tier = TierConfig(disk=WritePolicy(self.disk_write))
         return NodeConfig(layout, caps, tier=tier, device="cpu", hooks=hooks, disk=disk)
 
 
