@@ -183,14 +183,13 @@ class FabricSettings:
                 f"FabricConnector setting disk_sync must be one of {_DISK_SYNCS}, "
                 f"got {self.disk_sync!r:.80}"
             )
-        wanted = self.disk_pages or self.swa_disk_pages
-        if wanted and not os.path.isabs(self.disk_folder):
+        if self.swa_disk_pages and not self.disk_pages:
+            raise ValueError("FabricConnector setting swa_disk_pages needs disk_pages")
+        if self.disk_pages and not os.path.isabs(self.disk_folder):
             raise ValueError(
                 "FabricConnector setting disk_folder must be an absolute path when "
                 f"disk_pages is set, got {self.disk_folder!r:.80}"
             )
-        if self.swa_disk_pages and not self.disk_pages:
-            raise ValueError("FabricConnector setting swa_disk_pages needs disk_pages")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "FabricSettings":

@@ -365,6 +365,12 @@ def test_admission_never_waits_a_load_out_and_an_abort_keeps_its_slots_until_it_
     assert not held_slots(rig)
 
 
+DISK_CHOICES = {
+    "disk_write": ("write_through", "write_back"),
+    "disk_sync": ("none", "pages", "all"),
+}
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     name=st.sampled_from(sorted(FabricSettings.__dataclass_fields__) + ["bogus"]),
@@ -384,6 +390,10 @@ def test_connector_settings_of_a_wrong_type_or_range_are_refused(name, value):
     }.get(kind, lambda v: False)(value)
     if name in ("step_hook", "node_hooks") and want_ok:  # "module:name", or unset
         want_ok = value == "" or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value) is not None
+    if name in DISK_CHOICES and want_ok:
+        want_ok = value in DISK_CHOICES[name]
+    if name in ("disk_pages", "swa_disk_pages") and want_ok:  # alone: no folder to hold them
+        want_ok = value == 0
     try:
         got = FabricSettings.from_extra({name: value})
     except ValueError as e:
