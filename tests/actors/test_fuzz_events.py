@@ -15,7 +15,7 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 from kvfabric.actors.index_shard import IndexShardActor
-from kvfabric.core.index.events import EventBatch, EventError, PageState, Snapshot
+from kvfabric.core.index.events import EventBatch, EventError, PageMask, PageState, Snapshot
 from kvfabric.core.index.events import decode as decode_events
 from kvfabric.core.index.match_rule import MatchRule
 from kvfabric.core.index.prefix_index import ApplyResult, PrefixIndex
@@ -38,6 +38,9 @@ def event_wire(m: EventBatch | Snapshot) -> list:
         [[p.key, p.parent, p.depth, p.mask] for p in m.pages],
         m.fingerprint,
     ]
+
+
+MAX_MASK = int(PageMask.FULL | PageMask.SWA)  # every pool's every tier, disk included
 
 
 def event_ok(m: object) -> bool:
@@ -66,14 +69,14 @@ def event_ok(m: object) -> bool:
             and all(type(k) is bytes and len(k) == 16 for k in p[:2])
             and _uint(p[2])
             and _uint(p[3])
-            and (1 if snap else 0) <= p[3] <= 15
+            and (1 if snap else 0) <= p[3] <= MAX_MASK
             for p in pages
         )
     )
 
 
 def pages(min_mask: int = 0) -> st.SearchStrategy[tuple[PageState, ...]]:
-    page = st.builds(PageState, KEY, KEY, U64, st.integers(min_mask, 15))
+    page = st.builds(PageState, KEY, KEY, U64, st.integers(min_mask, MAX_MASK))
     return st.lists(page, max_size=6).map(tuple)
 
 

@@ -63,7 +63,7 @@ PATTERNS = [
     int(M.FULL_HOST | M.SWA_DEVICE),
     int(M.SWA_DEVICE),
 ]
-MASKS = st.one_of(st.sampled_from(PATTERNS), st.integers(0, 15))
+MASKS = st.one_of(st.sampled_from(PATTERNS), st.integers(0, int(M.FULL | M.SWA)))  # disk too
 
 
 @st.composite
