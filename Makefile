@@ -30,8 +30,8 @@ demo: $(STAMP)
 # through copies: types, packaging, C style, layers, the benches (each its own throwaway
 # Ray or none), the oldest NIXL, the deploy tests that start no Ray, SGLang's radix, the
 # core's tests (native, then again on the pure-Python reference), and the sanitizers. Not
-# the transport's: their staging files and engine records in /dev/shm are what the suite's
-# node actors adopt and reap (tests/actors/test_engine_watch.py failed beside them). Their output follows the suite's; either failing fails the target.
+# the transport's: their staging files in /dev/shm sit where the suite's node actors scan
+# for engine records (an engine-watch test failed once beside them; not reproduced since). Their output follows the suite's; either failing fails the target.
 SIDE := tests/test_types.py tests/test_install.py tests/test_c_style.py tests/test_layers.py \
 	tests/test_benches.py tests/transport/test_nixl_versions.py tests/deploy/test_peer_radix.py \
 	$(addprefix tests/deploy/test_,$(addsuffix .py,dashboard fuzz_tenants http_replay \
