@@ -149,6 +149,13 @@ class RemoteFetches:
     def forget(self, rid: str) -> None:
         self.requests.pop(rid, None)
 
+    def forget_lookup(self, rid: str) -> None:
+        """Drop the request's lookup, unless its fetch is in flight: the next `ready`
+        asks the index and the node again."""
+        rec = self.requests.get(rid)
+        if rec is not None and rec.fetch_call is None:
+            del self.requests[rid]
+
     def wait_for(self, calls: list, timeout_s: float) -> bool:
         """Whether one of `calls` answered within `timeout_s`."""
         try:

@@ -124,9 +124,12 @@ class SchedulerSide:
         need = len(tokens) // ps - skip
         if need <= 0:
             return 0, False
-        if not self.remote.ready(rid, tokens, namespace, skip) or self.saves.in_flight(
-            tokens, namespace, skip
-        ):
+        if self.saves.in_flight(tokens, namespace, skip):
+            # The node runs calls concurrently: its match may answer before the store
+            # ends, so a lookup made meanwhile is made again once it has.
+            self.remote.forget_lookup(rid)
+            return None, False
+        if not self.remote.ready(rid, tokens, namespace, skip):
             return None, False
         self.stats.lookups += 1
         held = self.remote.node_holds(rid)

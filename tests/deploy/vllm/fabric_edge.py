@@ -154,7 +154,10 @@ class FabricEdge(LocalNode):
                 self.peer.leases.release(grant.lease_id)
 
     def finished(self, calls: list) -> list:
-        return [c for c in calls if not isinstance(c, Pending) or c.done()]
+        edge = [c for c in calls if isinstance(c, Pending)]
+        return [c for c in edge if c.done()] + super().finished(
+            [c for c in calls if not isinstance(c, Pending)]
+        )
 
     def result(self, call):
         if not isinstance(call, Pending):

@@ -113,6 +113,26 @@ def test_no_load_call_when_the_node_holds_no_more_than_vllm(tmp_path_factory):
         rig.node.shared.unlink()
 
 
+def test_a_match_answered_while_the_prefix_was_being_stored_is_asked_again(tmp_path_factory):
+    """The node answers its match before a store of the same prefix (its calls run
+    concurrently): that answer predates the store, so it must not stand for the node once
+    the store has ended. CI met this as a hit that loaded nothing."""
+    rig = make_rig(tmp_path_factory, Edge())
+    try:
+        rig.node.stalled = []  # the store waits in the node; its match answers at once
+        finish_first(rig)
+        req = Req("r2", PROMPT, PROMPT, 0)
+        assert rig.sched.num_new_matched_tokens(req, 0) == (None, False)  # the store first
+        rig.node.resume()
+        rig.step()
+        n, _ = ask_until_known(rig, req, [0.0])
+        assert n == 40
+        assert not load(rig, req, n).failed_recving and loaded_exactly(rig)
+        assert slots_in_use(rig) == 0
+    finally:
+        rig.node.shared.unlink()
+
+
 class AnswersWhileWaitedOn(FabricEdge):
     """The index and the node answer while admission waits on them (as in milliseconds)."""
 
