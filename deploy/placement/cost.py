@@ -66,15 +66,19 @@ class CostModel:
     def transfer_s(self, nbytes: int) -> float:
         return self.fetch_overhead_s + nbytes / self.transfer_bytes_per_s
 
-    def load_s(self, tier: Tier, nbytes: int) -> float:
-        """Reading `nbytes` of a node's own pages on `tier` up to its device."""
+    def load_s(self, tier: Tier, nbytes: int, disk_read_bytes_per_s: float = 0.0) -> float:
+        """Reading `nbytes` of a node's own pages on `tier` up to its device; a disk read at
+        `disk_read_bytes_per_s` where the node measured it (0: this model's figure)."""
         if tier is Tier.DEVICE:
             return 0.0
-        rate = self.host_read_bytes_per_s if tier is Tier.HOST else self.disk_read_bytes_per_s
-        return nbytes / rate
+        if tier is Tier.HOST:
+            return nbytes / self.host_read_bytes_per_s
+        return nbytes / (disk_read_bytes_per_s or self.disk_read_bytes_per_s)
 
-    def should_fetch(self, tokens: int, nbytes: int) -> bool:
-        return tokens > 0 and self.transfer_s(nbytes) < self.recompute_s(tokens)
+    def should_fetch(self, tokens: int, nbytes: int, read_s: float = 0.0) -> bool:
+        """Whether moving `nbytes` (after the source's `read_s` reading them up) beats
+        computing `tokens`."""
+        return tokens > 0 and self.transfer_s(nbytes) + read_s < self.recompute_s(tokens)
 
     @classmethod
     def measure(
@@ -146,18 +150,28 @@ class Plan:
         return self.fetch_s + self.prefill_s
 
 
-def plan(cost: CostModel, sizes: PageBytes, prompt: Prompt, have: int, best: int) -> Plan:
-    """Fetch the pages from `have` to `best` when the cost model says moving beats
-    recomputing them; otherwise compute them."""
+def plan(
+    cost: CostModel,
+    sizes: PageBytes,
+    prompt: Prompt,
+    have: int,
+    best: int,
+    source_tier: Tier = Tier.DEVICE,
+    source_disk_read_bytes_per_s: float = 0.0,
+) -> Plan:
+    """Fetch the pages from `have` to `best` when the cost model says moving them (the
+    source reading them up from `source_tier` first) beats recomputing them; otherwise
+    compute them."""
     extra_pages = max(0, best - have)
     extra = prompt.hit_tokens(best) - prompt.hit_tokens(have) if extra_pages else 0
     nbytes = sizes.fetch(extra_pages)
-    if extra_pages and cost.should_fetch(extra, nbytes):
+    read_s = cost.load_s(source_tier, nbytes, source_disk_read_bytes_per_s)
+    if extra_pages and cost.should_fetch(extra, nbytes, read_s):
         return Plan(
             best,
             extra_pages,
             nbytes,
-            cost.transfer_s(nbytes),
+            cost.transfer_s(nbytes) + read_s,
             cost.recompute_s(prompt.tokens - prompt.hit_tokens(best)),
         )
     return Plan(have, 0, 0, 0.0, cost.recompute_s(prompt.tokens - prompt.hit_tokens(have)))

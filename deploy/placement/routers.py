@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
+from kvfabric.core.cache.layout import Tier
+
 from .cost import CostModel, PageBytes, Plan, Prompt, plan
 
 
@@ -22,6 +24,10 @@ class NodeView:
     queued: int  # requests queued or running there: Serve's queue length
     cached_pages: int = 0  # of this prompt, usable there (the fabric index's answer)
     name: str = ""  # the node, the same from one request to the next
+    # The slowest tier those pages need reading from (the index's answer too), and the
+    # node's own disk read bandwidth as it measured it at start (0: the cost model's).
+    tier: Tier = Tier.DEVICE
+    disk_read_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -64,9 +70,11 @@ class FabricScore(Router):
     the first token is expected soonest. That is when the prefills this router already sent there
     should end (its own estimates, on its own clock: a replica's queue length counts the
     requests decoding there too, which hardly delay a prefill), plus this request's own
-    time there: a fixed overhead (scheduling, the first decode step), fetching the rest of
-    the longest prefix held anywhere when the cost model says moving beats recomputing
-    (the engine then does the same), and prefilling what is left. Ties go to the shorter
+    time there: a fixed overhead (scheduling, the first decode step), reading its own hit
+    up from the tier the index says it lies on (host memory, or disk at the node's measured
+    bandwidth), fetching the rest of the longest prefix held anywhere when the cost model
+    says moving beats recomputing (the engine then does the same), and prefilling what is
+    left. Ties go to the shorter
     queue, then round-robin, so that cold requests spread. The first node ranked is taken
     to be where the request goes."""
 
@@ -77,8 +85,18 @@ class FabricScore(Router):
         self.free_at: dict[str, float] = {}  # node -> when the prefills sent there should end
         self._turn = 0
 
-    def plan(self, req: Request, have: int, best: int) -> Plan:
-        return plan(self.cost, self.sizes, req.prompt, have, best)
+    def plan(self, req: Request, have: int, best: int, source: NodeView | None = None) -> Plan:
+        if source is None:
+            return plan(self.cost, self.sizes, req.prompt, have, best)
+        rate = source.disk_read_bytes_per_s
+        return plan(self.cost, self.sizes, req.prompt, have, best, source.tier, rate)
+
+    def load_s(self, view: NodeView) -> float:
+        """Reading the node's own hit up to its device, at its slowest tier's bandwidth."""
+        if not view.cached_pages or view.tier is Tier.DEVICE:
+            return 0.0
+        nbytes = self.sizes.fetch(view.cached_pages)
+        return self.cost.load_s(view.tier, nbytes, view.disk_read_bytes_per_s)
 
     def backlog_s(self, node: str, now: float) -> float:
         return max(0.0, self.free_at.get(node, now) - now)
@@ -88,7 +106,11 @@ class FabricScore(Router):
         if not n:
             return []
         best = max(v.cached_pages for v in nodes)
-        own = [self.overhead_s + self.plan(req, v.cached_pages, best).seconds for v in nodes]
+        source = min((v for v in nodes if v.cached_pages == best), key=lambda v: v.tier)
+        own = [
+            self.overhead_s + self.load_s(v) + self.plan(req, v.cached_pages, best, source).seconds
+            for v in nodes
+        ]
         wait = [self.backlog_s(v.name, req.at_s) for v in nodes]
         start, self._turn = self._turn, (self._turn + 1) % n
         order = sorted(

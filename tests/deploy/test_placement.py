@@ -9,7 +9,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.layout import KVLayout, PoolName, Tier
 from kvfabric.deploy.placement import (
     CostModel,
     FabricScore,
@@ -134,6 +134,22 @@ def test_the_holder_wins_when_idle_and_a_fetch_wins_when_it_is_busy():
     assert score.rank(req, nodes)[0] != 1
     # Many requests decoding there (a long queue) do not keep a request from its holder.
     assert FabricScore(COST, SIZES).rank(req, [NodeView(0, 0, "a"), NodeView(30, 20, "b")])[0] == 1
+
+
+def test_a_hit_is_weighed_by_the_tier_it_lies_on_and_the_nodes_measured_disk():
+    req = request(list(range(20)), page_tokens=512)  # 20 pages of 64 MiB: 1.3 GB
+    tiers = [Tier.DISK, Tier.HOST, Tier.DEVICE]
+    nodes = [NodeView(0, 20, f"n{t.name}", tier=t) for t in tiers]
+    assert FabricScore(COST, SIZES).rank(req, nodes) == [2, 1, 0]  # equal hits: fastest tier
+    # A longer hit on disk (0.27 s at the model's 5 GB/s) beats a shorter one on device
+    # that would fetch the rest from that disk: the source reads it up too.
+    disk, device = NodeView(0, 20, "d", tier=Tier.DISK), NodeView(0, 5, "g")
+    assert FabricScore(COST, SIZES).rank(req, [device, disk])[0] == 1
+    # The same disk hit where the node measured a slow disk (0.2 GB/s: 6.7 s to read) loses
+    # to computing everything (about 1 s) on an idle node.
+    slow = NodeView(0, 20, "d", tier=Tier.DISK, disk_read_bytes_per_s=0.2e9)
+    assert FabricScore(COST, SIZES).rank(req, [NodeView(0, 0, "c"), slow])[0] == 0
+    assert COST.load_s(Tier.DISK, 10**9, 0.2e9) == 5.0 and COST.load_s(Tier.DISK, 10**9) == 0.2
 
 
 # ---- power of two choices -------------------------------------------------------------------
