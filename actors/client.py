@@ -11,7 +11,8 @@ from typing import Any, Generator, Sequence, cast
 
 import ray
 from kvfabric.core.cache.keys import KeyerCache
-from kvfabric.core.index.answers import NodeMatch
+from kvfabric.core.cache.layout import Tier
+from kvfabric.core.index.answers import NodeMatch, WireMatch
 from kvfabric.core.index.routes import RouteTable
 from ray.exceptions import GetTimeoutError, RayError
 
@@ -172,5 +173,5 @@ class _Call:
     timeout_s: float
 
 
-def _matches(found: list[tuple[str, int, bool]]) -> list[NodeMatch]:
-    return [NodeMatch(node, pages, device) for node, pages, device in found]
+def _matches(found: list[WireMatch]) -> list[NodeMatch]:
+    return [NodeMatch(node, pages, Tier(tier)) for node, pages, tier in found]

@@ -14,6 +14,7 @@ import threading
 
 import ray
 from kvfabric.core.cache.layout import PoolName
+from kvfabric.core.index.answers import WireMatch
 from kvfabric.core.index.balance import LoadTracker, chance_target
 from kvfabric.core.index.routes import RouteTable
 from ray.exceptions import GetTimeoutError, RayError
@@ -224,7 +225,7 @@ class FabricDirectory:
             shard, version = self.routes.owner(keys), self.routes.version
         try:
             actor = ray.get_actor(shard_name(shard), namespace=self.namespace)
-            got: list[tuple[str, int, bool]] | None = ray.get(
+            got: list[WireMatch] | None = ray.get(
                 actor.lookup.remote(b"".join(keys), version), timeout=CALL_TIMEOUT_S
             )
         except (RayError, GetTimeoutError, ValueError):

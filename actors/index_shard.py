@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ray
 from kvfabric.core.cache.keys import KEY_BYTES
+from kvfabric.core.index.answers import WireMatch
 from kvfabric.core.index.balance import LoadTracker
 from kvfabric.core.index.events import EventBatch, EventError, Snapshot
 from kvfabric.core.index.events import decode as decode_events
@@ -67,9 +68,7 @@ class IndexShardActor:
             return None
         return msg
 
-    def lookup(
-        self, keys: bytes, route_version: int, depth: int = -1
-    ) -> list[tuple[str, int, bool]] | None:
+    def lookup(self, keys: bytes, route_version: int, depth: int = -1) -> list[WireMatch] | None:
         """Each node's usable match for the concatenated 16-byte page keys, best
         first; None: the caller's routes are stale. (One bytes object pickles
         much faster than a list of keys.)"""
@@ -85,7 +84,7 @@ class IndexShardActor:
         split = [keys[i : i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)]
         if 0 <= depth < len(split):  # the caller says where its region starts: count it
             self.load.record(split, self.shard, depth)
-        return [(m.node, m.pages, m.device) for m in self.index.lookup(split)]
+        return [(m.node, m.pages, int(m.tier)) for m in self.index.lookup(split)]
 
     def load_report(self) -> LoadTracker:
         """Lookups since the last report, per region, and keys held; starts a new count."""

@@ -97,7 +97,7 @@ def ours_rounds(
 
 def index_bytes(all_keys: list[list[bytes]]) -> tuple[float, float]:
     """Bytes the index allocates per cached page (a page on two nodes counts twice), and
-    its table's bytes per key (nibbles, records and each node's pages), as tracemalloc
+    its table's bytes per key (codes, records and each node's pages), as tracemalloc
     sees them (the C core allocates through PyMem, which it traces). The keys' own bytes
     objects are the caller's."""
     gc.collect()
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"index bytes per cached page {fast['bytes_per_page']:.0f} (pure Python "
         f"{slow['bytes_per_page']:.0f}); "
-        f"index table per key (nibbles, records, node pages) "
+        f"index table per key (codes, records, node pages) "
         f"{fast['table_bytes_per_key']:.0f} (pure Python "
         f"{slow['table_bytes_per_key']:.0f})"
     )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..cache.layout import Tier
+
 
 class NodeMatch(NamedTuple):
     """A tuple, not a dataclass: a lookup makes one per matching node, and
@@ -12,8 +14,14 @@ class NodeMatch(NamedTuple):
 
     node: str
     pages: int  # usable match length in pages on that node
-    device: bool  # True if every page that match needs is on the node's DEVICE tier
+    # The slowest tier a page that match needs lies on there: DEVICE when all are on the
+    # node's device, HOST when all are in its memory, else DISK.
+    tier: Tier
 
 
-def rank_key(m: NodeMatch) -> tuple[int, bool, str]:
-    return -m.pages, not m.device, m.node
+TIERS = tuple(Tier)  # a Tier by its value, with no enum call per match
+WireMatch = tuple[str, int, int]  # a NodeMatch as an index shard sends it: the tier's value
+
+
+def rank_key(m: NodeMatch) -> tuple[int, int, str]:
+    return -m.pages, m.tier, m.node

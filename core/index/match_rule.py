@@ -31,6 +31,6 @@ class MatchRule:
     def of(cls, layout: KVLayout) -> MatchRule:
         reach = [p.window_pages for p in policies_for(layout).values()]
         windows = [w for w in reach if w is not None]
-        if len(windows) > 1:  # one nibble per node packs one window's bits
+        if len(windows) > 1:  # one code per node packs one window's bits
             raise ValueError(f"the index packs at most one window pool, got {len(windows)}")
         return cls(windows[0] if windows else 0, None in reach)

@@ -2,7 +2,7 @@
 
 One process: an index shard wraps one, and the unsharded reference of the
 differential tests is one. Its table (presence.py, C or pure Python by KVF_NATIVE)
-keeps per page key every holder's mask as a 4-bit nibble per node slot, which lookups
+keeps per page key every holder's mask as a code byte per node slot, which lookups
 AND along a request's keys (what counts as a match is the layout's MatchRule, read
 from its attention policies), and per node slot what it published of each page.
 Node names, admission (epochs, sequence numbers) and validation stay here.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .admission import Admission, ApplyResult
-from .answers import NodeMatch, rank_key
+from .answers import TIERS, NodeMatch, rank_key
 from .events import (
     _MAX_MASK,
     KEY_BYTES,
@@ -279,9 +279,9 @@ class PrefixIndex:
             return []
         found, slots = self._presence.lookup(keys), self._slots
         if len(found) == 1:  # the common answer: no comprehension's frame, no sort
-            s, n, d = found[0]
-            return [_make(NodeMatch, (slots[s], n, d))]
-        out = [_make(NodeMatch, (slots[s], n, d)) for s, n, d in found]
+            s, n, t = found[0]
+            return [_make(NodeMatch, (slots[s], n, TIERS[t]))]
+        out = [_make(NodeMatch, (slots[s], n, TIERS[t])) for s, n, t in found]
         out.sort(key=rank_key)
         return out
 

@@ -1,12 +1,12 @@
 """The prefix index's core table: per page key, which node slots hold it and how, and
 what each slot last published of it (its parent, depth and mask).
 
-Per key, a 4-bit nibble per node slot that holds it (see `code`), kept as its holders'
-(slot, nibble) pairs while at most SPARSE_MAX slots hold it and as a bitset of every
-slot's nibble where more do: memory and lookups cost per holder, not per slot the table
+Per key, a code byte per node slot that holds it (see `code`), kept as its holders'
+(slot, code) pairs while at most SPARSE_MAX slots hold it and as a bitset of every
+slot's code where more do: memory and lookups cost per holder, not per slot the table
 has. A dense key goes back to pairs when SPARSE_BACK slots hold it (not SPARSE_MAX, so
 that a slot joining and leaving at the boundary does not switch it each time). In this
-pure-Python reference pairs are a bytes of 3-byte (slot, nibble) entries and the bitset
+pure-Python reference pairs are a bytes of 3-byte (slot, code) entries and the bitset
 one int; in the C core (csrc/, the `_presence.Presence` type: the same methods and
 results, `dense` included) a 16-byte cell of inline pairs or a heap bitset. Per slot,
 its pages in the order a dict keeps them; per key, the record of its last publication,
@@ -25,29 +25,44 @@ from typing import Protocol, Sequence
 
 from ..cache import native
 from .events import _MAX_MASK, KEY_BYTES, MAX_DEPTH, PageMask
-from .lookups import _BYTES, _KEY_LEN, Holders, Lookups, Match, PackedMemo, packed, pairs
+from .lookups import (
+    _BYTES,
+    _KEY_LEN,
+    CODE_BITS,
+    CODE_MASK,
+    Holders,
+    Lookups,
+    Match,
+    PackedMemo,
+    packed,
+    pairs,
+)
 from .match_rule import MatchRule
 
 MAX_SLOTS = 1 << 16  # node slots a table may open (PrefixIndex reuses freed ones)
 SPARSE_MAX = 5  # holders a key keeps as pairs; one more makes it dense
 SPARSE_BACK = 3  # a dense key this few slots hold goes back to pairs
 
-# Bits of a slot's nibble: FULL on any tier, FULL on device, SWA on any, SWA on device.
-_F_ANY, _F_DEV, _S_ANY, _S_DEV = 1, 2, 4, 8
+# Bits of a slot's code: FULL on any tier, FULL on device, SWA on any, SWA on device, then
+# FULL in memory (device or host), SWA in memory. Each pool's bits say "on this tier or a
+# faster one", so that ANDing codes along a path gives the slowest tier a match reads.
+_F_ANY, _F_DEV, _S_ANY, _S_DEV, _F_MEM, _S_MEM = 1, 2, 4, 8, 16, 32
 
 
 def code(mask: int) -> int:
-    """A PageMask as a nibble whose bits AND sensibly along a path: FULL_DEVICE then
-    FULL_HOST still means "FULL on both", which ANDing raw masks would lose."""
+    """A PageMask as a code whose bits AND sensibly along a path: FULL_DEVICE then
+    FULL_HOST still means "FULL in memory on both", which ANDing raw masks would lose."""
     return (
         (_F_ANY if mask & PageMask.FULL else 0)
         | (_F_DEV if mask & PageMask.FULL_DEVICE else 0)
         | (_S_ANY if mask & PageMask.SWA else 0)
         | (_S_DEV if mask & PageMask.SWA_DEVICE else 0)
+        | (_F_MEM if mask & (PageMask.FULL_DEVICE | PageMask.FULL_HOST) else 0)
+        | (_S_MEM if mask & (PageMask.SWA_DEVICE | PageMask.SWA_HOST) else 0)
     )
 
 
-_CODES = tuple(code(m) for m in range(_MAX_MASK + 1))  # mask -> nibble, without enum arithmetic
+_CODES = tuple(code(m) for m in range(_MAX_MASK + 1))  # mask -> code, without enum arithmetic
 
 Page = tuple[bytes, bytes, int, int]  # (key, parent, depth, mask) as a slot last published it
 
@@ -100,9 +115,9 @@ def resolve(key: bytes, rec: Chain) -> tuple[bytes, int, int]:
 
 
 def _count(bits: int) -> int:
-    """Slots with a nonzero nibble in packed nibbles."""
-    x = bits | bits >> 1 | bits >> 2 | bits >> 3
-    return (x & (1 << (x.bit_length() + 3 & ~3)) // 15).bit_count()
+    """Slots with a nonzero code in packed codes (a nonzero code has an ANY bit)."""
+    x = bits | bits >> 2
+    return (x & (1 << (x.bit_length() + 7 & ~7)) // 255).bit_count()
 
 
 def _find(held: bytes, slot: bytes) -> int:
@@ -132,13 +147,13 @@ class Presence(Lookups):
         self._pages.extend(repeat(None, slot + 1 - len(self._pages)))
         if self._pages[slot] is None:
             self._pages[slot] = {}
-        self._ones |= 1 << 4 * slot
+        self._ones |= 1 << CODE_BITS * slot
 
     def close(self, slot: int) -> None:
         """The slot's pages are cleared and the slot is free."""
         self.clear(slot)
         self._pages[slot] = None
-        self._ones &= ~(1 << 4 * slot)
+        self._ones &= ~(1 << CODE_BITS * slot)
 
     def set_chain(
         self, slot: int, keys: Sequence[bytes], first_depth: int, parent: bytes, mask: int
@@ -215,7 +230,7 @@ class Presence(Lookups):
         return list(self._bits)
 
     def get(self, key: bytes) -> int:
-        """The key's packed nibbles, whatever its form (0: not held)."""
+        """The key's packed codes, whatever its form (0: not held)."""
         return packed(self._bits.get(key, 0))
 
     def dense(self, key: bytes) -> bool:
@@ -234,11 +249,11 @@ class Presence(Lookups):
         return pages
 
     def _set(self, slot: int, keys: Sequence[bytes], code: int) -> list[bytes] | None:
-        """The slot's nibble `code` for each key, in order. Code 0 clears, and returns the
+        """The slot's `code` for each key, in order. Code 0 clears, and returns the
         keys it deleted (no slot holds them any more)."""
         b, at = self._bits, bytes((slot >> 8, slot & 255))
-        shift = 4 * slot
-        keep = ~(0xF << shift)
+        shift = CODE_BITS * slot
+        keep = ~(CODE_MASK << shift)
         if code:
             pair, put = at + bytes((code,)), code << shift
             for key in keys:

@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence
 
 from kvfabric.actors.client import FabricClient
 from kvfabric.actors.directory import NAMESPACE, node_actor_name
+from kvfabric.core.cache.layout import Tier
 from kvfabric.deploy.placement import CostModel, FabricScore, NodeView, PageBytes, Prompt, Request
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
@@ -86,21 +87,25 @@ class FabricRanking(RequestRouter):
         cached = await self._cached_pages(prompt)
         if cached is None or self._placement is None:
             return [candidate_replicas]  # the index cannot say: Serve's own choice
-        views = [
-            NodeView(
-                self._replica_queue_len_cache.get(r.replica_id) or 0,
-                cached.get(node_actor_name(r.node_id), 0),
-                r.replica_id.unique_id,
+        views = []
+        for r in candidate_replicas:
+            pages, tier = cached.get(node_actor_name(r.node_id), (0, Tier.DEVICE))
+            views.append(
+                NodeView(
+                    self._replica_queue_len_cache.get(r.replica_id) or 0,
+                    pages,
+                    r.replica_id.unique_id,
+                    tier,
+                )
             )
-            for r in candidate_replicas
-        ]
         order = self._placement.rank(
             Request(Prompt(len(prompt.tokens), self._page_size), at_s=time.monotonic()), views
         )
         return [[candidate_replicas[i]] for i in order]
 
-    async def _cached_pages(self, prompt: RoutedPrompt) -> dict[str, int] | None:
-        """Node actor name -> usable cached pages of the prompt; None when the index cannot say."""
+    async def _cached_pages(self, prompt: RoutedPrompt) -> dict[str, tuple[int, Tier]] | None:
+        """Node actor name -> usable cached pages of the prompt and the slowest tier they
+        lie on; None when the index cannot say."""
         try:
             if self._client is None and not await self._connect():
                 return None
@@ -111,10 +116,9 @@ class FabricRanking(RequestRouter):
             return None
         # An engine's own device cache is indexed under its node's name plus the engine
         # (deploy/serving/engine_identity.py): its pages count for the replica on that node.
-        cached: dict[str, int] = {}
-        for m in found:
-            node = node_actor_of(m.node)
-            cached[node] = max(cached.get(node, 0), m.pages)
+        cached: dict[str, tuple[int, Tier]] = {}
+        for m in found:  # best first: a node's first match is its best
+            cached.setdefault(node_actor_of(m.node), (m.pages, m.tier))
         return cached
 
     async def _connect(self) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvfabric.core.cache.layout import Tier
+from kvfabric.core.index.answers import NodeMatch
 from kvfabric.core.index.match_rule import MatchRule
 from kvfabric.core.index.publisher import EventPublisher
 from kvfabric.core.index.replication import Chain
@@ -52,17 +53,21 @@ class FabricCluster(Cluster):
         for i in range(config.nodes):
             self._publish(i)  # batch 0 of every shard says `cleared`: snapshots need a seq
 
-    def lookup(self, req: SimRequest) -> dict[int, int]:
-        """Node -> pages of the prompt it holds, as the index says."""
+    def lookup(self, req: SimRequest) -> dict[int, NodeMatch]:
+        """Node -> its match of the prompt (pages, slowest tier), as the index says."""
         found = self.index.lookup(req.keys)
         self.lookups += 1
         if self.lookups % self.config.rebalance_every == 0:
             self._rebalance()
-        return {self.slot[m.node]: m.pages for m in found}
+        return {self.slot[m.node]: m for m in found}
 
     def views(self, req: SimRequest, loads: Sequence[int]) -> list[NodeView]:
-        held = self.lookup(req)
-        return [NodeView(q, held.get(i, 0), self.names[i]) for i, q in enumerate(loads)]
+        held, none = self.lookup(req), NodeMatch("", 0, Tier.DEVICE)
+        return [
+            NodeView(q, m.pages, self.names[i], m.tier)
+            for i, q in enumerate(loads)
+            for m in (held.get(i, none),)
+        ]
 
     def serve(self, node: int, req: SimRequest, now: float) -> Service:
         c = self.config
@@ -72,7 +77,7 @@ class FabricCluster(Cluster):
             self._publish(node)  # what came up to the device pushed pages down, or out
         if self.replicator is not None:
             self.replicator.served(now, node, req, local)
-        remote = {i: p for i, p in self.lookup(req).items() if i != node}
+        remote = {i: m.pages for i, m in self.lookup(req).items() if i != node}
         src = max(remote, key=lambda i: (remote[i], -i), default=None)
         assert isinstance(self.router, FabricScore)
         plan = self.router.plan(req.request, local, remote[src] if src is not None else 0)

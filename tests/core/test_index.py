@@ -3,6 +3,8 @@ and the bulk chain path. Lookups against a brute force: test_index_lookup.py."""
 
 import pytest
 from kvfabric.core.cache.keys import PageKeyer
+from kvfabric.core.cache.layout import Tier
+from kvfabric.core.index import presence
 from kvfabric.core.index.answers import NodeMatch
 from kvfabric.core.index.events import EventBatch, EventError, PageState, Snapshot, decode
 from kvfabric.core.index.events import PageMask as M
@@ -34,10 +36,10 @@ def test_in_order_duplicate_and_gap():
     assert ix.apply(batch("a", 1, 1, PAGES[3:])) is R.APPLIED
     assert ix.apply(batch("a", 1, 1, [])) is R.DUPLICATE
     assert ix.apply(batch("a", 1, 0, [PageState(KEYS[0], KEYER.root, 0, 0)])) is R.DUPLICATE
-    assert ix.lookup(KEYS) == [NodeMatch("a", 6, True)]
+    assert ix.lookup(KEYS) == [NodeMatch("a", 6, Tier.DEVICE)]
     gap = batch("a", 1, 3, [PageState(k, KEYER.root, 0, 0) for k in KEYS])
     assert ix.apply(gap) is R.NEED_SNAPSHOT  # nothing of it applied
-    assert ix.lookup(KEYS) == [NodeMatch("a", 6, True)] and ix.sync_point("a") == (1, 1)
+    assert ix.lookup(KEYS) == [NodeMatch("a", 6, Tier.DEVICE)] and ix.sync_point("a") == (1, 1)
     assert ix.apply(batch("a", 1, 2, [])) is R.APPLIED and ix.apply(gap) is R.APPLIED
     assert ix.lookup(KEYS) == [] and len(ix) == 0
     s = ix.stats()
@@ -49,7 +51,7 @@ def test_first_batch_needs_seq0_or_cleared():
     assert ix.apply(batch("a", 1, 5, PAGES)) is R.NEED_SNAPSHOT
     assert ix.lookup(KEYS) == [] and ix.stats()["out_of_sync"] == ["a"]
     assert ix.apply(batch("a", 1, 6, PAGES[:2], cleared=True)) is R.APPLIED
-    assert ix.lookup(KEYS) == [NodeMatch("a", 2, True)] and ix.sync_point("a") == (1, 6)
+    assert ix.lookup(KEYS) == [NodeMatch("a", 2, Tier.DEVICE)] and ix.sync_point("a") == (1, 6)
 
 
 def test_epochs_replace_and_stale():
@@ -70,7 +72,7 @@ def test_cleared_drops_before_applying():
     ix.apply(batch("a", 1, 0, PAGES))
     ix.apply(batch("b", 1, 0, PAGES[:2]))
     assert ix.apply(batch("a", 1, 1, PAGES[:1], cleared=True)) is R.APPLIED
-    assert ix.lookup(KEYS) == [NodeMatch("b", 2, True), NodeMatch("a", 1, True)]
+    assert ix.lookup(KEYS) == [NodeMatch("b", 2, Tier.DEVICE), NodeMatch("a", 1, Tier.DEVICE)]
     assert len(ix) == 2 and ix.page_meta(KEYS[1]) == (KEYS[0], 1) and ix.page_meta(KEYS[4]) is None
 
 
@@ -82,11 +84,13 @@ def test_snapshot_load_and_order():
     assert set(ix.node_pages("a")) == set(KEYS[:4]) and ix.sync_point("a") == (1, 4)
     assert ix.apply(batch("a", 1, 4, PAGES)) is R.DUPLICATE
     assert ix.apply(batch("a", 1, 5, PAGES[4:])) is R.APPLIED
-    assert ix.lookup(KEYS) == [NodeMatch("a", 6, True)]
+    assert ix.lookup(KEYS) == [NodeMatch("a", 6, Tier.DEVICE)]
     assert ix.load_snapshot(Snapshot("a", 1, 3, ())) is R.DUPLICATE  # older than applied
     assert ix.load_snapshot(Snapshot("a", 0, 9, ())) is R.STALE_EPOCH
     assert ix.load_snapshot(Snapshot("a", 2, 0, PAGES[:1])) is R.APPLIED  # newer epoch replaces
-    assert ix.lookup(KEYS) == [NodeMatch("a", 1, True)] and ix.stats()["snapshots_loaded"] == 2
+    assert (
+        ix.lookup(KEYS) == [NodeMatch("a", 1, Tier.DEVICE)] and ix.stats()["snapshots_loaded"] == 2
+    )
     # a snapshot names a node the index has never seen: tracked from then on
     assert ix.load_snapshot(Snapshot("b", 7, 3, PAGES)) is R.APPLIED and ix.nodes() == ["a", "b"]
 
@@ -98,7 +102,7 @@ def test_drop_node_and_late_batches():
     ix.drop_node("a")
     ix.drop_node("nobody")
     assert ix.nodes() == ["b"] and ix.node_pages("a") == {} and len(ix) == 3
-    assert ix.lookup(KEYS) == [NodeMatch("b", 3, True)]
+    assert ix.lookup(KEYS) == [NodeMatch("b", 3, Tier.DEVICE)]
     assert ix.apply(batch("a", 1, 0, PAGES)) is R.DROPPED  # a late batch cannot resurrect it
     assert ix.apply(batch("a", 0, 5, PAGES)) is R.DROPPED
     assert ix.apply(batch("c", 1, 0, PAGES[:2])) is R.APPLIED  # reuses a's slot
@@ -131,12 +135,18 @@ def test_lookup_rules_swa_window_and_tiers():
         )
     )
     assert ix.lookup(KEYS) == [
-        NodeMatch("hole", 6, True),
-        NodeMatch("tomb", 6, True),
-        NodeMatch("host", 4, False),
+        NodeMatch("hole", 6, Tier.DEVICE),
+        NodeMatch("tomb", 6, Tier.DEVICE),
+        NodeMatch("host", 4, Tier.HOST),
     ]
-    assert ix.lookup(KEYS[:4]) == [NodeMatch("host", 4, False), NodeMatch("hole", 2, True)]
-    assert ix.lookup(KEYS[:3]) == [NodeMatch("host", 3, False), NodeMatch("hole", 2, True)]
+    assert ix.lookup(KEYS[:4]) == [
+        NodeMatch("host", 4, Tier.HOST),
+        NodeMatch("hole", 2, Tier.DEVICE),
+    ]
+    assert ix.lookup(KEYS[:3]) == [
+        NodeMatch("host", 3, Tier.HOST),
+        NodeMatch("hole", 2, Tier.DEVICE),
+    ]
     assert ix.lookup([b"?" * 16] + KEYS[1:]) == [] and ix.lookup([]) == []
     # SWA gone on pages 3 and 5: lengths 6, 5 and 4 fail their window, 3 is the best
     gappy = PrefixIndex(MatchRule(2))
@@ -157,18 +167,63 @@ def test_lookup_rules_swa_window_and_tiers():
             ],
         )
     )
-    assert gappy.lookup(KEYS) == [NodeMatch("g", 3, False)]
+    assert gappy.lookup(KEYS) == [NodeMatch("g", 3, Tier.HOST)]
     # falling back never passes the FULL run: page 2 has SWA but no FULL
     masks = [int(M.FULL_DEVICE | M.SWA_DEVICE), int(M.FULL_DEVICE), int(M.SWA_DEVICE)]
     short = PrefixIndex(MatchRule(1))
     short.apply(
         batch("s", 1, 0, [PageState(p.key, p.parent, p.depth, m) for p, m in zip(PAGES, masks)])
     )
-    assert short.lookup(KEYS) == [NodeMatch("s", 1, True)]
+    assert short.lookup(KEYS) == [NodeMatch("s", 1, Tier.DEVICE)]
     swa_only = PrefixIndex(MatchRule(2, False))
     swa_only.apply(batch("tomb", 1, 0, tomb))
-    assert swa_only.lookup(KEYS) == [NodeMatch("tomb", 6, True)]
+    assert swa_only.lookup(KEYS) == [NodeMatch("tomb", 6, Tier.DEVICE)]
     assert swa_only.lookup(KEYS[:3]) == []
+
+
+def test_a_match_says_the_slowest_tier_it_reads_and_ranks_faster_first():
+    """The index knows which tier a node holds a match's pages in: device, memory (device
+    or host), else disk; the slowest page decides. Equal lengths rank faster tiers first,
+    native and pure-Python tables alike."""
+    disk, host, both = int(M.FULL_DISK | M.SWA_DISK), int(M.FULL_HOST | M.SWA_HOST), FULL_ALL
+    one_on_disk = [both, both, disk, both, both, both]
+    swa_on_disk = [int(M.FULL_DEVICE | M.SWA_DISK)] * 6  # the window's pages on disk
+    for native in (False, True) if presence.ENABLED else (False,):
+        ix = PrefixIndex(MatchRule(2), native=native)
+        ix.apply(batch("d", 1, 0, chain(list(range(12)), disk)[1]))
+        ix.apply(batch("h", 1, 0, chain(list(range(12)), host)[1]))
+        ix.apply(batch("g", 1, 0, PAGES))
+        ix.apply(
+            batch(
+                "m",
+                1,
+                0,
+                [PageState(p.key, p.parent, p.depth, m) for p, m in zip(PAGES, one_on_disk)],
+            )
+        )
+        ix.apply(
+            batch(
+                "w",
+                1,
+                0,
+                [PageState(p.key, p.parent, p.depth, m) for p, m in zip(PAGES, swa_on_disk)],
+            )
+        )
+        assert ix.lookup(KEYS) == [
+            NodeMatch("g", 6, Tier.DEVICE),
+            NodeMatch("h", 6, Tier.HOST),
+            NodeMatch("d", 6, Tier.DISK),
+            NodeMatch("m", 6, Tier.DISK),  # page 2 on disk: the full run reads it
+            NodeMatch("w", 6, Tier.DISK),  # the window's SWA pages on disk
+        ]
+        # Two pages: node m's page on disk is past them; w's window is still on disk.
+        assert [(m.node, m.tier) for m in ix.lookup(KEYS[:2])] == [
+            ("g", Tier.DEVICE),
+            ("m", Tier.DEVICE),
+            ("h", Tier.HOST),
+            ("d", Tier.DISK),
+            ("w", Tier.DISK),
+        ]
 
 
 @pytest.mark.parametrize("bad", [["x" * 16], [b"short"], [bytearray(16)], b"k" * 16])
@@ -267,7 +322,11 @@ def test_apply_chain_records_repeats_and_overwrites():
     assert cx.node_pages("a") == ix.node_pages("a") and cx.node_pages("b") == ix.node_pages("b")
     assert [cx.page_meta(k) for k in KEYS] == [ix.page_meta(k) for k in KEYS]
     assert cx.page_meta(KEYS[1]) == (KEYS[0], 1) and cx.page_meta(KEYS[2]) is None
-    assert cx.lookup(KEYS) == ix.lookup(KEYS) == [NodeMatch("a", 2, True), NodeMatch("b", 2, True)]
+    assert (
+        cx.lookup(KEYS)
+        == ix.lookup(KEYS)
+        == [NodeMatch("a", 2, Tier.DEVICE), NodeMatch("b", 2, Tier.DEVICE)]
+    )
 
 
 @pytest.mark.parametrize(
@@ -301,7 +360,7 @@ def test_apply_chain_rejects_bad_input(args):
     with pytest.raises(EventError):
         ix.apply_chain(**{**ok, **args})
     assert len(ix) == 0 and ix.nodes() == [] and ix.stats()["applied"] == 0
-    assert ix.apply_chain(**ok) is R.APPLIED and ix.lookup(KEYS) == [NodeMatch("a", 6, True)]
+    assert ix.apply_chain(**ok) is R.APPLIED and ix.lookup(KEYS) == [NodeMatch("a", 6, Tier.DEVICE)]
     # the next batch of a node in sync (the fast path: the table checks): refused alike
     before = (ix.node_pages("a"), ix.sync_point("a"), ix.stats())
     nxt = {**ok, "seq": 1, "keys": KEYS[:3], "mask": int(M.FULL_HOST)}
@@ -309,7 +368,7 @@ def test_apply_chain_rejects_bad_input(args):
         ix.apply_chain(**{**nxt, **args})
     assert (ix.node_pages("a"), ix.sync_point("a"), ix.stats()) == before
     assert ix.apply_chain(**nxt) is R.APPLIED and ix.sync_point("a") == (1, 1)
-    assert ix.lookup(KEYS) == [NodeMatch("a", 6, False)]
+    assert ix.lookup(KEYS) == [NodeMatch("a", 6, Tier.HOST)]
 
 
 def test_apply_chain_in_sync_takes_int_subclasses():
@@ -325,7 +384,7 @@ def test_apply_chain_in_sync_takes_int_subclasses():
         batch("a", 1, 1, [PageState(k, p.parent, p.depth, 2) for k, p in zip(KEYS[2:4], PAGES[2:])])
     )
     assert ix.node_pages("a") == cx.node_pages("a") and ix.stats() == cx.stats()
-    assert ix.lookup(KEYS) == cx.lookup(KEYS) == [NodeMatch("a", 4, False)]
+    assert ix.lookup(KEYS) == cx.lookup(KEYS) == [NodeMatch("a", 4, Tier.HOST)]
 
 
 def test_twenty_thousand_engine_lives_leave_one_shard_as_it_was():

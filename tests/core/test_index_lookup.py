@@ -4,7 +4,7 @@ the attention policies, over random holders, batches, replays, gaps and snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfabric.core.cache.keys import PageKeyer
-from kvfabric.core.cache.layout import KVLayout, LayerKind, PoolName
+from kvfabric.core.cache.layout import KVLayout, LayerKind, PoolName, Tier
 from kvfabric.core.cache.policies import policies_for
 from kvfabric.core.index.answers import NodeMatch
 from kvfabric.core.index.events import EventBatch, PageState, Snapshot
@@ -24,8 +24,12 @@ def layout_of(window, has_full, page_size=2):
     return KVLayout(layers, kv_heads=1, head_dim=1, page_size=page_size, window=window * page_size)
 
 
-# What a pool's pages carry in a node's published mask: on some tier, and on the device.
-HELD = {PoolName.FULL: (M.FULL, M.FULL_DEVICE), PoolName.SWA: (M.SWA, M.SWA_DEVICE)}
+# What a pool's pages carry in a node's published mask: on some tier, in memory (device or
+# host), on the device.
+HELD = {
+    PoolName.FULL: (M.FULL, M.FULL_DEVICE | M.FULL_HOST, M.FULL_DEVICE),
+    PoolName.SWA: (M.SWA, M.SWA_DEVICE | M.SWA_HOST, M.SWA_DEVICE),
+}
 
 
 def brute_lookup(model, keys, layout):
@@ -38,10 +42,11 @@ def brute_lookup(model, keys, layout):
         for n in range(len(keys), 0, -1):
             need = [(HELD[p.pool], p.needed(n)) for p in policies]
             if all(masks[i] & bits[0] for bits, span in need for i in span):
-                dev = all(masks[i] & bits[1] for bits, span in need for i in span)
-                out.append(NodeMatch(node, n, dev))
+                on = [all(masks[i] & bits[t] for bits, span in need for i in span) for t in (2, 1)]
+                tier = Tier.DEVICE if on[0] else Tier.HOST if on[1] else Tier.DISK
+                out.append(NodeMatch(node, n, tier))
                 break
-    return sorted(out, key=lambda m: (-m.pages, not m.device, m.node))
+    return sorted(out, key=lambda m: (-m.pages, m.tier, m.node))
 
 
 def test_the_rule_is_the_policies():
@@ -185,21 +190,21 @@ ROOT = b"\xff" * 16
     window=st.integers(0, 3),
     has_full=st.booleans(),
     chains=st.lists(
-        st.tuples(st.integers(0, 9), st.integers(0, 11), st.integers(1, 6), st.integers(0, 15)),
+        st.tuples(st.integers(0, 7), st.integers(0, 11), st.integers(1, 6), st.integers(0, 63)),
         min_size=1,
         max_size=30,
     ),
     looked_up=st.lists(st.tuples(st.integers(0, 11), st.integers(1, 12)), min_size=1, max_size=8),
 )
 def test_reference_word_path_equals_repacked(window, has_full, chains, looked_up):
-    """The reference's lookups where every open slot is below 16 (the packed nibbles as
+    """The reference's lookups where every open slot is below 8 (the packed codes as
     they are) answer as where slots reach past a word (each lookup's candidates repacked):
     the same holders at slot s and at slot s + 16, pairs and bitsets alike."""
     if not (window or has_full):
         has_full = True
     keys = [bytes([i]) * 16 for i in range(1, 13)]
     word, wide = Presence(window, has_full), Presence(window, has_full)
-    for s in range(10):
+    for s in range(8):
         word.open(s)
         wide.open(s + 16)
     for slot, first, n, mask in chains:  # mask 0 drops pages: bitsets go back to pairs

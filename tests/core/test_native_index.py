@@ -1,7 +1,7 @@
 """The index core's two presence tables, C and pure Python, driven through the same random
 sequences of every PrefixIndex operation: equal results for every call, equal state after
 each (node_pages, held_keys in order, page_meta, sync points, stats, len, every key's
-packed nibbles, and its form: pairs or bitset). Many nodes (over 16 slots, and over
+packed codes, and its form: pairs or bitset). Many nodes (over 8 slots, a word of codes, and over
 SPARSE_MAX holders a key: keys switch between pairs and bitset both ways, at the
 boundary), drops and slot reuse, random MatchRules. The existing index tests run on
 both cores through KVF_NATIVE."""
@@ -39,13 +39,13 @@ def pages(data, allow_zero: bool) -> tuple[PageState, ...]:
     run = data.draw(runs)
     first = data.draw(st.integers(0, 3))
     low = 0 if allow_zero else 1
-    one = data.draw(st.integers(low, 15)) if data.draw(st.booleans()) else None  # one chain
+    one = data.draw(st.integers(low, 63)) if data.draw(st.booleans()) else None  # one chain
     return tuple(
         PageState(
             k,
             run[i - 1] if i and data.draw(st.integers(0, 5)) else ROOT,  # breaks in the chain
             first + i + (0 if data.draw(st.integers(0, 5)) else 1),
-            one if one is not None else data.draw(st.integers(low, 15)),
+            one if one is not None else data.draw(st.integers(low, 63)),
         )
         for i, k in enumerate(run)
     )
@@ -109,7 +109,7 @@ def draw_op(data, ix: PrefixIndex, nodes: int) -> tuple[str, tuple]:
             run,
             data.draw(st.sampled_from([0, 1, 2, 3, MAX_DEPTH - 8])),
             ROOT,
-            data.draw(st.sampled_from([0, 1, 2, 3, 4, 5, 12, 15])),
+            data.draw(st.sampled_from([0, 1, 2, 3, 4, 5, 12, 15, 16, 48, 19, 63])),
             data.draw(st.booleans()),
         )
     if kind == "apply":
@@ -253,7 +253,7 @@ def test_table_check_is_the_same_on_both_cores(make):
 def test_native_table_grows_slots_and_keeps_order_through_compaction():
     py, c = presence.Presence(1, True), presence.EXT.Presence(1, True)
     for table in (py, c):
-        table.open(70)  # five words of nibbles
+        table.open(70)  # nine words of codes
         table.open(3)
         for round_ in range(50):  # inserts and deletes: compactions and regrowth
             table.set_chain(70, KEYS[round_ % 24 :], round_, ROOT, 15)
@@ -265,7 +265,7 @@ def test_native_table_grows_slots_and_keeps_order_through_compaction():
     assert [c.meta(k) for k in KEYS] == [py.meta(k) for k in KEYS]
     assert all(c.pages(s) == py.pages(s) and c.count(s) == py.count(s) for s in (3, 70))
     assert sorted(c.lookup(KEYS)) == sorted(py.lookup(KEYS))
-    assert c.get(KEYS[-1]) >> 280 == 15 or c.get(KEYS[-1]) == 0  # slot 70: bits 280-283
+    assert c.get(KEYS[-1]) >> 560 == 63 or c.get(KEYS[-1]) == 0  # slot 70: bits 560-567
     for table in (py, c):
         table.close(70)
     assert c.keys() == py.keys() and c.pages(3) == py.pages(3)
@@ -285,7 +285,7 @@ def table_ops(slots: int):
                 run,
                 st.sampled_from([0, 5, MAX_DEPTH - 9]),
                 st.sampled_from([ROOT, KEYS[0]]),
-                st.sampled_from([0, 0, 1, 2, 3, 6, 15]),
+                st.sampled_from([0, 0, 1, 2, 3, 6, 15, 16, 40, 63]),
             ),
             st.tuples(st.just("lookup"), run),
         ),
@@ -335,7 +335,7 @@ def test_the_sparse_and_dense_bounds_are_the_same_on_both_cores():
 
 def holders(table, key: bytes) -> int:
     bits = table.get(key)
-    return sum(1 for s in range(0, bits.bit_length(), 4) if bits >> s & 15)
+    return sum(1 for s in range(0, bits.bit_length(), 8) if bits >> s & 255)
 
 
 @settings(max_examples=150, deadline=None)
@@ -359,7 +359,7 @@ def test_keys_switch_forms_at_the_bounds_alike(rule, slots, data):
         slot = data.draw(st.sampled_from(slots))
         first = data.draw(st.integers(0, 2))
         run = keys[first : first + data.draw(st.integers(1, 3))]
-        mask = data.draw(st.sampled_from([0, 0, 1, 3, 5, 12, 15]))
+        mask = data.draw(st.sampled_from([0, 0, 1, 3, 5, 12, 15, 16, 32, 50]))
         for table in (py, c):
             table.set_chain(slot, run, first, ROOT, mask)
         for k in keys:
@@ -402,7 +402,7 @@ def test_a_key_crosses_each_bound_both_ways():
         forms.append(c.dense(KEYS[0]))
     # holders 1..8 joining, then 7..1 leaving
     assert forms == [False] * 5 + [True] * 3 + [True] * 4 + [False] * 3
-    assert c.get(KEYS[0]) == py.get(KEYS[0]) == presence.code(1 + 1000 % 15) << 4 * 1000
+    assert c.get(KEYS[0]) == py.get(KEYS[0]) == presence.code(1 + 1000 % 15) << 8 * 1000
     assert c.dense(KEYS[1]) and py.dense(KEYS[1])  # the other key kept all 8
 
 

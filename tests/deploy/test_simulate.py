@@ -8,6 +8,8 @@ import dataclasses
 import math
 
 import pytest
+from kvfabric.core.cache.layout import Tier
+from kvfabric.core.cache.nodes import TIERS
 from kvfabric.deploy.placement import PowerOfTwo
 from kvfabric.deploy.sim.cluster import NAMESPACE, Cluster, Mode, SimConfig
 from kvfabric.deploy.sim.global_mode import FabricCluster
@@ -161,12 +163,17 @@ class CheckedFabric(FabricCluster):
 
     def lookup(self, req):
         got = super().lookup(req)
-        truth = {
-            i: p
-            for i, c in enumerate(self.caches)
-            if (p := c.match(req.tokens, NAMESPACE).usable_pages)
-        }
-        self.wrong += got != truth
+        truth = {}
+        for i, c in enumerate(self.caches):
+            m = c.match(req.tokens, NAMESPACE)
+            if m.usable_pages:  # the slowest tier the match reads: the fastest that holds it all
+                tier = next(
+                    t
+                    for t in Tier
+                    if c.usable(m.path, m.usable_pages, TIERS[: t + 1]) == m.usable_pages
+                )
+                truth[i] = (m.usable_pages, tier)
+        self.wrong += {i: (m.pages, m.tier) for i, m in got.items()} != truth
         return got
 
 

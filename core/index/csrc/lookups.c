@@ -3,17 +3,18 @@
  *
  * The candidates first: the slots that may match, each given a place (a local slot): with
  * full layers the FULL holders of page 0 (a match holds every page before its end), else
- * every holder of any page. The walk's nibbles are theirs alone, in their places, so its
+ * every holder of any page. The walk's codes are theirs alone, in their places, so its
  * cost goes with the keys' holders, not the table's slot count.
  *
- * Per page, the candidates' nibbles (chain) and their running AND from page 0 (prefix). With
+ * Per page, the candidates' codes (chain) and their running AND from page 0 (prefix). With
  * full layers the walk stops where no open slot holds every page so far: no match goes
  * further. A node's FULL run from page 0 ends where its bit leaves the running AND; it
  * matches there if its SWA window holds too, else the fall-back scans shorter lengths
  * for every such node at once. Windows are ANDs of `window` pages, from per-block prefix
  * and suffix ANDs (van Herk): O(pages) whatever the window. All of it is word-wise over
- * the nibbles of 16 slots: bit 0 of a slot's nibble is FULL, 1 FULL on device, 2 SWA,
- * 3 SWA on device, so `>> 2` and `>> 3` bring a window's SWA bits to bit 0. */
+ * the codes of SLOTS_PER_WORD slots (presence.h's CODE_ shifts bring a code's bit to bit 0):
+ * a match is on the device where its run's FULL and its window's SWA bits say so, else in
+ * memory where their memory bits do, else on disk. */
 #include "presence.h"
 
 #include <string.h>
@@ -21,7 +22,7 @@
 typedef struct {
     Py_ssize_t W, len, window;
     const int32_t *order;                 /* local slot -> slot, ascending */
-    const uint64_t *ones;                 /* W: bit 0 of every candidate's nibble */
+    const uint64_t *ones;                 /* W: bit 0 of every candidate's code */
     uint64_t *chain, *prefix, *pre, *suf; /* len * W each */
 } Walk;
 
@@ -62,15 +63,18 @@ blocks(Walk *k)
     }
 }
 
-/* (slot, pages, device) for every candidate bit of `nodes`. */
+/* (slot, pages, tier) for every candidate bit of `nodes`: Tier's values, 0 on the device,
+ * 1 in memory, 2 on disk. */
 static int
-emit(const Walk *k, PyObject *out, const uint64_t *nodes, const uint64_t *device, Py_ssize_t pages)
+emit(const Walk *k, PyObject *out, const uint64_t *nodes, const uint64_t *device,
+     const uint64_t *memory, Py_ssize_t pages)
 {
     for (Py_ssize_t j = 0; j < k->W; j++) {
         for (uint64_t x = nodes[j]; x; x &= x - 1) {
             int b = __builtin_ctzll(x);
-            PyObject *t = Py_BuildValue("(inO)", k->order[j * SLOTS_PER_WORD + b / 4], pages,
-                                        (device[j] >> b) & 1 ? Py_True : Py_False);
+            int tier = (device[j] >> b) & 1 ? 0 : (memory[j] >> b) & 1 ? 1 : 2;
+            PyObject *t =
+                Py_BuildValue("(ini)", k->order[j * SLOTS_PER_WORD + b / CODE_BITS], pages, tier);
             if (t == NULL || PyList_Append(out, t) < 0) {
                 Py_XDECREF(t);
                 return -1;
@@ -95,7 +99,7 @@ any(const uint64_t *a, Py_ssize_t W)
 static int
 is_open(const Presence *p, Py_ssize_t slot)
 {
-    return (int)(p->ones[slot / SLOTS_PER_WORD] >> 4 * (slot % SLOTS_PER_WORD)) & 1;
+    return (int)(p->ones[slot / SLOTS_PER_WORD] >> CODE_BITS * (slot % SLOTS_PER_WORD)) & 1;
 }
 
 static int
@@ -145,7 +149,7 @@ candidates(Presence *p, Py_ssize_t n)
             continue;
         }
         for (Holders h = holders_of(p->found[i]); holders_next(&h);) {
-            if ((h.nib & 1 || !p->has_full) && is_open(p, h.slot) && p->local[h.slot] == -1) {
+            if ((h.code & 1 || !p->has_full) && is_open(p, h.slot) && p->local[h.slot] == -1) {
                 p->local[h.slot] = 0; /* seen: its place comes after the sort */
                 p->order[nl++] = (int32_t)h.slot;
             }
@@ -158,26 +162,26 @@ candidates(Presence *p, Py_ssize_t n)
     return nl;
 }
 
-/* The candidates' nibbles of one cell into `row` (W words, zeroed). */
+/* The candidates' codes of one cell into `row` (W words, zeroed). */
 static void
 local_row(const Presence *p, const Cell *c, Py_ssize_t nl, uint64_t *row)
 {
     if (cell_dense(c) && nl < (Py_ssize_t)c->dense.holders) { /* fewer candidates: ask each */
         for (Py_ssize_t l = 0; l < nl; l++) {
             row[l / SLOTS_PER_WORD] |= (uint64_t)kvf_cell_get(c, p->order[l])
-                                       << 4 * (l % SLOTS_PER_WORD);
+                                       << CODE_BITS * (l % SLOTS_PER_WORD);
         }
         return;
     }
     for (Holders h = holders_of(c); holders_next(&h);) {
         int32_t l = p->local[h.slot];
         if (l >= 0) {
-            row[l / SLOTS_PER_WORD] |= (uint64_t)h.nib << 4 * (l % SLOTS_PER_WORD);
+            row[l / SLOTS_PER_WORD] |= (uint64_t)h.code << CODE_BITS * (l % SLOTS_PER_WORD);
         }
     }
 }
 
-/* The walk over the candidates' nibbles of `n` found cells: k->len pages may match. */
+/* The walk over the candidates' codes of `n` found cells: k->len pages may match. */
 static int
 walk(Presence *p, Walk *k, Py_ssize_t n, Py_ssize_t nl)
 {
@@ -194,10 +198,10 @@ walk(Presence *p, Walk *k, Py_ssize_t n, Py_ssize_t nl)
     k->chain = ones + W, k->prefix = k->chain + n * W, k->pre = k->prefix + n * W,
     k->suf = k->pre + n * W;
     for (Py_ssize_t j = 0; j < W; j++) {
-        ones[j] = 0x1111111111111111ULL;
+        ones[j] = CODE_ONES;
     }
     if (nl % SLOTS_PER_WORD) {
-        ones[W - 1] &= (1ULL << 4 * (nl % SLOTS_PER_WORD)) - 1;
+        ones[W - 1] &= (1ULL << CODE_BITS * (nl % SLOTS_PER_WORD)) - 1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t live = 0, *row = AT(k->chain, i), *pre = AT(k->prefix, i);
@@ -224,31 +228,34 @@ walk(Presence *p, Walk *k, Py_ssize_t n, Py_ssize_t nl)
  * others join `pending`. */
 static int
 match_group(const Walk *k, Py_ssize_t n, const uint64_t *group, uint64_t *pending, uint64_t *win,
-            uint64_t *ok, uint64_t *dev, PyObject *out)
+            uint64_t *ok, uint64_t *dev, uint64_t *mem, PyObject *out)
 {
     window_of(k, n, win);
     for (Py_ssize_t j = 0; j < k->W; j++) {
-        ok[j] = group[j] & (win[j] >> 2);
-        dev[j] = (AT(k->prefix, n - 1)[j] >> 1) & (win[j] >> 3);
+        uint64_t run = AT(k->prefix, n - 1)[j];
+        ok[j] = group[j] & (win[j] >> CODE_S_ANY);
+        dev[j] = (run >> CODE_F_DEV) & (win[j] >> CODE_S_DEV);
+        mem[j] = (run >> CODE_F_MEM) & (win[j] >> CODE_S_MEM);
         pending[j] |= group[j] & ~ok[j];
     }
-    return emit(k, out, ok, dev, n);
+    return emit(k, out, ok, dev, mem, n);
 }
 
 /* Nodes whose window fails where their run ends: the longest shorter length that holds. */
 static int
 fall_back(const Walk *k, int full, uint64_t *pending, uint64_t *win, uint64_t *hits, uint64_t *dev,
-          PyObject *out)
+          uint64_t *mem, PyObject *out)
 {
     for (Py_ssize_t m = k->len; m > 0 && any(pending, k->W); m--) {
         window_of(k, m, win);
         for (Py_ssize_t j = 0; j < k->W; j++) {
             uint64_t pre = full ? AT(k->prefix, m - 1)[j] : ~0ULL;
-            hits[j] = pending[j] & (win[j] >> 2) & pre;
-            dev[j] = (pre >> 1) & (win[j] >> 3);
+            hits[j] = pending[j] & (win[j] >> CODE_S_ANY) & pre;
+            dev[j] = (pre >> CODE_F_DEV) & (win[j] >> CODE_S_DEV);
+            mem[j] = (pre >> CODE_F_MEM) & (win[j] >> CODE_S_MEM);
             pending[j] ^= hits[j];
         }
-        if (emit(k, out, hits, dev, m) < 0) {
+        if (emit(k, out, hits, dev, mem, m) < 0) {
             return -1;
         }
     }
@@ -261,7 +268,7 @@ rule(Presence *p, Walk *k, PyObject *out)
     Py_ssize_t W = k->W;
     uint64_t *t = k->suf + k->len * W; /* room for 8 * W after the per-page arrays */
     uint64_t *pending = t, *inner = t + W, *group = t + 2 * W, *win = t + 3 * W, *a = t + 4 * W,
-             *b = t + 5 * W;
+             *b = t + 5 * W, *c = t + 6 * W;
     for (Py_ssize_t j = 0; j < W; j++) {
         pending[j] = p->has_full ? 0 : k->ones[j], inner[j] = 0;
     }
@@ -275,12 +282,12 @@ rule(Presence *p, Walk *k, PyObject *out)
             group[j] = v[j] & k->ones[j] & ~inner[j];
             inner[j] = v[j] & k->ones[j];
         }
-        if (any(group, W) && match_group(k, i + 1, group, pending, win, a, b, out) < 0) {
+        if (any(group, W) && match_group(k, i + 1, group, pending, win, a, b, c, out) < 0) {
             return -1;
         }
         i = start - 1;
     }
-    return any(pending, W) ? fall_back(k, p->has_full, pending, win, a, b, out) : 0;
+    return any(pending, W) ? fall_back(k, p->has_full, pending, win, a, b, c, out) : 0;
 }
 
 PyObject *

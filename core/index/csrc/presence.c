@@ -1,6 +1,6 @@
 /* kvfabric.core.index._presence: the native core of core/index/presence.py.
  *
- * Presence(window_pages, has_full): per page key, a nibble per node slot that holds it
+ * Presence(window_pages, has_full): per page key, a code per node slot that holds it
  * (a Cell: inline pairs while few slots do, a bitset where many do; presence_holders.c); per slot,
  * the pages it published; per key, its last publication. The same methods and results
  * as presence.Presence:
@@ -187,7 +187,7 @@ py_open(Presence *p, PyObject *arg)
         p->slots = slots, p->nslots = slot + 1;
     }
     p->slots[slot].open = 1;
-    p->ones[slot / SLOTS_PER_WORD] |= 1ULL << 4 * (slot % SLOTS_PER_WORD);
+    p->ones[slot / SLOTS_PER_WORD] |= 1ULL << CODE_BITS * (slot % SLOTS_PER_WORD);
     Py_RETURN_NONE;
 }
 
@@ -201,7 +201,7 @@ py_close(Presence *p, PyObject *arg)
     }
     kvf_clear(p, s, slot);
     s->open = 0;
-    p->ones[slot / SLOTS_PER_WORD] &= ~(1ULL << 4 * (slot % SLOTS_PER_WORD));
+    p->ones[slot / SLOTS_PER_WORD] &= ~(1ULL << CODE_BITS * (slot % SLOTS_PER_WORD));
     Py_RETURN_NONE;
 }
 
@@ -263,7 +263,7 @@ py_keys(Presence *p, PyObject *Py_UNUSED(unused))
     return out;
 }
 
-/* The cell's nibbles as words (its highest holder's word the last), in *bits; the count. */
+/* The cell's codes as words (its highest holder's word the last), in *bits; the count. */
 static Py_ssize_t
 cell_words(const Cell *c, uint64_t **bits)
 {
@@ -275,7 +275,8 @@ cell_words(const Cell *c, uint64_t **bits)
         return PyErr_NoMemory(), -1;
     }
     for (Holders h = holders_of(c); holders_next(&h);) {
-        (*bits)[h.slot / SLOTS_PER_WORD] |= (uint64_t)h.nib << 4 * (h.slot % SLOTS_PER_WORD);
+        (*bits)[h.slot / SLOTS_PER_WORD] |= (uint64_t)h.code
+                                            << CODE_BITS * (h.slot % SLOTS_PER_WORD);
     }
     return n;
 }
@@ -397,7 +398,7 @@ static PyMethodDef presence_methods[] = {
     {"meta", (PyCFunction)py_meta, METH_O, "meta(key) -> (parent, depth) of its last publication"},
     {"lookup", (PyCFunction)py_lookup, METH_O, "lookup(keys) -> [(slot, pages, device)]"},
     {"keys", (PyCFunction)py_keys, METH_NOARGS, "every held key, in insertion order"},
-    {"get", (PyCFunction)py_get, METH_O, "get(key) -> the key's packed nibbles (0: not held)"},
+    {"get", (PyCFunction)py_get, METH_O, "get(key) -> the key's packed codes (0: not held)"},
     {"dense", (PyCFunction)py_dense, METH_O, "dense(key) -> its holders are a bitset, not pairs"},
     {"__sizeof__", (PyCFunction)py_sizeof, METH_NOARGS, "bytes held"},
     {NULL, NULL, 0, NULL},

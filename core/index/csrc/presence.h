@@ -2,8 +2,8 @@
  *   ordered.c           an ordered set of 16-byte keys (insertion order, as a dict keeps it)
  *   presence.c          the Presence type: the module, argument checks and the methods
  *   presence_records.c  a chain's apply, a slot's clear, its pages and the keys' last records
- *   presence_holders.c  a key's holders: inline (slot, nibble) pairs while few, else a bitset
- *   lookups.c           the match rule over the keys' nibbles (core/index/lookups.py's)
+ *   presence_holders.c  a key's holders: inline (slot, code) pairs while few, else a bitset
+ *   lookups.c           the match rule over the keys' codes (core/index/lookups.py's)
  * See presence.c for what the module exports. */
 #ifndef KVF_PRESENCE_H
 #define KVF_PRESENCE_H
@@ -15,12 +15,22 @@
 #include <string.h>
 
 #define KEY_BYTES      16
-#define SLOTS_PER_WORD 16        /* 4-bit nibbles in a uint64 */
-#define MAX_SLOTS      (1 << 16) /* presence.py's MAX_SLOTS */
-#define MAX_MASK       63        /* PageMask.FULL | PageMask.SWA */
-#define SPARSE_MAX     5         /* holders a key keeps inline (presence.py's) */
-#define SPARSE_BACK    3         /* a dense key this few hold goes back inline */
-#define DENSE          0xFF      /* Cell.pairs.n of a dense cell */
+#define CODE_BITS      8 /* a slot's code (presence.py's `code`) in a packed word */
+#define CODE_MASK      0xFFULL
+#define CODE_ONES      0x0101010101010101ULL /* bit 0 of every code of a word */
+#define SLOTS_PER_WORD (64 / CODE_BITS)
+/* A code's bits: FULL on any tier (bit 0), FULL on device, SWA on any, SWA on device, FULL
+ * in memory (device or host), SWA in memory: these shifts bring one to bit 0. */
+#define CODE_F_DEV  1
+#define CODE_S_ANY  2
+#define CODE_S_DEV  3
+#define CODE_F_MEM  4
+#define CODE_S_MEM  5
+#define MAX_SLOTS   (1 << 16) /* presence.py's MAX_SLOTS */
+#define MAX_MASK    63        /* PageMask.FULL | PageMask.SWA */
+#define SPARSE_MAX  5         /* holders a key keeps inline (presence.py's) */
+#define SPARSE_BACK 3         /* a dense key this few hold goes back inline */
+#define DENSE       0xFF      /* Cell.pairs.n of a dense cell */
 
 /* Keys in insertion order (an update keeps the place, a delete and insert moves to the
  * end). `index` maps hash -> entry by linear probing over at least twice the capacity;
@@ -108,7 +118,7 @@ typedef struct {
 } Pages;
 
 /* Which slots hold a key and how, 16 bytes whoever they are: while at most SPARSE_MAX
- * do, their (slot, nibble) pairs inline, in no order; past that, a bitset of nibbles on
+ * do, their (slot, code) pairs inline, in no order; past that, a bitset of codes on
  * the heap, as wide as its highest holder needs (words beyond it are zeros). A dense
  * key goes back inline when SPARSE_BACK hold it, not SPARSE_MAX: a key that a slot joins
  * and leaves at the boundary does not allocate each time. The tag byte (pairs.n, or
@@ -116,7 +126,7 @@ typedef struct {
 typedef union {
     struct {
         uint16_t slot[SPARSE_MAX];
-        uint8_t nib[SPARSE_MAX];
+        uint8_t code[SPARSE_MAX];
         uint8_t n;
     } pairs;
     struct {
@@ -127,12 +137,12 @@ typedef union {
     } dense;
 } Cell;
 
-/* Each holder of a cell in turn: `slot` and `nib` after every holders_next that is 1. */
+/* Each holder of a cell in turn: `slot` and `code` after every holders_next that is 1. */
 typedef struct {
     const Cell *c;
     Py_ssize_t i, slot;
     uint64_t x;
-    int nib;
+    int code;
 } Holders;
 
 static inline int
@@ -162,7 +172,7 @@ holders_next(Holders *h)
         if (++h->i >= c->pairs.n) {
             return 0;
         }
-        h->slot = c->pairs.slot[h->i], h->nib = c->pairs.nib[h->i];
+        h->slot = c->pairs.slot[h->i], h->code = c->pairs.code[h->i];
         return 1;
     }
     while (!h->x) {
@@ -171,18 +181,18 @@ holders_next(Holders *h)
         }
         h->x = c->dense.bits[h->i];
     }
-    int b = __builtin_ctzll(h->x) & ~3;
-    h->slot = h->i * SLOTS_PER_WORD + b / 4, h->nib = (int)(h->x >> b) & 0xF;
-    h->x &= ~(0xFULL << b);
+    int b = __builtin_ctzll(h->x) & ~(CODE_BITS - 1);
+    h->slot = h->i * SLOTS_PER_WORD + b / CODE_BITS, h->code = (int)(h->x >> b & CODE_MASK);
+    h->x &= ~(CODE_MASK << b);
     return 1;
 }
 
-/* presence_holders.c: the slot's nibble (0: not a holder). */
+/* presence_holders.c: the slot's code (0: not a holder). */
 int kvf_cell_get(const Cell *c, Py_ssize_t slot);
-/* Room to give `slot` a nibble without allocating (dense, or wider, if need be); -1 with
+/* Room to give `slot` a code without allocating (dense, or wider, if need be); -1 with
  * MemoryError, the cell's holders unchanged. */
 int kvf_cell_room(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words);
-/* The slot's nibble is `code` (nonzero): room made by cell_room first. */
+/* The slot's code is `code` (nonzero): room made by cell_room first. */
 void kvf_cell_set(Cell *c, Py_ssize_t slot, int code);
 /* The slot holds the key no more; the holders left. Never allocates. */
 Py_ssize_t kvf_cell_drop(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words);
@@ -199,13 +209,13 @@ typedef struct {
 typedef struct {
     PyObject_HEAD Py_ssize_t window; /* the MatchRule's window_pages */
     int has_full;                    /* the MatchRule's has_full */
-    Py_ssize_t words;                /* uint64 words of `ones`: 16 node slots each */
+    Py_ssize_t words;                /* uint64 words of `ones`: SLOTS_PER_WORD node slots each */
     Ordered held;                    /* keys some slot holds */
     Cell *cells;                     /* held.cap: the key's holders */
     Py_ssize_t dense_words;          /* words the dense cells hold on the heap */
     uint8_t *parents; /* held.cap * KEY_BYTES: the key's last publication's parent */
     uint64_t *depths; /* held.cap: and its depth */
-    uint64_t *ones;   /* words: bit 0 of every open slot's nibble */
+    uint64_t *ones;   /* words: bit 0 of every open slot's code */
     Pages *slots;     /* nslots */
     Py_ssize_t nslots;
     int32_t *local;    /* nslots: -1, or a slot's place among a lookup's candidates */

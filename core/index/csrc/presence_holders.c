@@ -1,6 +1,6 @@
 /* A key's holders (Cell, presence.h): inline pairs while few slots hold the key, a bitset
- * of nibbles where many do. Memory per key is then 16 bytes whatever the slot count,
- * except for the few keys many slots hold, whose bitset costs half a byte per slot up
+ * of codes where many do. Memory per key is then 16 bytes whatever the slot count,
+ * except for the few keys many slots hold, whose bitset costs a byte per slot up
  * to the highest holder. The switch points are presence.py's, so that both cores say
  * the same of every key (the differential tests compare the forms too). */
 #include "presence.h"
@@ -27,10 +27,12 @@ kvf_cell_get(const Cell *c, Py_ssize_t slot)
 {
     if (!cell_dense(c)) {
         int i = find_pair(c, slot);
-        return i < 0 ? 0 : c->pairs.nib[i];
+        return i < 0 ? 0 : c->pairs.code[i];
     }
     Py_ssize_t w = slot / SLOTS_PER_WORD;
-    return w < c->dense.words ? (int)(c->dense.bits[w] >> 4 * (slot % SLOTS_PER_WORD)) & 0xF : 0;
+    return w < c->dense.words
+               ? (int)(c->dense.bits[w] >> CODE_BITS * (slot % SLOTS_PER_WORD) & CODE_MASK)
+               : 0;
 }
 
 int
@@ -64,7 +66,7 @@ kvf_cell_room(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words)
     }
     for (int i = 0; i < c->pairs.n; i++) {
         int s = c->pairs.slot[i];
-        bits[s / SLOTS_PER_WORD] |= (uint64_t)c->pairs.nib[i] << 4 * (s % SLOTS_PER_WORD);
+        bits[s / SLOTS_PER_WORD] |= (uint64_t)c->pairs.code[i] << CODE_BITS * (s % SLOTS_PER_WORD);
     }
     uint32_t holders = c->pairs.n;
     memset(c, 0, sizeof(*c));
@@ -79,9 +81,9 @@ kvf_cell_set(Cell *c, Py_ssize_t slot, int code)
 {
     if (cell_dense(c)) { /* cell_room made it wide enough */
         uint64_t *w = c->dense.bits + slot / SLOTS_PER_WORD;
-        int shift = 4 * (int)(slot % SLOTS_PER_WORD);
-        c->dense.holders += !((*w >> shift) & 0xF);
-        *w = (*w & ~(0xFULL << shift)) | (uint64_t)code << shift;
+        int shift = CODE_BITS * (int)(slot % SLOTS_PER_WORD);
+        c->dense.holders += !((*w >> shift) & CODE_MASK);
+        *w = (*w & ~(CODE_MASK << shift)) | (uint64_t)code << shift;
         return;
     }
     int i = find_pair(c, slot);
@@ -89,7 +91,7 @@ kvf_cell_set(Cell *c, Py_ssize_t slot, int code)
         i = c->pairs.n++;
         c->pairs.slot[i] = (uint16_t)slot;
     }
-    c->pairs.nib[i] = (uint8_t)code;
+    c->pairs.code[i] = (uint8_t)code;
 }
 
 void
@@ -109,14 +111,14 @@ kvf_cell_drop(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words)
         int i = find_pair(c, slot);
         if (i >= 0) { /* the last pair takes its place */
             int last = --c->pairs.n;
-            c->pairs.slot[i] = c->pairs.slot[last], c->pairs.nib[i] = c->pairs.nib[last];
+            c->pairs.slot[i] = c->pairs.slot[last], c->pairs.code[i] = c->pairs.code[last];
         }
         return c->pairs.n;
     }
     if (!kvf_cell_get(c, slot)) {
         return c->dense.holders;
     }
-    c->dense.bits[slot / SLOTS_PER_WORD] &= ~(0xFULL << 4 * (slot % SLOTS_PER_WORD));
+    c->dense.bits[slot / SLOTS_PER_WORD] &= ~(CODE_MASK << CODE_BITS * (slot % SLOTS_PER_WORD));
     if (--c->dense.holders > SPARSE_BACK) {
         return c->dense.holders;
     }
@@ -124,7 +126,7 @@ kvf_cell_drop(Cell *c, Py_ssize_t slot, Py_ssize_t *dense_words)
     memset(&back, 0, sizeof(back));
     for (Holders h = holders_of(c); holders_next(&h);) {
         back.pairs.slot[back.pairs.n] = (uint16_t)h.slot;
-        back.pairs.nib[back.pairs.n++] = (uint8_t)h.nib;
+        back.pairs.code[back.pairs.n++] = (uint8_t)h.code;
     }
     kvf_cell_free(c, dense_words);
     *c = back;

@@ -1,5 +1,5 @@
-/* What the index keeps per slot and per key, beside the nibbles: a chain's apply (the
- * nibbles, the slot's pages and the keys' last records in one pass), a slot's clear,
+/* What the index keeps per slot and per key, beside the codes: a chain's apply (the
+ * codes, the slot's pages and the keys' last records in one pass), a slot's clear,
  * and the reads of both. Arguments come checked from presence.c; room is reserved
  * before anything is written, so an apply happens whole or not at all.
  *
@@ -13,12 +13,13 @@
 
 #define OWN 0x80 /* the page's parent and depth are in Pages.own */
 
-/* A PageMask as its nibble: FULL on any tier, FULL on device, SWA on any, SWA on device
- * (presence.code: the bits AND sensibly along a path). */
+/* A PageMask as its code: FULL on any tier, FULL on device, SWA on any, SWA on device, FULL
+ * in memory, SWA in memory (presence.code: the bits AND sensibly along a path). */
 static int
 code_of(int mask)
 {
-    return (mask & 19 ? 1 : 0) | (mask & 1 ? 2 : 0) | (mask & 44 ? 4 : 0) | (mask & 4 ? 8 : 0);
+    return (mask & 19 ? 1 : 0) | (mask & 1 ? 2 : 0) | (mask & 44 ? 4 : 0) | (mask & 4 ? 8 : 0) |
+           (mask & 3 ? 16 : 0) | (mask & 12 ? 32 : 0);
 }
 
 static int
@@ -53,7 +54,7 @@ kvf_free_pages(Pages *s)
     kvf_ord_free(&s->own, own, 2);
 }
 
-/* The slot's nibble of `key` cleared; the key is deleted when no slot holds it. */
+/* The slot's code of `key` cleared; the key is deleted when no slot holds it. */
 static void
 drop_holder(Presence *p, const uint8_t *key, Py_ssize_t slot)
 {
@@ -108,7 +109,7 @@ keep_old_record(Presence *p, Py_ssize_t e, Py_ssize_t slot, const uint8_t *key)
 }
 
 /* Each key's place in `held` (p->places), found once for the whole apply, and room made
- * before anything changes: in every held key's cell for the slot's nibble (a cell that
+ * before anything changes: in every held key's cell for the slot's code (a cell that
  * must go dense or wider does so now, its holders the same), and in every other holder's
  * `own` for the records this chain would change under them (an upper bound: a holder
  * may have its own record already). */

@@ -20,6 +20,7 @@ from kvfabric.actors.client import FabricClient
 from kvfabric.actors.directory import node_actor_name
 from kvfabric.actors.launch import running, stop
 from kvfabric.actors.served import fabrics_of
+from kvfabric.core.cache.layout import Tier
 from kvfabric.core.index.answers import NodeMatch
 from kvfabric.deploy.chaos.faults import HOOKS, ChaosAction, StepFaultFile
 from kvfabric.deploy.vllm.connector import kv_transfer_config
@@ -108,7 +109,9 @@ class Engine:
         )
         client = self.client()
         assert (
-            client.fetch(ids, TENANT, into=self.there, source=NodeMatch(self.here, have, True))
+            client.fetch(
+                ids, TENANT, into=self.there, source=NodeMatch(self.here, have, Tier.DEVICE)
+            )
             >= want
         )
         self.evict()

@@ -109,7 +109,7 @@ class FabricEdge(LocalNode):
     def start_lookup(self, tokens, namespace):
         self.edge.at("start_lookup")
         found = [
-            NodeMatch(n, c.match(tokens, namespace).usable_pages, True)
+            NodeMatch(n, c.match(tokens, namespace).usable_pages, Tier.DEVICE)
             for n, c in ((PEER, self.peer), (self.name, self.cache))
         ]
         return self.edge.answer(

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
+from kvfabric.core.cache.layout import Tier
 from kvfabric.core.index.answers import NodeMatch
 from kvfabric.deploy.vllm.connector.jobs import FabricSettings  # noqa: E402
 from kvfabric.deploy.vllm.connector.remote_fetch import Stage  # noqa: E402
@@ -166,7 +167,7 @@ class EngineListedFirst(FabricEdge):
         from kvfabric.deploy.serving.engine_identity import engine_index_node
 
         found = super().start_lookup(tokens, namespace)
-        engine = NodeMatch(engine_index_node(PEER, "0"), 1000, True)
+        engine = NodeMatch(engine_index_node(PEER, "0"), 1000, Tier.DEVICE)
         found.value = [engine, *found.value] if found.error is None else found.value
         return found
 
