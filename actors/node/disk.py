@@ -1,5 +1,6 @@
 """A node's disk tier: where its pages live and how they are written, and the store
-the node actor opens over them at start (adopting what an earlier life left there)."""
+the node actor opens over them at start (adopting what an earlier life left there), and
+the read bandwidth it measures there then."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Mapping
 
+from kvfabric.core.cache.disk_probe import read_bytes_per_s
 from kvfabric.core.cache.disk_store import DiskStore, PageFileMaker, Sync
 from kvfabric.core.cache.layout import KVLayout, PoolName
 from kvfabric.core.cache.page_file import PosixPageFile
@@ -32,15 +34,21 @@ _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 @dataclass(frozen=True)
 class DiskConfig:
     """Each node keeps its disk pages in `folder`/<its name>/; capacities' `disk` says how
-    many pages per pool. `sync`: what is flushed before a page's record (disk_store.py)."""
+    many pages per pool. `sync`: what is flushed before a page's record (disk_store.py).
+    `probe_bytes`: the file read back at start to measure the disk (disk_probe.py); 0: not
+    measured, routers use the cost model's figure."""
 
     folder: str
     sync: Sync = Sync.NONE
     io: DiskIO = DiskIO.POSIX
+    probe_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.folder, str) or not self.folder:
             raise ValueError(f"the disk folder must be a non-empty path, got {self.folder!r}")
+        probe = self.probe_bytes
+        if isinstance(probe, bool) or not isinstance(probe, int) or probe < 0:
+            raise ValueError(f"probe_bytes must be a whole number >= 0, got {probe!r}")
         object.__setattr__(self, "sync", Sync(self.sync))
         object.__setattr__(self, "io", DiskIO(self.io))
 
@@ -62,3 +70,11 @@ def open_store(
     return DiskStore(
         Path(config.folder) / name, layout, pages, sync=config.sync, page_file=_MAKERS[config.io]
     )
+
+
+def read_bandwidth(store: DiskStore | None, config: DiskConfig | None) -> float:
+    """Bytes/s the node's disk reads, measured in its store's folder; 0.0 where it has no
+    disk tier, is not to be measured, or the probe failed (it never stops a node)."""
+    if store is None or config is None:
+        return 0.0
+    return read_bytes_per_s(store.folder, config.probe_bytes)

@@ -38,7 +38,7 @@ from kvfabric.transport.nixl_transport import NixlTransport
 from kvfabric.transport.staging import StagedHit, StagingSpec
 
 from .cache_gate import CacheGate
-from .disk import DiskConfig, open_store
+from .disk import DiskConfig, open_store, read_bandwidth
 from .engine_host import EngineHost
 from .engine_process import EngineProcess
 from .fetch_reports import FetchReports
@@ -88,6 +88,8 @@ class NodeCacheActor:
         self.hooks = hooks = None if config.hooks is None else config.hooks(config)
         # A restarted actor finds its earlier life's disk pages here and adopts them.
         self.disk = open_store(name, config.disk, config.layout, config.capacities)
+        # Measured once, before any page is read: routers weigh this node's disk hits by it.
+        self._disk_read_bytes_per_s = read_bandwidth(self.disk, config.disk)
         if hooks is not None and self.disk is not None:
             hooks.disk(self.disk)
         self.cache = NodeCache(
@@ -436,7 +438,12 @@ class NodeCacheActor:
                 "adopted_pages": self.cache.adopted.pages,  # from disk, at start
                 # Read back from disk not matching their checksums: never served, dropped.
                 "disk_corrupt_pages": s.disk_corrupt_pages,
+                "disk_read_bytes_per_s": self._disk_read_bytes_per_s,
             }
+
+    def disk_read_bytes_per_s(self) -> float:
+        """Its disk's read bandwidth measured at start; 0.0: no disk tier, or not measured."""
+        return self._disk_read_bytes_per_s
 
     async def shutdown(self) -> None:
         self.pacer.stop()
