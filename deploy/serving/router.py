@@ -21,17 +21,20 @@ from abc import abstractmethod
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+import ray
 from kvfabric.actors.client import FabricClient
 from kvfabric.actors.directory import NAMESPACE, node_actor_name
 from kvfabric.core.cache.layout import Tier
 from kvfabric.deploy.placement import CostModel, FabricScore, NodeView, PageBytes, Prompt, Request
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from .disk_rates import DiskRates
 from .engine_identity import node_actor_of
 from .protocol import GenerateRequest
 
 log = logging.getLogger(__name__)
-RETRY_S = 2.0  # how often a router looks again for a fabric it has not found
+RETRY_S = 2.0  # how often a router looks again for a fabric (or a node's disk rate) not found
+RATE_WAIT_S = 0.05  # a request waits at most this for the disk rates of nodes new to it
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class FabricRanking(RequestRouter):
         self._placement: FabricScore | None = None
         self._page_size = 0
         self._next_try = 0.0  # when to look for a fabric not found yet
+        self._namespace: str | None = None  # the fabric's, once found
+        self._disk_rates = DiskRates(self._ask_disk_rate, RETRY_S)
 
     def ray_namespace(self) -> str | None:
         """The Ray namespace of the fabric to ask; None while it is not known."""
@@ -87,15 +92,18 @@ class FabricRanking(RequestRouter):
         cached = await self._cached_pages(prompt)
         if cached is None or self._placement is None:
             return [candidate_replicas]  # the index cannot say: Serve's own choice
+        names = [node_actor_name(r.node_id) for r in candidate_replicas]
+        rates = await self._disk_rates.of(names, RATE_WAIT_S)
         views = []
-        for r in candidate_replicas:
-            pages, tier = cached.get(node_actor_name(r.node_id), (0, Tier.DEVICE))
+        for r, name in zip(candidate_replicas, names):
+            pages, tier = cached.get(name, (0, Tier.DEVICE))
             views.append(
                 NodeView(
                     self._replica_queue_len_cache.get(r.replica_id) or 0,
                     pages,
                     r.replica_id.unique_id,
                     tier,
+                    rates[name],
                 )
             )
         order = self._placement.rank(
@@ -133,7 +141,13 @@ class FabricRanking(RequestRouter):
         self._page_size = client.layout.page_size
         self._placement = FabricScore(self._cost, PageBytes.of(client.layout), self._overhead_s)
         self._client = client
+        self._namespace = namespace
         return True
+
+    async def _ask_disk_rate(self, node: str) -> float:
+        """The node actor's disk read bandwidth as it measured it (DiskRates asks)."""
+        actor = await asyncio.to_thread(ray.get_actor, node, namespace=self._namespace)
+        return float(await actor.disk_read_bytes_per_s.remote())
 
 
 class GenerateRequestPrompts:
