@@ -25,7 +25,9 @@ def read_bytes_per_s(folder: Path | str, nbytes: int, chunk: int = CHUNK) -> flo
         return _read(path, nbytes, chunk)
     except OSError as e:
         log.warning(
-            "measuring the disk read bandwidth in %s failed (%s): using the nominal", folder, e
+            "measuring the disk read bandwidth in %s failed (%s): the cost model's figure serves",
+            folder,
+            e,
         )
         return 0.0
     finally:
@@ -43,12 +45,20 @@ def _write(path: Path, nbytes: int, chunk: int) -> None:
         while left:
             left -= os.write(fd, block[: min(left, len(block))])
         os.fsync(fd)  # written back, so the page cache may drop it
-        # Where fadvise is missing the read is still timed; on tmpfs it gives memory speed
-        # either way (its pages are the page cache).
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        _drop_cached(fd)
     finally:
         os.close(fd)
+
+
+def _drop_cached(fd: int) -> None:
+    """Evict the file's pages, so the read comes from the disk. Where fadvise is missing
+    or refused the read is still timed (then likely from memory); on tmpfs it gives memory
+    speed either way, its pages being the page cache."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
 
 
 def _read(path: Path, nbytes: int, chunk: int) -> float:
