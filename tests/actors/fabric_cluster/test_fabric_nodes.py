@@ -169,7 +169,13 @@ def test_a_killed_node_actor_adopts_its_disk_pages_and_the_index_finds_them(fabr
     eventually(
         lambda: (beat := heartbeat_of(actor)) is not None and beat.epoch > epoch and beat.attached
     )
-    assert ray.get(actor.stats.remote(), timeout=T)["adopted_pages"] >= 3 * 16
+    stats = ray.get(actor.stats.remote(), timeout=T)
+    assert stats["adopted_pages"] >= 3 * 16
+    # It measured its disk's read bandwidth again at start (the routers weigh its disk by it).
+    assert stats["disk_read_bytes_per_s"] > 0
+    assert (
+        ray.get(actor.disk_read_bytes_per_s.remote(), timeout=T) == stats["disk_read_bytes_per_s"]
+    )
     client = FabricClient.connect(timeout_s=10.0)
     first = prompts[0]
     eventually(lambda: [(m.node, m.pages) for m in client.lookup(first, NS)] == [(victim, 16)])
