@@ -8,6 +8,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from kvfabric.actors.names import node_actor_name
+from kvfabric.core.cache.layout import Tier
+from kvfabric.core.index.answers import NodeMatch
 from kvfabric.deploy.serving.disk_rates import DiskRates
 from kvfabric.deploy.serving.protocol import GenerateRequest
 from kvfabric.deploy.serving.router import RATE_WAIT_S, FabricRanking, GenerateRequestPrompts
@@ -30,15 +32,9 @@ class Pending:
     kwargs: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Match:
-    node: str
-    pages: int
-
-
-class Index:  # the fabric client's lookup: node a holds 2 pages of every prompt
+class Index:  # the fabric client's lookup: node a holds 2 pages of every prompt, on disk
     async def lookup_async(self, tokens, namespace):
-        return [Match(node_actor_name("a" * 20), 2)]
+        return [NodeMatch(node_actor_name("a" * 20), 2, Tier.DISK)]
 
 
 class Views:  # the placement: records the views it ranks, keeps their order
@@ -81,7 +77,8 @@ def test_each_node_s_measured_rate_reaches_its_view():
     asyncio.run(route_twice())
     first, second = ranking.views.seen
     assert [v.disk_read_bytes_per_s for v in first] == [2e9, 0.3e9, 0.0]  # c's ask failed
-    assert [v.cached_pages for v in first] == [2, 0, 0]  # the other arguments as they were
+    assert [v.cached_pages for v in first] == [2, 0, 0]  # the index's answer beside it
+    assert [v.tier for v in first] == [Tier.DISK, Tier.DEVICE, Tier.DEVICE]
     assert second == first
     # Asked once each: a known rate is kept, a failed ask waits RETRY_S.
     assert sorted(ranking.asked) == sorted(name.values())
