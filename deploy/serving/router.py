@@ -3,7 +3,7 @@
 Ray Serve LLM's prefix-aware router keeps its own text tree per deployment,
 fed by where it sent requests. These routers ask the fabric's global index
 instead: which node really holds the longest usable prefix of this request
-(in pages, SWA rules applied, any tier, an engine's own device cache
+(in pages, SWA rules applied, and the slowest tier they lie on; an engine's own device cache
 included), whoever put it there. `FabricRanking` ranks the replicas with
 `kvfabric.deploy.placement.FabricScore` (the node where the first token is expected
 soonest, its fetch planned as the engine plans it), the same object
