@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from kvfabric.core.cache.layout import KVLayout, LayoutError
+from kvfabric.core.cache.tiers import WritePolicy
 from kvfabric.core.index.routes import MAX_SHARDS
 from kvfabric.deploy.reference.model import ModelConfig, ModelConfigError
 from kvfabric.deploy.reference.serve.app import AppArgs, AppArgsError
@@ -208,8 +209,16 @@ def app_args_ok(d: object) -> bool:
         and type(a.get("chaos", False)) is bool
         and type(a["gpus_per_replica"]) in (int, float)
         and 0 <= a["gpus_per_replica"] <= 8
-        and a["device_pages"] * ModelConfig().page_size >= a["max_positions"]
-    )  # pools hold a prompt
+        and a["device_pages"] * ModelConfig().page_size >= a["max_positions"]  # pools hold a prompt
+        and _uint(a["disk_pages"])
+        and (
+            a["disk_folder"] is None
+            or (type(a["disk_folder"]) is str and os.path.isabs(a["disk_folder"]))
+        )
+        and (a["disk_pages"] == 0 or a["disk_folder"] is not None)
+        and type(a["disk_write"]) in (str, WritePolicy)
+        and a["disk_write"] in ("write_back", "write_through")
+    )
 
 
 APP_ARGS = st.fixed_dictionaries(
@@ -225,6 +234,9 @@ APP_ARGS = st.fixed_dictionaries(
         "max_tokens_limit": st.integers(1, 2**16),
         "chaos": st.booleans(),
         "gpus_per_replica": st.integers(0, 8) | st.floats(0, 8),
+        "disk_pages": st.integers(0, 2**20),
+        "disk_folder": st.none() | st.text(max_size=8).map(lambda s: "/" + s),
+        "disk_write": st.sampled_from(["write_back", "write_through", "write_through_selective"]),
     },
 )
 

@@ -52,7 +52,8 @@ class AppArgs(Args):
     # copy (write_back: as the host evicts it; write_through: as it is stored).
     disk_pages: Annotated[int, Field(ge=0)] = 0
     disk_folder: AbsolutePath | None = None
-    disk_write: WritePolicy = WritePolicy.WRITE_BACK
+    # Given by its value ("write_back") as JSON gives it: strict mode takes only instances.
+    disk_write: Annotated[WritePolicy, Field(strict=False)] = WritePolicy.WRITE_BACK
     # GPUs each model server asks Ray for (0: it runs on CPU)
     gpus_per_replica: Annotated[float, Field(ge=0, le=8)] = 0.0
 
