@@ -17,6 +17,9 @@ Every read is verified too: the store keeps the checksum of each page it holds (
 this run, or adopted), and `read` raises `CorruptPages` naming the slots whose bytes no
 longer match (a page flipped on disk after it was written): the caller drops them, never
 serves them. Pages live in the slots the allocator hands out.
+
+A store owns its folder while open (folder_lock.py): a second store opening it, in this
+process or another, gets FolderHeld.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from .allocator import PageAllocator
 from .disk_journal import DiskJournal, Drop, Replay
 from .disk_records import Free, PageMeta, Put, each_page, page_checksum, read_check
+from .folder_lock import FolderLock
 from .layout import KVLayout, PoolName
 from .page_file import (
     PageFile,
@@ -113,14 +117,23 @@ class DiskStore:
         sync: Sync = Sync.NONE,
         page_file: PageFileMaker = PosixPageFile,
         compact_factor: float = 4.0,
+        owner: FolderLock | None = None,
     ) -> None:
+        """`owner`: the folder's lock, taken already (a claimed orphan's, orphan_folder.py);
+        the store holds it from here on and releases it at `close`. None: taken here."""
         self.folder = Path(folder)
         self.layout = layout
         self.sync = Sync(sync)
         unknown = set(capacity) - set(layout.pools)
         if unknown or not capacity:
+            if owner is not None:
+                owner.release()
             raise ValueError(f"capacity names pools of {list(layout.pools)}, got {dict(capacity)}")
         self.folder.mkdir(parents=True, exist_ok=True)
+        if owner is not None and not owner.holds(self.folder):
+            owner.release()
+            raise ValueError(f"the lock given is not {self.folder}'s")
+        self.owner = owner if owner is not None else FolderLock.take(self.folder)
         self.files: dict[PoolName, PageFile] = {}
         try:
             for pool, n in capacity.items():
@@ -136,6 +149,7 @@ class DiskStore:
         except BaseException:
             for f in self.files.values():
                 f.close()
+            self.owner.release()
             raise
         self.slots = {pool: PageAllocator(n) for pool, n in capacity.items()}
         # The read_check of each page a slot holds, recorded or not (a full journal): what
@@ -297,6 +311,7 @@ class DiskStore:
         self.journal.close()
         for f in self.files.values():
             f.close()
+        self.owner.release()  # last: the folder is another store's to open from here
 
     def _pool(self, pool: PoolName) -> PoolName:
         if pool not in self.files:

@@ -1,6 +1,6 @@
 """The disk store: a reopened folder serves exactly the pages whose bytes match their
 records, whatever happened to it: a kill -9 mid-write, a full disk, corrupted or
-truncated data files, another KV identity."""
+truncated data files, another KV identity. A folder is one live store's at a time."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from kvfabric.core.cache.disk_journal import Drop
 from kvfabric.core.cache.disk_records import PageMeta
 from kvfabric.core.cache.disk_store import CorruptPages, DiskStore, Sync
+from kvfabric.core.cache.folder_lock import LOCK_NAME, FolderHeld, FolderLock
 from kvfabric.core.cache.layout import KVLayout, PoolName
 
 LAYOUT = KVLayout(layers=("full", "full", "swa"), kv_heads=1, head_dim=4, page_size=2, window=4)
@@ -326,4 +327,70 @@ def test_a_freed_slot_reads_as_corrupt_never_as_its_old_page(tmp_path):
     store.free(PoolName.SWA, [slot])
     with pytest.raises(CorruptPages):
         store.read(PoolName.SWA, [slot], torch.empty((1, *LAYOUT.page_shape(PoolName.SWA))))
+    store.close()
+
+
+def test_a_folder_a_live_store_holds_is_refused_to_another(tmp_path):
+    store = DiskStore(tmp_path, LAYOUT, CAPACITY)
+    store.adopt()
+    write(store, PoolName.FULL, [1, 2])
+    with pytest.raises(FolderHeld, match=f"in use.*pid {os.getpid()}.*never share"):
+        DiskStore(tmp_path, LAYOUT, CAPACITY)
+    assert FolderLock.try_take(tmp_path) is None
+    store.close()
+    store = DiskStore(tmp_path, LAYOUT, CAPACITY)  # closed, the folder is free again
+    assert len(check_adopted(store)) == 2
+    store.close()
+
+
+def test_a_lock_given_must_be_the_folder_s_own(tmp_path):
+    (tmp_path / "a").mkdir()
+    lock = FolderLock.try_take(tmp_path / "a")
+    assert lock is not None
+    with pytest.raises(ValueError, match="not .*'s"):
+        DiskStore(tmp_path / "b", LAYOUT, CAPACITY, owner=lock)
+    assert not lock.held  # released all the same
+
+
+# A child holding a store open until killed.
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from test_disk_store import CAPACITY, LAYOUT, write
+    from kvfabric.core.cache.disk_store import DiskStore
+    from kvfabric.core.cache.layout import PoolName
+    store = DiskStore({folder!r}, LAYOUT, CAPACITY)
+    store.adopt()
+    write(store, PoolName.FULL, [1, 2, 3])
+    print("open", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def hold(folder: Path) -> subprocess.Popen:
+    """A child process holding a store open in `folder`, once it says so."""
+    code = HOLDER.format(tests=str(Path(__file__).parent), folder=str(folder))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    got = lines(proc, 1)
+    assert got == ["open"], proc.stderr.read() if proc.poll() is not None else got
+    return proc
+
+
+def test_a_store_killed_9_leaves_its_folder_to_the_next(tmp_path):
+    proc = hold(tmp_path)
+    try:
+        with pytest.raises(FolderHeld, match=f"pid {proc.pid}"):
+            DiskStore(tmp_path, LAYOUT, CAPACITY)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert (tmp_path / LOCK_NAME).exists()  # left behind, and free: the OS dropped the lock
+    store = DiskStore(tmp_path, LAYOUT, CAPACITY)
+    assert len(check_adopted(store)) == 3
     store.close()
