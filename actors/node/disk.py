@@ -1,6 +1,7 @@
 """A node's disk tier: where its pages live and how they are written, and the store
-the node actor opens over them at start (adopting what an earlier life left there), and
-the read bandwidth it measures there then."""
+the node actor opens over them at start (adopting what an earlier life left there, or
+what a node gone from this host left in a folder now orphaned), and the read bandwidth it
+measures there then."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Mapping
 from kvfabric.core.cache.disk_probe import read_bytes_per_s
 from kvfabric.core.cache.disk_store import DiskStore, PageFileMaker, Sync
 from kvfabric.core.cache.layout import KVLayout, PoolName
+from kvfabric.core.cache.orphan_folder import claim_orphan
 from kvfabric.core.cache.page_file import PosixPageFile
 from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.transport.nixl_file import NixlPageFile
@@ -36,12 +38,15 @@ class DiskConfig:
     """Each node keeps its disk pages in `folder`/<its name>/; capacities' `disk` says how
     many pages per pool. `sync`: what is flushed before a page's record (disk_store.py).
     `probe_bytes`: the file read back at start to measure the disk (disk_probe.py); 0: not
-    measured, routers use the cost model's figure."""
+    measured, routers use the cost model's figure. `adopt_orphans`: a node whose folder
+    does not exist yet claims an orphan beside it (a folder no live node owns, such as
+    the one this host's node left under its earlier Ray node id), adopting its pages."""
 
     folder: str
     sync: Sync = Sync.NONE
     io: DiskIO = DiskIO.POSIX
     probe_bytes: int = 16 << 20
+    adopt_orphans: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.folder, str) or not self.folder:
@@ -49,6 +54,8 @@ class DiskConfig:
         probe = self.probe_bytes
         if isinstance(probe, bool) or not isinstance(probe, int) or probe < 0:
             raise ValueError(f"probe_bytes must be a whole number >= 0, got {probe!r}")
+        if not isinstance(self.adopt_orphans, bool):
+            raise ValueError(f"adopt_orphans must be a bool, got {self.adopt_orphans!r}")
         object.__setattr__(self, "sync", Sync(self.sync))
         object.__setattr__(self, "io", DiskIO(self.io))
 
@@ -59,7 +66,9 @@ def open_store(
     layout: KVLayout,
     capacities: Mapping[PoolName, PoolCapacity],
 ) -> DiskStore | None:
-    """The node `name`'s disk store, or None where it has no disk tier."""
+    """The node `name`'s disk store, or None where it has no disk tier. Its folder is
+    `name`'s, or an orphan claimed and renamed to it (the store's `owner.moved_from` then
+    names the orphan). FolderHeld where a live store holds the folder."""
     pages = {pool: cap.disk for pool, cap in capacities.items() if cap.disk}
     if config is None or not pages:
         if pages:
@@ -67,8 +76,12 @@ def open_store(
         return None
     if not _NAME.fullmatch(name):
         raise ValueError(f"node name {name!r} cannot name a folder")
+    folder = Path(config.folder) / name
+    owner = None
+    if config.adopt_orphans and not folder.exists():
+        owner = claim_orphan(config.folder, name)
     return DiskStore(
-        Path(config.folder) / name, layout, pages, sync=config.sync, page_file=_MAKERS[config.io]
+        folder, layout, pages, sync=config.sync, page_file=_MAKERS[config.io], owner=owner
     )
 
 

@@ -86,7 +86,8 @@ class NodeCacheActor:
         self.fabric = fabric
         self.config = config
         self.hooks = hooks = None if config.hooks is None else config.hooks(config)
-        # A restarted actor finds its earlier life's disk pages here and adopts them.
+        # A restarted actor finds its earlier life's disk pages here and adopts them; a
+        # node new to this host, those of an orphaned folder (a node gone from it).
         self.disk = open_store(name, config.disk, config.layout, config.capacities)
         # Measured once, before any page is read: routers weigh this node's disk hits by it.
         self._disk_read_bytes_per_s = read_bandwidth(self.disk, config.disk)
@@ -436,6 +437,8 @@ class NodeCacheActor:
                 "fetched_bytes": self.peer_fetch.fetched_bytes,
                 "staging_engines": self.engines.staging_use()[0],
                 "adopted_pages": self.cache.adopted.pages,  # from disk, at start
+                # The orphan folder whose pages it adopted ("": its own folder, or none).
+                "adopted_from": "" if self.disk is None else self.disk.owner.moved_from,
                 # Read back from disk not matching their checksums: never served, dropped.
                 "disk_corrupt_pages": s.disk_corrupt_pages,
                 "disk_read_bytes_per_s": self._disk_read_bytes_per_s,
