@@ -275,3 +275,54 @@ def test_a_restarted_node_whose_clock_stepped_back_is_still_accepted(fabric):
         eventually(lambda: found(first))  # written through to disk, adopted
     finally:
         ray.kill(actor)
+
+
+def test_a_node_back_under_a_new_id_adopts_the_disk_pages_it_left(fabric, cluster):
+    """A host that rejoins the cluster gets a new Ray node id, so its node actor a new name
+    and folder: it claims the folder its earlier node left (an orphan: no live process holds
+    its lock), adopts its pages and announces them."""
+    import os
+
+    from kvfabric.actors.directory import node_actor_name
+    from kvfabric.core.cache.folder_lock import FolderLock
+
+    from tests.actors.fabric_cluster.cluster_kit import DISK_FOLDER
+
+    def listed() -> list[str]:
+        return ray.get(fabric.directory.node_names.remote(), timeout=T)
+
+    def joined(node) -> tuple[str, ray.actor.ActorHandle]:
+        cluster.wait_for_nodes()
+        name = node_actor_name(node.node_id)
+        eventually(lambda: name in listed())
+        return name, ray.get_actor(name, namespace="kvfabric")
+
+    def unowned(folder: str) -> bool:
+        lock = FolderLock.try_take(folder)
+        if lock is not None:
+            lock.release()
+        return lock is not None
+
+    gone = cluster.add_node(num_cpus=1)
+    old, actor = joined(gone)
+    tokens = list(range(98_000, 98_000 + 3 * 16))
+    ray.get(actor.put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
+    ray.get(actor.flush.remote(), timeout=T)
+    client = FabricClient.connect(timeout_s=10.0)
+    assert [m.node for m in client.lookup(tokens, NS)] == [old]
+    cluster.remove_node(gone)
+    eventually(lambda: old not in listed())
+    eventually(lambda: client.lookup(tokens, NS) == [])  # purged with the node
+    eventually(lambda: unowned(os.path.join(DISK_FOLDER, old)))  # its process has ended
+    back = cluster.add_node(num_cpus=1)
+    try:
+        new, actor = joined(back)
+        assert new != old
+        stats = ray.get(actor.stats.remote(), timeout=T)
+        assert stats["adopted_from"] == old and stats["adopted_pages"] >= 3
+        assert not os.path.exists(os.path.join(DISK_FOLDER, old))  # renamed to the new name
+        eventually(lambda: [(m.node, m.pages) for m in client.lookup(tokens, NS)] == [(new, 3)])
+        assert client.fetch(tokens, NS, into=sorted(fabric.nodes)[0]) == 3
+    finally:
+        cluster.remove_node(back)
+    eventually(lambda: new not in listed())
