@@ -150,6 +150,21 @@ def test_a_killed_shard_restarts_and_is_refilled_by_the_nodes(fabric):
         until_available(shard)
 
 
+def test_a_killed_shard_is_refilled_by_nodes_that_have_no_news(fabric):
+    """The nodes stay idle after the kill: the directory's heartbeat has each tell every
+    shard where its sequence is, the restarted shard sees a gap and gets their snapshots."""
+    node = sorted(fabric.nodes)[-1]
+    tokens = list(range(40_000, 40_000 + 3 * 16))
+    ray.get(fabric.nodes[node].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
+    flush(fabric)
+    client = FabricClient.connect(timeout_s=10.0)
+    assert [m.node for m in client.lookup(tokens, NS)] == [node]
+    owner = client.routes.owner(client.keys(tokens, NS))
+    ray.kill(fabric.shards[owner], no_restart=False)
+    until_available(fabric.shards[owner])
+    eventually(lambda: [m.node for m in client.lookup(tokens, NS)] == [node])
+
+
 def test_shards_reject_bad_input_without_change(fabric):
     shard = fabric.shards[0]
     until_available(shard)
