@@ -42,6 +42,15 @@ def opened(folder: Path, name: str, **kw) -> DiskStore:
     return store
 
 
+def claims(store: DiskStore, old: str, pages: int) -> None:
+    """`store` took over `old`'s folder and adopts its `pages` pages; then it closes."""
+    try:
+        assert store.owner.moved_from == old
+        assert len(store.adopt().trusted) == pages
+    finally:
+        store.close()
+
+
 def stored(folder: Path, name: str, pages: int) -> None:
     """Node `name` writes `pages` pages to its own disk folder, then ends."""
     store = opened(folder, name, adopt_orphans=False)
@@ -65,13 +74,9 @@ def folders(parent: Path) -> set[str]:
 def test_a_new_node_claims_an_orphan_and_adopts_its_pages(tmp_path):
     stored(tmp_path, "kvf-node-old", 5)
     store = opened(tmp_path, "kvf-node-new")
-    try:
-        assert store.folder == tmp_path / "kvf-node-new"
-        assert store.owner.moved_from == "kvf-node-old"
-        assert folders(tmp_path) == {"kvf-node-new"}  # renamed, not copied
-        assert len(store.adopt().trusted) == 5
-    finally:
-        store.close()
+    assert store.folder == tmp_path / "kvf-node-new"
+    assert folders(tmp_path) == {"kvf-node-new"}  # renamed, not copied
+    claims(store, "kvf-node-old", 5)
     # Back under its own name, a node opens its own folder: nothing claimed, pages kept.
     store = opened(tmp_path, "kvf-node-new")
     assert store.owner.moved_from == "" and len(store.adopt().trusted) == 5
@@ -106,11 +111,7 @@ def test_a_folder_another_process_holds_is_not_claimed_until_it_is_killed_9(tmp_
     capacities = {pool: PoolCapacity(4, 0, n) for pool, n in HELD_CAPACITY.items()}
     store = open_store("kvf-node-new", config(tmp_path), HELD_LAYOUT, capacities)
     assert store is not None
-    try:
-        assert store.owner.moved_from == "kvf-node-old"
-        assert len(store.adopt().trusted) == 3
-    finally:
-        store.close()
+    claims(store, "kvf-node-old", 3)
 
 
 def test_a_bare_flock_holder_keeps_its_folder(tmp_path):
@@ -140,12 +141,7 @@ def test_a_bare_flock_holder_keeps_its_folder(tmp_path):
 def test_a_folder_from_before_lock_files_is_claimed(tmp_path):
     stored(tmp_path, "kvf-node-old", 4)
     (tmp_path / "kvf-node-old" / LOCK_NAME).unlink()
-    store = opened(tmp_path, "kvf-node-new")
-    try:
-        assert store.owner.moved_from == "kvf-node-old"
-        assert len(store.adopt().trusted) == 4
-    finally:
-        store.close()
+    claims(opened(tmp_path, "kvf-node-new"), "kvf-node-old", 4)
 
 
 def test_adopt_orphans_off_starts_empty(tmp_path):

@@ -127,17 +127,24 @@ def test_a_killed_directory_restarts_with_its_routes_and_nodes(fabric):
     assert [m.node for m in client.lookup(tokens, NS)] == [node]
 
 
-def test_a_killed_shard_restarts_and_is_refilled_by_the_nodes(fabric):
-    import time
-
-    node = sorted(fabric.nodes)[0]
-    tokens = list(range(20_000, 20_000 + 3 * 16))
+def _kill_the_shard_of(fabric, node: str, tokens: list[int]) -> FabricClient:
+    """`node` stores `tokens`, the index says so, then the shard owning them is killed
+    (Ray restarts it empty)."""
     ray.get(fabric.nodes[node].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
     flush(fabric)
     client = FabricClient.connect(timeout_s=10.0)
     assert [m.node for m in client.lookup(tokens, NS)] == [node]
     owner = client.routes.owner(client.keys(tokens, NS))
     ray.kill(fabric.shards[owner], no_restart=False)
+    return client
+
+
+def test_a_killed_shard_restarts_and_is_refilled_by_the_nodes(fabric):
+    import time
+
+    node = sorted(fabric.nodes)[0]
+    tokens = list(range(20_000, 20_000 + 3 * 16))
+    client = _kill_the_shard_of(fabric, node, tokens)
     deadline = time.monotonic() + T
     found = []
     while not found and time.monotonic() < deadline:  # partial answers while it refills
@@ -155,13 +162,7 @@ def test_a_killed_shard_is_refilled_by_nodes_that_have_no_news(fabric):
     shard where its sequence is, the restarted shard sees a gap and gets their snapshots."""
     node = sorted(fabric.nodes)[-1]
     tokens = list(range(40_000, 40_000 + 3 * 16))
-    ray.get(fabric.nodes[node].put.remote(tokens, prefix_kv(LAYOUT, tokens), NS), timeout=T)
-    flush(fabric)
-    client = FabricClient.connect(timeout_s=10.0)
-    assert [m.node for m in client.lookup(tokens, NS)] == [node]
-    owner = client.routes.owner(client.keys(tokens, NS))
-    ray.kill(fabric.shards[owner], no_restart=False)
-    until_available(fabric.shards[owner])
+    client = _kill_the_shard_of(fabric, node, tokens)
     eventually(lambda: [m.node for m in client.lookup(tokens, NS)] == [node])
 
 
