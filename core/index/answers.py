@@ -19,7 +19,6 @@ class NodeMatch(NamedTuple):
     tier: Tier
 
 
-TIERS = tuple(Tier)  # a Tier by its value, with no enum call per match
 WireMatch = tuple[str, int, int]  # a NodeMatch as an index shard sends it: the tier's value
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..cache.nodes import TIERS  # a Tier by its value (fastest first), with no enum call
 from .admission import Admission, ApplyResult
-from .answers import TIERS, NodeMatch, rank_key
+from .answers import NodeMatch, rank_key
 from .events import (
     _MAX_MASK,
     KEY_BYTES,
