@@ -164,6 +164,8 @@ def test_a_killed_shard_is_refilled_by_nodes_that_have_no_news(fabric):
     tokens = list(range(40_000, 40_000 + 3 * 16))
     client = _kill_the_shard_of(fabric, node, tokens)
     eventually(lambda: [m.node for m in client.lookup(tokens, NS)] == [node])
+    for shard in fabric.shards:  # the next test finds every shard answering
+        until_available(shard)
 
 
 def test_shards_reject_bad_input_without_change(fabric):
