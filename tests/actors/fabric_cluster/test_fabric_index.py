@@ -134,8 +134,17 @@ def _kill_the_shard_of(fabric, node: str, tokens: list[int]) -> FabricClient:
     flush(fabric)
     client = FabricClient.connect(timeout_s=10.0)
     assert [m.node for m in client.lookup(tokens, NS)] == [node]
-    owner = client.routes.owner(client.keys(tokens, NS))
-    ray.kill(fabric.shards[owner], no_restart=False)
+    shard = fabric.shards[client.routes.owner(client.keys(tokens, NS))]
+    looked_up = ray.get(shard.stats.remote(), timeout=T)["lookups"]
+    ray.kill(shard, no_restart=False)
+
+    def restarted() -> bool:  # ray.kill lands later: until then the old process answers
+        try:
+            return ray.get(shard.stats.remote(), timeout=T)["lookups"] < looked_up
+        except ray.exceptions.RayActorError:
+            return False
+
+    eventually(restarted)
     return client
 
 
