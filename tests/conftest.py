@@ -9,12 +9,17 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-# CI runs fewer examples; `KVF_HYPOTHESIS=full` runs the full counts.
+# CI runs fewer examples, the sanitizers (ten times slower) fewer still;
+# `KVF_HYPOTHESIS=full` runs the full counts. Tests with their own count scale it by the
+# profile (tests/examples.py).
 settings.register_profile(
     "ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
     "dev", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "sanitize", max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
     "full", max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow]

@@ -31,6 +31,7 @@ from kvfabric.core.cache.layout import PoolName
 from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.transport.staging import SHM_DIR, SharedPages, StagingSpec
 
+from tests.examples import examples
 from tests.waiting import eventually as wait_for
 
 pytestmark = pytest.mark.skipif(not can_watch(), reason="engines are watched through /proc (Linux)")
@@ -131,7 +132,7 @@ ANNOUNCEMENTS = st.builds(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(ann=st.one_of(ANNOUNCEMENTS, st.none(), st.integers(), st.text(max_size=4)))
 def test_an_announcement_is_validated_and_a_refused_one_changes_nothing(ann):
     host = engine_host(SimpleNamespace(pools=(PoolName.FULL,), fingerprint=b"\0" * 16))

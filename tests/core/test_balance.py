@@ -17,6 +17,8 @@ from kvfabric.deploy.sim.cluster import SimConfig, prepare
 from kvfabric.deploy.sim.trace import TraceRequest
 from kvfabric.deploy.sim.workloads import Shape, generate
 
+from tests.examples import examples
+
 CHECK_EVERY = SimConfig().rebalance_every
 
 
@@ -108,7 +110,7 @@ def naive_common(paths: list[list[bytes]]) -> tuple[bytes, ...]:
 prompts_st = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=12)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(prompts_st)
 def test_shared_path_is_the_longest_common_prefix(prompts):
     paths = [chained(p) for p in prompts]
@@ -118,7 +120,7 @@ def test_shared_path_is_the_longest_common_prefix(prompts):
     assert tuple(got) == naive_common(paths)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(prompts_st, st.integers(0, 12))
 def test_a_region_knows_where_its_lookups_part_however_they_are_merged(prompts, cut):
     region_paths = [chained([9] + p) for p in prompts]  # one region: the first page is shared
@@ -141,7 +143,7 @@ def test_a_region_knows_where_its_lookups_part_however_they_are_merged(prompts, 
 # ---- moving a subtree ----------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.lists(
         st.tuples(
@@ -184,7 +186,7 @@ def _spread_child(table: RouteTable, keys: list[bytes], depth: int) -> bool:
 # ---- the planner ---------------------------------------------------------------------------
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.integers(0, 2**32), st.integers(2, 6))
 def test_a_plan_never_leaves_a_shard_busier_than_the_busiest_was(seed, shards):
     """Replaying the lookups the tracker counted under the planned routes: after a move

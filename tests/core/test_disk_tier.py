@@ -24,6 +24,7 @@ from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.core.cache.tiers import TierConfig, WritePolicy
 
+from tests.examples import examples
 from tests.kvgen import prefix_kv
 
 LAYOUT = KVLayout(layers=("full", "swa", "full"), kv_heads=1, head_dim=4, page_size=4, window=8)
@@ -176,7 +177,7 @@ def test_a_page_corrupted_under_a_running_cache_is_a_miss_then_lost(tmp_path):
     store.close()
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     bad=st.lists(
         st.tuples(st.booleans(), st.integers(0, 95), st.integers(0, 1 << 12)), max_size=12

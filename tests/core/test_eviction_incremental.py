@@ -19,6 +19,7 @@ from kvfabric.core.cache.tiers import TierConfig, WritePolicy
 from kvfabric.deploy.chaos.faults import AllocationFaults
 
 from tests.core.test_cache_stateful import NAMESPACES, family
+from tests.examples import examples
 from tests.inject import CAN_RAISE_AFTER, EXCEPTIONS, Plan, Step, injecting
 from tests.kvgen import prefix_kv
 
@@ -222,7 +223,9 @@ class TwinMachine(RuleBasedStateMachine):
         assert self.twins[0].tree.node_count == 0
 
 
-TwinMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
+TwinMachine.TestCase.settings = settings(
+    max_examples=examples(300), stateful_step_count=50, deadline=None
+)
 TestTwins = TwinMachine.TestCase
 
 

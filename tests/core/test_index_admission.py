@@ -15,6 +15,7 @@ from kvfabric.core.index.prefix_index import ApplyResult as R
 from kvfabric.core.index.prefix_index import PrefixIndex
 
 from tests.core.test_index import KEYS, PAGES, batch
+from tests.examples import examples
 
 NODES = ("a", "b", "c")
 
@@ -190,6 +191,6 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 
 AdmissionMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None
+    max_examples=examples(150), stateful_step_count=40, deadline=None
 )
 test_admission_against_the_model = AdmissionMachine.TestCase

@@ -14,6 +14,8 @@ from kvfabric.core.index.prefix_index import ApplyResult as R
 from kvfabric.core.index.prefix_index import PrefixIndex
 from kvfabric.core.index.presence import Presence
 
+from tests.examples import examples
+
 KEYER = PageKeyer("tenant", b"f" * 16, 2)
 FULL_ALL = int(M.FULL | M.SWA)  # every pool on both tiers: 15
 
@@ -185,7 +187,7 @@ def test_lookup_equals_brute_force(scenario, rnd):
 ROOT = b"\xff" * 16
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
     window=st.integers(0, 3),
     has_full=st.booleans(),

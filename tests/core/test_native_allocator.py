@@ -13,6 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvfabric.core.cache import allocator
 from kvfabric.core.cache.allocator import AllocatorError, OutOfPages, PageAllocator
 
+from tests.examples import examples
+
 needs_native = pytest.mark.skipif(
     not allocator.ENABLED, reason="KVF_NATIVE=0 or not built: the reference alone"
 )
@@ -130,7 +132,9 @@ class AllocatorTwins(RuleBasedStateMachine):
 
 
 TestAllocatorTwins = needs_native(AllocatorTwins.TestCase)
-TestAllocatorTwins.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestAllocatorTwins.settings = settings(
+    max_examples=examples(300), stateful_step_count=40, deadline=None
+)
 
 
 @needs_native

@@ -18,6 +18,7 @@ from kvfabric.deploy.chaos.faults import AllocationFaults
 
 from tests.core.test_cache_stateful import LAYOUTS, NAMESPACES, family, small_capacities
 from tests.core.test_native_radix import node_state, tree_state
+from tests.examples import examples
 from tests.kvgen import prefix_kv
 
 pytestmark = pytest.mark.skipif(
@@ -125,4 +126,6 @@ class TwinCaches(RuleBasedStateMachine):
 
 
 TestTwinCaches = TwinCaches.TestCase
-TestTwinCaches.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+TestTwinCaches.settings = settings(
+    max_examples=examples(200), stateful_step_count=50, deadline=None
+)

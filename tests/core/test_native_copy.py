@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from kvfabric.core.cache.native_copy import COPY
 from kvfabric.core.cache.page_bytes import copy_rows
 
+from tests.examples import examples
+
 pytestmark = pytest.mark.skipif(
     COPY is None, reason="KVF_NATIVE=0 or not built: the reference alone"
 )
@@ -58,7 +60,7 @@ def tensors(shape, perm, dtype, n_src, n_dst, widen, seed):
     return src, dst, lambda t: t.permute(*inverse)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(copies())
 def test_the_kernel_copies_the_bytes_the_reference_copies(case):
     shape, perm, dtype, n_src, n_dst, src_rows, dst_rows, widen, seed = case

@@ -20,6 +20,7 @@ from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.core.cache.radix import ABSENT, RadixTree
 
 from tests.core.test_cache_stateful import family
+from tests.examples import examples
 
 pytestmark = pytest.mark.skipif(
     not radix.ENABLED, reason="KVF_NATIVE=0 or not built: the reference alone"
@@ -145,7 +146,7 @@ def kept_alive(held: list, attached: set[int]) -> dict[int, object]:
     return alive
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     steps=st.lists(st.tuples(st.sampled_from("ASD"), st.integers(0, 60), st.integers(1, 3))),
     keep=st.lists(st.integers(0, 80)),

@@ -16,6 +16,8 @@ from kvfabric.core.index.events import MAX_DEPTH, EventBatch, EventError, PageSt
 from kvfabric.core.index.match_rule import MatchRule
 from kvfabric.core.index.prefix_index import PrefixIndex
 
+from tests.examples import examples
+
 pytestmark = pytest.mark.skipif(
     not presence.ENABLED, reason="KVF_NATIVE=0 or not built: the reference alone"
 )
@@ -152,7 +154,7 @@ def draw_op(data, ix: PrefixIndex, nodes: int) -> tuple[str, tuple]:
     return "lookup", (keys,)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rule=rules, nodes=st.integers(1, 40), data=st.data())
 def test_native_and_python_cores_agree(rule, nodes, data):
     py, c = PrefixIndex(rule, native=False), PrefixIndex(rule, native=True)
@@ -300,7 +302,7 @@ def table_call(table, op: tuple):
         return ValueError, str(e)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(rule=rules, slots=st.integers(1, 40), ops=st.data())
 def test_native_and_python_tables_agree(rule, slots, ops):
     """The tables alone, driven by any sequence of their calls (closed slots included):
@@ -338,7 +340,7 @@ def holders(table, key: bytes) -> int:
     return sum(1 for s in range(0, bits.bit_length(), 8) if bits >> s & 255)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     rule=rules,
     slots=st.lists(st.integers(0, 5000), min_size=1, max_size=12, unique=True),

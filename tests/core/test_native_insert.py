@@ -21,6 +21,7 @@ from kvfabric.core.cache.layout import PoolName, Tier
 from kvfabric.core.cache.radix import RadixTree
 
 from tests.core.test_native_radix import node_state, tree_state
+from tests.examples import examples
 from tests.inject import EXCEPTIONS
 
 pytestmark = pytest.mark.skipif(
@@ -243,7 +244,9 @@ class TwinInserts(RuleBasedStateMachine):
 
 
 TestTwinInserts = TwinInserts.TestCase
-TestTwinInserts.settings = settings(max_examples=150, stateful_step_count=12, deadline=None)
+TestTwinInserts.settings = settings(
+    max_examples=examples(150), stateful_step_count=12, deadline=None
+)
 
 
 def test_bad_arguments_are_refused_and_change_nothing():

@@ -15,6 +15,8 @@ from kvfabric.core.cache import nodes, radix
 from kvfabric.core.cache.layout import PoolName, Tier
 from kvfabric.core.cache.radix import ABSENT, TIERS, RadixTree
 
+from tests.examples import examples
+
 pytestmark = pytest.mark.skipif(
     not radix.ENABLED, reason="KVF_NATIVE=0 or not built: the reference alone"
 )
@@ -291,7 +293,7 @@ class TwinTrees(RuleBasedStateMachine):
 
 
 TestTwinTrees = TwinTrees.TestCase
-TestTwinTrees.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+TestTwinTrees.settings = settings(max_examples=examples(300), stateful_step_count=60, deadline=None)
 
 
 def test_node_fields_are_checked_and_a_bad_store_changes_nothing():
@@ -355,7 +357,7 @@ def test_asking_for_the_native_tree_without_the_extension_is_an_error():
     assert RadixTree(4, print, print).native and not RadixTree(4, print, print, native=False).native
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     runs=st.lists(
         st.tuples(

@@ -8,6 +8,7 @@ from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.core.cache.tiers import TierConfig, WritePolicy
 from kvfabric.deploy.chaos.faults import AllocationFaults
 
+from tests.examples import examples
 from tests.kvgen import prefix_kv
 
 MIXED = KVLayout(
@@ -307,7 +308,7 @@ SMALL = {
 }
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @example(  # a lock at a length whose window is tombstoned, then an eviction
     layout="swa",
     device=8,
@@ -406,7 +407,7 @@ def test_a_put_branching_where_a_node_holds_nothing_leaves_no_empty_leaf(room):
         cache.unlock(lock)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     pages=st.integers(1, 10),
     first=st.integers(0, 12),
@@ -445,7 +446,7 @@ def test_a_get_from_a_first_page_into_caller_memory_gives_the_same_kv(pages, fir
             assert torch.equal(got, expected[:, expected.shape[1] - got.shape[1] :])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(pages=st.integers(1, 8), swa_first=st.integers(0, 8), held=st.integers(0, 8))
 def test_a_put_of_paged_kv_stores_what_a_put_of_layer_rows_does(pages, swa_first, held):
     """PagedKV (staging's page shape) against the per-layer rows of the same K/V, onto a

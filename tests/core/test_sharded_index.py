@@ -19,6 +19,8 @@ from kvfabric.core.index.routes import RouteError, RouteTable
 from kvfabric.core.index.sharded_index import ShardedIndex
 from kvfabric.deploy.sim.trace import load_trace, request_tokens
 
+from tests.examples import examples
+
 LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=1, head_dim=1, page_size=2, window=3)
 NS = "tenant"
 
@@ -81,7 +83,7 @@ def family(rng: random.Random) -> list[list[int]]:
     return out
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(st.integers(0, 2**32), st.integers(1, 5))
 def test_random_streams_with_splits(seed, shards):
     rng = random.Random(seed)
@@ -177,7 +179,7 @@ def test_entries_split_when_lookups_are_even():
         world.agree(p)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(st.integers(0, 2**32))
 def test_entries_by_region_match_where_lookups_go(seed):
     """Each held key is counted under the region a lookup ending at it goes to,

@@ -17,6 +17,8 @@ from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.core.cache.walk_memo import Walk, WalkMemo
 
+from tests.examples import examples
+
 LAYOUTS = {
     "full": KVLayout(layers=("full",), kv_heads=1, head_dim=1, page_size=2),
     "mixed": KVLayout(layers=("full", "swa"), kv_heads=1, head_dim=1, page_size=2, window=2),
@@ -116,7 +118,7 @@ STEP = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     layout=st.sampled_from(sorted(LAYOUTS)),
     seqs=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=24), min_size=6, max_size=6),

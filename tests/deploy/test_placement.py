@@ -22,6 +22,8 @@ from kvfabric.deploy.placement import (
     plan,
 )
 
+from tests.examples import examples
+
 COST = CostModel(prefill_tokens_per_s=10_000.0, transfer_bytes_per_s=10e9, fetch_overhead_s=0.002)
 SIZES = PageBytes.full(512 * 131_072)
 
@@ -37,7 +39,7 @@ def request(blocks: list[int], page_tokens: int = 1, tokens: int | None = None) 
 # ---- the fetch plan -------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.integers(1, 200),
     st.integers(0, 200),
@@ -81,7 +83,7 @@ def test_swa_pages_count_once_per_window():
 views = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 30)), min_size=1, max_size=8)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.tuples(views, st.floats(0, 5)), min_size=1, max_size=6), st.integers(1, 30))
 def test_the_score_ranks_every_node_by_expected_first_token(rounds, pages):
     score = FabricScore(COST, SIZES, overhead_s=0.005)
@@ -197,7 +199,7 @@ def test_affinity_falls_back_to_power_of_two_when_queues_are_uneven():
     assert router.rank(request([1, 2, 3, 4]), [NodeView(2), NodeView(0), NodeView(1)]) == [0]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.integers(0, 2**32), st.integers(1, 5))
 def test_affinity_matches_rays_prefix_tree(seed, tenants):
     """The same prompts routed to the same replicas: Ray's PrefixTree (one character per

@@ -14,6 +14,8 @@ from kvfabric.transport.base import MemKind, PoolLayout, plan_pool_read
 from kvfabric.transport.native_plan import PLAN
 from kvfabric.transport.runs import merge_runs
 
+from tests.examples import examples
+
 pytestmark = pytest.mark.skipif(
     PLAN is None, reason="KVF_NATIVE=0 or not built: the reference alone"
 )
@@ -64,7 +66,7 @@ def reads(draw):
     return np.array(remote, dtype=np.int64), np.array(local, dtype=np.int64), cap_r, cap_l
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(reads())
 def test_native_plan_equals_the_reference(case) -> None:
     remote, local, cap_r, cap_l = case

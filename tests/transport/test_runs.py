@@ -17,6 +17,8 @@ from kvfabric.transport.base import (
 )
 from kvfabric.transport.runs import PageRuns, merge_runs, order_pairs
 
+from tests.examples import examples
+
 PAGE_BYTES = 3  # odd, so that a run off by a page or a byte shows
 
 
@@ -57,7 +59,7 @@ def expand(runs: PageRuns) -> list[tuple[int, int]]:
     ]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(page_pairs())
 def test_merged_descriptors_cover_exactly_the_pages_bytes_on_both_sides(case) -> None:
     remote, local, cap_r, cap_l = case
@@ -90,7 +92,7 @@ def test_merged_descriptors_cover_exactly_the_pages_bytes_on_both_sides(case) ->
     assert coalesce_order(remote, local)[2] == len(runs)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(page_pairs())
 def test_runs_are_the_fewest_possible_when_remote_pages_are_distinct(case) -> None:
     remote, local, _, _ = case
@@ -103,7 +105,7 @@ def test_runs_are_the_fewest_possible_when_remote_pages_are_distinct(case) -> No
     assert len(merge_runs(*order_pairs(remote, local))) == fewest
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(page_pairs())
 def test_read_plan_keeps_the_pairs_and_counts_their_descriptors(case) -> None:
     remote, local, cap_r, cap_l = case

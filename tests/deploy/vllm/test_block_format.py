@@ -15,6 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
+
 pytest.importorskip("vllm")
 
 from kvfabric.core.cache.layout import KVLayout, PoolName
@@ -50,7 +52,7 @@ def backend_k_v(
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     fmt=st.sampled_from(list(BlockFormat)),
     data=st.data(),

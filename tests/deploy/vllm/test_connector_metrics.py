@@ -25,6 +25,8 @@ from kvfabric.deploy.vllm.connector.metrics import (  # noqa: E402
 from kvfabric.deploy.vllm.connector.stats import ConnectorStats  # noqa: E402
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
+from tests.examples import examples
+
 increments = st.dictionaries(st.sampled_from(sorted(KEYS)), st.integers(0, 10**9))
 
 
@@ -37,7 +39,7 @@ def test_a_snapshot_names_every_counter_and_splits_loaded_tokens_by_tier():
     assert now["loaded_tokens_remote"] == 20 and now["remote_fetches"] == 2
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=6))
 def test_the_reader_reports_each_increment_once(steps):
     stats, reader, total = ConnectorStats(), StatsReader(), 0
@@ -50,7 +52,7 @@ def test_the_reader_reports_each_increment_once(steps):
     assert total == stats.lookups and reader.since_last(stats) == {}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(increments, min_size=1, max_size=5))
 def test_intervals_aggregate_to_their_sum(intervals):
     merged = FabricStats(data=dict(intervals[0]))

@@ -29,6 +29,7 @@ from kvfabric.deploy.vllm.events.content_digest import (
 )
 from kvfabric.deploy.vllm.events.namespaces import INPUTS, RequestNamespaces, fabric_namespace
 
+from tests.examples import examples
 from tests.kvgen import prefix_kv
 
 
@@ -238,7 +239,7 @@ def test_an_adapter_that_cannot_be_read_leaves_its_requests_uncached(tmp_path):
     assert names.adapter_named("a1") is None
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     salt=st.one_of(st.none(), st.text(max_size=12)),
     lora=st.one_of(st.none(), st.text(max_size=8)),

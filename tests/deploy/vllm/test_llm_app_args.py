@@ -11,6 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
+
 pytest.importorskip("vllm")
 
 from kvfabric.deploy.reference.serve.app import AppArgsError  # noqa: E402
@@ -38,7 +40,7 @@ JUNK = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(field=st.sampled_from(sorted(FIELDS)), value=JUNK)
 def test_a_bad_value_is_refused_naming_its_field(field, value):
     try:

@@ -11,6 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
+
 pytest.importorskip("vllm")
 
 from kvfabric.deploy.vllm.serve.llm_ingress import FabricLLMIngress  # noqa: E402
@@ -50,7 +52,7 @@ def send(ingress: FabricLLMIngress, headers: dict[str, str], salt: str | None):
     return answer, served
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     key=st.sampled_from([KEY_A, KEY_B, KEY_AB, "sk-not-a-tenant-0000", None]),
     salt=st.sampled_from([None, "a", "a-eval", "b", "c", "default"]),

@@ -16,6 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
+
 pytest.importorskip("vllm")
 
 from kvfabric.core.cache.layout import Tier
@@ -185,7 +187,7 @@ def test_an_engines_entry_is_never_fetched_from(tmp_path_factory):
         rig.node.shared.unlink()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     point=st.sampled_from(POINTS),
     exception=st.sampled_from(EXCEPTIONS),

@@ -21,6 +21,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
+
 pytest.importorskip("vllm")
 
 from kvfabric.core.cache.layout import PoolName
@@ -178,7 +180,7 @@ def test_tenants_do_not_share(rig):
     assert rig.sched.num_new_matched_tokens(req, 0) == (0, False)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     point=st.sampled_from(["node_load", "worker_load", "worker_save", "node_save"]),
     exception=st.sampled_from(EXCEPTIONS),
@@ -371,7 +373,7 @@ DISK_CHOICES = {
 }
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     name=st.sampled_from(sorted(FabricSettings.__dataclass_fields__) + ["bogus"]),
     value=SETTING_VALUES,
