@@ -227,23 +227,33 @@ class VllmChaosHarness(ChaosHarness):
             client.close()
 
     def _kill_node_mid_load(self, rng: random.Random) -> bool:
-        """A node dies (-9) once its next load is staged, before it answers; True once its
-        process changed (Ray restarted it)."""
+        """A node dies (-9) once its next load is staged, before it answers; True once it
+        died and Ray started it again. Under load a round of loads may outlast
+        `fire_wait_s`, so a node found dead, even as it is told to calm down, counts as
+        killed, and its restart is waited for (`restart_wait_s`)."""
         nodes = self._nodes()
         name = rng.choice(sorted(nodes))
-        before = _pid(nodes[name])
-        ray.get(nodes[name].inject.remote(ChaosAction(exit_after_get=True)), timeout=CALL_TIMEOUT_S)
+        actor = nodes[name]
+        before = _pid(actor)
+        ray.get(actor.inject.remote(ChaosAction(exit_after_get=True)), timeout=CALL_TIMEOUT_S)
         deadline = time.monotonic() + self.fire_wait_s
-        while time.monotonic() < deadline:
-            try:
-                if _pid(nodes[name]) != before:
-                    return True
-            except RayError:
-                time.sleep(0.1)  # restarting
-                continue
+        while _pid_or_none(actor) == before:
+            if time.monotonic() >= deadline:
+                try:
+                    ray.get(actor.calm.remote(), timeout=CALL_TIMEOUT_S)
+                except (RayError, GetTimeoutError):
+                    break  # it died as it was told to calm down
+                if _pid_or_none(actor) == before:
+                    return False
+                break
             self._provoke_loads()
-        ray.get(nodes[name].calm.remote(), timeout=CALL_TIMEOUT_S)
-        return False
+        deadline = time.monotonic() + self.restart_wait_s
+        while _pid_or_none(actor) in (None, before):
+            if time.monotonic() >= deadline:
+                self.log(f"  {name} did not restart in {self.restart_wait_s} s")
+                break
+            time.sleep(0.1)
+        return True
 
     def _stall_node(self, rng: random.Random) -> bool:
         """Stop a node's process past the engines' call deadline, then let it go on."""
@@ -312,3 +322,11 @@ def remove_orphans(keep: set[str]) -> None:
 
 def _pid(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=CALL_TIMEOUT_S)
+
+
+def _pid_or_none(actor) -> int | None:
+    """The actor's process id; None while it is dead or restarting."""
+    try:
+        return _pid(actor)
+    except (RayError, GetTimeoutError):
+        return None

@@ -1,12 +1,17 @@
 """`kvfabric chaos --engine vllm` through its pytest fixture: vLLM engines with the
 FabricConnector under Ray Serve LLM (two nodes, an engine on each), requests flowing
-through the OpenAI API, and the faults of the vLLM path once each: a node actor killed
-with a load staged, a node actor stopped past the engines' call deadline, and a worker
-killed (-9) as it copies a save to staging (vLLM ends the engine, Serve starts another,
-the app runs the requests that died with it again) whose replacement then finds /dev/shm
-full as it reserves its staging (that start fails, Serve's next one runs).
-Afterwards every answer equalled the uncached one, no client retried, and no page,
-lease or staging file was left behind."""
+through the OpenAI API, and the faults of the vLLM path that need no engine restart once
+each: a node actor killed with a load staged, and a node actor stopped past the engines'
+call deadline. Afterwards every answer equalled the uncached one, no client retried, and
+no page, lease or staging file was left behind.
+
+The faults that end an engine are run by `kvfabric chaos --engine vllm` (every kind, a
+worker killed -9 mid-load or mid-save, /dev/shm full as the replacement starts), not here:
+each costs Serve two engine starts, three minutes apiece on CI's two cores, which CI's
+40 minutes cannot hold. Their parts are tested alone: a worker killed mid-load or
+mid-save and its engine reaped (test_engine_kill.py), the app running again a request
+whose engine died (test_llm_ingress.py), a staging reservation on a full /dev/shm
+(tests/transport/test_staging.py)."""
 
 from __future__ import annotations
 
@@ -18,15 +23,7 @@ from kvfabric.deploy.chaos.plan import ChaosKind
 
 kvfabric_chaos_options = {"engine": "vllm", "nodes": 2, "prompts": 4}
 
-# Each fault of the vLLM path that only the app shows, once: SHM_FULL kills its worker
-# mid-save (WORKER_KILL_MID_SAVE's fault) before the full /dev/shm; a worker killed
-# mid-load, an engine restart more, is in `kvfabric chaos --engine vllm` and, its engine
-# reaped, in test_engine_kill.py. CI's time goes to engine restarts (a minute or more each).
-KINDS = [
-    ChaosKind.NODE_KILL_MID_LOAD,
-    ChaosKind.NODE_STALL,
-    ChaosKind.SHM_FULL,
-]
+KINDS = [ChaosKind.NODE_KILL_MID_LOAD, ChaosKind.NODE_STALL]
 
 
 def test_each_fault_of_the_vllm_path_leaves_the_app_whole(kvfabric_chaos):
@@ -43,5 +40,3 @@ def test_each_fault_of_the_vllm_path_leaves_the_app_whole(kvfabric_chaos):
         # The index agreed with every node again (how soon is a figure: `kvfabric chaos
         # --engine vllm` prints it; a test checks behaviour, not time).
         assert report.index_converged_s != float("inf"), report
-    # The requests the killed worker's engine held were run again by the app, not failed.
-    assert reports[KINDS.index(ChaosKind.SHM_FULL)].app_retried_requests > 0
