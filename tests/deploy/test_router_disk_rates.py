@@ -1,6 +1,8 @@
 """The Serve router weighs each node's disk by the read bandwidth the node measured: asked
 of the node actor the first time the node is a candidate, never waited for long, a
-failed ask left at the cost model's figure (0.0) and tried again later."""
+failed ask left at the cost model's figure (0.0) and tried again later, a learned rate
+asked again later (a restarted node measures again), an answer that is no bandwidth
+refused."""
 
 from __future__ import annotations
 
@@ -106,5 +108,44 @@ def test_a_slow_answer_is_not_waited_for_and_a_failed_ask_is_tried_again():
         answers["gone"] = 3e9  # back: asked again, since its retry time has passed
         assert await rates.of(["slow", "gone"], RATE_WAIT_S) == {"slow": 1e9, "gone": 3e9}
         assert sorted(asked) == ["gone", "gone", "slow"]
+
+    asyncio.run(run())
+
+
+def test_a_learned_rate_is_asked_again_and_a_bad_answer_changes_nothing():
+    """A node restarted on another disk measures again: its rate is asked again after
+    `refresh_s`, the old one answering meanwhile; an answer that is no bandwidth (NaN,
+    negative, infinite, not a number) is refused and the rate known before stays."""
+    answers: dict[str, object] = {"n": 1e9}
+    given: list[object] = []
+    now = [0.0]
+
+    async def ask(node: str):
+        given.append(answers[node])
+        return answers[node]
+
+    async def settled(rates: DiskRates) -> dict[str, float]:
+        """The rates once the background asks have ended (each answers at once)."""
+        while rates._asking:
+            await asyncio.sleep(0)
+        return await rates.of(["n"], 0.0)
+
+    async def run() -> None:
+        rates = DiskRates(ask, retry_s=5.0, refresh_s=60.0, clock=lambda: now[0])
+        assert await rates.of(["n"], 1.0) == {"n": 1e9}
+        answers["n"] = 2e9
+        now[0] = 59.0
+        assert await settled(rates) == {"n": 1e9}  # not due yet: not asked
+        now[0] = 61.0
+        assert await rates.of(["n"], 1.0) == {"n": 1e9}  # due: asked in the background
+        assert await settled(rates) == {"n": 2e9}
+        assert given == [1e9, 2e9]
+        bad = [float("nan"), -1.0, float("inf"), "3e9", None, True]
+        for value in bad:
+            answers["n"] = value
+            now[0] += 61.0
+            await rates.of(["n"], 1.0)
+            assert await settled(rates) == {"n": 2e9}, value
+        assert given[2:] == bad, given  # each asked, each refused
 
     asyncio.run(run())
