@@ -55,6 +55,9 @@ def stored(folder: Path, name: str, pages: int) -> None:
     """Node `name` writes `pages` pages to its own disk folder, then ends."""
     store = opened(folder, name, adopt_orphans=False)
     store.adopt()
+    if not pages:
+        store.close()
+        return
     slots = store.alloc(PoolName.FULL, pages)
     metas = [PageMeta(bytes(16), i, i.to_bytes(16, "little"), bytes(8)) for i in range(pages)]
     shape = LAYOUT.page_shape(PoolName.FULL)
@@ -81,6 +84,19 @@ def test_a_new_node_claims_an_orphan_and_adopts_its_pages(tmp_path):
     store = opened(tmp_path, "kvf-node-new")
     assert store.owner.moved_from == "" and len(store.adopt().trusted) == 5
     store.close()
+
+
+def test_an_orphan_holding_pages_is_claimed_before_a_newer_one_holding_none(tmp_path):
+    """A node that died as it started leaves a journal holding no record, newer than the
+    folder of the node before it, which holds pages: that one is claimed, the empty one
+    left for later."""
+    stored(tmp_path, "kvf-node-old", 4)
+    stored(tmp_path, "kvf-node-died-at-start", 0)
+    old, empty = (tmp_path / n / JOURNAL for n in ("kvf-node-old", "kvf-node-died-at-start"))
+    os.utime(old, (1_000_000, 1_000_000))  # written long before the empty one
+    assert empty.stat().st_mtime > old.stat().st_mtime
+    claims(opened(tmp_path, "kvf-node-new"), "kvf-node-old", 4)
+    assert folders(tmp_path) == {"kvf-node-new", "kvf-node-died-at-start"}
 
 
 def test_a_folder_a_live_store_holds_is_not_claimed(tmp_path):
