@@ -171,18 +171,10 @@ def vllm_session(
 ) -> Iterator["ChaosHarness"]:
     """The vLLM app (one engine a node, the FabricConnector in each, chaos on) on an
     embedded cluster of `nodes`, and a harness over it with trace prompts as token ids."""
-    import tempfile
-    import time
-
-    from kvfabric.actors.served import fabrics_of
     from kvfabric.deploy.harness.cluster import free_port, local_cluster, up
-    from kvfabric.deploy.harness.http_replay import multi_turn_slice
-    from kvfabric.deploy.sim.trace import load_trace, request_tokens
-    from kvfabric.deploy.vllm.events.namespaces import fabric_namespace
     from kvfabric.deploy.vllm.serve.app_args import LLMAppArgs
-    from kvfabric.deploy.vllm.serve.llm_router import OpenAIPrompts
 
-    from .vllm_harness import SALT, VllmChaosHarness, orphans, remove_orphans
+    from .vllm_harness import orphans, remove_orphans
 
     if address:
         raise ValueError("--engine vllm runs on an embedded cluster")
@@ -195,13 +187,6 @@ def vllm_session(
             cpus_per_replica=2.0,
             chaos_file=chaos_file,
         )
-        vocab = OpenAIPrompts()
-        vocab.load_tokenizer(app.model())
-        size = len(vocab.tokenizer)
-        tokens = [
-            request_tokens(r, 32, vocab_size=size)[: app.max_model_len // 2]
-            for r in multi_turn_slice(load_trace(), prompts)
-        ]
         earlier = orphans()
         # An engine's bundle takes 2 of a node's 3 CPUs, the fabric's actors the rest.
         with local_cluster(nodes, cpus_per_node=3):
@@ -209,21 +194,73 @@ def vllm_session(
 
             try:
                 endpoint = up(app.as_dict(), port=free_port(), engine="vllm", wait_s=900)
-                deadline = time.monotonic() + 120
-                while not fabrics_of(app.model_id) and time.monotonic() < deadline:
-                    time.sleep(0.5)  # the engines announce the fabric they started
-                (namespace,) = fabrics_of(app.model_id)
-                yield VllmChaosHarness(
+                yield vllm_harness(
                     endpoint,
                     app.model_id,
-                    tokens,
-                    cluster=None,  # removing a Ray node would take an engine's bundle
-                    log=log,
-                    namespace=namespace,
-                    tenant=fabric_namespace(SALT),
+                    str(app.model()),
+                    prompts,
+                    app.max_model_len,
                     chaos_file=chaos_file,
                     engine_cache_bytes=app.kv_cache_bytes,
+                    log=log,
                 )
             finally:
                 serve.shutdown()
         remove_orphans(keep=earlier)
+
+
+def vllm_harness(
+    endpoint,
+    model_id: str,
+    model_dir: str,
+    prompts: int,
+    max_model_len: int,
+    *,
+    chaos_file: str,
+    engine_cache_bytes: int,
+    log=lambda _: None,
+) -> "ChaosHarness":
+    """A harness over a running vLLM app whose engines were given the chaos settings
+    (LLMAppArgs.chaos_file; or `with_fabric(..., **chaos_settings(chaos_file))`), with
+    `prompts` trace prompts as token ids, once the engines announced their fabric."""
+    import time
+
+    from kvfabric.actors.served import fabrics_of
+    from kvfabric.deploy.harness.http_replay import multi_turn_slice
+    from kvfabric.deploy.sim.trace import load_trace, request_tokens
+    from kvfabric.deploy.vllm.events.namespaces import fabric_namespace
+    from kvfabric.deploy.vllm.serve.llm_router import OpenAIPrompts
+
+    from .vllm_harness import SALT, VllmChaosHarness
+
+    vocab = OpenAIPrompts()
+    vocab.load_tokenizer(model_dir)
+    size = len(vocab.tokenizer)
+    tokens = [
+        request_tokens(r, 32, vocab_size=size)[: max_model_len // 2]
+        for r in multi_turn_slice(load_trace(), prompts)
+    ]
+    deadline = time.monotonic() + 120
+    while not fabrics_of(model_id) and time.monotonic() < deadline:
+        time.sleep(0.5)  # the engines announce the fabric they started
+    (namespace,) = fabrics_of(model_id)
+    return VllmChaosHarness(
+        endpoint,
+        model_id,
+        tokens,
+        cluster=None,  # removing a Ray node would take an engine's bundle
+        log=log,
+        namespace=namespace,
+        tenant=fabric_namespace(SALT),
+        chaos_file=chaos_file,
+        engine_cache_bytes=engine_cache_bytes,
+    )
+
+
+def chaos_settings(chaos_file: str) -> dict:
+    """The FabricConnector settings that turn chaos on in a user's own config
+    (`with_fabric(config, **chaos_settings(path))`): the node actors' hooks and the
+    engines' step-fault file, as LLMAppArgs.chaos_file gives the CLI's app."""
+    from kvfabric.deploy.serving.injectors import registered
+
+    return registered().connector_settings(chaos_file)

@@ -22,6 +22,11 @@ class Injectors:
     # The connector settings that arm a step-fault file (its path) in every engine.
     step_faults: Callable[[str], dict[str, Any]]
 
+    def connector_settings(self, chaos_file: str) -> dict[str, Any]:
+        """The FabricConnector settings that turn chaos on in a vLLM app: the node
+        actors' hooks and the engines' step-fault file at `chaos_file`."""
+        return {"node_hooks": self.node_hooks_path, **self.step_faults(chaos_file)}
+
 
 class NoInjectors(RuntimeError):
     """Chaos was asked for, but no injectors are registered in this process."""

@@ -106,11 +106,7 @@ class LLMAppArgs(Args):
         each node's pools (SWA pools: a quarter) and index shards."""
         chaos = {}
         if self.chaos_file:  # chaos runs only: the injectors are the chaos harness's to register
-            injectors = registered()
-            chaos = {
-                "node_hooks": injectors.node_hooks_path,
-                **injectors.step_faults(self.chaos_file),
-            }
+            chaos = registered().connector_settings(self.chaos_file)
         disk = {}
         if self.disk_pages:
             disk = {
