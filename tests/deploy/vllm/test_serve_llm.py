@@ -4,7 +4,11 @@ Face cache, as a download leaves it), wrapped by `with_fabric` and served by Ray
 `build_openai_app` and ingress. Two engines on two Ray nodes, the FabricConnector in
 each, FabricLLMRouter ranking the replicas, the index fed by the engines' KV events.
 Outputs through the fabric equal outputs with no cache at all (a fresh cache_salt per
-reference run: nothing can match it)."""
+reference run: nothing can match it).
+
+The same app, with the chaos harness's settings added to the user's config (unarmed,
+they change nothing), also takes the faults of the vLLM path that need no engine restart,
+in the module's last test: one app start for both (each costs CI minutes)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,9 @@ import ray  # noqa: E402
 from kvfabric.actors.client import FabricClient
 from kvfabric.actors.directory import CALL_TIMEOUT_S, DIRECTORY  # noqa: E402
 from kvfabric.actors.served import fabrics_of  # noqa: E402
+from kvfabric.deploy.chaos.plan import ChaosKind  # noqa: E402
+from kvfabric.deploy.chaos.run import chaos_settings, vllm_harness  # noqa: E402
+from kvfabric.deploy.chaos.vllm_harness import orphans, remove_orphans  # noqa: E402
 from kvfabric.deploy.harness.cluster import free_port, local_cluster, serve_app  # noqa: E402
 from kvfabric.deploy.serving.engine_identity import is_engine, node_actor_of  # noqa: E402
 from kvfabric.deploy.vllm.events.namespaces import fabric_namespace  # noqa: E402
@@ -41,6 +48,7 @@ MODEL_ID = "kvfabric-tiny-vllm"
 HUB_ID = "kvfabric-tests/tiny-llama-swa"
 PROMPT_CHARS = 900  # about 900 tokens (one per byte): 28 blocks of 32
 MAX_TOKENS = 8
+ENGINE_CACHE_BYTES = 12 << 20
 T = 180.0
 
 
@@ -48,8 +56,9 @@ eventually = partial(wait_for, deadline_s=T, every_s=0.25)
 
 
 class App:
-    def __init__(self, endpoint, model_dir: str) -> None:
+    def __init__(self, endpoint, model_dir: str, chaos_file: str) -> None:
         self.endpoint = endpoint
+        self.chaos_file = chaos_file  # the engines' step faults (the chaos test's)
         self.prompts = OpenAIPrompts()
         self.prompts.load_tokenizer(model_dir)
         self.rng = random.Random(7)
@@ -130,7 +139,7 @@ def users_llm_config() -> LLMConfig:
             "enforce_eager": True,
             "max_model_len": 2048,
             "block_size": 32,
-            "kv_cache_memory_bytes": 12 << 20,
+            "kv_cache_memory_bytes": ENGINE_CACHE_BYTES,
         },
         deployment_config={"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}},
         placement_group_config={"bundles": [{"CPU": 2.0}]},
@@ -145,6 +154,8 @@ def app(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the cluster's processes inherit it
     os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+    chaos_file = str(tmp_path_factory.mktemp("chaos") / "steps.json")
+    earlier = orphans()
     started = time.monotonic()
     try:
         # An engine's bundle takes 2 of a node's 3 CPUs; the fabric's actors take at most 1
@@ -153,7 +164,12 @@ def app(tmp_path_factory):
             from ray import serve
 
             try:
-                config = with_fabric(users_llm_config(), device_pages=64, host_pages=2048)
+                config = with_fabric(
+                    users_llm_config(),
+                    device_pages=64,
+                    host_pages=2048,
+                    **chaos_settings(chaos_file),
+                )
                 built = build_openai_app(
                     {
                         "llm_configs": [config],
@@ -166,9 +182,10 @@ def app(tmp_path_factory):
                     f"{time.monotonic() - started:.1f} s"
                 )
                 # This process read its Hugging Face settings at import: the folder, not the id.
-                yield App(endpoint, str(ensure_tiny_model()))
+                yield App(endpoint, str(ensure_tiny_model()), chaos_file)
             finally:
                 serve.shutdown()
+        remove_orphans(keep=earlier)  # the records of engines no node is left to reap
     finally:
         for k, v in saved.items():
             if v is None:
@@ -300,3 +317,43 @@ def test_the_index_names_the_engine_that_holds_a_prompt(app):
     held = eventually(lambda: engines(fabric_namespace(salt)), "the index names the engine")
     assert {node_actor_of(e) for e in held} <= set(node_names())
     assert engines(fabric_namespace(f"other-{salt}")) == []
+
+
+# Last in the module: it kills and stops node actors.
+def test_each_fault_of_the_vllm_path_leaves_the_app_whole(app):
+    """`kvfabric chaos --engine vllm`'s harness over this app, the faults of the vLLM path
+    that need no engine restart once each: a node actor killed (-9) with a load staged,
+    and one stopped past the engines' call deadline. Afterwards every answer equalled the
+    uncached one, no client retried, and no page, lease or staging file was left behind.
+
+    The faults that end an engine are run by `kvfabric chaos --engine vllm` (every kind:
+    a worker killed -9 mid-load or mid-save, /dev/shm full as its replacement starts), not
+    here: each costs Serve two engine starts, minutes apiece on CI's two cores. Their parts
+    are tested alone: a worker killed mid-load or mid-save and its engine reaped
+    (test_engine_kill.py), the app running again a request whose engine died
+    (test_llm_ingress.py), a staging reservation on a full /dev/shm
+    (tests/transport/test_staging.py)."""
+    harness = vllm_harness(
+        app.endpoint,
+        MODEL_ID,
+        str(ensure_tiny_model()),
+        4,
+        users_llm_config().engine_kwargs["max_model_len"],
+        chaos_file=app.chaos_file,
+        engine_cache_bytes=ENGINE_CACHE_BYTES,
+        log=print,
+    )
+    kinds = [ChaosKind.NODE_KILL_MID_LOAD, ChaosKind.NODE_STALL]
+    reports = [
+        harness.run(seed=i, faults=1, kinds=[kind], interval_s=0.5, quiet_s=2.0)
+        for i, kind in enumerate(kinds)
+    ]
+    for kind, report in zip(kinds, reports):
+        assert report.by_kind == {kind.value: 1}, report
+        assert report.requests > 0
+        assert report.failed_requests == report.retried_requests == report.wrong_outputs == 0
+        assert report.leaked_pages == report.double_owned_pages == 0
+        assert report.expired_leases_unreleased == 0 and report.leaked_staging_files == 0
+        # The index agreed with every node again (how soon is a figure: `kvfabric chaos
+        # --engine vllm` prints it; a test checks behaviour, not time).
+        assert report.index_converged_s != float("inf"), report
