@@ -21,9 +21,10 @@ from kvfabric.transport.nixl_file import NixlPageFile
 
 
 class DiskIO(str, Enum):
-    """How page files are read and written. POSIX is the default: in a node actor that
-    Ray restarted, with a NIXL file agent beside its UCX agent, peers' reads of its pages
-    failed (tests/actors/fabric_cluster; not yet understood), while plain I/O works."""
+    """How page files are read and written. POSIX is the default. NIXL once broke peers'
+    reads from a node actor Ray restarted (tests/actors/fabric_cluster); on 2026-12-07
+    those 21 tests all passed with NIXL (the cause was not found), but no CI has run it,
+    and a wheel without NIXL's POSIX plugin would fail the node's start (no fallback)."""
 
     NIXL = "nixl"  # NIXL's POSIX file backend (GDS where built in and present)
     POSIX = "posix"  # plain pread/pwrite
