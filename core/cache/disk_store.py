@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -265,9 +266,8 @@ class DiskStore:
         """Read slots[i] into out[i] (a contiguous CPU tensor of len(slots) pages), each
         checked against its page's checksum: CorruptPages names those that differ (or
         hold no page), the others read right."""
-        self._file(pool).read(slots, out)
-        sums = self.sums[pool]
-        found = each_page(read_check, page_rows(out))
+        sums = self.sums[self._pool(pool)]
+        found = _read_checked(self._file(pool), slots, out)
         bad = [s for s, got in zip(slots, found) if sums.get(s) != got]
         if bad:
             raise CorruptPages(pool, bad)
@@ -326,3 +326,36 @@ class DiskStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# A large read is checked as it comes: its pages are read in chunks of about this many
+# bytes on a reader thread while the caller checks the chunk before (the read and the
+# check each let go of the GIL), so the check costs little beyond the read itself.
+READ_CHUNK_BYTES = 8 << 20
+_reader: ThreadPoolExecutor | None = None
+
+
+def _read_checked(file: PageFile, slots: Sequence[int], out: torch.Tensor) -> list[int]:
+    """Read slots[i] into out[i] and return each page's read_check. One chunk is read at a
+    time (a page file is not thread-safe), and none is left reading when this returns or
+    raises."""
+    global _reader
+    per = max(1, READ_CHUNK_BYTES // max(1, out[0].nbytes if len(out) else 1))
+    if len(slots) <= per:
+        file.read(slots, out)
+        return each_page(read_check, page_rows(out))
+    if _reader is None:
+        _reader = ThreadPoolExecutor(1, thread_name_prefix="kvf-disk-read")
+    starts = range(0, len(slots), per)
+    found: list[int] = []
+    pending: Future[None] = _reader.submit(file.read, slots[:per], out[:per])
+    try:
+        for at in starts:
+            pending.result()  # the chunk at `at` is in (or its error raises here)
+            nxt = at + per
+            if nxt < len(slots):
+                pending = _reader.submit(file.read, slots[nxt : nxt + per], out[nxt : nxt + per])
+            found += [read_check(row) for row in page_rows(out[at:nxt])]
+    finally:
+        pending.exception()  # never return with a read still writing into `out`
+    return found

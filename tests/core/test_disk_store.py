@@ -394,3 +394,47 @@ def test_a_store_killed_9_leaves_its_folder_to_the_next(tmp_path):
     store = DiskStore(tmp_path, LAYOUT, CAPACITY)
     assert len(check_adopted(store)) == 3
     store.close()
+
+
+@pytest.mark.parametrize("chunk_pages", [1, 2, 4])
+def test_a_read_in_chunks_checks_every_page_and_a_failing_chunk_leaves_none_reading(
+    tmp_path, monkeypatch, chunk_pages
+):
+    """A large read is read in chunks on a reader thread while the pages before are
+    checked: every page is checked all the same (a corrupted page in any chunk is named),
+    the pages come back in order, and a chunk whose read fails raises with no read left
+    writing into the caller's tensor."""
+    import kvfabric.core.cache.disk_store as disk_store
+
+    monkeypatch.setattr(
+        disk_store, "READ_CHUNK_BYTES", chunk_pages * LAYOUT.page_bytes(PoolName.FULL)
+    )
+    store = DiskStore(tmp_path, LAYOUT, CAPACITY)
+    store.adopt()
+    written = write(store, PoolName.FULL, list(range(9)))
+    slots = list(reversed(written))  # any order
+    want = torch.stack([page_of(PoolName.FULL, meta(written[s]).key) for s in slots])
+    out = torch.empty_like(want)
+    store.read(PoolName.FULL, slots, out)
+    assert torch.equal(out, want)
+    flip(tmp_path, PoolName.FULL, slots[7])
+    with pytest.raises(CorruptPages) as e:
+        store.read(PoolName.FULL, slots, out)
+    assert e.value.slots == [slots[7]]
+    assert all(torch.equal(out[i], want[i]) for i in range(len(slots)) if i != 7)
+
+    file, reads, ended = store.files[PoolName.FULL], [], []
+    real = file.read
+
+    def failing(chunk, into):
+        reads.append(list(chunk))
+        if len(reads) == 2:
+            raise OSError(5, "injected: I/O error")
+        real(chunk, into)
+        ended.append(len(reads))
+
+    monkeypatch.setattr(file, "read", failing)
+    with pytest.raises(OSError, match="injected"):
+        store.read(PoolName.FULL, slots, out)
+    assert len(reads) == 2 and ended == [1]  # nothing read after the failing chunk
+    store.close()
