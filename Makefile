@@ -34,8 +34,8 @@ demo: $(STAMP)
 # for engine records (an engine-watch test failed once beside them; not reproduced since).
 # The actors' tests and the reference chaos run there too (their own Ray clusters; named
 # actors are per cluster, Serve apps on free ports), all but the engine watch, which scans
-# /dev/shm. A clean-clone CI of d4777e0 took 41.9 min: the suite's lane 38.7, the side's
-# 25. Their output follows the suite's; either failing fails the target. Both lanes print
+# /dev/shm. A clean-clone CI of e3bb7c5 took 39.3 min: the suite's lane 33.1, the side's
+# 34.8. Their output follows the suite's; either failing fails the target. Both lanes print
 # their slowest tests, to see where time goes.
 SIDE := tests/test_types.py tests/test_install.py tests/test_c_style.py tests/test_layers.py \
 	tests/test_benches.py tests/transport/test_nixl_versions.py tests/deploy/test_peer_radix.py \
