@@ -340,17 +340,16 @@ def _read_checked(file: PageFile, slots: Sequence[int], out: torch.Tensor) -> li
     time (a page file is not thread-safe), and none is left reading when this returns or
     raises."""
     global _reader
-    per = max(1, READ_CHUNK_BYTES // max(1, out[0].nbytes if len(out) else 1))
-    if len(slots) <= per:
+    if out.nbytes <= READ_CHUNK_BYTES:
         file.read(slots, out)
         return each_page(read_check, page_rows(out))
     if _reader is None:
         _reader = ThreadPoolExecutor(1, thread_name_prefix="kvf-disk-read")
-    starts = range(0, len(slots), per)
+    per = max(1, READ_CHUNK_BYTES // out[0].nbytes)
     found: list[int] = []
     pending: Future[None] = _reader.submit(file.read, slots[:per], out[:per])
     try:
-        for at in starts:
+        for at in range(0, len(slots), per):
             pending.result()  # the chunk at `at` is in (or its error raises here)
             nxt = at + per
             if nxt < len(slots):

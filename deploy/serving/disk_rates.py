@@ -46,9 +46,10 @@ class DiskRates:
         nodes with no rate yet are waited for at most `wait_s` (the rest answer for later
         requests)."""
         nodes = list(nodes)
-        started = [self._start(n) for n in set(nodes) if self._due(n)]
-        new = [task for node, task in self._asking.items() if node not in self._rates]
-        if started and new and wait_s > 0:
+        started = {n: self._start(n) for n in set(nodes) if self._due(n)}
+        # A node known already answers its last rate while it is asked again: not waited for.
+        new = [task for n, task in started.items() if n not in self._rates]
+        if new and wait_s > 0:
             await asyncio.wait(new, timeout=wait_s)
         return {n: self._rates.get(n, 0.0) for n in nodes}
 
