@@ -1,7 +1,7 @@
 """The one thing pyproject.toml cannot declare without setuptools' experimental table: the
 C extensions behind core/cache/keys.py, radix.py, allocator.py, pages.py's row copy,
-core/index/presence.py and transport/base.py's read plan (built by `pip install`, `make`
-and CI alike)."""
+disk_records.py's read check, core/index/presence.py and transport/base.py's read plan
+(built by `pip install`, `make` and CI alike)."""
 
 from setuptools import Extension, setup
 
@@ -40,6 +40,11 @@ setup(
         Extension(
             "kvfabric.core.cache._copy",
             sources=[f"{KEYS}/copy.c"],
+            extra_compile_args=FLAGS,
+        ),
+        Extension(
+            "kvfabric.core.cache._crc32c",
+            sources=[f"{KEYS}/crc32c.c"],
             extra_compile_args=FLAGS,
         ),
         Extension(

@@ -25,17 +25,19 @@ process or another, gets FolderHeld.
 from __future__ import annotations
 
 import enum
+import threading
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from queue import SimpleQueue
 from typing import Callable, Mapping, Sequence
 
 import torch
 
 from .allocator import PageAllocator
 from .disk_journal import DiskJournal, Drop, Replay
-from .disk_records import Free, PageMeta, Put, each_page, page_checksum, read_check
+from .disk_records import Free, PageMeta, Put, each_page, page_checksum, read_checks
 from .folder_lock import FolderLock
 from .layout import KVLayout, PoolName
 from .page_file import (
@@ -75,7 +77,7 @@ class SavedPages:
     pool: PoolName
     slots: list[int]
     pages: torch.Tensor
-    sums: list[int]  # read_check of each
+    sums: list[int]  # read check of each (read_checks)
     records: list[Put]
 
 
@@ -153,7 +155,7 @@ class DiskStore:
             self.owner.release()
             raise
         self.slots = {pool: PageAllocator(n) for pool, n in capacity.items()}
-        # The read_check of each page a slot holds, recorded or not (a full journal): what
+        # The read check of each page a slot holds, recorded or not (a full journal): what
         # every read is checked against.
         self.sums: dict[PoolName, dict[int, int]] = {pool: {} for pool in capacity}
         self.hook: DiskHook | None = None
@@ -196,7 +198,7 @@ class DiskStore:
 
     @staticmethod
     def _verify(file: PageFile, puts: list[Put]) -> list[Drop | int]:
-        """Per record, where its slot's bytes match its checksum their read_check, else
+        """Per record, where its slot's bytes match its checksum their read check, else
         why not."""
         inside = [p for p in puts if p.slot < file.valid_slots]
         pages = torch.empty((len(inside), *file.geometry.shape), dtype=file.geometry.dtype)
@@ -206,7 +208,7 @@ class DiskStore:
             return [Drop.UNREADABLE] * len(puts)
         rows = page_rows(pages)
         sums = {p.slot: c for p, c in zip(inside, each_page(page_checksum, rows))}
-        reads = {p.slot: c for p, c in zip(inside, each_page(read_check, rows))}
+        reads = {p.slot: c for p, c in zip(inside, read_checks(rows))}
         return [
             Drop.BEYOND_FILE
             if p.slot not in sums
@@ -248,7 +250,7 @@ class DiskStore:
             file.sync()
         rows = page_rows(pages)
         puts = [Put(pool, s, m, c) for s, m, c in zip(slots, metas, each_page(page_checksum, rows))]
-        held.update(zip(slots, each_page(read_check, rows)))
+        held.update(zip(slots, read_checks(rows)))
         try:
             if self.hook is not None:
                 self.hook(DiskStep.RECORD)
@@ -330,31 +332,49 @@ class DiskStore:
 
 # A large read is checked as it comes: its pages are read in chunks of about this many
 # bytes on a reader thread while the caller checks the chunk before (the read and the
-# check each let go of the GIL), so the check costs little beyond the read itself.
-READ_CHUNK_BYTES = 8 << 20
+# check each let go of the GIL), so the check costs little beyond the read itself. The
+# last chunk's check is not hidden: at 4 MiB it is 0.6 ms of CRC-32C. Measured on 16 MiB
+# batches: 8 MiB chunks read at 0.7-0.8x a plain read of the same file, 2-4 MiB at 0.8-1.0.
+READ_CHUNK_BYTES = 2 << 20
 _reader: ThreadPoolExecutor | None = None
 
 
 def _read_checked(file: PageFile, slots: Sequence[int], out: torch.Tensor) -> list[int]:
-    """Read slots[i] into out[i] and return each page's read_check. One chunk is read at a
-    time (a page file is not thread-safe), and none is left reading when this returns or
+    """Read slots[i] into out[i] and return each page's read check. The chunks are read one
+    after another on the reader thread (a page file is not thread-safe; the disk never
+    waits for this thread between chunks), and none is left reading when this returns or
     raises."""
     global _reader
     if out.nbytes <= READ_CHUNK_BYTES:
         file.read(slots, out)
-        return each_page(read_check, page_rows(out))
+        return read_checks(page_rows(out))
     if _reader is None:
         _reader = ThreadPoolExecutor(1, thread_name_prefix="kvf-disk-read")
     per = max(1, READ_CHUNK_BYTES // out[0].nbytes)
+    starts = range(0, len(slots), per)
+    done: SimpleQueue[int | BaseException] = SimpleQueue()
+    stop = threading.Event()
+
+    def read_all() -> None:
+        for at in starts:
+            if stop.is_set():
+                return
+            try:
+                file.read(slots[at : at + per], out[at : at + per])
+            except BaseException as e:  # handed to the caller, who raises it
+                done.put(e)
+                return
+            done.put(at)
+
+    task = _reader.submit(read_all)
     found: list[int] = []
-    pending: Future[None] = _reader.submit(file.read, slots[:per], out[:per])
     try:
-        for at in range(0, len(slots), per):
-            pending.result()  # the chunk at `at` is in (or its error raises here)
-            nxt = at + per
-            if nxt < len(slots):
-                pending = _reader.submit(file.read, slots[nxt : nxt + per], out[nxt : nxt + per])
-            found += [read_check(row) for row in page_rows(out[at:nxt])]
+        for _ in starts:
+            at = done.get()
+            if isinstance(at, BaseException):
+                raise at
+            found += read_checks(page_rows(out[at : at + per]))
     finally:
-        pending.exception()  # never return with a read still writing into `out`
+        stop.set()
+        task.exception()  # never return with a read still writing into `out`
     return found

@@ -16,13 +16,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_the_extensions_under_test_are_the_sanitized_build():
-    from kvfabric.core.cache import _copy, _radix, radix  # type: ignore[attr-defined]
+    from kvfabric.core.cache import _copy, _crc32c, _radix, radix  # type: ignore[attr-defined]
     from kvfabric.core.index import _presence
     from kvfabric.transport import _plan  # type: ignore[attr-defined]  # built C
 
     assert radix.ENABLED
     here = Path.cwd().resolve()
-    for module in (_radix, _presence, _plan, _copy):
+    for module in (_radix, _presence, _plan, _copy, _crc32c):
         path = Path(module.__file__).resolve()
         assert here in path.parents, path
         assert b"__asan_report" in path.read_bytes(), f"{path} built without ASan"
