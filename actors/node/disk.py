@@ -5,6 +5,7 @@ measures there then."""
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -15,22 +16,47 @@ from kvfabric.core.cache.disk_probe import read_bytes_per_s
 from kvfabric.core.cache.disk_store import DiskStore, PageFileMaker, Sync
 from kvfabric.core.cache.layout import KVLayout, PoolName
 from kvfabric.core.cache.orphan_folder import claim_orphan
-from kvfabric.core.cache.page_file import PosixPageFile
+from kvfabric.core.cache.page_file import PageFile, PageGeometry, PosixPageFile
 from kvfabric.core.cache.pools import PoolCapacity
-from kvfabric.transport.nixl_file import NixlPageFile
+from kvfabric.transport.nixl_file import NixlFileError, NixlPageFile
 
 
 class DiskIO(str, Enum):
-    """How page files are read and written. POSIX is the default. NIXL once broke peers'
-    reads from a node actor Ray restarted (tests/actors/fabric_cluster); on 2026-12-07
-    those 21 tests all passed with NIXL (the cause was not found), but no CI has run it,
-    and a wheel without NIXL's POSIX plugin would fail the node's start (no fallback)."""
+    """How page files are read and written. AUTO, the default: NIXL's POSIX backend, or
+    plain pread/pwrite where the installed NIXL lacks that plugin (said in the node's log
+    and stats). The two read and write the same bytes at the same speed here (`kvfabric
+    bench disk`); NIXL takes VRAM too where GDS is built in."""
 
-    NIXL = "nixl"  # NIXL's POSIX file backend (GDS where built in and present)
+    AUTO = "auto"
+    NIXL = "nixl"  # NIXL's POSIX backend; a node whose NIXL lacks it fails to start
     POSIX = "posix"  # plain pread/pwrite
 
 
-_MAKERS: dict[DiskIO, PageFileMaker] = {DiskIO.NIXL: NixlPageFile, DiskIO.POSIX: PosixPageFile}
+log = logging.getLogger(__name__)
+
+
+def nixl_or_posix(path: Path, capacity: int, geometry: PageGeometry) -> PageFile:
+    """A page file through NIXL's POSIX backend, or a plain one where NIXL cannot open it
+    (its plugin missing from the wheel, an agent that does not start). A disk too small
+    fails either way, so that error is not retried."""
+    try:
+        return NixlPageFile(path, capacity, geometry)
+    except NixlFileError as e:
+        log.warning("page file %s: NIXL failed (%s); using plain pread/pwrite", path, e)
+        return PosixPageFile(path, capacity, geometry)
+
+
+def page_file_io(store: DiskStore) -> DiskIO:
+    """What the store's page files were opened with: NIXL or POSIX (AUTO resolved)."""
+    nixl = [isinstance(f, NixlPageFile) for f in store.files.values()]
+    return DiskIO.NIXL if nixl and all(nixl) else DiskIO.POSIX
+
+
+_MAKERS: dict[DiskIO, PageFileMaker] = {
+    DiskIO.AUTO: nixl_or_posix,
+    DiskIO.NIXL: NixlPageFile,
+    DiskIO.POSIX: PosixPageFile,
+}
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
 
@@ -39,13 +65,14 @@ class DiskConfig:
     """Each node keeps its disk pages in `folder`/<its name>/; capacities' `disk` says how
     many pages per pool. `sync`: what is flushed before a page's record (disk_store.py).
     `probe_bytes`: the file read back at start to measure the disk (disk_probe.py); 0: not
-    measured, routers use the cost model's figure. `adopt_orphans`: a node whose folder
+    measured, routers use the cost model's figure. `io`: how page files are read and
+    written (DiskIO). `adopt_orphans`: a node whose folder
     does not exist yet claims an orphan beside it (a folder no live node owns, such as
     the one this host's node left under its earlier Ray node id), adopting its pages."""
 
     folder: str
     sync: Sync = Sync.NONE
-    io: DiskIO = DiskIO.POSIX
+    io: DiskIO = DiskIO.AUTO
     probe_bytes: int = 16 << 20
     adopt_orphans: bool = True
 

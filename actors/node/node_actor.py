@@ -38,7 +38,7 @@ from kvfabric.transport.nixl_transport import NixlTransport
 from kvfabric.transport.staging import StagedHit, StagingSpec
 
 from .cache_gate import CacheGate
-from .disk import DiskConfig, open_store, read_bandwidth
+from .disk import DiskConfig, open_store, page_file_io, read_bandwidth
 from .engine_host import EngineHost
 from .engine_process import EngineProcess
 from .fetch_reports import FetchReports
@@ -442,6 +442,8 @@ class NodeCacheActor:
                 # Read back from disk not matching their checksums: never served, dropped.
                 "disk_corrupt_pages": s.disk_corrupt_pages,
                 "disk_read_bytes_per_s": self._disk_read_bytes_per_s,
+                # How its page files are read and written ("": no disk tier).
+                "disk_io": "" if self.disk is None else page_file_io(self.disk).value,
             }
 
     def disk_read_bytes_per_s(self) -> float:

@@ -136,12 +136,14 @@ class FabricSettings:
     # Each node's disk tier (pages per pool; 0: none) in `disk_folder`, an absolute path on
     # every node (each fabric and node actor keeps its own folder below it); `disk_write`:
     # write_through (a restarted node actor finds every page it stored) or write_back;
-    # `disk_sync`: none, pages or all (core/cache/disk_store.py).
+    # `disk_sync`: none, pages or all (core/cache/disk_store.py); `disk_io`: auto (NIXL's
+    # POSIX backend, plain pread/pwrite where NIXL lacks it), nixl or posix.
     disk_pages: int = _at_least(0, 0)
     swa_disk_pages: int = _at_least(0, 0)
     disk_folder: str = ""
     disk_write: str = "write_through"
     disk_sync: str = "none"
+    disk_io: str = "auto"
     shards: int = 2
     node_cpus: float = 0.25
     watch_s: float = 2.0
@@ -173,16 +175,15 @@ class FabricSettings:
         self._check_disk()
 
     def _check_disk(self) -> None:
-        if self.disk_write not in _DISK_WRITES:
-            raise ValueError(
-                f"FabricConnector setting disk_write must be one of {_DISK_WRITES}, "
-                f"got {self.disk_write!r:.80}"
-            )
-        if self.disk_sync not in _DISK_SYNCS:
-            raise ValueError(
-                f"FabricConnector setting disk_sync must be one of {_DISK_SYNCS}, "
-                f"got {self.disk_sync!r:.80}"
-            )
+        for name, value, allowed in (
+            ("disk_write", self.disk_write, _DISK_WRITES),
+            ("disk_sync", self.disk_sync, _DISK_SYNCS),
+            ("disk_io", self.disk_io, _DISK_IOS),
+        ):
+            if value not in allowed:
+                raise ValueError(
+                    f"FabricConnector setting {name} must be one of {allowed}, got {value!r:.80}"
+                )
         if self.swa_disk_pages and not self.disk_pages:
             raise ValueError("FabricConnector setting swa_disk_pages needs disk_pages")
         if self.disk_pages and not os.path.isabs(self.disk_folder):
@@ -212,7 +213,7 @@ class FabricSettings:
     def node_config(self, layout: KVLayout) -> NodeConfig:
         """The node actors' config of the fabric this engine starts for `layout`."""
         from kvfabric.actors.names import layout_namespace
-        from kvfabric.actors.node.disk import DiskConfig
+        from kvfabric.actors.node.disk import DiskConfig, DiskIO
         from kvfabric.actors.node.node_actor import NodeConfig  # Ray's side: not in workers
         from kvfabric.core.cache.disk_store import Sync
         from kvfabric.core.cache.tiers import TierConfig, WritePolicy
@@ -231,13 +232,18 @@ class FabricSettings:
             # One folder per fabric (KV identity): fabrics of two models on one host never
             # open each other's page files (a store drops pages of another identity).
             fabric = layout_namespace(layout.fingerprint, self.ray_namespace)
-            disk = DiskConfig(os.path.join(self.disk_folder, fabric), sync=Sync(self.disk_sync))
+            disk = DiskConfig(
+                os.path.join(self.disk_folder, fabric),
+                sync=Sync(self.disk_sync),
+                io=DiskIO(self.disk_io),
+            )
         tier = TierConfig(disk=WritePolicy(self.disk_write))
         return NodeConfig(layout, caps, tier=tier, device="cpu", hooks=hooks, disk=disk)
 
 
 _DISK_WRITES = ("write_through", "write_back")
 _DISK_SYNCS = ("none", "pages", "all")
+_DISK_IOS = ("auto", "nixl", "posix")
 
 
 def _named(setting: str, spec: str) -> Any:

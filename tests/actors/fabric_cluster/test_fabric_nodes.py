@@ -171,6 +171,7 @@ def test_a_killed_node_actor_adopts_its_disk_pages_and_the_index_finds_them(fabr
     )
     stats = ray.get(actor.stats.remote(), timeout=T)
     assert stats["adopted_pages"] >= 3 * 16
+    assert stats["disk_io"] == "nixl"  # DiskIO.AUTO, where NIXL has its POSIX plugin
     # It measured its disk's read bandwidth again at start (the routers weigh its disk by it).
     assert stats["disk_read_bytes_per_s"] > 0
     assert (

@@ -190,6 +190,7 @@ def test_with_fabric_refuses_what_it_would_replace(over, field):
         ({"disk_pages": 64, "disk_folder": "relative/dir"}, "disk_folder"),
         ({"disk_pages": 64, "disk_folder": "/d", "disk_write": "sometimes"}, "disk_write"),
         ({"disk_sync": "always"}, "disk_sync"),
+        ({"disk_io": "gds"}, "disk_io"),
         ({"swa_disk_pages": 8, "disk_folder": "/d"}, "swa_disk_pages"),
         ({"disk_pages": -1}, "disk_pages"),
     ],

@@ -370,6 +370,7 @@ def test_admission_never_waits_a_load_out_and_an_abort_keeps_its_slots_until_it_
 DISK_CHOICES = {
     "disk_write": ("write_through", "write_back"),
     "disk_sync": ("none", "pages", "all"),
+    "disk_io": ("auto", "nixl", "posix"),
 }
 
 
