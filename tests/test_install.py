@@ -284,7 +284,7 @@ def test_it_resolves_beside_ray_llm_and_beside_vllm_on_python_312(wheel, tmp_pat
     assert beside_serve.returncode == 0, beside_serve.stderr[-3000:]
 
 
-_EXTENSIONS = ("_pagekeys", "_radix", "_alloc", "_copy", "_presence", "_plan")
+_EXTENSIONS = ("_pagekeys", "_radix", "_alloc", "_copy", "_crc32c", "_presence", "_plan")
 
 _LOAD = f"""
 import glob, importlib.machinery, importlib.util, sys
