@@ -97,6 +97,15 @@ class Engine:
     def pages(self, node, ids: list[int]) -> int:
         return ray.get(node.match.remote(ids, TENANT), timeout=CALL_TIMEOUT_S)
 
+    def saved(self, prompt: str) -> int:
+        """Wait until this node holds the prompt's whole pages: its save lands after the
+        request ends (off the engine's step), later on a loaded machine. Returns them."""
+        ids = self.llm.get_tokenizer().encode(prompt)
+        want = (len(ids) - 1) // BLOCK
+        return eventually(
+            lambda: (n := self.pages(self.node, ids)) >= want and n, "the prompt saved here"
+        )
+
     def move_to_peer(self, prompt: str) -> int:
         """Leave the prompt's KV on the other node only: computed by this engine (and
         saved to its node), fetched into the peer, then dropped from this node and from
@@ -104,9 +113,7 @@ class Engine:
         ids = self.llm.get_tokenizer().encode(prompt)
         want = (len(ids) - 1) // BLOCK
         self.generate(prompt)
-        have = eventually(
-            lambda: (n := self.pages(self.node, ids)) >= want and n, "the prompt saved here"
-        )
+        have = self.saved(prompt)
         client = self.client()
         assert (
             client.fetch(

@@ -77,6 +77,7 @@ def test_conversation_longer_than_the_window(engine):
     and SWA KV is loaded for the window before its end only."""
     turn1 = engine.text(700)
     out1, _ = engine.generate(turn1)
+    engine.saved(turn1)
     tok = engine.llm.get_tokenizer()
     turn2 = turn1 + tok.decode(out1) + engine.text(500)
     want = engine.reference(turn2)
@@ -103,6 +104,8 @@ def test_injected_failure_becomes_recomputation(engine, point, exception):
     if point.endswith("save"):
         engine.arm(point, exception)
     assert engine.generate(prompt)[0] == want
+    if point.endswith("load"):
+        engine.saved(prompt)  # there is something to load
     engine.evict()
     if point.endswith("load"):
         engine.arm(point, exception)
