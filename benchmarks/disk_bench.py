@@ -24,7 +24,7 @@ files' first blocks), then `--repeat` passes: all the writes, then all the reads
 sides alternating (the reads change which goes first each pass) so that both see the
 same disk. Bandwidths are medians over passes; a ratio is the median of each pass's
 ratio. Python's collector runs before each pass and is off while timing.
-Run: .venv/bin/kvfabric bench disk [--folder DIR] [--pages N] [--batch N] [--json]
+Run: .venv/bin/kvfabric bench disk [--folder DIR] [--pages N] [--batch N] [--repeat N] [--json]
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def run(folder: Path, pages: int, batch: int, repeat: int, kinds: list[str]) -> 
                 store.close()
             med = {k: statistics.median(v[1:]) for k, v in times.items()}
             # Ratios of the passes run side by side, then their median: the disk's speed
-            # drifts between passes (0.6 to 2.3 GB/s for the same plain read here), and a
+            # drifts between passes (0.6 to 2.7 GB/s for the same plain read here), and a
             # pair shares its moment.
             ratio = {
                 side: statistics.median(p / s for p, s in zip(times[plain][1:], times[ours][1:]))

@@ -66,9 +66,9 @@ class DiskConfig:
     many pages per pool. `sync`: what is flushed before a page's record (disk_store.py).
     `probe_bytes`: the file read back at start to measure the disk (disk_probe.py); 0: not
     measured, routers use the cost model's figure. `io`: how page files are read and
-    written (DiskIO). `adopt_orphans`: a node whose folder
-    does not exist yet claims an orphan beside it (a folder no live node owns, such as
-    the one this host's node left under its earlier Ray node id), adopting its pages."""
+    written (DiskIO). `adopt_orphans`: a node whose folder does not exist yet claims an
+    orphan beside it (a folder no live node owns, such as the one this host's node left
+    under its earlier Ray node id), adopting its pages."""
 
     folder: str
     sync: Sync = Sync.NONE
