@@ -376,8 +376,8 @@ def bench_ray(rows: list[tuple[int, int]], rounds: int) -> dict[tuple[int, int],
         def fetch(self, holder, name: str, sets: list) -> list[float]:
             def one(i: int) -> None:
                 r, l_ = sets[i % len(sets)]
-                [ref] = ray.get(holder.gather.remote(name, r))
-                self.pools[name].index_copy_(0, torch.from_numpy(l_), ray.get(ref))
+                [ref] = ray.get(holder.gather.remote(name, r), timeout=60)
+                self.pools[name].index_copy_(0, torch.from_numpy(l_), ray.get(ref, timeout=60))
 
             return time_reps(one)
 

@@ -196,7 +196,9 @@ class ChaosHarness:
         """Arm the kill at the node's next disk write (requests write their new last
         pages through); True once it died and Ray restarted it (a new epoch)."""
         before = ray.get(actor.stats.remote(), timeout=CALL_TIMEOUT_S)["epoch"]
-        ray.get(actor.inject.remote(ChaosAction(disk=DiskFault.KILL_MID_WRITE)))
+        ray.get(
+            actor.inject.remote(ChaosAction(disk=DiskFault.KILL_MID_WRITE)), timeout=CALL_TIMEOUT_S
+        )
         deadline = time.monotonic() + self.fire_wait_s
         while time.monotonic() < deadline:
             try:
