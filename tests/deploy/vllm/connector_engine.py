@@ -71,9 +71,24 @@ class Engine:
         return self.generate(prompt, salt=f"ref-{uuid.uuid4().hex}")[0]
 
     def evict(self) -> None:
-        """Fill the engine's own cache with other prompts (its LRU drops the older ones)."""
+        """Compute other prompts (their saves crowd the node's device pool, whose LRU
+        pages go to its host tier), then empty the engine's own prefix cache: only the
+        fabric can hit then. The prompts alone did not always evict it: a finished
+        request's blocks stay in use until a later step reports its save done, later on
+        a loaded machine, and so went back to the cache after the others. vLLM resets
+        the cache only once no block is in use: step the engine with a prompt shorter
+        than a page (nothing of it is saved) until the reset takes."""
+        from vllm import SamplingParams
+
         for _ in range(3):
             self.generate(self.text(), salt=f"filler-{uuid.uuid4().hex}")
+
+        def reset() -> bool:
+            item = {"prompt": self.text(BLOCK // 4), "cache_salt": f"step-{uuid.uuid4().hex}"}
+            self.llm.generate([item], SamplingParams(max_tokens=1), use_tqdm=False)
+            return self.llm.reset_prefix_cache()
+
+        eventually(reset, "vLLM's own prefix cache reset")
 
     def external_hits(self) -> int:
         return self.metric("vllm:external_prefix_cache_hits")
