@@ -29,7 +29,7 @@ class ChaosKind(str, Enum):
     NODE_KILL_MID_LOAD = "node_kill_mid_load"
     NODE_STALL = "node_stall"
     SHM_FULL = "shm_full"
-    # Nodes with a disk tier (the harness's have one):
+    # Nodes with a disk tier (those of both harnesses' embedded clusters have one):
     DISK_KILL_MID_WRITE = "disk_kill_mid_write"
     DISK_CORRUPT_PAGE = "disk_corrupt_page"
     DISK_FULL = "disk_full"
@@ -107,6 +107,9 @@ ENGINE_KINDS = {
         ChaosKind.EVENT_DROP,
         ChaosKind.EVENT_DUPLICATE,
         ChaosKind.EVENT_REORDER,
+        ChaosKind.DISK_KILL_MID_WRITE,
+        ChaosKind.DISK_CORRUPT_PAGE,
+        ChaosKind.DISK_FULL,
     ),
 }
 _RARE = {

@@ -178,12 +178,17 @@ def vllm_session(
 
     if address:
         raise ValueError("--engine vllm runs on an embedded cluster")
+    # Each node has a disk tier, written through (the disk faults act on its writes: an
+    # engine's every save), in a folder of the run's own, as the reference run's nodes do.
     with tempfile.TemporaryDirectory(prefix="kvf-chaos-") as tmp:
         chaos_file = os.path.join(tmp, "steps.json")
         app = LLMAppArgs(
             replicas=nodes,
             device_pages=64,
             host_pages=2048,
+            disk_pages=4096,
+            disk_folder=os.path.join(tmp, "disk"),
+            disk_write="write_through",
             cpus_per_replica=2.0,
             chaos_file=chaos_file,
         )

@@ -7,8 +7,9 @@ Outputs through the fabric equal outputs with no cache at all (a fresh cache_sal
 reference run: nothing can match it).
 
 The same app, with the chaos harness's settings added to the user's config (unarmed,
-they change nothing), also takes the faults of the vLLM path that need no engine restart,
-in the module's last test: one app start for both (each costs CI minutes)."""
+they change nothing) and a disk tier written through on each node, also takes the faults
+of the vLLM path that need no engine restart and those of the disk, in the module's last
+test: one app start for both (each costs CI minutes)."""
 
 from __future__ import annotations
 
@@ -168,6 +169,8 @@ def app(tmp_path_factory):
                     users_llm_config(),
                     device_pages=64,
                     host_pages=2048,
+                    disk_pages=4096,
+                    disk_folder=str(tmp_path_factory.mktemp("disk")),
                     **chaos_settings(chaos_file),
                 )
                 built = build_openai_app(
@@ -323,8 +326,10 @@ def test_the_index_names_the_engine_that_holds_a_prompt(app):
 def test_each_fault_of_the_vllm_path_leaves_the_app_whole(app):
     """`kvfabric chaos --engine vllm`'s harness over this app, the faults of the vLLM path
     that need no engine restart once each: a node actor killed (-9) with a load staged,
-    and one stopped past the engines' call deadline. Afterwards every answer equalled the
-    uncached one, no client retried, and no page, lease or staging file was left behind.
+    one stopped past the engines' call deadline; and the disk's: a node actor killed as
+    it writes an engine's save to disk, a page flipped on disk under a load, a full disk.
+    Afterwards every answer equalled the uncached one, no client retried, and no page,
+    lease or staging file was left behind.
 
     The faults that end an engine are run by `kvfabric chaos --engine vllm` (every kind:
     a worker killed -9 mid-load or mid-save, /dev/shm full as its replacement starts), not
@@ -343,7 +348,13 @@ def test_each_fault_of_the_vllm_path_leaves_the_app_whole(app):
         engine_cache_bytes=ENGINE_CACHE_BYTES,
         log=print,
     )
-    kinds = [ChaosKind.NODE_KILL_MID_LOAD, ChaosKind.NODE_STALL]
+    kinds = [
+        ChaosKind.NODE_KILL_MID_LOAD,
+        ChaosKind.NODE_STALL,
+        ChaosKind.DISK_KILL_MID_WRITE,
+        ChaosKind.DISK_CORRUPT_PAGE,
+        ChaosKind.DISK_FULL,
+    ]
     reports = [
         harness.run(seed=i, faults=1, kinds=[kind], interval_s=0.5, quiet_s=2.0)
         for i, kind in enumerate(kinds)
