@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test side-checks bench sanitize
+.PHONY: demo test side-checks pure-core bench sanitize
 
 REQ := requirements
 
@@ -29,14 +29,16 @@ demo: $(STAMP)
 # run the checks that start no Ray cluster of the suite's kind and read the tree only
 # through copies: types, packaging, C style, layers, the benches (each its own throwaway
 # Ray or none), the oldest NIXL, the deploy tests that start no Ray, SGLang's radix, the
-# core's tests (native, then again on the pure-Python reference), and the sanitizers. Not
-# the transport's: their staging files in /dev/shm sit where the suite's node actors scan
-# for engine records (an engine-watch test failed once beside them; not reproduced since).
-# The actors' tests and the reference chaos run there too (their own Ray clusters; named
-# actors are per cluster, Serve apps on free ports), all but the engine watch, which scans
-# /dev/shm. A clean-clone CI of e3bb7c5 took 39.3 min: the suite's lane 33.1, the side's
-# 34.8. Their output follows the suite's; either failing fails the target. Both lanes print
-# their slowest tests, to see where time goes.
+# core's tests, and the sanitizers. Not the transport's: their staging files in /dev/shm
+# sit where the suite's node actors scan for engine records (an engine-watch test failed
+# once beside them; not reproduced since). The actors' tests and the reference chaos run
+# there too (their own Ray clusters; named actors are per cluster, Serve apps on free
+# ports), all but the engine watch, which scans /dev/shm. After the suite, on its core,
+# the core's tests run again on the pure-Python reference (pure-core). A clean-clone CI of
+# a0ab5bc on this 2-core machine took 45.2 min: the suite's lane 37.6 min then the
+# pure-Python core 1.8, the side's 36.1 then the pure-Python core and the sanitizers;
+# the pure-Python core moved lanes to even them. Their output follows the suite's; either
+# failing fails the target. Both lanes print their slowest tests, to see where time goes.
 SIDE := tests/test_types.py tests/test_install.py tests/test_c_style.py tests/test_layers.py \
 	tests/test_benches.py tests/transport/test_nixl_versions.py tests/deploy/test_peer_radix.py \
 	tests/actors/fabric_cluster $(filter-out tests/actors/test_engine_watch.py,$(wildcard tests/actors/test_*.py)) \
@@ -50,13 +52,17 @@ test: $(STAMP)
 	@mkdir -p .cache
 	@$(MAKE) --no-print-directory side-checks > .cache/side-checks.log 2>&1 & side=$$!; \
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25 tests $(SIDE:%=--ignore=%); main=$$?; \
+	$(MAKE) --no-print-directory pure-core; pure=$$?; \
 	wait $$side; rc=$$?; echo "--- the side checks (exit $$rc):"; cat .cache/side-checks.log; \
-	test $$main -eq 0 -a $$rc -eq 0
+	test $$main -eq 0 -a $$pure -eq 0 -a $$rc -eq 0
 
 side-checks: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25 $(SIDE)
-	KVF_NATIVE=0 $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/core
 	$(MAKE) sanitize
+
+# The core's tests on the pure-Python reference (no C extension loaded).
+pure-core: $(STAMP)
+	KVF_NATIVE=0 $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/core
 
 # The C extensions built again with AddressSanitizer and UBSan, in a copy of the tree (the
 # installed ones stay optimised), and the native differential tests run on them: a
