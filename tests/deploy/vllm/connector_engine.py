@@ -72,23 +72,28 @@ class Engine:
 
     def evict(self) -> None:
         """Compute other prompts (their saves crowd the node's device pool, whose LRU
-        pages go to its host tier), then empty the engine's own prefix cache: only the
-        fabric can hit then. The prompts alone did not always evict it: a finished
-        request's blocks stay in use until a later step reports its save done, later on
-        a loaded machine, and so went back to the cache after the others. vLLM resets
-        the cache only once no block is in use: step the engine with a prompt shorter
-        than a page (nothing of it is saved) until the reset takes."""
-        from vllm import SamplingParams
-
+        pages go to its host tier), then empty the engine's own prefix cache. The prompts
+        alone did not always evict it: a finished request's blocks stay in use until a
+        later step reports its save done, later on a loaded machine, and so went back to
+        the cache after the others."""
         for _ in range(3):
             self.generate(self.text(), salt=f"filler-{uuid.uuid4().hex}")
+        self.clear_own_cache()
+
+    def clear_own_cache(self) -> None:
+        """Empty the engine's own prefix cache: only the fabric can hit then. vLLM resets
+        it only once no block is in use: step the engine with a prompt shorter than a
+        page (nothing of it is saved) until the reset takes."""
+        from vllm import SamplingParams
 
         def reset() -> bool:
-            item = {"prompt": self.text(BLOCK // 4), "cache_salt": f"step-{uuid.uuid4().hex}"}
+            if self.llm.reset_prefix_cache():
+                return True
+            item = {"prompt": "step " * (BLOCK // 8), "cache_salt": f"step-{uuid.uuid4().hex}"}
             self.llm.generate([item], SamplingParams(max_tokens=1), use_tqdm=False)
-            return self.llm.reset_prefix_cache()
+            return False
 
-        eventually(reset, "vLLM's own prefix cache reset")
+        eventually(reset, "vLLM's own prefix cache cleared", every_s=0.1)
 
     def external_hits(self) -> int:
         return self.metric("vllm:external_prefix_cache_hits")

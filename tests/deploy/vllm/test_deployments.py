@@ -53,7 +53,6 @@ from tests.deploy.vllm.connector_engine import (  # noqa: E402
     engine_args,
 )
 from tests.deploy.vllm.lora import write_adapter  # noqa: E402
-from tests.waiting import eventually  # noqa: E402
 
 SPEC = TinyModelSpec()
 FLOOR = (PROMPT_CHARS - 1) // BLOCK * BLOCK - BLOCK  # tokens a whole-prompt hit loads at least
@@ -126,25 +125,11 @@ def shared(namespace: str) -> bool:
     return namespace in SHARED
 
 
-def fresh(engine: Engine) -> None:
-    """Clear the engine's own prefix cache, so only the fabric can hit. A reset refused
-    while a finished request's blocks wait for the connector's save is tried again after
-    a step."""
-
-    def reset() -> bool:
-        if engine.llm.reset_prefix_cache():
-            return True
-        engine.generate("x", salt=f"step-{uuid.uuid4().hex}")
-        return False
-
-    eventually(reset, "the engine's own cache cleared", deadline_s=CALL_TIMEOUT_S, every_s=0.1)
-
-
 def hit(engine: Engine, prompt: str, **kw) -> tuple[list[int], int]:
     """The output of `prompt` with the engine's own cache cleared, and the tokens the
     fabric loaded for it (the request's cached tokens: vLLM's own cache holds none).
     Not vLLM's metrics: engines in one process share one registry."""
-    fresh(engine)
+    engine.clear_own_cache()
     return run(engine, prompt, **kw)
 
 
