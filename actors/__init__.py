@@ -1,10 +1,28 @@
 """actors: the fabric on Ray (node cache actors, index shards, the directory). These
-names are its public API (kvfabric re-exports them); everything else is imported from
-the module that defines it."""
+names are its public API (kvfabric re-exports them), each imported on first use;
+everything else is imported from the module that defines it."""
 
-from .client import FabricClient
-from .directory import join
-from .launch import Fabric, start, stop
-from .node.node_actor import NodeCacheActor, NodeConfig
+from __future__ import annotations
 
-__all__ = ["Fabric", "FabricClient", "NodeCacheActor", "NodeConfig", "join", "start", "stop"]
+from typing import Any
+
+import kvfabric._lazy as _lazy
+
+_WHERE = {
+    "Fabric": ".launch",
+    "FabricClient": ".client",
+    "NodeCacheActor": ".node.node_actor",
+    "NodeConfig": ".node.node_actor",
+    "join": ".directory",
+    "start": ".launch",
+    "stop": ".launch",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    return _lazy.load(globals(), _WHERE, name)
+
+
+def __dir__() -> list[str]:
+    return _lazy.names(globals(), _WHERE)

@@ -1,43 +1,42 @@
-"""fabric: the single-node core, no Ray. These names are its public API (kvfabric
-re-exports them); everything else is imported from the module that defines it."""
+"""core: the single-node cache, the prefix index and the prefix exchange, no Ray. These
+names are its public API (kvfabric re-exports them), each imported on first use;
+everything else is imported from the module that defines it."""
 
-from .cache.cached_kv import CachedKV
-from .cache.check import InvariantError
-from .cache.layout import KVLayout, LayerKind, PoolName, Tier
-from .cache.match import Match
-from .cache.node_cache import NodeCache
-from .cache.pools import PoolCapacity
-from .cache.tiers import TierConfig, WritePolicy
-from .exchange.destination import FetchOutcome, import_prefix
-from .exchange.grant import ExportGrant
-from .exchange.source import export_prefix
-from .index.events import EventBatch
-from .index.match_rule import MatchRule
-from .index.prefix_index import PrefixIndex
-from .index.publisher import EventPublisher
-from .index.routes import RouteTable
-from .index.sharded_index import ShardedIndex
+from __future__ import annotations
 
-__all__ = [
-    "NodeCache",
-    "KVLayout",
-    "LayerKind",
-    "PoolName",
-    "Tier",
-    "PoolCapacity",
-    "TierConfig",
-    "WritePolicy",
-    "CachedKV",
-    "Match",
-    "PrefixIndex",
-    "MatchRule",
-    "ShardedIndex",
-    "RouteTable",
-    "EventPublisher",
-    "EventBatch",
-    "FetchOutcome",
-    "ExportGrant",
-    "export_prefix",
-    "import_prefix",
-    "InvariantError",
-]
+from typing import Any
+
+import kvfabric._lazy as _lazy
+
+_WHERE = {
+    "NodeCache": ".cache.node_cache",
+    "KVLayout": ".cache.layout",
+    "LayerKind": ".cache.layout",
+    "PoolName": ".cache.layout",
+    "Tier": ".cache.layout",
+    "PoolCapacity": ".cache.pools",
+    "TierConfig": ".cache.tiers",
+    "WritePolicy": ".cache.tiers",
+    "CachedKV": ".cache.cached_kv",
+    "Match": ".cache.match",
+    "InvariantError": ".cache.check",
+    "PrefixIndex": ".index.prefix_index",
+    "MatchRule": ".index.match_rule",
+    "ShardedIndex": ".index.sharded_index",
+    "RouteTable": ".index.routes",
+    "EventPublisher": ".index.publisher",
+    "EventBatch": ".index.events",
+    "FetchOutcome": ".exchange.destination",
+    "import_prefix": ".exchange.destination",
+    "ExportGrant": ".exchange.grant",
+    "export_prefix": ".exchange.source",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    return _lazy.load(globals(), _WHERE, name)
+
+
+def __dir__() -> list[str]:
+    return _lazy.names(globals(), _WHERE)

@@ -9,9 +9,10 @@ and importing the core never imports Ray.
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
+
+import kvfabric._lazy as _lazy
 
 from ._version import __version__
 
@@ -64,13 +65,8 @@ __all__ = ["__version__", *sorted(_WHERE)]
 
 
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvfabric' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    return _lazy.load(globals(), _WHERE, name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return _lazy.names(globals(), _WHERE)

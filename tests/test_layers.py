@@ -17,7 +17,7 @@ FOLDERS |= {"actors": "kvfabric.actors", "deploy": "kvfabric.deploy", "kvfabric"
 # Bottom first. A module belongs to the longest name here that it is or lies under; it
 # may import its own layer's modules and any layer below.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kvfabric._version", "kvfabric.core.wire", "kvfabric.core.cache"),
+    ("kvfabric._version", "kvfabric._lazy", "kvfabric.core.wire", "kvfabric.core.cache"),
     ("kvfabric.core.exchange", "kvfabric.core.index"),
     ("kvfabric.core",),
     ("kvfabric.transport",),

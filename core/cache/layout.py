@@ -6,8 +6,10 @@ import hashlib
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # a layout names its dtype; only pools and copies need torch's
+    import torch
 
 
 class LayerKind(str, Enum):
@@ -35,13 +37,15 @@ _POOL_OF_KIND = {LayerKind.FULL: PoolName.FULL, LayerKind.SWA: PoolName.SWA}
 _KINDS = frozenset(k.value for k in LayerKind)
 # Element types of a page. uint8 holds fp8 KV as engines store it (vLLM's fp8 caches are
 # byte tensors; which fp8 format and its scales belong in the layout's tag).
+# Bytes per element, by torch's dtype name: the index and the directory use layouts but
+# never import torch (it costs their processes seconds at start and ~300 MB).
 _DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "uint8": torch.uint8,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 # A tag made of `name=value` parts joined by TAG_SEP names each part in `differences`.
 TAG_SEP = ";"
@@ -96,7 +100,9 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @cached_property  # read on every put: computed once (fields are frozen)
     def pools(self) -> tuple[PoolName, ...]:
@@ -115,7 +121,7 @@ class KVLayout:
         n = 1
         for d in self.page_shape(pool):
             n *= d
-        return n * self.torch_dtype.itemsize
+        return n * _DTYPES[self.dtype]
 
     @property
     def window_pages(self) -> int:

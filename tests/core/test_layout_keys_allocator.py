@@ -21,6 +21,23 @@ def test_layout_geometry():
 
 
 @pytest.mark.parametrize(
+    "dtype", ["float32", "float16", "bfloat16", "uint8", "float8_e4m3fn", "float8_e5m2"]
+)
+def test_a_page_is_as_many_bytes_as_its_tensor(dtype):
+    """The layout sizes pages without torch (the index's processes never import it): its
+    size per element must be torch's for the dtype it names."""
+    import torch
+
+    layout = KVLayout(
+        layers=("full", "swa"), kv_heads=2, head_dim=8, page_size=4, window=4, dtype=dtype
+    )
+    for pool in layout.pools:
+        page = torch.empty(layout.page_shape(pool), dtype=layout.torch_dtype)
+        assert layout.torch_dtype == getattr(torch, dtype)
+        assert layout.page_bytes(pool) == page.nbytes
+
+
+@pytest.mark.parametrize(
     "bad",
     [
         dict(layers=()),
