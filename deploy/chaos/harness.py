@@ -187,10 +187,15 @@ class ChaosHarness:
                 self.client.fetch(tokens, self.tenant, into=name)
                 if self._fired_since(actor, before, 0.0):
                     return True
-        if self._fired_since(actor, before, self.fire_wait_s):
+        if self._await_fired(kind, actor, before):
             return True
         ray.get(actor.calm.remote(), timeout=CALL_TIMEOUT_S)
         return False
+
+    def _await_fired(self, kind: ChaosKind, actor, before: int) -> bool:
+        """Whether the fault of `kind` armed on `actor` acted within `fire_wait_s` (the
+        workload's requests reach every step a fault is armed at)."""
+        return self._fired_since(actor, before, self.fire_wait_s)
 
     def _kill_mid_disk_write(self, actor) -> bool:
         """Arm the kill at the node's next disk write (requests write their new last

@@ -46,6 +46,8 @@ _WORKER_STEP = {
     ChaosKind.SHM_FULL: "worker_save",  # then the replacement's start finds /dev/shm full
 }
 FLUSH_THREADS = 8  # requests at once that evict the engines' own caches (one batch)
+# Faults a node suffers as it stages a load (NodeChaos.after_get).
+_AT_LOAD = {ChaosKind.EVICT_MID_REQUEST, ChaosKind.DISK_CORRUPT_PAGE}
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,19 @@ class VllmChaosHarness(ChaosHarness):
                 return True
             time.sleep(1.0)
         self.log(f"  no engine replaced the one killed at {step} in {self.restart_wait_s} s")
+        return True
+
+    def _await_fired(self, kind: ChaosKind, actor, before: int) -> bool:
+        """A fault armed at a node's load waits for loads brought on (`_provoke_loads`):
+        the engines' own caches answer the workload's prompts without the fabric, so the
+        workload alone may stage none on that node in `fire_wait_s`."""
+        if kind not in _AT_LOAD:
+            return super()._await_fired(kind, actor, before)
+        deadline = time.monotonic() + self.fire_wait_s
+        while not self._fired_since(actor, before, 0.0):
+            if time.monotonic() >= deadline:
+                return False
+            self._provoke_loads()
         return True
 
     def _fired(self, step: str, wait_s: float | None = None, provoke: bool = False) -> bool:
