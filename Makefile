@@ -37,8 +37,10 @@ demo: $(STAMP)
 # the core's tests run again on the pure-Python reference (pure-core). A clean-clone CI of
 # a0ab5bc on this 2-core machine took 45.2 min: the suite's lane 37.6 min then the
 # pure-Python core 1.8, the side's 36.1 then the pure-Python core and the sanitizers;
-# the pure-Python core moved lanes to even them. Their output follows the suite's; either
-# failing fails the target. Both lanes print their slowest tests, to see where time goes.
+# the pure-Python core moved lanes to even them. One of c7e3aec took 28.8 min (install
+# 3.5, the suite 24.9 then the pure-Python core 0.9; the side 22.0 then the sanitizers),
+# on a quieter machine. Their output follows the suite's; either failing fails the
+# target. Both lanes print their slowest tests, to see where time goes.
 SIDE := tests/test_types.py tests/test_install.py tests/test_c_style.py tests/test_layers.py \
 	tests/test_benches.py tests/transport/test_nixl_versions.py tests/deploy/test_peer_radix.py \
 	tests/actors/fabric_cluster $(filter-out tests/actors/test_engine_watch.py,$(wildcard tests/actors/test_*.py)) \
