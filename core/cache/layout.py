@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from enum import Enum, IntEnum
-from functools import cached_property
+from functools import cache, cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # a layout names its dtype; only pools and copies need torch's
@@ -35,10 +35,10 @@ class Tier(IntEnum):
 
 _POOL_OF_KIND = {LayerKind.FULL: PoolName.FULL, LayerKind.SWA: PoolName.SWA}
 _KINDS = frozenset(k.value for k in LayerKind)
-# Element types of a page. uint8 holds fp8 KV as engines store it (vLLM's fp8 caches are
-# byte tensors; which fp8 format and its scales belong in the layout's tag).
-# Bytes per element, by torch's dtype name: the index and the directory use layouts but
-# never import torch (it costs their processes seconds at start and ~300 MB).
+# Element types of a page, by torch's name, and their bytes: index processes use layouts
+# but never import torch (seconds of CPU at start and ~300 MB). uint8 holds fp8 KV as
+# engines store it (vLLM's fp8 caches are byte tensors; which fp8 format and its scales
+# belong in the layout's tag).
 _DTYPES = {
     "float32": 4,
     "float16": 2,
@@ -49,6 +49,13 @@ _DTYPES = {
 }
 # A tag made of `name=value` parts joined by TAG_SEP names each part in `differences`.
 TAG_SEP = ";"
+
+
+@cache  # read on every put's check: torch imported, and the name looked up, once
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
 
 
 class LayoutError(ValueError):
@@ -100,9 +107,7 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        import torch
-
-        return getattr(torch, self.dtype)
+        return _torch_dtype(self.dtype)
 
     @cached_property  # read on every put: computed once (fields are frozen)
     def pools(self) -> tuple[PoolName, ...]:

@@ -22,6 +22,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import ray
 from kvfabric.actors.directory import CALL_TIMEOUT_S
@@ -185,18 +186,20 @@ class VllmChaosHarness(ChaosHarness):
         workload alone may stage none on that node in `fire_wait_s`."""
         if kind not in _AT_LOAD:
             return super()._await_fired(kind, actor, before)
-        deadline = time.monotonic() + self.fire_wait_s
-        while not self._fired_since(actor, before, 0.0):
-            if time.monotonic() >= deadline:
-                return False
-            self._provoke_loads()
-        return True
+        return self._until(
+            lambda: self._fired_since(actor, before, 0.0), self.fire_wait_s, provoke=True
+        )
 
     def _fired(self, step: str, wait_s: float | None = None, provoke: bool = False) -> bool:
         """Whether the fault armed at `step` fired within `wait_s` (fire_wait_s); with
         `provoke`, loads are brought on meanwhile (`_provoke_loads`)."""
-        deadline = time.monotonic() + (self.fire_wait_s if wait_s is None else wait_s)
-        while step in self.faults.armed():
+        wait_s = self.fire_wait_s if wait_s is None else wait_s
+        return self._until(lambda: step not in self.faults.armed(), wait_s, provoke)
+
+    def _until(self, done: Callable[[], bool], wait_s: float, provoke: bool) -> bool:
+        """Whether `done()` within `wait_s`; with `provoke`, loads are brought on meanwhile."""
+        deadline = time.monotonic() + wait_s
+        while not done():
             if time.monotonic() >= deadline:
                 return False
             if provoke:

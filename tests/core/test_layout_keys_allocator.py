@@ -31,9 +31,9 @@ def test_a_page_is_as_many_bytes_as_its_tensor(dtype):
     layout = KVLayout(
         layers=("full", "swa"), kv_heads=2, head_dim=8, page_size=4, window=4, dtype=dtype
     )
+    assert layout.torch_dtype == getattr(torch, dtype)
     for pool in layout.pools:
         page = torch.empty(layout.page_shape(pool), dtype=layout.torch_dtype)
-        assert layout.torch_dtype == getattr(torch, dtype)
         assert layout.page_bytes(pool) == page.nbytes
 
 
