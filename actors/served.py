@@ -12,11 +12,11 @@ _PREFIX = "served/"
 MAX_NAME = 512
 
 
-def announce(model: str, fabric_namespace: str) -> None:
-    """Say that engines serving `model` cache in the fabric of `fabric_namespace`."""
+def announce(model: str, ray_namespace: str) -> None:
+    """Say that engines serving `model` cache in the fabric of `ray_namespace`."""
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_put(_key(model, fabric_namespace), b"", True, namespace=NAMESPACE)
+    internal_kv._internal_kv_put(_key(model, ray_namespace), b"", True, namespace=NAMESPACE)
 
 
 def fabrics_of(model: str) -> list[str]:
@@ -50,9 +50,9 @@ def forget_all() -> int:
     return len(keys)
 
 
-def _key(model: str, fabric_namespace: str) -> bytes:
+def _key(model: str, ray_namespace: str) -> bytes:
     if not isinstance(model, str) or not 0 < len(model) <= MAX_NAME or "\n" in model:
         raise ValueError(
             f"a served model's name must be 1..{MAX_NAME} characters, got {model!r:.80}"
         )
-    return f"{_PREFIX}{len(model)}:{model}\n{fabric_namespace}".encode()
+    return f"{_PREFIX}{len(model)}:{model}\n{ray_namespace}".encode()

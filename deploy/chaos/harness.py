@@ -29,12 +29,14 @@ from kvfabric.actors.directory import (
 )
 from kvfabric.core.index.routes import RouteTable
 from kvfabric.deploy.harness.cluster import Endpoint
+from kvfabric.deploy.serving.cache_namespace import cache_namespace
 from kvfabric.deploy.serving.engine_identity import is_engine
 from ray.exceptions import GetTimeoutError, RayError
 
 from .faults import ChaosAction, DiskFault, EventFault, Fault, FaultKind
 from .plan import ENGINE_KINDS, ChaosKind, schedule
 from .report import ChaosReport
+from .workload import NAMESPACE as WORKLOAD_NAMESPACE
 from .workload import Workload
 
 T = TypeVar("T")
@@ -58,16 +60,16 @@ class ChaosHarness:
         cluster=None,
         node_args: dict | None = None,
         log: Callable[[str], None] = lambda _: None,
-        namespace: str = NAMESPACE,
-        tenant: str = "chaos",
+        ray_namespace: str = NAMESPACE,
     ) -> None:
-        """`namespace`: the fabric's Ray namespace; `tenant`: the fabric namespace the
-        workload's cached requests run in."""
+        """`ray_namespace`: the fabric's Ray namespace."""
         self.endpoint, self.model, self.prompts = endpoint, model, prompts
         self.cluster, self.node_args, self.log = cluster, node_args or {}, log
-        self.namespace, self.tenant = namespace, tenant
-        self.client = FabricClient.connect(timeout_s=5.0, namespace=namespace)
-        self.directory = ray.get_actor(DIRECTORY, namespace=namespace)
+        self.ray_namespace = ray_namespace
+        # where the fabric files the workload's cached requests' pages
+        self.cache_namespace = cache_namespace(WORKLOAD_NAMESPACE)
+        self.client = FabricClient.connect(timeout_s=5.0, namespace=ray_namespace)
+        self.directory = ray.get_actor(DIRECTORY, namespace=ray_namespace)
         self.injected: dict[str, int] = {}
         self.fire_wait_s = 5.0  # how long an armed fault may wait for the step it hits
 
@@ -156,7 +158,7 @@ class ChaosHarness:
                 ray.kill(actor, no_restart=False)
             elif kind is ChaosKind.KILL_SHARD:
                 shard = shard_name(rng.randrange(_shard_count(self.directory)))
-                ray.kill(ray.get_actor(shard, namespace=self.namespace), no_restart=False)
+                ray.kill(ray.get_actor(shard, namespace=self.ray_namespace), no_restart=False)
             elif kind is ChaosKind.REMOVE_READD_NODE:
                 return self._remove_readd(rng)
             elif kind is ChaosKind.KILL_DIRECTORY_MID_REBALANCE:
@@ -184,7 +186,7 @@ class ChaosHarness:
         if kind in _TRANSFER:
             # A prompt the node already holds reads nothing: try others until one does.
             for tokens in rng.sample(held, min(len(held), 4)):
-                self.client.fetch(tokens, self.tenant, into=name)
+                self.client.fetch(tokens, self.cache_namespace, into=name)
                 if self._fired_since(actor, before, 0.0):
                     return True
         if self._await_fired(kind, actor, before):
@@ -239,7 +241,7 @@ class ChaosHarness:
                     threading.Thread(
                         target=self.client.fetch,
                         daemon=True,
-                        args=(rng.choice(ks), self.tenant),
+                        args=(rng.choice(ks), self.cache_namespace),
                         kwargs={"into": into},
                     )
                     for into, ks in ((a, into_a), (b, into_b))
@@ -292,7 +294,7 @@ class ChaosHarness:
         out = {}
         for name in names:
             try:
-                out[name] = ray.get_actor(name, namespace=self.namespace)
+                out[name] = ray.get_actor(name, namespace=self.ray_namespace)
             except ValueError:
                 pass  # died since the directory listed it: nothing to inject into
         return out
@@ -320,7 +322,7 @@ class ChaosHarness:
                     for n, p in zip(
                         nodes,
                         ray.get(
-                            [a.match.remote(tokens, self.tenant) for a in nodes.values()],
+                            [a.match.remote(tokens, self.cache_namespace) for a in nodes.values()],
                             timeout=CALL_TIMEOUT_S,
                         ),
                     )
@@ -328,7 +330,7 @@ class ChaosHarness:
                 }
                 index = {
                     m.node: m.pages
-                    for m in self.client.lookup(tokens, self.tenant)
+                    for m in self.client.lookup(tokens, self.cache_namespace)
                     if not is_engine(m.node)  # engines' own caches: not the nodes'
                 }
                 if index != truth:

@@ -233,10 +233,9 @@ def vllm_harness(
     from kvfabric.actors.served import fabrics_of
     from kvfabric.deploy.harness.http_replay import multi_turn_slice
     from kvfabric.deploy.sim.trace import load_trace, request_tokens
-    from kvfabric.deploy.vllm.events.namespaces import fabric_namespace
     from kvfabric.deploy.vllm.serve.llm_router import OpenAIPrompts
 
-    from .vllm_harness import SALT, VllmChaosHarness
+    from .vllm_harness import VllmChaosHarness
 
     vocab = OpenAIPrompts()
     vocab.load_tokenizer(model_dir)
@@ -248,15 +247,14 @@ def vllm_harness(
     deadline = time.monotonic() + 120
     while not fabrics_of(model_id) and time.monotonic() < deadline:
         time.sleep(0.5)  # the engines announce the fabric they started
-    (namespace,) = fabrics_of(model_id)
+    (ray_namespace,) = fabrics_of(model_id)
     return VllmChaosHarness(
         endpoint,
         model_id,
         tokens,
         cluster=None,  # removing a Ray node would take an engine's bundle
         log=log,
-        namespace=namespace,
-        tenant=fabric_namespace(SALT),
+        ray_namespace=ray_namespace,
         chaos_file=chaos_file,
         engine_cache_bytes=engine_cache_bytes,
     )

@@ -37,9 +37,8 @@ from .faults import ChaosAction, StepFaultFile
 from .faults.step_file import FULL, KILL
 from .harness import ChaosHarness
 from .plan import ChaosKind
-from .workload import Workload
+from .workload import NAMESPACE, Workload
 
-SALT = "chaos"  # the workload's cached requests' cache_salt; uncached ones get a fresh one
 STALL_MARGIN_S = 1.0  # a stall lasts the engines' call deadline and this much more
 _WORKER_STEP = {
     ChaosKind.WORKER_KILL_MID_LOAD: "worker_load",
@@ -238,7 +237,7 @@ class VllmChaosHarness(ChaosHarness):
     def _send(self, tokens: list[int], cache: bool) -> None:
         client = LLMClient(self.endpoint, timeout_s=120.0)
         try:
-            client.complete(self.model, tokens, 1, cache=cache, namespace=SALT)
+            client.complete(self.model, tokens, 1, cache=cache, namespace=NAMESPACE)
         except (OSError, RuntimeError, ValueError) as e:
             self.log(f"  a request bringing on loads failed: {e}")
         finally:

@@ -13,6 +13,9 @@ from typing import Any, Callable
 from kvfabric.deploy.harness.cluster import Endpoint
 from kvfabric.deploy.harness.http_replay import Client, Served
 
+# The namespace (cache_salt) of the workload's cached requests; uncached ones use none.
+NAMESPACE = "chaos"
+
 
 class Workload:
     """Threads sending each prompt with caching off and through the fabric, over and
@@ -99,7 +102,7 @@ class Workload:
     def _call(self, client: Any, tokens: list[int], cache: bool) -> Served | None:
         for attempt in range(self.retries + 1):
             try:
-                return client.complete(self.model, tokens, 2, cache, "chaos")
+                return client.complete(self.model, tokens, 2, cache, NAMESPACE)
             except (OSError, RuntimeError, KeyError, ValueError):
                 client.reconnect()
                 with self._lock:

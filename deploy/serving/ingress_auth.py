@@ -49,9 +49,11 @@ class Authorizer:
         return found
 
     @staticmethod
-    def namespace(tenant: Tenant, requested: str | None, field: str = "kvfabric.namespace") -> str:
-        """The namespace a request of `tenant` uses; a 403 for one its key does not grant,
-        naming the request's `field` that asked for it."""
+    def namespace(
+        tenant: Tenant, requested: str | None, field: str = "kvfabric.namespace"
+    ) -> str | None:
+        """The namespace a request of `tenant` uses (None: none, `OPEN`'s default); a 403
+        for one its key does not grant, naming the request's `field` that asked for it."""
         if requested is None:
             return tenant.default
         if not tenant.grants(requested):

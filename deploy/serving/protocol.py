@@ -15,7 +15,7 @@ from enum import Enum
 class GenerateRequest:
     tokens: tuple[int, ...]  # prompt token ids, validated against the model's vocab
     max_tokens: int
-    namespace: str  # tenant: caches never match across namespaces
+    namespace: str  # its cache namespace (cache_namespace.py): pages never match across them
     use_cache: bool = True  # False: neither read nor fill any cache (the baseline)
     arrival_s: float = 0.0  # time.time() when the ingress received it (for TTFT)
     logits_digest: bool = False  # answer GenerateResult.logits_digest (costs every step's logits)

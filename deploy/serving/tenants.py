@@ -55,10 +55,12 @@ class TenantsError(ValueError):
 @dataclass(frozen=True)
 class Tenant:
     """What one API key may use: its namespaces and the one a request gets by default.
-    `any_namespace` is only for the single tenant of an app without keys (`OPEN`)."""
+    `any_namespace` is only for the single tenant of an app without keys (`OPEN`), whose
+    requests that name none run in none, as a vLLM request without a `cache_salt` does
+    (cache_namespace.py)."""
 
     namespaces: tuple[str, ...]
-    default: str
+    default: str | None
     any_namespace: bool = False
 
     def grants(self, namespace: str) -> bool:
@@ -66,7 +68,7 @@ class Tenant:
 
 
 # With no table every caller is this one tenant: anyone may use any namespace.
-OPEN = Tenant(namespaces=(), default="default", any_namespace=True)
+OPEN = Tenant(namespaces=(), default=None, any_namespace=True)
 
 
 @dataclass(frozen=True)

@@ -199,10 +199,10 @@ def publish_engine(fabric, name: str, tokens: list[int]):
 
 def holders(tokens: list[int]) -> set[str]:
     from kvfabric.actors.client import FabricClient
-    from kvfabric.deploy.vllm.events.namespaces import fabric_namespace
+    from kvfabric.deploy.serving.cache_namespace import cache_namespace
 
     return {
-        m.node for m in FabricClient.connect(timeout_s=10.0).lookup(tokens, fabric_namespace(None))
+        m.node for m in FabricClient.connect(timeout_s=10.0).lookup(tokens, cache_namespace(None))
     }
 
 

@@ -7,13 +7,17 @@ tests/deploy/test_serve_tenants.py."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvfabric.deploy.serving.cache_namespace import cache_namespace
 from kvfabric.deploy.serving.tenants import parse_tenants
+from kvfabric.deploy.vllm.events.namespaces import RequestNamespaces
 
 from tests.deploy.ingress_backends import KEY, FakeBackend, assert_error, client_for, ok, post
+from tests.examples import examples
 
 KEY_A, KEY_B, KEY_AB = "sk-tenant-a-0123456789", "sk-tenant-b-0123456789", "sk-tenant-ab-012345678"
 TABLE = parse_tenants(
@@ -48,10 +52,10 @@ def test_a_request_gets_the_namespace_its_key_grants():
     for key, asked, got in cases:
         r = post(client, with_ns(asked), headers=bearer(key))
         assert r.status_code == 200, r.text
-        assert backend.calls[-1].namespace == got, (key, asked)
+        assert backend.calls[-1].namespace == cache_namespace(got), (key, asked)
     # `user` names no namespace: it picked one before (issue 11).
     assert post(client, ok(user="b"), headers=bearer(KEY_A)).status_code == 200
-    assert backend.calls[-1].namespace == "a"
+    assert backend.calls[-1].namespace == cache_namespace("a")
 
 
 @pytest.mark.parametrize(
@@ -82,10 +86,10 @@ def test_cache_salt_names_the_namespace_as_under_vllm():
     backend = FakeBackend()
     client = client_for(backend, TABLE)
     assert post(client, ok(cache_salt="a-eval"), headers=bearer(KEY_A)).status_code == 200
-    assert backend.calls[-1].namespace == "a-eval"
+    assert backend.calls[-1].namespace == cache_namespace("a-eval")
     same = ok(cache_salt="a", kvfabric={"namespace": "a"})
     assert post(client, same, headers=bearer(KEY_AB)).status_code == 200
-    assert backend.calls[-1].namespace == "a"
+    assert backend.calls[-1].namespace == cache_namespace("a")
     r = post(client, ok(cache_salt="b"), headers=bearer(KEY_A))
     assert_error(r, 403, "namespace_forbidden", "'b'")
     assert r.json()["error"]["param"] == "cache_salt"
@@ -95,6 +99,19 @@ def test_cache_salt_names_the_namespace_as_under_vllm():
     for bad in ("", 7, ["a"], "x" * 10_000):
         assert post(client, ok(cache_salt=bad), headers=bearer(KEY_A)).status_code == 400
     assert len(backend.calls) == 2
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(st.one_of(st.none(), st.text(min_size=1, max_size=12)))
+def test_a_salt_is_one_cache_namespace_in_both_apps(salt):
+    """The reference app files a request with a cache_salt where the vLLM app files a
+    request with that salt (one function, deploy/serving/cache_namespace.py), so one
+    name means one namespace to the index, the routers and the nodes of both."""
+    backend = FakeBackend()
+    body = ok() if salt is None else ok(cache_salt=salt)
+    assert post(client_for(backend, None), body).status_code == 200
+    vllm = SimpleNamespace(cache_salt=salt, prompt_embeds=None, lora_request=None)
+    assert backend.calls[-1].namespace == RequestNamespaces().of(vllm) == cache_namespace(salt)
 
 
 BAD_AUTH = (
@@ -134,7 +151,7 @@ def test_the_scheme_is_case_insensitive_and_the_token_trimmed():
     client = client_for(backend, TABLE)
     for header in (f"bearer {KEY_B}", f"BEARER  {KEY_B} ", f"Bearer {KEY_B}\t"):
         assert post(client, ok(), headers={"Authorization": header}).status_code == 200
-    assert [c.namespace for c in backend.calls] == ["b"] * 3
+    assert [c.namespace for c in backend.calls] == [cache_namespace("b")] * 3
 
 
 def test_the_api_description_needs_a_key_and_carries_it_in_the_page():
@@ -166,9 +183,13 @@ def test_without_a_table_every_caller_is_one_tenant():
         (bearer(KEY_A), ok(user="default")),
     ):
         assert post(client, body, headers=headers).status_code == 200
-    assert [c.namespace for c in backend.calls] == ["default"] * 4
+    # None named: none, as a vLLM request without a cache_salt (not "default", which
+    # a request may name).
+    assert [c.namespace for c in backend.calls] == [cache_namespace(None)] * 4
     # That tenant may use any namespace: without keys, namespaces separate caches, not callers.
-    assert post(client, with_ns("a")).status_code == 200 and backend.calls[-1].namespace == "a"
+    for named in ("a", "default"):
+        assert post(client, with_ns(named)).status_code == 200
+        assert backend.calls[-1].namespace == cache_namespace(named) != cache_namespace(None)
     for path in DOCS:
         assert client.get(path).status_code == 200
 
@@ -188,7 +209,7 @@ def test_every_request_is_served_in_a_granted_namespace_or_refused(key, asked):
     if asked is None or asked in tenant.namespaces:
         assert r.status_code == 200, r.text
         [call] = backend.calls
-        assert call.namespace == (tenant.default if asked is None else asked)
+        assert call.namespace == cache_namespace(tenant.default if asked is None else asked)
     else:
         assert_error(r, 403, "namespace_forbidden")
         assert backend.calls == []

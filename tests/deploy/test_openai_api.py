@@ -21,6 +21,7 @@ from kvfabric.deploy.reference.serve.openai_api import (
     OpenAIIngress,
     build_fastapi,
 )
+from kvfabric.deploy.serving.cache_namespace import cache_namespace
 
 from tests.deploy.ingress_backends import (
     CHAT_URL,
@@ -180,7 +181,8 @@ def test_token_list_prompt_and_namespaces():
     r = post(client, {"model": NAME, "prompt": "x", "max_tokens": 0, "kvfabric": {}})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == ""
     first, second, third = backend.calls
-    assert (first.tokens, first.namespace, first.use_cache) == (tuple(ids), "tenant-a", False)
+    want = (tuple(ids), cache_namespace("tenant-a"), False)
+    assert (first.tokens, first.namespace, first.use_cache) == want
     # `user` is OpenAI's end-user id, not a namespace: it picked one before (issue 11).
     assert (second.namespace, second.use_cache, second.max_tokens) == ("default", True, 16)
     assert (third.namespace, third.max_tokens) == ("default", 0)

@@ -13,7 +13,7 @@ from kvfabric.deploy.serving.router import GenerateRequestPrompts, RoutedPrompt
 
 pytest.importorskip("transformers")
 
-from kvfabric.deploy.vllm.events.namespaces import fabric_namespace  # noqa: E402
+from kvfabric.deploy.serving.cache_namespace import cache_namespace  # noqa: E402
 from kvfabric.deploy.vllm.serve.llm_router import MAX_PROMPT_CHARS, OpenAIPrompts  # noqa: E402
 from kvfabric.deploy.vllm.serve.model import ensure_tiny_model  # noqa: E402
 
@@ -57,13 +57,13 @@ def test_a_generate_request_is_read_as_its_tokens():
 
 def test_a_completion_is_read_with_the_models_tokenizer(openai):
     got = read(openai, Completion("hello world"))
-    assert got == RoutedPrompt(openai.tokenizer("hello world")["input_ids"], fabric_namespace(None))
+    assert got == RoutedPrompt(openai.tokenizer("hello world")["input_ids"], cache_namespace(None))
     assert got.tokens and all(isinstance(t, int) for t in got.tokens)
     # The tenant is the cache_salt, kept apart from no salt.
-    assert read(openai, Completion("hello world", "default")).namespace == fabric_namespace(
+    assert read(openai, Completion("hello world", "default")).namespace == cache_namespace(
         "default"
     )
-    assert read(openai, Completion([5, 6, 7])) == RoutedPrompt([5, 6, 7], fabric_namespace(None))
+    assert read(openai, Completion([5, 6, 7])) == RoutedPrompt([5, 6, 7], cache_namespace(None))
 
 
 @pytest.mark.parametrize(
@@ -110,5 +110,5 @@ def test_a_chat_is_read_through_the_chat_template():
     )
     assert text == "<system>be brief<user>hello"
     want = reader.tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert read(reader, Chat(messages, "a")) == RoutedPrompt(list(want), fabric_namespace("a"))
+    assert read(reader, Chat(messages, "a")) == RoutedPrompt(list(want), cache_namespace("a"))
     assert read(reader, Chat([{"role": "user", "content": [{"type": "image_url"}]}])) is None

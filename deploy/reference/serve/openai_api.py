@@ -5,7 +5,7 @@ Untrusted input enters here, so every check happens before a GenerateRequest
 exists: a request failing one gets a 4xx with an OpenAI-style error body and never
 reaches a model server. A failure behind the ingress (a dead replica, a backend
 bug) becomes a 503 with the same body shape, never a 500 traceback.
-Who may call and which cache namespace a request uses is deploy/serving/ingress_auth.py's
+Who may call and which namespace a request uses is deploy/serving/ingress_auth.py's
 (API keys from a tenant table, deploy/serving/tenants.py); request and response bodies are
 deploy/reference/serve/openai_bodies.py's, error bodies deploy/serving/openai_errors.py's.
 `build_fastapi` builds the app over any `Backend`; `OpenAIIngress` is the Ray
@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvfabric.deploy.reference.engine import RequestError
 from kvfabric.deploy.reference.model import ModelConfig
 from kvfabric.deploy.reference.tokenizer import ByteTokenizer
+from kvfabric.deploy.serving.cache_namespace import cache_namespace
 from kvfabric.deploy.serving.ingress_auth import Authorizer
 from kvfabric.deploy.serving.openai_errors import APIError, ErrorResponse
 from kvfabric.deploy.serving.openai_errors import bad_request as _bad
@@ -258,13 +259,14 @@ def build_fastapi(
 
 
 def _namespace(auth: Authorizer, tenant: Any, salt: str | None, named: str | None) -> str:
-    """The namespace a request asked for, by `cache_salt` (as vLLM's clients name it) or
-    `kvfabric.namespace`, as its key grants it (403 naming the field it came in)."""
+    """The cache namespace of the namespace a request asked for, by `cache_salt` (as
+    vLLM's clients name it) or `kvfabric.namespace`, as its key grants it (403 naming the
+    field it came in): the one a vLLM app's request with that salt gets."""
     if salt is not None and named is not None and salt != named:
         _bad("cache_salt and kvfabric.namespace name different namespaces: give one")
     if salt is None:
-        return auth.namespace(tenant, named)
-    return auth.namespace(tenant, salt, field="cache_salt")
+        return cache_namespace(auth.namespace(tenant, named))
+    return cache_namespace(auth.namespace(tenant, salt, field="cache_salt"))
 
 
 # --- Ray Serve --------------------------------------------------------------------------

@@ -57,7 +57,7 @@ class SamplingRequest(BaseModel):
         default=None, max_length=MAX_NAME_CHARS
     )  # OpenAI's end-user id: not a namespace
     kvfabric: KVFabricOptions | None = None
-    # The tenant's namespace as vLLM's clients name it (the vLLM app's tenant field): the
+    # The request's namespace as vLLM's clients name it (the vLLM app's own field): the
     # same as kvfabric.namespace, which it may be given instead of, never beside.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
     # OpenAI sampling parameters: accepted at the value that keeps decoding greedy

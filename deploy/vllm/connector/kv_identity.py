@@ -14,8 +14,8 @@ a page's bytes, read from vLLM's own resolved config, never from folder names.
 
 It becomes the layout's tag (`name=value` parts, so a mismatch names the part); the
 tensor-parallel size is not in it, since a page holds every KV head whatever the
-split. What varies per request (tenant, LoRA adapter, multimodal inputs) is in the
-request's namespace instead (events/namespaces.py).
+split. What varies per request (namespace, LoRA adapter, multimodal inputs) is in the
+request's cache namespace instead (events/namespaces.py).
 """
 
 from __future__ import annotations

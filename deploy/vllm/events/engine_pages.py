@@ -39,9 +39,9 @@ from kvfabric.core.cache.layout import KVLayout, PoolName
 from kvfabric.core.index.events import EventBatch, PageMask, PageState, Snapshot
 from kvfabric.core.index.routes import RouteTable
 from kvfabric.core.index.shard_batches import ShardBatches
+from kvfabric.deploy.serving.cache_namespace import cache_namespace
 
 from .event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from .namespaces import fabric_namespace
 
 DEVICE_MEDIA = (
     None,
@@ -240,7 +240,7 @@ class EnginePages:
         if parent_hash is None:
             if extra is not None and not (len(extra) == 1 and type(extra[0]) is str):
                 return self._skip(Skip.EXTRA_KEYS)
-            namespace = fabric_namespace(extra[0] if extra else None, lora)
+            namespace = cache_namespace(extra[0] if extra else None, lora)
             keyer, up = self._keyers.get(namespace), None
             parent_key, depth = keyer.root, 0
         else:

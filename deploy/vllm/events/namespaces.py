@@ -1,49 +1,23 @@
-"""A vLLM request's namespace in the fabric: everything besides its token ids that
-decides its KV. One rule for the connector (what it stores and loads) and the KV-event
-feed (what the index says the engine holds), so both name a page by the same key.
-
-- the tenant, its `cache_salt`: tenants never share;
-- the LoRA adapter: its name and the digest of its files (content_digest.py), so an
-  adapter's KV never serves the base model, another adapter, or a retrained one;
-- multimodal inputs: each item's hash and place (image placeholders are the same token
-  ids for every image);
-- prompt embeddings: never cached (no namespace).
-
-Only the salt is spelled out ("salt/<salt>"); with an adapter or multimodal inputs the
-namespace is a digest of all of them ("inputs/<digest>"), so no salt can spell another
-request's namespace.
+"""A vLLM request's cache namespace (deploy/serving/cache_namespace.py, one rule for
+both apps) from what vLLM's request carries: its `cache_salt`; its LoRA adapter, by name
+and the digest of its files (content_digest.py), so an adapter's KV never serves the
+base model, another adapter, or a retrained one; its multimodal inputs, each item's hash
+and place (image placeholders are the same token ids for every image). Prompt embeddings
+are never cached (no namespace). The connector (what it stores and loads) and the
+KV-event feed (what the index says the engine holds) both name pages through it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
-from typing import Any, Sequence
+from typing import Any
+
+from kvfabric.deploy.serving.cache_namespace import cache_namespace
 
 from .content_digest import DigestError, DigestTable, folder_digest, resolve_folder
 
 log = logging.getLogger(__name__)
-
-DEFAULT = "default"
-SALTED = "salt/"
-INPUTS = "inputs/"
-MAX_SALT = 4096
-
-
-def fabric_namespace(
-    cache_salt: str | None, lora: str | None = None, mm: Sequence[tuple[str, int, int]] = ()
-) -> str:
-    """The namespace of a request with this salt, adapter identity and multimodal items
-    ((hash, offset, length) each). vLLM hashes a salt of "default" apart from no salt
-    and treats an empty salt as none; so does this."""
-    if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > MAX_SALT):
-        raise ValueError(f"cache_salt must be a string of at most {MAX_SALT} characters or None")
-    if lora is None and not mm:
-        return SALTED + cache_salt if cache_salt else DEFAULT
-    text = json.dumps([cache_salt or None, lora, [list(item) for item in mm]])
-    return INPUTS + hashlib.blake2b(text.encode(), digest_size=16, person=b"kvf-ns").hexdigest()
 
 
 class RequestNamespaces:
@@ -72,7 +46,7 @@ class RequestNamespaces:
             (str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
             for f in getattr(request, "mm_features", None) or ()
         )
-        return fabric_namespace(request.cache_salt, lora, mm)
+        return cache_namespace(request.cache_salt, lora, mm)
 
     def adapter(self, lora_request: Any) -> str | None:
         """`name@digest` of a LoRA adapter, or None (warned once) if it cannot be read."""

@@ -1,7 +1,8 @@
 """FabricLLMIngress: Ray Serve LLM's OpenAI ingress with the fabric's tenants.
 
-In a vLLM app a request's tenant is its `cache_salt`: vLLM salts its own prefix-cache
-hashes with it, and the fabric keys its pages by it (vllm/events/namespaces.py). With a tenant table
+In a vLLM app a request's namespace is its `cache_salt`: vLLM salts its own prefix-cache
+hashes with it, and the fabric files its pages under it (serving/cache_namespace.py). With a
+tenant table
 (`tenants_file`, deploy/serving/tenants.py) the salt is no longer the client's to pick: every
 completion or chat carries one of the table's API keys ("Authorization: Bearer <key>";
 401 otherwise), its `cache_salt` must be a namespace the key grants (403 otherwise),
@@ -104,6 +105,7 @@ def engine_gone(error: BaseException) -> bool:
     return False
 
 
-def tenant_salt(auth: Authorizer, request: Request, asked: str | None) -> str:
-    """The cache_salt a request runs with: its key's namespace (APIError 401 / 403)."""
+def tenant_salt(auth: Authorizer, request: Request, asked: str | None) -> str | None:
+    """The cache_salt a request runs with: a namespace its key's tenant grants (APIError
+    401 / 403)."""
     return auth.namespace(auth.tenant(request), asked, field="cache_salt")

@@ -3,8 +3,10 @@
 Ray Serve LLM hands a replica router the OpenAI request (a completion's `prompt`,
 a chat's `messages`), not token ids. The router tokenizes it as the engine will,
 with the model's own tokenizer (a chat through its chat template), and asks the
-index with the request's tenant: its `cache_salt` (vllm/events/namespaces.py). Anything it
-cannot read is routed by Serve alone: routing never fails a request.
+index in the request's cache namespace, that of its `cache_salt`
+(serving/cache_namespace.py; a LoRA adapter's or an image's requests are ranked as their
+salt's, the router reading neither). Anything it cannot read is routed by Serve alone:
+routing never fails a request.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import asyncio
 from typing import Any
 
 from kvfabric.actors.served import fabrics_of
+from kvfabric.deploy.serving.cache_namespace import cache_namespace
 from kvfabric.deploy.serving.router import FabricRanking, RoutedPrompt
-from kvfabric.deploy.vllm.events.namespaces import fabric_namespace
 from ray.serve.request_router import FIFOMixin, PendingRequest
 
 MAX_PROMPT_CHARS = (
@@ -40,7 +42,7 @@ class OpenAIPrompts:
             tokens = await asyncio.to_thread(self.tokens_of, prompt, messages)
             if tokens is None:
                 return None
-            return RoutedPrompt(tokens, fabric_namespace(getattr(arg, "cache_salt", None)))
+            return RoutedPrompt(tokens, cache_namespace(getattr(arg, "cache_salt", None)))
         return None
 
     def tokens_of(self, prompt: Any, messages: Any) -> list[int] | None:

@@ -22,9 +22,9 @@ from kvfabric.core.index.events import PageMask, PageState
 from kvfabric.core.index.match_rule import MatchRule
 from kvfabric.core.index.prefix_index import PrefixIndex
 from kvfabric.core.index.routes import RouteTable
+from kvfabric.deploy.serving.cache_namespace import cache_namespace
 from kvfabric.deploy.vllm.events.engine_pages import EnginePages, Skip
 from kvfabric.deploy.vllm.events.event_wire import AllBlocksCleared, BlockRemoved, BlockStored
-from kvfabric.deploy.vllm.events.namespaces import fabric_namespace
 
 PS = 4
 LAYOUT = KVLayout(
@@ -95,11 +95,11 @@ class Engine:
             if not mask:
                 continue
             salt, tokens = self.prefix[h]
-            keys = PageKeyer(fabric_namespace(salt), LAYOUT.fingerprint, PS).keys(tokens)
+            keys = PageKeyer(cache_namespace(salt), LAYOUT.fingerprint, PS).keys(tokens)
             parent = (
                 keys[-2]
                 if len(keys) > 1
-                else PageKeyer(fabric_namespace(salt), LAYOUT.fingerprint, PS).root
+                else PageKeyer(cache_namespace(salt), LAYOUT.fingerprint, PS).root
             )
             out[keys[-1]] = PageState(keys[-1], parent, len(keys) - 1, int(mask))
         return out
@@ -240,10 +240,10 @@ def test_memory_stays_bounded_with_many_distinct_blocks(shards: int) -> None:
 
 def test_a_salt_is_a_namespace_apart_from_no_salt():
     # vLLM hashes a salt of "default" apart from no salt; the fabric keeps them apart too.
-    assert fabric_namespace(None) == fabric_namespace("") != fabric_namespace("default")
-    assert fabric_namespace("a") != fabric_namespace("b")
+    assert cache_namespace(None) == cache_namespace("") != cache_namespace("default")
+    assert cache_namespace("a") != cache_namespace("b")
     with pytest.raises(ValueError):
-        fabric_namespace(7)  # type: ignore[arg-type]
+        cache_namespace(7)  # type: ignore[arg-type]
 
 
 def test_an_events_new_blocks_are_keyed_by_one_native_call(monkeypatch):
@@ -264,7 +264,7 @@ def test_an_events_new_blocks_are_keyed_by_one_native_call(monkeypatch):
     pages.apply([BlockStored(tuple(hashes[:6]), None, tokens[: 6 * PS], *full)])
     pages.apply([BlockStored(tuple(hashes[6:]), hashes[5], tokens[6 * PS :], *full)])
     assert calls == [0, 0]
-    keyer = PageKeyer(fabric_namespace(None), LAYOUT.fingerprint, PS)
+    keyer = PageKeyer(cache_namespace(None), LAYOUT.fingerprint, PS)
     assert sorted(pages.held()) == sorted(keyer.keys(tokens))
 
 
@@ -284,7 +284,7 @@ def test_an_adapters_blocks_are_keyed_in_the_connectors_namespace():
             BlockStored((h[1],), h[0], tokens[PS:], *common, (("a1",),)),
         ]
     )
-    keyer = PageKeyer(fabric_namespace("t1", identity), LAYOUT.fingerprint, PS)
+    keyer = PageKeyer(cache_namespace("t1", identity), LAYOUT.fingerprint, PS)
     assert set(pages.held()) == set(keyer.keys(list(tokens)))
     for name, extra in (("a2", (("a2", "t1"),)), ("a1", (("a2", "t1"),))):
         other = EnginePages(NODE, 1, LAYOUT, GROUPS, adapters={"a1": identity}.get)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from kvfabric.core.cache.layout import KVLayout
 from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.core.cache.pools import PoolCapacity
+from kvfabric.deploy.serving.cache_namespace import INPUTS, cache_namespace
 from kvfabric.deploy.vllm.connector.kv_identity import IdentityError, KVIdentity, config_digest
 from kvfabric.deploy.vllm.events.content_digest import (
     DigestError,
@@ -27,7 +28,7 @@ from kvfabric.deploy.vllm.events.content_digest import (
     folder_digest,
     resolve_folder,
 )
-from kvfabric.deploy.vllm.events.namespaces import INPUTS, RequestNamespaces, fabric_namespace
+from kvfabric.deploy.vllm.events.namespaces import RequestNamespaces
 
 from tests.examples import examples
 from tests.kvgen import prefix_kv
@@ -227,7 +228,7 @@ def test_each_input_varied_alone_gives_another_namespace(tmp_path):
         names.of(request(salt="t1", lora=adapter(a1))),
     }
     assert len(seen) == 9
-    assert names.of(request(salt="t1")) == fabric_namespace("t1") == "salt/t1"
+    assert names.of(request(salt="t1")) == cache_namespace("t1") == "salt/t1"
     assert names.of(request(embeds=torch.zeros(3, 8))) is None  # never cached
     # The feed names an adapter's blocks as the connector does, by its name.
     assert names.adapter_named("a1") == names.adapter(adapter(a1))
@@ -255,7 +256,7 @@ def test_no_page_crosses_two_request_identities(salt, lora, mm, other):
     same identity (an empty salt is none, as vLLM has it)."""
     one, two = (salt, lora, tuple(mm)), (other[0], other[1], tuple(other[2]))
     same = (one[0] or None, one[1], one[2]) == (two[0] or None, two[1], two[2])
-    ns1, ns2 = fabric_namespace(*one), fabric_namespace(*two)
+    ns1, ns2 = cache_namespace(*one), cache_namespace(*two)
     assert (ns1 == ns2) == same
     assert ns1.startswith(INPUTS) == (lora is not None or bool(mm))  # no salt spells one
     cache = NodeCache(LAYOUT, {p: PoolCapacity(8, 0) for p in LAYOUT.pools}, device="cpu")

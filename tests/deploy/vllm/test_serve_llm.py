@@ -35,8 +35,8 @@ from kvfabric.deploy.chaos.plan import ChaosKind  # noqa: E402
 from kvfabric.deploy.chaos.run import chaos_settings, vllm_harness  # noqa: E402
 from kvfabric.deploy.chaos.vllm_harness import orphans, remove_orphans  # noqa: E402
 from kvfabric.deploy.harness.cluster import free_port, local_cluster, serve_app  # noqa: E402
+from kvfabric.deploy.serving.cache_namespace import cache_namespace  # noqa: E402
 from kvfabric.deploy.serving.engine_identity import is_engine, node_actor_of  # noqa: E402
-from kvfabric.deploy.vllm.events.namespaces import fabric_namespace  # noqa: E402
 from kvfabric.deploy.vllm.serve.llm_router import OpenAIPrompts  # noqa: E402
 from kvfabric.deploy.vllm.serve.model import ensure_tiny_model  # noqa: E402
 from kvfabric.deploy.vllm.serve.serve_llm import with_fabric  # noqa: E402
@@ -317,9 +317,9 @@ def test_the_index_names_the_engine_that_holds_a_prompt(app):
             m.node for m in client.lookup(tokens, namespace) if is_engine(m.node) and m.pages > 0
         ]
 
-    held = eventually(lambda: engines(fabric_namespace(salt)), "the index names the engine")
+    held = eventually(lambda: engines(cache_namespace(salt)), "the index names the engine")
     assert {node_actor_of(e) for e in held} <= set(node_names())
-    assert engines(fabric_namespace(f"other-{salt}")) == []
+    assert engines(cache_namespace(f"other-{salt}")) == []
 
 
 # Last in the module: it kills and stops node actors.

@@ -26,7 +26,7 @@ from kvfabric.actors.launch import start, stop
 from kvfabric.actors.node.node_actor import NodeConfig  # noqa: E402
 from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.deploy.chaos.faults import ChaosAction, Fault, FaultKind  # noqa: E402
-from kvfabric.deploy.vllm.events.namespaces import fabric_namespace  # noqa: E402
+from kvfabric.deploy.serving.cache_namespace import cache_namespace  # noqa: E402
 
 from tests.deploy.vllm.connector_engine import (  # noqa: E402
     BLOCK,
@@ -283,7 +283,7 @@ def test_kv_events_name_the_engine_in_the_index_until_it_evicts(engine):
 
         def engine_pages(tokens: list[int], salt: str) -> int:
             return max(
-                (m.pages for m in client.lookup(tokens, fabric_namespace(salt)) if m.node == me),
+                (m.pages for m in client.lookup(tokens, cache_namespace(salt)) if m.node == me),
                 default=0,
             )
 
