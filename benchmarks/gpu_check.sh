@@ -54,7 +54,7 @@ print("cuda model ok: cached", a.cached_tokens, "tokens, outputs equal bit for b
 PY
 echo "== vLLM connector: blocks in VRAM <-> host staging, every backend format"
 rc=0
-timeout 60 "$PY" -m pytest -q -p no:cacheprovider -rs tests/deploy/vllm/test_block_format.py 2>&1 | tee "$OUT/block_format.txt" || rc=$?
+timeout 60 "$PY" -m pytest -q -p no:cacheprovider -rs tests/deploy/vllm/connector/test_block_format.py 2>&1 | tee "$OUT/block_format.txt" || rc=$?
 [ "$rc" = 0 ] || [ "$rc" = 5 ] || exit "$rc"       # 5: the module skipped whole (no vLLM here)
 
 echo "== vLLM demo with engines on the GPU (two simulated nodes share it)"

@@ -60,7 +60,7 @@ def engine_host(layout) -> EngineHost:
 @pytest.fixture(scope="module")
 def layout():
     pytest.importorskip("vllm")
-    from tests.deploy.vllm.test_engine_pages import LAYOUT
+    from tests.deploy.vllm.events.test_engine_pages import LAYOUT
 
     return LAYOUT
 
@@ -185,7 +185,7 @@ def publish_engine(fabric, name: str, tokens: list[int]):
     from kvfabric.deploy.vllm.events.engine_pages import EnginePages
     from kvfabric.deploy.vllm.events.index_sink import ShardSink
 
-    from tests.deploy.vllm.test_engine_pages import GROUPS, LAYOUT, PS, Engine
+    from tests.deploy.vllm.events.test_engine_pages import GROUPS, LAYOUT, PS, Engine
 
     pages = EnginePages(name, GcsEpochs().claim(), LAYOUT, GROUPS)
     sink = ShardSink(fabric.directory)

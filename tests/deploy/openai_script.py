@@ -1,5 +1,5 @@
 """One script of the `openai` client, run against both apps (the reference model's:
-tests/deploy/test_serve_app.py; vLLM's: tests/deploy/vllm/test_serve_llm.py), as a user
+tests/deploy/test_serve_app.py; vLLM's: tests/deploy/vllm/serve/test_serve_llm.py), as a user
 who switches between them would: the models, a completion and a chat each asked twice
 (the second served from a cache, with equal text), each streamed (the pieces join to the
 same text, the usage comes last), the tenant as `cache_salt`."""

@@ -222,7 +222,7 @@ def test_down_removes_the_app_and_the_fabric_and_up_brings_them_back(endpoint):
 
 def test_the_openai_script_both_apps_pass(endpoint):
     """tests/deploy/openai_script.py, which the vLLM app passes too
-    (tests/deploy/vllm/test_serve_llm.py)."""
+    (tests/deploy/vllm/serve/test_serve_llm.py)."""
     cached = openai_script.run(endpoint.base_url, MODEL, "The fabric remembers " * 8)
     assert cached["completion"] == 160  # whole pages of 16 of the prompt's 168 bytes
     assert cached["chat"] >= 160

@@ -1,6 +1,6 @@
 """The generated model (deploy/vllm/serve/model.py): written once, said on the console, the
 same bytes for the same seed, in the folder KVF_MODEL_CACHE names. (That vLLM loads it
-and decodes greedily the same way twice: tests/deploy/vllm/test_vllm_connector.py.)"""
+and decodes greedily the same way twice: tests/deploy/vllm/connector/test_vllm_connector.py.)"""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from kvfabric.actors.launch import stop
 from kvfabric.deploy.vllm.serve.model import ensure_tiny_model  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from tests.deploy.vllm.connector_engine import (  # noqa: E402
+from tests.deploy.vllm.connector.connector_engine import (  # noqa: E402
     CALL_TIMEOUT_S,
     PROMPT_CHARS,
     TENANT,
@@ -40,7 +40,7 @@ from tests.deploy.vllm.connector_engine import (  # noqa: E402
 )
 from tests.waiting import eventually  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 START_S = 600.0  # an engine starts in 25-90 s here; far longer on a loaded machine
 
 
@@ -51,7 +51,14 @@ class EngineProc:
         self.fault_file = str(tmp / "faults.json")
         self.log = open(tmp / "engine.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.deploy.vllm.engine_proc", address, here, self.fault_file],
+            [
+                sys.executable,
+                "-m",
+                "tests.deploy.vllm.connector.engine_proc",
+                address,
+                here,
+                self.fault_file,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,

@@ -16,7 +16,7 @@ from kvfabric.deploy.vllm.connector.block_format import BlockFormat  # noqa: E40
 from kvfabric.deploy.vllm.connector.jobs import ConnectorStep, CopyJob, FabricMeta  # noqa: E402
 from kvfabric.transport.staging import StagingSpec  # noqa: E402
 
-from tests.deploy.vllm.test_block_format import ORDERS, copy_job, worker  # noqa: E402
+from tests.deploy.vllm.connector.test_block_format import ORDERS, copy_job, worker  # noqa: E402
 
 WAIT_S = 30.0
 

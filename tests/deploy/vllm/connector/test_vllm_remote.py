@@ -8,7 +8,7 @@ Checks: a prefix only the peer holds is fetched and loaded with exact bytes whil
 is told to ask again (None); any failure, at any step, or a step that never answers,
 ends in a bounded number of asks with either the exact hit or recomputation (0), never
 an escaped error; no staging slot leaks; remote tokens are counted apart from host ones.
-The edge they run against: tests/deploy/vllm/fabric_edge.py."""
+The edge they run against: tests/deploy/vllm/connector/fabric_edge.py."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from kvfabric.deploy.vllm.connector.jobs import FabricSettings  # noqa: E402
 from kvfabric.deploy.vllm.connector.remote_fetch import Stage  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from tests.deploy.vllm.fabric_edge import (  # noqa: E402
+from tests.deploy.vllm.connector.fabric_edge import (  # noqa: E402
     PEER,
     Edge,
     FabricEdge,
@@ -37,7 +37,7 @@ from tests.deploy.vllm.fabric_edge import (  # noqa: E402
     move_to_peer,
     slots_in_use,
 )
-from tests.deploy.vllm.sides_rig import (  # noqa: E402
+from tests.deploy.vllm.connector.sides_rig import (  # noqa: E402
     FULL_BLOCKS,
     LAYOUT,
     PROMPT,

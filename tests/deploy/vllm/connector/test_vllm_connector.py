@@ -7,7 +7,7 @@ The engine's own KV cache is sized below the workload (3k tokens), so filler pro
 evict a conversation from it and the next turn is served from the node's host tier.
 Reference outputs come from the same engine with a fresh cache_salt per run: no cache,
 vLLM's or the fabric's, can match a salt never seen before, so every token is computed.
-The engine and what the tests do with it: tests/deploy/vllm/connector_engine.py.
+The engine and what the tests do with it: tests/deploy/vllm/connector/connector_engine.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.deploy.chaos.faults import ChaosAction, Fault, FaultKind  # noqa: E402
 from kvfabric.deploy.serving.cache_namespace import cache_namespace  # noqa: E402
 
-from tests.deploy.vllm.connector_engine import (  # noqa: E402
+from tests.deploy.vllm.connector.connector_engine import (  # noqa: E402
     BLOCK,
     CALL_TIMEOUT_S,
     MAX_TOKENS,

@@ -335,8 +335,8 @@ def test_each_fault_of_the_vllm_path_leaves_the_app_whole(app):
     a worker killed -9 mid-load or mid-save, /dev/shm full as its replacement starts), not
     here: each costs Serve two engine starts, minutes apiece on CI's two cores. Their parts
     are tested alone: a worker killed mid-load or mid-save and its engine reaped
-    (test_engine_kill.py), the app running again a request whose engine died
-    (test_llm_ingress.py), a staging reservation on a full /dev/shm
+    (tests/deploy/vllm/connector/test_engine_kill.py), the app running again a request whose
+    engine died (test_llm_ingress.py), a staging reservation on a full /dev/shm
     (tests/transport/test_staging.py)."""
     harness = vllm_harness(
         app.endpoint,

@@ -5,7 +5,7 @@ actor is replaced (by direct calls of the same functions the actor runs).
 Checks: block -> fabric -> block round trips are exact (full pages all, SWA the window);
 a load vLLM asks for that the fabric cannot complete is reported failed; any exception
 at any step becomes a failed load or a skipped save, never an escaped error, and no
-staging slot leaks. The rig they run on: tests/deploy/vllm/sides_rig.py."""
+staging slot leaks. The rig they run on: tests/deploy/vllm/connector/sides_rig.py."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from kvfabric.deploy.vllm.connector.scheduler_side import SchedulerSide  # noqa:
 from kvfabric.deploy.vllm.connector.worker_side import WorkerSide  # noqa: E402
 from kvfabric.transport.staging import StagingSpec  # noqa: E402
 
-from tests.deploy.vllm.sides_rig import (  # noqa: E402
+from tests.deploy.vllm.connector.sides_rig import (  # noqa: E402
     FULL_BLOCKS,
     NAMES,
     NB,

@@ -44,7 +44,7 @@ from kvfabric.core.cache.layout import PoolName
 from kvfabric.deploy.vllm.serve.model import TinyModelSpec, ensure_tiny_model  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from tests.deploy.vllm.connector_engine import (  # noqa: E402
+from tests.deploy.vllm.connector.connector_engine import (  # noqa: E402
     BLOCK,
     CALL_TIMEOUT_S,
     MAX_TOKENS,
@@ -52,7 +52,7 @@ from tests.deploy.vllm.connector_engine import (  # noqa: E402
     Engine,
     engine_args,
 )
-from tests.deploy.vllm.lora import write_adapter  # noqa: E402
+from tests.deploy.vllm.connector.lora import write_adapter  # noqa: E402
 
 SPEC = TinyModelSpec()
 FLOOR = (PROMPT_CHARS - 1) // BLOCK * BLOCK - BLOCK  # tokens a whole-prompt hit loads at least

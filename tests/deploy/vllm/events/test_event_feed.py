@@ -18,7 +18,7 @@ from kvfabric.core.index.routes import RouteTable
 from kvfabric.deploy.vllm.events.engine_pages import EnginePages  # noqa: E402
 from kvfabric.deploy.vllm.events.event_feed import EngineEventFeed  # noqa: E402
 
-from tests.deploy.vllm.test_engine_pages import GROUPS, LAYOUT, NODE, PS, vllm_hash  # noqa: E402
+from tests.deploy.vllm.events.test_engine_pages import GROUPS, LAYOUT, NODE, PS, vllm_hash  # noqa: E402
 
 DEADLINE_S = 30.0
 

@@ -1,7 +1,7 @@
 """A vLLM engine with the FabricConnector in a process of its own, for tests that kill it
 (-9) and check what the fabric reclaims (test_engine_kill.py). Not a test.
 
-    python -m tests.deploy.vllm.engine_proc ADDRESS NODE_ACTOR FAULT_FILE
+    python -m tests.deploy.vllm.connector.engine_proc ADDRESS NODE_ACTOR FAULT_FILE
 
 It prints one JSON line when ready ({"engine_id": ...}), then answers each JSON line on
 stdin ({"prompt": str, "salt": str | null}) with one ({"tokens": [...], "cached": n}, or
@@ -26,7 +26,7 @@ def main(address: str, here: str, fault_file: str) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVEventsConfig
 
-    from tests.deploy.vllm.connector_engine import MAX_TOKENS, engine_args
+    from tests.deploy.vllm.connector.connector_engine import MAX_TOKENS, engine_args
 
     events = f"ipc:///tmp/kvf-events-{uuid.uuid4().hex[:12]}"
     llm = LLM(

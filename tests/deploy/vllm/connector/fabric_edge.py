@@ -23,7 +23,7 @@ from kvfabric.deploy.vllm.connector.scheduler_side import SchedulerSide
 from kvfabric.deploy.vllm.connector.worker_side import WorkerSide
 from kvfabric.transport.staging import StagingSpec
 
-from tests.deploy.vllm.sides_rig import (
+from tests.deploy.vllm.connector.sides_rig import (
     FULL_BLOCKS,
     LAYOUT,
     NAMES,
