@@ -33,7 +33,7 @@ from kvfabric.core.cache.page_file import (
 )
 
 from .base import BackendError, TransferTimeout
-from .nixl_transport import _NIXL_ERRORS, _nb
+from .nixl_transport import _NIXL_ERRORS, _nb, quietly
 from .pacer import PollPacer
 from .runs import merge_runs, order_pairs
 
@@ -104,11 +104,11 @@ class NixlPageFile:
         if self._fd is None:
             return
         for xfer, reg in self._held:
-            self._quietly(self._agent.releaseXferReq, xfer)
-            self._quietly(self._agent.deregisterMem, reg, self._backends)
+            quietly(self._agent.releaseXferReq, xfer)
+            quietly(self._agent.deregisterMem, reg, self._backends)
         self._held.clear()
         if self.capacity:
-            self._quietly(self._agent.deregisterMem, self._file_reg, self._backends)
+            quietly(self._agent.deregisterMem, self._file_reg, self._backends)
         del self._agent
         os.close(self._fd)
         self._fd = None
@@ -168,18 +168,10 @@ class NixlPageFile:
 
     def _end(self, xfer: int | None, reg: Any) -> None:
         if xfer is not None:
-            self._quietly(self._agent.releaseXferReq, xfer)
-        self._quietly(self._agent.deregisterMem, reg, self._backends)
+            quietly(self._agent.releaseXferReq, xfer)
+        quietly(self._agent.deregisterMem, reg, self._backends)
 
     def _require_open(self) -> int:
         if self._fd is None:
             raise NixlFileError(f"{self.path} is closed")
         return self._fd
-
-    @staticmethod
-    def _quietly(fn: Any, *args: Any) -> bool:
-        try:
-            fn(*args)
-            return True
-        except _NIXL_ERRORS:
-            return False

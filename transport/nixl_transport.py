@@ -51,6 +51,18 @@ _NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
     for k, v in vars(_nb).items()
     if k.startswith("nixl") and k.endswith("Error") and isinstance(v, type)
 )
+
+
+def quietly(fn: Any, *args: Any) -> bool:
+    """Call a NIXL cleanup `fn(*args)`; whether it succeeded. A cleanup call must not mask
+    the error being handled, so NIXL's errors are swallowed."""
+    try:
+        fn(*args)
+        return True
+    except _NIXL_ERRORS:
+        return False
+
+
 _ERROR_CLASSES: dict[str, type[TransferError]] = {
     "nixlRemoteDisconnectError": PeerDisconnected,
     "nixlNotFoundError": PeerNotConnected,
@@ -200,8 +212,8 @@ class NixlTransport(Transport):
         for h in [h for h in self._inflight.values() if h.peer == peer_name]:
             self.abort(h)  # their requests use the dlists released below
         for dlist in peer.dlists.values():
-            self._quietly(self._agent.releasedDlistH, dlist)
-        self._quietly(self._agent.invalidateRemoteMD, peer_name)
+            quietly(self._agent.releasedDlistH, dlist)
+        quietly(self._agent.invalidateRemoteMD, peer_name)
 
     def peers(self) -> list[str]:
         return list(self._peers)
@@ -354,7 +366,7 @@ class NixlTransport(Transport):
         for req in handle.requests:
             if not req.released:
                 req.released = True
-                if not self._quietly(self._agent.releaseXferReq, req.xfer):
+                if not quietly(self._agent.releaseXferReq, req.xfer):
                     self._leaked.append(req.xfer)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -366,10 +378,10 @@ class NixlTransport(Transport):
             self.abort(handle)
         for peer in list(self._peers):
             self.disconnect(peer)
-        self._leaked = [x for x in self._leaked if not self._quietly(self._agent.releaseXferReq, x)]
+        self._leaked = [x for x in self._leaked if not quietly(self._agent.releaseXferReq, x)]
         for pool in self._pools.values():
-            self._quietly(self._agent.releasedDlistH, pool.dlist)
-            self._quietly(self._agent.deregisterMem, pool.reg, self._backends)
+            quietly(self._agent.releasedDlistH, pool.dlist)
+            quietly(self._agent.deregisterMem, pool.reg, self._backends)
         self._pools.clear()
         self._closed = True
         del self._agent  # the agent's destructor tears down UCX
@@ -377,12 +389,3 @@ class NixlTransport(Transport):
     def _require_open(self) -> None:
         if self._closed:
             raise TransferError(f"transport {self.name!r} is closed")
-
-    @staticmethod
-    def _quietly(fn: Any, *args: Any) -> bool:
-        """Cleanup calls must not mask the error being handled; report success instead."""
-        try:
-            fn(*args)
-            return True
-        except _NIXL_ERRORS:
-            return False
