@@ -28,8 +28,8 @@ from kvfabric.core.cache.page_file import (
     PageFileError,
     PageGeometry,
     check_io,
-    io_error,
     open_data_file,
+    sync_data_file,
 )
 
 from .base import BackendError, TransferTimeout
@@ -60,8 +60,6 @@ class NixlPageFile:
         deadline_s: float = 30.0,
         backend_params: Mapping[str, str] | None = None,
     ) -> None:
-        if not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
         self.path = Path(path)
         self.capacity = capacity
         self.geometry = geometry
@@ -95,10 +93,7 @@ class NixlPageFile:
         self._transfer(_nb.NIXL_READ, idx, out, "reading")
 
     def sync(self) -> None:
-        try:
-            os.fdatasync(self._require_open())
-        except OSError as e:
-            raise io_error(e, f"syncing {self.path}") from e
+        sync_data_file(self._require_open(), self.path)
 
     def close(self) -> None:
         if self._fd is None:

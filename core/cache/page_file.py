@@ -137,6 +137,8 @@ def slot_runs(idx: np.ndarray) -> list[tuple[int, list[int]]]:
 def open_data_file(path: Path, capacity: int, page_bytes: int) -> tuple[int, int]:
     """(fd, valid slots) of the data file at `path`, created or resized to hold
     `capacity` pages, its blocks allocated; DiskFull where the disk has no room."""
+    if not isinstance(capacity, int) or capacity < 0:
+        raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
     size = capacity * page_bytes
     created = not path.exists()
     try:
@@ -157,12 +159,18 @@ def open_data_file(path: Path, capacity: int, page_bytes: int) -> tuple[int, int
     return fd, min(found // page_bytes, capacity)
 
 
+def sync_data_file(fd: int, path: Path) -> None:
+    """Make what was written to the data file `fd` (at `path`) durable."""
+    try:
+        os.fdatasync(fd)
+    except OSError as e:
+        raise io_error(e, f"syncing {path}") from e
+
+
 class PosixPageFile:
     """`PageFile` over plain pread/pwrite."""
 
     def __init__(self, path: Path, capacity: int, geometry: PageGeometry) -> None:
-        if not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
         self.path = Path(path)
         self.capacity = capacity
         self.geometry = geometry
@@ -195,10 +203,7 @@ class PosixPageFile:
                 raise PageFileError(f"short read at slot {first}: {done} bytes")
 
     def sync(self) -> None:
-        try:
-            os.fdatasync(self._require_open())
-        except OSError as e:
-            raise io_error(e, f"syncing {self.path}") from e
+        sync_data_file(self._require_open(), self.path)
 
     def close(self) -> None:
         if self._fd is not None:
