@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from kvfabric.core.cache.check import PageAudit
-from kvfabric.core.cache.layout import PoolName, Tier
+from kvfabric.core.cache.layout import PoolName
 from kvfabric.core.cache.leases import LeaseTable
 from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.core.cache.pools import PoolCapacity
@@ -19,6 +19,7 @@ from kvfabric.core.exchange.destination import FetchOutcome, ReadFailed, import_
 from kvfabric.core.exchange.source import export_prefix
 
 from tests.core.test_cache_stateful import LAYOUTS, family
+from tests.core.test_fetch_walk import copy_reader
 from tests.inject import CAN_RAISE_AFTER, EXCEPTIONS, Plan, Step, injecting
 from tests.kvgen import prefix_kv
 
@@ -142,16 +143,6 @@ def test_export(plan, skip, layout, policy, seed, i):
             assert leases.release(grant.lease_id)
     assert len(leases) == 0
     assert_settled(cache, inj, before, keys, seqs)
-
-
-def copy_reader(src: NodeCache, dst: NodeCache):
-    def read(pool, refs, pages):
-        for (tier, index), page in zip(refs, pages):
-            dst.registry.pool(pool, Tier.DEVICE).data[page] = src.registry.pool(pool, tier).data[
-                index
-            ]
-
-    return read
 
 
 @given(plan=plans("import"), **scenes)
