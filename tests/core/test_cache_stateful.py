@@ -51,13 +51,20 @@ def small_capacities(layout: KVLayout, device: int, host: int) -> dict[PoolName,
     }
 
 
+# What a machine over small caches draws first: a layout, a write policy, the sequences'
+# seed, device and host pages (see small_capacities).
+SMALL_CACHE = dict(
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    policy=st.sampled_from(list(WritePolicy)),
+    seed=st.integers(0, 2**16),
+    device=st.integers(3, 8),
+    host=st.integers(0, 10),
+)
+
+
 class CacheMachine(RuleBasedStateMachine):
     @initialize(
-        layout=st.sampled_from(sorted(LAYOUTS)),
-        policy=st.sampled_from(list(WritePolicy)),
-        seed=st.integers(0, 2**16),
-        device=st.integers(3, 8),
-        host=st.integers(0, 10),
+        **SMALL_CACHE,
         pending=st.sampled_from([0, 1024]),
         disk=st.sampled_from([0, 0, 3, 12]),
         to_disk=st.sampled_from([WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH]),

@@ -18,7 +18,7 @@ from kvfabric.core.cache.radix import RadixTree
 from kvfabric.core.cache.tiers import TierConfig, WritePolicy
 from kvfabric.deploy.chaos.faults import AllocationFaults
 
-from tests.core.test_cache_stateful import NAMESPACES, family
+from tests.core.test_cache_stateful import NAMESPACES, family, small_capacities
 from tests.examples import examples
 from tests.inject import CAN_RAISE_AFTER, EXCEPTIONS, Plan, Step, injecting
 from tests.kvgen import prefix_kv
@@ -62,10 +62,7 @@ class TwinMachine(RuleBasedStateMachine):
     )
     def setup(self, layout, policy, seed, device, host, walk_share):
         self.layout = LAYOUTS[layout]
-        caps = {
-            p: PoolCapacity(device if p == PoolName.FULL else max(2, device // 2), host)
-            for p in self.layout.pools
-        }
+        caps = small_capacities(self.layout, device, host)
         self.twins, self.logs, self.faults = [], [], []
         for incremental in (True, False):
             faults = AllocationFaults()

@@ -13,10 +13,16 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvfabric.core.cache import radix
 from kvfabric.core.cache.layout import PoolName, Tier
 from kvfabric.core.cache.node_cache import NodeCache
-from kvfabric.core.cache.tiers import TierConfig, WritePolicy
+from kvfabric.core.cache.tiers import TierConfig
 from kvfabric.deploy.chaos.faults import AllocationFaults
 
-from tests.core.test_cache_stateful import LAYOUTS, NAMESPACES, family, small_capacities
+from tests.core.test_cache_stateful import (
+    LAYOUTS,
+    NAMESPACES,
+    SMALL_CACHE,
+    family,
+    small_capacities,
+)
 from tests.core.test_native_radix import node_state, tree_state
 from tests.examples import examples
 from tests.kvgen import prefix_kv
@@ -35,13 +41,7 @@ def python_cache(*args, **kwargs) -> NodeCache:
 
 
 class TwinCaches(RuleBasedStateMachine):
-    @initialize(
-        layout=st.sampled_from(sorted(LAYOUTS)),
-        policy=st.sampled_from(list(WritePolicy)),
-        seed=st.integers(0, 2**16),
-        device=st.integers(3, 8),
-        host=st.integers(0, 10),
-    )
+    @initialize(**SMALL_CACHE)
     def setup(self, layout, policy, seed, device, host):
         self.layout = LAYOUTS[layout]
         caps = small_capacities(self.layout, device, host)
