@@ -12,10 +12,10 @@ from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
 from kvfabric.core.cache.layout import KVLayout, PoolName
 from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.core.index.events import decode as decode_events
-from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tests.kvgen import prefix_kv
+from tests.ray_cluster import one_cpu_nodes
 
 LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=2, head_dim=32, page_size=16, window=32)
 CONFIG = NodeConfig(
@@ -27,14 +27,8 @@ T = 120.0
 
 @pytest.fixture(scope="module")
 def cluster():
-    # Token auth stays on, with the session's throw-away token (tests/conftest.py).
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
-    ray.init(address=c.address)
-    c.wait_for_nodes()
-    yield c, nodes
-    ray.shutdown()
-    c.shutdown()
+    with one_cpu_nodes(2) as (c, nodes):
+        yield c, nodes
 
 
 def start(name: str, node) -> "ray.actor.ActorHandle":

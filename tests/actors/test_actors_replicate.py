@@ -12,10 +12,10 @@ import pytest
 import ray
 from kvfabric.actors.launch import start, stop
 from kvfabric.core.index.replication import ReplicationConfig
-from ray.cluster_utils import Cluster
 
 from tests.actors.fabric_cluster.cluster_kit import CONFIG, LAYOUT, NS
 from tests.kvgen import prefix_kv
+from tests.ray_cluster import one_cpu_nodes
 from tests.waiting import eventually as wait_for
 
 T = 120.0
@@ -24,14 +24,8 @@ eventually = partial(wait_for, deadline_s=T, every_s=0.2)
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(3):
-        c.add_node(num_cpus=1)
-    ray.init(address=c.address)
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with one_cpu_nodes(3) as (c, _):
+        yield c
 
 
 def test_a_prefix_two_nodes_fetched_is_copied_to_the_others(cluster):

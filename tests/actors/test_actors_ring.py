@@ -14,10 +14,10 @@ from kvfabric.actors.epochs import PREFIX, GcsKV
 from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
 from kvfabric.core.cache.layout import KVLayout, PoolName
 from kvfabric.core.cache.pools import PoolCapacity
-from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tests.kvgen import prefix_kv
+from tests.ray_cluster import one_cpu_nodes
 from tests.waiting import eventually as wait_for
 
 LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=2, head_dim=16, page_size=16, window=32)
@@ -33,13 +33,8 @@ T = 120.0
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    nodes = [c.add_node(num_cpus=1) for _ in range(3)]
-    ray.init(address=c.address)
-    c.wait_for_nodes()
-    yield c, nodes
-    ray.shutdown()
-    c.shutdown()
+    with one_cpu_nodes(3) as (c, nodes):
+        yield c, nodes
 
 
 def start(name: str, node, config: NodeConfig = CONFIG):

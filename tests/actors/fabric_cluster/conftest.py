@@ -8,23 +8,16 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import ray
 from kvfabric.actors.launch import start, stop
-from ray.cluster_utils import Cluster
 
 from tests.actors.fabric_cluster.cluster_kit import CONFIG, DISK_FOLDER
+from tests.ray_cluster import one_cpu_nodes
 
 
 @pytest.fixture(scope="package")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(3):
-        c.add_node(num_cpus=1)
-    ray.init(address=c.address)
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with one_cpu_nodes(3) as (c, _):
+        yield c
 
 
 @pytest.fixture(scope="package")
