@@ -253,7 +253,8 @@ class LoadRun:
 
 def main(args: argparse.Namespace) -> int:
     from .conversation import single_turn_texts
-    from .vllm import engines, max_prompt_chars, on_cluster, trace_of
+    from .trace_file import trace_of
+    from .vllm import engines, max_prompt_chars, on_cluster
 
     trace = trace_of(args)
     if trace is None:

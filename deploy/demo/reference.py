@@ -17,12 +17,11 @@ def main(args: argparse.Namespace) -> int:
     # Ray and torch load only now: argument errors answer at once.
     from kvfabric.deploy.harness.cluster import connect, free_port, local_cluster, up
     from kvfabric.deploy.reference.serve.app import AppArgs
-    from kvfabric.deploy.sim.trace import TraceError, load_trace
 
-    try:
-        trace = load_trace(args.trace)
-    except (TraceError, OSError) as e:
-        print(f"kvfabric demo: {e}", file=sys.stderr)
+    from .trace_file import trace_of
+
+    trace = trace_of(args)
+    if trace is None:
         return 2
     # Device pools of 512 pages (8k tokens) a node: conversations outgrow them, so the
     # host tier serves too (write-back on eviction, load-back on a hit).

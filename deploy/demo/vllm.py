@@ -76,21 +76,11 @@ def app_args(
     )
 
 
-def trace_of(args: argparse.Namespace) -> list | None:
-    """The demo's trace; None (said on stderr) when it cannot be read."""
-    from kvfabric.deploy.sim.trace import TraceError, load_trace
-
-    try:
-        return load_trace(args.trace)
-    except (TraceError, OSError) as e:
-        print(f"kvfabric demo: {e}", file=sys.stderr)
-        return None
-
-
 def main(args: argparse.Namespace) -> int:
     from kvfabric.deploy.harness.http_replay import conversations
 
     from .conversation import conversation_texts
+    from .trace_file import trace_of
 
     trace = trace_of(args)
     if trace is None:
