@@ -57,17 +57,8 @@ class EventBatch:
     fingerprint: bytes = b""  # the publisher's layout; an index for another layout refuses it
 
     def encode(self) -> bytes:
-        return msgpack.packb(
-            [
-                EVENTS_VERSION,
-                "batch",
-                self.node,
-                self.epoch,
-                self.seq,
-                self.cleared,
-                [[p.key, p.parent, p.depth, p.mask] for p in self.pages],
-                self.fingerprint,
-            ]
+        return _encode(
+            "batch", self.node, self.epoch, self.seq, self.cleared, self.pages, self.fingerprint
         )
 
 
@@ -82,18 +73,33 @@ class Snapshot:
     fingerprint: bytes = b""
 
     def encode(self) -> bytes:
-        return msgpack.packb(
-            [
-                EVENTS_VERSION,
-                "snapshot",
-                self.node,
-                self.epoch,
-                self.seq,
-                True,
-                [[p.key, p.parent, p.depth, p.mask] for p in self.pages],
-                self.fingerprint,
-            ]
+        return _encode(
+            "snapshot", self.node, self.epoch, self.seq, True, self.pages, self.fingerprint
         )
+
+
+def _encode(
+    kind: str,
+    node: str,
+    epoch: int,
+    seq: int,
+    cleared: bool,
+    pages: Sequence[PageState],
+    fingerprint: bytes,
+) -> bytes:
+    """The one event message `decode` reads: a batch's or a snapshot's (cleared)."""
+    return msgpack.packb(
+        [
+            EVENTS_VERSION,
+            kind,
+            node,
+            epoch,
+            seq,
+            cleared,
+            [[p.key, p.parent, p.depth, p.mask] for p in pages],
+            fingerprint,
+        ]
+    )
 
 
 def decode(data: bytes) -> EventBatch | Snapshot:
