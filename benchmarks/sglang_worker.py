@@ -178,23 +178,17 @@ def _replay(cache: str, sequences: list[array], page_size: int, torch, base, rad
     empty, clock = torch.empty, time.perf_counter
     matched: list[int] = []
     append = matched.append
-    if cache == "radix":
-        tree, boolean = radix.RadixCache.create_simulated(page_size=page_size), torch.bool
+    int64 = torch.int64
+    if cache in ("radix", "unified"):  # the Python trees: one API, their own values
+        if cache == "radix":
+            tree, dtype = radix.RadixCache.create_simulated(page_size=page_size), torch.bool
+        else:
+            tree, dtype = _unified_cache(page_size), int64
         Key, Match, Insert = radix.RadixKey, base.MatchPrefixParams, base.InsertParams
         start = clock()
         for ids in sequences:
             m = tree.match_prefix(Match(key=Key(token_ids=ids)))
-            tree.insert(Insert(key=Key(token_ids=ids), value=empty(len(ids), dtype=boolean)))
-            append(m.device_prefix_len)
-        return clock() - start, matched
-    int64 = torch.int64
-    if cache == "unified":
-        unified = _unified_cache(page_size)
-        Key, Match, Insert = radix.RadixKey, base.MatchPrefixParams, base.InsertParams
-        start = clock()
-        for ids in sequences:
-            m = unified.match_prefix(Match(key=Key(token_ids=ids)))
-            unified.insert(Insert(key=Key(token_ids=ids), value=empty(len(ids), dtype=int64)))
+            tree.insert(Insert(key=Key(token_ids=ids), value=empty(len(ids), dtype=dtype)))
             append(m.device_prefix_len)
         return clock() - start, matched
     bindings, core = _rust_binding(page_size)
