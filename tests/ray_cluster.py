@@ -1,5 +1,6 @@
 """A Ray cluster of one-CPU nodes on this machine, for tests that place actors node by
-node. Token auth stays on, with the session's throw-away token (tests/conftest.py)."""
+node, and a node cache actor pinned to one of them. Token auth stays on, with the
+session's throw-away token (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import contextlib
 from typing import Any, Iterator
 
 import ray
+from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
 from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 
 @contextlib.contextmanager
@@ -23,3 +26,12 @@ def one_cpu_nodes(workers: int) -> Iterator[tuple[Cluster, list[Any]]]:
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+def node_actor_on(node: Any, name: str, config: NodeConfig, cpus: float, **options: Any) -> Any:
+    """A node cache actor named `name` on `node` (one of one_cpu_nodes' workers: hard
+    affinity, it dies with the node); `options`: more of Ray's actor options."""
+    strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+    return NodeCacheActor.options(
+        name=name, num_cpus=cpus, scheduling_strategy=strategy, **options
+    ).remote(name, config)

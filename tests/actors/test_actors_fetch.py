@@ -8,14 +8,13 @@ import time
 import pytest
 import ray
 import torch
-from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
+from kvfabric.actors.node.node_actor import NodeConfig
 from kvfabric.core.cache.layout import KVLayout, PoolName
 from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.core.index.events import decode as decode_events
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tests.kvgen import prefix_kv
-from tests.ray_cluster import one_cpu_nodes
+from tests.ray_cluster import node_actor_on, one_cpu_nodes
 
 LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=2, head_dim=32, page_size=16, window=32)
 CONFIG = NodeConfig(
@@ -32,10 +31,7 @@ def cluster():
 
 
 def start(name: str, node) -> "ray.actor.ActorHandle":
-    strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-    return NodeCacheActor.options(name=name, num_cpus=0.5, scheduling_strategy=strategy).remote(
-        name, CONFIG
-    )
+    return node_actor_on(node, name, CONFIG, cpus=0.5)
 
 
 def test_fetch_between_actors_on_two_nodes(cluster):

@@ -11,13 +11,12 @@ import pytest
 import ray
 import torch
 from kvfabric.actors.epochs import PREFIX, GcsKV
-from kvfabric.actors.node.node_actor import NodeCacheActor, NodeConfig
+from kvfabric.actors.node.node_actor import NodeConfig
 from kvfabric.core.cache.layout import KVLayout, PoolName
 from kvfabric.core.cache.pools import PoolCapacity
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tests.kvgen import prefix_kv
-from tests.ray_cluster import one_cpu_nodes
+from tests.ray_cluster import node_actor_on, one_cpu_nodes
 from tests.waiting import eventually as wait_for
 
 LAYOUT = KVLayout(layers=("full", "swa"), kv_heads=2, head_dim=16, page_size=16, window=32)
@@ -37,11 +36,8 @@ def cluster():
         yield c, nodes
 
 
-def start(name: str, node, config: NodeConfig = CONFIG):
-    strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-    return NodeCacheActor.options(name=name, num_cpus=0.25, scheduling_strategy=strategy).remote(
-        name, config
-    )
+def start(name: str, node, config: NodeConfig = CONFIG, **options):
+    return node_actor_on(node, name, config, cpus=0.25, **options)
 
 
 def connect_all(actors: dict) -> None:
@@ -143,10 +139,7 @@ def test_epochs_rise_across_restarts_without_a_clock(cluster):
     """A node actor Ray restarts claims its epoch from the GCS: above the old one. The
     GCS keeps one epoch key however many lives claimed (actors/epochs.py)."""
     _, nodes = cluster
-    strategy = NodeAffinitySchedulingStrategy(nodes[2].node_id, soft=False)
-    actor = NodeCacheActor.options(
-        name="epoch-node", num_cpus=0.25, max_restarts=-1, scheduling_strategy=strategy
-    ).remote("epoch-node", CONFIG)
+    actor = start("epoch-node", nodes[2], max_restarts=-1)
     try:
         epochs = [ray.get(actor.heartbeat.remote(), timeout=T).epoch]
         for _ in range(2):
