@@ -4,7 +4,6 @@ clean retry succeeds."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -25,6 +24,7 @@ from kvfabric.transport.fetch import TransportReader, register_device_pools
 from kvfabric.transport.nixl_transport import NixlTransport
 
 from tests.kvgen import prefix_kv
+from tests.transport import child
 from tests.waiting import eventually
 
 LAYOUT = KVLayout(layers=("full", "swa", "full"), kv_heads=2, head_dim=64, page_size=16, window=32)
@@ -65,11 +65,7 @@ def source_main(conn, name: str, env: dict[str, str]) -> None:
 class Source:
     def __init__(self, env: dict[str, str] | None = None) -> None:
         self.name = f"src-{uuid.uuid4().hex[:8]}"
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=source_main, args=(child, self.name, env or {}), daemon=True)
-        self.proc.start()
-        child.close()
+        self.proc, self.conn = child.spawn(source_main, self.name, env or {})
         if not self.conn.poll(STARTUP_S):
             self.stop()
             raise TimeoutError("source did not start")
@@ -86,15 +82,7 @@ class Source:
         self.proc.join(10)
 
     def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("quit",))
-            except (BrokenPipeError, OSError):
-                pass  # the peer is already gone: join below just reaps it
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        child.stop(self.proc, self.conn, ("quit",), grace_s=10)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ KVF_TEST_DEVICE (cpu by default; benchmarks/gpu_check.sh sets cuda).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -30,6 +29,7 @@ from kvfabric.transport.local import LocalTransport, copy_pages
 from kvfabric.transport.nixl_transport import NixlTransport
 from kvfabric.transport.runs import merge_runs, order_pairs
 
+from tests.transport import child
 from tests.waiting import eventually
 
 DEVICE = os.environ.get("KVF_TEST_DEVICE", "cpu")
@@ -77,13 +77,7 @@ def serve_peer(conn, name: str, device: str, env: dict[str, str]) -> None:
 class Peer:
     def __init__(self, env: dict[str, str] | None = None, name: str | None = None) -> None:
         self.name = name or f"peer-{uuid.uuid4().hex[:8]}"
-        ctx = mp.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=serve_peer, daemon=True, args=(child_conn, self.name, DEVICE, env or {})
-        )
-        self.proc.start()
-        child_conn.close()  # a peer dying during start-up then reads as EOF at once
+        self.proc, self.conn = child.spawn(serve_peer, self.name, DEVICE, env or {})
         try:
             if not self.conn.poll(STARTUP_S):
                 raise TimeoutError(f"peer {self.name} did not start within {STARTUP_S} s")
@@ -103,14 +97,7 @@ class Peer:
     def stop(self) -> None:
         if self.proc.is_alive():
             self.signal(signal.SIGCONT)  # a stopped child cannot act on "quit"
-            try:
-                self.conn.send("quit")
-            except (BrokenPipeError, OSError):
-                pass  # the peer is already gone: join below just reaps it
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        child.stop(self.proc, self.conn, "quit", grace_s=5)
 
 
 @pytest.fixture(autouse=True)
