@@ -82,11 +82,19 @@ class _Starter:
     """One per namespace: its calls run one at a time, so processes that ensure the same
     fabric together start it once."""
 
-    def ensure(self, config: NodeConfig, shards: int, cpus: float, watch_s: float, ns: str) -> bool:
+    def ensure(
+        self,
+        config: NodeConfig,
+        shards: int,
+        cpus: float,
+        timeout_s: float,
+        watch_s: float,
+        ns: str,
+    ) -> bool:
         try:
             directory = ray.get_actor(DIRECTORY, namespace=ns)
         except ValueError:
-            start(config, shards=shards, cpus_per_actor=cpus, watch_s=watch_s, namespace=ns)
+            start(config, shards, cpus, timeout_s, watch_s, ns)
             return True
         running = cast(NodeConfig, ray.get(directory.get_config.remote(), timeout=CALL_TIMEOUT_S))
         differences = config.layout.differences(running.layout)
@@ -116,7 +124,9 @@ def ensure(
         return cast(
             bool,
             ray.get(
-                starter.ensure.remote(config, shards, cpus_per_actor, watch_s, namespace),
+                starter.ensure.remote(
+                    config, shards, cpus_per_actor, timeout_s, watch_s, namespace
+                ),
                 timeout=timeout_s * 3,
             ),
         )
