@@ -339,6 +339,71 @@ def place_runs(
     return done
 
 
+def grow(
+    path: list[TreeNode],
+    parent: TreeNode | None,
+    keys: list[bytes],
+    tokens: bytes,
+    step: int,
+    tier: Tier,
+    placements: Sequence[Placement],
+    by_first_key: dict[bytes, TreeNode],
+    owned: Counters,
+    protected: Counters,
+    clock: int,
+) -> tuple[list[TreeNode], list[tuple[TreeNode, PoolName, list[int]]]]:
+    """`path`, then a new run of `keys` attached under `parent` (none for no keys), and each
+    placement's pages given to the nodes holding its positions (place_runs): all or nothing,
+    one call for RadixTree.grow. Returns (nodes, given), given as place_runs returns it:
+    what an undo takes back before it detaches the new node (nodes[-1])."""
+    if not (
+        type(path) is list
+        and type(keys) is list
+        and type(tokens) is bytes
+        and type(by_first_key) is dict
+        and type(step) is int
+        and type(clock) is int
+    ):
+        raise TypeError(
+            "grow(list, parent, list, bytes, int, tier, placements, dict, owned, protected, int)"
+        )
+    if step <= 0:
+        raise ValueError("grow's step must be > 0")
+    if not all(type(k) is bytes for k in keys):
+        raise TypeError("keys must be bytes")
+    up = None  # the parent, where there is a run to attach
+    if keys:
+        if type(parent) is not TreeNode:
+            raise TypeError(f"expected a TreeNode, got {type(parent).__name__}")
+        up = parent
+    nodes = list(path)
+    node = None
+    try:
+        if up is not None:  # attach's, undone with the rest where any step fails
+            node = TreeNode(keys, tokens, up, up.end)
+            node.last_access = clock
+            nodes.append(node)
+            up.children[tokens[:step]] = node
+            by_first_key[keys[0]] = node
+        given = place_runs(nodes, tier, placements, owned, protected)
+    except BaseException:
+        if up is not None and node is not None:
+            _unattach(up, node, tokens[:step], keys[0], by_first_key)
+        raise
+    return nodes, given
+
+
+def _unattach(
+    parent: TreeNode, node: TreeNode, first: bytes, key: bytes, by_first_key: dict[bytes, TreeNode]
+) -> None:
+    """grow's attach undone, where the maps still hold the node (a placement's code may
+    have moved it)."""
+    if parent.children.get(first) is node:
+        del parent.children[first]
+    if by_first_key.get(key) is node:
+        del by_first_key[key]
+
+
 def _ints(values: Sequence[int], what: str) -> None:
     """Ints only (not a subclass): as the C side, which must run no Python code mid-change."""
     if not all(type(v) is int for v in values):

@@ -93,6 +93,22 @@ class TreeOps(Protocol):
         /,
     ) -> list[tuple[nodes.TreeNode, PoolName, list[int]]]: ...
 
+    def grow(
+        self,
+        path: list[nodes.TreeNode],
+        parent: nodes.TreeNode | None,
+        keys: list[bytes],
+        tokens: bytes,
+        step: int,
+        tier: Tier,
+        placements: Sequence[nodes.Placement],
+        by_first_key: dict[bytes, nodes.TreeNode],
+        owned: Counters,
+        protected: Counters,
+        clock: int,
+        /,
+    ) -> tuple[list[nodes.TreeNode], list[tuple[nodes.TreeNode, PoolName, list[int]]]]: ...
+
 
 class Journal(Protocol):
     def record(self, undo: Callable[[], None]) -> None: ...

@@ -90,9 +90,16 @@ PyObject *radix_walk_keys(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *radix_touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *radix_attach(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *radix_split(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *radix_grow(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 /* attach()'s work: the new child of `parent`, in its children and in by_first_key. */
 Node *radix_attach_node(Node *parent, PyObject *keys, PyObject *tokens, Py_ssize_t step,
                         PyObject *by_first_key, long long clock);
+/* grow() with its step and clock as C values (nodes_tree.c): (nodes, given), or NULL with an
+ * error and the tree as it was. */
+PyObject *radix_grow_at(PyObject *path, PyObject *parent, PyObject *keys, PyObject *tokens,
+                        Py_ssize_t step, PyObject *tier, PyObject *placements,
+                        PyObject *by_first_key, PyObject *owned, PyObject *protected,
+                        long long clock);
 PyObject *radix_insert_free(TreeState *tree, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

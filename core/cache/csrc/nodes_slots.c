@@ -303,6 +303,9 @@ static PyMethodDef functions[] = {
          "missing(path, positions, pool, tiers) -> positions without a page"),
     FAST("place_runs", radix_place_runs,
          "place_runs(nodes, tier, placements, owned, protected) -> given"),
+    FAST("grow", radix_grow,
+         "grow(path, parent, keys, tokens, step, tier, placements, by_first_key, owned, "
+         "protected, clock) -> (nodes, given)"),
     {NULL},
 };
 

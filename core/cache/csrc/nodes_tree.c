@@ -460,3 +460,125 @@ fail:
     Py_XDECREF(head);
     return NULL;
 }
+
+/* Takes a node grow attached back out of `parent`'s children and `by_first_key`, where they
+ * still map to it (code a placement ran may have moved it), keeping the error in flight. */
+static void
+unattach(Node *parent, Node *node, PyObject *first, PyObject *key, PyObject *by_first_key)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (PyDict_GetItemWithError(parent->children, first) == (PyObject *)node) {
+        PyDict_DelItem(parent->children, first);
+    }
+    if (PyDict_GetItemWithError(by_first_key, key) == (PyObject *)node) {
+        PyDict_DelItem(by_first_key, key);
+    }
+    PyErr_Clear(); /* the placement's error is the one raised */
+    PyErr_Restore(type, value, tb);
+}
+
+/* grow's work once its arguments are checked (radix_grow_at). */
+static PyObject *
+grow_run(PyObject *path, Node *parent, PyObject *keys, PyObject *tokens, Py_ssize_t step,
+         PyObject *tier, PyObject *placements, PyObject *by_first_key, PyObject *owned,
+         PyObject *protected, long long clock)
+{
+    Py_ssize_t np = PyList_GET_SIZE(path), nk = PyList_GET_SIZE(keys);
+    /* Everything that can fail for memory comes before the attach, but place_runs. */
+    PyObject *nodes = PyList_New(np + (nk > 0)), *out = nodes ? PyTuple_New(2) : NULL;
+    PyObject *first = out && nk ? cut(tokens, 0, step) : NULL;
+    PyObject *key = nk ? Py_NewRef(PyList_GET_ITEM(keys, 0)) : NULL;
+    Node *node = NULL;
+    if (out == NULL || (nk && first == NULL)) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < np; i++) {
+        PyList_SET_ITEM(nodes, i, Py_NewRef(PyList_GET_ITEM(path, i)));
+    }
+    if (nk) { /* attach's, with its first page's bytes cut once, for the undo too */
+        node = radix_node_new(keys, tokens, (PyObject *)parent, parent->end);
+        if (node == NULL) {
+            goto fail;
+        }
+        node->last_access = clock;
+        PyList_SET_ITEM(nodes, np, Py_NewRef((PyObject *)node));
+        if (PyDict_SetItem(parent->children, first, (PyObject *)node) < 0 ||
+            PyDict_SetItem(by_first_key, key, (PyObject *)node) < 0) {
+            goto undo;
+        }
+    }
+    PyObject *place_args[5] = {nodes, tier, placements, owned, protected};
+    PyObject *given = radix_place_runs(NULL, place_args, 5);
+    if (given == NULL) {
+        goto undo;
+    }
+    PyTuple_SET_ITEM(out, 0, nodes);
+    PyTuple_SET_ITEM(out, 1, given);
+    Py_XDECREF(first);
+    Py_XDECREF(key);
+    Py_XDECREF(node);
+    return out;
+undo:
+    if (node != NULL) {
+        unattach(parent, node, first, key, by_first_key);
+    }
+fail:
+    Py_XDECREF(nodes);
+    Py_XDECREF(out);
+    Py_XDECREF(first);
+    Py_XDECREF(key);
+    Py_XDECREF(node);
+    return NULL;
+}
+
+/* grow(path, parent, keys, tokens, step, tier, placements, by_first_key, owned, protected,
+ * clock) -> (nodes, given): `path`, then a new run of `keys` attached under `parent` (none
+ * for no keys), and each placement's pages given to the nodes holding its positions
+ * (place_runs); all or nothing, calling no Python method. `given` is place_runs': what
+ * the journal takes back, before it detaches the new node (nodes[-1]). */
+PyObject *
+radix_grow(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs)
+{
+    ARGS(11, "grow");
+    if (!PyLong_CheckExact(args[4]) || !PyLong_CheckExact(args[10])) {
+        return PyErr_Format(PyExc_TypeError, "grow(list, parent, list, bytes, int, tier, "
+                                             "placements, dict, owned, protected, int)");
+    }
+    Py_ssize_t step = PyLong_AsSsize_t(args[4]);
+    long long clock = PyLong_AsLongLong(args[10]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    return radix_grow_at(args[0], args[1], args[2], args[3], step, args[5], args[6], args[7],
+                         args[8], args[9], clock);
+}
+
+/* grow() with its step and clock in C, for insert_free (radix_insert.c) too: the other
+ * arguments are checked here, before any change. */
+PyObject *
+radix_grow_at(PyObject *path, PyObject *parent, PyObject *keys, PyObject *tokens, Py_ssize_t step,
+              PyObject *tier, PyObject *placements, PyObject *by_first_key, PyObject *owned,
+              PyObject *protected, long long clock)
+{
+    if (!PyList_CheckExact(path) || !PyList_CheckExact(keys) || !PyBytes_CheckExact(tokens) ||
+        by_first_key == NULL || !PyDict_CheckExact(by_first_key)) {
+        return PyErr_Format(PyExc_TypeError, "grow(list, parent, list, bytes, int, tier, "
+                                             "placements, dict, owned, protected, int)");
+    }
+    if (step <= 0) {
+        return PyErr_Format(PyExc_ValueError, "grow's step must be > 0");
+    }
+    Py_ssize_t nk = PyList_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < nk; i++) { /* hashed and kept: bytes run no Python code */
+        if (!PyBytes_CheckExact(PyList_GET_ITEM(keys, i))) {
+            return PyErr_Format(PyExc_TypeError, "keys must be bytes");
+        }
+    }
+    Node *node = nk ? radix_as_node(parent) : NULL;
+    if (nk && node == NULL) {
+        return NULL;
+    }
+    return grow_run(path, node, keys, tokens, step, tier, placements, by_first_key, owned,
+                    protected, clock);
+}
