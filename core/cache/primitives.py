@@ -116,19 +116,6 @@ class Journal(Protocol):
     def dropped(self, pool: PoolName, tier: Tier, pages: list[int]) -> None: ...
 
 
-class Undo(list):
-    """The journal of a step that evicts nothing (insert_free's grow): undone newest first."""
-
-    record = list.append  # (undo: Callable[[], None]); no Python frame per insert
-
-    def dropped(self, pool: PoolName, tier: Tier, pages: list[int]) -> None:
-        raise AssertionError("a step on free pages freed tree pages")
-
-    def rollback(self) -> None:
-        while self:
-            self.pop()()
-
-
 class Keyer(Protocol):
     """What insert_free asks of a namespace's PageKeyer."""
 

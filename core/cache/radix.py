@@ -25,7 +25,7 @@ from . import native, nodes
 from .changes import ChangeLog
 from .layout import PoolName, Tier
 from .nodes import ABSENT, DEVICE, DEVICE_ONLY, TIERS, Placement, TreeNode
-from .primitives import Allocator, Journal, Keyer, TreeOps, Undo, free_all
+from .primitives import Allocator, Journal, Keyer, TreeOps, free_all
 
 __all__ = [
     "ABSENT",
@@ -93,6 +93,8 @@ class RadixTree:
         self.page_bytes = page_bytes
         self._free, self._take = free_page, take_page
         self._ops = tree_ops(native)  # C or the Python reference: same calls, same effects
+        # missing is the primitive itself, bound here: a method would add only a frame a put
+        self.missing = self._ops.missing  # type: ignore[method-assign,assignment]
         self.roots: dict[bytes, TreeNode] = {}  # namespace root key -> root
         self.by_first_key: dict[bytes, TreeNode] = {}  # a node's first page's key -> the node
         self.clock = 0
@@ -243,32 +245,76 @@ class RadixTree:
         """`path`, then a new run of `keys` and `tokens` under `parent` (none when `keys` is
         empty), with each placement's (pool, sorted positions, pages) given on `tier` to
         the nodes holding its positions; all or nothing. Returns the nodes."""
-        nodes = list(path)
-        if keys:
-            assert parent is not None
-            nodes.append(self.attach(parent, keys, tokens, None))
-        try:
-            given = self._ops.place_runs(nodes, tier, placements, self.owned, self.protected)
-        except BaseException:
-            if keys:
-                self.detach(nodes[-1], None)
-            raise
+        nodes, given = self._grow(path, parent, keys, tokens, tier, placements, False)
         if journal is not None:
-
-            def undo() -> None:
-                for node, pool, offsets in reversed(given):
-                    self.clear_pages(node, tier, pool, offsets)
-                if keys:
-                    self.detach(nodes[-1], None)
-
-            journal.record(undo)
-        if (dirty := self.dirty) is not None:
-            for node, _, _ in given:  # a loop: a generator costs a frame per insert
-                dirty.add(node)
-        if (changes := self.changes) is not None:
-            for node, _, offsets in given:
-                changes.touched(node, offsets)
+            node = nodes[-1] if keys else None
+            journal.record(lambda: self._ungrow(tier, given, node))
         return nodes
+
+    def _grow(
+        self,
+        path: list[TreeNode],
+        parent: TreeNode | None,
+        keys: list[bytes],
+        tokens: bytes,
+        tier: Tier,
+        placements: Sequence[Placement],
+        touch: bool,
+    ) -> tuple[list[TreeNode], list[tuple[TreeNode, PoolName, list[int]]]]:
+        """grow without a journal: (nodes, what the placements gave), whole or not at all.
+        The tree's work is one call (`_ops.grow`); the counts, dirty set and change log are
+        kept here. With `touch`, the nodes are touched after, as touch(nodes) does."""
+        now = self.clock + 1 if touch else self.clock
+        try:
+            nodes, given = self._ops.grow(
+                path, parent, keys, tokens, self.page_bytes, tier, placements,
+                self.by_first_key, self.owned, self.protected, now,
+            )  # fmt: skip
+        except BaseException:
+            # As detach has it, a namespace root left without children goes (read only
+            # where the kernel's checks could pass: no Python code runs here).
+            if type(keys) is list and keys and parent is not None:
+                if type(parent) is self._ops.TreeNode and parent.is_root and not parent.children:
+                    if self.roots.get(parent.keys[0]) is parent:
+                        del self.roots[parent.keys[0]]
+            raise
+        node = nodes[-1] if keys else None
+        if node is not None:
+            self.node_count += 1
+            self.page_count += len(keys)
+            self.version += 1
+        try:
+            if (dirty := self.dirty) is not None:
+                if node is not None:
+                    dirty.update((node, node.up))
+                if touch:
+                    dirty.update(nodes)
+                for x, _, _ in given:  # a loop: a generator costs a frame per insert
+                    dirty.add(x)
+            if (changes := self.changes) is not None:
+                if node is not None:
+                    changes.touched(node, range(node.n))
+                for x, _, offsets in given:
+                    changes.touched(x, offsets)
+        except BaseException:
+            self._ungrow(tier, given, node)  # whole or not at all, as every step here
+            raise
+        if touch:  # last: nothing after it can fail, so nothing has to restore it
+            self.clock = now
+            self._ops.touch(nodes, now, False)
+        return nodes, given
+
+    def _ungrow(
+        self,
+        tier: Tier,
+        given: list[tuple[TreeNode, PoolName, list[int]]],
+        node: TreeNode | None,
+    ) -> None:
+        """grow's undo: the pages it gave taken back, newest first, then its node detached."""
+        for x, pool, offsets in reversed(given):
+            self.clear_pages(x, tier, pool, offsets)
+        if node is not None:
+            self.detach(node, None)
 
     def new_run(
         self, path: list[TreeNode], tokens: bytes, keyer: Keyer
@@ -294,18 +340,18 @@ class RadixTree:
         got: Reserved,
     ) -> tuple[list[TreeNode], T | None] | None:
         """An insert on free pages, the common case, whole or not at all; the native tree
-        does it in one C call (csrc/radix_insert.c). None, with nothing done, where an allocator
-        lacks the free pages `todo` (positions per pool) asks of it. Otherwise: take them
-        into `got` (calling `hook(pool, tier)` first, as a reservation does), `fill(got,
-        quarantine)` them, grow the tree by the run of `tokens` below the path's end (keys chained
-        by `keyer`) with each pool's pages at its positions, and touch the nodes. Returns
+        does it in one C call (csrc/radix_insert.c, over the same grow kernel). None, with
+        nothing done, where an allocator lacks the free pages `todo` (positions per pool)
+        asks of it. Otherwise: take them into `got` (calling `hook(pool, tier)` first, as a
+        reservation does), `fill(got, quarantine)` them, grow the tree by the run of `tokens`
+        below the path's end (keys chained by `keyer`) with each pool's pages at its
+        positions, and touch the nodes. Returns
         (nodes, None), or ([], failure) where fill returns one; on a failure or an
         exception the tree is as before and the pages left in `got` are freed (quarantine()
         empties it first where a transfer may still write them)."""
         for pool, positions in todo.items():  # loops: a comprehension costs a frame
             if allocators[pool].free_count < len(positions):
                 return None
-        undo = Undo()
         try:
             for pool, positions in todo.items():
                 if hook is not None and positions:
@@ -315,13 +361,10 @@ class RadixTree:
                 return [], failed
             parent, keys = self.new_run(path, tokens, keyer)
             given = placements(todo, tier, got)
-            nodes = self.grow(path, parent, keys, tokens, tier, given, undo)
-            self.touch(nodes)
+            # whole or not at all, and the last step that can fail: no undo to keep
+            nodes, _ = self._grow(path, parent, keys, tokens, tier, given, True)
             got.clear()  # placed: the tree owns them now
             return nodes, None
-        except BaseException:
-            undo.rollback()
-            raise
         finally:
             free_all(got, allocators)
 
@@ -390,13 +433,11 @@ class RadixTree:
 
 if EXT is not None:
     _TreeState: Any = EXT.TreeState  # built C: mypy sees no source
-    _missing: Any = EXT.missing
 
     class _NativeRadixTree(RadixTree, _TreeState):
         """RadixTree with its fields in C, where a request's calls are one C call each:
-        walk and insert_free on the state, missing the primitive itself (the Python
-        methods above add nothing to it)."""
+        walk and insert_free on the state (missing, the primitive itself, is bound by
+        __init__ on both trees)."""
 
         walk = _TreeState.walk
         insert_free = _TreeState.insert_free
-        missing = staticmethod(_missing)

@@ -1,8 +1,8 @@
 /* RadixTree.insert_free (radix.py) as one C call: an insert on free pages, whole or not at
  * all. The Python method stays the reference; this does what it does in the same order
- * (RadixTree.root, new_run, grow, attach, detach, clear_pages and touch included), so any
- * failure leaves the same state. Its undo journal is what place_runs gave and whether a
- * node was attached; its pages wait in `got` until the tree owns them. */
+ * (RadixTree.root, new_run, _grow over the grow kernel, _ungrow's clear_pages and detach),
+ * so any failure leaves the same state. Its undo is what the grow kernel gave and the node
+ * it attached; its pages wait in `got` until the tree owns them. */
 #include "nodes.h"
 
 static PyObject *S_free_count, *S_alloc, *S_free, *S_chain, *S_root, *S_touched, *S_left;
@@ -99,32 +99,24 @@ root(TreeState *tree, PyObject *root_key)
     return err ? NULL : node;
 }
 
-static void undo(TreeState *tree, PyObject *tier, PyObject *given, Node *node);
-
-/* RadixTree.attach with no journal: the node (new reference), counted, or NULL with
- * nothing attached. */
-static Node *
-attach_counted(TreeState *tree, Node *parent, PyObject *keys, PyObject *tokens)
+/* A failed grow: the namespace root `parent`, left without children, goes, as RadixTree.detach
+ * would take it (RadixTree._grow). Keeps the error in flight. */
+static void
+drop_empty_root(TreeState *tree, Node *parent)
 {
-    Node *node =
-        radix_attach_node(parent, keys, tokens, tree->page_bytes, tree->by_first_key, tree->clock);
-    if (node == NULL) {
-        return NULL;
+    if (parent == NULL || parent->parent != Py_None || PyDict_GET_SIZE(parent->children) ||
+        PyList_GET_SIZE(parent->keys) == 0) {
+        return;
     }
-    tree->node_count++;
-    tree->page_count += PyList_GET_SIZE(keys);
-    tree->version++;
-    int err = mark(tree, (PyObject *)node, (PyObject *)parent) < 0;
-    if (!err && has(tree->changes)) { /* range(node.n), built only for a change log */
-        PyObject *all = PyObject_CallFunction((PyObject *)&PyRange_Type, "n", radix_node_n(node));
-        err = all == NULL || touched(tree, node, all) < 0;
-        Py_XDECREF(all);
+    PyObject *type, *value, *tb, *key = PyList_GET_ITEM(parent->keys, 0);
+    PyErr_Fetch(&type, &value, &tb);
+    Py_INCREF(key);
+    if (PyDict_GetItemWithError(tree->roots, key) == (PyObject *)parent) {
+        PyDict_DelItem(tree->roots, key);
     }
-    if (err) {
-        undo(tree, NULL, NULL, node);
-        Py_CLEAR(node);
-    }
-    return node;
+    Py_DECREF(key);
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
 }
 
 /* RadixTree.detach with no journal, of a node just attached (no children, no pages). */
@@ -186,22 +178,6 @@ undo(TreeState *tree, PyObject *tier, PyObject *given, Node *node)
         return;
     }
     PyErr_Restore(type, value, tb);
-}
-
-/* RadixTree.touch(nodes): a new clock tick on each. */
-static int
-touch_all(TreeState *tree, PyObject *nodes)
-{
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(nodes); i++) {
-        if (mark(tree, PyList_GET_ITEM(nodes, i), NULL) < 0) {
-            return -1;
-        }
-    }
-    tree->clock++;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(nodes); i++) {
-        ((Node *)PyList_GET_ITEM(nodes, i))->last_access = tree->clock;
-    }
-    return 0;
 }
 
 /* PyDict_Next over `todo` as a Python loop over todo.items() goes: each (pool,
@@ -335,6 +311,67 @@ new_run(TreeState *tree, PyObject *path, PyObject *tokens, PyObject *keyer, PyOb
     return parent;
 }
 
+/* RadixTree._grow(path, parent, keys, tokens, tier, placements, touch=True): the grow
+ * kernel, then the counts, the dirty set and the change log, then the touch; all or nothing.
+ * (nodes, None), or NULL with an error and the tree as it was. `keys` and `parent` may be
+ * NULL (no tokens: no run). */
+static PyObject *
+grow(TreeState *tree, PyObject *path, Node *parent, PyObject *keys, PyObject *tokens,
+     PyObject *tier, PyObject *placements)
+{
+    long long now = tree->clock + 1;
+    PyObject *none = keys ? NULL : PyList_New(0), *result = NULL;
+    if (keys == NULL && none == NULL) {
+        return NULL;
+    }
+    PyObject *grown = radix_grow_at(path, parent ? (PyObject *)parent : Py_None,
+                                    keys ? keys : none, tokens, tree->page_bytes, tier, placements,
+                                    tree->by_first_key, tree->owned, tree->protected, now);
+    if (grown == NULL) {
+        if (keys != NULL && PyList_CheckExact(keys) && PyList_GET_SIZE(keys)) {
+            drop_empty_root(tree, parent);
+        }
+        goto done;
+    }
+    PyObject *nodes = PyTuple_GET_ITEM(grown, 0), *given = PyTuple_GET_ITEM(grown, 1);
+    Py_ssize_t nk = keys ? PyList_GET_SIZE(keys) : 0, nn = PyList_GET_SIZE(nodes);
+    Node *node = nk ? (Node *)PyList_GET_ITEM(nodes, nn - 1) : NULL; /* held by `nodes` */
+    if (node != NULL) {
+        tree->node_count++;
+        tree->page_count += nk;
+        tree->version++;
+    }
+    int err = node != NULL && mark(tree, (PyObject *)node, (PyObject *)parent) < 0;
+    for (Py_ssize_t k = 0; !err && k < nn; k++) { /* touch's */
+        err = mark(tree, PyList_GET_ITEM(nodes, k), NULL) < 0;
+    }
+    for (Py_ssize_t k = 0; !err && k < PyList_GET_SIZE(given); k++) {
+        err = mark(tree, PyTuple_GET_ITEM(PyList_GET_ITEM(given, k), 0), NULL) < 0;
+    }
+    if (!err && node != NULL && has(tree->changes)) { /* range(node.n), built only for a log */
+        PyObject *all = PyObject_CallFunction((PyObject *)&PyRange_Type, "n", radix_node_n(node));
+        err = all == NULL || touched(tree, node, all) < 0;
+        Py_XDECREF(all);
+    }
+    for (Py_ssize_t k = 0; !err && k < PyList_GET_SIZE(given); k++) {
+        PyObject *rec = PyList_GET_ITEM(given, k);
+        err = touched(tree, (Node *)PyTuple_GET_ITEM(rec, 0), PyTuple_GET_ITEM(rec, 2)) < 0;
+    }
+    if (err) {
+        undo(tree, tier, given, node);
+        goto done;
+    }
+    tree->clock = now; /* last: nothing after it can fail */
+    for (Py_ssize_t k = 0; k < nn; k++) {
+        ((Node *)PyList_GET_ITEM(nodes, k))->last_access = now;
+    }
+    result = PyTuple_Pack(2, nodes, Py_None);
+done:
+    Py_XDECREF(none);
+    Py_XDECREF(grown);
+    return result;
+}
+
 /* insert_free(path, tokens, keyer, todo, tier, allocators, hook, fill, hold, got): see
  * RadixTree.insert_free. */
 PyObject *
@@ -363,9 +400,8 @@ radix_insert_free(TreeState *tree, PyObject *const *args, Py_ssize_t nargs)
     if (room <= 0) {
         return room < 0 ? NULL : Py_NewRef(Py_None);
     }
-    PyObject *result = NULL, *keys = NULL, *nodes = NULL, *placements = NULL, *given = NULL;
-    Node *node = NULL;   /* the new run's node, once attached and counted */
-    Node *parent = NULL; /* where it hangs (held: the keyer's chain runs Python code) */
+    PyObject *result = NULL, *keys = NULL, *placements = NULL;
+    Node *parent = NULL; /* where the new run hangs (held: the keyer's chain runs Python code) */
     if (take(todo, tier, allocators, hook, got) < 0) {
         goto done;
     }
@@ -401,47 +437,12 @@ radix_insert_free(TreeState *tree, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_XDECREF(key), Py_XDECREF(placement);
     }
-    nodes = placements ? PyList_GetSlice(path, 0, PY_SSIZE_T_MAX) : NULL;
-    if (nodes == NULL) {
+    if (placements == NULL) {
         goto done;
     }
-    if (keys != NULL && !PyList_Check(keys)) {
-        PyErr_SetString(PyExc_TypeError, "a keyer's chain must be a list");
-        goto done;
+    if ((result = grow(tree, path, parent, keys, tokens, tier, placements)) != NULL) {
+        PyDict_Clear(got); /* placed: the tree owns them now */
     }
-    if (keys != NULL && PyList_GET_SIZE(keys)) { /* grow: the run, then its pages */
-        if ((node = attach_counted(tree, parent, keys, tokens)) == NULL ||
-            PyList_Append(nodes, (PyObject *)node) < 0) {
-            goto done;
-        }
-    }
-    PyObject *place_args[5] = {nodes, tier, placements, tree->owned, tree->protected};
-    given = radix_place_runs(NULL, place_args, 5);
-    if (given == NULL) {
-        if (node != NULL) {
-            undo(tree, tier, NULL, node);
-        }
-        goto done;
-    }
-    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(given); k++) { /* grow's dirty, then changes */
-        if (mark(tree, PyTuple_GET_ITEM(PyList_GET_ITEM(given, k), 0), NULL) < 0) {
-            goto undone;
-        }
-    }
-    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(given); k++) {
-        PyObject *rec = PyList_GET_ITEM(given, k);
-        if (touched(tree, (Node *)PyTuple_GET_ITEM(rec, 0), PyTuple_GET_ITEM(rec, 2)) < 0) {
-            goto undone;
-        }
-    }
-    if (touch_all(tree, nodes) < 0) {
-        goto undone;
-    }
-    PyDict_Clear(got); /* placed: the tree owns them now */
-    result = PyTuple_Pack(2, nodes, Py_None);
-    goto done;
-undone:
-    undo(tree, tier, given, node);
 done:
     if (result == NULL) { /* the finally, with an error in flight */
         PyObject *type, *value, *tb;
@@ -457,10 +458,7 @@ done:
         Py_CLEAR(result);
     }
     Py_XDECREF(keys);
-    Py_XDECREF(nodes);
     Py_XDECREF(placements);
-    Py_XDECREF(given);
-    Py_XDECREF(node);
     Py_XDECREF(parent);
     return result;
 }
