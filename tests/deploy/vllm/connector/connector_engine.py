@@ -109,6 +109,25 @@ class Engine:
             )
         )
 
+    def counters(self) -> dict[str, int]:
+        """The connector's counters (vllm:kvfabric_*, by name and labels) now: a failed
+        test's message says what the connector did meanwhile."""
+        out: dict[str, int] = {}
+        for m in self.llm.get_metrics():
+            if m.name.startswith("vllm:kvfabric_"):
+                key = m.name + "".join(f" {k}={v}" for k, v in sorted(m.labels.items()))
+                out[key] = out.get(key, 0) + int(m.value)
+        return out
+
+    def what_happened(self, before: dict[str, int], prompt: str) -> str:
+        """The counters that moved since `before`, and how much of `prompt` the node holds."""
+        now = self.counters()
+        moved = {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+        ids = self.llm.get_tokenizer().encode(prompt)
+        return (
+            f"connector counters moved: {moved}; the node holds {self.pages(self.node, ids)} pages"
+        )
+
     def remote_hits(self) -> int:
         """Tokens the connector loaded after fetching them from another node (vLLM's
         cached-tokens-by-source counter, source p2p)."""

@@ -82,9 +82,9 @@ def test_conversation_longer_than_the_window(engine):
     turn2 = turn1 + tok.decode(out1) + engine.text(500)
     want = engine.reference(turn2)
     engine.evict()
-    before = engine.external_hits()
+    before, counted = engine.external_hits(), engine.counters()
     assert engine.generate(turn2)[0] == want
-    assert engine.external_hits() - before >= 600
+    assert engine.external_hits() - before >= 600, engine.what_happened(counted, turn2)
 
 
 @pytest.mark.parametrize(
