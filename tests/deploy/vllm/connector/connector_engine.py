@@ -23,6 +23,7 @@ from kvfabric.actors.served import fabrics_of
 from kvfabric.core.cache.layout import Tier
 from kvfabric.core.index.answers import NodeMatch
 from kvfabric.deploy.chaos.faults import HOOKS, ChaosAction, StepFaultFile
+from kvfabric.deploy.serving.cache_namespace import cache_namespace
 from kvfabric.deploy.vllm.connector import kv_transfer_config
 from kvfabric.deploy.vllm.serve.model import ensure_tiny_model
 from ray.cluster_utils import Cluster
@@ -75,9 +76,13 @@ class Engine:
         pages go to its host tier), then empty the engine's own prefix cache. The prompts
         alone did not always evict it: a finished request's blocks stay in use until a
         later step reports its save done, later on a loaded machine, and so went back to
-        the cache after the others."""
+        the cache after the others. Each prompt's save lands before the next: a save the
+        node still writes holds device pages, and a host hit needs device room to load
+        back (NodeCache.get), which a 48-page pool cannot give both."""
         for _ in range(3):
-            self.generate(self.text(), salt=f"filler-{uuid.uuid4().hex}")
+            filler, salt = self.text(), f"filler-{uuid.uuid4().hex}"
+            self.generate(filler, salt=salt)
+            self.saved(filler, salt)
         self.clear_own_cache()
 
     def clear_own_cache(self) -> None:
@@ -124,8 +129,10 @@ class Engine:
         now = self.counters()
         moved = {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
         ids = self.llm.get_tokenizer().encode(prompt)
+        stats = ray.get(self.node.cache_stats.remote(), timeout=CALL_TIMEOUT_S)
         return (
-            f"connector counters moved: {moved}; the node holds {self.pages(self.node, ids)} pages"
+            f"connector counters moved: {moved}; the node holds {self.pages(self.node, ids)} "
+            f"pages; its cache's load-back failures so far: {stats.load_back_failures}"
         )
 
     def remote_hits(self) -> int:
@@ -133,16 +140,16 @@ class Engine:
         cached-tokens-by-source counter, source p2p)."""
         return self.metric("vllm:prompt_tokens_cached_by_source", source="p2p")
 
-    def pages(self, node, ids: list[int]) -> int:
-        return ray.get(node.match.remote(ids, TENANT), timeout=CALL_TIMEOUT_S)
+    def pages(self, node, ids: list[int], salt: str | None = None) -> int:
+        return ray.get(node.match.remote(ids, cache_namespace(salt)), timeout=CALL_TIMEOUT_S)
 
-    def saved(self, prompt: str) -> int:
+    def saved(self, prompt: str, salt: str | None = None) -> int:
         """Wait until this node holds the prompt's whole pages: its save lands after the
         request ends (off the engine's step), later on a loaded machine. Returns them."""
         ids = self.llm.get_tokenizer().encode(prompt)
         want = (len(ids) - 1) // BLOCK
         return eventually(
-            lambda: (n := self.pages(self.node, ids)) >= want and n, "the prompt saved here"
+            lambda: (n := self.pages(self.node, ids, salt)) >= want and n, "the prompt saved here"
         )
 
     def move_to_peer(self, prompt: str) -> int:

@@ -273,10 +273,11 @@ def test_the_connectors_and_the_nodes_counters_are_exported_through_ray_s_metric
         found = ray_metrics.samples("ray_vllm_kvfabric_lookups_total")
         assert all("ReplicaId" in labels for labels, _ in found), found
         total = sum(v for _, v in found)
-        return total if total > 0 else None
+        return total if total >= 2 else None
 
-    # Ray's agents export what the replicas reported at their last interval (seconds).
-    assert eventually(lookups, "the fabric's lookups exported", deadline_s=180) >= 2
+    # Ray's agents export what the replicas reported at their last interval (seconds):
+    # the first request's lookup may be exported an interval before the second's.
+    assert eventually(lookups, "both requests' lookups exported", deadline_s=180) >= 2
 
     def node_pages() -> list | None:
         found = [
