@@ -379,12 +379,9 @@ def grow(
     nodes = list(path)
     node = None
     try:
-        if up is not None:  # attach's, undone with the rest where any step fails
-            node = TreeNode(keys, tokens, up, up.end)
-            node.last_access = clock
+        if up is not None:  # undone with the rest where any step fails
+            node = attach(up, keys, tokens, step, by_first_key, clock)
             nodes.append(node)
-            up.children[tokens[:step]] = node
-            by_first_key[keys[0]] = node
         given = place_runs(nodes, tier, placements, owned, protected)
     except BaseException:
         if up is not None and node is not None:

@@ -188,8 +188,7 @@ class RadixTree:
         self.node_count -= 1
         self.page_count -= node.n
         self.version += 1
-        if parent.is_root and not parent.children:
-            del self.roots[parent.keys[0]]
+        self._drop_bare_root(parent)
         if journal is not None:  # before the records below, whatever they raise
             journal.record(lambda: self._reattach(node))
         if (dirty := self.dirty) is not None:
@@ -198,6 +197,11 @@ class RadixTree:
                 self.dirty = None
         if self.changes is not None:
             self.changes.left(node)
+
+    def _drop_bare_root(self, node: TreeNode) -> None:
+        """A namespace root goes with its last child (`root` makes it again)."""
+        if node.is_root and not node.children and self.roots.get(node.keys[0]) is node:
+            del self.roots[node.keys[0]]
 
     def _reattach(self, node: TreeNode) -> None:
         if self.changes is not None:
@@ -271,12 +275,11 @@ class RadixTree:
                 self.by_first_key, self.owned, self.protected, now,
             )  # fmt: skip
         except BaseException:
-            # As detach has it, a namespace root left without children goes (read only
+            # As after a detach, a namespace root left without children goes (read only
             # where the kernel's checks could pass: no Python code runs here).
             if type(keys) is list and keys and parent is not None:
-                if type(parent) is self._ops.TreeNode and parent.is_root and not parent.children:
-                    if self.roots.get(parent.keys[0]) is parent:
-                        del self.roots[parent.keys[0]]
+                if type(parent) is self._ops.TreeNode:
+                    self._drop_bare_root(parent)
             raise
         node = nodes[-1] if keys else None
         if node is not None:

@@ -14,6 +14,7 @@ from kvfabric.core.cache import nodes, radix
 from kvfabric.core.cache.layout import PoolName, Tier
 from kvfabric.core.cache.radix import TIERS, RadixTree
 
+from tests.core.test_native_hostile import ignore
 from tests.core.test_native_radix import node_state, path_to, tree_state
 from tests.examples import examples
 from tests.inject import EXCEPTIONS
@@ -23,10 +24,6 @@ c_only = pytest.mark.skipif(
 )
 
 STEP = 2
-
-
-def ignore(pool, tier, pages) -> None:
-    pass
 
 
 class Injected:
