@@ -19,9 +19,10 @@ one run, each figure against its limit:
             process): `node_load_ratio_vs_memcpy`, `node_save_ratio_vs_memcpy`.
   decode    --decoders requests whose prompt and output stay within one block (nothing to
             load or save: what the connector costs a step), tokens/s against the same
-            engine arguments without the connector, in a second process after this one
-            beside an idle Ray cluster of its own (the fabric's actors are the connector's
-            cost, Ray's daemons are not): `decode_ratio_vs_no_connector`.
+            engine arguments without the connector, in a child process beside an idle Ray
+            cluster of its own (the fabric's actors are the connector's cost, Ray's
+            daemons are not), the two engines' runs alternating:
+            `decode_ratio_vs_no_connector`.
   stall     the decoders again, with longer outputs, beside one request for the long prompt
             (a fabric hit), its node stopped (SIGSTOP) for --stall-s seconds as it asks:
             the decoders' tokens/s against the same run with the node answering at once
@@ -30,10 +31,13 @@ one run, each figure against its limit:
 
 Steady state: a warm-up request first, and three untimed decode runs before the timed
 ones on both engines (an engine's first decode runs are slower); Python's collector runs
-before each timed part; TTFT and the decode rates are medians of --repeat runs. Decode
-rates are the decoders' tokens after their first over the engine's timestamps of their
-first and last tokens. The engine uses both cores (vLLM's
-CPU backend); the node actor is another process, as in production.
+before each timed part. TTFT and the stall's decode rates are medians of --repeat runs;
+the decode rates with nothing to move are medians of --decode-runs runs (~0.2 s each),
+one engine's run then the other's, so a busy moment of the machine falls on both.
+Decode rates are the decoders' tokens after their first over the engine's timestamps
+of their first and last tokens. Both engines bind their forward to the cores vLLM
+gives an engine without a connector (`reserve_as_the_stock_engine`: on a 2-core host
+core 0, the other reserved); the node actor is another process, as in production.
 Run: .venv/bin/kvfabric bench connector [--tokens N] [--json]
 """
 
@@ -44,10 +48,12 @@ import ctypes
 import gc
 import json
 import os
+import select
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -55,6 +61,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
+from kvfabric.deploy.demo.load import reserve_as_the_stock_engine
 
 BLOCK = 32
 ENGINE_KV_BYTES = 320 << 20
@@ -170,7 +177,7 @@ def memcpy_s(nbytes: int, repeat: int = 7) -> float:
     return median_s(lambda: ctypes.memmove(to, frm, nbytes), repeat)
 
 
-def with_connector(args: argparse.Namespace) -> dict:
+def with_connector(args: argparse.Namespace, baseline: Baseline) -> dict:
     import ray
     from kvfabric.actors.directory import node_actor_name
     from kvfabric.actors.launch import running, stop
@@ -225,12 +232,17 @@ def with_connector(args: argparse.Namespace) -> dict:
         short = TokensPrompt(prompt_token_ids=[3, 4, 5])
         one = SamplingParams(temperature=0, max_tokens=1)
         llm.generate([short], one, use_tqdm=False)  # warm-up
-        # First, as the engine without the connector does it: after the same warm-up.
+        # First, as the engine without the connector does it: after the same warm-up,
+        # its runs alternating with the baseline engine's, so that a busy moment of the
+        # machine falls on both sides alike.
         for _ in range(WARM_RUNS):  # the decode steps' first runs are slower
             decode_rate(llm, args.decoders, BLOCK - 8)
-        rate = statistics.median(
-            decode_rate(llm, args.decoders, BLOCK - 8) for _ in range(args.repeat)
-        )
+        ours, theirs = [], []
+        for _ in range(args.decode_runs):
+            ours.append(decode_rate(llm, args.decoders, BLOCK - 8))
+            theirs.append(baseline.decode())
+        baseline.stop()
+        rate, base_rate = statistics.median(ours), statistics.median(theirs)
         uncached_s = median_s(lambda: llm.generate([prompt], one, use_tqdm=False), 1)
         want = (tokens - 1) // BLOCK
         deadline = time.monotonic() + 120
@@ -277,8 +289,8 @@ def with_connector(args: argparse.Namespace) -> dict:
         for stall_s in (0.0, args.stall_s):
             rates = []
             for _ in range(args.repeat):
-                rate, hit = beside_hit(stall_s)
-                rates.append(rate)
+                beside, hit = beside_hit(stall_s)
+                rates.append(beside)
                 prompt_hits.append(hit)
             runs[stall_s] = statistics.median(rates)
         unstalled, stalled = runs[0.0], runs[args.stall_s]
@@ -294,6 +306,8 @@ def with_connector(args: argparse.Namespace) -> dict:
             "worker_save_bytes": save[1],
             "worker_save_ratio_vs_memcpy": round(save[0] / memcpy_s(save[1]), 2),
             "decode_tok_s": round(rate, 1),
+            "decode_no_connector_tok_s": round(base_rate, 1),
+            "decode_ratio_vs_no_connector": round(rate / base_rate, 3),
             "stall_s": args.stall_s,
             "decode_beside_load_tok_s": round(unstalled, 1),
             "decode_beside_stalled_load_tok_s": round(stalled, 1),
@@ -308,7 +322,9 @@ def with_connector(args: argparse.Namespace) -> dict:
         ray.shutdown()
 
 
-def without_connector(args: argparse.Namespace) -> dict:
+def without_connector(args: argparse.Namespace) -> None:
+    """The baseline engine, in a process of its own (vLLM keeps per-process state of its
+    connector): one decode run per line "decode" on stdin, its rate printed; "stop" ends."""
     import ray
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -321,13 +337,72 @@ def without_connector(args: argparse.Namespace) -> dict:
         llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5])], SamplingParams(max_tokens=1))
         for _ in range(WARM_RUNS):  # as with the connector
             decode_rate(llm, args.decoders, BLOCK - 8)
-        rate = statistics.median(
-            decode_rate(llm, args.decoders, BLOCK - 8) for _ in range(args.repeat)
-        )
-        return {"decode_tok_s": round(rate, 1)}
+        print(Baseline.READY, flush=True)
+        for line in sys.stdin:
+            if line.strip() != "decode":
+                break
+            print(f"{Baseline.RATE} {decode_rate(llm, args.decoders, BLOCK - 8)!r}", flush=True)
     finally:
         llm.llm_engine.engine_core.shutdown()
         ray.shutdown()
+
+
+class Baseline:
+    """The same engine arguments without the connector, in a child process that decodes
+    when asked (without_connector), so both engines' runs can alternate."""
+
+    READY, RATE = "kvf-baseline-ready", "kvf-baseline-rate"
+
+    def __init__(self, args: argparse.Namespace, timeout_s: float = 900) -> None:
+        self.timeout_s = timeout_s
+        self.log = tempfile.TemporaryFile("w+")  # not a pipe: vLLM's logs could fill one
+        cmd = [sys.executable, "-m", "benchmarks.connector_bench", "--no-connector"]
+        cmd += ["--tokens", str(args.tokens), "--decoders", str(args.decoders)]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        self._expect(self.READY)
+
+    def decode(self) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("decode\n")
+        self.proc.stdin.flush()
+        return float(self._expect(self.RATE))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()  # end of input: it shuts its engine down
+                self.proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=60)
+        self.log.close()
+
+    def _expect(self, tag: str) -> str:
+        """The rest of the child's next line that starts with `tag`."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 1.0)
+            if not ready:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(tag):
+                return line[len(tag) :].strip()
+        self.proc.kill()
+        self.log.seek(0)
+        raise RuntimeError(f"the engine without the connector failed:\n{self.log.read()[-3000:]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,36 +412,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall-s", type=float, default=2.0, help="how long the node stops")
     ap.add_argument("--stall-tokens", type=int, default=256, help="decoders' outputs then")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs (the median counts)")
+    ap.add_argument(
+        "--decode-runs", type=int, default=31, help="timed decode runs with nothing to move"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
     ap.add_argument("--no-connector", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.tokens < 4 * BLOCK or args.decoders < 1 or args.repeat < 1 or args.stall_s < 0:
-        ap.error(f"--tokens must be >= {4 * BLOCK}, --decoders and --repeat >= 1")
+    if (
+        args.tokens < 4 * BLOCK
+        or min(args.decoders, args.repeat, args.decode_runs) < 1
+        or args.stall_s < 0
+    ):
+        ap.error(f"--tokens must be >= {4 * BLOCK}, --decoders, --repeat, --decode-runs >= 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # both connector sides in this process
+    # Both engines bind the same cores (the baseline subprocess inherits this): vLLM
+    # reserves one core more for an engine with a KV connector, and with none to spare
+    # it binds every core, so on a small host the two would not run the same forward.
+    reserve_as_the_stock_engine()
     if args.no_connector:
-        print(json.dumps(without_connector(args)))
+        without_connector(args)
         return 0
     from benchmarks import staging_bench
 
     r: dict[str, Any] = {"name": "connector", "tokens": args.tokens}
-    r.update(with_connector(args))
-    # The baseline in a process of its own: vLLM keeps per-process state of its connector.
-    base = subprocess.run(
-        [sys.executable, "-m", "benchmarks.connector_bench", "--no-connector"]
-        + ["--tokens", str(args.tokens), "--decoders", str(args.decoders)]
-        + ["--repeat", str(args.repeat)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    if base.returncode != 0:
-        raise RuntimeError(f"the engine without the connector failed:\n{base.stderr[-3000:]}")
-    r["decode_no_connector_tok_s"] = json.loads(base.stdout.strip().splitlines()[-1])[
-        "decode_tok_s"
-    ]
-    r["decode_ratio_vs_no_connector"] = round(r["decode_tok_s"] / r["decode_no_connector_tok_s"], 3)
+    baseline = Baseline(args)
+    try:
+        r.update(with_connector(args, baseline))
+    finally:
+        baseline.stop()
     node = staging_bench.run(args.tokens, max(args.repeat, 5))
     r["node_load_ms"] = node["node_load_ms"]
     r["node_load_ratio_vs_memcpy"] = node["ratio_vs_memcpy_scattered"]

@@ -122,7 +122,7 @@ def test_radix_bench_runs_against_sglangs_caches(tmp_path):
 def test_connector_bench_runs_a_real_engine_with_and_without_the_fabric(tmp_path):
     pytest.importorskip("vllm")
     args = ["connector", "--tokens", "256", "--decoders", "2", "--stall-tokens", "64"]
-    args += ["--stall-s", "0.5", "--repeat", "1", "--json"]
+    args += ["--stall-s", "0.5", "--repeat", "1", "--decode-runs", "2", "--json"]
     result = bench(args, tmp_path, timeout_s=900)
     assert result["name"] == "connector", result
     # Each fabric hit loaded the whole cached prompt (the bench raises otherwise), and so
