@@ -174,14 +174,14 @@ class WorkerSide:
                 view = self.views[slot.name]
                 # [slots, 2, page, heads, D]: this rank's heads of every page, in place
                 layer_pages = staging[:, slot.index, :, :, s.first : s.first + s.count]
-                # One strided copy_ per stretch of consecutive blocks and slots (the permute
-                # is the reordering), not the C row copy: with it here `kvfabric demo --rate
-                # auto` measured TPOT p50 2.4-2.8x the baseline's in four runs, 1.1-1.6x
-                # without (2026-12-06; cause not found, see docs/internals.md).
+                # The permute is the reordering. On the CPU one C call copies every row
+                # with the GIL released: a copy_ per stretch of consecutive blocks made
+                # ~500 calls a layer for a hit in the blocks vLLM hands out after a reset,
+                # each taking the GIL back from the engine's loop (docs/internals.md).
                 if to_blocks:
-                    copy_rows(layer_pages, slot_rows, view, block_rows, _to_blocks, native=False)
+                    copy_rows(layer_pages, slot_rows, view, block_rows, _to_blocks)
                 else:
-                    copy_rows(view, block_rows, layer_pages, slot_rows, _to_pages, native=False)
+                    copy_rows(view, block_rows, layer_pages, slot_rows, _to_pages)
 
     # --- reporting -----------------------------------------------------------------------
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
