@@ -78,7 +78,14 @@ class FabricConnector(KVConnectorBase_V1, SupportsHMA):
                 self.plan.group_pools,
                 namespaces.adapter_named,
             )
-            self.scheduler = SchedulerSide(self.plan, self.settings, spec, feed, namespaces)
+            self.scheduler = SchedulerSide(
+                self.plan,
+                self.settings,
+                spec,
+                feed,
+                namespaces,
+                getattr(kv_cache_config, "hash_block_size", None),
+            )
             self.scheduler.node.served = _served_name(vllm_config.model_config)
             self.scheduler.node.start()
         else:

@@ -32,6 +32,7 @@ from .jobs import (
     PoolMove,
     StepHook,
 )
+from .known_pages import KnownPages
 from .node_link import NodeLink
 from .plan import NULL_BLOCK, EnginePlan
 from .slots import StagingSlots
@@ -54,6 +55,7 @@ class StagedSave:
     # another request meanwhile (a preemption, a sliding window, an abort). An ended
     # request's blocks stay vLLM's until its save is reported, so it reads none at risk.
     reads: frozenset[int] = frozenset()
+    hashes: tuple = ()  # vLLM's hashes of its pages: the node holds them once stored
 
 
 class SchedulerSaves:
@@ -68,6 +70,7 @@ class SchedulerSaves:
         slots: StagingSlots,
         stats: ConnectorStats,
         step_hook: StepHook | None,
+        known: KnownPages,
     ) -> None:
         self.plan = plan
         self.settings = settings
@@ -76,10 +79,12 @@ class SchedulerSaves:
         self.slots = slots
         self.stats = stats
         self.step_hook = step_hook
+        self.known = known  # the pages the node took: stores add to them
         self.saving: dict[str, StagedSave] = {}  # by save job key
         self.copied: dict[str, int] = {}  # save job key -> ranks that copied their heads
         self.storing: list = []  # (call, key, save, deadline): node stores in flight
-        self.prompts: dict[str, tuple[list[int], str]] = {}  # requests whose prompt is unsaved
+        # Requests whose prompt is unsaved: its tokens, namespace and vLLM's page hashes.
+        self.prompts: dict[str, tuple[list[int], str, tuple]] = {}
         self.jobs: list[CopyJob] = []  # this step's copies to staging, for the workers
 
     def take_jobs(self) -> list[CopyJob]:
@@ -121,6 +126,7 @@ class SchedulerSaves:
                 pages,
                 ends_request=False,
                 has=fabric_has.get(rid, 0),
+                hashes=prompt[2],
             ):
                 fabric_has[rid] = pages  # the end's save copies only what follows
 
@@ -179,6 +185,7 @@ class SchedulerSaves:
                     self._store_failed(key, save, e, call)
                     continue
                 self.slots.free(save.slots)
+                self.known.add(save.hashes)
                 self.stats.saved_requests += 1
                 self.stats.stored_pages += stored
             elif now >= deadline:
@@ -193,6 +200,7 @@ class SchedulerSaves:
         # The node may still read the slots (a late call): out of use until it has ended.
         self.stats.save_failures += 1
         self.stats.node_errors += 1
+        self.known.forget()
         log.warning("fabric save failed for %s: %r", key, error)
         self.slots.quarantine(save.slots, call)
 
@@ -206,6 +214,7 @@ class SchedulerSaves:
         n: int,
         ends_request: bool,
         has: int = 0,
+        hashes: tuple = (),
     ) -> bool:
         """Queue the copy of a request's pages to staging, up to page n: full KV from
         page `has` on (the node holds or is storing those before it: a conversation's
@@ -243,7 +252,7 @@ class SchedulerSaves:
             if b >= 0 and b != NULL_BLOCK  # every request's SWA lists name the null block
         )
         self.saving[key] = StagedSave(
-            kept, namespace, slots, first_of, frozenset() if ends_request else reads
+            kept, namespace, slots, first_of, frozenset() if ends_request else reads, hashes[:n]
         )
         self.jobs.append(job)
         return True

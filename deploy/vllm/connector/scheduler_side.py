@@ -29,6 +29,7 @@ from kvfabric.transport.staging import StagedHit, StagingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .jobs import ConnectorStep, CopyJob, FabricMeta, FabricSettings, FabricWorkerMeta, PoolMove
+from .known_pages import KnownPages
 from .node_link import NodeLink
 from .plan import NULL_BLOCK, EnginePlan
 from .remote_fetch import RemoteFetches
@@ -58,6 +59,7 @@ class _Load:
     tokens: int = 0
     remote_tokens: int = 0
     host_tokens: int = 0
+    hashes: tuple = ()  # vLLM's hashes of the hit's pages: the node holds them once loaded
 
 
 class SchedulerSide:
@@ -68,6 +70,7 @@ class SchedulerSide:
         spec: StagingSpec,
         feed: FeedSpec | None = None,
         namespaces: RequestNamespaces | None = None,
+        hash_block_size: int | None = None,
     ) -> None:
         self.plan = plan
         self.namespaces = namespaces or RequestNamespaces()
@@ -84,12 +87,13 @@ class SchedulerSide:
         # Usable pages the node said it holds for a request at admission: a save of no
         # more than that copies nothing.
         self.fabric_has: dict[str, int] = {}
+        self.known = KnownPages(plan.page_size, hash_block_size)
         self.kv_cache_manager = None
         self.no_load: set[str] = set()  # a load failed: recompute, never retry
         self.meta = FabricMeta()
         self.stats = ConnectorStats()
         self.saves = SchedulerSaves(
-            plan, settings, spec, self.node, self.slots, self.stats, self.step_hook
+            plan, settings, spec, self.node, self.slots, self.stats, self.step_hook, self.known
         )
         self.report_due = False  # requests finished since the node last heard the counters
         self.remote = RemoteFetches(self.node, settings, self.stats.remote)
@@ -123,6 +127,12 @@ class SchedulerSide:
         tokens = list(request.prompt_token_ids or [])[:-1]  # vLLM computes >= 1 token itself
         need = len(tokens) // ps - skip
         if need <= 0:
+            # vLLM's own cache holds the prompt: the node is not asked, and its save
+            # copies only the pages this engine has not seen the node take.
+            prompt_pages = len(request.prompt_token_ids or ()) // ps
+            held = self.known.leading(self._hashes(request, prompt_pages))
+            if held:
+                self.fabric_has[rid] = held
             return 0, False
         if self.saves.in_flight(tokens, namespace, skip):
             # The node runs calls concurrently: its match may answer before the store
@@ -185,11 +195,12 @@ class SchedulerSide:
                 return 0, False
             return self.num_new_matched_tokens(request, skip * self.plan.page_size)
         self.slots.free({p: s[len(hit.slots.get(p, [])) :] for p, s in asked.slots.items()})
-        self.planned[rid] = _Load(hit, skip, hit.slots)
+        self.planned[rid] = _Load(hit, skip, hit.slots, hashes=self._hashes(request, hit.pages))
         return (hit.pages - skip) * self.plan.page_size, True
 
     def _load_failed(self, rid: str, slots, call: Any, e: BaseException) -> None:
         self.stats.node_errors += 1
+        self.known.forget()
         log.warning("fabric lookup failed for %s: %r", rid, e)
         self.slots.quarantine(slots, call)
 
@@ -240,10 +251,9 @@ class SchedulerSide:
     def on_new_request(self, request) -> None:
         namespace = self._namespace(request)
         if namespace is not None:
-            self.saves.prompts[request.request_id] = (
-                list(request.prompt_token_ids or []),
-                namespace,
-            )
+            prompt = list(request.prompt_token_ids or [])
+            hashes = self._hashes(request, len(prompt) // self.plan.page_size)
+            self.saves.prompts[request.request_id] = (prompt, namespace, hashes)
 
     def hit_sources_of(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         sources = self.hit_sources.pop(request.request_id, {})
@@ -276,6 +286,7 @@ class SchedulerSide:
                 self.no_load.add(rid)
                 self.stats.load_failures += 1
             elif load is not None:
+                self.known.add(load.hashes)
                 self.stats.loaded_tokens += load.tokens
                 self.stats.remote_loaded_tokens += load.remote_tokens
                 self.stats.host_loaded_tokens += load.host_tokens
@@ -305,8 +316,9 @@ class SchedulerSide:
         n = len(tokens) // self.plan.page_size
         if n <= has or namespace is None:
             return False, None
+        hashes = self._hashes(request, n)
         return self.saves.save(
-            rid, f"{rid}/end", tokens, namespace, block_ids, n, ends_request=True, has=has
+            rid, f"{rid}/end", tokens, namespace, block_ids, n, True, has, hashes
         ), None
 
     def send_report(self) -> None:
@@ -328,6 +340,10 @@ class SchedulerSide:
             self.spec.path(pool).unlink(missing_ok=True)
         if self.node.record is not None:
             self.node.record.unlink(missing_ok=True)  # a clean stop: nothing to reap
+
+    def _hashes(self, request, pages: int) -> tuple:
+        """vLLM's hashes that end the request's first `pages` pages (known_pages.py)."""
+        return self.known.of(getattr(request, "block_hashes", ()), pages)
 
     # --- namespaces --------------------------------------------------------------------
     def _namespace(self, request) -> str | None:

@@ -130,6 +130,12 @@ class Req:
     all_token_ids: list[int]
     num_computed_tokens: int
     cache_salt: str | None = None
+    block_hashes: list = field(default_factory=list)  # vLLM's, where a test gives them
+
+
+def hashes(tokens: list[int]) -> list[tuple[int, ...]]:
+    """Block hashes as vLLM's chain them, one a whole page: each names its whole prefix."""
+    return [tuple(tokens[: (i + 1) * PS]) for i in range(len(tokens) // PS)]
 
 
 @dataclass

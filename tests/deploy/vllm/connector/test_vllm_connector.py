@@ -87,6 +87,43 @@ def test_conversation_longer_than_the_window(engine):
     assert engine.external_hits() - before >= 600, engine.what_happened(counted, turn2)
 
 
+def test_a_repeat_vllm_holds_whole_is_not_saved_again(engine):
+    """A repeat whose whole prompt vLLM's own cache holds asks the node nothing, and it
+    is not saved again: the node took every page of it from the first run, as the
+    connector saw (known_pages.py, by vLLM's block hashes of the real engine). Of the
+    repeat and a new prompt after it, only the new prompt's save is counted."""
+    from vllm import SamplingParams
+
+    prompt, salt = engine.text(), f"repeat-{uuid.uuid4().hex}"
+    want = engine.reference(prompt)
+
+    def saves() -> int:
+        return engine.metric("vllm:kvfabric_saved_requests")
+
+    def step() -> None:
+        """A step of the engine that saves nothing (a prompt shorter than a page)."""
+        item = {"prompt": "step " * (BLOCK // 8), "cache_salt": f"step-{uuid.uuid4().hex}"}
+        engine.llm.generate([item], SamplingParams(max_tokens=1), use_tqdm=False)
+
+    def settled(text: str, salt: str, past: int) -> int:
+        """The saves counted once the node holds `text`, the count has moved past
+        `past`, and the engine has stepped on (a store is counted at a step)."""
+        engine.saved(text, salt)
+        eventually(lambda: saves() > past or step(), "a save counted")
+        for _ in range(3):
+            step()
+        return saves()
+
+    before = saves()
+    assert engine.generate(prompt, salt)[0] == want
+    first = settled(prompt, salt, before)
+    got, cached = engine.generate(prompt, salt)
+    assert got == want and cached >= (PROMPT_CHARS - 1) // BLOCK * BLOCK - BLOCK, cached
+    other, other_salt = engine.text(), f"other-{uuid.uuid4().hex}"
+    engine.generate(other, other_salt)
+    assert settled(other, other_salt, first) == first + 1, engine.counters()
+
+
 @pytest.mark.parametrize(
     "point,exception",
     [

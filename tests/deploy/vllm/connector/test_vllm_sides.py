@@ -9,6 +9,7 @@ staging slot leaks. The rig they run on: tests/deploy/vllm/connector/sides_rig.p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -48,25 +49,34 @@ from tests.deploy.vllm.connector.sides_rig import (  # noqa: E402
     Req,
     Rig,
     finish_first,
+    hashes,
 )
 
 EXCEPTIONS = ["ValueError", "KeyError", "RuntimeError", "MemoryError", "OSError", "InjectedFault"]
 
 
-@pytest.fixture
-def rig(tmp_path):
+@contextlib.contextmanager
+def rigged(tmp_path, hash_block_size: int | None = None):
     spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", 64)
     fault_file = str(tmp_path / "faults.json")
     settings_ = FabricSettings(node_actor="local", **StepFaultFile.settings(fault_file))
-    sched = SchedulerSide(PLAN, settings_, spec)
+    sched = SchedulerSide(PLAN, settings_, spec, hash_block_size=hash_block_size)
     node = LocalNode(spec)
     node.attach(sched)
     worker = WorkerSide(PLAN, settings_, spec)
     g = torch.Generator().manual_seed(0)
     kv = {n: torch.randn(NB, H, PS, 2 * D, generator=g) for n in NAMES}
     worker.register(kv, BlockFormat.KV_ROWS)
-    yield Rig(sched, worker, kv, fault_file, node)
-    node.shared.unlink()
+    try:
+        yield Rig(sched, worker, kv, fault_file, node)
+    finally:
+        node.shared.unlink()
+
+
+@pytest.fixture
+def rig(tmp_path):
+    with rigged(tmp_path) as r:
+        yield r
 
 
 def admit(rig: Rig, rid: str, swa_blocks: list[int]) -> tuple[int, object]:
@@ -172,6 +182,60 @@ def test_a_next_turn_saves_only_its_new_full_pages(rig):
     for name in NAMES[0::2]:
         assert torch.equal(layer_blocks(rig, name, [50, 51]), layer_blocks(rig, name, [44, 45]))
     assert all(a.free_count == a.capacity for a in rig.sched.slots.allocators.values())
+
+
+def test_a_prompt_vllm_holds_whole_copies_only_what_the_node_did_not_take(tmp_path):
+    """A repeat whose whole prompt vLLM's own cache holds asks the node nothing, and its
+    save copies no page this engine saw the node store or load (known_pages.py); a
+    prompt the node never took, an engine whose hashes do not name pages, and one whose
+    node failed a call copy every page as before."""
+
+    def repeat(rig: Rig, rid: str, prompt: list[int]) -> int:
+        """vLLM's own hit for all but the last token, then the request's end: the
+        pages its save copies (its prompt's save and its end's)."""
+        tokens = prompt + [7, 8, 9]
+        req = Req(rid, prompt, tokens, len(prompt) + 2, block_hashes=hashes(tokens))
+        calls, node_call = [], rig.node.call
+        rig.node.call = lambda method, *args: calls.append(method) or node_call(method, *args)
+        assert rig.sched.num_new_matched_tokens(req, len(prompt) - 1) == (0, False)
+        rig.node.call = node_call
+        assert calls == []  # the node was not asked
+        rig.sched.finished(req, (SWA_BLOCKS, FULL_BLOCKS))
+        copied = sum(len(m.slots) for job in rig.sched.saves.jobs for m in job.moves)
+        rig.step()
+        return copied
+
+    with rigged(tmp_path, hash_block_size=PS) as rig:
+        first = Req("r1", PROMPT, PROMPT + [7, 8, 9], len(PROMPT) + 2)
+        first.block_hashes = hashes(first.all_token_ids)
+        assert rig.sched.finished(first, (SWA_BLOCKS, FULL_BLOCKS))[0]
+        rig.step()
+        assert rig.sched.stats.stored_pages == 10 and len(rig.sched.known) == 10
+        assert repeat(rig, "r2", PROMPT) == 0
+        assert rig.sched.stats.saved_requests == 1  # nothing more stored: nothing was sent
+        other = list(range(500, 541))
+        assert repeat(rig, "r3", other) > 0  # never stored: every page copied
+        assert repeat(rig, "r4", other) == 0  # stored by r3 now
+        # A node that failed a call may have lost what it held: known no longer.
+        rig.sched._load_failed("r5", {}, None, RuntimeError("node gone"))
+        assert len(rig.sched.known) == 0 and repeat(rig, "r6", PROMPT) > 0
+    with rigged(tmp_path) as rig:  # vLLM's hashes not known to end on pages
+        finish_first(rig)
+        assert repeat(rig, "r2", PROMPT) > 0
+
+
+def test_a_fabric_hit_teaches_what_the_node_holds(tmp_path):
+    """Pages loaded through the node are known held: a later repeat vLLM's own cache
+    holds whole copies none of them."""
+    with rigged(tmp_path, hash_block_size=PS) as rig:
+        finish_first(rig)  # stored without hashes: not known
+        req = Req("r2", PROMPT, PROMPT, 0, block_hashes=hashes(PROMPT))
+        n, _ = rig.sched.num_new_matched_tokens(req, 0)
+        assert n == 40
+        rig.sched.after_alloc(req, Blocks(([0] * 8 + [40, 41, 42], list(range(30, 41)))), n)
+        out = rig.step()
+        assert out.finished_recving == {"r2"} and not out.failed_recving
+        assert len(rig.sched.known) == 10
 
 
 def test_tenants_do_not_share(rig):
