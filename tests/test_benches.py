@@ -87,7 +87,7 @@ def test_each_bench_runs_from_outside_the_checkout(args, name, tmp_path):
             assert result["ratio_vs_cma_limit_64k"] > 0 and result["ratio_vs_cma_limit_4k"] > 0
     if name == "staging":
         assert result["tokens"] == 2048 and result["ratio_vs_memcpy"] > 0
-        assert result["save_ratio_vs_memcpy"] > 0
+        assert result["save_ratio_vs_memcpy"] > 0 and result["host_ratio_vs_memcpy"] > 0
     if name == "disk":  # both page files measured, the bench's files gone again
         assert result["ratio_read"] > 0 and result["ratio_write"] > 0
         assert [r["page_file"] for r in result["rows"]] == ["posix", "nixl"]

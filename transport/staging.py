@@ -212,7 +212,7 @@ class StagedHit:
     pages: int = 0
     first_page: int = 0
     firsts: dict[PoolName, int] = field(default_factory=dict)
-    host_pages: int = 0  # of those pages, how many the cache loaded back from host
+    host_pages: int = 0  # of those pages, how many came from the host tier (or disk)
     slots: dict[PoolName, list[int]] = field(default_factory=dict)
 
 

@@ -31,7 +31,7 @@ from .pools import PoolCapacity, PoolEntry, PoolRegistry
 from .put_rows import PagedKV, check_kv, first_pages, pack_rows
 from .quarantine import Quarantine, Quarantines
 from .radix import DEVICE, DEVICE_ONLY, TIERS, RadixTree, Reserved, TreeNode
-from .shared_pages import Loaded, SharedPages
+from .shared_pages import MEMORY, Loaded, SharedPages
 from .tiers import TierConfig, TierController
 from .txn import MakeRoom, ReservationFailed, ReservationHook, Transaction
 from .walk_memo import Walk, WalkMemo
@@ -390,7 +390,8 @@ class NodeCache:
         (`starts` say where each pool's rows begin). `into[pool]`: page-shaped memory of
         the caller's (staging) and its rows, that pool's i-th page copied into the i-th
         row, in one pass, where there are rows enough: the hit's `sinks` say so, and no
-        other copy is made."""
+        other copy is made. A page `into` takes whole from the host tier is copied from
+        there: only the hit's disk pages are loaded to device first."""
         match = self.match(tokens, namespace)
         self._stats.lookups += 1
         self._stats.lookup_pages += match.request_pages
@@ -400,13 +401,17 @@ class NodeCache:
         guard, _ = self._guard_match(match, n)
         path = [x for x in match.path if x.start < n]
         try:
-            loaded = self.load_to_device(match, n)
+            # Host pages go straight to sinks that take them as they are (host memory on
+            # a CPU node): a load back to device would copy them twice and need room there.
+            tiers = MEMORY if self._sinks_take_host(n, first_page, into) else DEVICE_ONLY
+            loaded = self.load_to_device(match, n, tiers)
             if loaded.pages < n:
                 self._stats.load_back_failures += 1
-            n, host_pages = loaded.pages, loaded.from_host
+            n = loaded.pages
+            out = self._gather(path, n, first_page, into or {})
+            host_pages = loaded.from_host + out.host_tokens // self.layout.page_size
             self._stats.hit_pages_host += host_pages
             self._stats.hit_pages_device += n - host_pages
-            out = self._gather(path, n, first_page, into or {})
             out.host_tokens = host_pages * self.layout.page_size
             if lease_s is not None and n:
                 out.lease = self.lease(match, n, lease_s)
@@ -430,24 +435,62 @@ class NodeCache:
         pages: dict[PoolName, torch.Tensor] = {}
         sinks: dict[PoolName, tuple[torch.Tensor, list[int]]] = {}
         starts: dict[PoolName, int] = {}
+        from_host: set[int] = set()  # positions copied from the host tier (into sinks: get)
         for pool, policy in self.policies.items():
-            rows = range(min(max(policy.needed(n).start, first), n), n)
+            rows = self._rows(policy, n, first)
             starts[pool] = rows.start * ps
             src = self.registry.pool(pool, Tier.DEVICE)
             if src.data is None or n == 0:
                 continue
-            indices: list[int] = []
+            # Each page from its device copy, else from the host's: position i of the
+            # rows reads at[tier][1][k] into the sink's row at[tier][0][k].
+            at: dict[Tier, tuple[list[int], list[int]]] = {}
+            i = 0
             for x, offs in groups(path, rows):
-                held = x.pages_of(Tier.DEVICE, pool)
-                indices.extend(held[j] for j in offs)
+                for j in offs:
+                    tier = DEVICE if x.page_has(j, pool, DEVICE_ONLY) else Tier.HOST
+                    positions, held = at.setdefault(tier, ([], []))
+                    positions.append(i)
+                    held.append(x.pages_of(tier, pool)[j])
+                    if tier is Tier.HOST:
+                        from_host.add(x.start + j)
+                    i += 1
             sink = into.get(pool)
-            if sink is not None and _fits(sink, src.data, len(indices)):
-                slots = list(sink[1][: len(indices)])
-                copy_rows(src.data, indices, sink[0], slots)
+            if sink is not None and _fits(sink, src.data, i):
+                slots = list(sink[1][:i])
+                for tier, (positions, held) in at.items():
+                    tier_data = self.registry.pool(pool, tier).data
+                    assert tier_data is not None  # it holds these pages
+                    copy_rows(tier_data, held, sink[0], [slots[k] for k in positions])
                 sinks[pool] = (sink[0], slots)
             else:
+                if Tier.HOST in at:
+                    raise AssertionError("host pages gathered without a sink (get's tiers)")
+                indices = at.get(DEVICE, ([], []))[1]
                 pages[pool] = src.data.index_select(0, src.index_tensor(indices))
-        return self._cached(n * ps, starts, pages, sinks)
+        out = self._cached(n * ps, starts, pages, sinks)
+        out.host_tokens = len(from_host) * ps
+        return out
+
+    @staticmethod
+    def _rows(policy: AttentionPolicy, n: int, first: int) -> range:
+        """The positions of a hit of `n` pages a pool copies, the caller holding `first`."""
+        return range(min(max(policy.needed(n).start, first), n), n)
+
+    def _sinks_take_host(
+        self, n: int, first: int, into: Mapping[PoolName, tuple[torch.Tensor, Sequence[int]]] | None
+    ) -> bool:
+        """Whether every pool's sink takes its rows of an `n`-page hit from either memory
+        tier as they are (_fits): then no page needs a load to device."""
+        if not into:
+            return False
+        for pool, policy in self.policies.items():
+            rows = len(self._rows(policy, n, first))
+            for tier in MEMORY:
+                data = self.registry.pool(pool, tier).data
+                if data is not None and (pool not in into or not _fits(into[pool], data, rows)):
+                    return False
+        return True
 
     def _empty(self) -> CachedKV:
         return self._cached(0, dict.fromkeys(self.policies, 0), {})

@@ -446,6 +446,59 @@ def test_a_get_from_a_first_page_into_caller_memory_gives_the_same_kv(pages, fir
             assert torch.equal(got, expected[:, expected.shape[1] - got.shape[1] :])
 
 
+@settings(max_examples=examples(60), deadline=None)
+@given(
+    pages=st.integers(1, 8),
+    first=st.integers(0, 9),
+    evicted=st.tuples(st.integers(0, 16), st.integers(0, 8)),
+    rows=st.lists(st.integers(0, 15), unique=True, max_size=12),
+)
+def test_a_get_into_caller_memory_copies_host_pages_from_the_host(pages, first, evicted, rows):
+    """Pages only the host tier holds go into the caller's rows from there when every
+    pool's rows take them: the same K/V as a get before they left the device, and none is
+    loaded back (the device tier's use is unchanged); the hit counts each position once,
+    from host or device. With too few rows the hit loads them back to device, as a get
+    without `into` does."""
+    c = make()
+    tokens = seq(pages)
+    c.put(tokens, prefix_kv(MIXED, tokens), "ns")
+    plain = c.get(tokens, "ns")
+    want = {p: t.clone() for p, t in plain.pages.items()}
+    for pool, n in zip((PoolName.FULL, PoolName.SWA), evicted):
+        c.evict(pool, Tier.DEVICE, n)  # write-back: to the host tier
+    c.check()
+
+    def device_used() -> dict[str, int]:
+        return {k: v["used"] for k, v in c.stats().pools.items() if k.endswith("/DEVICE")}
+
+    used, host_before, device_before = device_used(), *hit_pages(c)
+    sinks = {p: torch.full((16, *MIXED.page_shape(p)), 7.0) for p in MIXED.pools}
+    hit = c.get(tokens, "ns", first_page=first, into={p: (t, rows) for p, t in sinks.items()})
+    c.check()
+    ps = MIXED.page_size
+    n = hit.tokens // ps
+    assert hit.tokens == plain.tokens
+    rows_needed = {p: n - min(max(plain.starts[p] // ps, first), n) for p in MIXED.pools}
+    direct = all(k <= len(rows) for k in rows_needed.values())
+    if direct:
+        assert device_used() == used  # nothing loaded back
+    for pool in MIXED.pools:
+        k = rows_needed[pool]
+        expected = want[pool][len(want[pool]) - k :] if k else want[pool][:0]
+        got = sinks[pool][rows[:k]] if pool in hit.sinks else hit.pages[pool]
+        assert (pool in hit.sinks) == (k <= len(rows))
+        assert torch.equal(got, expected)
+    host, device = hit_pages(c)
+    assert host - host_before + device - device_before == n
+    assert hit.host_tokens == (host - host_before) * ps
+
+
+def hit_pages(cache: NodeCache) -> tuple[int, int]:
+    """The cache's hit pages so far, from host and from device (stats() is one live object)."""
+    s = cache.stats()
+    return s.hit_pages_host, s.hit_pages_device
+
+
 @settings(max_examples=examples(40), deadline=None)
 @given(pages=st.integers(1, 8), swa_first=st.integers(0, 8), held=st.integers(0, 8))
 def test_a_put_of_paged_kv_stores_what_a_put_of_layer_rows_does(pages, swa_first, held):
