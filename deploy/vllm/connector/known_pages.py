@@ -26,8 +26,9 @@ class KnownPages:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         # vLLM hashes blocks of hash_block_size tokens: a page ends on every r-th hash.
         # Where pages do not end on hash boundaries, nothing is known (every save copies).
-        aligned = bool(hash_block_size) and page_size % hash_block_size == 0
-        self.per_page = page_size // hash_block_size if hash_block_size and aligned else 0
+        self.per_page = 0
+        if hash_block_size and page_size % hash_block_size == 0:
+            self.per_page = page_size // hash_block_size
         self.capacity = capacity
         self._held: OrderedDict[Hashable, None] = OrderedDict()
 

@@ -130,9 +130,9 @@ class SchedulerSide:
             # vLLM's own cache holds the prompt: the node is not asked, and its save
             # copies only the pages this engine has not seen the node take.
             prompt_pages = len(request.prompt_token_ids or ()) // ps
-            held = self.known.leading(self._hashes(request, prompt_pages))
-            if held:
-                self.fabric_has[rid] = held
+            known = self.known.leading(self._hashes(request, prompt_pages))
+            if known:
+                self.fabric_has[rid] = known
             return 0, False
         if self.saves.in_flight(tokens, namespace, skip):
             # The node runs calls concurrently: its match may answer before the store
