@@ -86,6 +86,27 @@ def test_an_ended_engine_is_reaped_once_and_its_staging_unlinked(layout):
         proc.kill()
 
 
+def test_an_engines_staging_is_mapped_as_it_announces_itself(layout):
+    """The node maps an engine's staging pages when the engine starts, where its workers
+    made them already (the engine's first load or save waited out the mapping before);
+    files not made yet are left to the first use, and none is created for them."""
+    host, made, missing = engine_host(layout), spec(), spec()
+    me = os.getpid()
+    try:
+        SharedPages(made, layout)  # the engine's worker made its files
+        host.engine_started(EngineProcess(me, process_start(me), missing))
+        assert host.staging_use() == (0, 0)
+        assert not any(missing.path(p).exists() for p in layout.pools)
+        host.engine_started(EngineProcess(me, process_start(me), made))
+        count, nbytes = host.staging_use()
+        assert count == 1 and nbytes == made.bytes_needed(layout)
+    finally:
+        for s in (made, missing):
+            host.drop_staging(s)
+            for p in layout.pools:
+                s.path(p).unlink(missing_ok=True)
+
+
 def test_a_reused_pid_is_another_process(layout):
     host, proc = engine_host(layout), sleeper()
     try:
