@@ -408,7 +408,7 @@ class NodeCache:
             if loaded.pages < n:
                 self._stats.load_back_failures += 1
             n = loaded.pages
-            out = self._gather(path, n, first_page, into or {})
+            out = self._gather(path, n, first_page, into or {}, tiers)
             host_pages = loaded.from_host + out.host_tokens // self.layout.page_size
             self._stats.hit_pages_host += host_pages
             self._stats.hit_pages_device += n - host_pages
@@ -430,7 +430,10 @@ class NodeCache:
         n: int,
         first: int,
         into: Mapping[PoolName, tuple[torch.Tensor, Sequence[int]]],
+        tiers: tuple[Tier, ...] = DEVICE_ONLY,
     ) -> CachedKV:
+        """The hit's pages from device; with `tiers` MEMORY (get's, where every sink takes
+        host pages) a page the device lacks from the host."""
         ps = self.layout.page_size
         pages: dict[PoolName, torch.Tensor] = {}
         sinks: dict[PoolName, tuple[torch.Tensor, list[int]]] = {}
@@ -442,11 +445,17 @@ class NodeCache:
             src = self.registry.pool(pool, Tier.DEVICE)
             if src.data is None or n == 0:
                 continue
-            # Each page from its device copy, else from the host's: position i of the
-            # rows reads at[tier][1][k] into the sink's row at[tier][0][k].
-            at: dict[Tier, tuple[list[int], list[int]]] = {}
+            # Row i of the hit reads at[tier][1][k] into the sink's row at[tier][0][k].
+            at: dict[Tier, tuple[list[int], list[int]]] = {DEVICE: ([], [])}
             i = 0
             for x, offs in groups(path, rows):
+                if tiers is DEVICE_ONLY:  # load_to_device put every page there
+                    positions, held = at[DEVICE]
+                    device = x.pages_of(DEVICE, pool)
+                    positions.extend(range(i, i + len(offs)))
+                    held.extend(device[j] for j in offs)
+                    i += len(offs)
+                    continue
                 for j in offs:
                     tier = DEVICE if x.page_has(j, pool, DEVICE_ONLY) else Tier.HOST
                     positions, held = at.setdefault(tier, ([], []))
@@ -459,15 +468,12 @@ class NodeCache:
             if sink is not None and _fits(sink, src.data, i):
                 slots = list(sink[1][:i])
                 for tier, (positions, held) in at.items():
-                    tier_data = self.registry.pool(pool, tier).data
-                    assert tier_data is not None  # it holds these pages
-                    copy_rows(tier_data, held, sink[0], [slots[k] for k in positions])
+                    data = self.registry.pool(pool, tier).data
+                    if positions and data is not None:  # (data: it holds these pages)
+                        copy_rows(data, held, sink[0], [slots[k] for k in positions])
                 sinks[pool] = (sink[0], slots)
-            else:
-                if Tier.HOST in at:
-                    raise AssertionError("host pages gathered without a sink (get's tiers)")
-                indices = at.get(DEVICE, ([], []))[1]
-                pages[pool] = src.data.index_select(0, src.index_tensor(indices))
+            else:  # _sinks_take_host checked the sinks: a host page never comes here
+                pages[pool] = src.data.index_select(0, src.index_tensor(at[DEVICE][1]))
         out = self._cached(n * ps, starts, pages, sinks)
         out.host_tokens = len(from_host) * ps
         return out
