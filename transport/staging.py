@@ -87,9 +87,10 @@ def check_slots(
     if not isinstance(slots, Mapping):
         raise StagingError(f"slots must map pools to slot lists, got {type(slots).__name__}")
     out = {}
-    for pool, idx in slots.items():
-        if pool not in pools:
-            raise StagingError(f"slots for {pool!r:.40}, not a pool of this layout")
+    for key, idx in slots.items():
+        if key not in pools:
+            raise StagingError(f"slots for {key!r:.40}, not a pool of this layout")
+        pool = PoolName(key)  # a plain int equal to a pool's value names that pool
         if not isinstance(idx, (list, tuple)) or len(idx) > spec.pages:
             raise StagingError(f"{pool.name} slots must be a list of at most {spec.pages}")
         if not all(is_int(i) and 0 <= i < spec.pages for i in idx) or len(set(idx)) != len(idx):
