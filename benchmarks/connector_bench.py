@@ -13,7 +13,8 @@ one run, each figure against its limit:
   worker    the worker's copies of those hits (staging -> vLLM's blocks) and of the save
             (blocks -> staging; one background thread), against one thread's memcpy of the
             same bytes in this process (same run): `worker_load_ratio_vs_memcpy`,
-            `worker_save_ratio_vs_memcpy`.
+            `worker_save_ratio_vs_memcpy`; the same with the copy thread's CPU time
+            (`..._cpu_ratio_vs_memcpy`): wall above CPU is time it waited for a core.
   node      the node actor's copies for the same prompt (its load into staging, its save
             from staging), by the code the actor runs (benchmarks/staging_bench.py, in this
             process): `node_load_ratio_vs_memcpy`, `node_save_ratio_vs_memcpy`.
@@ -38,6 +39,10 @@ Decode rates are the decoders' tokens after their first over the engine's timest
 of their first and last tokens. Both engines bind their forward to the cores vLLM
 gives an engine without a connector (`reserve_as_the_stock_engine`: on a 2-core host
 core 0, the other reserved); the node actor is another process, as in production.
+Both engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), where vLLM binds
+nothing: `bind_as_a_vllm_worker` gives each the binding its multiprocess executor would
+give the worker (else the forward's OpenMP threads took both cores, and the copy thread
+waited for one: worker copies of 11-14 ms wall for 4-5.5 ms on the CPU).
 Run: .venv/bin/kvfabric bench connector [--tokens N] [--json]
 """
 
@@ -136,17 +141,19 @@ def reset_prefix_cache(llm) -> None:
 
 class CopyClock:
     """Times the worker's copies (WorkerSide._copy, in the copy thread) and counts the
-    bytes each moves: [(seconds, bytes, to_blocks)]."""
+    bytes each moves: [(seconds, bytes, to_blocks, the copy thread's CPU seconds)]. Wall
+    time over CPU time is how long the copy waited for a core."""
 
     def __init__(self, worker) -> None:
         self.worker = worker
-        self.records: list[tuple[float, int, bool]] = []
+        self.records: list[tuple[float, int, bool, float]] = []
         copy = worker._copy
 
         def timed(job, to_blocks: bool) -> None:
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.thread_time()
             copy(job, to_blocks)
-            self.records.append((time.perf_counter() - t, self._bytes(job), to_blocks))
+            wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
+            self.records.append((wall, self._bytes(job), to_blocks, cpu))
 
         worker._copy = timed
 
@@ -159,10 +166,43 @@ class CopyClock:
                 n += pages * layer_page.numel() * layer_page.element_size()
         return n
 
-    def take(self, to_blocks: bool) -> list[tuple[float, int]]:
-        out = [(s, b) for s, b, t in self.records if t == to_blocks]
+    def take(self, to_blocks: bool) -> list[tuple[float, int, float]]:
+        out = [(s, b, cpu) for s, b, t, cpu in self.records if t == to_blocks]
         self.records = [r for r in self.records if r[2] != to_blocks]
         return out
+
+
+def bind_as_a_vllm_worker() -> None:
+    """This process's engine bound as vLLM's multiprocess executor binds a CPU worker
+    (its OMPProcessManager decides, for one rank without a connector): the worker's
+    OpenMP variables set, as the copy thread reads them (copy_cores.py), the forward
+    limited to their thread count and this thread pinned to their cores. Called after
+    ray.init, so Ray's daemons and the fabric's actors are not pinned with it."""
+    from types import SimpleNamespace
+
+    import torch
+    from kvfabric.deploy.vllm.connector.copy_cores import omp_cores
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    one_rank = SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            local_world_size=1, data_parallel_rank_local=None, _api_process_count=1
+        ),
+        kv_transfer_config=None,
+    )
+    manager = OMPProcessManager(one_rank)  # type: ignore[arg-type]
+    with manager.configure_omp_envs(0, 0):
+        worker_env = {
+            k: os.environ[k]
+            for k in ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND")
+            if k in os.environ
+        }
+    cores = omp_cores(worker_env)
+    if not cores:
+        return  # nobind, or a binding vLLM itself would not make
+    os.environ.update(worker_env)
+    torch.set_num_threads(len(cores))
+    os.sched_setaffinity(0, cores)  # 0: this thread, which runs the forward
 
 
 def memcpy_s(nbytes: int, repeat: int = 7) -> float:
@@ -212,6 +252,7 @@ def with_connector(args: argparse.Namespace, baseline: Baseline) -> dict:
             shards=1,
         )
         path = model_path(tokens)
+        bind_as_a_vllm_worker()
         llm = LLM(model=path, **engine_args(tokens, connector))
         (namespace,) = fabrics_of(path)
         fab = running(namespace)
@@ -264,7 +305,8 @@ def with_connector(args: argparse.Namespace, baseline: Baseline) -> dict:
         loads, saves = clock.take(to_blocks=True), clock.take(to_blocks=False)
         load = max(loads, key=lambda r: r[1])  # the hits' loads (the warm-up's is tiny)
         save = max(saves, key=lambda r: r[1])
-        worker_load_s = statistics.median(s for s, b in loads if b == load[1])
+        worker_load_s = statistics.median(s for s, b, _ in loads if b == load[1])
+        worker_load_cpu_s = statistics.median(cpu for _, b, cpu in loads if b == load[1])
         # The decoders beside one fabric hit for the long prompt: its node answering at
         # once, then its node stopped for stall_s as the request asks. The same work both
         # ways: what differs is only how long the hit's load waits.
@@ -294,6 +336,7 @@ def with_connector(args: argparse.Namespace, baseline: Baseline) -> dict:
                 prompt_hits.append(hit)
             runs[stall_s] = statistics.median(rates)
         unstalled, stalled = runs[0.0], runs[args.stall_s]
+        load_memcpy_s, save_memcpy_s = memcpy_s(load[1]), memcpy_s(save[1])
         return {
             "uncached_ttft_s": round(uncached_s, 3),
             "device_hit_ttft_ms": round(device_s * 1e3, 1),
@@ -301,10 +344,12 @@ def with_connector(args: argparse.Namespace, baseline: Baseline) -> dict:
             "ttft_ratio_vs_device_hit": round(fabric_s / device_s, 2),
             "worker_load_ms": round(worker_load_s * 1e3, 2),
             "worker_load_bytes": load[1],
-            "worker_load_ratio_vs_memcpy": round(worker_load_s / memcpy_s(load[1]), 2),
+            "worker_load_ratio_vs_memcpy": round(worker_load_s / load_memcpy_s, 2),
+            "worker_load_cpu_ratio_vs_memcpy": round(worker_load_cpu_s / load_memcpy_s, 2),
             "worker_save_ms": round(save[0] * 1e3, 2),
             "worker_save_bytes": save[1],
-            "worker_save_ratio_vs_memcpy": round(save[0] / memcpy_s(save[1]), 2),
+            "worker_save_ratio_vs_memcpy": round(save[0] / save_memcpy_s, 2),
+            "worker_save_cpu_ratio_vs_memcpy": round(save[2] / save_memcpy_s, 2),
             "decode_tok_s": round(rate, 1),
             "decode_no_connector_tok_s": round(base_rate, 1),
             "decode_ratio_vs_no_connector": round(rate / base_rate, 3),
@@ -332,6 +377,7 @@ def without_connector(args: argparse.Namespace) -> None:
     # A Ray cluster of its own, idle, as beside the engine with the connector: what differs
     # is the connector and the fabric's actors, not Ray's own daemons.
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    bind_as_a_vllm_worker()
     llm = LLM(model=model_path(args.tokens), **engine_args(args.tokens, None))
     try:
         llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5])], SamplingParams(max_tokens=1))
@@ -450,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{r['tokens']}-token prompt: TTFT computed {r['uncached_ttft_s']} s, vLLM device hit "
         f"{r['device_hit_ttft_ms']} ms, fabric hit {r['fabric_hit_ttft_ms']} ms (ratio "
         f"{r['ttft_ratio_vs_device_hit']}); worker copies vs memcpy: load "
-        f"{r['worker_load_ratio_vs_memcpy']}, save {r['worker_save_ratio_vs_memcpy']}; node "
+        f"{r['worker_load_ratio_vs_memcpy']}, save {r['worker_save_ratio_vs_memcpy']} (CPU time: "
+        f"{r['worker_load_cpu_ratio_vs_memcpy']}, {r['worker_save_cpu_ratio_vs_memcpy']}); node "
         f"copies vs memcpy: load {r['node_load_ratio_vs_memcpy']}, save "
         f"{r['node_save_ratio_vs_memcpy']}; decode with nothing to move {r['decode_tok_s']} "
         f"tok/s vs {r['decode_no_connector_tok_s']} without the connector (ratio "

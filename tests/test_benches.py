@@ -131,6 +131,8 @@ def test_connector_bench_runs_a_real_engine_with_and_without_the_fabric(tmp_path
     for key in (
         "ttft_ratio_vs_device_hit",
         "worker_load_ratio_vs_memcpy",
+        "worker_load_cpu_ratio_vs_memcpy",
+        "worker_save_cpu_ratio_vs_memcpy",
         "node_load_ratio_vs_memcpy",
     ):
         assert result[key] > 0, key
