@@ -16,6 +16,8 @@ class CopyExtension(Protocol):
         self, src: object, src_rows: object, dst: object, dst_rows: object, /
     ) -> None: ...
 
+    def copy_many(self, copies: object, /) -> None: ...
+
 
 def _import() -> ModuleType:
     from . import _copy  # type: ignore[attr-defined]  # built C: mypy sees no source

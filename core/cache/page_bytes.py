@@ -168,6 +168,27 @@ def copy_rows(
         i = j
 
 
+def buffer_of(t: torch.Tensor) -> np.ndarray | None:
+    """`t`'s memory as the C row copy takes it, for arrays copied often (made once, not
+    at each copy); None where the kernel does not run: off the CPU, or KVF_NATIVE=0."""
+    if COPY is None or t.device.type != "cpu":
+        return None
+    return _as_buffer(t)
+
+
+# (src, src_rows, dst, dst_rows): buffers from buffer_of, rows as int64 arrays.
+RowCopy = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def copy_many(copies: Sequence[RowCopy]) -> None:
+    """copy_rows for each copy, in one C call: every one checked before a byte moves, and
+    the GIL released once for them all (a copy thread beside the engine's forward takes
+    it back once a job, not once a layer)."""
+    if COPY is None:
+        raise RuntimeError("copy_many: the C row copy is not built or KVF_NATIVE=0")
+    COPY.copy_many(list(copies))
+
+
 def _as_buffer(t: torch.Tensor) -> np.ndarray:
     """`t`'s memory as numpy sees it, in place: as integers of its item size, so that
     dtypes numpy lacks (bfloat16, fp8) pass too."""

@@ -176,3 +176,45 @@ def test_a_large_copy_streams_its_stores_and_copies_the_same_bytes(offset):
         got.append(dst)
     assert torch.equal(got[0], got[1])
     assert torch.equal(got[0][3], src[rows[3]].permute(1, 0, 2, 3))
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(st.lists(copies(), min_size=0, max_size=4))
+def test_copy_many_copies_what_copy_rows_copies_one_by_one(cases):
+    """Several copies in one call (the GIL released once) land the bytes copy_rows lands
+    for each in turn."""
+    from kvfabric.core.cache.page_bytes import buffer_of, copy_many
+
+    made = [tensors(c[0], c[1], c[2], c[3], c[4], c[7], c[8]) for c in cases]
+    rows = [(np.asarray(c[5], np.int64), np.asarray(c[6], np.int64)) for c in cases]
+    copy_many(
+        [
+            (buffer_of(arrange(src)), s, buffer_of(dst), d)
+            for (src, dst, arrange), (s, d) in zip(made, rows)
+        ]
+    )
+    for case, (src, dst, arrange) in zip(cases, made):
+        want = tensors(case[0], case[1], case[2], case[3], case[4], case[7], case[8])[1]
+        copy_rows(src, case[5], want, case[6], arrange, native=False)
+        assert torch.equal(raw(dst), raw(want))
+
+
+def test_copy_many_refuses_every_copy_if_one_is_bad():
+    """Each copy is checked before any byte moves: a bad last copy leaves the first one
+    undone too, and the error names what is wrong."""
+    src, rows = np.arange(24, dtype=np.float32).reshape(4, 3, 2), np.array([0, 1], np.int64)
+    first, second = np.zeros((3, 3, 2), np.float32), np.zeros((3, 3, 2), np.float32)
+    bad_rows = np.array([0, 7], np.int64)
+    cases = [
+        ([(src, rows, first, rows), (src, bad_rows, second, rows)], IndexError),
+        ([(src, rows, first, rows), (src, rows, second)], TypeError),  # three items
+        ([(src, rows, first, rows), [src, rows, second, rows]], TypeError),  # not a tuple
+        ([(src, rows, first, rows), (src, rows, second.astype(np.float64), rows)], ValueError),
+    ]
+    for copies_, error in cases:
+        with pytest.raises(error):
+            COPY.copy_many(copies_)
+        assert not first.any() and not second.any()
+    with pytest.raises(TypeError):
+        COPY.copy_many(7)  # not a sequence
+    COPY.copy_many([])  # nothing to copy

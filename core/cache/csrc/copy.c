@@ -223,64 +223,101 @@ same_row_shape(const Py_buffer *src, const Py_buffer *dst)
     return 1;
 }
 
-static PyObject *
-copy_copy_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+/* One copy's buffers, checked, with what running it needs. */
+typedef struct {
+    Py_buffer views[4]; /* src, src_rows, dst, dst_rows */
+    int got;            /* how many views are held */
+    Py_ssize_t n;       /* rows */
+    Py_ssize_t bytes;   /* n rows' bytes; 0: nothing to copy */
+    RowShape shape;
+} Prepared;
+
+static void
+release(Prepared *p)
 {
-    if (nargs != 4) {
-        return PyErr_Format(PyExc_TypeError, "copy_rows takes 4 arguments, got %zd", nargs);
+    while (p->got > 0) {
+        PyBuffer_Release(&p->views[--p->got]);
     }
-    Py_buffer views[4];
-    int got = 0;
-    PyObject *result = NULL;
-    if (get_array(args[0], &views[0], 0, "src") < 0) {
-        goto done;
+}
+
+/* args: src, src_rows, dst, dst_rows. Every check before a byte moves; on failure the
+ * error is set and nothing is held. */
+static int
+prepare(PyObject *const *args, Prepared *p)
+{
+    p->got = 0;
+    if (get_array(args[0], &p->views[0], 0, "src") < 0) {
+        goto fail;
     }
-    got++;
-    if (get_rows(args[1], &views[1], "src_rows") < 0) {
-        goto done;
+    p->got++;
+    if (get_rows(args[1], &p->views[1], "src_rows") < 0) {
+        goto fail;
     }
-    got++;
-    if (get_array(args[2], &views[2], 1, "dst") < 0) {
-        goto done;
+    p->got++;
+    if (get_array(args[2], &p->views[2], 1, "dst") < 0) {
+        goto fail;
     }
-    got++;
-    if (get_rows(args[3], &views[3], "dst_rows") < 0) {
-        goto done;
+    p->got++;
+    if (get_rows(args[3], &p->views[3], "dst_rows") < 0) {
+        goto fail;
     }
-    got++;
-    const Py_buffer *src = &views[0], *dst = &views[2];
-    Py_ssize_t n = views[1].shape[0];
-    if (views[3].shape[0] != n) {
+    p->got++;
+    const Py_buffer *src = &p->views[0], *dst = &p->views[2];
+    p->n = p->views[1].shape[0];
+    if (p->views[3].shape[0] != p->n) {
         PyErr_SetString(PyExc_ValueError, "copy_rows: src_rows and dst_rows differ in length");
-        goto done;
+        goto fail;
     }
     if (!same_row_shape(src, dst)) {
         PyErr_SetString(PyExc_ValueError,
                         "copy_rows: src and dst differ in item size or in a row's shape");
-        goto done;
+        goto fail;
     }
-    const int64_t *src_rows = views[1].buf, *dst_rows = views[3].buf;
-    if (!rows_in_range(src_rows, n, src->shape[0]) || !rows_in_range(dst_rows, n, dst->shape[0])) {
+    if (!rows_in_range(p->views[1].buf, p->n, src->shape[0]) ||
+        !rows_in_range(p->views[3].buf, p->n, dst->shape[0])) {
         PyErr_SetString(PyExc_IndexError, "copy_rows: a row index is out of range");
-        goto done;
+        goto fail;
     }
-    for (int d = 1; d < src->ndim; d++) {
-        if (src->shape[d] == 0) {
-            result = Py_NewRef(Py_None); /* rows of no bytes: nothing to copy */
-            goto done;
-        }
-    }
-    RowShape shape;
-    row_shape(src, dst, &shape);
     Py_ssize_t row_bytes = src->itemsize;
     for (int d = 1; d < src->ndim; d++) {
         row_bytes *= src->shape[d];
     }
-    CopyStores stores = n * row_bytes >= COPY_STREAM_BYTES ? copy_widest : COPY_CACHED;
-    Py_BEGIN_ALLOW_THREADS;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        copy_row(&shape, (const char *)src->buf + src_rows[i] * src->strides[0],
+    p->bytes = p->n * row_bytes; /* 0 for rows of no bytes: nothing to copy */
+    row_shape(src, dst, &p->shape);
+    return 0;
+fail:
+    release(p);
+    return -1;
+}
+
+/* Without the GIL. */
+static void
+run(const Prepared *p, CopyStores stores)
+{
+    if (p->bytes == 0) {
+        return;
+    }
+    const Py_buffer *src = &p->views[0], *dst = &p->views[2];
+    const int64_t *src_rows = p->views[1].buf, *dst_rows = p->views[3].buf;
+    for (Py_ssize_t i = 0; i < p->n; i++) {
+        copy_row(&p->shape, (const char *)src->buf + src_rows[i] * src->strides[0],
                  (char *)dst->buf + dst_rows[i] * dst->strides[0], stores);
+    }
+}
+
+/* Runs `count` prepared copies with the GIL released once, streamed past the caches
+ * where they move COPY_STREAM_BYTES or more in all. */
+static void
+run_all(const Prepared *ps, Py_ssize_t count)
+{
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        total += ps[i].bytes;
+    }
+    CopyStores stores = total >= COPY_STREAM_BYTES ? copy_widest : COPY_CACHED;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        run(&ps[i], stores);
     }
 #if defined(__SSE2__)
     if (stores != COPY_CACHED) {
@@ -288,17 +325,70 @@ copy_copy_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t na
     }
 #endif
     Py_END_ALLOW_THREADS;
+}
+
+static PyObject *
+copy_copy_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        return PyErr_Format(PyExc_TypeError, "copy_rows takes 4 arguments, got %zd", nargs);
+    }
+    Prepared p;
+    if (prepare(args, &p) < 0) {
+        return NULL;
+    }
+    run_all(&p, 1);
+    release(&p);
+    Py_RETURN_NONE;
+}
+
+/* copy_many(copies): copy_rows(*c) for every 4-item tuple c of the sequence, every one
+ * checked before a byte moves and the GIL released once for them all (a copy thread
+ * beside the engine's forward takes the GIL back once, not once a layer). */
+static PyObject *
+copy_copy_many(PyObject *Py_UNUSED(module), PyObject *copies)
+{
+    PyObject *seq = PySequence_Fast(copies, "copy_many takes a sequence of copies");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq), ready = 0;
+    Prepared *ps = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(Prepared));
+    PyObject *result = NULL;
+    if (ps == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; ready < count; ready++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, ready);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
+            PyErr_Format(PyExc_TypeError,
+                         "copy_many: copy %zd is not a (src, src_rows, dst, dst_rows) tuple",
+                         ready);
+            goto done;
+        }
+        /* The tuple holds its items, and the sequence the tuple, while they are read. */
+        if (prepare(&PyTuple_GET_ITEM(item, 0), &ps[ready]) < 0) {
+            goto done;
+        }
+    }
+    run_all(ps, count);
     result = Py_NewRef(Py_None);
 done:
-    while (got-- > 0) {
-        PyBuffer_Release(&views[got]);
+    for (Py_ssize_t i = 0; i < ready; i++) {
+        release(&ps[i]);
     }
+    PyMem_Free(ps);
+    Py_DECREF(seq);
     return result;
 }
 
 static PyMethodDef copy_functions[] = {
     {"copy_rows", (PyCFunction)(void (*)(void))copy_copy_rows, METH_FASTCALL,
      "copy_rows(src, src_rows, dst, dst_rows): dst[dst_rows[i]] = src[src_rows[i]]"},
+    {"copy_many", copy_copy_many, METH_O,
+     "copy_many(copies): copy_rows(*c) for each (src, src_rows, dst, dst_rows) tuple c, "
+     "all checked first"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -24,10 +24,12 @@ import contextlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from typing import NamedTuple, cast
 
+import numpy as np
 import torch
 from kvfabric.core.cache.layout import PoolName
-from kvfabric.core.cache.page_bytes import copy_rows
+from kvfabric.core.cache.page_bytes import RowCopy, buffer_of, copy_many, copy_rows
 from kvfabric.transport.staging import SharedPages, StagingSpec
 
 from .block_format import BlockFormat
@@ -65,6 +67,9 @@ class WorkerSide:
         self._loads: list[tuple[CopyJob, Future[BaseException | None]]] = []
         self._saves: list[tuple[CopyJob, Future[BaseException | None]]] = []
         self._stream: torch.cuda.Stream | None = None  # for the copies, blocks on a GPU
+        # On a CPU engine with the C row copy: each layer's buffers, made once (register),
+        # so that a job is one C call.
+        self._buffers: dict[str, LayerBuffers] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor], fmt: BlockFormat) -> None:
         lay = self.plan.layout
@@ -78,6 +83,7 @@ class WorkerSide:
         if self.step_hook is not None:
             self.step_hook(ConnectorStep.STAGING)  # raising here fails the engine's start
         self.shared = SharedPages(self.spec, lay)
+        self._buffers = self._make_buffers()
         device = next(iter(self.views.values())).device if self.views else None
         if device is not None and device.type == "cuda":
             self._stream = torch.cuda.Stream(device)
@@ -157,13 +163,32 @@ class WorkerSide:
             if job.ends_request:  # the blocks are vLLM's again, whatever happened
                 self.finished_sending.add(job.req_id)
 
+    def _layer_pages(self, slot: LayerSlot) -> torch.Tensor:
+        """[slots, 2, page, heads, D]: this rank's heads of every staged page of a layer."""
+        assert self.shared is not None
+        s = self.shard
+        return self.shared.pools[slot.pool][:, slot.index, :, :, s.first : s.first + s.count]
+
+    def _make_buffers(self) -> dict[str, LayerBuffers]:
+        out = {}
+        for slot in self.plan.layers:
+            pages, view = self._layer_pages(slot), self.views[slot.name]
+            made = [buffer_of(t) for t in (view, pages, _to_pages(view), _to_blocks(pages))]
+            if any(b is None for b in made):
+                return {}  # not the CPU, or no C kernel: copy_rows per layer
+            out[slot.name] = LayerBuffers(*cast(list[np.ndarray], made))
+        return out
+
     def _copy(self, job: CopyJob, to_blocks: bool) -> None:
         assert self.shared is not None, "register_kv_caches comes first"
         s = self.shard
         if not to_blocks and not s.writes:
             return  # another rank writes these heads (replicated over ranks)
+        if self._buffers:
+            copy_many(self._row_copies(job, to_blocks))
+            return
+        # Elsewhere (a GPU, KVF_NATIVE=0): a copy per layer, the permute the reordering.
         for move in job.moves:
-            staging = self.shared.pools[move.pool]
             for slot in self.by_pool[move.pool]:
                 blocks = move.blocks[slot.group]
                 keep = [i for i, b in enumerate(blocks) if b >= 0]
@@ -171,17 +196,34 @@ class WorkerSide:
                     continue
                 block_rows = [blocks[i] for i in keep]
                 slot_rows = [move.slots[i] for i in keep]
-                view = self.views[slot.name]
-                # [slots, 2, page, heads, D]: this rank's heads of every page, in place
-                layer_pages = staging[:, slot.index, :, :, s.first : s.first + s.count]
-                # The permute is the reordering. On the CPU one C call copies every row
-                # with the GIL released: a copy_ per stretch of consecutive blocks made
-                # ~500 calls a layer for a hit in the blocks vLLM hands out after a reset,
-                # each taking the GIL back from the engine's loop (docs/internals.md).
+                view, layer_pages = self.views[slot.name], self._layer_pages(slot)
                 if to_blocks:
                     copy_rows(layer_pages, slot_rows, view, block_rows, _to_blocks)
                 else:
                     copy_rows(view, block_rows, layer_pages, slot_rows, _to_pages)
+
+    def _row_copies(self, job: CopyJob, to_blocks: bool) -> list[RowCopy]:
+        """The job's copies, a layer each, for one C call with the GIL released. The copy
+        thread takes the GIL from the forward's Python once a job: a C call a layer took
+        it back after each, and torch views a layer held it between (docs/internals.md)."""
+        copies: list[RowCopy] = []
+        for move in job.moves:
+            slots = np.asarray(move.slots, dtype=np.int64)
+            rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per block group
+            for slot in self.by_pool[move.pool]:
+                if slot.group not in rows:
+                    blocks = np.asarray(move.blocks[slot.group], dtype=np.int64)
+                    keep = blocks >= 0
+                    rows[slot.group] = (blocks[keep], slots[keep])
+                block_rows, slot_rows = rows[slot.group]
+                if not len(block_rows):
+                    continue
+                b = self._buffers[slot.name]
+                if to_blocks:
+                    copies.append((b.pages_as_blocks, slot_rows, b.blocks, block_rows))
+                else:
+                    copies.append((b.blocks_as_pages, block_rows, b.staged, slot_rows))
+        return copies
 
     # --- reporting -----------------------------------------------------------------------
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
@@ -197,6 +239,15 @@ class WorkerSide:
         meta = FabricWorkerMeta(self.saved, self.failed_saves)
         self.saved, self.failed_saves = {}, set()
         return meta
+
+
+class LayerBuffers(NamedTuple):
+    """One layer's memory as the C row copy takes it (page_bytes.buffer_of)."""
+
+    blocks: np.ndarray  # vLLM's blocks: a load's destination
+    staged: np.ndarray  # this rank's heads of the staged pages: a save's destination
+    blocks_as_pages: np.ndarray  # the blocks in the pages' order: a save's source
+    pages_as_blocks: np.ndarray  # the staged pages in the blocks' order: a load's source
 
 
 def _to_blocks(pages: torch.Tensor) -> torch.Tensor:
