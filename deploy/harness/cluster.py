@@ -154,9 +154,10 @@ def serve_app(
     from ray import serve
 
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
-    deploy(app, APP_NAME, "/")
+    deadline = time.monotonic() + wait_s
+    deploy(app, APP_NAME, "/", wait_s)
     endpoint = Endpoint("127.0.0.1" if host in ("0.0.0.0", "::") else host, port)
-    wait_healthy(endpoint, wait_s, ready)
+    wait_healthy(endpoint, max(deadline - time.monotonic(), 1.0), ready)
     return endpoint
 
 
@@ -164,14 +165,36 @@ class DeployFailed(RuntimeError):
     """Serve could not deploy the app (its message says why)."""
 
 
-def deploy(app, name: str, route_prefix: str) -> None:
-    """serve.run, with DeployFailed naming each failed deployment's cause."""
+def deploy(app, name: str, route_prefix: str, wait_s: float = 300.0) -> None:
+    """Deploy `app` and wait until Serve says it runs, at most `wait_s` seconds. One Serve
+    could not deploy, or one still not running then, raises DeployFailed naming each
+    unhealthy deployment's state and Serve's words for it. (serve.run waits without
+    a bound: a replica no node can place kept `kvfabric demo` waiting for 13 minutes.)"""
     from ray import serve
+    from ray.serve.schema import ApplicationStatus
 
+    deadline = time.monotonic() + wait_s
     try:
-        serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+        # serve.run is this call with _blocking=True, which waits for as long as it takes.
+        serve._run(app, _blocking=False, name=name, route_prefix=route_prefix)
     except RuntimeError as e:
         raise DeployFailed(f"{e}\n{failed_deployments(name)}".rstrip()) from None
+    while True:
+        status = serve.status().applications.get(name)
+        state = status.status if status is not None else ApplicationStatus.NOT_STARTED
+        if state == ApplicationStatus.RUNNING:
+            return
+        if state == ApplicationStatus.DEPLOY_FAILED or time.monotonic() > deadline:
+            why = (
+                "failed to deploy"
+                if state == ApplicationStatus.DEPLOY_FAILED
+                else (f"not running after {wait_s:.0f} s ({state.value})")
+            )
+            message = status.message.strip() if status is not None else ""
+            raise DeployFailed(
+                f"application {name!r} {why}: {message}\n{failed_deployments(name)}".rstrip()
+            )
+        time.sleep(0.2)  # Serve's status is polled: it has no wait with a bound
 
 
 def failed_deployments(app: str) -> str:

@@ -290,6 +290,27 @@ class NeverStarts:
         raise RuntimeError("this replica refuses to start")
 
 
+@serve.deployment(
+    num_replicas=1, ray_actor_options={"num_cpus": 0, "resources": {"kvf-no-node-has-this": 1}}
+)
+class NeverPlaced:
+    def __call__(self, request) -> str:
+        return "never"
+
+
+def test_an_app_no_node_can_place_is_an_error_once_its_wait_is_over(endpoint):
+    """Serve would wait for a replica no node can place for ever: `deploy` (`kvfabric up`)
+    raises once its wait is over, naming the deployment still waiting."""
+    from kvfabric.deploy.harness.cluster import DeployFailed, deploy
+
+    try:
+        with pytest.raises(DeployFailed, match="(?s)not running after 3 s.*NeverPlaced: "):
+            deploy(NeverPlaced.bind(), "kvf-unplaced", "/unplaced", wait_s=3)
+    finally:
+        serve.delete("kvf-unplaced")
+    assert serve.status().applications[APP_NAME].status.value == "RUNNING"
+
+
 def test_an_app_serve_cannot_deploy_is_an_error_with_serve_s_causes(endpoint):
     """`kvfabric up` of an app Serve cannot deploy says why: each failed deployment's
     cause from Serve's status API, not only that some deployment failed."""
