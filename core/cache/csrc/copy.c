@@ -245,23 +245,15 @@ release(Prepared *p)
 static int
 prepare(PyObject *const *args, Prepared *p)
 {
-    p->got = 0;
-    if (get_array(args[0], &p->views[0], 0, "src") < 0) {
-        goto fail;
+    static const char *const names[4] = {"src", "src_rows", "dst", "dst_rows"};
+    for (p->got = 0; p->got < 4; p->got++) {
+        int i = p->got; /* odd: rows; 2: the one written */
+        int ok = i % 2 ? get_rows(args[i], &p->views[i], names[i])
+                       : get_array(args[i], &p->views[i], i == 2, names[i]);
+        if (ok < 0) {
+            goto fail;
+        }
     }
-    p->got++;
-    if (get_rows(args[1], &p->views[1], "src_rows") < 0) {
-        goto fail;
-    }
-    p->got++;
-    if (get_array(args[2], &p->views[2], 1, "dst") < 0) {
-        goto fail;
-    }
-    p->got++;
-    if (get_rows(args[3], &p->views[3], "dst_rows") < 0) {
-        goto fail;
-    }
-    p->got++;
     const Py_buffer *src = &p->views[0], *dst = &p->views[2];
     p->n = p->views[1].shape[0];
     if (p->views[3].shape[0] != p->n) {

@@ -184,29 +184,31 @@ class WorkerSide:
         s = self.shard
         if not to_blocks and not s.writes:
             return  # another rank writes these heads (replicated over ranks)
+        rows = self._layer_rows(job)
         if self._buffers:
-            copy_many(self._row_copies(job, to_blocks))
+            # One C call a job: the copy thread takes the GIL from the forward's Python
+            # once, not once a layer with torch views between (docs/internals.md).
+            copies: list[RowCopy] = []
+            for slot, block_rows, slot_rows in rows:
+                b = self._buffers[slot.name]
+                if to_blocks:
+                    copies.append((b.pages_as_blocks, slot_rows, b.blocks, block_rows))
+                else:
+                    copies.append((b.blocks_as_pages, block_rows, b.staged, slot_rows))
+            copy_many(copies)
             return
         # Elsewhere (a GPU, KVF_NATIVE=0): a copy per layer, the permute the reordering.
-        for move in job.moves:
-            for slot in self.by_pool[move.pool]:
-                blocks = move.blocks[slot.group]
-                keep = [i for i, b in enumerate(blocks) if b >= 0]
-                if not keep:
-                    continue
-                block_rows = [blocks[i] for i in keep]
-                slot_rows = [move.slots[i] for i in keep]
-                view, layer_pages = self.views[slot.name], self._layer_pages(slot)
-                if to_blocks:
-                    copy_rows(layer_pages, slot_rows, view, block_rows, _to_blocks)
-                else:
-                    copy_rows(view, block_rows, layer_pages, slot_rows, _to_pages)
+        for slot, block_rows, slot_rows in rows:
+            view, pages = self.views[slot.name], self._layer_pages(slot)
+            if to_blocks:
+                copy_rows(pages, slot_rows.tolist(), view, block_rows.tolist(), _to_blocks)
+            else:
+                copy_rows(view, block_rows.tolist(), pages, slot_rows.tolist(), _to_pages)
 
-    def _row_copies(self, job: CopyJob, to_blocks: bool) -> list[RowCopy]:
-        """The job's copies, a layer each, for one C call with the GIL released. The copy
-        thread takes the GIL from the forward's Python once a job: a C call a layer took
-        it back after each, and torch views a layer held it between (docs/internals.md)."""
-        copies: list[RowCopy] = []
+    def _layer_rows(self, job: CopyJob) -> list[tuple[LayerSlot, np.ndarray, np.ndarray]]:
+        """Per layer with pages to copy: its blocks and their staging slots (a block of
+        -1 is one the layer's group does not hold: skipped)."""
+        out = []
         for move in job.moves:
             slots = np.asarray(move.slots, dtype=np.int64)
             rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per block group
@@ -214,16 +216,11 @@ class WorkerSide:
                 if slot.group not in rows:
                     blocks = np.asarray(move.blocks[slot.group], dtype=np.int64)
                     keep = blocks >= 0
-                    rows[slot.group] = (blocks[keep], slots[keep])
+                    rows[slot.group] = (blocks[keep], slots[: len(blocks)][keep])
                 block_rows, slot_rows = rows[slot.group]
-                if not len(block_rows):
-                    continue
-                b = self._buffers[slot.name]
-                if to_blocks:
-                    copies.append((b.pages_as_blocks, slot_rows, b.blocks, block_rows))
-                else:
-                    copies.append((b.blocks_as_pages, block_rows, b.staged, slot_rows))
-        return copies
+                if len(block_rows):
+                    out.append((slot, block_rows, slot_rows))
+        return out
 
     # --- reporting -----------------------------------------------------------------------
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
