@@ -27,7 +27,6 @@ import torch
 from kvfabric.core.cache.insert import Unlocked
 from kvfabric.core.cache.layout import KVLayout, PoolName
 from kvfabric.core.cache.node_cache import NodeCache
-from kvfabric.core.cache.page_bytes import run_view
 from kvfabric.core.cache.put_rows import PagedKV
 from kvfabric.core.wire import is_int
 
@@ -283,7 +282,7 @@ def save_from_staging(
         raise StagingError(
             f"first pages must be ints >= 0 for pools of the layout, got {firsts!r:.80}"
         )
-    pages: dict[PoolName, torch.Tensor] = {}
+    rows: dict[PoolName, list[int]] = {}
     starts: dict[PoolName, int] = {}
     for pool in layout.pools:
         first = firsts.get(pool, 0)
@@ -291,9 +290,7 @@ def save_from_staging(
         if len(idx) != n - first:
             raise StagingError(f"{pool.name}: {len(idx)} staged pages for positions [{first}, {n})")
         starts[pool] = first * ps  # rows before it were never staged: not stored
-        # Slots in one run are read in place: the put copies the pages it stores once.
-        view = run_view(shared.pools[pool], idx)
-        if view is None:
-            view = shared.pools[pool].index_select(0, torch.tensor(idx, dtype=torch.long))
-        pages[pool] = view
-    return cache.put(tokens, PagedKV(pages), namespace, starts=starts, unlocked=unlocked)
+        rows[pool] = idx
+    # The slots are read where they lie: the put copies the pages it stores once.
+    staged = PagedKV({p: shared.pools[p] for p in layout.pools}, rows)
+    return cache.put(tokens, staged, namespace, starts=starts, unlocked=unlocked)

@@ -28,7 +28,7 @@ from .page_changes import PageChanges, PageView, PageWithPath
 from .paths import groups, within
 from .policies import AttentionPolicy, policies_for, usable_length
 from .pools import PoolCapacity, PoolEntry, PoolRegistry
-from .put_rows import PagedKV, check_kv, first_pages, pack_rows
+from .put_rows import PagedKV, check_kv, first_pages, write_rows
 from .quarantine import Quarantine, Quarantines
 from .radix import DEVICE, DEVICE_ONLY, TIERS, RadixTree, Reserved, TreeNode
 from .shared_pages import MEMORY, Loaded, SharedPages
@@ -367,8 +367,7 @@ class NodeCache:
         dst = self.registry.pool(pool, DEVICE)
         if dst.data is None:
             return
-        rows = pack_rows(self.layout, pool, kv, positions, first)
-        dst.data.index_copy_(0, dst.index_tensor(pages), rows.to(dst.data.device))
+        write_rows(self.layout, pool, kv, positions, first, dst.data, pages)
 
     # --- get -------------------------------------------------------------------------
     def get(

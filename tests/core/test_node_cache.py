@@ -500,11 +500,17 @@ def hit_pages(cache: NodeCache) -> tuple[int, int]:
 
 
 @settings(max_examples=examples(40), deadline=None)
-@given(pages=st.integers(1, 8), swa_first=st.integers(0, 8), held=st.integers(0, 8))
-def test_a_put_of_paged_kv_stores_what_a_put_of_layer_rows_does(pages, swa_first, held):
+@given(
+    pages=st.integers(1, 8),
+    swa_first=st.integers(0, 8),
+    held=st.integers(0, 8),
+    scatter=st.none() | st.randoms(use_true_random=False),
+)
+def test_a_put_of_paged_kv_stores_what_a_put_of_layer_rows_does(pages, swa_first, held, scatter):
     """PagedKV (staging's page shape) against the per-layer rows of the same K/V, onto a
     cache that already holds a shorter prefix: the same pages stored, the same bytes read
-    back."""
+    back. With `scatter`, the pages lie in shuffled rows of a larger tensor (staging
+    slots, read where they lie: PagedKV.rows)."""
     from kvfabric.core.cache.page_bytes import pack
     from kvfabric.core.cache.put_rows import PagedKV
 
@@ -523,7 +529,17 @@ def test_a_put_of_paged_kv_stores_what_a_put_of_layer_rows_does(pages, swa_first
         for t, k in zip(kv, MIXED.layers)
     ]
     stored = by_layer.put(tokens, layer_rows, "ns", starts=starts)
-    assert by_page.put(tokens, PagedKV(rows), "ns", starts=starts) == stored
+    paged = PagedKV(rows)
+    if scatter is not None:
+        where, tensors = {}, {}
+        for p, t in rows.items():
+            at = list(range(len(t) + 3))
+            scatter.shuffle(at)
+            where[p] = at[: len(t)]
+            tensors[p] = torch.full((len(t) + 3, *t.shape[1:]), -1.0, dtype=t.dtype)
+            tensors[p][where[p]] = t
+        paged = PagedKV(tensors, where)
+    assert by_page.put(tokens, paged, "ns", starts=starts) == stored
     a, b = by_layer.get(tokens, "ns"), by_page.get(tokens, "ns")
     assert a.tokens == b.tokens and a.starts == b.starts
     assert all(torch.equal(a.pages[p], b.pages[p]) for p in a.pages)
@@ -546,5 +562,18 @@ def test_paged_kv_of_the_wrong_shape_is_refused_and_changes_nothing():
     ):
         with pytest.raises(ValueError):
             c.put(tokens, PagedKV(bad), "ns")
+        assert c.match(tokens, "ns").present_pages == 0
+    rows = {p: [0, 1, 2, 3] for p in MIXED.pools}
+    for bad_rows in (
+        {PoolName.FULL: rows[PoolName.FULL]},  # a pool missing
+        {**rows, PoolName.SWA: [0, 1, 2]},  # too few rows
+        {**rows, PoolName.FULL: [0, 1, 2, 4]},  # a row past the tensor
+        {**rows, PoolName.FULL: [0, -1, 2, 3]},  # a negative row
+        {**rows, PoolName.FULL: [0, 1.0, 2, 3]},  # not an int
+        {**rows, PoolName.FULL: [0, True, 2, 3]},
+        {**rows, PoolName.FULL: "0123"},  # not a list
+    ):
+        with pytest.raises(ValueError):
+            c.put(tokens, PagedKV(good, bad_rows), "ns")  # type: ignore[arg-type]
         assert c.match(tokens, "ns").present_pages == 0
     c.check()

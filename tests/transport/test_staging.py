@@ -46,12 +46,17 @@ def new_cache() -> NodeCache:
     )
 
 
-def stage(shared: SharedPages, tokens: list[int], swa_first: int) -> dict[PoolName, list[int]]:
+def stage(
+    shared: SharedPages, tokens: list[int], swa_first: int, one_run: bool = True
+) -> dict[PoolName, list[int]]:
     """What the engine's worker does at a request's end: its pages into staging slots,
-    SWA only from the surviving window (slots after the full pool's)."""
+    SWA only from the surviving window (slots after the full pool's; each pool's in
+    reverse order unless `one_run`, as a churned allocator hands them out)."""
     n = len(tokens) // LAYOUT.page_size
     kv = prefix_kv(LAYOUT, tokens)
     slots = {PoolName.FULL: list(range(n)), PoolName.SWA: list(range(n, n + n - swa_first))}
+    if not one_run:
+        slots = {p: s[::-1] for p, s in slots.items()}
     for pool, idx in slots.items():
         first = 0 if pool == PoolName.FULL else swa_first
         shared.pools[pool][idx] = pack(LAYOUT, pool, kv, list(range(first, n)))
@@ -65,16 +70,12 @@ def loaded(shared: SharedPages, hit, pool: PoolName) -> torch.Tensor:
 @pytest.mark.parametrize("one_run", [True, False])
 def test_staged_pages_come_back_equal(shared, one_run):
     """Slots in one run take the pool's pages straight in; scattered ones by a scatter:
-    the same bytes either way."""
+    the same bytes either way, saved and loaded."""
     cache = new_cache()
     tokens = list(range(100, 100 + 10 * LAYOUT.page_size))
     n = len(tokens) // LAYOUT.page_size
-    assert (
-        save_from_staging(
-            cache, shared, tokens, "t", stage(shared, tokens, n - W), {PoolName.SWA: n - W}
-        )
-        == n
-    )
+    staged = stage(shared, tokens, n - W, one_run)
+    assert save_from_staging(cache, shared, tokens, "t", staged, {PoolName.SWA: n - W}) == n
     shared.pools[PoolName.FULL].zero_()
     shared.pools[PoolName.SWA].zero_()
     slots = {PoolName.FULL: list(range(20, 40)), PoolName.SWA: list(range(40, 40 + W))}
