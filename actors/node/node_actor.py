@@ -432,6 +432,7 @@ class NodeCacheActor:
                 "quarantined": len(self.cache.quarantined),
                 "peers": sorted(self.peer_fetch.peers),
                 "late_releases": self.peer_fetch.late_releases,
+                "late_empty": self.peer_fetch.late_empty,
                 "late_failures": self.peer_fetch.late_failures,
                 "epoch": self.epoch,
                 "fetched_bytes": self.peer_fetch.fetched_bytes,

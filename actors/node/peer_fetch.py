@@ -47,8 +47,10 @@ class PeerFetch:
         self.report = report
         self.peers: set[str] = set()
         self.fetches: dict[str, int] = {}  # outcomes by FetchOutcome value
-        self.late_releases = 0  # grants that came after their fetch gave up, released
-        self.late_failures = 0  # replies that came after it and held no grant
+        # Replies that came after their fetch gave up, each counted once by what it held:
+        self.late_releases = 0  # a grant: its lease released
+        self.late_empty = 0  # a grant of no pages (nothing leased, nothing to release)
+        self.late_failures = 0  # no grant: the export failed, the peer died, garbled bytes
         self.fetched_bytes = 0  # read from peers over the transport (NIXL)
 
     async def connect(self, peer: str, metadata: bytes) -> None:
@@ -151,7 +153,8 @@ class PeerFetch:
 
     def _release_late(self, peer, late: asyncio.Future) -> None:
         """An export's reply that came after its fetch gave up: release the lease its grant
-        holds. A failure (the export failed, the peer died, a garbled grant) is counted."""
+        holds. Every reply is counted once (late_releases, late_empty, late_failures), so
+        a caller waiting on late replies sees each one land."""
         if late.cancelled() or late.exception() is not None:
             self.late_failures += 1
             return
@@ -160,9 +163,11 @@ class PeerFetch:
         except GrantError:
             self.late_failures += 1
             return
-        if lease_id:
-            peer.release.remote(lease_id)
-            self.late_releases += 1
+        if not lease_id:
+            self.late_empty += 1
+            return
+        peer.release.remote(lease_id)
+        self.late_releases += 1
 
     async def probe_quarantine(self) -> list[str]:
         """For each connected peer with quarantined pages, ask the transport whether every

@@ -49,17 +49,18 @@ def _settled(how: str) -> asyncio.Future:
 
 
 @pytest.mark.parametrize(
-    "how,released,failures",
+    "how,released,counts",
     [
-        ("grant", [7], 0),
-        ("no_lease", [], 0),
-        ("garbled", [], 1),
-        ("failed", [], 1),
-        ("cancelled", [], 1),
+        ("grant", [7], (1, 0, 0)),
+        ("no_lease", [], (0, 1, 0)),
+        ("garbled", [], (0, 0, 1)),
+        ("failed", [], (0, 0, 1)),
+        ("cancelled", [], (0, 0, 1)),
     ],
 )
-def test_every_late_reply_is_released_or_counted(how, released, failures):
+def test_every_late_reply_is_released_or_counted(how, released, counts):
+    """Each reply lands in exactly one counter: (released, empty grant, failure)."""
     fetcher, peer = _fetcher(), _Peer()
     fetcher._release_late(peer, _settled(how))
     assert peer.release.ids == released
-    assert (fetcher.late_releases, fetcher.late_failures) == (len(released), failures)
+    assert (fetcher.late_releases, fetcher.late_empty, fetcher.late_failures) == counts
