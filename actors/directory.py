@@ -19,6 +19,8 @@ from kvfabric.core.index.balance import LoadTracker, chance_target
 from kvfabric.core.index.routes import RouteTable
 from ray.exceptions import GetTimeoutError, RayError
 
+from kvfabric._version import __version__
+
 from .membership import START_TIMEOUT_S, Membership, MembershipPasses
 from .names import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, NODE_PREFIX, node_actor_name, shard_name
 from .node.node_actor import Beat, NodeConfig
@@ -154,6 +156,10 @@ class FabricDirectory:
                     )
                 except (RayError, ValueError) as e:
                     log.warning("rerouting %s failed (next pass retries): %s", name, e)
+
+    def version(self) -> str:
+        """The kvfabric version this fabric runs (launch.py's ensure refuses another)."""
+        return __version__
 
     def get_config(self) -> NodeConfig:
         return self.config

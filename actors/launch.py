@@ -16,6 +16,8 @@ from kvfabric.core.index.match_rule import MatchRule
 from kvfabric.core.index.routes import RouteTable
 from ray.exceptions import GetTimeoutError, RayError
 
+from kvfabric._version import __version__
+
 from .directory import FabricDirectory
 from .index_shard import IndexShardActor
 from .names import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, shard_name
@@ -26,7 +28,26 @@ STARTER = "kvf-starter"
 
 
 class FabricMismatch(ValueError):
-    """A running fabric caches another KV layout than the one asked for."""
+    """A running fabric caches another KV layout than the one asked for, or runs another
+    kvfabric version (whose messages, page layouts and records this one may read
+    differently: it is stopped, or the same version run, never joined)."""
+
+
+def check_version(actor: "ray.actor.ActorHandle", what: str, namespace: str) -> None:
+    """Raise FabricMismatch unless `actor` (the fabric's `what`) runs this kvfabric version.
+    An actor of a version before this check has no `version` method."""
+    try:
+        method = actor.version
+    except AttributeError:
+        theirs = "a version that does not report it"
+    else:
+        theirs = cast(str, ray.get(method.remote(), timeout=CALL_TIMEOUT_S))
+        if theirs == __version__:
+            return
+    raise FabricMismatch(
+        f"the fabric's {what} in namespace {namespace!r} runs kvfabric {theirs:.40}, this "
+        f"process {__version__}: stop that fabric (kvfabric down) or run the same version"
+    )
 
 
 @dataclass
@@ -82,6 +103,9 @@ class _Starter:
     """One per namespace: its calls run one at a time, so processes that ensure the same
     fabric together start it once."""
 
+    def version(self) -> str:
+        return __version__
+
     def ensure(
         self,
         config: NodeConfig,
@@ -96,6 +120,7 @@ class _Starter:
         except ValueError:
             start(config, shards, cpus, timeout_s, watch_s, ns)
             return True
+        check_version(directory, "directory", ns)
         running = cast(NodeConfig, ray.get(directory.get_config.remote(), timeout=CALL_TIMEOUT_S))
         differences = config.layout.differences(running.layout)
         if differences:
@@ -116,10 +141,13 @@ def ensure(
     namespace: str = NAMESPACE,
 ) -> bool:
     """Start the fabric in `namespace` unless it runs; returns whether this call started
-    it. A running fabric of another layout is a FabricMismatch naming what differs."""
+    it. A running fabric of another layout, or of another kvfabric version, is a
+    FabricMismatch naming what differs."""
     starter = _Starter.options(  # type: ignore[attr-defined]  # @ray.remote made it an ActorClass
         name=STARTER, namespace=namespace, lifetime="detached", get_if_exists=True
     ).remote()
+    # A starter left by another version runs that version's code: ask before calling it.
+    check_version(starter, "starter", namespace)
     try:
         return cast(
             bool,

@@ -1,0 +1,101 @@
+"""A fabric left running by another kvfabric version is refused, never joined: `ensure`
+(which every engine's connector and the apps call) names both versions. The other
+version's actors are stand-ins with its names, each in a namespace of its own; the same
+version's fabric starts once and is joined."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import ray
+from kvfabric.actors.launch import STARTER, FabricMismatch, ensure, running, stop
+from kvfabric.actors.names import DIRECTORY
+from kvfabric.actors.node.node_actor import NodeConfig
+from kvfabric.core.cache.layout import PoolName
+from kvfabric.core.cache.pools import PoolCapacity
+
+from kvfabric import __version__
+from tests.actors.fabric_cluster.cluster_kit import LAYOUT, T
+
+SMALL = NodeConfig(
+    LAYOUT, {PoolName.FULL: PoolCapacity(8, 0), PoolName.SWA: PoolCapacity(8, 0)}, device="cpu"
+)
+
+
+@ray.remote(num_cpus=0)
+class _OtherVersion:
+    """An actor of another kvfabric version: it reports that version (or, `silent`, has
+    no version method at all, as those before the check)."""
+
+    def __init__(self, version: str) -> None:
+        self._version = version
+
+    def version(self) -> str:
+        return self._version
+
+    def ensure(self, *args) -> bool:
+        raise AssertionError("another version's starter was called")
+
+
+@ray.remote(num_cpus=0)
+class _Silent:
+    def ensure(self, *args) -> bool:
+        raise AssertionError("another version's starter was called")
+
+
+def _namespace() -> str:
+    return f"kvf-version-{uuid.uuid4().hex[:8]}"
+
+
+def _detached(cls, name: str, ns: str, *args):
+    actor = cls.options(name=name, namespace=ns, lifetime="detached").remote(*args)
+    ray.get(actor.__ray_ready__.remote(), timeout=T)
+    return actor
+
+
+@pytest.mark.parametrize("starter", ["0.0.1-test", None])
+def test_a_starter_of_another_version_is_refused_naming_both(cluster, starter):
+    ns = _namespace()
+    other = (
+        _detached(_OtherVersion, STARTER, ns, starter)
+        if starter
+        else _detached(_Silent, STARTER, ns)
+    )
+    try:
+        said = starter or "a version that does not report it"
+        with pytest.raises(
+            FabricMismatch, match=f"runs kvfabric {said}, this process {__version__}"
+        ):
+            ensure(SMALL, shards=1, timeout_s=T, watch_s=0, namespace=ns)
+        assert running(ns) is None  # nothing started beside it
+    finally:
+        ray.kill(other)
+
+
+def test_a_directory_of_another_version_is_refused_by_the_starter(cluster):
+    ns = _namespace()
+    directory = _detached(_OtherVersion, DIRECTORY, ns, "0.0.1-test")
+    try:
+        with pytest.raises(FabricMismatch, match="directory .* runs kvfabric 0.0.1-test"):
+            ensure(SMALL, shards=1, timeout_s=T, watch_s=0, namespace=ns)
+    finally:
+        ray.kill(directory)
+        try:
+            ray.kill(ray.get_actor(STARTER, namespace=ns))
+        except ValueError:
+            pass
+
+
+def test_the_same_version_starts_once_and_is_joined(cluster):
+    ns = _namespace()
+    try:
+        assert ensure(SMALL, shards=1, timeout_s=T, watch_s=0, namespace=ns) is True
+        assert ensure(SMALL, shards=1, timeout_s=T, watch_s=0, namespace=ns) is False
+        fabric = running(ns)
+        assert fabric is not None
+        assert ray.get(fabric.directory.version.remote(), timeout=T) == __version__
+    finally:
+        fabric = running(ns)
+        if fabric is not None:
+            stop(fabric)
