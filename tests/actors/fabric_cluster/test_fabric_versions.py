@@ -25,8 +25,7 @@ SMALL = NodeConfig(
 
 @ray.remote(num_cpus=0)
 class _OtherVersion:
-    """An actor of another kvfabric version: it reports that version (or, `silent`, has
-    no version method at all, as those before the check)."""
+    """An actor of another kvfabric version, which reports it."""
 
     def __init__(self, version: str) -> None:
         self._version = version
@@ -40,6 +39,8 @@ class _OtherVersion:
 
 @ray.remote(num_cpus=0)
 class _Silent:
+    """A starter of a version before the check: no version method."""
+
     def ensure(self, *args) -> bool:
         raise AssertionError("another version's starter was called")
 
