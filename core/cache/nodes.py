@@ -167,8 +167,17 @@ def attach(
         raise TypeError("attach needs a non-empty list of keys")
     node = TreeNode(keys, tokens, parent, parent.end)
     node.last_access = clock
-    parent.children[tokens[:step]] = node
-    by_first_key[keys[0]] = node
+    first, children = tokens[:step], parent.children
+    before = children.get(first)
+    children[first] = node
+    try:
+        by_first_key[keys[0]] = node
+    except BaseException:  # whole or not at all: the parent's children as they were
+        if before is None:
+            del children[first]
+        else:
+            children[first] = before
+        raise
     return node
 
 

@@ -85,6 +85,31 @@ class Replacer:
         return hash(self.value)
 
 
+class Unhashable:
+    """A page key whose hashing raises `error` (a dict insert that fails, as on memory)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __hash__(self) -> int:
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("x"), KeyboardInterrupt()])
+@pytest.mark.parametrize("tokens", [b"ee", b"aa"])  # a new first page, or the child's own
+def test_an_attach_whose_key_cannot_be_indexed_leaves_the_parent_as_it_was(error, tokens):
+    """The child goes into its parent, then its first key into the tree's key map: when
+    the second fails, the first is undone (and a child it displaced put back)."""
+    twins = Twins()
+    for tree in twins.trees:
+        root = tree.root(b"root-key")
+        held = dict(root.children)
+        with pytest.raises(type(error)):
+            tree.attach(root, [Unhashable(error)], tokens, None)
+        assert root.children == held
+    assert tree_state(twins.trees[0]) == tree_state(twins.trees[1])
+
+
 def test_a_walk_on_a_tree_never_initialised_is_refused():
     """The native tree's walk reads its roots in C: before __init__ sets them, an error."""
     tree = RadixTree.__new__(RadixTree, native=True)

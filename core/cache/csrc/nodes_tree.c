@@ -292,10 +292,29 @@ radix_attach_node(Node *parent, PyObject *keys, PyObject *tokens, Py_ssize_t ste
         return NULL;
     }
     node->last_access = clock;
+    /* Owned across the calls below: hashing a key runs Python code, which may change the
+     * caller's list, and a child it replaces must outlive the dict's hold on it. */
     PyObject *first = cut(tokens, 0, step);
-    int err = first == NULL || PyDict_SetItem(parent->children, first, (PyObject *)node) < 0;
+    PyObject *key = Py_NewRef(PyList_GET_ITEM(keys, 0));
+    PyObject *before = first ? PyDict_GetItemWithError(parent->children, first) : NULL;
+    Py_XINCREF(before);
+    int err = first == NULL || PyErr_Occurred() ||
+              PyDict_SetItem(parent->children, first, (PyObject *)node) < 0;
+    if (!err && PyDict_SetItem(by_first_key, key, (PyObject *)node) < 0) {
+        /* Whole or not at all: the parent's children as they were. Putting back or
+         * deleting a key the dict holds (hashed already) neither allocates nor fails. */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (before ? PyDict_SetItem(parent->children, first, before)
+                   : PyDict_DelItem(parent->children, first)) {
+            PyErr_Clear();
+        }
+        PyErr_Restore(type, value, tb);
+        err = 1;
+    }
+    Py_XDECREF(before);
+    Py_DECREF(key);
     Py_XDECREF(first);
-    err = err || PyDict_SetItem(by_first_key, PyList_GET_ITEM(keys, 0), (PyObject *)node) < 0;
     if (err) {
         Py_CLEAR(node);
     }
