@@ -19,15 +19,22 @@ from kvfabric.deploy.vllm.serve.model import ensure_tiny_model  # noqa: E402
 
 
 @dataclass
-class Pending:  # the two fields of Serve's PendingRequest a router reads
+class Metadata:  # the field of Serve's RequestMetadata a router reads
+    multiplexed_model_id: str = ""
+
+
+@dataclass
+class Pending:  # the fields of Serve's PendingRequest a router reads
     args: list = field(default_factory=list)
     kwargs: dict = field(default_factory=dict)
+    metadata: Metadata = field(default_factory=Metadata)
 
 
 @dataclass
 class Completion:  # the fields of vLLM's CompletionRequest the router reads
     prompt: object = None
     cache_salt: str | None = None
+    model: str | None = None
 
 
 @dataclass
@@ -64,6 +71,15 @@ def test_a_completion_is_read_with_the_models_tokenizer(openai):
         "default"
     )
     assert read(openai, Completion([5, 6, 7])) == RoutedPrompt([5, 6, 7], cache_namespace(None))
+
+
+def test_a_lora_adapter_s_request_is_left_to_serve(openai):
+    """Its pages lie under its adapter's namespace, which the router cannot name: ranked
+    under its salt's, it would go where pages it cannot use lie."""
+    assert read(openai, Completion("hello", model="base-model")) is not None
+    assert read(openai, Completion("hello", model="base-model:sql-adapter")) is None
+    adapter = Pending([Completion("hello")], {}, Metadata("base-model:sql-adapter"))
+    assert asyncio.run(openai.prompt_of(adapter)) is None
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,12 @@ Ray Serve LLM hands a replica router the OpenAI request (a completion's `prompt`
 a chat's `messages`), not token ids. The router tokenizes it as the engine will,
 with the model's own tokenizer (a chat through its chat template), and asks the
 index in the request's cache namespace, that of its `cache_salt`
-(serving/cache_namespace.py; a LoRA adapter's or an image's requests are ranked as their
-salt's, the router reading neither). Anything it cannot read is routed by Serve alone:
-routing never fails a request.
+(serving/cache_namespace.py). A LoRA adapter's request, or a chat with an image, has its
+pages under a namespace of the adapter's files or the image, which the router cannot
+name: ranked under the salt's, it would go where the base model's or the text's pages
+lie, which it cannot use. Those, and anything else it cannot read, are routed by Serve
+alone (an adapter's by Serve's multiplexing, to replicas that have it loaded): routing
+never fails a request.
 """
 
 from __future__ import annotations
@@ -35,10 +38,15 @@ class OpenAIPrompts:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     async def prompt_of(self, pending: PendingRequest) -> RoutedPrompt | None:
+        if getattr(getattr(pending, "metadata", None), "multiplexed_model_id", ""):
+            return None  # a LoRA adapter's (Serve multiplexes only those)
         for arg in list(pending.args) + list(pending.kwargs.values()):
             prompt, messages = getattr(arg, "prompt", None), getattr(arg, "messages", None)
             if prompt is None and messages is None:
                 continue
+            model = getattr(arg, "model", None)
+            if isinstance(model, str) and ":" in model:
+                return None  # Ray Serve LLM names an adapter `base:adapter`
             tokens = await asyncio.to_thread(self.tokens_of, prompt, messages)
             if tokens is None:
                 return None
