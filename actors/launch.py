@@ -33,11 +33,37 @@ class FabricMismatch(ValueError):
     differently: it is stopped, or the same version run, never joined)."""
 
 
+class FabricUnplaced(RuntimeError):
+    """Fabric actors Ray did not start in time: most often, no node has the CPU they ask."""
+
+
+def wait_started(actors: dict[str, "ray.actor.ActorHandle"], cpus: float, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for every actor of `actors` (by name) to have started, else
+    raise FabricUnplaced naming those that have not, what each asks and what the cluster
+    has free: Ray waits for ever to place an actor no node has room for, and a join's call
+    to it would time out saying nothing of why. An actor whose start failed raises."""
+    refs: dict[str, Any] = {name: a.__ray_ready__.remote() for name, a in actors.items()}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    done = set(ready)
+    late = sorted(name for name, ref in refs.items() if ref not in done)
+    if not late:
+        ray.get(ready, timeout=timeout_s)
+        return
+    free = ray.available_resources().get("CPU", 0.0)
+    total = ray.cluster_resources().get("CPU", 0.0)
+    raise FabricUnplaced(
+        f"{len(late)} fabric actor(s) not started after {timeout_s:g} s ({', '.join(late[:6])}"
+        f"{', ...' if len(late) > 6 else ''}): each asks {cpus:g} CPU, a node actor on its own "
+        f"node, and the cluster has {free:g} of {total:g} CPU free. Leave the nodes room for "
+        "them, or have them ask less (cpus_per_actor; the connector's node_cpus)"
+    )
+
+
 def check_version(actor: "ray.actor.ActorHandle", what: str, namespace: str) -> None:
     """Raise FabricMismatch unless `actor` (the fabric's `what`) runs this kvfabric version.
     An actor of a version before this check has no `version` method."""
     try:
-        method = actor.version
+        method: Any = actor.version
     except AttributeError:
         theirs = "a version that does not report it"
     else:
@@ -68,7 +94,9 @@ def start(
 ) -> Fabric:
     """Start the fabric on the connected cluster, in Ray namespace `namespace`: one node
     actor per alive node. `timeout_s` bounds each step (actors import torch and NIXL as
-    they start); every `watch_s` seconds the directory reconciles membership (0: never)."""
+    they start); every `watch_s` seconds the directory reconciles membership (0: never).
+    Whole or not at all: a start that fails (FabricUnplaced where Ray could not place an
+    actor) stops every actor it started."""
     opts = dict(namespace=namespace, lifetime="detached", num_cpus=cpus_per_actor)
     # The watcher starts after the first nodes have joined, so it does not race them.
     # The directory restarts if killed and rebuilds its state from the node actors.
@@ -90,12 +118,18 @@ def start(
         for n in ray.nodes()
         if n["Alive"]
     )
-    ray.get([s.noop.remote() for s in shard_actors], timeout=timeout_s)
-    for name in nodes:
-        join(directory, name, timeout_s)
-    if watch_s > 0:
-        ray.get(directory.watch.remote(watch_s), timeout=timeout_s)
-    return Fabric(directory, nodes, shard_actors, namespace)
+    fabric = Fabric(directory, nodes, shard_actors, namespace)
+    try:
+        shards_by_name = {shard_name(i): a for i, a in enumerate(shard_actors)}
+        wait_started({DIRECTORY: directory, **shards_by_name, **nodes}, cpus_per_actor, timeout_s)
+        for name in nodes:
+            join(directory, name, timeout_s)
+        if watch_s > 0:
+            ray.get(directory.watch.remote(watch_s), timeout=timeout_s)
+    except BaseException:
+        _kill([directory, *nodes.values(), *shard_actors])  # not the starter: it may be the caller
+        raise
+    return fabric
 
 
 @ray.remote(num_cpus=0)
@@ -159,7 +193,7 @@ def ensure(
             ),
         )
     except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, FabricMismatch):
+        if isinstance(e.cause, (FabricMismatch, FabricUnplaced)):
             raise e.cause from None
         raise
 
@@ -205,7 +239,11 @@ def stop(fabric: Fabric, timeout_s: float = CALL_TIMEOUT_S) -> None:
         added.append(ray.get_actor(STARTER, namespace=fabric.namespace))
     except ValueError:
         pass  # started without `ensure`
-    for actor in [fabric.directory, *fabric.nodes.values(), *added, *fabric.shards]:
+    _kill([fabric.directory, *fabric.nodes.values(), *added, *fabric.shards])
+
+
+def _kill(actors: list["ray.actor.ActorHandle"]) -> None:
+    for actor in actors:
         try:
             ray.kill(actor)
         except RayError:

@@ -1,7 +1,8 @@
-"""A fabric left running by another kvfabric version is refused, never joined: `ensure`
-(which every engine's connector and the apps call) names both versions. The other
-version's actors are stand-ins with its names, each in a namespace of its own; the same
-version's fabric starts once and is joined."""
+"""Starting a fabric, each test in a Ray namespace of its own. A fabric left running by
+another kvfabric version is refused, never joined: `ensure` (which every engine's
+connector and the apps call) names both versions; the other version's actors are
+stand-ins with its names. The same version's fabric starts once and is joined. A start
+whose actors no node can place fails naming why, and leaves none behind."""
 
 from __future__ import annotations
 
@@ -9,14 +10,22 @@ import uuid
 
 import pytest
 import ray
-from kvfabric.actors.launch import STARTER, FabricMismatch, ensure, running, stop
+from kvfabric.actors.launch import (
+    STARTER,
+    FabricMismatch,
+    FabricUnplaced,
+    ensure,
+    running,
+    start,
+    stop,
+)
 from kvfabric.actors.names import DIRECTORY
 from kvfabric.actors.node.node_actor import NodeConfig
 from kvfabric.core.cache.layout import PoolName
 from kvfabric.core.cache.pools import PoolCapacity
 
 from kvfabric import __version__
-from tests.actors.fabric_cluster.cluster_kit import LAYOUT, T
+from tests.actors.fabric_cluster.cluster_kit import LAYOUT, T, eventually
 
 SMALL = NodeConfig(
     LAYOUT, {PoolName.FULL: PoolCapacity(8, 0), PoolName.SWA: PoolCapacity(8, 0)}, device="cpu"
@@ -100,3 +109,22 @@ def test_the_same_version_starts_once_and_is_joined(cluster):
         fabric = running(ns)
         if fabric is not None:
             stop(fabric)
+
+
+def test_a_start_no_node_can_place_names_why_and_leaves_no_actor(cluster):
+    """Ray waits for ever to place an actor no node has room for: the start gives up at
+    its bound, says what the actors ask and what the cluster has, and kills them."""
+    ns = _namespace()
+    huge = dict(shards=1, cpus_per_actor=1000.0, timeout_s=3.0, watch_s=0, namespace=ns)
+    try:
+        with pytest.raises(FabricUnplaced, match=r"each asks 1000 CPU.* of \d+ CPU free"):
+            start(SMALL, **huge)
+        eventually(lambda: running(ns) is None, "the unplaced actors gone")
+        with pytest.raises(FabricUnplaced, match="not started after 3 s"):
+            ensure(SMALL, **huge)  # through the starter: the same error, unwrapped
+        eventually(lambda: running(ns) is None, "the unplaced actors gone")
+    finally:
+        try:
+            ray.kill(ray.get_actor(STARTER, namespace=ns))
+        except ValueError:
+            pass
