@@ -40,9 +40,26 @@ T = TypeVar("T")
 
 BASELINE = "ray.serve.llm PrefixCacheAffinityRouter"
 TEMPORARY = "temporary"  # `--disk`'s default: a folder made for the run, removed after
-CPUS_PER_NODE = 3  # an engine's bundle takes 2: one engine per node; the fabric's actors fit beside
+ENGINE_CPUS = 2.0  # an engine's bundle: one engine per node
 REPORT_WAIT_S = 60.0
 DISK_PAGES = 8192  # each node's disk tier: twice its host pool (1 GiB of full-attention pages)
+
+
+def cpus_per_node(nodes: int) -> int:
+    """A simulated node's logical CPUs: its engine's bundle and its node actor, and its
+    share of what a cluster runs once (the fabric's directory and index shards, the app's
+    ingress). 3 for two nodes or more; 4 for one, where with 3 the node actor found no
+    room and the engine's start waited for it until the demo gave up."""
+    import math
+
+    from kvfabric.deploy.vllm.connector.jobs import FabricSettings
+    from kvfabric.deploy.vllm.serve.app_args import LLMAppArgs
+    from kvfabric.deploy.vllm.serve.serve_llm import INGRESS_CPUS
+
+    actor = FabricSettings.__dataclass_fields__["node_cpus"].default
+    shards = LLMAppArgs.model_fields["shards"].default
+    once = actor * (1 + shards) + INGRESS_CPUS
+    return math.ceil(ENGINE_CPUS + actor + once / nodes)
 
 
 def app_args(
@@ -65,7 +82,7 @@ def app_args(
         kv_cache_bytes=kv_cache_bytes // tp,
         device_pages=256,
         host_pages=4096,
-        cpus_per_replica=2.0,
+        cpus_per_replica=ENGINE_CPUS,
         tensor_parallel_size=tp,
         dtype="float32",  # the model's own (vLLM's CPU "auto" would compute in bfloat16)
         disk_pages=DISK_PAGES if disk_folder else 0,
@@ -133,7 +150,9 @@ def on_cluster(args: argparse.Namespace, run: Callable[[Any], T]) -> tuple[T, in
     if args.address:
         connect(args.address)
     cm = (
-        local_cluster(args.nodes, cpus_per_node=CPUS_PER_NODE, gpus_per_node=int(args.gpu))
+        local_cluster(
+            args.nodes, cpus_per_node=cpus_per_node(args.nodes), gpus_per_node=int(args.gpu)
+        )
         if not args.address
         else contextlib.nullcontext()
     )

@@ -371,6 +371,21 @@ def test_capacity_is_the_rate_while_every_sender_was_busy():
     assert steady_rate(short, 2) == pytest.approx(2 / 1.5)
 
 
+@pytest.mark.parametrize("nodes", [1, 2, 3, 8])
+def test_the_simulated_nodes_leave_room_for_the_fabric_beside_the_engines(nodes):
+    """Each node holds its engine's bundle and its node actor; the directory, the index
+    shards and the ingress fit in what the nodes have left (one node once had none)."""
+    from kvfabric.deploy.demo.vllm import ENGINE_CPUS, cpus_per_node
+    from kvfabric.deploy.vllm.connector.jobs import FabricSettings
+    from kvfabric.deploy.vllm.serve.app_args import LLMAppArgs
+    from kvfabric.deploy.vllm.serve.serve_llm import INGRESS_CPUS
+
+    actor = FabricSettings.__dataclass_fields__["node_cpus"].default
+    left = cpus_per_node(nodes) - ENGINE_CPUS - actor
+    assert left >= 0
+    assert nodes * left >= actor * (1 + LLMAppArgs.model_fields["shards"].default) + INGRESS_CPUS
+
+
 def test_the_demo_defaults_follow_the_engine():
     vllm, ref = parse([]), parse(["--engine", "reference"])
     assert (vllm.engine, vllm.nodes, vllm.requests, vllm.concurrency) == ("vllm", 2, 60, 6)
