@@ -117,12 +117,13 @@ def _check_paged(layout: KVLayout, kv: PagedKV, pages: int, first: Mapping[PoolN
 
 
 def _rows_within(rows: object, n: int, capacity: int) -> bool:
+    """Whether `rows` names at least `n` rows, its first `n` ints in [0, capacity)."""
     if not isinstance(rows, Sequence) or len(rows) < n:
         return False
     head = rows[:n]
     if not all(isinstance(r, int) and not isinstance(r, bool) for r in head):
         return False
-    return not head or 0 <= min(head) <= max(head) < capacity
+    return not head or (min(head) >= 0 and max(head) < capacity)
 
 
 def write_rows(
