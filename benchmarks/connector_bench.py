@@ -7,11 +7,12 @@ full and sliding-window layers alternating), on a one-node Ray cluster with the 
 one run, each figure against its limit:
 
   ttft      a prompt of --tokens tokens (one request, one output token): computed (nothing
-            cached), hit in vLLM's own prefix cache (the device hit: the limit), and hit in
+            cached; --save-runs times, all but the first under salts of their own, each
+            saved), hit in vLLM's own prefix cache (the device hit: the limit), and hit in
             the fabric after vLLM's prefix cache was reset (loaded from the node's pools);
             `ttft_ratio_vs_device_hit` = fabric hit / device hit.
-  worker    the worker's copies of those hits (staging -> vLLM's blocks) and of the save
-            (blocks -> staging; one background thread), against one thread's memcpy of the
+  worker    the worker's copies of those hits (staging -> vLLM's blocks) and of those saves
+            (blocks -> staging; one background thread; medians), against one thread's memcpy of the
             same bytes in this process (same run): `worker_load_ratio_vs_memcpy`,
             `worker_save_ratio_vs_memcpy`; the same with the copy thread's CPU time
             (`..._cpu_ratio_vs_memcpy`): wall above CPU is time it waited for a core.
@@ -240,7 +241,8 @@ def with_connector(args: argparse.Namespace, baseline: Baseline) -> dict:
     try:
         here = node_actor_name(ray.get_runtime_context().get_node_id())
         # Room on the node for the prompt and every decoder's save: nothing is evicted.
-        room = pages + args.decoders * (args.stall_tokens // BLOCK + 2) * (2 * args.repeat + 3)
+        room = args.save_runs * pages
+        room += args.decoders * (args.stall_tokens // BLOCK + 2) * (2 * args.repeat + 3)
         connector = kv_transfer_config(
             here,
             ray.get_runtime_context().gcs_address,
@@ -284,7 +286,17 @@ def with_connector(args: argparse.Namespace, baseline: Baseline) -> dict:
             theirs.append(baseline.decode())
         baseline.stop()
         rate, base_rate = statistics.median(ours), statistics.median(theirs)
-        uncached_s = median_s(lambda: llm.generate([prompt], one, use_tqdm=False), 1)
+        # The prompt computed and saved, then --save-runs - 1 times more, each under a salt
+        # of its own (a miss in both caches, saved whole): the worker's save is a median too.
+        salts = iter([None] + [uuid.uuid4().hex for _ in range(args.save_runs - 1)])
+
+        def computed() -> None:
+            salt = next(salts)
+            ids = prompt["prompt_token_ids"]
+            item = prompt if salt is None else TokensPrompt(prompt_token_ids=ids, cache_salt=salt)
+            llm.generate([item], one, use_tqdm=False)
+
+        uncached_s = median_s(computed, args.save_runs)
         want = (tokens - 1) // BLOCK
         deadline = time.monotonic() + 120
         while ray.get(node.match.remote(prompt["prompt_token_ids"], "default"), timeout=60) < want:
@@ -304,9 +316,11 @@ def with_connector(args: argparse.Namespace, baseline: Baseline) -> dict:
         fabric_s = median_s(fabric_hit, args.repeat)
         loads, saves = clock.take(to_blocks=True), clock.take(to_blocks=False)
         load = max(loads, key=lambda r: r[1])  # the hits' loads (the warm-up's is tiny)
-        save = max(saves, key=lambda r: r[1])
+        save = max(saves, key=lambda r: r[1])  # the prompt's saves (the decoders' are tiny)
         worker_load_s = statistics.median(s for s, b, _ in loads if b == load[1])
         worker_load_cpu_s = statistics.median(cpu for _, b, cpu in loads if b == load[1])
+        worker_save_s = statistics.median(s for s, b, _ in saves if b == save[1])
+        worker_save_cpu_s = statistics.median(cpu for _, b, cpu in saves if b == save[1])
         # The decoders beside one fabric hit for the long prompt: its node answering at
         # once, then its node stopped for stall_s as the request asks. The same work both
         # ways: what differs is only how long the hit's load waits.
@@ -346,10 +360,10 @@ def with_connector(args: argparse.Namespace, baseline: Baseline) -> dict:
             "worker_load_bytes": load[1],
             "worker_load_ratio_vs_memcpy": round(worker_load_s / load_memcpy_s, 2),
             "worker_load_cpu_ratio_vs_memcpy": round(worker_load_cpu_s / load_memcpy_s, 2),
-            "worker_save_ms": round(save[0] * 1e3, 2),
+            "worker_save_ms": round(worker_save_s * 1e3, 2),
             "worker_save_bytes": save[1],
-            "worker_save_ratio_vs_memcpy": round(save[0] / save_memcpy_s, 2),
-            "worker_save_cpu_ratio_vs_memcpy": round(save[2] / save_memcpy_s, 2),
+            "worker_save_ratio_vs_memcpy": round(worker_save_s / save_memcpy_s, 2),
+            "worker_save_cpu_ratio_vs_memcpy": round(worker_save_cpu_s / save_memcpy_s, 2),
             "decode_tok_s": round(rate, 1),
             "decode_no_connector_tok_s": round(base_rate, 1),
             "decode_ratio_vs_no_connector": round(rate / base_rate, 3),
@@ -459,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall-tokens", type=int, default=256, help="decoders' outputs then")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs (the median counts)")
     ap.add_argument(
+        "--save-runs", type=int, default=3, help="computed (and saved) runs of the prompt"
+    )
+    ap.add_argument(
         "--decode-runs", type=int, default=31, help="timed decode runs with nothing to move"
     )
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
@@ -466,10 +483,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if (
         args.tokens < 4 * BLOCK
-        or min(args.decoders, args.repeat, args.decode_runs) < 1
+        or min(args.decoders, args.repeat, args.decode_runs, args.save_runs) < 1
         or args.stall_s < 0
     ):
-        ap.error(f"--tokens must be >= {4 * BLOCK}, --decoders, --repeat, --decode-runs >= 1")
+        ap.error(
+            f"--tokens must be >= {4 * BLOCK}; --decoders, --repeat, --decode-runs, "
+            "--save-runs >= 1"
+        )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # both connector sides in this process
     # Both engines bind the same cores (the baseline subprocess inherits this): vLLM

@@ -122,7 +122,8 @@ def test_radix_bench_runs_against_sglangs_caches(tmp_path):
 def test_connector_bench_runs_a_real_engine_with_and_without_the_fabric(tmp_path):
     pytest.importorskip("vllm")
     args = ["connector", "--tokens", "256", "--decoders", "2", "--stall-tokens", "64"]
-    args += ["--stall-s", "0.5", "--repeat", "1", "--decode-runs", "2", "--json"]
+    args += ["--stall-s", "0.5", "--repeat", "1", "--decode-runs", "2", "--save-runs", "2"]
+    args += ["--json"]
     result = bench(args, tmp_path, timeout_s=900)
     assert result["name"] == "connector", result
     # Each fabric hit loaded the whole cached prompt (the bench raises otherwise), and so
@@ -132,6 +133,7 @@ def test_connector_bench_runs_a_real_engine_with_and_without_the_fabric(tmp_path
         "ttft_ratio_vs_device_hit",
         "worker_load_ratio_vs_memcpy",
         "worker_load_cpu_ratio_vs_memcpy",
+        "worker_save_ratio_vs_memcpy",
         "worker_save_cpu_ratio_vs_memcpy",
         "node_load_ratio_vs_memcpy",
     ):
