@@ -31,7 +31,7 @@ from kvfabric.core.cache.layout import KVLayout, PoolName, Tier
 from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.transport.staging import (
-    SharedPages,
+    StagingPages,
     StagingSpec,
     load_to_staging,
     save_from_staging,
@@ -80,7 +80,7 @@ def run(tokens: int, repeat: int) -> dict:
         raise RuntimeError("the cache did not take the whole prompt")
     window = LAYOUT.window_pages
     spec = StagingSpec(f"kvf-bench-{uuid.uuid4().hex[:8]}", pages)
-    shared = SharedPages(spec, LAYOUT)
+    shared = StagingPages(spec, LAYOUT)
     try:
         slots = {
             p: list(range(pages if p == PoolName.FULL else min(pages, window)))

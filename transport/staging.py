@@ -118,7 +118,7 @@ def _space_message(need: int, free: int) -> str:
     )
 
 
-class SharedPages:
+class StagingPages:
     """The staging pages of every pool of `layout`, mapped shared (created if missing)."""
 
     def __init__(self, spec: StagingSpec, layout: KVLayout) -> None:
@@ -218,7 +218,7 @@ class StagedHit:
 
 def load_to_staging(
     cache: NodeCache,
-    shared: SharedPages,
+    shared: StagingPages,
     tokens: Sequence[int],
     namespace: str,
     skip_pages: int,
@@ -257,7 +257,7 @@ def load_to_staging(
 
 def save_from_staging(
     cache: NodeCache,
-    shared: SharedPages,
+    shared: StagingPages,
     tokens: Sequence[int],
     namespace: str,
     slots: dict[PoolName, list[int]],

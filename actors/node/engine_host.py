@@ -15,9 +15,9 @@ from typing import Callable, Sequence
 from kvfabric.core.cache.layout import KVLayout, PoolName
 from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.transport.staging import (
-    SharedPages,
     StagedHit,
     StagingError,
+    StagingPages,
     StagingSpec,
     check_spec,
     load_to_staging,
@@ -83,7 +83,7 @@ class EngineHost:
         self.family = family
         self.publish = publish
         self.after_get = after_get
-        self._shared: dict[str, SharedPages] = {}  # engines' staging pages, by file prefix
+        self._shared: dict[str, StagingPages] = {}  # engines' staging pages, by file prefix
         self._reports: OrderedDict[str, dict] = OrderedDict()
         self._engines: dict[int, EngineProcess] = {}  # by pid: the engines to watch
         self._gone: dict[str, int] = {}  # ended engines' index names -> epoch, until retired
@@ -197,14 +197,14 @@ class EngineHost:
             shared.unlink()
         return shared is not None
 
-    def _staging(self, spec: StagingSpec) -> SharedPages:
+    def _staging(self, spec: StagingSpec) -> StagingPages:
         """The engine's staging pages, mapped at first use (`spec` comes from outside:
         checked before any file is named from it)."""
         shared = self._shared.get(check_spec(spec).prefix)
         if shared is not None and shared.spec != spec:
             raise StagingError(f"{spec.prefix} is mapped with {shared.spec.pages} pages")
         if shared is None:
-            shared = self._shared[spec.prefix] = SharedPages(spec, self.layout)
+            shared = self._shared[spec.prefix] = StagingPages(spec, self.layout)
         return shared
 
     def engine_report(self, engine: str, counters: dict) -> None:

@@ -29,7 +29,7 @@ from kvfabric.actors.node.engine_process import (
 )
 from kvfabric.core.cache.layout import PoolName
 from kvfabric.core.cache.pools import PoolCapacity
-from kvfabric.transport.staging import SHM_DIR, SharedPages, StagingSpec
+from kvfabric.transport.staging import SHM_DIR, StagingPages, StagingSpec
 
 from tests.examples import examples
 from tests.waiting import eventually as wait_for
@@ -68,7 +68,7 @@ def layout():
 def test_an_ended_engine_is_reaped_once_and_its_staging_unlinked(layout):
     host, proc, staging = engine_host(layout), sleeper(), spec()
     try:
-        SharedPages(staging, layout)  # the engine's worker made its files
+        StagingPages(staging, layout)  # the engine's worker made its files
         host.engine_started(
             EngineProcess(proc.pid, process_start(proc.pid), staging, f"{NODE_NAME}/engine/a", 3)
         )
@@ -93,7 +93,7 @@ def test_an_engines_staging_is_mapped_as_it_announces_itself(layout):
     host, made, missing = engine_host(layout), spec(), spec()
     me = os.getpid()
     try:
-        SharedPages(made, layout)  # the engine's worker made its files
+        StagingPages(made, layout)  # the engine's worker made its files
         host.engine_started(EngineProcess(me, process_start(me), missing))
         assert host.staging_use() == (0, 0)
         assert not any(missing.path(p).exists() for p in layout.pools)
@@ -309,7 +309,7 @@ def test_a_restarted_node_adopts_its_engines_and_reaps_the_ones_that_ended(fabri
             name = f"{node}/engine/{slot}-{uuid.uuid4().hex[:6]}"
             life = publish_engine(fabric, name, tokens)
             s = spec()
-            staged.append(SharedPages(s, ray.get(actor.layout.remote(), timeout=T)))
+            staged.append(StagingPages(s, ray.get(actor.layout.remote(), timeout=T)))
             announced = EngineProcess(
                 proc.pid, process_start(proc.pid), s, name, life.epoch, node, fingerprint
             )

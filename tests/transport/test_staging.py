@@ -17,7 +17,7 @@ from kvfabric.core.cache.layout import KVLayout, PoolName
 from kvfabric.core.cache.node_cache import NodeCache
 from kvfabric.core.cache.page_bytes import pack
 from kvfabric.core.cache.pools import PoolCapacity
-from kvfabric.transport.staging import SharedPages, StagingSpec, load_to_staging, save_from_staging
+from kvfabric.transport.staging import StagingPages, StagingSpec, load_to_staging, save_from_staging
 
 from tests.kvgen import prefix_kv
 
@@ -30,7 +30,7 @@ SLOTS = 64
 
 @pytest.fixture(scope="module")
 def shared():
-    pages = SharedPages(StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", SLOTS), LAYOUT)
+    pages = StagingPages(StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", SLOTS), LAYOUT)
     yield pages
     pages.unlink()
 
@@ -47,7 +47,7 @@ def new_cache() -> NodeCache:
 
 
 def stage(
-    shared: SharedPages, tokens: list[int], swa_first: int, one_run: bool = True
+    shared: StagingPages, tokens: list[int], swa_first: int, one_run: bool = True
 ) -> dict[PoolName, list[int]]:
     """What the engine's worker does at a request's end: its pages into staging slots,
     SWA only from the surviving window (slots after the full pool's; each pool's in
@@ -63,7 +63,7 @@ def stage(
     return slots
 
 
-def loaded(shared: SharedPages, hit, pool: PoolName) -> torch.Tensor:
+def loaded(shared: StagingPages, hit, pool: PoolName) -> torch.Tensor:
     return shared.pools[pool][hit.slots[pool]]
 
 
@@ -200,7 +200,7 @@ def test_an_all_swa_layout_loads_its_window():
     layout = KVLayout(layers=("swa", "swa"), kv_heads=2, head_dim=8, page_size=4, window=8)
     w = layout.window_pages
     cache = NodeCache(layout, {PoolName.SWA: PoolCapacity(device=64, host=64)}, device="cpu")
-    shared = SharedPages(StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", SLOTS), layout)
+    shared = StagingPages(StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", SLOTS), layout)
     try:
         tokens = list(range(500, 500 + 10 * layout.page_size)) + [1]
         n = 10
@@ -374,7 +374,7 @@ def test_a_failed_reservation_is_an_error_naming_the_size_and_leaves_no_file(mon
     monkeypatch.setattr(staging.os, "posix_fallocate", full)
     spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", SLOTS)
     with pytest.raises(StagingSpaceError, match="--shm-size"):
-        SharedPages(spec, LAYOUT)
+        StagingPages(spec, LAYOUT)
     assert not any(spec.path(p).exists() for p in LAYOUT.pools)
 
 
@@ -399,12 +399,12 @@ def test_a_pool_that_does_not_fit_takes_back_the_files_this_mapping_made(monkeyp
         reserve(fd, offset, size)
 
     if existing:
-        SharedPages(StagingSpec(spec.prefix, SLOTS), LAYOUT)
+        StagingPages(StagingSpec(spec.prefix, SLOTS), LAYOUT)
         second.unlink()
     monkeypatch.setattr(staging.os, "posix_fallocate", second_full)
     try:
         with pytest.raises(StagingSpaceError, match="--shm-size"):
-            SharedPages(spec, LAYOUT)
+            StagingPages(spec, LAYOUT)
         assert first.exists() == existing and not second.exists()
     finally:
         first.unlink(missing_ok=True)
@@ -414,7 +414,7 @@ FILL = """
 import sys
 from kvfabric.core import KVLayout
 from kvfabric.transport import staging
-from kvfabric.transport.staging import SharedPages, StagingSpaceError, StagingSpec, check_space
+from kvfabric.transport.staging import StagingPages, StagingSpaceError, StagingSpec, check_space
 staging.SHM_DIR = staging.Path(sys.argv[1])
 layout = KVLayout(layers=("full",), kv_heads=1, head_dim=64, page_size=32)  # 16 KiB pages
 big = StagingSpec("kvf-big", 256)  # 4 MiB: more than the folder holds
@@ -424,11 +424,11 @@ try:
 except StagingSpaceError as e:
     print("checked:", e)
 try:
-    SharedPages(big, layout)
+    StagingPages(big, layout)
     sys.exit("the mapping was made")
 except StagingSpaceError as e:
     print("refused:", e)
-small = SharedPages(StagingSpec("kvf-small", 32), layout)  # 512 KiB fits
+small = StagingPages(StagingSpec("kvf-small", 32), layout)  # 512 KiB fits
 for t in small.pools.values():
     t.fill_(1.0)  # every page written: none unbacked
 print("wrote", sum(t.numel() for t in small.pools.values()))
@@ -482,7 +482,7 @@ def test_staging_is_mapped_in_before_the_first_copy_and_keeps_its_bytes():
     from kvfabric.transport.staging import _populate
 
     spec = StagingSpec(f"kvf-test-{uuid.uuid4().hex[:8]}", 256)
-    first = SharedPages(spec, LAYOUT)
+    first = StagingPages(spec, LAYOUT)
     try:
         full = first.pools[PoolName.FULL]
         nbytes = full.numel() * full.element_size()
@@ -491,7 +491,7 @@ def test_staging_is_mapped_in_before_the_first_copy_and_keeps_its_bytes():
             pytest.skip("this kernel cannot pre-fault a mapping (Linux < 5.14)")
         assert resident >= nbytes  # mapped in before any byte was written
         full.fill_(1.5)
-        second = SharedPages(spec, LAYOUT)  # the engine's side, mapped while in use
+        second = StagingPages(spec, LAYOUT)  # the engine's side, mapped while in use
         assert bool((second.pools[PoolName.FULL] == 1.5).all())
     finally:
         first.unlink()

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from kvfabric.core.cache.layout import PoolName
 from kvfabric.core.cache.page_bytes import RowCopy, buffer_of, copy_many, copy_rows
-from kvfabric.transport.staging import SharedPages, StagingSpec
+from kvfabric.transport.staging import StagingPages, StagingSpec
 
 from .block_format import BlockFormat
 from .copy_cores import leave_the_forward
@@ -49,7 +49,7 @@ class WorkerSide:
         self.settings = settings
         self.step_hook = settings.make_step_hook()  # tests, chaos: fail a load or save here
         self.spec = spec
-        self.shared: SharedPages | None = None
+        self.shared: StagingPages | None = None
         self.views: dict[str, torch.Tensor] = {}  # layer -> [blocks, H, 2, page, D]
         self.by_pool: dict[PoolName, list[LayerSlot]] = {p: [] for p in plan.layout.pools}
         for slot in plan.layers:
@@ -82,7 +82,7 @@ class WorkerSide:
                 raise RuntimeError(f"{slot.name} ({fmt.value}): {e}") from None
         if self.step_hook is not None:
             self.step_hook(ConnectorStep.STAGING)  # raising here fails the engine's start
-        self.shared = SharedPages(self.spec, lay)
+        self.shared = StagingPages(self.spec, lay)
         self._buffers = self._make_buffers()
         device = next(iter(self.views.values())).device if self.views else None
         if device is not None and device.type == "cuda":

@@ -17,7 +17,7 @@ from kvfabric.core.cache.pools import PoolCapacity
 from kvfabric.deploy.vllm.connector.plan import EnginePlan, LayerSlot
 from kvfabric.deploy.vllm.connector.scheduler_side import SchedulerSide
 from kvfabric.deploy.vllm.connector.worker_side import WorkerSide
-from kvfabric.transport.staging import SharedPages, StagingSpec, load_to_staging, save_from_staging
+from kvfabric.transport.staging import StagingPages, StagingSpec, load_to_staging, save_from_staging
 
 PS, H, D, NB = 4, 2, 8, 64
 LAYOUT = KVLayout(
@@ -49,7 +49,7 @@ class LocalNode:
         self.cache = NodeCache(
             LAYOUT, {p: PoolCapacity(device=64, host=64) for p in LAYOUT.pools}, device="cpu"
         )
-        self.shared = SharedPages(spec, LAYOUT)
+        self.shared = StagingPages(spec, LAYOUT)
         self.disabled = ""
         self.name = "local"
         self.record = None  # no engine record: nothing here restarts
