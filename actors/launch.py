@@ -22,7 +22,7 @@ from .directory import FabricDirectory
 from .index_shard import IndexShardActor
 from .names import CALL_TIMEOUT_S, DIRECTORY, NAMESPACE, shard_name
 from .node.node_actor import NodeConfig
-from .node.node_placement import join, place_node_actor
+from .node.node_placement import FabricUnplaced, join, place_node_actor, wait_started
 
 STARTER = "kvf-starter"
 
@@ -31,32 +31,6 @@ class FabricMismatch(ValueError):
     """A running fabric caches another KV layout than the one asked for, or runs another
     kvfabric version (whose messages, page layouts and records this one may read
     differently: it is stopped, or the same version run, never joined)."""
-
-
-class FabricUnplaced(RuntimeError):
-    """Fabric actors Ray did not start in time: most often, no node has the CPU they ask."""
-
-
-def wait_started(actors: dict[str, "ray.actor.ActorHandle"], cpus: float, timeout_s: float) -> None:
-    """Wait up to `timeout_s` for every actor of `actors` (by name) to have started, else
-    raise FabricUnplaced naming those that have not, what each asks and what the cluster
-    has free: Ray waits for ever to place an actor no node has room for, and a join's call
-    to it would time out saying nothing of why. An actor whose start failed raises."""
-    refs: dict[str, Any] = {name: a.__ray_ready__.remote() for name, a in actors.items()}
-    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    done = set(ready)
-    late = sorted(name for name, ref in refs.items() if ref not in done)
-    if not late:
-        ray.get(ready, timeout=timeout_s)
-        return
-    free = ray.available_resources().get("CPU", 0.0)
-    total = ray.cluster_resources().get("CPU", 0.0)
-    raise FabricUnplaced(
-        f"{len(late)} fabric actor(s) not started after {timeout_s:g} s ({', '.join(late[:6])}"
-        f"{', ...' if len(late) > 6 else ''}): each asks {cpus:g} CPU, a node actor on its own "
-        f"node, and the cluster has {free:g} of {total:g} CPU free. Leave the nodes room for "
-        "them, or have them ask less (cpus_per_actor; the connector's node_cpus)"
-    )
 
 
 def check_version(actor: "ray.actor.ActorHandle", what: str, namespace: str) -> None:

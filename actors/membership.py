@@ -24,7 +24,14 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayError
 
 from .names import CALL_TIMEOUT_S, is_node_actor_name, node_actor_name, owner_node
 from .node.node_actor import Beat, NodeConfig
-from .node.node_placement import connect_peers, dead_hosts, existing, place_node_actor
+from .node.node_placement import (
+    FabricUnplaced,
+    connect_peers,
+    dead_hosts,
+    existing,
+    place_node_actor,
+    wait_started,
+)
 
 START_TIMEOUT_S = 180.0  # a new node actor imports torch and NIXL
 log = logging.getLogger(__name__)
@@ -259,15 +266,16 @@ class MembershipPasses:
             with self._lock:
                 self._joining.add(name)
             try:
-                if (
-                    existing(name, self.namespace) is None
-                ):  # else one an earlier pass started but did not finish
-                    place_node_actor(
+                actor = existing(name, self.namespace)  # one an earlier pass did not finish
+                if actor is None:
+                    _, actor = place_node_actor(
                         node["NodeID"], self.config, self.cpus_per_actor, self.namespace
                     )
+                # One Ray cannot place would time the join out saying nothing of why.
+                wait_started({name: actor}, self.cpus_per_actor, timeout_s)
                 self.join(name, timeout_s)
                 added.append(name)
-            except (RayError, ValueError) as e:
+            except (RayError, ValueError, FabricUnplaced) as e:
                 log.warning(
                     "adding a node actor on %s failed (next pass retries): %s", node["NodeID"], e
                 )

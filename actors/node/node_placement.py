@@ -4,6 +4,7 @@ directory does to a node, apart from deciding when."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import ray
 from kvfabric.actors.names import CALL_TIMEOUT_S, NAMESPACE, node_actor_name
@@ -13,6 +14,32 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .node_actor import NodeCacheActor, NodeConfig
 
 log = logging.getLogger(__name__)
+
+
+class FabricUnplaced(RuntimeError):
+    """Fabric actors Ray did not start in time: most often, no node has the CPU they ask."""
+
+
+def wait_started(actors: dict[str, Any], cpus: float, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for every actor of `actors` (by name) to have started, else
+    raise FabricUnplaced naming those that have not, what each asks and what the cluster
+    has free: Ray waits for ever to place an actor no node has room for, and a join's call
+    to it would time out saying nothing of why. An actor whose start failed raises."""
+    refs: dict[str, Any] = {name: a.__ray_ready__.remote() for name, a in actors.items()}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    done = set(ready)
+    late = sorted(name for name, ref in refs.items() if ref not in done)
+    if not late:
+        ray.get(ready, timeout=timeout_s)
+        return
+    free = ray.available_resources().get("CPU", 0.0)
+    total = ray.cluster_resources().get("CPU", 0.0)
+    raise FabricUnplaced(
+        f"{len(late)} fabric actor(s) not started after {timeout_s:g} s ({', '.join(late[:6])}"
+        f"{', ...' if len(late) > 6 else ''}): each asks {cpus:g} CPU, a node actor on its own "
+        f"node, and the cluster has {free:g} of {total:g} CPU free. Leave the nodes room for "
+        "them, or have them ask less (cpus_per_actor; the connector's node_cpus)"
+    )
 
 
 def place_node_actor(ray_node_id: str, config: NodeConfig, cpus: float, namespace: str = NAMESPACE):
