@@ -56,7 +56,7 @@ def cpus_per_node(nodes: int) -> int:
     from kvfabric.deploy.vllm.serve.app_args import LLMAppArgs
     from kvfabric.deploy.vllm.serve.serve_llm import INGRESS_CPUS
 
-    actor = FabricSettings.__dataclass_fields__["node_cpus"].default
+    actor = FabricSettings().node_cpus
     shards = LLMAppArgs.model_fields["shards"].default
     once = actor * (1 + shards) + INGRESS_CPUS
     return math.ceil(ENGINE_CPUS + actor + once / nodes)

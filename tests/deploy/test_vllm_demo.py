@@ -380,7 +380,7 @@ def test_the_simulated_nodes_leave_room_for_the_fabric_beside_the_engines(nodes)
     from kvfabric.deploy.vllm.serve.app_args import LLMAppArgs
     from kvfabric.deploy.vllm.serve.serve_llm import INGRESS_CPUS
 
-    actor = FabricSettings.__dataclass_fields__["node_cpus"].default
+    actor = FabricSettings().node_cpus
     left = cpus_per_node(nodes) - ENGINE_CPUS - actor
     assert left >= 0
     assert nodes * left >= actor * (1 + LLMAppArgs.model_fields["shards"].default) + INGRESS_CPUS
