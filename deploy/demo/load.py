@@ -11,10 +11,10 @@ the same for both passes.
 
 Two passes over the same engines' set-up as the conversation demo: the stock Ray Serve
 LLM app (vLLM's own prefix cache), then the fabric's (FabricConnector, FabricLLMRouter),
-each after the same warm-up. Greedy outputs of the fabric's pass are checked against the
-baseline's, request by request. With `--rate auto` the baseline's capacity is measured
-first, closed loop on the same prompts (salted, so they leave nothing the measured pass
-can hit), and AUTO_FRACTION of it is offered.
+each after the same warm-up and the same closed-loop probe on the same prompts (salted,
+so they leave nothing the measured pass can hit). Greedy outputs of the fabric's pass are
+checked against the baseline's, request by request. With `--rate auto` the baseline's
+probe gives its capacity, and AUTO_FRACTION of it is offered.
 """
 
 from __future__ import annotations
