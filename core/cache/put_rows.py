@@ -150,10 +150,10 @@ def write_rows(
         if src.device.type == "cpu" and dst.device.type == "cpu":
             copy_rows(src, at, dst, pages)
             return
-        rows = run_view(src, at)
-        if rows is None:
-            rows = src.index_select(0, torch.tensor(at, dtype=torch.long, device=src.device))
+        packed = run_view(src, at)
+        if packed is None:
+            packed = src.index_select(0, torch.tensor(at, dtype=torch.long, device=src.device))
     else:
-        rows = pack(layout, pool, kv, rel)
+        packed = pack(layout, pool, kv, rel)
     index = torch.tensor(pages, dtype=torch.long, device=dst.device)
-    dst.index_copy_(0, index, rows.to(dst.device))
+    dst.index_copy_(0, index, packed.to(dst.device))

@@ -54,6 +54,16 @@ class _Silent:
         raise AssertionError("another version's starter was called")
 
 
+def _kill_starter(ns: str) -> None:
+    """The starter `ensure` left in `ns` (detached: it outlives the test); none is there
+    when the test failed before `ensure` made one."""
+    try:
+        starter = ray.get_actor(STARTER, namespace=ns)
+    except ValueError:
+        return
+    ray.kill(starter)
+
+
 def _namespace() -> str:
     return f"kvf-version-{uuid.uuid4().hex[:8]}"
 
@@ -91,10 +101,7 @@ def test_a_directory_of_another_version_is_refused_by_the_starter(cluster):
             ensure(SMALL, shards=1, timeout_s=T, watch_s=0, namespace=ns)
     finally:
         ray.kill(directory)
-        try:
-            ray.kill(ray.get_actor(STARTER, namespace=ns))
-        except ValueError:
-            pass
+        _kill_starter(ns)
 
 
 def test_the_same_version_starts_once_and_is_joined(cluster):
@@ -124,7 +131,4 @@ def test_a_start_no_node_can_place_names_why_and_leaves_no_actor(cluster):
             ensure(SMALL, **huge)  # through the starter: the same error, unwrapped
         eventually(lambda: running(ns) is None, "the unplaced actors gone")
     finally:
-        try:
-            ray.kill(ray.get_actor(STARTER, namespace=ns))
-        except ValueError:
-            pass
+        _kill_starter(ns)
