@@ -12,10 +12,11 @@ one run, each figure against its limit:
             the fabric after vLLM's prefix cache was reset (loaded from the node's pools);
             `ttft_ratio_vs_device_hit` = fabric hit / device hit.
   worker    the worker's copies of those hits (staging -> vLLM's blocks) and of those saves
-            (blocks -> staging; one background thread; medians), against one thread's memcpy of the
-            same bytes in this process (same run): `worker_load_ratio_vs_memcpy`,
-            `worker_save_ratio_vs_memcpy`; the same with the copy thread's CPU time
-            (`..._cpu_ratio_vs_memcpy`): wall above CPU is time it waited for a core.
+            (blocks -> staging; medians), each from the copy thread's plan to the end of the
+            C copy queue's copy, against one thread's memcpy of the same bytes in this
+            process (same run): `worker_load_ratio_vs_memcpy`, `worker_save_ratio_vs_memcpy`;
+            the same with the two threads' CPU time (`..._cpu_ratio_vs_memcpy`): wall above
+            CPU is time it waited for a core.
   node      the node actor's copies for the same prompt (its load into staging, its save
             from staging), by the code the actor runs (benchmarks/staging_bench.py, in this
             process): `node_load_ratio_vs_memcpy`, `node_save_ratio_vs_memcpy`.
@@ -141,20 +142,23 @@ def reset_prefix_cache(llm) -> None:
 
 
 class CopyClock:
-    """Times the worker's copies (WorkerSide._copy, in the copy thread) and counts the
-    bytes each moves: [(seconds, bytes, to_blocks, the copy thread's CPU seconds)]. Wall
-    time over CPU time is how long the copy waited for a core."""
+    """Times the worker's copies and counts the bytes each moves: [(seconds, bytes,
+    to_blocks, CPU seconds)]. A copy starts as the copy thread plans it (WorkerSide._copy)
+    and ends as its bytes are there: as the C copy queue's thread ends it (its ticket), or
+    as _copy returns where it copies itself. Its CPU time is the copy thread's and the
+    queue thread's for it; wall time above CPU time is how long it waited for a core."""
 
     def __init__(self, worker) -> None:
         self.worker = worker
-        self.records: list[tuple[float, int, bool, float]] = []
+        self.records: list[tuple[int, int, object, int, int, bool]] = []
         copy = worker._copy
 
-        def timed(job, to_blocks: bool) -> None:
-            t, cpu = time.perf_counter(), time.thread_time()
-            copy(job, to_blocks)
-            wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
-            self.records.append((wall, self._bytes(job), to_blocks, cpu))
+        def timed(job, to_blocks: bool):
+            start, cpu = time.monotonic_ns(), time.thread_time_ns()
+            ticket = copy(job, to_blocks)
+            end, cpu = time.monotonic_ns(), time.thread_time_ns() - cpu
+            self.records.append((start, end, ticket, cpu, self._bytes(job), to_blocks))
+            return ticket
 
         worker._copy = timed
 
@@ -168,8 +172,16 @@ class CopyClock:
         return n
 
     def take(self, to_blocks: bool) -> list[tuple[float, int, float]]:
-        out = [(s, b, cpu) for s, b, t, cpu in self.records if t == to_blocks]
-        self.records = [r for r in self.records if r[2] != to_blocks]
+        out = []
+        for start, end, ticket, cpu, n, t in self.records:
+            if t != to_blocks:
+                continue
+            if ticket is not None:
+                if not ticket.wait(60.0):
+                    raise RuntimeError("a worker copy did not end in 60 s")
+                end, cpu = ticket.ended_ns, cpu + ticket.cpu_ns
+            out.append(((end - start) / 1e9, n, cpu / 1e9))
+        self.records = [r for r in self.records if r[5] != to_blocks]
         return out
 
 

@@ -9,6 +9,25 @@ from typing import Protocol
 from . import native
 
 
+class CopyTicket(Protocol):
+    """The copies of one CopyQueue.submit."""
+
+    # Once done (time.monotonic_ns(); the queue thread's CPU time); None before.
+    started_ns: int | None
+    ended_ns: int | None
+    cpu_ns: int | None
+
+    def done(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None, /) -> bool: ...
+
+
+class CopyQueue(Protocol):
+    """Copies run in the order submitted, on a C thread that never takes the GIL."""
+
+    def submit(self, copies: object, /) -> CopyTicket: ...
+
+
 class CopyExtension(Protocol):
     """What core/cache/csrc/copy.c exports (the `_copy` module)."""
 
@@ -16,7 +35,7 @@ class CopyExtension(Protocol):
         self, src: object, src_rows: object, dst: object, dst_rows: object, /
     ) -> None: ...
 
-    def copy_many(self, copies: object, /) -> None: ...
+    def CopyQueue(self) -> CopyQueue: ...
 
 
 def _import() -> ModuleType:

@@ -10,7 +10,7 @@ import torch
 from .disk_records import PageMeta
 from .disk_store import Unrecorded
 from .layout import KVLayout, PoolName
-from .native_copy import COPY
+from .native_copy import COPY, CopyQueue
 from .pools import PagePool
 
 
@@ -180,13 +180,14 @@ def buffer_of(t: torch.Tensor) -> np.ndarray | None:
 RowCopy = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-def copy_many(copies: Sequence[RowCopy]) -> None:
-    """copy_rows for each copy, in one C call: every one checked before a byte moves, and
-    the GIL released once for them all (a copy thread beside the engine's forward takes
-    it back once a job, not once a layer)."""
+def copy_queue() -> CopyQueue:
+    """A queue whose submit(copies) checks copy_rows's copies (RowCopy tuples) before a byte
+    moves, then runs them later, in order, on a C thread that never takes the GIL: a copy
+    ending beside an engine's thread running Python need not wait for the GIL to say so
+    (its ticket's done())."""
     if COPY is None:
-        raise RuntimeError("copy_many: the C row copy is not built or KVF_NATIVE=0")
-    COPY.copy_many(list(copies))
+        raise RuntimeError("copy_queue: the C row copy is not built or KVF_NATIVE=0")
+    return COPY.CopyQueue()
 
 
 def _as_buffer(t: torch.Tensor) -> np.ndarray:

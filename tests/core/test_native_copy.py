@@ -1,10 +1,15 @@
 """The row copy in C (core/cache/csrc/copy.c) against the torch reference
 (copy_rows(native=False)): the same bytes for every shape, item size, permutation and
 row order, including the worker's layouts (vLLM's CPU blocks <-> staging pages, a rank's
-slice of the heads); the same error and no byte changed for every bad call; and the
-buffers the kernel itself must refuse when called directly."""
+slice of the heads); the same error and no byte changed for every bad call; the
+buffers the kernel itself must refuse when called directly; and the copy queue, which runs
+such copies in order on a C thread of its own."""
 
 from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -179,42 +184,162 @@ def test_a_large_copy_streams_its_stores_and_copies_the_same_bytes(offset):
 
 
 @settings(max_examples=examples(100), deadline=None)
-@given(st.lists(copies(), min_size=0, max_size=4))
-def test_copy_many_copies_what_copy_rows_copies_one_by_one(cases):
-    """Several copies in one call (the GIL released once) land the bytes copy_rows lands
-    for each in turn."""
-    from kvfabric.core.cache.page_bytes import buffer_of, copy_many
+@given(st.lists(st.lists(copies(), min_size=0, max_size=3), min_size=1, max_size=4))
+def test_the_queue_runs_each_submit_in_order_as_copy_rows_would(submits):
+    """Submits to one queue (several copies each) land the bytes copy_rows lands for each
+    copy in turn: every submit's copies write one destination, so a later one run first
+    would leave other bytes."""
+    from kvfabric.core.cache.page_bytes import buffer_of, copy_queue
 
-    made = [tensors(c[0], c[1], c[2], c[3], c[4], c[7], c[8]) for c in cases]
-    rows = [(np.asarray(c[5], np.int64), np.asarray(c[6], np.int64)) for c in cases]
-    copy_many(
-        [
-            (buffer_of(arrange(src)), s, buffer_of(dst), d)
-            for (src, dst, arrange), (s, d) in zip(made, rows)
-        ]
-    )
-    for case, (src, dst, arrange) in zip(cases, made):
-        want = tensors(case[0], case[1], case[2], case[3], case[4], case[7], case[8])[1]
-        copy_rows(src, case[5], want, case[6], arrange, native=False)
-        assert torch.equal(raw(dst), raw(want))
+    queue, tickets = copy_queue(), []
+    dsts: dict[tuple, torch.Tensor] = {}  # per row shape and dtype: one destination
+    wants: dict[tuple, torch.Tensor] = {}
+    for cases in submits:
+        batch = []
+        for c in cases:
+            src, dst, arrange = tensors(c[0], c[1], c[2], c[3], 12, c[7], c[8])
+            key = (tuple(c[0]), c[2], c[7])
+            dst, want = dsts.setdefault(key, dst), wants.setdefault(key, dst.clone())
+            copy_rows(src, c[5], want, c[6], arrange, native=False)
+            rows = (np.asarray(c[5], np.int64), np.asarray(c[6], np.int64))
+            batch.append((buffer_of(arrange(src)), rows[0], buffer_of(dst), rows[1]))
+        tickets.append(queue.submit(batch))
+    assert tickets[-1].wait(30.0)
+    assert all(t.done() for t in tickets)  # in order: the last done means all are
+    for key, dst in dsts.items():
+        assert torch.equal(raw(dst), raw(wants[key]))
 
 
-def test_copy_many_refuses_every_copy_if_one_is_bad():
+def test_a_bad_submit_queues_nothing_and_names_what_is_wrong():
     """Each copy is checked before any byte moves: a bad last copy leaves the first one
-    undone too, and the error names what is wrong."""
+    undone too, and the queue runs on."""
     src, rows = np.arange(24, dtype=np.float32).reshape(4, 3, 2), np.array([0, 1], np.int64)
     first, second = np.zeros((3, 3, 2), np.float32), np.zeros((3, 3, 2), np.float32)
     bad_rows = np.array([0, 7], np.int64)
     cases = [
-        ([(src, rows, first, rows), (src, bad_rows, second, rows)], IndexError),
-        ([(src, rows, first, rows), (src, rows, second)], TypeError),  # three items
-        ([(src, rows, first, rows), [src, rows, second, rows]], TypeError),  # not a tuple
-        ([(src, rows, first, rows), (src, rows, second.astype(np.float64), rows)], ValueError),
+        ([(src, rows, first, rows), (src, bad_rows, second, rows)], IndexError, "range"),
+        ([(src, rows, first, rows), (src, rows, second)], TypeError, "copy 1 is not"),
+        ([(src, rows, first, rows), [src, rows, second, rows]], TypeError, "copy 1 is not"),
+        (
+            [(src, rows, first, rows), (src, rows, second.astype(np.float64), rows)],
+            ValueError,
+            "item size",
+        ),
+        (7, TypeError, "sequence of copies"),
     ]
-    for copies_, error in cases:
-        with pytest.raises(error):
-            COPY.copy_many(copies_)
+    queue = COPY.CopyQueue()
+    for copies_, error, says in cases:
+        with pytest.raises(error, match=says):
+            queue.submit(copies_)
+        assert queue.submit([]).wait(30.0)  # a later submit has run: the bad one never did
         assert not first.any() and not second.any()
     with pytest.raises(TypeError):
-        COPY.copy_many(7)  # not a sequence
-    COPY.copy_many([])  # nothing to copy
+        COPY.CopyQueue(1)
+    with pytest.raises(TypeError):
+        type(queue.submit([]))()  # a ticket comes from submit only
+
+
+def test_a_ticket_says_when_its_copies_ran():
+    src = np.arange(1 << 20, dtype=np.float32).reshape(64, 4, 4096)
+    dst, rows = np.zeros_like(src), np.arange(64, dtype=np.int64)
+    queue = COPY.CopyQueue()
+    before = time.monotonic_ns()
+    ticket = queue.submit([(src, rows, dst, rows[::-1].copy())])
+    assert ticket.wait(30.0) and ticket.done() and ticket.wait(0) and ticket.wait()
+    after = time.monotonic_ns()
+    assert before <= ticket.started_ns <= ticket.ended_ns <= after
+    assert 0 <= ticket.cpu_ns
+    assert np.array_equal(dst, src[::-1])
+    for bad, error in (
+        (-1, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        ("1", TypeError),
+    ):
+        with pytest.raises(error):
+            ticket.wait(bad)
+    with pytest.raises(TypeError):
+        ticket.wait(1, 2)
+
+
+def test_a_ticket_dropped_early_keeps_its_buffers_until_they_are_copied():
+    """The ticket holds what its copies read and write: the caller may drop every one of
+    them (and the ticket) at once; the bytes still land, and no freed memory is read (the
+    sanitizers' run checks that)."""
+    queue, out = COPY.CopyQueue(), np.zeros((8, 1 << 16), np.uint8)
+    for i in range(50):
+        src = np.full((8, 1 << 16), i, np.uint8)
+        queue.submit([(src, np.arange(8, dtype=np.int64), out, np.arange(8, dtype=np.int64))])
+        del src  # and the ticket is dropped unwaited: it waits for its copies as it goes
+    assert (out == 49).all()
+
+
+def test_threads_submitting_at_once_each_get_their_bytes():
+    """Several threads submit to one queue at once, each to its own destination."""
+    queue, rows = COPY.CopyQueue(), np.arange(16, dtype=np.int64)
+    srcs = [np.random.default_rng(i).random((16, 512)) for i in range(4)]
+    dsts = [np.zeros((16, 512)) for _ in srcs]
+
+    def submit(i):
+        tickets = [queue.submit([(srcs[i], rows, dsts[i], rows)]) for _ in range(20)]
+        assert all(t.wait(30.0) for t in tickets)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(submit, range(4)))
+    assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+
+
+def _queue_threads() -> list[str]:
+    """This process's copy-queue threads (by the name the C gives them)."""
+    tasks = "/proc/self/task"
+    return [t for t in os.listdir(tasks) if _read(f"{tasks}/{t}/comm") == "kvf-copy-queue"]
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:  # a thread that ended since the listing
+        return ""
+
+
+def test_a_queue_starts_its_thread_at_its_first_submit_and_joins_it_when_freed():
+    before = _queue_threads()
+    queue = COPY.CopyQueue()
+    assert _queue_threads() == before  # no thread until there is something to copy
+    assert queue.submit([]).wait(30.0)
+    assert len(_queue_threads()) == len(before) + 1
+    del queue  # its last ticket went with the statement above
+    assert _queue_threads() == before
+
+
+def test_the_queues_thread_runs_on_the_cores_of_the_thread_that_started_it():
+    """The connector's copy thread moves to the cores the forward leaves free, then submits:
+    the queue's thread starts there too."""
+    core = min(os.sched_getaffinity(0))
+    queue, before = COPY.CopyQueue(), set(_queue_threads())
+
+    def first_submit():
+        os.sched_setaffinity(0, {core})  # this thread only
+        return queue.submit([]).wait(30.0)
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(first_submit).result(30.0)
+    (tid,) = set(_queue_threads()) - before
+    assert os.sched_getaffinity(int(tid)) == {core}
+    assert len(os.sched_getaffinity(0)) >= 1  # the test's own thread kept its cores
+
+
+def test_a_forked_child_is_refused_the_parents_queue():
+    """The queue's thread is the parent's: a child's submit raises, never queues to no one."""
+    queue = COPY.CopyQueue()
+    assert queue.submit([]).wait(30.0)
+    pid = os.fork()
+    if pid == 0:  # the child: 0 if refused as it should be
+        try:
+            queue.submit([])
+        except RuntimeError as e:
+            os._exit(0 if "forked child" in str(e) else 2)
+        os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

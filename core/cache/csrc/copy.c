@@ -10,11 +10,18 @@
  * first dimension; the rows are 1-d int64 buffers of one length, every index in range
  * (checked before a byte moves). The innermost dimensions contiguous in both are
  * copied as one memcpy. The GIL is released while copying; nothing is kept across
- * calls. */
+ * calls. CopyQueue runs such copies later, on a thread of its own (below). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -297,26 +304,89 @@ run(const Prepared *p, CopyStores stores)
     }
 }
 
-/* Runs `count` prepared copies with the GIL released once, streamed past the caches
- * where they move COPY_STREAM_BYTES or more in all. */
-static void
-run_all(const Prepared *ps, Py_ssize_t count)
+/* How `count` prepared copies store their bytes: streamed past the caches where they move
+ * COPY_STREAM_BYTES or more in all. */
+static CopyStores
+stores_for(const Prepared *ps, Py_ssize_t count)
 {
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         total += ps[i].bytes;
     }
-    CopyStores stores = total >= COPY_STREAM_BYTES ? copy_widest : COPY_CACHED;
-    Py_BEGIN_ALLOW_THREADS;
+    return total >= COPY_STREAM_BYTES ? copy_widest : COPY_CACHED;
+}
+
+/* Without the GIL: every copy, its streamed stores visible before this returns. */
+static void
+run_stores(const Prepared *ps, Py_ssize_t count, CopyStores stores)
+{
     for (Py_ssize_t i = 0; i < count; i++) {
         run(&ps[i], stores);
     }
 #if defined(__SSE2__)
     if (stores != COPY_CACHED) {
-        _mm_sfence(); /* the streamed stores are visible before we return */
+        _mm_sfence();
     }
 #endif
+}
+
+/* Runs `count` prepared copies with the GIL released once. */
+static void
+run_all(const Prepared *ps, Py_ssize_t count)
+{
+    CopyStores stores = stores_for(ps, count);
+    Py_BEGIN_ALLOW_THREADS;
+    run_stores(ps, count, stores);
     Py_END_ALLOW_THREADS;
+}
+
+static void
+release_all(Prepared *ps, Py_ssize_t count)
+{
+    if (ps == NULL) {
+        return;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        release(&ps[i]);
+    }
+    PyMem_Free(ps);
+}
+
+/* Every (src, src_rows, dst, dst_rows) tuple of `copies` prepared, or NULL with the
+ * error set and nothing held. */
+static Prepared *
+prepare_all(PyObject *copies, Py_ssize_t *count)
+{
+    PyObject *seq = PySequence_Fast(copies, "a sequence of copies is needed");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), ready = 0;
+    Prepared *ps = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Prepared));
+    if (ps == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (; ready < n; ready++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, ready);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
+            PyErr_Format(PyExc_TypeError, "copy %zd is not a (src, src_rows, dst, dst_rows) tuple",
+                         ready);
+            goto fail;
+        }
+        /* The tuple holds its items, and the sequence the tuple, while they are read; the
+         * views then hold what they read. */
+        if (prepare(&PyTuple_GET_ITEM(item, 0), &ps[ready]) < 0) {
+            goto fail;
+        }
+    }
+    Py_DECREF(seq);
+    *count = n;
+    return ps;
+fail:
+    release_all(ps, ready);
+    Py_DECREF(seq);
+    return NULL;
 }
 
 static PyObject *
@@ -334,53 +404,323 @@ copy_copy_rows(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-/* copy_many(copies): copy_rows(*c) for every 4-item tuple c of the sequence, every one
- * checked before a byte moves and the GIL released once for them all (a copy thread
- * beside the engine's forward takes the GIL back once, not once a layer). */
-static PyObject *
-copy_copy_many(PyObject *Py_UNUSED(module), PyObject *copies)
+/* --- the copy queue ---------------------------------------------------------------
+ * CopyQueue().submit(copies) checks every (src, src_rows, dst, dst_rows) tuple c as
+ * copy_rows(*c) does, before a byte moves, then returns at once: the copies run later, in
+ * the order submitted, on a thread of the queue's own that never takes the GIL. The
+ * returned ticket says when they are done (done(), wait()). A copy thread in Python must
+ * take the GIL back before its copy can say it ended: beside an engine's thread running
+ * Python it waited 0.6-3.7 ms a save for it (docs/internals.md).
+ *
+ * The thread starts at the first submit, from the submitting thread, and inherits its CPU
+ * affinity (the connector's copy thread has moved to the cores the forward leaves free). A
+ * ticket holds its copies' buffers and its queue; the queue's thread reads a ticket only
+ * while it is not done, and a ticket being freed first waits until it is, so the thread
+ * never reads freed memory and never touches a Python object. */
+
+#define COPY_THREAD_NAME "kvf-copy-queue" /* as top -H and /proc show it */
+
+typedef struct CopyTicket CopyTicket;
+
+typedef struct {
+    PyObject_HEAD pthread_mutex_t lock;
+    pthread_cond_t work;  /* a ticket queued, or stop */
+    pthread_cond_t ended; /* a ticket done */
+    CopyTicket *head;     /* queued, not yet taken (borrowed: see above) */
+    CopyTicket *tail;
+    int stop;
+    int started;
+    pid_t owner; /* the process the thread runs in: a forked child has no thread */
+    pthread_t thread;
+} CopyQueue;
+
+struct CopyTicket {
+    PyObject_HEAD CopyQueue *queue; /* held */
+    Prepared *ps;                   /* held views */
+    Py_ssize_t count;
+    CopyStores stores;
+    CopyTicket *next; /* in the queue, under its lock */
+    /* Written by the queue's thread before `done` is set (under the lock), read after. */
+    int64_t started_ns, ended_ns, cpu_ns;
+    atomic_int done;
+};
+
+static int64_t
+clock_ns(clockid_t clock)
 {
-    PyObject *seq = PySequence_Fast(copies, "copy_many takes a sequence of copies");
-    if (seq == NULL) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void *
+queue_main(void *arg)
+{
+    CopyQueue *q = arg;
+    pthread_setname_np(pthread_self(), COPY_THREAD_NAME);
+    pthread_mutex_lock(&q->lock);
+    for (;;) {
+        while (q->head == NULL && !q->stop) {
+            pthread_cond_wait(&q->work, &q->lock);
+        }
+        CopyTicket *t = q->head;
+        if (t == NULL) {
+            break; /* stopped, nothing queued (a queued ticket holds its queue) */
+        }
+        q->head = t->next;
+        if (q->head == NULL) {
+            q->tail = NULL;
+        }
+        pthread_mutex_unlock(&q->lock);
+        int64_t cpu = clock_ns(CLOCK_THREAD_CPUTIME_ID);
+        t->started_ns = clock_ns(CLOCK_MONOTONIC);
+        run_stores(t->ps, t->count, t->stores);
+        t->ended_ns = clock_ns(CLOCK_MONOTONIC);
+        t->cpu_ns = clock_ns(CLOCK_THREAD_CPUTIME_ID) - cpu;
+        pthread_mutex_lock(&q->lock);
+        atomic_store(&t->done, 1);
+        pthread_cond_broadcast(&q->ended);
+    }
+    pthread_mutex_unlock(&q->lock);
+    return NULL;
+}
+
+/* The queue's thread, started once, with every signal blocked (Python handles them in its
+ * main thread). -1 with the error set if it cannot start. */
+static int
+queue_start(CopyQueue *q)
+{
+    if (q->started) {
+        if (q->owner != getpid()) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "CopyQueue: used in a forked child (its thread is in the parent)");
+            return -1;
+        }
+        return 0;
+    }
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int err = pthread_create(&q->thread, NULL, queue_main, q);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (err != 0) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    q->started = 1;
+    q->owner = getpid();
+    return 0;
+}
+
+static PyTypeObject CopyTicketType;
+
+static PyObject *
+queue_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "CopyQueue() takes no arguments");
         return NULL;
     }
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq), ready = 0;
-    Prepared *ps = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(Prepared));
-    PyObject *result = NULL;
-    if (ps == NULL) {
-        PyErr_NoMemory();
-        goto done;
+    CopyQueue *q = (CopyQueue *)type->tp_alloc(type, 0);
+    if (q == NULL) {
+        return NULL;
     }
-    for (; ready < count; ready++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, ready);
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
-            PyErr_Format(PyExc_TypeError,
-                         "copy_many: copy %zd is not a (src, src_rows, dst, dst_rows) tuple",
-                         ready);
-            goto done;
-        }
-        /* The tuple holds its items, and the sequence the tuple, while they are read. */
-        if (prepare(&PyTuple_GET_ITEM(item, 0), &ps[ready]) < 0) {
-            goto done;
-        }
-    }
-    run_all(ps, count);
-    result = Py_NewRef(Py_None);
-done:
-    for (Py_ssize_t i = 0; i < ready; i++) {
-        release(&ps[i]);
-    }
-    PyMem_Free(ps);
-    Py_DECREF(seq);
-    return result;
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); /* wait()'s deadline */
+    pthread_mutex_init(&q->lock, NULL);
+    pthread_cond_init(&q->work, NULL);
+    pthread_cond_init(&q->ended, &attr);
+    pthread_condattr_destroy(&attr);
+    return (PyObject *)q;
 }
+
+static void
+queue_dealloc(CopyQueue *q)
+{
+    /* No ticket is left (each holds its queue): the thread waits for work, or never ran. */
+    if (q->started && q->owner == getpid()) {
+        pthread_mutex_lock(&q->lock);
+        q->stop = 1;
+        pthread_cond_signal(&q->work);
+        pthread_mutex_unlock(&q->lock);
+        Py_BEGIN_ALLOW_THREADS;
+        pthread_join(q->thread, NULL);
+        Py_END_ALLOW_THREADS;
+    }
+    if (!q->started || q->owner == getpid()) { /* a forked child's copy may be locked */
+        pthread_cond_destroy(&q->work);
+        pthread_cond_destroy(&q->ended);
+        pthread_mutex_destroy(&q->lock);
+    }
+    Py_TYPE(q)->tp_free((PyObject *)q);
+}
+
+/* submit(copies) -> CopyTicket */
+static PyObject *
+queue_submit(CopyQueue *q, PyObject *copies)
+{
+    Py_ssize_t count = 0;
+    Prepared *ps = prepare_all(copies, &count);
+    if (ps == NULL) {
+        return NULL;
+    }
+    if (queue_start(q) < 0) {
+        release_all(ps, count);
+        return NULL;
+    }
+    CopyTicket *t = PyObject_New(CopyTicket, &CopyTicketType);
+    if (t == NULL) {
+        release_all(ps, count);
+        return NULL;
+    }
+    t->queue = (CopyQueue *)Py_NewRef(q);
+    t->ps = ps;
+    t->count = count;
+    t->stores = stores_for(ps, count);
+    t->next = NULL;
+    t->started_ns = t->ended_ns = t->cpu_ns = 0;
+    atomic_init(&t->done, 0);
+    /* The thread holds the lock only to take or end a ticket, never across the GIL. */
+    pthread_mutex_lock(&q->lock);
+    if (q->tail == NULL) {
+        q->head = t;
+    }
+    else {
+        q->tail->next = t;
+    }
+    q->tail = t;
+    pthread_cond_signal(&q->work);
+    pthread_mutex_unlock(&q->lock);
+    return (PyObject *)t;
+}
+
+/* Waits, without the GIL, until `t` is done or `deadline` (CLOCK_MONOTONIC; NULL: none)
+ * passes; 1 if done. */
+static int
+ticket_wait_until(CopyTicket *t, const struct timespec *deadline)
+{
+    if (atomic_load(&t->done)) {
+        return 1;
+    }
+    CopyQueue *q = t->queue;
+    int done;
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&q->lock);
+    while (!(done = atomic_load(&t->done))) {
+        int err = deadline == NULL ? pthread_cond_wait(&q->ended, &q->lock)
+                                   : pthread_cond_timedwait(&q->ended, &q->lock, deadline);
+        if (err != 0) { /* ETIMEDOUT */
+            break;
+        }
+    }
+    pthread_mutex_unlock(&q->lock);
+    Py_END_ALLOW_THREADS;
+    return done;
+}
+
+static void
+ticket_dealloc(CopyTicket *t)
+{
+    /* The queue's thread may still read the buffers: they are released once it is done. In a
+     * forked child no thread copies, and nothing is waited for. */
+    if (t->queue->owner == getpid()) {
+        ticket_wait_until(t, NULL);
+    }
+    release_all(t->ps, t->count);
+    Py_DECREF(t->queue);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static PyObject *
+ticket_done(CopyTicket *t, PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(atomic_load(&t->done));
+}
+
+/* wait(timeout=None) -> bool: True once done; False if `timeout` seconds passed first. */
+static PyObject *
+ticket_wait(CopyTicket *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs > 1) {
+        return PyErr_Format(PyExc_TypeError, "wait takes at most 1 argument, got %zd", nargs);
+    }
+    if (nargs == 0 || args[0] == Py_None) {
+        return PyBool_FromLong(ticket_wait_until(t, NULL));
+    }
+    double timeout = PyFloat_AsDouble(args[0]);
+    if (timeout == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!(timeout >= 0.0) || !isfinite(timeout)) {
+        return PyErr_Format(PyExc_ValueError,
+                            "wait: timeout must be a finite number of seconds >= 0, got %R",
+                            args[0]);
+    }
+    int64_t at = clock_ns(CLOCK_MONOTONIC) + (int64_t)(fmin(timeout, 1e9) * 1e9);
+    struct timespec deadline = {.tv_sec = at / 1000000000, .tv_nsec = at % 1000000000};
+    return PyBool_FromLong(ticket_wait_until(t, &deadline));
+}
+
+/* A time the queue's thread wrote, once done (None before: it may still be writing). */
+static PyObject *
+ticket_time(CopyTicket *t, void *which)
+{
+    if (!atomic_load(&t->done)) {
+        Py_RETURN_NONE;
+    }
+    const int64_t *times[] = {&t->started_ns, &t->ended_ns, &t->cpu_ns};
+    return PyLong_FromLongLong(*times[(intptr_t)which]);
+}
+
+static PyMethodDef ticket_methods[] = {
+    {"done", (PyCFunction)ticket_done, METH_NOARGS, "done() -> bool: the copies have run"},
+    {"wait", (PyCFunction)(void (*)(void))ticket_wait, METH_FASTCALL,
+     "wait(timeout=None) -> bool: wait for the copies, up to timeout seconds"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef ticket_times[] = {
+    {"started_ns", (getter)ticket_time, NULL,
+     "when the copies started (time.monotonic_ns()), once done; else None", (void *)0},
+    {"ended_ns", (getter)ticket_time, NULL,
+     "when the copies ended (time.monotonic_ns()), once done; else None", (void *)1},
+    {"cpu_ns", (getter)ticket_time, NULL,
+     "the queue thread's CPU time for the copies, once done; else None", (void *)2},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CopyTicketType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvfabric.core.cache._copy.CopyTicket",
+    .tp_basicsize = sizeof(CopyTicket),
+    .tp_dealloc = (destructor)ticket_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The copies of one CopyQueue.submit: done() once they have run.",
+    .tp_methods = ticket_methods,
+    .tp_getset = ticket_times,
+};
+
+static PyMethodDef queue_methods[] = {
+    {"submit", (PyCFunction)queue_submit, METH_O,
+     "submit(copies) -> CopyTicket: copy_rows(*c) for each (src, src_rows, dst, dst_rows) "
+     "tuple c, all checked first, run later, in order, on the queue's thread"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CopyQueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvfabric.core.cache._copy.CopyQueue",
+    .tp_basicsize = sizeof(CopyQueue),
+    .tp_dealloc = (destructor)queue_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "CopyQueue(): row copies run in order on a thread of its own, without the GIL.",
+    .tp_methods = queue_methods,
+    .tp_new = queue_new,
+};
 
 static PyMethodDef copy_functions[] = {
     {"copy_rows", (PyCFunction)(void (*)(void))copy_copy_rows, METH_FASTCALL,
      "copy_rows(src, src_rows, dst, dst_rows): dst[dst_rows[i]] = src[src_rows[i]]"},
-    {"copy_many", copy_copy_many, METH_O,
-     "copy_many(copies): copy_rows(*c) for each (src, src_rows, dst, dst_rows) tuple c, "
-     "all checked first"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -404,5 +744,17 @@ PyInit__copy(void)
         copy_widest = COPY_STREAM_32;
     }
 #endif
-    return PyModule_Create(&copy_module);
+    if (PyType_Ready(&CopyQueueType) < 0 || PyType_Ready(&CopyTicketType) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&copy_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(module, "CopyQueue", (PyObject *)&CopyQueueType) < 0 ||
+        PyModule_AddObjectRef(module, "CopyTicket", (PyObject *)&CopyTicketType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

@@ -8,20 +8,24 @@ into and out of the same staging page, so ranks write disjoint bytes. On a GPU t
 in device memory and each copy crosses to the host once per layer and job, on a stream of
 its own.
 
-Copies run in one background thread, off the engine's step, and are reported when done
-(get_finished, the worker meta): a load's request waits outside the batch until then and
-vLLM keeps a finished request's blocks until its save is reported sent, so neither is
-touched meanwhile. A prompt's save (its request still running) is the exception: vLLM
-may free blocks of a preempted request or outside a sliding window and hand them to
-another request, so a step that hands out a block such a save still reads waits for it
-before its forward can write them (`handle_preemptions`, vLLM's hook before the forward
-for connectors with asynchronous saves). No layer hook does any work.
+Copies run off the engine's step, and are reported when done (get_finished, the worker
+meta). One background thread plans each job in turn; on a CPU engine it hands the bytes to
+the C copy queue (page_bytes.copy_queue), whose thread never takes the GIL, so a copy that
+ends while the engine's thread runs Python is seen done at once; elsewhere the background
+thread copies them itself. A load's request waits outside the batch until then and vLLM
+keeps a finished request's blocks until its save is reported sent, so neither is touched
+meanwhile. A prompt's save (its request still running) is the exception: vLLM may free
+blocks of a preempted request or outside a sliding window and hand them to another request,
+so a step that hands out a block such a save still reads waits for it before its forward
+can write them (`handle_preemptions`, vLLM's hook before the forward for connectors with
+asynchronous saves). No layer hook does any work.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import NamedTuple, cast
@@ -29,7 +33,8 @@ from typing import NamedTuple, cast
 import numpy as np
 import torch
 from kvfabric.core.cache.layout import PoolName
-from kvfabric.core.cache.page_bytes import RowCopy, buffer_of, copy_many, copy_rows
+from kvfabric.core.cache.native_copy import CopyQueue, CopyTicket
+from kvfabric.core.cache.page_bytes import RowCopy, buffer_of, copy_queue, copy_rows
 from kvfabric.transport.staging import StagingPages, StagingSpec
 
 from .block_format import BlockFormat
@@ -64,12 +69,13 @@ class WorkerSide:
         self._copies = ThreadPoolExecutor(
             1, thread_name_prefix="kvf-copy", initializer=leave_the_forward
         )
-        self._loads: list[tuple[CopyJob, Future[BaseException | None]]] = []
-        self._saves: list[tuple[CopyJob, Future[BaseException | None]]] = []
+        self._loads: list[Copying] = []
+        self._saves: list[Copying] = []
         self._stream: torch.cuda.Stream | None = None  # for the copies, blocks on a GPU
         # On a CPU engine with the C row copy: each layer's buffers, made once (register),
-        # so that a job is one C call.
+        # so that a job is one submit to the copy queue.
         self._buffers: dict[str, LayerBuffers] = {}
+        self._queue: CopyQueue | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor], fmt: BlockFormat) -> None:
         lay = self.plan.layout
@@ -84,6 +90,8 @@ class WorkerSide:
             self.step_hook(ConnectorStep.STAGING)  # raising here fails the engine's start
         self.shared = StagingPages(self.spec, lay)
         self._buffers = self._make_buffers()
+        if self._buffers:
+            self._queue = copy_queue()  # its thread starts in the copy thread, on its cores
         device = next(iter(self.views.values())).device if self.views else None
         if device is not None and device.type == "cuda":
             self._stream = torch.cuda.Stream(device)
@@ -95,39 +103,38 @@ class WorkerSide:
         still copying end here, before the forward may write it; else they run on."""
         if not meta.fence:
             return
-        running = [f for job, f in self._saves if not job.ends_request and not f.done()]
-        if running:
-            wait_futures(running)
+        _wait_all([c for c in self._saves if not c.job.ends_request], None)
 
     def start_load(self, meta: FabricMeta) -> None:
         """This step's loads start (vLLM calls this after the forward when every load of
         the step is asynchronous, as the fabric's are)."""
-        self._loads.extend((job, self._submit(job, to_blocks=True)) for job in meta.loads)
+        self._loads.extend(Copying(job, self._submit(job, to_blocks=True)) for job in meta.loads)
         if meta.idle and (self._loads or self._saves):  # no forward to overlap: reported now
-            wait_futures([f for _, f in self._loads + self._saves])
+            _wait_all(self._loads + self._saves, None)
 
     # --- saves -------------------------------------------------------------------------
     def save(self, meta: FabricMeta) -> None:
         """After the forward: this step's saves start."""
-        self._saves.extend((job, self._submit(job, to_blocks=False)) for job in meta.saves)
+        self._saves.extend(Copying(job, self._submit(job, to_blocks=False)) for job in meta.saves)
 
     def wait(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for every copy started; False if some still run."""
-        pending = [f for _, f in self._loads + self._saves]
-        return not wait_futures(pending, timeout=timeout).not_done
+        return _wait_all(self._loads + self._saves, timeout)
 
     def close(self) -> None:
         """Let the copies started end (they read or write the staging pages), then stop."""
         self._copies.shutdown(wait=True, cancel_futures=False)
+        _wait_all(self._loads + self._saves, None)
 
-    def _submit(self, job: CopyJob, to_blocks: bool) -> Future[BaseException | None]:
+    def _submit(self, job: CopyJob, to_blocks: bool) -> Future[CopyTicket | None]:
         after = None
         if self._stream is not None and not to_blocks:  # a save reads what the forward wrote
             after = torch.cuda.current_stream(self._stream.device).record_event()
         return self._copies.submit(self._run, job, to_blocks, after)
 
-    def _run(self, job: CopyJob, to_blocks: bool, after) -> BaseException | None:
-        """In the copy thread: the job's copies; the failure, if any, is its result."""
+    def _run(self, job: CopyJob, to_blocks: bool, after) -> CopyTicket | None:
+        """In the copy thread: the job's copies, done or handed to the copy queue (its
+        ticket); a failure is the future's exception."""
         try:
             if job.doomed:
                 raise RuntimeError(job.doomed)
@@ -139,29 +146,29 @@ class WorkerSide:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if stream is not None and after is not None:
                     stream.wait_event(after)
-                self._copy(job, to_blocks)
+                ticket = self._copy(job, to_blocks)
                 if stream is not None:
                     stream.synchronize()  # done means the bytes are there
-            return None
+            return ticket
         except Exception as e:  # a load: vLLM recomputes; a save: nothing stored
             log.warning(
                 "fabric %s failed for %s: %r", "load" if to_blocks else "save", job.req_id, e
             )
-            return e
+            raise
 
     def _collect(self) -> None:
         """Report the copies that have ended, in the order they started."""
-        for job, done in _take_done(self._loads):
-            if done.result() is not None:
-                self.failed_recving.add(job.req_id)
-            self.finished_recving.add(job.req_id)
-        for job, done in _take_done(self._saves):
-            if done.result() is None:
-                self.saved[job.key] = 1
+        for load in _take_ended(self._loads):
+            if load.handed.exception() is not None:
+                self.failed_recving.add(load.job.req_id)
+            self.finished_recving.add(load.job.req_id)
+        for save in _take_ended(self._saves):
+            if save.handed.exception() is None:
+                self.saved[save.job.key] = 1
             else:
-                self.failed_saves.add(job.key)
-            if job.ends_request:  # the blocks are vLLM's again, whatever happened
-                self.finished_sending.add(job.req_id)
+                self.failed_saves.add(save.job.key)
+            if save.job.ends_request:  # the blocks are vLLM's again, whatever happened
+                self.finished_sending.add(save.job.req_id)
 
     def _layer_pages(self, slot: LayerSlot) -> torch.Tensor:
         """[slots, 2, page, heads, D]: this rank's heads of every staged page of a layer."""
@@ -179,15 +186,15 @@ class WorkerSide:
             out[slot.name] = LayerBuffers(*cast(list[np.ndarray], made))
         return out
 
-    def _copy(self, job: CopyJob, to_blocks: bool) -> None:
+    def _copy(self, job: CopyJob, to_blocks: bool) -> CopyTicket | None:
+        """The job's copies: handed to the copy queue (their ticket), or done here."""
         assert self.shared is not None, "register_kv_caches comes first"
         s = self.shard
         if not to_blocks and not s.writes:
-            return  # another rank writes these heads (replicated over ranks)
+            return None  # another rank writes these heads (replicated over ranks)
         rows = self._layer_rows(job)
-        if self._buffers:
-            # One C call a job: the copy thread takes the GIL from the forward's Python
-            # once, not once a layer with torch views between (docs/internals.md).
+        if self._queue is not None:
+            # One submit a job: no torch views between layers, and no GIL to end.
             copies: list[RowCopy] = []
             for slot, block_rows, slot_rows in rows:
                 b = self._buffers[slot.name]
@@ -195,8 +202,7 @@ class WorkerSide:
                     copies.append((b.pages_as_blocks, slot_rows, b.blocks, block_rows))
                 else:
                     copies.append((b.blocks_as_pages, block_rows, b.staged, slot_rows))
-            copy_many(copies)
-            return
+            return self._queue.submit(copies)
         # Elsewhere (a GPU, KVF_NATIVE=0): a copy per layer, the permute the reordering.
         for slot, block_rows, slot_rows in rows:
             view, pages = self.views[slot.name], self._layer_pages(slot)
@@ -204,6 +210,7 @@ class WorkerSide:
                 copy_rows(pages, slot_rows.tolist(), view, block_rows.tolist(), _to_blocks)
             else:
                 copy_rows(view, block_rows.tolist(), pages, slot_rows.tolist(), _to_pages)
+        return None
 
     def _layer_rows(self, job: CopyJob) -> list[tuple[LayerSlot, np.ndarray, np.ndarray]]:
         """Per layer with pages to copy: its blocks and their staging slots (a block of
@@ -255,13 +262,41 @@ def _to_pages(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.permute(0, 2, 3, 1, 4)  # the blocks' [n, H, 2, page, D] -> [n, 2, page, H, D]
 
 
-def _take_done(
-    started: list[tuple[CopyJob, Future[BaseException | None]]],
-) -> list[tuple[CopyJob, Future[BaseException | None]]]:
+class Copying(NamedTuple):
+    """A job started: the copy thread's part (its hook, its plan and, on a CPU engine, the
+    hand-off to the copy queue: the ticket), then the queue's."""
+
+    job: CopyJob
+    handed: Future[CopyTicket | None]
+
+    def ended(self) -> bool:
+        if not self.handed.done():
+            return False
+        ticket = None if self.handed.exception() is not None else self.handed.result()
+        return ticket is None or ticket.done()
+
+    def wait(self, deadline: float | None) -> bool:
+        """Wait until it ends or `deadline` (time.monotonic()) passes; True if it ended."""
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if wait_futures([self.handed], left).not_done:
+            return False
+        ticket = None if self.handed.exception() is not None else self.handed.result()
+        if ticket is None:
+            return True
+        return ticket.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def _wait_all(started: list[Copying], timeout: float | None) -> bool:
+    """Wait up to `timeout` seconds (None: no limit) for every copy; False if some still run."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return all([c.wait(deadline) for c in started])
+
+
+def _take_ended(started: list[Copying]) -> list[Copying]:
     """The leading run of ended copies, taken out of `started` (reports keep their order)."""
     n = 0
-    while n < len(started) and started[n][1].done():
+    while n < len(started) and started[n].ended():
         n += 1
-    done = started[:n]
+    ended = started[:n]
     del started[:n]
-    return done
+    return ended
