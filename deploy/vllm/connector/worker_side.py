@@ -272,18 +272,23 @@ class Copying(NamedTuple):
     def ended(self) -> bool:
         if not self.handed.done():
             return False
-        ticket = None if self.handed.exception() is not None else self.handed.result()
+        ticket = self._ticket()
         return ticket is None or ticket.done()
 
     def wait(self, deadline: float | None) -> bool:
         """Wait until it ends or `deadline` (time.monotonic()) passes; True if it ended."""
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if wait_futures([self.handed], left).not_done:
+        if wait_futures([self.handed], _left(deadline)).not_done:
             return False
-        ticket = None if self.handed.exception() is not None else self.handed.result()
-        if ticket is None:
-            return True
-        return ticket.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        ticket = self._ticket()
+        return ticket is None or ticket.wait(_left(deadline))
+
+    def _ticket(self) -> CopyTicket | None:
+        """Once handed: the queue's ticket (None: copied by the copy thread, or failed)."""
+        return None if self.handed.exception() is not None else self.handed.result()
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _wait_all(started: list[Copying], timeout: float | None) -> bool:

@@ -133,3 +133,21 @@ def test_a_copy_that_raises_is_reported_failed_and_the_next_one_runs(pair, error
     saver.step_hook = None
     saver.save(FabricMeta(saves=[save_job(True)]))
     assert saver.wait(WAIT_S) and saver.worker_meta().saved == {"k": 1}
+
+
+def test_a_job_naming_rows_out_of_range_fails_whole_and_writes_nothing(pair):
+    """Every layer's rows are checked before a byte moves (the copy queue's submit): a load
+    naming a block past vLLM's, or a save a slot past staging (a bad plan), is reported
+    failed and leaves every block and page as it was; the next job runs."""
+    saver, _, loader, loaded = pair
+    before = {name: kv.clone() for name, kv in loaded.items()}
+    loader.start_load(FabricMeta(loads=[copy_job([12, 0, 10_000], [5, 1, 2])]))
+    assert loader.wait(WAIT_S)
+    assert loader.transfer_results() == (set(), {"r"}, {"r"})  # vLLM recomputes
+    assert all(torch.equal(kv, before[name]) for name, kv in loaded.items())
+    staged = {p: t.clone() for p, t in saver.shared.pools.items()}
+    saver.save(FabricMeta(saves=[copy_job([3, 9, 4], [5, 1, 99])]))
+    assert saver.wait(WAIT_S) and saver.worker_meta().failed == {"k"}
+    assert all(torch.equal(t, staged[p]) for p, t in saver.shared.pools.items())
+    saver.save(FabricMeta(saves=[save_job(True)]))
+    assert saver.wait(WAIT_S) and saver.worker_meta().saved == {"k": 1}
