@@ -210,6 +210,89 @@ def test_the_queue_runs_each_submit_in_order_as_copy_rows_would(submits):
         assert torch.equal(raw(dst), raw(wants[key]))
 
 
+@settings(max_examples=examples(200), deadline=None)
+@given(st.data())
+def test_copies_of_parts_of_the_same_rows_land_what_running_them_in_turn_lands(data):
+    """A load's shape: each copy reads its part (a layer) of the same staged rows into a
+    destination of its own, and the kernel runs them row by row, every part of a row in
+    turn. Where they share a destination, or one writes what another reads, the bytes must
+    still be those of the copies run one after another."""
+    layers, n_src, n_dst = (data.draw(st.integers(lo, 6)) for lo in (2, 1, 1))
+    n = data.draw(st.integers(0, n_dst))
+    src_rows = data.draw(st.lists(st.integers(0, n_src - 1), min_size=n, max_size=n))
+    dst_rows = data.draw(st.permutations(range(n_dst)))[:n]
+    into = data.draw(st.sampled_from(["own", "shared", "the source", "some own"]))
+    transposed = data.draw(st.booleans())  # each part read transposed (the copy reorders)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    rows = max(n_src, n_dst)
+    src = torch.rand(rows, layers, 3, 3, generator=g)
+    if into == "own":
+        dsts = [torch.zeros(n_dst, 3, 3) for _ in range(layers)]
+    elif into == "shared":
+        dsts = [torch.zeros(n_dst, 3, 3)] * layers
+    elif into == "the source":  # part l written into part l + 1, which the next copy reads
+        dsts = [src[:, (part + 1) % layers] for part in range(layers)]
+    else:  # the last copy writes into the first's destination
+        dsts = [torch.zeros(n_dst, 3, 3) for _ in range(layers)]
+        dsts[-1] = dsts[0]
+    arrange = (lambda t: t.transpose(1, 2)) if transposed else (lambda t: t)
+    want_src = src.clone()
+    want = {id(d): d.clone() for d in dsts}
+    want_dsts = [want[id(d)] for d in dsts]
+    if into == "the source":
+        want_dsts = [want_src[:, (part + 1) % layers] for part in range(layers)]
+    for part in range(layers):  # the reference: one copy after another
+        copy_rows(want_src[:, part], src_rows, want_dsts[part], dst_rows, arrange, native=False)
+    from kvfabric.core.cache.page_bytes import buffer_of, copy_queue
+
+    r = (np.asarray(src_rows, np.int64), np.asarray(dst_rows, np.int64))
+    copies = [
+        (buffer_of(arrange(src[:, part])), r[0], buffer_of(dsts[part]), r[1])
+        for part in range(layers)
+    ]
+    assert copy_queue().submit(copies).wait(30.0)
+    assert torch.equal(src, want_src)
+    for got, expected in zip(dsts, want_dsts):
+        assert torch.equal(got, expected)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.data())
+def test_two_pools_loaded_into_shared_layer_tensors_land_what_copies_in_turn_land(data):
+    """vLLM's hybrid layout: a full layer and a sliding-window layer share one KV tensor,
+    each group's blocks its own. A load copies the full pool's parts (one group), then the
+    SWA pool's (another) into them; each group runs row by row. Where both groups' rows
+    meet in a block (or the order is mixed), the bytes must still be those of the copies
+    run one after another."""
+    layers, n = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 5))
+    blocks = data.draw(st.permutations(range(2 * n + 2)))
+    full_rows, swa_rows = blocks[:n], blocks[n : 2 * n]
+    if data.draw(st.booleans()):  # a block both groups write
+        swa_rows = swa_rows[:-1] + [full_rows[0]]
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    pools = [torch.rand(n + 1, layers, 2, 3, generator=g) for _ in range(2)]
+    tensors = [torch.zeros(2 * n + 2, 2, 3) for _ in range(layers)]
+    slots = np.asarray(data.draw(st.permutations(range(n + 1)))[:n], np.int64)
+    copies = [  # (source, its rows, the layer written, its rows)
+        (pools[pool][:, part], slots, part, np.asarray(rows, np.int64))
+        for pool, rows in ((0, full_rows), (1, swa_rows))
+        for part in range(layers)
+    ]
+    if data.draw(st.booleans()):  # the groups' copies mixed in the list
+        copies = [c for pair in zip(copies[:layers], copies[layers:]) for c in pair]
+    want = [t.clone() for t in tensors]
+    for src, s_rows, part, d_rows in copies:  # the reference: one copy after another
+        copy_rows(src, s_rows.tolist(), want[part], d_rows.tolist(), native=False)
+    from kvfabric.core.cache.page_bytes import buffer_of, copy_queue
+
+    ticket = copy_queue().submit(
+        [(buffer_of(a), r, buffer_of(tensors[part]), q) for a, r, part, q in copies]
+    )
+    assert ticket.wait(30.0)
+    for got, expected in zip(tensors, want):
+        assert torch.equal(got, expected)
+
+
 def test_a_bad_submit_queues_nothing_and_names_what_is_wrong():
     """Each copy is checked before any byte moves: a bad last copy leaves the first one
     undone too, and the queue runs on."""
