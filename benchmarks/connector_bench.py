@@ -142,11 +142,12 @@ def reset_prefix_cache(llm) -> None:
 
 
 class CopyClock:
-    """Times the worker's copies and counts the bytes each moves: [(seconds, bytes,
-    to_blocks, CPU seconds)]. A copy starts as the copy thread plans it (WorkerSide._copy)
-    and ends as its bytes are there: as the C copy queue's thread ends it (its ticket), or
-    as _copy returns where it copies itself. Its CPU time is the copy thread's and the
-    queue thread's for it; wall time above CPU time is how long it waited for a core."""
+    """Times the worker's copies and counts the bytes each moves (take: [(seconds, bytes,
+    CPU seconds)] of the loads or the saves). A copy starts as the copy thread plans it
+    (WorkerSide._copy) and ends as its bytes are there: as the C copy queue's thread ends
+    it (its ticket), or as _copy returns where it copies itself. Its CPU time is the copy
+    thread's and the queue thread's for it; wall time above CPU time is how long it waited
+    for a core."""
 
     def __init__(self, worker) -> None:
         self.worker = worker
