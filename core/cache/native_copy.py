@@ -25,6 +25,9 @@ class CopyTicket(Protocol):
 class CopyQueue(Protocol):
     """Copies run in the order submitted, on a C thread that never takes the GIL."""
 
+    # The thread's kernel id once it has run (after a submit's ticket is done); else None.
+    native_id: int | None
+
     def submit(self, copies: object, /) -> CopyTicket: ...
 
 

@@ -8,7 +8,9 @@ such copies in order on a C thread of its own."""
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -372,35 +374,41 @@ def test_threads_submitting_at_once_each_get_their_bytes():
     assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
 
 
-def _queue_threads() -> list[str]:
-    """This process's copy-queue threads (by the name the C gives them)."""
-    tasks = "/proc/self/task"
-    return [t for t in os.listdir(tasks) if _read(f"{tasks}/{t}/comm") == "kvf-copy-queue"]
-
-
-def _read(path: str) -> str:
+def _comm(tid: int) -> str | None:
+    """The name a thread of this process runs under; None once it is gone."""
     try:
-        with open(path) as f:
+        with open(f"/proc/self/task/{tid}/comm") as f:
             return f.read().strip()
-    except FileNotFoundError:  # a thread that ended since the listing
-        return ""
+    except FileNotFoundError:
+        return None
+
+
+def _until(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_a_queue_starts_its_thread_at_its_first_submit_and_joins_it_when_freed():
-    before = _queue_threads()
     queue = COPY.CopyQueue()
-    assert _queue_threads() == before  # no thread until there is something to copy
+    assert queue.native_id is None  # no thread until there is something to copy
     assert queue.submit([]).wait(30.0)
-    assert len(_queue_threads()) == len(before) + 1
-    del queue  # its last ticket went with the statement above
-    assert _queue_threads() == before
+    tid = queue.native_id
+    assert tid is not None and tid != threading.get_native_id()
+    assert _comm(tid) == "kvf-copy-queue"  # as top -H shows it
+    del queue  # its last ticket went with the statement above: the thread is joined
+    # A joined thread's task leaves /proc a moment after the join returns.
+    assert _until(lambda: _comm(tid) != "kvf-copy-queue")
 
 
 def test_the_queues_thread_runs_on_the_cores_of_the_thread_that_started_it():
     """The connector's copy thread moves to the cores the forward leaves free, then submits:
     the queue's thread starts there too."""
     core = min(os.sched_getaffinity(0))
-    queue, before = COPY.CopyQueue(), set(_queue_threads())
+    queue = COPY.CopyQueue()
 
     def first_submit():
         os.sched_setaffinity(0, {core})  # this thread only
@@ -408,8 +416,8 @@ def test_the_queues_thread_runs_on_the_cores_of_the_thread_that_started_it():
 
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(first_submit).result(30.0)
-    (tid,) = set(_queue_threads()) - before
-    assert os.sched_getaffinity(int(tid)) == {core}
+    assert queue.native_id is not None
+    assert os.sched_getaffinity(queue.native_id) == {core}
     assert len(os.sched_getaffinity(0)) >= 1  # the test's own thread kept its cores
 
 
@@ -419,6 +427,8 @@ def test_a_forked_child_is_refused_the_parents_queue():
     assert queue.submit([]).wait(30.0)
     pid = os.fork()
     if pid == 0:  # the child: 0 if refused as it should be
+        if queue.native_id is not None:  # the thread it names is the parent's
+            os._exit(3)
         try:
             queue.submit([])
         except RuntimeError as e:

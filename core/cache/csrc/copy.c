@@ -553,6 +553,7 @@ typedef struct {
     int started;
     pid_t owner; /* the process the thread runs in: a forked child has no thread */
     pthread_t thread;
+    atomic_int tid; /* the thread's kernel id, once it runs (0 before) */
 } CopyQueue;
 
 struct CopyTicket {
@@ -578,6 +579,7 @@ static void *
 queue_main(void *arg)
 {
     CopyQueue *q = arg;
+    atomic_store(&q->tid, (int)gettid());
     pthread_setname_np(pthread_self(), COPY_THREAD_NAME);
     pthread_mutex_lock(&q->lock);
     for (;;) {
@@ -647,6 +649,7 @@ queue_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (q == NULL) {
         return NULL;
     }
+    atomic_init(&q->tid, 0);
     pthread_condattr_t attr;
     pthread_condattr_init(&attr);
     pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); /* wait()'s deadline */
@@ -829,6 +832,25 @@ static PyMethodDef queue_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* The thread's kernel id, as threading.Thread.native_id: None until a submit has started it
+ * and it has run, and in a forked child (the thread is the parent's). Read after a ticket
+ * is done, it is set. */
+static PyObject *
+queue_native_id(CopyQueue *q, void *Py_UNUSED(closure))
+{
+    int tid = atomic_load(&q->tid);
+    if (tid == 0 || q->owner != getpid()) {
+        Py_RETURN_NONE;
+    }
+    return PyLong_FromLong(tid);
+}
+
+static PyGetSetDef queue_getset[] = {
+    {"native_id", (getter)queue_native_id, NULL,
+     "the queue thread's kernel id (top -H, /proc/self/task), None before it runs", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyTypeObject CopyQueueType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvfabric.core.cache._copy.CopyQueue",
     .tp_basicsize = sizeof(CopyQueue),
@@ -836,6 +858,7 @@ static PyTypeObject CopyQueueType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "CopyQueue(): row copies run in order on a thread of its own, without the GIL.",
     .tp_methods = queue_methods,
+    .tp_getset = queue_getset,
     .tp_new = queue_new,
 };
 
