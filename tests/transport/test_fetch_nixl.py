@@ -25,7 +25,7 @@ from kvfabric.transport.nixl_transport import NixlTransport
 
 from tests.kvgen import prefix_kv
 from tests.transport import child
-from tests.waiting import eventually
+from tests.waiting import eventually, stop_process
 
 LAYOUT = KVLayout(layers=("full", "swa", "full"), kv_heads=2, head_dim=64, page_size=16, window=32)
 CAPS = {PoolName.FULL: PoolCapacity(64, 0), PoolName.SWA: PoolCapacity(32, 0)}
@@ -233,7 +233,7 @@ def test_stopped_source_keeps_pages_quarantined_until_its_reads_complete(monkeyp
             msgpack.unpackb(src.ask("export", cache.keys(TOKENS, NS), 0, 60.0))
         )
         before = cache.snapshot()
-        os.kill(src.proc.pid, signal.SIGSTOP)
+        stop_process(src.proc.pid)  # every thread, before the read is asked
         outcome = import_prefix(
             cache, TOKENS, NS, grant, TransportReader(transport, src.name, 0.5), peer=src.name
         )

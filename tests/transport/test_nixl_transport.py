@@ -30,7 +30,7 @@ from kvfabric.transport.nixl_transport import NixlTransport
 from kvfabric.transport.runs import merge_runs, order_pairs
 
 from tests.transport import child
-from tests.waiting import eventually
+from tests.waiting import eventually, stop_process
 
 DEVICE = os.environ.get("KVF_TEST_DEVICE", "cpu")
 # Two pools with different page sizes and dtypes; bytes are random, so compared as bits.
@@ -87,12 +87,10 @@ class Peer:
             raise
 
     def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-        if sig == signal.SIGSTOP:  # the kernel stops it asynchronously: wait until it has
-            deadline = time.monotonic() + 10.0
-            while _proc_state(self.proc.pid) not in ("T", "t"):
-                assert time.monotonic() < deadline, "the peer did not stop within 10 s"
-                time.sleep(0.005)
+        if sig == signal.SIGSTOP:
+            stop_process(self.proc.pid)  # every thread of it, not only the signal sent
+        else:
+            os.kill(self.proc.pid, sig)
 
     def stop(self) -> None:
         if self.proc.is_alive():
@@ -309,12 +307,6 @@ def test_killed_peer_raises_peer_disconnected_and_can_rejoin(tcp) -> None:
 
 
 # -- pure helpers --------------------------------------------------------------------------
-def _proc_state(pid: int) -> str:
-    """The process's state letter from /proc (T: stopped by a signal)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
 def test_coalesce_order_counts_runs_contiguous_on_both_sides() -> None:
     r, l_, runs = coalesce_order(np.array([7, 3, 4, 5, 9]), np.array([0, 10, 11, 20, 1]))
     assert r.tolist() == [3, 4, 5, 7, 9] and l_.tolist() == [10, 11, 20, 0, 1]

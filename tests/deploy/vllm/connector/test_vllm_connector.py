@@ -36,6 +36,7 @@ from tests.deploy.vllm.connector.connector_engine import (  # noqa: E402
     eventually,
     running_engine,
 )
+from tests.waiting import stop_process  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +167,7 @@ def test_a_node_stalled_past_the_deadline_costs_no_wait_and_keeps_its_slots_unti
     assert engine.generate(prompt)[0] == want  # saved to the node
     engine.evict()
     pid = ray.get(engine.node.__ray_call__.remote(lambda self: os.getpid()), timeout=CALL_TIMEOUT_S)
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         got = engine.generate(prompt)[0]
         assert engine.generate(engine.text(), salt="stalled")[0]  # another finished: a report
