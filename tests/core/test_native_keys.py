@@ -156,6 +156,45 @@ def test_packs_to_agrees_with_packing(values, others, edit):
             assert outcome(keys.packs_to, tokens, raw) in expect
 
 
+OUTSIDE_INT32 = [2**31, -(2**31) - 1, 2**40, -(2**63), 2**63 - 1, 2**32 + 5]
+
+
+@needs_native
+@given(
+    st.lists(st.integers(*I32), min_size=1, max_size=1200),
+    st.data(),
+)
+def test_long_int64_arrays_pack_and_compare_as_lists_do(values, data):
+    """int64 arrays are read in one pass without a branch per token (as 32-bit halves), then
+    one by one only where that pass found something: one token outside int32 or one
+    differing from raw, anywhere, gives what packing gives: the first token outside int32
+    raises, unless one before it differs from raw (False). The raw holds the bad token's
+    low half, so only its range can tell."""
+    n = len(values)
+    bad = data.draw(st.none() | st.integers(0, n - 1), label="bad")
+    differs = data.draw(st.none() | st.integers(0, n - 1), label="differs")
+    tokens = list(values)
+    if bad is not None:
+        tokens[bad] = data.draw(st.sampled_from(OUTSIDE_INT32), label="outside")
+    other = list(values)
+    if bad is not None:
+        other[bad] = np.array(tokens[bad], dtype=np.int64).astype(np.int32).item()
+    if differs is not None:
+        other[differs] ^= 1
+    raw = pack_py(other)
+    want_raw = outcome(pack_py, tokens)
+    if bad is not None and differs is not None and differs < bad:
+        want_equal = ("ok", False)
+    elif bad is not None:
+        want_equal = want_raw
+    else:
+        want_equal = ("ok", differs is None)
+    for held in (array("q", tokens), np.array(tokens, dtype=np.int64)):
+        assert outcome(keys.EXT.pack, held) == want_raw
+        assert outcome(keys.EXT.equal, held, raw) == want_equal
+        assert outcome(keys.EXT.equal, held, raw + raw[:4]) == ("ok", False)  # lengths differ
+
+
 @needs_native
 @pytest.mark.parametrize(
     "tokens",

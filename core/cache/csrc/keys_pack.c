@@ -177,105 +177,215 @@ integer_format(const char *fmt)
     }
 }
 
-/* A 1-D buffer of native integers (array('q'), a numpy array, bytes); NULL with no error
- * set when the buffer is of another kind, which the caller then iterates. */
+/* A buffer's item (`size` bytes, `sign`ed or not) at p: 1 with *out set when it is an int32,
+ * else 0. Inlined in the loops, which the compiler then specialises per size. */
+static inline int
+item_int32(const char *p, Py_ssize_t size, int sign, int32_t *out)
+{
+    long long v;
+    switch (size) {
+    case 1:
+        v = sign ? (long long)*(const int8_t *)p : (long long)*(const uint8_t *)p;
+        break;
+    case 2: {
+        int16_t a;
+        uint16_t b;
+        memcpy(&a, p, 2), memcpy(&b, p, 2);
+        v = sign ? (long long)a : (long long)b;
+        break;
+    }
+    case 4: {
+        int32_t a;
+        uint32_t b;
+        memcpy(&a, p, 4), memcpy(&b, p, 4);
+        v = sign ? (long long)a : (long long)b;
+        break;
+    }
+    default: {
+        int64_t a;
+        uint64_t b;
+        memcpy(&a, p, 8), memcpy(&b, p, 8);
+        if (!sign && b > INT32_MAX) {
+            return 0;
+        }
+        v = sign ? (long long)a : (long long)b;
+        break;
+    }
+    }
+    *out = (int32_t)v;
+    return v >= INT32_MIN && v <= INT32_MAX;
+}
+
+/* The error for token i, an item outside int32 (an int64, or an unsigned of 4 or 8 bytes),
+ * as encode_tokens words it: -1. */
+static int
+outside_int32(const char *p, Py_ssize_t size, int sign, Py_ssize_t i)
+{
+    if (sign) {
+        int64_t v;
+        memcpy(&v, p, 8);
+        PyErr_Format(kvf_invalid,
+                     "tokens must be int32 token ids: token %zd is %lld, outside int32", i,
+                     (long long)v);
+        return -1;
+    }
+    uint32_t c = 0;
+    uint64_t u = 0;
+    if (size == 4) {
+        memcpy(&c, p, 4);
+        u = c;
+    }
+    else {
+        memcpy(&u, p, 8);
+    }
+    PyErr_Format(kvf_invalid, "tokens must be int32 token ids: token %zd is %llu, outside int32",
+                 i, (unsigned long long)u);
+    return -1;
+}
+
+/* A view of a 1-D buffer of native integers (array('q'), a numpy array, bytes): 1, with
+ * `sign` set; 0 with no error set when `tokens` is of another kind, which the caller then
+ * iterates. */
+static int
+integer_view(PyObject *tokens, Py_buffer *view, int *sign)
+{
+    if (PyObject_GetBuffer(tokens, view, PyBUF_RECORDS_RO) != 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    *sign = integer_format(view->format);
+    Py_ssize_t size = view->itemsize;
+    if (view->ndim != 1 || *sign < 0 || !(size == 1 || size == 2 || size == 4 || size == 8)) {
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+/* Whether a view is of int64s one after another, on a little-endian host: the layout token
+ * arrays have (numpy's, array('q')'s), which the loops below read as 32-bit halves: an
+ * int64 fits int32 when its high half is its low half's sign. So written, the compiler
+ * vectorises them with SSE2 alone (it has no 64-bit compare before SSE4.1). */
+static int
+plain_int64(const Py_buffer *view, int sign)
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    return sign && view->itemsize == 8 && view->strides[0] == 8;
+#else
+    (void)view, (void)sign;
+    return 0;
+#endif
+}
+
+/* Tokens [i, end) of plain int64s, narrowed into out (4 bytes each, from token 0): 1 if
+ * every one fits int32 (else some of out is wrong, and the caller reads them one by one). */
+static int
+narrow_int64(const char *p, Py_ssize_t i, Py_ssize_t end, char *out)
+{
+    uint32_t bad = 0;
+    for (; i < end; i++) {
+        uint32_t lo, hi;
+        memcpy(&lo, p + 8 * i, 4);
+        memcpy(&hi, p + 8 * i + 4, 4);
+        bad |= hi ^ (uint32_t)((int32_t)lo >> 31);
+        memcpy(out + 4 * i, &lo, 4);
+    }
+    return bad == 0;
+}
+
+/* Whether tokens [i, end) of plain int64s all fit int32 and equal raw's (from token 0). */
+static int
+same_int64(const char *p, Py_ssize_t i, Py_ssize_t end, const char *raw)
+{
+    uint32_t bad = 0;
+    for (; i < end; i++) {
+        uint32_t lo, hi, want;
+        memcpy(&lo, p + 8 * i, 4);
+        memcpy(&hi, p + 8 * i + 4, 4);
+        memcpy(&want, raw + 4 * i, 4);
+        bad |= (hi ^ (uint32_t)((int32_t)lo >> 31)) | (lo ^ want);
+    }
+    return bad == 0;
+}
+
+/* Tokens [i, end) of a view packed into out, one by one: 0, or -1 with the error. */
+static int
+pack_view(const Py_buffer *view, int sign, Py_ssize_t i, Py_ssize_t end, char *out)
+{
+    const char *p = (const char *)view->buf + i * view->strides[0];
+    for (; i < end; i++, p += view->strides[0]) {
+        int32_t w;
+        if (!item_int32(p, view->itemsize, sign, &w)) {
+            return outside_int32(p, view->itemsize, sign, i);
+        }
+        memcpy(out + 4 * i, &w, 4);
+    }
+    return 0;
+}
+
+/* Whether tokens [i, end) of a view equal raw's, one by one: 1, 0 at the first that differs
+ * (reading no further), or -1 with the error for a token outside int32 read before. */
+static int
+equal_view(const Py_buffer *view, int sign, Py_ssize_t i, Py_ssize_t end, const char *raw)
+{
+    const char *p = (const char *)view->buf + i * view->strides[0];
+    for (; i < end; i++, p += view->strides[0]) {
+        int32_t w, want;
+        if (!item_int32(p, view->itemsize, sign, &w)) {
+            return outside_int32(p, view->itemsize, sign, i);
+        }
+        memcpy(&want, raw + 4 * i, 4);
+        if (w != want) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* A 1-D buffer of native integers packed; NULL with no error set when the buffer is of
+ * another kind (*other set), which the caller then iterates. */
 static PyObject *
 pack_buffer(PyObject *tokens, int *other)
 {
     Py_buffer view;
-    *other = 1;
-    if (PyObject_GetBuffer(tokens, &view, PyBUF_RECORDS_RO) != 0) {
-        PyErr_Clear();
+    int sign;
+    *other = !integer_view(tokens, &view, &sign);
+    if (*other) {
         return NULL;
     }
-    int sign = integer_format(view.format);
-    Py_ssize_t size = view.itemsize;
-    if (view.ndim != 1 || sign < 0 || !(size == 1 || size == 2 || size == 4 || size == 8)) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    *other = 0;
-    Py_ssize_t n = view.shape[0], stride = view.strides[0];
+    Py_ssize_t n = view.shape[0];
     PyObject *raw = new_raw(n);
-    if (raw == NULL) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    char *out = PyBytes_AS_STRING(raw);
-    const char *p = view.buf;
-    for (Py_ssize_t i = 0; i < n; i++, p += stride) {
-        long long v = 0;
-        unsigned long long u = 0;
-        if (sign) {
-            int8_t a;
-            int16_t b;
-            int32_t c;
-            int64_t d;
-            switch (size) {
-            case 1:
-                memcpy(&a, p, 1);
-                v = a;
-                break;
-            case 2:
-                memcpy(&b, p, 2);
-                v = b;
-                break;
-            case 4:
-                memcpy(&c, p, 4);
-                v = c;
-                break;
-            default:
-                memcpy(&d, p, 8);
-                v = d;
-                break;
-            }
-            if (v < INT32_MIN || v > INT32_MAX) {
-                PyErr_Format(kvf_invalid,
-                             "tokens must be int32 token ids: token %zd is %lld, outside int32", i,
-                             v);
-                goto fail;
-            }
+    if (raw != NULL) {
+        char *out = PyBytes_AS_STRING(raw);
+        int packed = plain_int64(&view, sign) && narrow_int64(view.buf, 0, n, out);
+        if (!packed && pack_view(&view, sign, 0, n, out) < 0) { /* else: which token, and why */
+            Py_CLEAR(raw);
         }
-        else {
-            uint8_t a;
-            uint16_t b;
-            uint32_t c;
-            uint64_t d;
-            switch (size) {
-            case 1:
-                memcpy(&a, p, 1);
-                u = a;
-                break;
-            case 2:
-                memcpy(&b, p, 2);
-                u = b;
-                break;
-            case 4:
-                memcpy(&c, p, 4);
-                u = c;
-                break;
-            default:
-                memcpy(&d, p, 8);
-                u = d;
-                break;
-            }
-            if (u > INT32_MAX) {
-                PyErr_Format(kvf_invalid,
-                             "tokens must be int32 token ids: token %zd is %llu, outside int32", i,
-                             u);
-                goto fail;
-            }
-            v = (long long)u;
-        }
-        int32_t w = (int32_t)v;
-        memcpy(out + 4 * i, &w, 4);
     }
     PyBuffer_Release(&view);
     return raw;
-fail:
+}
+
+/* Whether a 1-D integer buffer's tokens pack to `raw`, compared in place: 1, 0 (at the first
+ * that differs, reading no further), -1 with an error (a token outside int32 read before
+ * one differed), or -2 with no error when `tokens` is not such a buffer. */
+static int
+equal_buffer(PyObject *tokens, PyObject *raw)
+{
+    Py_buffer view;
+    int sign;
+    if (!integer_view(tokens, &view, &sign)) {
+        return -2;
+    }
+    Py_ssize_t n = view.shape[0];
+    Py_ssize_t len = PyBytes_GET_SIZE(raw); /* n may be any size (a broadcast view): no 4 * n */
+    const char *at = PyBytes_AS_STRING(raw);
+    int same = len % 4 == 0 && n == len / 4;
+    if (same && !(plain_int64(&view, sign) && same_int64(view.buf, 0, n, at))) {
+        same = equal_view(&view, sign, 0, n, at); /* which differs first, or is outside int32 */
+    }
     PyBuffer_Release(&view);
-    Py_DECREF(raw);
-    return NULL;
+    return same;
 }
 
 /* Any other sized iterable: its items, snapshotted, as struct.pack(*tokens) takes them. */
@@ -364,6 +474,12 @@ kvf_equal(PyObject *tokens, PyObject *raw)
         }
         int same = equal_items(PySequence_Fast_ITEMS(tokens), n, PyBytes_AS_STRING(raw));
         if (same >= 0) {
+            return same;
+        }
+    }
+    else if (PyObject_CheckBuffer(tokens)) {
+        int same = equal_buffer(tokens, raw);
+        if (same != -2) {
             return same;
         }
     }
