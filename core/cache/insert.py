@@ -194,10 +194,9 @@ class Inserts:
         if failed is not None:
             return failed  # the reserved pages may be half written: freed (or held), never read
         self.inserted_pages += plan.pages - plan.present_pages
-        # The nodes that took pages: the new ones, and old ones given pages they lacked
-        # (an SWA window at a branch point).
-        first = min((pos[0] for pos in plan.todo.values() if pos), default=None)
-        self.tiers.after_insert([] if first is None else [x for x in nodes if x.end > first])
+        # Copies written through for the nodes that took pages: the new ones, and old ones
+        # given pages they lacked (an SWA window at a branch point).
+        self.tiers.after_insert(nodes, plan.todo)
         return None
 
     def _insert_evicting(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 from .disk_store import CorruptPages
 from .disk_tier import page_metas
@@ -72,11 +72,19 @@ class TierController:
             return self.config.policy is WRITE_BACK
         return tier is Tier.HOST and self.registry.pool(pool, Tier.DISK).capacity > 0
 
-    def after_insert(self, nodes: list[TreeNode]) -> None:
-        if self.config.policy is WRITE_THROUGH:
-            self.backup(nodes)
-        if self.config.disk is WRITE_THROUGH:
-            self.backup(nodes, Tier.DISK)
+    def after_insert(self, nodes: list[TreeNode], filled: Mapping[PoolName, Sequence[int]]) -> None:
+        """An insert's nodes, of which those holding positions it `filled` (per pool) took
+        pages: those get copies where a tier is written through."""
+        through = self.config.policy is WRITE_THROUGH
+        disk_through = self.config.disk is WRITE_THROUGH
+        if not (through or disk_through):
+            return  # first: the default, once a put
+        first = min((pos[0] for pos in filled.values() if pos), default=None)
+        took = [] if first is None else [x for x in nodes if x.end > first]
+        if through:
+            self.backup(took)
+        if disk_through:
+            self.backup(took, Tier.DISK)
 
     def after_hit(self, nodes: list[TreeNode]) -> None:
         if self.config.policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
