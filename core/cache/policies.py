@@ -120,7 +120,11 @@ class FullAttentionPolicy(AttentionPolicy):
         for node in path:
             if node.start >= limit:
                 break
-            if all(node.slots[t][FULL] is None for t in tiers):
+            slots = node.slots
+            for t in tiers:  # a loop, not all(): a generator costs a frame a node, twice a match
+                if slots[t][FULL] is not None:
+                    break
+            else:
                 return node.start
         return limit
 
