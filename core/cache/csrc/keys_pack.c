@@ -277,13 +277,13 @@ plain_int64(const Py_buffer *view, int sign)
 #endif
 }
 
-/* Tokens [i, end) of plain int64s, narrowed into out (4 bytes each, from token 0): 1 if
- * every one fits int32 (else some of out is wrong, and the caller reads them one by one). */
+/* n plain int64s narrowed into out: 1 if every one fits int32 (else some of out is wrong,
+ * and the caller reads them one by one). */
 static int
-narrow_int64(const char *p, Py_ssize_t i, Py_ssize_t end, char *out)
+narrow_int64(const char *p, Py_ssize_t n, char *out)
 {
     uint32_t bad = 0;
-    for (; i < end; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t lo, hi;
         memcpy(&lo, p + 8 * i, 4);
         memcpy(&hi, p + 8 * i + 4, 4);
@@ -293,12 +293,12 @@ narrow_int64(const char *p, Py_ssize_t i, Py_ssize_t end, char *out)
     return bad == 0;
 }
 
-/* Whether tokens [i, end) of plain int64s all fit int32 and equal raw's (from token 0). */
+/* Whether n plain int64s all fit int32 and equal raw's. */
 static int
-same_int64(const char *p, Py_ssize_t i, Py_ssize_t end, const char *raw)
+same_int64(const char *p, Py_ssize_t n, const char *raw)
 {
     uint32_t bad = 0;
-    for (; i < end; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t lo, hi, want;
         memcpy(&lo, p + 8 * i, 4);
         memcpy(&hi, p + 8 * i + 4, 4);
@@ -308,12 +308,12 @@ same_int64(const char *p, Py_ssize_t i, Py_ssize_t end, const char *raw)
     return bad == 0;
 }
 
-/* Tokens [i, end) of a view packed into out, one by one: 0, or -1 with the error. */
+/* A view's tokens packed into out, one by one: 0, or -1 with the error. */
 static int
-pack_view(const Py_buffer *view, int sign, Py_ssize_t i, Py_ssize_t end, char *out)
+pack_view(const Py_buffer *view, int sign, char *out)
 {
-    const char *p = (const char *)view->buf + i * view->strides[0];
-    for (; i < end; i++, p += view->strides[0]) {
+    const char *p = view->buf;
+    for (Py_ssize_t i = 0; i < view->shape[0]; i++, p += view->strides[0]) {
         int32_t w;
         if (!item_int32(p, view->itemsize, sign, &w)) {
             return outside_int32(p, view->itemsize, sign, i);
@@ -323,13 +323,13 @@ pack_view(const Py_buffer *view, int sign, Py_ssize_t i, Py_ssize_t end, char *o
     return 0;
 }
 
-/* Whether tokens [i, end) of a view equal raw's, one by one: 1, 0 at the first that differs
- * (reading no further), or -1 with the error for a token outside int32 read before. */
+/* Whether a view's tokens equal raw's, one by one: 1, 0 at the first that differs (reading
+ * no further), or -1 with the error for a token outside int32 read before. */
 static int
-equal_view(const Py_buffer *view, int sign, Py_ssize_t i, Py_ssize_t end, const char *raw)
+equal_view(const Py_buffer *view, int sign, const char *raw)
 {
-    const char *p = (const char *)view->buf + i * view->strides[0];
-    for (; i < end; i++, p += view->strides[0]) {
+    const char *p = view->buf;
+    for (Py_ssize_t i = 0; i < view->shape[0]; i++, p += view->strides[0]) {
         int32_t w, want;
         if (!item_int32(p, view->itemsize, sign, &w)) {
             return outside_int32(p, view->itemsize, sign, i);
@@ -357,8 +357,8 @@ pack_buffer(PyObject *tokens, int *other)
     PyObject *raw = new_raw(n);
     if (raw != NULL) {
         char *out = PyBytes_AS_STRING(raw);
-        int packed = plain_int64(&view, sign) && narrow_int64(view.buf, 0, n, out);
-        if (!packed && pack_view(&view, sign, 0, n, out) < 0) { /* else: which token, and why */
+        int packed = plain_int64(&view, sign) && narrow_int64(view.buf, n, out);
+        if (!packed && pack_view(&view, sign, out) < 0) { /* else: which token, and why */
             Py_CLEAR(raw);
         }
     }
@@ -381,8 +381,8 @@ equal_buffer(PyObject *tokens, PyObject *raw)
     Py_ssize_t len = PyBytes_GET_SIZE(raw); /* n may be any size (a broadcast view): no 4 * n */
     const char *at = PyBytes_AS_STRING(raw);
     int same = len % 4 == 0 && n == len / 4;
-    if (same && !(plain_int64(&view, sign) && same_int64(view.buf, 0, n, at))) {
-        same = equal_view(&view, sign, 0, n, at); /* which differs first, or is outside int32 */
+    if (same && !(plain_int64(&view, sign) && same_int64(view.buf, n, at))) {
+        same = equal_view(&view, sign, at); /* which differs first, or is outside int32 */
     }
     PyBuffer_Release(&view);
     return same;
