@@ -112,8 +112,14 @@ def containers(values):
             np.array(values + values, dtype=np.int64)[::2],
             range(len(values)),
         ]
+        if all(-(2**15) <= v < 2**15 for v in values):
+            out.append(np.array(values, dtype=np.int16))
+            if all(-128 <= v < 128 for v in values):
+                out.append(array("b", values))
         if all(v >= 0 for v in values):
             out += [np.array(values, dtype=np.uint64), array("Q", values)]
+            if all(v < 2**16 for v in values):
+                out.append(np.array(values, dtype=np.uint16))
             if all(v < 256 for v in values):
                 out.append(bytes(values))
     elif all(type(v) is int for v in values):  # out of int32: typed buffers that hold them

@@ -182,35 +182,37 @@ integer_format(const char *fmt)
 static inline int
 item_int32(const char *p, Py_ssize_t size, int sign, int32_t *out)
 {
+    union {
+        int8_t s8;
+        uint8_t u8;
+        int16_t s16;
+        uint16_t u16;
+        int32_t s32;
+        uint32_t u32;
+        int64_t s64;
+        uint64_t u64;
+    } x; /* every member at offset 0: copying `size` bytes sets that size's two */
     long long v;
     switch (size) {
     case 1:
-        v = sign ? (long long)*(const int8_t *)p : (long long)*(const uint8_t *)p;
+        memcpy(&x, p, 1);
+        v = sign ? (long long)x.s8 : (long long)x.u8;
         break;
-    case 2: {
-        int16_t a;
-        uint16_t b;
-        memcpy(&a, p, 2), memcpy(&b, p, 2);
-        v = sign ? (long long)a : (long long)b;
+    case 2:
+        memcpy(&x, p, 2);
+        v = sign ? (long long)x.s16 : (long long)x.u16;
         break;
-    }
-    case 4: {
-        int32_t a;
-        uint32_t b;
-        memcpy(&a, p, 4), memcpy(&b, p, 4);
-        v = sign ? (long long)a : (long long)b;
+    case 4:
+        memcpy(&x, p, 4);
+        v = sign ? (long long)x.s32 : (long long)x.u32;
         break;
-    }
-    default: {
-        int64_t a;
-        uint64_t b;
-        memcpy(&a, p, 8), memcpy(&b, p, 8);
-        if (!sign && b > INT32_MAX) {
+    default:
+        memcpy(&x, p, 8);
+        if (!sign && x.u64 > INT32_MAX) {
             return 0;
         }
-        v = sign ? (long long)a : (long long)b;
+        v = (long long)x.s64;
         break;
-    }
     }
     *out = (int32_t)v;
     return v >= INT32_MIN && v <= INT32_MAX;
