@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -22,6 +21,7 @@ from kvfabric.core.cache.native_copy import COPY
 from kvfabric.core.cache.page_bytes import copy_rows
 
 from tests.examples import examples
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.skipif(
     COPY is None, reason="KVF_NATIVE=0 or not built: the reference alone"
@@ -383,15 +383,6 @@ def _comm(tid: int) -> str | None:
         return None
 
 
-def _until(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_a_queue_starts_its_thread_at_its_first_submit_and_joins_it_when_freed():
     queue = COPY.CopyQueue()
     assert queue.native_id is None  # no thread until there is something to copy
@@ -401,7 +392,7 @@ def test_a_queue_starts_its_thread_at_its_first_submit_and_joins_it_when_freed()
     assert _comm(tid) == "kvf-copy-queue"  # as top -H shows it
     del queue  # its last ticket went with the statement above: the thread is joined
     # A joined thread's task leaves /proc a moment after the join returns.
-    assert _until(lambda: _comm(tid) != "kvf-copy-queue")
+    eventually(lambda: _comm(tid) != "kvf-copy-queue", "the joined thread gone", every_s=0.01)
 
 
 def test_the_queues_thread_runs_on_the_cores_of_the_thread_that_started_it():
